@@ -1,0 +1,327 @@
+// Package testenv gives each test its own PostgreSQL database, its own RabbitMQ names and its
+// own network faults, on the shared local servers, so tests run in parallel and leave nothing
+// behind.
+package testenv
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
+	"github.com/Shopify/toxiproxy/v2/collectors"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rs/zerolog"
+	"gorm.io/driver/postgres"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+)
+
+// DatabaseURL is the administrative PostgreSQL URL tests create their databases with.
+func DatabaseURL() string {
+	return envOr("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
+}
+
+// AMQPURL is the RabbitMQ URL tests use.
+func AMQPURL() string { return envOr("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/") }
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// UniqueName returns prefix plus a short random suffix, valid as a database, queue or exchange name.
+func UniqueName(prefix string) string {
+	return prefix + "_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
+}
+
+// Database is a fresh, empty PostgreSQL database that is dropped when the test ends.
+type Database struct {
+	Name string
+	URL  string
+	DB   *gorm.DB
+}
+
+// NewDatabase creates a database for t.
+func NewDatabase(t testing.TB) *Database {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	name := UniqueName("test")
+	admin, err := pgx.Connect(ctx, DatabaseURL())
+	if err != nil {
+		t.Fatalf("connect to PostgreSQL at TEST_DATABASE_URL: %v", err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		t.Fatalf("create database %s: %v", name, err)
+	}
+	u, err := url.Parse(DatabaseURL())
+	if err != nil {
+		t.Fatalf("parse TEST_DATABASE_URL: %v", err)
+	}
+	u.Path = "/" + name
+	d := &Database{Name: name, URL: u.String()}
+	d.DB, err = OpenGORM(d.URL)
+	if err != nil {
+		t.Fatalf("open %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		if sqlDB, err := d.DB.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		admin, err := pgx.Connect(ctx, DatabaseURL())
+		if err != nil {
+			t.Errorf("drop database %s: %v", name, err)
+			return
+		}
+		defer admin.Close(ctx)
+		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
+			t.Errorf("drop database %s: %v", name, err)
+		}
+	})
+	return d
+}
+
+// OpenGORM opens a quiet GORM handle on url.
+func OpenGORM(url string) (*gorm.DB, error) {
+	db, err := gorm.Open(postgres.Open(url), &gorm.Config{Logger: logger.Discard})
+	if err != nil {
+		return nil, err
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		return nil, err
+	}
+	sqlDB.SetMaxOpenConns(20)
+	return db, nil
+}
+
+// Count returns the result of a SELECT count(*) … query.
+func Count(t testing.TB, db *gorm.DB, query string, args ...any) int64 {
+	t.Helper()
+	var n int64
+	if err := db.Raw(query, args...).Scan(&n).Error; err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+	return n
+}
+
+// Eventually polls cond every 20 ms until it holds, failing t after timeout.
+func Eventually(t testing.TB, timeout time.Duration, cond func() bool, format string, args ...any) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %s: "+format, append([]any{timeout}, args...)...)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Logs captures a test's slog output so tests can assert log lines; it is printed when the
+// test fails.
+type Logs struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+// NewLogger returns a text logger at debug level writing into the returned Logs.
+func NewLogger(t testing.TB) (*slog.Logger, *Logs) {
+	l := &Logs{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("logs:\n%s", l.String())
+		}
+	})
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug})), l
+}
+
+func (l *Logs) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *Logs) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+// Lines returns the log lines that contain every one of parts.
+func (l *Logs) Lines(parts ...string) []string {
+	var out []string
+	for line := range strings.SplitSeq(l.String(), "\n") {
+		if line == "" {
+			continue
+		}
+		match := true
+		for _, p := range parts {
+			if !strings.Contains(line, p) {
+				match = false
+				break
+			}
+		}
+		if match {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// Proxy starts an in-process toxiproxy between the code under test and upstream
+// ("host:port"). Stop it to cut every connection; add toxics for latency or resets.
+func Proxy(t testing.TB, upstream string) *toxiproxy.Proxy {
+	t.Helper()
+	srv := toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop())
+	srv.Metrics.ProxyMetrics = collectors.NewProxyMetricCollectors()
+	p := toxiproxy.NewProxy(srv, UniqueName("proxy"), "127.0.0.1:0", upstream)
+	if err := p.Start(); err != nil {
+		t.Fatalf("start proxy to %s: %v", upstream, err)
+	}
+	t.Cleanup(p.Stop)
+	return p
+}
+
+// AMQPURLVia returns AMQPURL with its host and port replaced by addr.
+func AMQPURLVia(t testing.TB, addr string) string {
+	t.Helper()
+	u, err := url.Parse(AMQPURL())
+	if err != nil {
+		t.Fatalf("parse TEST_AMQP_URL: %v", err)
+	}
+	u.Host = addr
+	return u.String()
+}
+
+// AMQPHost returns the host:port of AMQPURL.
+func AMQPHost(t testing.TB) string {
+	t.Helper()
+	u, err := url.Parse(AMQPURL())
+	if err != nil {
+		t.Fatalf("parse TEST_AMQP_URL: %v", err)
+	}
+	return u.Host
+}
+
+// Channel opens a plain AMQP channel for the test's own declarations and inspections.
+func Channel(t testing.TB) *amqp.Channel {
+	t.Helper()
+	conn, err := amqp.Dial(AMQPURL())
+	if err != nil {
+		t.Fatalf("connect to RabbitMQ at TEST_AMQP_URL: %v", err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatalf("open channel: %v", err)
+	}
+	return ch
+}
+
+// CleanupBroker deletes the given queues and exchanges when the test ends.
+func CleanupBroker(t testing.TB, queues, exchanges []string) {
+	t.Cleanup(func() {
+		conn, err := amqp.Dial(AMQPURL())
+		if err != nil {
+			t.Errorf("cleanup broker: %v", err)
+			return
+		}
+		defer conn.Close()
+		for _, q := range queues {
+			if ch, err := conn.Channel(); err == nil {
+				_, _ = ch.QueueDelete(q, false, false, false)
+				_ = ch.Close()
+			}
+		}
+		for _, x := range exchanges {
+			if ch, err := conn.Channel(); err == nil {
+				_ = ch.ExchangeDelete(x, false, false)
+				_ = ch.Close()
+			}
+		}
+	})
+}
+
+// Drain consumes every message now on queue, or arriving within idle of the last one, and
+// returns them. Use it to count what reached a queue.
+func Drain(t testing.TB, ch *amqp.Channel, queue string, idle time.Duration) []amqp.Delivery {
+	t.Helper()
+	var out []amqp.Delivery
+	for {
+		d, ok, err := ch.Get(queue, true)
+		if err != nil {
+			t.Fatalf("get from %s: %v", queue, err)
+		}
+		if ok {
+			out = append(out, d)
+			continue
+		}
+		// Empty right now; wait a little for stragglers.
+		deadline := time.Now().Add(idle)
+		for !ok && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+			d, ok, err = ch.Get(queue, true)
+			if err != nil {
+				t.Fatalf("get from %s: %v", queue, err)
+			}
+		}
+		if !ok {
+			return out
+		}
+		out = append(out, d)
+	}
+}
+
+// QueueDepth returns how many ready messages queue holds.
+func QueueDepth(t testing.TB, ch *amqp.Channel, queue string) int {
+	t.Helper()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("inspect queue %s: %v", queue, err)
+	}
+	return q.Messages
+}
+
+// RabbitMQCtl runs rabbitmqctl and returns its output.
+func RabbitMQCtl(t testing.TB, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// CloseConnectionsNamed closes, from the broker's side, every connection whose client-given
+// name is name.
+func CloseConnectionsNamed(t testing.TB, name string) int {
+	t.Helper()
+	out := RabbitMQCtl(t, "list_connections", "--silent", "pid", "client_properties")
+	n := 0
+	for line := range strings.SplitSeq(out, "\n") {
+		if !strings.Contains(line, fmt.Sprintf(`{"connection_name","%s"}`, name)) {
+			continue
+		}
+		pid := strings.Fields(line)[0]
+		RabbitMQCtl(t, "close_connection", pid, "closed by test")
+		n++
+	}
+	return n
+}

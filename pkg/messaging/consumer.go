@@ -1,0 +1,249 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Handler does a consumer's work for one message. Return nil once the work is committed;
+// mark errors no retry can fix with [Permanent] and dependency outages with [Unavailable].
+type Handler func(ctx context.Context, msg Message) error
+
+// ConsumerConfig configures a [Consumer]. URL and Queue are required.
+type ConsumerConfig struct {
+	URL            string
+	ConnectionName string
+	Queue          string
+	// Setup declares the topology (see [ConsumerTopology.Declare]) on every new channel.
+	Setup func(ch *amqp.Channel) error
+	// Concurrency is how many messages are handled in parallel. Default 1.
+	Concurrency int
+	// Prefetch is how many unacknowledged messages the broker sends ahead. Default 2×Concurrency.
+	Prefetch int
+	// MaxBodyBytes: larger messages are dead-lettered. Default 1 MiB.
+	MaxBodyBytes int
+	// Retries is how many times a failing message is tried in place before it goes back to
+	// the queue (where the queue's delivery limit is the backstop). Default 3.
+	Retries int
+	// RetryBackoff paces retries in place. Default 100 ms doubling up to 5 s.
+	RetryBackoff Backoff
+	// HandlerTimeout bounds one attempt of the handler. Default 30 s.
+	HandlerTimeout time.Duration
+	// ShutdownGrace is how long handlers in progress may go on after Run's context ends.
+	// Default 5 s.
+	ShutdownGrace time.Duration
+	// Reconnect paces reconnection attempts. Default 500 ms doubling up to 30 s.
+	Reconnect Backoff
+	Heartbeat time.Duration
+	Logger    *slog.Logger
+}
+
+// Consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
+// delivery is acknowledged only after its handler returned nil (after the commit, with an
+// [Inbox]), rejected to the dead-letter queue when it can never be handled, and otherwise
+// retried: in place with backoff, then through the queue.
+type Consumer struct {
+	cfg     ConsumerConfig
+	handler Handler
+	log     *slog.Logger
+	ready   atomic.Bool
+}
+
+// NewConsumer checks cfg and fills in its defaults.
+func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
+	if cfg.URL == "" || cfg.Queue == "" || handler == nil {
+		return nil, errors.New("consumer: URL, Queue and a handler are required")
+	}
+	if cfg.Concurrency <= 0 {
+		cfg.Concurrency = 1
+	}
+	if cfg.Prefetch <= 0 {
+		cfg.Prefetch = 2 * cfg.Concurrency
+	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = 1 << 20
+	}
+	if cfg.Retries <= 0 {
+		cfg.Retries = 3
+	}
+	if cfg.RetryBackoff == (Backoff{}) {
+		cfg.RetryBackoff = Backoff{Base: 100 * time.Millisecond, Max: 5 * time.Second}
+	}
+	if cfg.HandlerTimeout <= 0 {
+		cfg.HandlerTimeout = 30 * time.Second
+	}
+	if cfg.ShutdownGrace <= 0 {
+		cfg.ShutdownGrace = 5 * time.Second
+	}
+	if cfg.Reconnect == (Backoff{}) {
+		cfg.Reconnect = Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Consumer{cfg: cfg, handler: handler, log: cfg.Logger.With("component", "consumer", "queue", cfg.Queue)}, nil
+}
+
+// Ready reports whether the consumer is connected and consuming.
+func (c *Consumer) Ready() bool { return c.ready.Load() }
+
+// Run consumes until ctx ends, reconnecting after every connection loss, and returns nil once
+// in-flight messages are settled.
+func (c *Consumer) Run(ctx context.Context) error {
+	failures := 0
+	for {
+		consumed, err := c.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if consumed {
+			failures = 0
+		}
+		failures++
+		delay := c.cfg.Reconnect.Delay(failures)
+		c.log.Warn("consumer disconnected; reconnecting", "error", err, "retry_in", delay)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(delay):
+		}
+	}
+}
+
+// session runs one connection's life. consumed reports whether it got as far as consuming.
+func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
+	conn, err := dial(c.cfg.URL, c.cfg.ConnectionName, c.cfg.Heartbeat)
+	if err != nil {
+		return false, err
+	}
+	defer conn.CloseDeadline(time.Now().Add(time.Second))
+	watchConnection(conn, c.log)
+	ch, err := conn.Channel()
+	if err != nil {
+		return false, fmt.Errorf("open channel: %w", err)
+	}
+	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	if c.cfg.Setup != nil {
+		if err := c.cfg.Setup(ch); err != nil {
+			return false, fmt.Errorf("declare topology: %w", err)
+		}
+	}
+	// Per-consumer prefetch: a global QoS is refused on quorum queues.
+	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+		return false, fmt.Errorf("set prefetch: %w", err)
+	}
+	tag := c.cfg.Queue + "-" + uuid.NewString()
+	deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return false, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
+	}
+	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
+	c.ready.Store(true)
+	defer c.ready.Store(false)
+
+	// On shutdown stop the flow of new deliveries; the workers settle what they hold.
+	stopConsuming := context.AfterFunc(ctx, func() { _ = ch.Cancel(tag, false) })
+	defer stopConsuming()
+	handlerCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
+	defer cancel()
+
+	var wg sync.WaitGroup
+	for range c.cfg.Concurrency {
+		wg.Go(func() {
+			for d := range deliveries {
+				c.handle(ctx, handlerCtx, d)
+			}
+		})
+	}
+	wg.Wait()
+	if ctx.Err() != nil {
+		return true, nil
+	}
+	select {
+	case err, ok := <-closed:
+		if ok && err != nil {
+			return true, fmt.Errorf("channel closed: %w", err)
+		}
+	default:
+	}
+	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
+	// again.
+	return true, errors.New("delivery stream ended")
+}
+
+// handle settles one delivery. runCtx ends at shutdown; workCtx a grace period later.
+func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
+	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
+	if err != nil {
+		c.deadLetter(d, d.MessageId, err)
+		return
+	}
+	log := c.log.With("message_id", msg.ID, "type", msg.Type)
+	failures, outages := 0, 0
+	for {
+		if runCtx.Err() != nil {
+			// Shutting down: hand it back untouched for another consumer.
+			c.settle(log, "nack", d.Nack(false, true))
+			return
+		}
+		err := c.attempt(workCtx, msg)
+		var delay time.Duration
+		switch {
+		case err == nil:
+			// Only now, after the handler committed, may the broker forget the message.
+			c.settle(log, "ack", d.Ack(false))
+			return
+		case IsPermanent(err):
+			c.deadLetter(d, msg.ID.String(), err)
+			return
+		case IsUnavailable(err):
+			// Not the message's fault: wait for the dependency without spending its retries.
+			outages++
+			delay = c.cfg.RetryBackoff.Delay(outages)
+			log.Warn("dependency unavailable; retrying message", "error", err, "retry_in", delay)
+		default:
+			failures++
+			if failures >= c.cfg.Retries {
+				log.Warn("handler failed; returning message to the queue", "error", err, "attempts", failures)
+				c.settle(log, "nack", d.Nack(false, true))
+				return
+			}
+			delay = c.cfg.RetryBackoff.Delay(failures)
+			log.Warn("handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
+		}
+		select {
+		case <-runCtx.Done():
+		case <-time.After(delay):
+		}
+	}
+}
+
+func (c *Consumer) attempt(ctx context.Context, msg Message) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.HandlerTimeout)
+	defer cancel()
+	return c.handler(ctx, msg)
+}
+
+// deadLetter rejects without requeue: the queue's dead-letter settings route the message to
+// its dead-letter queue, and the messages behind it carry on.
+func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
+	c.log.Error("message dead-lettered", "message_id", truncate(messageID, 64), "type", truncate(d.Type, 64),
+		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
+	c.settle(c.log, "reject", d.Reject(false))
+}
+
+// settle logs a failed ack, nack or reject. It happens when the channel closed meanwhile; the
+// broker then redelivers the message, and the inbox recognises it if it was handled.
+func (c *Consumer) settle(log *slog.Logger, op string, err error) {
+	if err != nil {
+		log.Warn("could not "+op+" message; the broker will redeliver it", "error", err)
+	}
+}

@@ -1,0 +1,12 @@
+// Package messaging implements the transactional outbox and inbox patterns over GORM/PostgreSQL
+// and RabbitMQ (amqp091-go).
+//
+// The write side saves an event in the same transaction as the data it describes ([Enqueue]);
+// a [Relay] moves unsent rows to RabbitMQ through a confirm-mode [Publisher], marking a row
+// sent only once the broker has confirmed and routed it. That gives at-least-once delivery, so
+// the read side claims every message in an inbox table in the same transaction as its work
+// ([Inbox]), and a [Consumer] acknowledges a delivery only after that transaction commits.
+//
+// Nothing here knows about orders or invoices: a service brings its own payload types and its
+// own business transaction.
+package messaging

@@ -1,0 +1,91 @@
+package messaging
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Message is the envelope every event travels in, from the outbox row to the consumer.
+// ID is what makes redelivery detectable: it is the outbox row's primary key, the AMQP
+// message_id, and the inbox key on the receiving side, and it never changes between attempts.
+type Message struct {
+	ID            uuid.UUID
+	Type          string          // e.g. "OrderPlaced"; also the AMQP routing key
+	Payload       json.RawMessage // the event itself, JSON
+	OccurredAt    time.Time
+	CorrelationID string // optional; carried as the AMQP correlation_id and a header
+}
+
+// NewMessage builds a message with a fresh UUIDv7 (time-ordered, so outbox inserts append to
+// the primary key index) and payload marshalled to JSON.
+func NewMessage(msgType string, payload any) (Message, error) {
+	if msgType == "" {
+		return Message{}, errors.New("new message: empty type")
+	}
+	id, err := uuid.NewV7()
+	if err != nil {
+		return Message{}, fmt.Errorf("new message: generate id: %w", err)
+	}
+	body, err := json.Marshal(payload)
+	if err != nil {
+		return Message{}, fmt.Errorf("new message %s: marshal payload: %w", msgType, err)
+	}
+	return Message{ID: id, Type: msgType, Payload: body, OccurredAt: time.Now().UTC()}, nil
+}
+
+// Decode unmarshals the payload into T. A payload that does not decode can never be handled,
+// so the error is Permanent: the consumer dead-letters the message instead of retrying it.
+func Decode[T any](msg Message) (T, error) {
+	var v T
+	if err := json.Unmarshal(msg.Payload, &v); err != nil {
+		return v, Permanent(fmt.Errorf("decode %s payload: %w", msg.Type, err))
+	}
+	return v, nil
+}
+
+// permanentError marks a failure that retrying cannot fix.
+type permanentError struct{ err error }
+
+func (e permanentError) Error() string { return e.err.Error() }
+func (e permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as one that no retry can fix (an undecodable or invalid message). A
+// [Consumer] sends such a message to its dead-letter queue at once and logs the reason.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or any error it wraps, was marked with [Permanent].
+func IsPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p)
+}
+
+// unavailableError marks a failure of the environment (database down), not of the message.
+type unavailableError struct{ err error }
+
+func (e unavailableError) Error() string { return e.err.Error() }
+func (e unavailableError) Unwrap() error { return e.err }
+
+// Unavailable marks err as caused by a dependency being down. A [Consumer] keeps retrying such
+// a message with backoff for as long as it takes, without counting the attempts against it,
+// so an outage never pushes good messages into the dead-letter queue.
+func Unavailable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return unavailableError{err: err}
+}
+
+// IsUnavailable reports whether err was marked with [Unavailable].
+func IsUnavailable(err error) bool {
+	var u unavailableError
+	return errors.As(err, &u)
+}

@@ -1,0 +1,78 @@
+package messaging
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+)
+
+// NotifyChannel is the PostgreSQL channel [Enqueue] notifies and the [Relay] listens on.
+const NotifyChannel = "outbox_messages"
+
+// ErrNotInTransaction is returned by [Enqueue] when it is given a *gorm.DB that is not inside
+// a transaction.
+var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transaction")
+
+// OutboxMessage is one row of outbox_messages: an event waiting to be, or already, published.
+type OutboxMessage struct {
+	ID            uuid.UUID       `gorm:"type:uuid;primaryKey"`
+	Type          string          `gorm:"not null"`
+	Payload       json.RawMessage `gorm:"type:jsonb;not null"`
+	CorrelationID string          `gorm:"not null;default:''"`
+	OccurredAt    time.Time       `gorm:"not null"`
+	ProcessedAt   *time.Time      // set once the broker confirmed the publish
+	Attempts      int             `gorm:"not null;default:0"`
+	LastError     *string
+	NextAttemptAt time.Time `gorm:"not null;default:now()"` // the database's clock decides when a row is due
+}
+
+// TableName pins the table name the migrations create.
+func (OutboxMessage) TableName() string { return "outbox_messages" }
+
+// Message returns the row's envelope.
+func (m OutboxMessage) Message() Message {
+	return Message{ID: m.ID, Type: m.Type, Payload: m.Payload, OccurredAt: m.OccurredAt, CorrelationID: m.CorrelationID}
+}
+
+// Enqueue adds msgs to the outbox inside tx, the caller's open transaction, and notifies the
+// relay that will publish them once tx commits.
+//
+// tx must be the same transaction that writes the business data the messages describe
+// (typically the tx of db.Transaction). That is the whole pattern: the data and its events are
+// saved together or not at all, so a crash or a broker outage can never leave one without the
+// other. Given a plain *gorm.DB, Enqueue would commit the messages on their own and bring back
+// the dual-write problem, so it refuses with [ErrNotInTransaction] instead.
+func Enqueue(tx *gorm.DB, msgs ...Message) error {
+	if _, ok := tx.Statement.ConnPool.(gorm.TxCommitter); !ok {
+		return ErrNotInTransaction
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	rows := make([]OutboxMessage, len(msgs))
+	for i, m := range msgs {
+		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
+			return fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
+		}
+		if m.OccurredAt.IsZero() {
+			m.OccurredAt = time.Now().UTC()
+		}
+		rows[i] = OutboxMessage{
+			ID: m.ID, Type: m.Type, Payload: m.Payload, CorrelationID: m.CorrelationID,
+			OccurredAt: m.OccurredAt,
+		}
+	}
+	if err := tx.Create(&rows).Error; err != nil {
+		return fmt.Errorf("outbox: insert %d messages: %w", len(rows), err)
+	}
+	// NOTIFY inside the transaction is delivered only if and when it commits: the relay wakes
+	// exactly when the rows become visible to it.
+	if err := tx.Exec("SELECT pg_notify(?, '')", NotifyChannel).Error; err != nil {
+		return fmt.Errorf("outbox: notify relay: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,175 @@
+package messaging_test
+
+import (
+	"context"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+const eventType = "OrderPlaced"
+
+// testBundle is one test's private world: its own database (with both messaging tables) and
+// its own exchange, queue and dead-letter queue on the shared broker.
+type testBundle struct {
+	db       *testenv.Database
+	exchange string
+	queue    string
+	topology messaging.ConsumerTopology
+	ch       *amqp.Channel
+	log      *slog.Logger
+	logs     *testenv.Logs
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	b := &testBundle{db: testenv.NewDatabase(t)}
+	ctx := context.Background()
+	sqlDB, err := b.db.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := messaging.MigrateOutbox(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	if err := messaging.MigrateInbox(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	b.exchange = testenv.UniqueName("orders")
+	b.queue = testenv.UniqueName("invoicing")
+	b.topology = messaging.ConsumerTopology{Exchange: b.exchange, Queue: b.queue, RoutingKeys: []string{eventType}}
+	testenv.CleanupBroker(t, []string{b.queue, messaging.DeadLetterQueue(b.queue)}, []string{b.exchange})
+	b.ch = testenv.Channel(t)
+	if err := b.topology.Declare(b.ch); err != nil {
+		t.Fatal(err)
+	}
+	b.log, b.logs = testenv.NewLogger(t)
+	return b
+}
+
+// enqueue commits n OrderPlaced messages in transactions of up to 1,000 and returns their ids.
+func (b *testBundle) enqueue(t *testing.T, n int) []uuid.UUID {
+	t.Helper()
+	ids := make([]uuid.UUID, 0, n)
+	for len(ids) < n {
+		batch := make([]messaging.Message, 0, 1000)
+		for len(batch) < cap(batch) && len(ids)+len(batch) < n {
+			batch = append(batch, newMessage(t, len(ids)+len(batch)))
+		}
+		if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, batch...) }); err != nil {
+			t.Fatalf("enqueue: %v", err)
+		}
+		for _, m := range batch {
+			ids = append(ids, m.ID)
+		}
+	}
+	return ids
+}
+
+func newMessage(t *testing.T, i int) messaging.Message {
+	t.Helper()
+	m, err := messaging.NewMessage(eventType, map[string]any{"order_id": uuid.NewString(), "n": i})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// publisher returns a publisher for the bundle's exchange through url (the broker or a proxy).
+func (b *testBundle) publisher(t *testing.T, url string) *messaging.Publisher {
+	t.Helper()
+	p := messaging.NewPublisher(messaging.PublisherConfig{
+		URL: url, ConnectionName: testenv.UniqueName("publisher"), AppID: "order",
+		Setup:  func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
+		Logger: b.log,
+	})
+	t.Cleanup(p.Close)
+	return p
+}
+
+func (b *testBundle) relay(t *testing.T, sender messaging.Sender, tweak func(*messaging.RelayConfig)) *messaging.Relay {
+	t.Helper()
+	cfg := messaging.RelayConfig{DB: b.db.DB, Sender: sender, Exchange: b.exchange, Logger: b.log}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	r, err := messaging.NewRelay(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// run starts fn in the background and, at cleanup, cancels it and checks it returned nil
+// within 10 s.
+func run(t *testing.T, fn func(ctx context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- fn(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("run returned %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Errorf("run did not stop within 10 s of cancellation")
+		}
+	})
+}
+
+func (b *testBundle) unprocessed(t *testing.T) int64 {
+	t.Helper()
+	return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL")
+}
+
+// waitAllSent waits until no outbox row is left unprocessed.
+func (b *testBundle) waitAllSent(t *testing.T, timeout time.Duration) {
+	t.Helper()
+	testenv.Eventually(t, timeout, func() bool { return b.unprocessed(t) == 0 },
+		"outbox still has unsent rows")
+}
+
+// countIDs counts the deliveries per message id, reporting duplicates and strangers.
+func countIDs(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUID) (missing, duplicates, unexpected int) {
+	t.Helper()
+	seen := make(map[string]int, len(deliveries))
+	for _, d := range deliveries {
+		seen[d.MessageId]++
+	}
+	wanted := make(map[string]bool, len(want))
+	for _, id := range want {
+		wanted[id.String()] = true
+		switch n := seen[id.String()]; {
+		case n == 0:
+			missing++
+		case n > 1:
+			duplicates += n - 1
+		}
+	}
+	for id := range seen {
+		if !wanted[id] {
+			unexpected++
+		}
+	}
+	return missing, duplicates, unexpected
+}
+
+func assertExactlyOnce(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUID) {
+	t.Helper()
+	missing, dups, unexpected := countIDs(t, deliveries, want)
+	if missing+dups+unexpected > 0 {
+		t.Fatalf("of %d messages: %d missing, %d duplicated, %d unexpected (%d deliveries)",
+			len(want), missing, dups, unexpected, len(deliveries))
+	}
+}
+
