@@ -172,4 +172,3 @@ func assertExactlyOnce(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUI
 			len(want), missing, dups, unexpected, len(deliveries))
 	}
 }
-
