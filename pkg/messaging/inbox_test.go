@@ -1,0 +1,360 @@
+package messaging_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+const consumerName = "invoicing"
+
+// invoice is the work under test: one row per handled message.
+type payload struct {
+	OrderID uuid.UUID `json:"order_id"`
+	N       int       `json:"n"`
+}
+
+func (b *testBundle) createWorkTable(t *testing.T) {
+	t.Helper()
+	if err := b.db.DB.Exec("CREATE TABLE work_items (message_id uuid NOT NULL, n int NOT NULL)").Error; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func doWork(tx *gorm.DB, msg messaging.Message) error {
+	p, err := messaging.Decode[payload](msg)
+	if err != nil {
+		return err
+	}
+	if p.OrderID == uuid.Nil {
+		return messaging.Permanent(errors.New("payload has no order_id"))
+	}
+	return tx.Exec("INSERT INTO work_items (message_id, n) VALUES (?, ?)", msg.ID, p.N).Error
+}
+
+func (b *testBundle) workDone(t *testing.T) int64 {
+	t.Helper()
+	return testenv.Count(t, b.db.DB, "SELECT count(*) FROM work_items")
+}
+
+func (b *testBundle) duplicateLines(id uuid.UUID) []string {
+	return b.logs.Lines("level=INFO", "duplicate", "consumer="+consumerName, "message_id="+id.String())
+}
+
+func TestInboxRunsWorkOnceForASequentialDuplicate(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	msg := newMessage(t, 1)
+	for i, wantDup := range []bool{false, true} {
+		dup, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error { return doWork(tx, msg) })
+		if err != nil || dup != wantDup {
+			t.Fatalf("delivery %d: duplicate=%v err=%v, want duplicate=%v", i+1, dup, err, wantDup)
+		}
+	}
+	if n := b.workDone(t); n != 1 {
+		t.Fatalf("work done %d times, want 1", n)
+	}
+	if n := len(b.duplicateLines(msg.ID)); n != 1 {
+		t.Fatalf("%d duplicate log lines, want 1", n)
+	}
+	// Another consumer of the same message keeps its own record and does its own work.
+	other := messaging.NewInbox(b.db.DB, "notification", b.log)
+	if dup, err := other.Handle(context.Background(), msg, func(*gorm.DB) error { return nil }); err != nil || dup {
+		t.Fatalf("other consumer: duplicate=%v err=%v, want a first delivery", dup, err)
+	}
+}
+
+func TestInboxRunsWorkOnceForConcurrentDuplicates(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	msg := newMessage(t, 1)
+	const deliveries = 10
+	var wg sync.WaitGroup
+	var dups, errs atomic.Int32
+	start := make(chan struct{})
+	for range deliveries {
+		wg.Go(func() {
+			<-start
+			dup, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error {
+				time.Sleep(10 * time.Millisecond) // widen the window in which the others arrive
+				return doWork(tx, msg)
+			})
+			if err != nil {
+				errs.Add(1)
+			}
+			if dup {
+				dups.Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if errs.Load() != 0 || dups.Load() != deliveries-1 || b.workDone(t) != 1 {
+		t.Fatalf("errors=%d duplicates=%d work=%d, want 0, %d, 1", errs.Load(), dups.Load(), b.workDone(t), deliveries-1)
+	}
+	if n := len(b.duplicateLines(msg.ID)); n != deliveries-1 {
+		t.Fatalf("%d duplicate log lines, want %d", n, deliveries-1)
+	}
+}
+
+func TestInboxRollsBackTheClaimWhenTheWorkFails(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	msg := newMessage(t, 1)
+	_, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error {
+		if err := doWork(tx, msg); err != nil {
+			return err
+		}
+		return errors.New("invoice numbering service said no")
+	})
+	if err == nil || messaging.IsUnavailable(err) || messaging.IsPermanent(err) {
+		t.Fatalf("Handle = %v, want the plain work error", err)
+	}
+	if w, c := b.workDone(t), testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); w != 0 || c != 0 {
+		t.Fatalf("after a failed handler: %d work rows, %d inbox rows; want nothing committed", w, c)
+	}
+	if dup, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error { return doWork(tx, msg) }); err != nil || dup {
+		t.Fatalf("redelivery: duplicate=%v err=%v, want the work done now", dup, err)
+	}
+	if w := b.workDone(t); w != 1 {
+		t.Fatalf("work done %d times, want 1", w)
+	}
+}
+
+// consumer starts a consumer on the bundle's queue with the inbox in front of work.
+func (b *testBundle) consumer(t *testing.T, url string, db *gorm.DB, work func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error, tweak func(*messaging.ConsumerConfig)) *messaging.Consumer {
+	t.Helper()
+	cfg := messaging.ConsumerConfig{
+		URL: url, ConnectionName: testenv.UniqueName("consumer"), Queue: b.queue,
+		Setup: b.topology.Declare, Concurrency: 4, Logger: b.log,
+		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 200 * time.Millisecond},
+		Reconnect:    messaging.Backoff{Base: 100 * time.Millisecond, Max: time.Second},
+	}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	c, err := messaging.NewConsumer(cfg, messaging.NewInbox(db, consumerName, b.log).Handler(work))
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	return c
+}
+
+func workFunc(_ context.Context, tx *gorm.DB, msg messaging.Message) error { return doWork(tx, msg) }
+
+// publishRaw publishes straight to the exchange, bypassing the outbox, as a duplicate or a
+// poison message would arrive.
+func (b *testBundle) publishRaw(t *testing.T, p amqp.Publishing) {
+	t.Helper()
+	if err := b.ch.PublishWithContext(context.Background(), b.exchange, eventType, false, false, p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func publishing(msg messaging.Message) amqp.Publishing {
+	return amqp.Publishing{MessageId: msg.ID.String(), Type: msg.Type, ContentType: "application/json", Body: msg.Payload}
+}
+
+func TestConsumerDoesTheWorkOnceWhenAMessageArrivesTwice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
+	msgs := []messaging.Message{newMessage(t, 1), newMessage(t, 2), newMessage(t, 3)}
+	for _, m := range msgs {
+		b.publishRaw(t, publishing(m))
+	}
+	b.publishRaw(t, publishing(msgs[1])) // the redelivery
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.duplicateLines(msgs[1].ID)) == 1 },
+		"no duplicate line for the redelivered message")
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 }, "queue not empty")
+	if w := b.workDone(t); w != 3 {
+		t.Fatalf("work done %d times for 3 messages, want 3", w)
+	}
+	if n := len(b.logs.Lines("duplicate")); n != 1 {
+		t.Fatalf("%d duplicate lines in all, want 1", n)
+	}
+}
+
+func TestConsumerRunsConcurrentDuplicatesOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.Concurrency, c.Prefetch = 8, 32 })
+	const n, copies = 100, 3
+	msgs := make([]messaging.Message, n)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+	}
+	for range copies {
+		for _, m := range msgs {
+			b.publishRaw(t, publishing(m))
+		}
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages") == n && len(b.logs.Lines("duplicate")) == n*(copies-1)
+	}, "not all %d deliveries were settled", n*copies)
+	if w := b.workDone(t); w != n {
+		t.Fatalf("work done %d times for %d messages, want %d", w, n, n)
+	}
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
+}
+
+func TestConsumerRetriesAFailingHandlerThroughTheQueue(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	var calls atomic.Int32
+	flaky := func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
+		if err := doWork(tx, msg); err != nil {
+			return err
+		}
+		if calls.Add(1) <= 3 {
+			return errors.New("downstream hiccup")
+		}
+		return nil
+	}
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, flaky, func(c *messaging.ConsumerConfig) { c.Retries = 2 })
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "message never handled")
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 }, "queue not empty")
+	// 2 tries in place, back to the queue, redelivered, failed once more, then handled.
+	if lines := b.logs.Lines("returning message to the queue", "message_id="+msg.ID.String()); len(lines) != 1 {
+		t.Fatalf("want the message returned to the queue once, got %d lines", len(lines))
+	}
+	if c := calls.Load(); c != 4 {
+		t.Fatalf("handler ran %d times, want 4", c)
+	}
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
+		t.Fatalf("dead-letter queue holds %d, want 0", n)
+	}
+}
+
+func TestConsumerDeadLettersPoisonAndCarriesOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.Concurrency = 1 })
+	id := func() string { return uuid.NewString() }
+	poison := map[string]amqp.Publishing{
+		"not json":      {MessageId: id(), ContentType: "application/json", Body: []byte("<xml/>")},
+		"no message id": {ContentType: "application/json", Body: []byte(`{"order_id":"` + id() + `"}`)},
+		"bad id":        {MessageId: "42", ContentType: "application/json", Body: []byte(`{}`)},
+		"wrong shape":   {MessageId: id(), ContentType: "application/json", Body: []byte(`{"order_id":12,"n":"x"}`)},
+		"missing field": {MessageId: id(), ContentType: "application/json", Body: []byte(`{"n":1}`)},
+		"not JSON type": {MessageId: id(), ContentType: "text/plain", Body: []byte(`{}`)},
+		"huge":          {MessageId: id(), ContentType: "application/json", Body: []byte(`"` + strings.Repeat("x", 2<<20) + `"`)},
+	}
+	for _, p := range poison {
+		b.publishRaw(t, p)
+	}
+	good := newMessage(t, 1)
+	b.publishRaw(t, publishing(good))
+
+	dlq := messaging.DeadLetterQueue(b.queue)
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(poison) },
+		"dead-letter queue does not hold the %d poison messages", len(poison))
+	testenv.Eventually(t, 5*time.Second, func() bool { return b.workDone(t) == 1 }, "the good message behind the poison was not handled")
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("queue still holds %d", n)
+	}
+	if lines := b.logs.Lines("level=ERROR", "message dead-lettered", "reason="); len(lines) != len(poison) {
+		t.Fatalf("%d dead-letter lines with a reason, want %d", len(lines), len(poison))
+	}
+	if c := testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); c != 1 {
+		t.Fatalf("inbox holds %d rows, want only the good message", c)
+	}
+}
+
+// The database going away is not the message's fault: the consumer waits for it, without
+// sending the message back to the queue or to the dead-letter queue.
+func TestConsumerWaitsOutADatabaseOutageWithoutDeadLettering(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	proxy := testenv.Proxy(t, "127.0.0.1:5432")
+	viaProxy, err := testenv.OpenGORM(strings.Replace(b.db.URL, "127.0.0.1:5432", proxy.Listen, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.consumer(t, testenv.AMQPURL(), viaProxy, workFunc, func(c *messaging.ConsumerConfig) { c.Retries = 2 })
+
+	proxy.Stop()
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("dependency unavailable", msg.ID.String())) >= 3 },
+		"consumer did not report the database outage")
+	if err := proxy.Start(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 15*time.Second, func() bool { return b.workDone(t) == 1 }, "message not handled after the database came back")
+	if n := len(b.logs.Lines("returning message to the queue")); n != 0 {
+		t.Fatalf("message went back to the queue %d times during a database outage", n)
+	}
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
+		t.Fatalf("dead-letter queue holds %d", n)
+	}
+}
+
+// The broker closes both connections; the publisher and the consumer come back by themselves.
+func TestPublisherAndConsumerReconnectAfterTheBrokerClosesTheirConnections(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	consumerConn := testenv.UniqueName("consumer")
+	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.ConnectionName = consumerConn })
+	publisherConn := testenv.UniqueName("publisher")
+	pub := messaging.NewPublisher(messaging.PublisherConfig{
+		URL: testenv.AMQPURL(), ConnectionName: publisherConn, Logger: b.log,
+		Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
+	})
+	t.Cleanup(pub.Close)
+	publish := func(i int) {
+		t.Helper()
+		msg := newMessage(t, i)
+		errs := pub.Publish(context.Background(), b.exchange, []messaging.Message{msg})
+		if errs[0] != nil {
+			t.Fatalf("publish %d: %v", i, errs[0])
+		}
+	}
+	publish(1)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "first message not handled")
+
+	closed := testenv.CloseConnectionsNamed(t, consumerConn)
+	closed += testenv.CloseConnectionsNamed(t, publisherConn)
+	if closed < 2 {
+		t.Fatalf("closed %d connections, want the consumer's and the publisher's", closed)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("consumer disconnected; reconnecting")) > 0 },
+		"consumer did not notice")
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer did not reconnect")
+
+	// The publisher's first call after the close may fail (it learns of the close then); the
+	// relay would back that row off. It must succeed again without outside help.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return pub.Publish(context.Background(), b.exchange, []messaging.Message{newMessage(t, 2)})[0] == nil
+	}, "publisher did not reconnect")
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 2 }, "message after reconnect not handled")
+}

@@ -1,0 +1,77 @@
+package messaging_test
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// These tests stop or restart the real RabbitMQ and PostgreSQL, which would break every other
+// test running at the same time. scripts/test.sh runs them alone, after the main suite, with
+// TEST_SERVER_RESTARTS=1.
+func requireServerRestarts(t *testing.T) {
+	t.Helper()
+	if os.Getenv("TEST_SERVER_RESTARTS") != "1" {
+		t.Skip("restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone (scripts/test.sh does)")
+	}
+}
+
+func TestServerRestartBrokerStopAppThenStartApp(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "start_app").Run() })
+	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
+
+	ids := b.enqueue(t, 5)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 5 }, "first messages not handled")
+
+	testenv.RabbitMQCtl(t, "stop_app")
+	testenv.Eventually(t, 20*time.Second, func() bool { return !c.Ready() }, "consumer did not notice the broker stop")
+	ids = append(ids, b.enqueue(t, 20)...) // orders keep coming while the broker is down
+	testenv.RabbitMQCtl(t, "start_app")
+	testenv.RabbitMQCtl(t, "await_startup")
+
+	testenv.Eventually(t, 60*time.Second, func() bool { return b.workDone(t) == int64(len(ids)) && b.unprocessed(t) == 0 },
+		"not everything was handled after the broker came back")
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
+}
+
+func TestServerRestartPostgreSQLRestart(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
+	ids := b.enqueue(t, 5)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 5 }, "first messages not handled")
+
+	versions, err := filepath.Glob("/etc/postgresql/*")
+	if err != nil || len(versions) == 0 {
+		t.Skip("no local PostgreSQL cluster to restart")
+	}
+	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", filepath.Base(versions[0]), "main", "restart", "-m", "fast").CombinedOutput()
+	if err != nil {
+		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return b.db.DB.Exec("SELECT 1").Error == nil
+	}, "PostgreSQL did not come back")
+	ids = append(ids, b.enqueue(t, 20)...)
+	testenv.Eventually(t, 60*time.Second, func() bool { return b.workDone(t) == int64(len(ids)) && b.unprocessed(t) == 0 },
+		"not everything was handled after PostgreSQL restarted")
+	if !c.Ready() {
+		t.Fatal("consumer not ready after the database restart")
+	}
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
+		t.Fatalf("dead-letter queue holds %d", n)
+	}
+}

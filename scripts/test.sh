@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one test command (README "Testing"; .ci/run calls it).
+#
+# Checks that PostgreSQL and RabbitMQ answer at TEST_DATABASE_URL / TEST_AMQP_URL, starts the
+# local ones if they are installed but stopped, then runs gofmt, go vet, the whole suite with
+# the race detector, and finally, alone, the tests that restart the real servers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}"
+export TEST_AMQP_URL="${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
+
+say() { printf '== %s\n' "$*"; }
+die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
+
+# host:port of a URL such as scheme://user:pass@host:port/path
+host_port() { local rest="${1#*://}"; rest="${rest#*@}"; printf '%s' "${rest%%[/?]*}"; }
+tcp_open() { local hp; hp=$(host_port "$1"); timeout 2 bash -c "</dev/tcp/${hp%:*}/${hp##*:}" 2>/dev/null; }
+is_local() { case "$(host_port "$1")" in 127.0.0.1:*|localhost:*|\[::1\]:*) return 0 ;; *) return 1 ;; esac; }
+
+wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
+  local secs=$1 what=$2; shift 2
+  for _ in $(seq "$secs"); do "$@" && return 0; sleep 1; done
+  die "$what did not come up within ${secs}s"
+}
+
+pg_ready() { pg_isready -d "$TEST_DATABASE_URL" -t 2 >/dev/null 2>&1; }
+ensure_postgres() {
+  command -v pg_isready >/dev/null || die "PostgreSQL client tools (pg_isready) are not installed; install PostgreSQL 15+ or point TEST_DATABASE_URL at a reachable server"
+  pg_ready && return 0
+  is_local "$TEST_DATABASE_URL" || die "PostgreSQL does not answer at $(host_port "$TEST_DATABASE_URL") (TEST_DATABASE_URL)"
+  if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ] && [ -n "$(ls /etc/postgresql)" ]; then
+    say "starting PostgreSQL"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+    wait_for 60 PostgreSQL pg_ready
+  else
+    die "PostgreSQL does not answer at $(host_port "$TEST_DATABASE_URL") and no local cluster is installed (pg_ctlcluster); install PostgreSQL or set TEST_DATABASE_URL"
+  fi
+}
+
+rabbit_ready() { tcp_open "$TEST_AMQP_URL"; }
+ensure_rabbitmq() {
+  rabbit_ready && return 0
+  is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
+  command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ or set TEST_AMQP_URL"
+  if timeout 30 rabbitmqctl -q ping >/dev/null 2>&1; then
+    say "starting the RabbitMQ application (the node runs, the app was stopped)"
+    rabbitmqctl -q start_app
+  else
+    say "starting RabbitMQ"
+    rabbitmq-server -detached
+  fi
+  timeout 120 rabbitmqctl -q await_startup >/dev/null 2>&1 || true
+  wait_for 60 RabbitMQ rabbit_ready
+}
+
+command -v go >/dev/null || die "Go is not installed (need Go 1.26)"
+ensure_postgres
+ensure_rabbitmq
+say "PostgreSQL and RabbitMQ answer"
+
+say "gofmt"
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+[ -z "$unformatted" ] || die "gofmt would change: $unformatted"
+
+say "go vet"
+go vet ./...
+
+say "go test -race (parallel suite)"
+go test -race -count=1 -timeout 15m ./...
+
+# These stop RabbitMQ and restart PostgreSQL: nothing else may run meanwhile (-p 1, after the
+# suite). They start the servers again in their cleanup; we check once more anyway.
+say "go test -race (server restarts, alone)"
+status=0
+TEST_SERVER_RESTARTS=1 go test -race -count=1 -p 1 -timeout 10m -run '^TestServerRestart' ./... || status=$?
+ensure_postgres
+ensure_rabbitmq
+exit "$status"
