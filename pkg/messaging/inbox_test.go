@@ -25,7 +25,7 @@ type payload struct {
 	N       int       `json:"n"`
 }
 
-func (b *testBundle) createWorkTable(t *testing.T) {
+func (b *testBundle) createWorkTable(t testing.TB) {
 	t.Helper()
 	if err := b.db.DB.Exec("CREATE TABLE work_items (message_id uuid NOT NULL, n int NOT NULL)").Error; err != nil {
 		t.Fatal(err)

@@ -334,3 +334,58 @@ func TestRelayStopsWhenItsContextIsCancelled(t *testing.T) {
 		t.Errorf("a LISTEN session is still active after Run returned")
 	}
 }
+
+// killAfterPublish publishes for real, then kills the relay's database session before its
+// transaction can commit the marks: the crash the outbox must survive.
+type killAfterPublish struct {
+	messaging.Sender
+	t      *testing.T
+	db     *testenv.Database
+	killed bool
+}
+
+func (k *killAfterPublish) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
+	errs := k.Sender.Publish(ctx, exchange, msgs)
+	if !k.killed {
+		k.killed = true
+		admin, err := testenv.OpenGORM(testenv.DatabaseURL())
+		if err != nil {
+			k.t.Error(err)
+			return errs
+		}
+		defer func() {
+			if sqlDB, err := admin.DB(); err == nil {
+				_ = sqlDB.Close()
+			}
+		}()
+		n := testenv.Count(k.t, admin, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE datname = ? AND state = 'idle in transaction'`, k.db.Name)
+		if n != 1 {
+			k.t.Errorf("killed %d sessions, want the relay's one", n)
+		}
+	}
+	return errs
+}
+
+func TestRelayRepublishesWhenItDiesBetweenPublishAndCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ids := b.enqueue(t, 10)
+	r := b.relay(t, &killAfterPublish{Sender: b.publisher(t, testenv.AMQPURL()), t: t, db: b.db}, nil)
+
+	if _, err := r.ProcessBatch(context.Background()); err == nil {
+		t.Fatal("batch whose session was killed reported success")
+	}
+	if n := b.unprocessed(t); n != 10 {
+		t.Fatalf("%d rows unprocessed after the crash, want all 10: their marks were never committed", n)
+	}
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 10 {
+		t.Fatalf("batch after the crash = %+v, %v; want all 10 sent again", res, err)
+	}
+	// At-least-once: every message is on the queue twice, none is lost. The inbox takes it from here.
+	got := testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond)
+	missing, dups, unexpected := countIDs(t, got, ids)
+	if missing != 0 || dups != 10 || unexpected != 0 {
+		t.Fatalf("%d missing, %d duplicated, %d unexpected; want 0, 10, 0", missing, dups, unexpected)
+	}
+}

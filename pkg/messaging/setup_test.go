@@ -28,7 +28,7 @@ type testBundle struct {
 	logs     *testenv.Logs
 }
 
-func setup(t *testing.T) *testBundle {
+func setup(t testing.TB) *testBundle {
 	t.Helper()
 	b := &testBundle{db: testenv.NewDatabase(t)}
 	ctx := context.Background()
@@ -55,7 +55,7 @@ func setup(t *testing.T) *testBundle {
 }
 
 // enqueue commits n OrderPlaced messages in transactions of up to 1,000 and returns their ids.
-func (b *testBundle) enqueue(t *testing.T, n int) []uuid.UUID {
+func (b *testBundle) enqueue(t testing.TB, n int) []uuid.UUID {
 	t.Helper()
 	ids := make([]uuid.UUID, 0, n)
 	for len(ids) < n {
@@ -73,7 +73,7 @@ func (b *testBundle) enqueue(t *testing.T, n int) []uuid.UUID {
 	return ids
 }
 
-func newMessage(t *testing.T, i int) messaging.Message {
+func newMessage(t testing.TB, i int) messaging.Message {
 	t.Helper()
 	m, err := messaging.NewMessage(eventType, map[string]any{"order_id": uuid.NewString(), "n": i})
 	if err != nil {
@@ -83,7 +83,7 @@ func newMessage(t *testing.T, i int) messaging.Message {
 }
 
 // publisher returns a publisher for the bundle's exchange through url (the broker or a proxy).
-func (b *testBundle) publisher(t *testing.T, url string) *messaging.Publisher {
+func (b *testBundle) publisher(t testing.TB, url string) *messaging.Publisher {
 	t.Helper()
 	p := messaging.NewPublisher(messaging.PublisherConfig{
 		URL: url, ConnectionName: testenv.UniqueName("publisher"), AppID: "order",
@@ -94,7 +94,7 @@ func (b *testBundle) publisher(t *testing.T, url string) *messaging.Publisher {
 	return p
 }
 
-func (b *testBundle) relay(t *testing.T, sender messaging.Sender, tweak func(*messaging.RelayConfig)) *messaging.Relay {
+func (b *testBundle) relay(t testing.TB, sender messaging.Sender, tweak func(*messaging.RelayConfig)) *messaging.Relay {
 	t.Helper()
 	cfg := messaging.RelayConfig{DB: b.db.DB, Sender: sender, Exchange: b.exchange, Logger: b.log}
 	if tweak != nil {
@@ -109,7 +109,7 @@ func (b *testBundle) relay(t *testing.T, sender messaging.Sender, tweak func(*me
 
 // run starts fn in the background and, at cleanup, cancels it and checks it returned nil
 // within 10 s.
-func run(t *testing.T, fn func(ctx context.Context) error) {
+func run(t testing.TB, fn func(ctx context.Context) error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -127,20 +127,20 @@ func run(t *testing.T, fn func(ctx context.Context) error) {
 	})
 }
 
-func (b *testBundle) unprocessed(t *testing.T) int64 {
+func (b *testBundle) unprocessed(t testing.TB) int64 {
 	t.Helper()
 	return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL")
 }
 
 // waitAllSent waits until no outbox row is left unprocessed.
-func (b *testBundle) waitAllSent(t *testing.T, timeout time.Duration) {
+func (b *testBundle) waitAllSent(t testing.TB, timeout time.Duration) {
 	t.Helper()
 	testenv.Eventually(t, timeout, func() bool { return b.unprocessed(t) == 0 },
 		"outbox still has unsent rows")
 }
 
 // countIDs counts the deliveries per message id, reporting duplicates and strangers.
-func countIDs(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUID) (missing, duplicates, unexpected int) {
+func countIDs(t testing.TB, deliveries []amqp.Delivery, want []uuid.UUID) (missing, duplicates, unexpected int) {
 	t.Helper()
 	seen := make(map[string]int, len(deliveries))
 	for _, d := range deliveries {
@@ -164,7 +164,7 @@ func countIDs(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUID) (missi
 	return missing, duplicates, unexpected
 }
 
-func assertExactlyOnce(t *testing.T, deliveries []amqp.Delivery, want []uuid.UUID) {
+func assertExactlyOnce(t testing.TB, deliveries []amqp.Delivery, want []uuid.UUID) {
 	t.Helper()
 	missing, dups, unexpected := countIDs(t, deliveries, want)
 	if missing+dups+unexpected > 0 {

@@ -1,0 +1,65 @@
+package messaging
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// OutboxStats is what to alert on: a backlog whose oldest row keeps ageing means the relay is
+// stuck or the broker is down; a row with many attempts is a message that cannot be published.
+type OutboxStats struct {
+	Pending        int64         // rows not yet sent
+	OldestPending  time.Duration // age of the oldest unsent row, 0 when none
+	MaxAttempts    int64         // most failed attempts of any unsent row
+	FailingPending int64         // unsent rows with at least one failed attempt
+}
+
+// ReadOutboxStats reads OutboxStats. It only touches unsent rows, through the partial index.
+func ReadOutboxStats(ctx context.Context, db *gorm.DB) (OutboxStats, error) {
+	var row struct {
+		Pending        int64
+		OldestSeconds  float64
+		MaxAttempts    int64
+		FailingPending int64
+	}
+	err := db.WithContext(ctx).Raw(`SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM now() - min(occurred_at)), 0) AS oldest_seconds,
+       coalesce(max(attempts), 0) AS max_attempts,
+       count(*) FILTER (WHERE attempts > 0) AS failing_pending
+FROM outbox_messages WHERE processed_at IS NULL`).Scan(&row).Error
+	if err != nil {
+		return OutboxStats{}, fmt.Errorf("read outbox stats: %w", err)
+	}
+	return OutboxStats{
+		Pending:        row.Pending,
+		OldestPending:  time.Duration(max(row.OldestSeconds, 0) * float64(time.Second)),
+		MaxAttempts:    row.MaxAttempts,
+		FailingPending: row.FailingPending,
+	}, nil
+}
+
+// DeleteSentOutboxMessages deletes rows sent more than olderThan ago and returns how many.
+// Unsent rows are never deleted, however old.
+func DeleteSentOutboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration) (int64, error) {
+	res := db.WithContext(ctx).Exec(`DELETE FROM outbox_messages
+WHERE processed_at IS NOT NULL AND processed_at < now() - ? * interval '1 millisecond'`, olderThan.Milliseconds())
+	if res.Error != nil {
+		return 0, fmt.Errorf("delete sent outbox messages: %w", res.Error)
+	}
+	return res.RowsAffected, nil
+}
+
+// DeleteInboxMessages deletes inbox records older than olderThan and returns how many. Keep
+// them longer than any duplicate can arrive (the relay's longest possible retry, the broker's
+// redelivery window): a message whose record is gone would be handled again.
+func DeleteInboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration) (int64, error) {
+	res := db.WithContext(ctx).Exec(`DELETE FROM inbox_messages
+WHERE processed_at < now() - ? * interval '1 millisecond'`, olderThan.Milliseconds())
+	if res.Error != nil {
+		return 0, fmt.Errorf("delete inbox messages: %w", res.Error)
+	}
+	return res.RowsAffected, nil
+}
