@@ -44,6 +44,7 @@ type ConsumerConfig struct {
 	Reconnect Backoff
 	Heartbeat time.Duration
 	Logger    *slog.Logger
+	Metrics   *Metrics // optional
 }
 
 // Consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
@@ -200,6 +201,7 @@ func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
 		case err == nil:
 			// Only now, after the handler committed, may the broker forget the message.
 			c.settle(log, "ack", d.Ack(false))
+			c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
 			return
 		case IsPermanent(err):
 			c.deadLetter(d, msg.ID.String(), err)
@@ -214,6 +216,7 @@ func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
 			if failures >= c.cfg.Retries {
 				log.Warn("handler failed; returning message to the queue", "error", err, "attempts", failures)
 				c.settle(log, "nack", d.Nack(false, true))
+				c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
 				return
 			}
 			delay = c.cfg.RetryBackoff.Delay(failures)
@@ -238,6 +241,7 @@ func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
 	c.log.Error("message dead-lettered", "message_id", truncate(messageID, 64), "type", truncate(d.Type, 64),
 		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
 	c.settle(c.log, "reject", d.Reject(false))
+	c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
 }
 
 // settle logs a failed ack, nack or reject. It happens when the channel closed meanwhile; the

@@ -2,6 +2,7 @@ package messaging
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -20,19 +21,30 @@ ON CONFLICT (message_id, consumer) DO NOTHING`
 // Inbox makes a consumer's work idempotent: it runs the work for a message at most once per
 // consumer name, in the same transaction as the record that it did.
 type Inbox struct {
-	db       *gorm.DB
-	consumer string
-	log      *slog.Logger
+	cfg InboxConfig
+	log *slog.Logger
 }
 
-// NewInbox returns the inbox of the named consumer (e.g. "invoicing") in db, which holds
-// inbox_messages and the consumer's own tables. Consumers sharing a database keep separate
-// records through their names.
-func NewInbox(db *gorm.DB, consumer string, logger *slog.Logger) *Inbox {
-	if logger == nil {
-		logger = slog.Default()
+// InboxConfig configures an [Inbox]. DB and Consumer are required.
+type InboxConfig struct {
+	// DB holds inbox_messages and the consumer's own tables.
+	DB *gorm.DB
+	// Consumer names the consumer (e.g. "invoicing"). Consumers sharing a database keep
+	// separate records through their names.
+	Consumer string
+	Logger   *slog.Logger
+	Metrics  *Metrics // optional
+}
+
+// NewInbox returns the inbox of one consumer.
+func NewInbox(cfg InboxConfig) (*Inbox, error) {
+	if cfg.DB == nil || cfg.Consumer == "" {
+		return nil, errors.New("inbox: DB and Consumer are required")
 	}
-	return &Inbox{db: db, consumer: consumer, log: logger.With("component", "inbox")}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Inbox{cfg: cfg, log: cfg.Logger.With("component", "inbox")}, nil
 }
 
 // Handle claims msg and runs work with the same transaction, then commits both. If this
@@ -42,8 +54,8 @@ func NewInbox(db *gorm.DB, consumer string, logger *slog.Logger) *Inbox {
 // Errors: those of work are returned as they are (mark undecodable input with [Permanent]);
 // any other failure while the database does not answer is wrapped with [Unavailable].
 func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB) error) (duplicate bool, err error) {
-	err = in.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		res := tx.Exec(claimInboxSQL, msg.ID, in.consumer)
+	err = in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
 		if res.Error != nil {
 			return fmt.Errorf("claim inbox message %s: %w", msg.ID, res.Error)
 		}
@@ -59,7 +71,8 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 		return false, err
 	}
 	if duplicate {
-		in.log.Info("duplicate message skipped", "consumer", in.consumer, "message_id", msg.ID, "type", msg.Type)
+		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
+		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
 	}
 	return duplicate, nil
 }
@@ -73,7 +86,7 @@ func (in *Inbox) Handler(work func(ctx context.Context, tx *gorm.DB, msg Message
 }
 
 func (in *Inbox) databaseAnswers(ctx context.Context) bool {
-	sqlDB, err := in.db.DB()
+	sqlDB, err := in.cfg.DB.DB()
 	if err != nil {
 		return false
 	}

@@ -3,6 +3,7 @@ package messaging_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -10,6 +11,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/common/expfmt"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
@@ -56,7 +59,7 @@ func TestInboxRunsWorkOnceForASequentialDuplicate(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.createWorkTable(t)
-	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	in := newInbox(t, b.db.DB, consumerName, b.log)
 	msg := newMessage(t, 1)
 	for i, wantDup := range []bool{false, true} {
 		dup, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error { return doWork(tx, msg) })
@@ -71,7 +74,7 @@ func TestInboxRunsWorkOnceForASequentialDuplicate(t *testing.T) {
 		t.Fatalf("%d duplicate log lines, want 1", n)
 	}
 	// Another consumer of the same message keeps its own record and does its own work.
-	other := messaging.NewInbox(b.db.DB, "notification", b.log)
+	other := newInbox(t, b.db.DB, "notification", b.log)
 	if dup, err := other.Handle(context.Background(), msg, func(*gorm.DB) error { return nil }); err != nil || dup {
 		t.Fatalf("other consumer: duplicate=%v err=%v, want a first delivery", dup, err)
 	}
@@ -81,7 +84,7 @@ func TestInboxRunsWorkOnceForConcurrentDuplicates(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.createWorkTable(t)
-	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	in := newInbox(t, b.db.DB, consumerName, b.log)
 	msg := newMessage(t, 1)
 	const deliveries = 10
 	var wg sync.WaitGroup
@@ -116,7 +119,7 @@ func TestInboxRollsBackTheClaimWhenTheWorkFails(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.createWorkTable(t)
-	in := messaging.NewInbox(b.db.DB, consumerName, b.log)
+	in := newInbox(t, b.db.DB, consumerName, b.log)
 	msg := newMessage(t, 1)
 	_, err := in.Handle(context.Background(), msg, func(tx *gorm.DB) error {
 		if err := doWork(tx, msg); err != nil {
@@ -143,14 +146,18 @@ func (b *testBundle) consumer(t *testing.T, url string, db *gorm.DB, work func(c
 	t.Helper()
 	cfg := messaging.ConsumerConfig{
 		URL: url, ConnectionName: testenv.UniqueName("consumer"), Queue: b.queue,
-		Setup: b.topology.Declare, Concurrency: 4, Logger: b.log,
+		Setup: b.topology.Declare, Concurrency: 4, Logger: b.log, Metrics: b.metrics,
 		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 		Reconnect:    messaging.Backoff{Base: 100 * time.Millisecond, Max: time.Second},
 	}
 	if tweak != nil {
 		tweak(&cfg)
 	}
-	c, err := messaging.NewConsumer(cfg, messaging.NewInbox(db, consumerName, b.log).Handler(work))
+	in, err := messaging.NewInbox(messaging.InboxConfig{DB: db, Consumer: consumerName, Logger: b.log, Metrics: b.metrics})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := messaging.NewConsumer(cfg, in.Handler(work))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,6 +199,25 @@ func TestConsumerDoesTheWorkOnceWhenAMessageArrivesTwice(t *testing.T) {
 	}
 	if n := len(b.logs.Lines("duplicate")); n != 1 {
 		t.Fatalf("%d duplicate lines in all, want 1", n)
+	}
+	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="invoicing"} 1`)
+	wantMetric(t, b.registry, `consumer_messages_total{outcome="acked",queue="`+b.queue+`"} 4`)
+}
+
+func wantMetric(t *testing.T, reg *prometheus.Registry, line string) {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf strings.Builder
+	for _, f := range families {
+		if _, err := expfmt.MetricFamilyToText(&buf, f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !strings.Contains(buf.String(), line) {
+		t.Fatalf("metrics lack %q:\n%s", line, buf.String())
 	}
 }
 
@@ -357,4 +383,13 @@ func TestPublisherAndConsumerReconnectAfterTheBrokerClosesTheirConnections(t *te
 		return pub.Publish(context.Background(), b.exchange, []messaging.Message{newMessage(t, 2)})[0] == nil
 	}, "publisher did not reconnect")
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 2 }, "message after reconnect not handled")
+}
+
+func newInbox(t testing.TB, db *gorm.DB, consumer string, log *slog.Logger) *messaging.Inbox {
+	t.Helper()
+	in, err := messaging.NewInbox(messaging.InboxConfig{DB: db, Consumer: consumer, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return in
 }

@@ -34,6 +34,10 @@ func TestOutboxStatsAndCleanup(t *testing.T) {
 		t.Fatalf("stats = %+v, want 1 pending, 6 attempts, about 90 s old", s)
 	}
 
+	messaging.RegisterOutboxStats(b.registry, db)
+	wantMetric(t, b.registry, "outbox_pending_messages 1")
+	wantMetric(t, b.registry, "outbox_max_attempts 6")
+
 	n, err := messaging.DeleteSentOutboxMessages(ctx, db, 7*24*time.Hour)
 	if err != nil || n != 2 {
 		t.Fatalf("deleted %d (%v), want the 2 rows sent 8 days ago", n, err)

@@ -59,6 +59,7 @@ type RelayConfig struct {
 	// can record what the broker confirmed. Default 5 s.
 	ShutdownGrace time.Duration
 	Logger        *slog.Logger
+	Metrics       *Metrics // optional
 }
 
 // BatchResult tells what one [Relay.ProcessBatch] did.
@@ -180,6 +181,7 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 			switch {
 			case err == nil:
 				sent = append(sent, rows[i].ID)
+				r.cfg.Metrics.recordPublished(rows[i].Type)
 			case errors.Is(err, ErrNotPublished) && len(failures) > 0:
 				// Never reached the broker because of the failure already recorded: it
 				// stays due and goes out with the next batch.
@@ -190,6 +192,7 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 					return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
 				}
 				failures = append(failures, f)
+				r.cfg.Metrics.recordPublishFailure(rows[i].Type)
 			}
 		}
 		if len(sent) > 0 {

@@ -205,6 +205,8 @@ func TestRelayBacksOffUnroutableRowsWithoutBlockingOthers(t *testing.T) {
 	if lines := b.logs.Lines("outbox publish failed", "message_id="+unroutable.ID.String(), "attempts=3"); len(lines) != 1 {
 		t.Errorf("want one failure line for the third attempt, got %d", len(lines))
 	}
+	wantMetric(t, b.registry, `outbox_publish_failures_total{type="NobodyListens"} 3`)
+	wantMetric(t, b.registry, `outbox_messages_published_total{type="OrderPlaced"} 2`)
 }
 
 // A broker that swallows traffic (a half-open connection) never confirms: the batch gives up

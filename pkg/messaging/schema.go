@@ -7,9 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 
-	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/database"
-	"github.com/pressly/goose/v3/lock"
+	"github.com/outboxkit/outbox-inbox/pkg/migrate"
 )
 
 // Schema holds the versioned SQL migrations of the package's own tables: schema/outbox for
@@ -20,47 +18,21 @@ import (
 var Schema embed.FS
 
 // MigrateOutbox creates or upgrades outbox_messages. Its versions are recorded in the table
-// messaging_outbox_schema, so they never collide with the service's own migrations.
+// messaging_outbox_schema, apart from the service's own migrations, so the two never collide.
 func MigrateOutbox(ctx context.Context, db *sql.DB) error {
-	return migrate(ctx, db, "schema/outbox", "messaging_outbox_schema")
+	return migrateSchema(ctx, db, "schema/outbox", "messaging_outbox_schema")
 }
 
 // MigrateInbox creates or upgrades inbox_messages, recording its versions in
 // messaging_inbox_schema.
 func MigrateInbox(ctx context.Context, db *sql.DB) error {
-	return migrate(ctx, db, "schema/inbox", "messaging_inbox_schema")
+	return migrateSchema(ctx, db, "schema/inbox", "messaging_inbox_schema")
 }
 
-// RunMigrations applies the goose migrations found at the root of fsys, recording them in
-// versionTable. A PostgreSQL advisory lock serialises replicas that start at the same moment.
-func RunMigrations(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error {
-	// Poll the lock every second (the default is 5 s), for up to five minutes.
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, 300))
-	if err != nil {
-		return fmt.Errorf("migrations %s: create locker: %w", versionTable, err)
-	}
-	store, err := database.NewStore(database.DialectPostgres, versionTable)
-	if err != nil {
-		return fmt.Errorf("migrations %s: create store: %w", versionTable, err)
-	}
-	provider, err := goose.NewProvider("", db, fsys,
-		goose.WithStore(store),
-		goose.WithSessionLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		return fmt.Errorf("migrations %s: %w", versionTable, err)
-	}
-	if _, err := provider.Up(ctx); err != nil {
-		return fmt.Errorf("migrations %s: up: %w", versionTable, err)
-	}
-	return nil
-}
-
-func migrate(ctx context.Context, db *sql.DB, dir, versionTable string) error {
+func migrateSchema(ctx context.Context, db *sql.DB, dir, versionTable string) error {
 	sub, err := fs.Sub(Schema, dir)
 	if err != nil {
 		return fmt.Errorf("migrations %s: %w", versionTable, err)
 	}
-	return RunMigrations(ctx, db, sub, versionTable)
+	return migrate.Up(ctx, db, sub, versionTable)
 }

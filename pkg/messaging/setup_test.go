@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
@@ -26,6 +27,8 @@ type testBundle struct {
 	ch       *amqp.Channel
 	log      *slog.Logger
 	logs     *testenv.Logs
+	registry *prometheus.Registry
+	metrics  *messaging.Metrics
 }
 
 func setup(t testing.TB) *testBundle {
@@ -51,6 +54,8 @@ func setup(t testing.TB) *testBundle {
 		t.Fatal(err)
 	}
 	b.log, b.logs = testenv.NewLogger(t)
+	b.registry = prometheus.NewRegistry()
+	b.metrics = messaging.NewMetrics(b.registry)
 	return b
 }
 
@@ -96,7 +101,7 @@ func (b *testBundle) publisher(t testing.TB, url string) *messaging.Publisher {
 
 func (b *testBundle) relay(t testing.TB, sender messaging.Sender, tweak func(*messaging.RelayConfig)) *messaging.Relay {
 	t.Helper()
-	cfg := messaging.RelayConfig{DB: b.db.DB, Sender: sender, Exchange: b.exchange, Logger: b.log}
+	cfg := messaging.RelayConfig{DB: b.db.DB, Sender: sender, Exchange: b.exchange, Logger: b.log, Metrics: b.metrics}
 	if tweak != nil {
 		tweak(&cfg)
 	}
