@@ -152,12 +152,14 @@ func NewLogger(t testing.TB) (*slog.Logger, *Logs) {
 	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug})), l
 }
 
+// Write implements io.Writer for the slog handler.
 func (l *Logs) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.buf.Write(p)
 }
 
+// String returns everything logged so far.
 func (l *Logs) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

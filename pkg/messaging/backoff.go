@@ -23,3 +23,14 @@ func (b Backoff) Delay(failures int) time.Duration {
 	}
 	return min(d, b.Max)
 }
+
+// withDefaults fills in whichever of Base and Max is unset.
+func (b Backoff) withDefaults(base, maxDelay time.Duration) Backoff {
+	if b.Base <= 0 {
+		b.Base = base
+	}
+	if b.Max <= 0 {
+		b.Max = max(maxDelay, b.Base)
+	}
+	return b
+}

@@ -19,9 +19,9 @@ type Handler func(ctx context.Context, msg Message) error
 
 // ConsumerConfig configures a [Consumer]. URL and Queue are required.
 type ConsumerConfig struct {
-	URL            string
-	ConnectionName string
-	Queue          string
+	URL            string // RabbitMQ URL, vhost included
+	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
+	Queue          string // the queue to consume
 	// Setup declares the topology (see [ConsumerTopology.Declare]) on every new channel.
 	Setup func(ch *amqp.Channel) error
 	// Concurrency is how many messages are handled in parallel. Default 1.
@@ -42,6 +42,12 @@ type ConsumerConfig struct {
 	ShutdownGrace time.Duration
 	// Reconnect paces reconnection attempts. Default 500 ms doubling up to 30 s.
 	Reconnect Backoff
+	// DeliveryLimit is the queue's x-delivery-limit (default DefaultDeliveryLimit). A message
+	// still failing on its last delivery is dead-lettered by the consumer itself, because from
+	// RabbitMQ 4.3 on a requeue no longer counts towards the broker's limit.
+	DeliveryLimit int
+	// Heartbeat is the AMQP heartbeat interval (default 10 s): a silent connection is declared
+	// dead after a few missed beats.
 	Heartbeat time.Duration
 	Logger    *slog.Logger
 	Metrics   *Metrics // optional
@@ -75,17 +81,16 @@ func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
 	if cfg.Retries <= 0 {
 		cfg.Retries = 3
 	}
-	if cfg.RetryBackoff == (Backoff{}) {
-		cfg.RetryBackoff = Backoff{Base: 100 * time.Millisecond, Max: 5 * time.Second}
-	}
+	cfg.RetryBackoff = cfg.RetryBackoff.withDefaults(100*time.Millisecond, 5*time.Second)
 	if cfg.HandlerTimeout <= 0 {
 		cfg.HandlerTimeout = 30 * time.Second
 	}
 	if cfg.ShutdownGrace <= 0 {
 		cfg.ShutdownGrace = 5 * time.Second
 	}
-	if cfg.Reconnect == (Backoff{}) {
-		cfg.Reconnect = Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}
+	cfg.Reconnect = cfg.Reconnect.withDefaults(500*time.Millisecond, 30*time.Second)
+	if cfg.DeliveryLimit <= 0 {
+		cfg.DeliveryLimit = DefaultDeliveryLimit
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -150,8 +155,36 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	c.ready.Store(true)
 	defer c.ready.Store(false)
 
-	// On shutdown stop the flow of new deliveries; the workers settle what they hold.
-	stopConsuming := context.AfterFunc(ctx, func() { _ = ch.Cancel(tag, false) })
+	// session ends with the process (ctx) or with the channel: then no worker keeps retrying a
+	// delivery it could no longer acknowledge.
+	session, endSession := context.WithCancel(ctx)
+	defer endSession()
+	var closeErr atomic.Pointer[amqp.Error]
+	go func() {
+		select {
+		case err, ok := <-closed:
+			if ok && err != nil {
+				closeErr.Store(err)
+			}
+			c.ready.Store(false)
+			endSession()
+		case <-session.Done():
+		}
+	}()
+
+	// At shutdown, stop the flow of new deliveries (noWait: the cancel must not wait on a dead
+	// connection); the workers settle what they hold, within the grace period. Past it, the
+	// connection is closed regardless and the broker requeues whatever is unacknowledged.
+	stopConsuming := context.AfterFunc(ctx, func() {
+		_ = ch.Cancel(tag, true)
+		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			_ = conn.CloseDeadline(time.Now())
+		case <-session.Done():
+		}
+	})
 	defer stopConsuming()
 	handlerCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
 	defer cancel()
@@ -160,7 +193,7 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	for range c.cfg.Concurrency {
 		wg.Go(func() {
 			for d := range deliveries {
-				c.handle(ctx, handlerCtx, d)
+				c.handle(session, handlerCtx, d)
 			}
 		})
 	}
@@ -168,20 +201,17 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	if ctx.Err() != nil {
 		return true, nil
 	}
-	select {
-	case err, ok := <-closed:
-		if ok && err != nil {
-			return true, fmt.Errorf("channel closed: %w", err)
-		}
-	default:
+	if err := closeErr.Load(); err != nil {
+		return true, fmt.Errorf("channel closed: %w", err)
 	}
 	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
 	// again.
 	return true, errors.New("delivery stream ended")
 }
 
-// handle settles one delivery. runCtx ends at shutdown; workCtx a grace period later.
-func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
+// handle settles one delivery. session ends at shutdown or when the channel is lost; workCtx
+// a grace period after shutdown.
+func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
 	if err != nil {
 		c.deadLetter(d, d.MessageId, err)
@@ -190,8 +220,8 @@ func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
 	log := c.log.With("message_id", msg.ID, "type", msg.Type)
 	failures, outages := 0, 0
 	for {
-		if runCtx.Err() != nil {
-			// Shutting down: hand it back untouched for another consumer.
+		if session.Err() != nil {
+			// Shutting down or disconnected: hand it back untouched for another consumer.
 			c.settle(log, "nack", d.Nack(false, true))
 			return
 		}
@@ -200,8 +230,9 @@ func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
 		switch {
 		case err == nil:
 			// Only now, after the handler committed, may the broker forget the message.
-			c.settle(log, "ack", d.Ack(false))
-			c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
+			if c.settle(log, "ack", d.Ack(false)) {
+				c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
+			}
 			return
 		case IsPermanent(err):
 			c.deadLetter(d, msg.ID.String(), err)
@@ -214,19 +245,38 @@ func (c *Consumer) handle(runCtx, workCtx context.Context, d amqp.Delivery) {
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
+				if deliveryCount(d)+1 >= c.cfg.DeliveryLimit {
+					c.deadLetter(d, msg.ID.String(), fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
+					return
+				}
 				log.Warn("handler failed; returning message to the queue", "error", err, "attempts", failures)
-				c.settle(log, "nack", d.Nack(false, true))
-				c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
+				if c.settle(log, "nack", d.Nack(false, true)) {
+					c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
+				}
 				return
 			}
 			delay = c.cfg.RetryBackoff.Delay(failures)
 			log.Warn("handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
 		}
 		select {
-		case <-runCtx.Done():
+		case <-session.Done():
 		case <-time.After(delay):
 		}
 	}
+}
+
+// deliveryCount is how many times the broker delivered d before (quorum queues count it in
+// x-delivery-count).
+func deliveryCount(d amqp.Delivery) int {
+	switch v := d.Headers["x-delivery-count"].(type) {
+	case int64:
+		return int(v)
+	case int32:
+		return int(v)
+	case int:
+		return v
+	}
+	return 0
 }
 
 func (c *Consumer) attempt(ctx context.Context, msg Message) error {
@@ -240,14 +290,17 @@ func (c *Consumer) attempt(ctx context.Context, msg Message) error {
 func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
 	c.log.Error("message dead-lettered", "message_id", truncate(messageID, 64), "type", truncate(d.Type, 64),
 		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
-	c.settle(c.log, "reject", d.Reject(false))
-	c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
+	if c.settle(c.log, "reject", d.Reject(false)) {
+		c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
+	}
 }
 
 // settle logs a failed ack, nack or reject. It happens when the channel closed meanwhile; the
 // broker then redelivers the message, and the inbox recognises it if it was handled.
-func (c *Consumer) settle(log *slog.Logger, op string, err error) {
+func (c *Consumer) settle(log *slog.Logger, op string, err error) bool {
 	if err != nil {
 		log.Warn("could not "+op+" message; the broker will redeliver it", "error", err)
+		return false
 	}
+	return true
 }

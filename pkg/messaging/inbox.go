@@ -11,9 +11,10 @@ import (
 )
 
 // claimInboxSQL records that a consumer handles a message. The primary key (message_id,
-// consumer) decides between two deliveries of one message, even concurrent ones: the second
-// insert waits for the first transaction and then affects 0 rows. There is no check-then-insert
-// race, and no unique-violation error that would abort the transaction.
+// consumer) decides between two deliveries of one message, even concurrent ones: under READ
+// COMMITTED (PostgreSQL's default, which the inbox's transactions use) the second insert waits
+// for the first transaction and then affects 0 rows. There is no check-then-insert race, and
+// no unique-violation error that would abort the transaction.
 const claimInboxSQL = `INSERT INTO inbox_messages (message_id, consumer, processed_at)
 VALUES (?, ?, now())
 ON CONFLICT (message_id, consumer) DO NOTHING`
@@ -65,7 +66,10 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 		return work(tx)
 	})
 	if err != nil {
-		if !IsPermanent(err) && ctx.Err() == nil && !in.databaseAnswers(ctx) {
+		// Ask the database directly, on a context of its own: a database that swallows traffic
+		// shows up as the handler's deadline passing, and that must not count as the message's
+		// fault.
+		if !IsPermanent(err) && !in.databaseAnswers(context.WithoutCancel(ctx)) {
 			err = Unavailable(err)
 		}
 		return false, err

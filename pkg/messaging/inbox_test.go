@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/Shopify/toxiproxy/v2"
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
@@ -193,7 +194,8 @@ func TestConsumerDoesTheWorkOnceWhenAMessageArrivesTwice(t *testing.T) {
 	b.publishRaw(t, publishing(msgs[1])) // the redelivery
 	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.duplicateLines(msgs[1].ID)) == 1 },
 		"no duplicate line for the redelivered message")
-	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 }, "queue not empty")
+	acked := `consumer_messages_total{outcome="acked",queue="` + b.queue + `"} 4`
+	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "not all 4 deliveries were acked")
 	if w := b.workDone(t); w != 3 {
 		t.Fatalf("work done %d times for 3 messages, want 3", w)
 	}
@@ -201,10 +203,19 @@ func TestConsumerDoesTheWorkOnceWhenAMessageArrivesTwice(t *testing.T) {
 		t.Fatalf("%d duplicate lines in all, want 1", n)
 	}
 	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="invoicing"} 1`)
-	wantMetric(t, b.registry, `consumer_messages_total{outcome="acked",queue="`+b.queue+`"} 4`)
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("queue still holds %d", n)
+	}
 }
 
 func wantMetric(t *testing.T, reg *prometheus.Registry, line string) {
+	t.Helper()
+	if !hasMetric(t, reg, line) {
+		t.Fatalf("metrics lack %q", line)
+	}
+}
+
+func hasMetric(t *testing.T, reg *prometheus.Registry, line string) bool {
 	t.Helper()
 	families, err := reg.Gather()
 	if err != nil {
@@ -216,9 +227,7 @@ func wantMetric(t *testing.T, reg *prometheus.Registry, line string) {
 			t.Fatal(err)
 		}
 	}
-	if !strings.Contains(buf.String(), line) {
-		t.Fatalf("metrics lack %q:\n%s", line, buf.String())
-	}
+	return strings.Contains(buf.String(), line)
 }
 
 func TestConsumerRunsConcurrentDuplicatesOnce(t *testing.T) {
@@ -315,32 +324,129 @@ func TestConsumerDeadLettersPoisonAndCarriesOn(t *testing.T) {
 }
 
 // The database going away is not the message's fault: the consumer waits for it, without
-// sending the message back to the queue or to the dead-letter queue.
+// sending the message back to the queue or to the dead-letter queue, whether the database
+// refuses connections or swallows traffic. Meanwhile it still notices a lost broker connection.
 func TestConsumerWaitsOutADatabaseOutageWithoutDeadLettering(t *testing.T) {
+	t.Parallel()
+	outages := map[string]struct {
+		begin, end func(t *testing.T, p *toxiproxy.Proxy)
+	}{
+		"refused": {
+			begin: func(_ *testing.T, p *toxiproxy.Proxy) { p.Stop() },
+			end: func(t *testing.T, p *toxiproxy.Proxy) {
+				if err := p.Start(); err != nil {
+					t.Fatal(err)
+				}
+			},
+		},
+		"swallowed": {
+			begin: func(t *testing.T, p *toxiproxy.Proxy) {
+				if _, err := p.Toxics.AddToxicJson(strings.NewReader(`{"name":"blackhole","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+					t.Fatal(err)
+				}
+			},
+			end: func(t *testing.T, p *toxiproxy.Proxy) {
+				if err := p.Toxics.RemoveToxic(context.Background(), "blackhole"); err != nil {
+					t.Fatal(err)
+				}
+			},
+		},
+	}
+	for name, outage := range outages {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			b.createWorkTable(t)
+			proxy := testenv.Proxy(t, "127.0.0.1:5432")
+			viaProxy, err := testenv.OpenGORM(strings.Replace(b.db.URL, "127.0.0.1:5432", proxy.Listen, 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if sqlDB, err := viaProxy.DB(); err == nil {
+					_ = sqlDB.Close()
+				}
+			})
+			consumerConn := testenv.UniqueName("consumer")
+			b.consumer(t, testenv.AMQPURL(), viaProxy, workFunc, func(c *messaging.ConsumerConfig) {
+				c.Retries, c.HandlerTimeout, c.ConnectionName = 2, 500*time.Millisecond, consumerConn
+			})
+
+			outage.begin(t, proxy)
+			msg := newMessage(t, 1)
+			b.publishRaw(t, publishing(msg))
+			testenv.Eventually(t, 20*time.Second, func() bool { return len(b.logs.Lines("dependency unavailable", msg.ID.String())) >= 3 },
+				"consumer did not report the database outage")
+
+			// The broker drops the consumer while it waits: it must reconnect rather than hold
+			// on to a delivery it can no longer acknowledge.
+			if n := testenv.CloseConnectionsNamed(t, consumerConn); n != 1 {
+				t.Fatalf("closed %d consumer connections, want 1", n)
+			}
+			testenv.Eventually(t, 20*time.Second, func() bool { return len(b.logs.Lines("consumer started")) >= 2 },
+				"consumer did not reconnect while the database was down")
+
+			outage.end(t, proxy)
+			testenv.Eventually(t, 30*time.Second, func() bool { return b.workDone(t) == 1 }, "message not handled after the database came back")
+			if n := len(b.logs.Lines("returning message to the queue")); n != 0 {
+				t.Fatalf("message went back to the queue %d times during a database outage", n)
+			}
+			if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
+				t.Fatalf("dead-letter queue holds %d", n)
+			}
+		})
+	}
+}
+
+// A message that fails on every delivery is dead-lettered by the consumer on its last allowed
+// delivery, not left to the broker's limit (which RabbitMQ 4.3+ no longer counts on requeue).
+func TestConsumerDeadLettersAMessageThatFailsOnEveryDelivery(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.createWorkTable(t)
-	proxy := testenv.Proxy(t, "127.0.0.1:5432")
-	viaProxy, err := testenv.OpenGORM(strings.Replace(b.db.URL, "127.0.0.1:5432", proxy.Listen, 1))
+	broken := func(context.Context, *gorm.DB, messaging.Message) error { return errors.New("always fails") }
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, broken, func(c *messaging.ConsumerConfig) { c.Retries, c.DeliveryLimit = 1, 3 })
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 },
+		"message not dead-lettered")
+	if n := len(b.logs.Lines("message dead-lettered", "failed on each of 3 deliveries")); n != 1 {
+		t.Fatalf("%d dead-letter lines naming the delivery limit, want 1", n)
+	}
+	if n := len(b.logs.Lines("returning message to the queue", msg.ID.String())); n != 2 {
+		t.Fatalf("returned to the queue %d times, want 2 (deliveries 1 and 2)", n)
+	}
+}
+
+// Shutdown must finish within its grace period even when the broker connection went silent.
+func TestConsumerStopsWithinItsGraceOnASilentConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	in := newInbox(t, b.db.DB, consumerName, b.log)
+	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
+		URL: testenv.AMQPURLVia(t, proxy.Listen), Queue: b.queue, Setup: b.topology.Declare,
+		ShutdownGrace: time.Second, Logger: b.log,
+	}, in.Handler(workFunc))
 	if err != nil {
 		t.Fatal(err)
 	}
-	b.consumer(t, testenv.AMQPURL(), viaProxy, workFunc, func(c *messaging.ConsumerConfig) { c.Retries = 2 })
-
-	proxy.Stop()
-	msg := newMessage(t, 1)
-	b.publishRaw(t, publishing(msg))
-	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("dependency unavailable", msg.ID.String())) >= 3 },
-		"consumer did not report the database outage")
-	if err := proxy.Start(); err != nil {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"blackhole","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
 		t.Fatal(err)
 	}
-	testenv.Eventually(t, 15*time.Second, func() bool { return b.workDone(t) == 1 }, "message not handled after the database came back")
-	if n := len(b.logs.Lines("returning message to the queue")); n != 0 {
-		t.Fatalf("message went back to the queue %d times during a database outage", n)
-	}
-	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
-		t.Fatalf("dead-letter queue holds %d", n)
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run = %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("consumer still running 5 s after cancel with a 1 s grace period")
 	}
 }
 

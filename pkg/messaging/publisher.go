@@ -66,9 +66,7 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.MaxInFlight <= 0 {
 		cfg.MaxInFlight = 1000
 	}
-	if cfg.Reconnect == (Backoff{}) {
-		cfg.Reconnect = Backoff{Base: 100 * time.Millisecond, Max: 5 * time.Second}
-	}
+	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 5*time.Second)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -100,11 +98,20 @@ func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []M
 		return
 	}
 
+	// ConfirmTimeout bounds the whole call, writes included: a broker that stops reading (a
+	// memory alarm, a stalled link) blocks the socket write itself, and the context is only
+	// checked before writing. Closing the connection at the deadline unblocks it.
+	waitCtx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
+	defer cancel()
+	conn := p.conn
+	stop := context.AfterFunc(waitCtx, func() { _ = conn.CloseDeadline(time.Now()) })
+	defer stop()
+
 	// Publish the whole window, then collect the confirms: many in flight, one round trip.
 	broken := false
 	confirms := make([]*amqp.DeferredConfirmation, len(msgs))
 	for i, m := range msgs {
-		dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, m.Type, true, false, toPublishing(m, p.cfg.AppID))
+		dc, err := p.ch.PublishWithDeferredConfirmWithContext(waitCtx, exchange, m.Type, true, false, toPublishing(m, p.cfg.AppID))
 		if err != nil {
 			errs[i] = fmt.Errorf("publish: %w", err)
 			for j := i + 1; j < len(msgs); j++ {
@@ -116,17 +123,16 @@ func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []M
 		confirms[i] = dc
 	}
 
-	waitCtx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
-	defer cancel()
 	for i, dc := range confirms {
 		if dc == nil {
 			continue
 		}
 		ack, err := dc.WaitContext(waitCtx)
 		switch {
-		case err != nil:
-			// The channel's state is unknown now (late confirms, late returns): start afresh.
-			errs[i] = fmt.Errorf("wait for confirm: %w", err)
+		case err != nil || (!ack && waitCtx.Err() != nil):
+			// Timed out (the deadline also closed the connection, which nacks the rest). The
+			// channel's state is unknown now: start afresh.
+			errs[i] = fmt.Errorf("wait for confirm: %w", waitCtx.Err())
 			broken = true
 		case !ack && p.ch.IsClosed():
 			errs[i] = fmt.Errorf("%w: channel closed", ErrNacked)

@@ -25,15 +25,18 @@ ORDER BY occurred_at, id
 LIMIT ?
 FOR UPDATE SKIP LOCKED`
 
-	// Only rows the broker confirmed and routed.
-	markSentSQL = `UPDATE outbox_messages SET processed_at = now() WHERE id IN ?`
+	// Only rows the broker confirmed and routed. clock_timestamp(), not now(): now() is when the
+	// transaction began, before the publishing it waited for.
+	markSentSQL = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id IN ?`
 
-	// Never give up on a row: record why it failed and when to try again.
+	// Never give up on a row: record why it failed and when to try again, counted from now,
+	// not from the start of the transaction (a confirm timeout can take seconds).
 	recordFailureSQL = `UPDATE outbox_messages
 SET attempts = attempts + 1,
     last_error = ?,
-    next_attempt_at = now() + ? * interval '1 millisecond'
-WHERE id = ?`
+    next_attempt_at = clock_timestamp() + ? * interval '1 millisecond'
+WHERE id = ?
+RETURNING next_attempt_at`
 )
 
 // Sender publishes a batch and reports one verdict per message (see [Publisher.Publish]).
@@ -89,12 +92,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Second
 	}
-	if cfg.Backoff.Base <= 0 {
-		cfg.Backoff.Base = 2 * time.Second
-	}
-	if cfg.Backoff.Max <= 0 {
-		cfg.Backoff.Max = 5 * time.Minute
-	}
+	cfg.Backoff = cfg.Backoff.withDefaults(2*time.Second, 5*time.Minute)
 	if cfg.ShutdownGrace <= 0 {
 		cfg.ShutdownGrace = 5 * time.Second
 	}
@@ -147,10 +145,11 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 type failure struct {
-	msg      Message
-	attempts int
-	delay    time.Duration
-	err      error
+	msg           Message
+	attempts      int
+	delay         time.Duration
+	nextAttemptAt time.Time
+	err           error
 }
 
 // ProcessBatch claims, publishes and settles one batch of due rows in one transaction.
@@ -160,8 +159,9 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 
 	var res BatchResult
 	var failures []failure
+	var sentTypes []string
 	err := r.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		res, failures = BatchResult{}, nil
+		res, failures, sentTypes = BatchResult{}, nil, nil
 		var rows []OutboxMessage
 		if err := tx.Raw(claimSQL, r.cfg.BatchSize).Scan(&rows).Error; err != nil {
 			return fmt.Errorf("claim outbox batch: %w", err)
@@ -181,18 +181,17 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 			switch {
 			case err == nil:
 				sent = append(sent, rows[i].ID)
-				r.cfg.Metrics.recordPublished(rows[i].Type)
+				sentTypes = append(sentTypes, rows[i].Type)
 			case errors.Is(err, ErrNotPublished) && len(failures) > 0:
 				// Never reached the broker because of the failure already recorded: it
 				// stays due and goes out with the next batch.
 			default:
 				f := failure{msg: msgs[i], attempts: rows[i].Attempts + 1, err: err}
 				f.delay = r.cfg.Backoff.Delay(f.attempts)
-				if err := tx.Exec(recordFailureSQL, err.Error(), f.delay.Milliseconds(), f.msg.ID).Error; err != nil {
+				if err := tx.Raw(recordFailureSQL, err.Error(), f.delay.Milliseconds(), f.msg.ID).Scan(&f.nextAttemptAt).Error; err != nil {
 					return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
 				}
 				failures = append(failures, f)
-				r.cfg.Metrics.recordPublishFailure(rows[i].Type)
 			}
 		}
 		if len(sent) > 0 {
@@ -206,11 +205,15 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	if err != nil {
 		return BatchResult{Claimed: res.Claimed}, err
 	}
-	// Logged after the commit, so the log never reports a state the database does not hold.
+	// Logged and counted after the commit, so neither reports a state the database does not hold.
+	for _, t := range sentTypes {
+		r.cfg.Metrics.recordPublished(t)
+	}
 	for _, f := range failures {
+		r.cfg.Metrics.recordPublishFailure(f.msg.Type)
 		r.log.Warn("outbox publish failed",
 			"message_id", f.msg.ID, "type", f.msg.Type, "attempts", f.attempts,
-			"retry_in", f.delay, "next_attempt_at", time.Now().Add(f.delay).UTC().Format(time.RFC3339), "error", f.err)
+			"retry_in", f.delay, "next_attempt_at", f.nextAttemptAt.UTC().Format(time.RFC3339Nano), "error", f.err)
 	}
 	if res.Sent > 0 {
 		r.log.Debug("outbox batch sent", "sent", res.Sent, "claimed", res.Claimed)
@@ -218,15 +221,21 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	return res, nil
 }
 
-// listen wakes the relay on every NOTIFY, on a connection of its own taken from the pool.
-// While it cannot listen, polling still moves everything, only later.
+// listen wakes the relay on every NOTIFY, on a connection of its own taken from the pool for
+// as long as the relay runs (size the pool for it). While it cannot listen, polling still
+// moves everything, only later.
 func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
 	retry := Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}
-	for failures := 1; ; failures++ {
-		err := r.listenOnce(ctx, wake)
+	failures := 0
+	for {
+		listened, err := r.listenOnce(ctx, wake)
 		if ctx.Err() != nil {
 			return
 		}
+		if listened {
+			failures = 0
+		}
+		failures++
 		delay := retry.Delay(failures)
 		r.log.Warn("relay lost its LISTEN connection; polling meanwhile", "error", err, "retry_in", delay)
 		select {
@@ -237,17 +246,18 @@ func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
 	}
 }
 
-func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) error {
+// listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.
+func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened bool, err error) {
 	sqlDB, err := r.cfg.DB.DB()
 	if err != nil {
-		return fmt.Errorf("listen: %w", err)
+		return false, fmt.Errorf("listen: %w", err)
 	}
 	conn, err := sqlDB.Conn(ctx)
 	if err != nil {
-		return fmt.Errorf("listen: take a connection: %w", err)
+		return false, fmt.Errorf("listen: take a connection: %w", err)
 	}
 	defer conn.Close()
-	return conn.Raw(func(driverConn any) error {
+	err = conn.Raw(func(driverConn any) error {
 		sc, ok := driverConn.(*stdlib.Conn)
 		if !ok {
 			return fmt.Errorf("listen: need the pgx driver, got %T", driverConn)
@@ -263,6 +273,7 @@ func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) error {
 				_, _ = pc.Exec(unlistenCtx, "UNLISTEN *")
 			}
 		}()
+		listened = true
 		signal(wake) // rows committed while nobody listened
 		for {
 			if _, err := pc.WaitForNotification(ctx); err != nil {
@@ -271,6 +282,7 @@ func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) error {
 			signal(wake)
 		}
 	})
+	return listened, err
 }
 
 func signal(c chan<- struct{}) {

@@ -8,7 +8,9 @@ import (
 
 // DefaultDeliveryLimit is the x-delivery-limit of consumer queues: a backstop that
 // dead-letters a message after this many deliveries (a message that crashes its consumer
-// every time, say). RabbitMQ 3.x quorum queues have no limit unless one is set.
+// every time, say). RabbitMQ 3.x quorum queues have no limit unless one is set; from 4.3 a
+// requeue no longer counts towards it, so the [Consumer] also dead-letters by itself a message
+// that fails on its last allowed delivery.
 const DefaultDeliveryLimit = 20
 
 // DeclareExchange declares a durable topic exchange. Declaring is idempotent, so every
@@ -29,7 +31,7 @@ type ConsumerTopology struct {
 	Exchange      string
 	Queue         string
 	RoutingKeys   []string
-	DeliveryLimit int // default DefaultDeliveryLimit
+	DeliveryLimit int // default DefaultDeliveryLimit; give the consumer the same value
 }
 
 // Declare declares the exchange, the dead-letter queue, the queue and its bindings.
