@@ -1,0 +1,62 @@
+package platform
+
+import (
+	"context"
+	"database/sql"
+	"io/fs"
+	"log/slog"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/migrate"
+)
+
+// Migration brings one part of a service's schema up to date.
+type Migration func(ctx context.Context, db *sql.DB) error
+
+// Migrations applies the goose files in dir of fsys, recording them in versionTable.
+func Migrations(fsys fs.FS, dir, versionTable string) Migration {
+	return func(ctx context.Context, db *sql.DB) error {
+		sub, err := fs.Sub(fsys, dir)
+		if err != nil {
+			return err
+		}
+		return migrate.Up(ctx, db, sub, versionTable)
+	}
+}
+
+// Base is what every service starts with: its database, migrated, and a metrics registry
+// with the process collectors and the messaging metrics.
+type Base struct {
+	DB       *gorm.DB
+	Registry *prometheus.Registry
+	Metrics  *messaging.Metrics
+}
+
+// Start opens the service's database, applies migrations in order (before anything serves,
+// so no pooled statement sees a changing schema) and prepares the metrics.
+func Start(ctx context.Context, log *slog.Logger, service string, c Common, migrations ...Migration) (*Base, error) {
+	db, err := OpenDB(ctx, log, service, c.DatabaseURL, c.DBMaxConns)
+	if err != nil {
+		return nil, err
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range migrations {
+		if err := m(ctx, sqlDB); err != nil {
+			_ = sqlDB.Close()
+			return nil, err
+		}
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg)}, nil
+}
+
+// Close closes the database pool.
+func (b *Base) Close() { CloseDB(b.DB) }

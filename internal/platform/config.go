@@ -1,0 +1,171 @@
+package platform
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Env reads configuration from environment variables and collects every problem, each naming
+// its variable, so a misconfigured process reports them all at once and stops.
+type Env struct {
+	lookup func(string) (string, bool)
+	errs   []error
+}
+
+// NewEnv reads from the process environment.
+func NewEnv() *Env { return &Env{lookup: os.LookupEnv} }
+
+// EnvFrom reads from a map (for tests).
+func EnvFrom(vars map[string]string) *Env {
+	return &Env{lookup: func(k string) (string, bool) { v, ok := vars[k]; return v, ok }}
+}
+
+func (e *Env) get(name string) (string, bool) {
+	v, ok := e.lookup(name)
+	v = strings.TrimSpace(v)
+	return v, ok && v != ""
+}
+
+func (e *Env) fail(name, format string, args ...any) {
+	e.errs = append(e.errs, fmt.Errorf("%s: "+format, append([]any{name}, args...)...))
+}
+
+// Err reports every problem found so far as one line, or nil.
+func (e *Env) Err() error {
+	if len(e.errs) == 0 {
+		return nil
+	}
+	msgs := make([]string, len(e.errs))
+	for i, err := range e.errs {
+		msgs[i] = err.Error()
+	}
+	return errors.New("config: " + strings.Join(msgs, "; "))
+}
+
+// String returns the variable, or def when unset.
+func (e *Env) String(name, def string) string {
+	if v, ok := e.get(name); ok {
+		return v
+	}
+	return def
+}
+
+// OneOf returns the variable, which must be one of allowed, or def when unset.
+func (e *Env) OneOf(name, def string, allowed ...string) string {
+	v := strings.ToLower(e.String(name, def))
+	for _, a := range allowed {
+		if v == a {
+			return v
+		}
+	}
+	e.fail(name, "must be one of %s", strings.Join(allowed, ", "))
+	return def
+}
+
+// URL returns a required URL whose scheme is one of schemes. Errors never echo the value:
+// it may hold a password.
+func (e *Env) URL(name string, schemes ...string) string {
+	v, ok := e.get(name)
+	if !ok {
+		e.fail(name, "required")
+		return ""
+	}
+	u, err := url.Parse(v)
+	if err != nil || u.Host == "" {
+		e.fail(name, "not a valid URL")
+		return ""
+	}
+	for _, s := range schemes {
+		if u.Scheme == s {
+			return v
+		}
+	}
+	e.fail(name, "scheme must be one of %s", strings.Join(schemes, ", "))
+	return ""
+}
+
+// Int returns an integer in [lo, hi], or def when unset.
+func (e *Env) Int(name string, def, lo, hi int) int {
+	v, ok := e.get(name)
+	if !ok {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		e.fail(name, "must be an integer from %d to %d", lo, hi)
+		return def
+	}
+	return n
+}
+
+// Duration returns a Go duration ("1s", "5m") in [lo, hi], or def when unset.
+func (e *Env) Duration(name string, def, lo, hi time.Duration) time.Duration {
+	v, ok := e.get(name)
+	if !ok {
+		return def
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < lo || d > hi {
+		e.fail(name, "must be a duration such as 1s or 5m, from %s to %s", lo, hi)
+		return def
+	}
+	return d
+}
+
+// Bool returns true/false (also 1/0), or def when unset.
+func (e *Env) Bool(name string, def bool) bool {
+	v, ok := e.get(name)
+	if !ok {
+		return def
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		e.fail(name, "must be true or false")
+		return def
+	}
+	return b
+}
+
+// Redact hides the password of a URL, for logging the effective configuration.
+func Redact(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "(unparseable)"
+	}
+	return u.Redacted()
+}
+
+// Common is the configuration every service reads (CONTRACT.md).
+type Common struct {
+	DatabaseURL string
+	AMQPURL     string
+	HTTPAddr    string
+	LogFormat   string
+	LogLevel    string
+	DBMaxConns  int
+}
+
+// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL and DB_MAX_CONNS.
+func ReadCommon(env *Env, defaultAddr string) Common {
+	return Common{
+		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
+		AMQPURL:     env.URL("AMQP_URL", "amqp", "amqps"),
+		HTTPAddr:    env.String("HTTP_ADDR", defaultAddr),
+		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
+		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
+		DBMaxConns:  env.Int("DB_MAX_CONNS", 20, 2, 1000),
+	}
+}
+
+// LogAttrs lists the effective configuration with secrets masked.
+func (c Common) LogAttrs() []any {
+	return []any{
+		"database_url", Redact(c.DatabaseURL), "amqp_url", Redact(c.AMQPURL), "http_addr", c.HTTPAddr,
+		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
+	}
+}

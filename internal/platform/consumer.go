@@ -1,0 +1,105 @@
+package platform
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// InboxConsumer describes a consumer service's subscription: its name (also its queue's),
+// what it listens to, and the work it does in the inbox's transaction.
+type InboxConsumer struct {
+	Name        string // consumer name and queue name, e.g. "invoicing"
+	Exchange    string
+	RoutingKeys []string
+	AMQPURL     string
+	Settings    ConsumerSettings
+	Work        func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error
+	// Handled, if set, runs after a message's work committed (to wake an after-commit job).
+	Handled func()
+}
+
+// ConsumerSettings are the knobs of a consumer service.
+type ConsumerSettings struct {
+	Concurrency    int           // CONSUMER_CONCURRENCY: parallel handlers, default 4
+	Prefetch       int           // CONSUMER_PREFETCH: unacked deliveries, default 2×concurrency
+	InboxRetention time.Duration // INBOX_RETENTION: how long inbox records are kept, default 30 days
+}
+
+// ReadConsumerSettings reads ConsumerSettings.
+func ReadConsumerSettings(env *Env) ConsumerSettings {
+	var s ConsumerSettings
+	s.Concurrency = env.Int("CONSUMER_CONCURRENCY", 4, 1, 256)
+	s.Prefetch = env.Int("CONSUMER_PREFETCH", 2*s.Concurrency, 1, 65535)
+	// Records must outlive any duplicate: the relay's retries and the broker's redeliveries
+	// arrive within minutes or hours, so a day is the floor.
+	s.InboxRetention = env.Duration("INBOX_RETENTION", 30*24*time.Hour, 24*time.Hour, 10*365*24*time.Hour)
+	return s
+}
+
+// LogAttrs lists the settings for the start-up log line.
+func (s ConsumerSettings) LogAttrs() []any {
+	return []any{"consumer_concurrency", s.Concurrency, "consumer_prefetch", s.Prefetch, "inbox_retention", s.InboxRetention}
+}
+
+// InboxCleanup is the hourly job deleting inbox records older than the retention.
+func (b *Base) InboxCleanup(log *slog.Logger, retention time.Duration) Worker {
+	return Periodic(log, "inbox cleanup", time.Hour, func(ctx context.Context) error {
+		n, err := messaging.DeleteInboxMessages(ctx, b.DB, retention)
+		if err == nil && n > 0 {
+			log.Info("deleted old inbox records", "count", n, "older_than", retention)
+		}
+		return err
+	})
+}
+
+// NewInboxConsumer builds a consumer whose every delivery runs through the base's inbox,
+// on a durable quorum queue with its dead-letter queue. Its Ready and the base's database
+// make the service's readiness.
+func (b *Base) NewInboxConsumer(log *slog.Logger, c InboxConsumer) (*messaging.Consumer, error) {
+	if c.Work == nil {
+		return nil, errors.New("consumer: no work")
+	}
+	inbox, err := messaging.NewInbox(messaging.InboxConfig{DB: b.DB, Consumer: c.Name, Logger: log, Metrics: b.Metrics})
+	if err != nil {
+		return nil, err
+	}
+	handle := inbox.Handler(c.Work)
+	if c.Handled != nil {
+		inner := handle
+		handle = func(ctx context.Context, msg messaging.Message) error {
+			err := inner(ctx, msg)
+			if err == nil {
+				c.Handled()
+			}
+			return err
+		}
+	}
+	topology := messaging.ConsumerTopology{Exchange: c.Exchange, Queue: c.Name, RoutingKeys: c.RoutingKeys}
+	return messaging.NewConsumer(messaging.ConsumerConfig{
+		URL: c.AMQPURL, ConnectionName: c.Name, Queue: c.Name,
+		Setup:       func(ch *amqp.Channel) error { return topology.Declare(ch) },
+		Concurrency: c.Settings.Concurrency, Prefetch: c.Settings.Prefetch,
+		Logger: log, Metrics: b.Metrics,
+	}, handle)
+}
+
+// ConsumerReady is the readiness of a consumer service: its database and its broker
+// connection both work.
+func (b *Base) ConsumerReady(c *messaging.Consumer) ReadyFunc {
+	return func(ctx context.Context) error {
+		if err := Ping(ctx, b.DB); err != nil {
+			return errors.New("database unavailable")
+		}
+		if !c.Ready() {
+			return errors.New("not consuming from RabbitMQ")
+		}
+		return nil
+	}
+}

@@ -1,0 +1,173 @@
+package platform
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/go-chi/chi/v5/middleware"
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"gorm.io/gorm"
+)
+
+// Problem is an RFC 9457 problem detail, the body of every error response.
+type Problem struct {
+	Type   string       `json:"type"`
+	Title  string       `json:"title"`
+	Status int          `json:"status"`
+	Detail string       `json:"detail,omitempty"`
+	Errors []FieldError `json:"errors,omitempty"`
+}
+
+// FieldError names one invalid field of a request.
+type FieldError struct {
+	Field   string `json:"field"`
+	Message string `json:"message"`
+}
+
+// WriteProblem writes an application/problem+json response.
+func WriteProblem(w http.ResponseWriter, status int, detail string, fields ...FieldError) {
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(Problem{
+		Type: "about:blank", Title: http.StatusText(status), Status: status, Detail: detail, Errors: fields,
+	})
+}
+
+// WriteJSON writes v as a JSON response.
+func WriteJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// ReadyFunc reports whether the service can do its job now.
+type ReadyFunc func(ctx context.Context) error
+
+// NewRouter returns a chi router with recovery, request metrics, problem+json for unknown
+// routes, and the operational endpoints: /healthz (the process runs), /readyz (ready returns
+// nil) and /metrics (reg, in Prometheus text format).
+func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.Router {
+	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "http_requests_total", Help: "HTTP requests by route, method and status code.",
+	}, []string{"route", "method", "code"})
+	duration := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "http_request_duration_seconds", Help: "HTTP request latency by route.",
+		Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
+	}, []string{"route"})
+	reg.MustRegister(requests, duration)
+
+	r := chi.NewRouter()
+	r.Use(func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+			start := time.Now()
+			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
+			defer func() {
+				if p := recover(); p != nil {
+					if p == http.ErrAbortHandler {
+						panic(p)
+					}
+					log.Error("handler panicked", "panic", p, "method", req.Method, "path", req.URL.Path)
+					if ww.Status() == 0 {
+						WriteProblem(ww, http.StatusInternalServerError, "internal error")
+					}
+				}
+				route := chi.RouteContext(req.Context()).RoutePattern()
+				if route == "" {
+					route = "unmatched"
+				}
+				requests.WithLabelValues(route, req.Method, strconv.Itoa(ww.Status())).Inc()
+				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
+			}()
+			next.ServeHTTP(ww, req)
+		})
+	})
+	r.NotFound(func(w http.ResponseWriter, _ *http.Request) { WriteProblem(w, http.StatusNotFound, "no such resource") })
+	r.MethodNotAllowed(func(w http.ResponseWriter, _ *http.Request) {
+		WriteProblem(w, http.StatusMethodNotAllowed, "method not allowed here")
+	})
+	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	})
+	r.Get("/readyz", func(w http.ResponseWriter, req *http.Request) {
+		if err := ready(req.Context()); err != nil {
+			WriteProblem(w, http.StatusServiceUnavailable, "not ready: "+err.Error())
+			return
+		}
+		WriteJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+	})
+	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	return r
+}
+
+// NewServer returns an HTTP server with every timeout set: slow or stalled clients (slowloris)
+// cannot hold connections open.
+func NewServer(addr string, h http.Handler) *http.Server {
+	return &http.Server{
+		Addr:              addr,
+		Handler:           h,
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       10 * time.Second,
+		WriteTimeout:      15 * time.Second,
+		IdleTimeout:       60 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+	}
+}
+
+// ListByOrder serves a list endpoint such as GET /invoices: ?order_id= (a UUID) selects one
+// order's items, otherwise the most recent come first; ?limit= caps them (default 100, at most
+// 1000).
+func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		var orderID uuid.UUID
+		if v := q.Get("order_id"); v != "" {
+			id, err := uuid.Parse(v)
+			if err != nil {
+				WriteProblem(w, http.StatusBadRequest, "order_id must be a UUID")
+				return
+			}
+			orderID = id
+		}
+		limit := 100
+		if v := q.Get("limit"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > 1000 {
+				WriteProblem(w, http.StatusBadRequest, "limit must be an integer from 1 to 1000")
+				return
+			}
+			limit = n
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+		defer cancel()
+		items, err := list(ctx, orderID, limit)
+		if err != nil {
+			log.Error("list failed", "path", r.URL.Path, "error", err)
+			w.Header().Set("Retry-After", "1")
+			WriteProblem(w, http.StatusServiceUnavailable, "the database is unavailable; try again")
+			return
+		}
+		WriteJSON(w, http.StatusOK, items)
+	}
+}
+
+// ListRecent loads rows of T (a table with order_id, created_at and id columns), newest
+// first: those of one order, or all when orderID is nil.
+func ListRecent[T any](ctx context.Context, db *gorm.DB, orderID uuid.UUID, limit int) ([]T, error) {
+	q := db.WithContext(ctx).Order("created_at DESC, id DESC").Limit(limit)
+	if orderID != uuid.Nil {
+		q = q.Where("order_id = ?", orderID)
+	}
+	rows := []T{}
+	if err := q.Find(&rows).Error; err != nil {
+		return nil, fmt.Errorf("list: %w", err)
+	}
+	return rows, nil
+}

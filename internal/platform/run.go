@@ -1,0 +1,72 @@
+package platform
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+)
+
+// ShutdownTimeout bounds how long in-flight HTTP requests may take to finish after a signal;
+// with the workers' own grace periods the process exits within 10 s (CONTRACT.md).
+const ShutdownTimeout = 8 * time.Second
+
+// Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run
+// fails, Main prints one line naming the service and exits 1.
+func Main(service string, run func(ctx context.Context, env *Env) error) {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, NewEnv())
+	stop()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", service, err)
+		os.Exit(1)
+	}
+}
+
+// Worker is a long-running part of a service (a relay, a consumer). It returns nil when its
+// context ends.
+type Worker func(ctx context.Context) error
+
+// Serve runs srv and the workers under one errgroup until ctx ends or one of them fails, then
+// shuts the server down gracefully: it stops accepting, finishes the requests in flight, and
+// the workers settle their own work in progress.
+func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers ...Worker) error {
+	ln, err := net.Listen("tcp", srv.Addr)
+	if err != nil {
+		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)
+	}
+	log.Info("listening", "addr", ln.Addr().String())
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("http server: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		<-gctx.Done()
+		log.Info("shutting down")
+		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
+		defer cancel()
+		if err := srv.Shutdown(shutdownCtx); err != nil {
+			return fmt.Errorf("http shutdown: %w", err)
+		}
+		return nil
+	})
+	for _, w := range workers {
+		g.Go(func() error { return w(gctx) })
+	}
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	log.Info("stopped")
+	return nil
+}

@@ -1,0 +1,15 @@
+-- +goose Up
+CREATE TABLE invoices (
+    id           uuid        PRIMARY KEY,
+    -- One invoice per order, even if two different messages ever announced the same order.
+    order_id     uuid        NOT NULL UNIQUE,
+    customer_id  text        NOT NULL,
+    amount_cents bigint      NOT NULL CHECK (amount_cents >= 0),
+    message_id   uuid        NOT NULL,  -- the OrderPlaced message that created it
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX invoices_created_at_idx ON invoices (created_at DESC);
+
+-- +goose Down
+DROP TABLE invoices;

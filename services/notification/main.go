@@ -1,0 +1,69 @@
+// Command notification is the notification service: it consumes OrderPlaced through its
+// inbox, records one order confirmation per order, and delivers it after the commit.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// Consumer is this service's consumer name and queue name (CONTRACT.md).
+const Consumer = "notification"
+
+func main() { platform.Main("notification", run) }
+
+func run(ctx context.Context, env *platform.Env) error {
+	common := platform.ReadCommon(env, ":8082")
+	settings := platform.ReadConsumerSettings(env)
+	smtpAddr := env.String("SMTP_ADDR", "")
+	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
+	domain := env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example")
+	maxBackoff := env.Duration("NOTIFY_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
+	if err := env.Err(); err != nil {
+		return err
+	}
+	log := platform.NewLogger(os.Stderr, "notification", common.LogFormat, common.LogLevel)
+	log.Info("starting", append(append(common.LogAttrs(), settings.LogAttrs()...),
+		"smtp_addr", smtpAddr, "smtp_from", smtpFrom, "notify_recipient_domain", domain, "notify_max_backoff", maxBackoff)...)
+
+	base, err := platform.Start(ctx, log, "notification", common,
+		messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "notification_schema"))
+	if err != nil {
+		return err
+	}
+	defer base.Close()
+
+	var deliverer Deliverer = logDeliverer{log: log}
+	if smtpAddr != "" {
+		deliverer = smtpDeliverer{addr: smtpAddr, from: smtpFrom, timeout: 30 * time.Second}
+	}
+	send := newSender(base.DB, deliverer, maxBackoff, log)
+
+	consumer, err := base.NewInboxConsumer(log, platform.InboxConsumer{
+		Name: Consumer, Exchange: events.Exchange, RoutingKeys: []string{events.OrderPlacedType},
+		AMQPURL: common.AMQPURL, Settings: settings,
+		Work:    notifier{log: log, domain: domain}.handle,
+		Handled: send.Wake,
+	})
+	if err != nil {
+		return err
+	}
+
+	router := platform.NewRouter(log, base.Registry, base.ConsumerReady(consumer))
+	router.Get("/notifications", platform.ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]Notification, error) {
+		return platform.ListRecent[Notification](ctx, base.DB, orderID, limit)
+	}))
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router),
+		consumer.Run, send.Run, base.InboxCleanup(log, settings.InboxRetention)); err != nil {
+		return fmt.Errorf("run: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,108 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"mime"
+	"net/http"
+	"strings"
+	"time"
+	"unicode"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
+)
+
+// requestTimeout bounds a request's database work: a locked or stalled database turns into a
+// 503 the client can retry, not a hanging connection.
+const requestTimeout = 5 * time.Second
+
+type api struct {
+	store *Store
+	log   *slog.Logger
+}
+
+func (a *api) routes(r chi.Router) {
+	r.Post("/orders", a.placeOrder)
+	r.Get("/orders/{id}", a.getOrder)
+}
+
+func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
+	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json")
+		return
+	}
+	key := r.Header.Get("Idempotency-Key")
+	if len(key) > 255 || strings.IndexFunc(key, func(c rune) bool { return c > unicode.MaxASCII || unicode.IsControl(c) }) >= 0 {
+		platform.WriteProblem(w, http.StatusBadRequest, "Idempotency-Key must be at most 255 printable ASCII characters")
+		return
+	}
+	cmd, err := DecodePlaceOrder(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	if err != nil {
+		var de *DecodeError
+		if errors.As(err, &de) {
+			platform.WriteProblem(w, de.Status, de.Detail)
+			return
+		}
+		platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
+		return
+	}
+	if violations := cmd.Validate(); len(violations) > 0 {
+		fields := make([]platform.FieldError, len(violations))
+		for i, v := range violations {
+			fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
+		}
+		platform.WriteProblem(w, http.StatusUnprocessableEntity, "the order is invalid", fields...)
+		return
+	}
+
+	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+	defer cancel()
+	order, replayed, err := a.store.Place(ctx, cmd, key)
+	switch {
+	case errors.Is(err, ErrIdempotencyConflict):
+		platform.WriteProblem(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	case err != nil:
+		a.unavailable(w, r, "place order", err)
+		return
+	}
+	w.Header().Set("Location", "/orders/"+order.ID.String())
+	if replayed {
+		w.Header().Set("Idempotent-Replayed", "true")
+	} else {
+		a.log.Info("order placed", "order_id", order.ID, "customer_id", order.CustomerID, "total_cents", order.TotalCents)
+	}
+	platform.WriteJSON(w, http.StatusCreated, order)
+}
+
+func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
+	id, err := uuid.Parse(chi.URLParam(r, "id"))
+	if err != nil {
+		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID")
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+	defer cancel()
+	order, err := a.store.Get(ctx, id)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		platform.WriteProblem(w, http.StatusNotFound, "no order with this id")
+	case err != nil:
+		a.unavailable(w, r, "get order", err)
+	default:
+		platform.WriteJSON(w, http.StatusOK, order)
+	}
+}
+
+// unavailable answers a database failure: nothing was written, and the client may retry.
+func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) {
+	if r.Context().Err() == nil {
+		a.log.Error(op+" failed", "error", err)
+	}
+	w.Header().Set("Retry-After", "1")
+	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; try again")
+}

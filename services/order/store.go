@@ -1,0 +1,145 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"embed"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+
+	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// Migrations are the order database's own tables; outbox_messages comes from pkg/messaging.
+//
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+var (
+	ErrNotFound            = errors.New("order not found")
+	ErrIdempotencyConflict = errors.New("idempotency key already used for a different order")
+)
+
+type orderRow struct {
+	ID             uuid.UUID `gorm:"type:uuid;primaryKey"`
+	CustomerID     string
+	TotalCents     int64
+	CreatedAt      time.Time
+	IdempotencyKey *string
+	RequestHash    *string
+}
+
+func (orderRow) TableName() string { return "orders" }
+
+type lineRow struct {
+	OrderID        uuid.UUID `gorm:"type:uuid;primaryKey"`
+	LineNo         int       `gorm:"primaryKey"`
+	SKU            string    `gorm:"column:sku"`
+	Quantity       int64
+	UnitPriceCents int64
+}
+
+func (lineRow) TableName() string { return "order_lines" }
+
+// Store keeps orders. Placing one writes the order, its lines and its OrderPlaced outbox
+// message in one transaction: no broker call, so no dual write.
+type Store struct{ db *gorm.DB }
+
+// Place saves a new order from cmd, or, when key was used before with the same command,
+// returns that first order with replayed=true and writes nothing.
+func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Order, replayed bool, err error) {
+	hash, err := commandHash(cmd)
+	if err != nil {
+		return Order{}, false, err
+	}
+	id, err := uuid.NewV7()
+	if err != nil {
+		return Order{}, false, fmt.Errorf("new order id: %w", err)
+	}
+	order = NewOrder(cmd, id, time.Now())
+
+	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		row := orderRow{ID: order.ID, CustomerID: order.CustomerID, TotalCents: order.TotalCents, CreatedAt: order.CreatedAt}
+		if key != "" {
+			row.IdempotencyKey, row.RequestHash = &key, &hash
+		}
+		// With a key, a concurrent request with the same key waits here for the first to
+		// commit, then inserts nothing: the unique key decides, not a check before the insert.
+		res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "idempotency_key"}}, DoNothing: true}).Create(&row)
+		if res.Error != nil {
+			return fmt.Errorf("insert order: %w", res.Error)
+		}
+		if res.RowsAffected == 0 {
+			var first orderRow
+			if err := tx.Where("idempotency_key = ?", key).Take(&first).Error; err != nil {
+				return fmt.Errorf("load order of idempotency key: %w", err)
+			}
+			if first.RequestHash == nil || *first.RequestHash != hash {
+				return ErrIdempotencyConflict
+			}
+			replayed = true
+			order, err = load(tx, first)
+			return err
+		}
+		lines := make([]lineRow, len(order.Lines))
+		for i, l := range order.Lines {
+			lines[i] = lineRow{OrderID: order.ID, LineNo: i + 1, SKU: l.SKU, Quantity: l.Quantity, UnitPriceCents: l.UnitPriceCents}
+		}
+		if err := tx.Create(&lines).Error; err != nil {
+			return fmt.Errorf("insert order lines: %w", err)
+		}
+		msg, err := messaging.NewMessage(events.OrderPlacedType, order.Placed())
+		if err != nil {
+			return err
+		}
+		msg.OccurredAt, msg.CorrelationID = order.CreatedAt, order.ID.String()
+		return messaging.Enqueue(tx, msg)
+	})
+	if err != nil {
+		return Order{}, false, err
+	}
+	return order, replayed, nil
+}
+
+// Get returns an order with its lines.
+func (s *Store) Get(ctx context.Context, id uuid.UUID) (Order, error) {
+	db := s.db.WithContext(ctx)
+	var row orderRow
+	if err := db.Take(&row, "id = ?", id).Error; err != nil {
+		if errors.Is(err, gorm.ErrRecordNotFound) {
+			return Order{}, ErrNotFound
+		}
+		return Order{}, fmt.Errorf("load order: %w", err)
+	}
+	return load(db, row)
+}
+
+func load(db *gorm.DB, row orderRow) (Order, error) {
+	var lines []lineRow
+	if err := db.Where("order_id = ?", row.ID).Order("line_no").Find(&lines).Error; err != nil {
+		return Order{}, fmt.Errorf("load order lines: %w", err)
+	}
+	o := Order{ID: row.ID, CustomerID: row.CustomerID, TotalCents: row.TotalCents, CreatedAt: row.CreatedAt.UTC(), Lines: make([]Line, len(lines))}
+	for i, l := range lines {
+		o.Lines[i] = Line{SKU: l.SKU, Quantity: l.Quantity, UnitPriceCents: l.UnitPriceCents}
+	}
+	return o, nil
+}
+
+// commandHash identifies a command's content, whatever the JSON's spacing or key order.
+func commandHash(cmd PlaceOrder) (string, error) {
+	b, err := json.Marshal(cmd)
+	if err != nil {
+		return "", fmt.Errorf("hash command: %w", err)
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:]), nil
+}
