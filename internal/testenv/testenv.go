@@ -6,6 +6,7 @@ package testenv
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"fmt"
 	"log/slog"
 	"net/url"
@@ -96,6 +97,20 @@ func NewDatabase(t testing.TB) *Database {
 		}
 	})
 	return d
+}
+
+// Migrate applies migrations to the database, in order.
+func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *sql.DB) error) {
+	t.Helper()
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range migrations {
+		if err := m(context.Background(), sqlDB); err != nil {
+			t.Fatalf("migrate %s: %v", d.Name, err)
+		}
+	}
 }
 
 // OpenGORM opens a quiet GORM handle on url.

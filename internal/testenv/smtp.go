@@ -1,0 +1,106 @@
+package testenv
+
+import (
+	"io"
+	"net"
+	"net/mail"
+	"sync"
+	"testing"
+
+	"github.com/emersion/go-smtp"
+)
+
+// Mail is one message an SMTPServer received.
+type Mail struct {
+	From, To  string
+	MessageID string
+	Header    mail.Header
+	Body      string
+}
+
+// SMTPServer is a real SMTP server on loopback that keeps what it receives.
+type SMTPServer struct {
+	Addr string
+	t    testing.TB
+	srv  *smtp.Server
+	mu   sync.Mutex
+	mail []Mail
+}
+
+// NewSMTPServer reserves a loopback address; Start begins serving on it, Stop ends it (so
+// tests can take the mail server down and bring it back on the same address).
+func NewSMTPServer(t testing.TB) *SMTPServer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &SMTPServer{Addr: ln.Addr().String(), t: t}
+	_ = ln.Close()
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// Start serves SMTP on s.Addr.
+func (s *SMTPServer) Start() {
+	s.t.Helper()
+	ln, err := net.Listen("tcp", s.Addr)
+	if err != nil {
+		s.t.Fatalf("listen on %s: %v", s.Addr, err)
+	}
+	srv := smtp.NewServer(smtp.BackendFunc(func(*smtp.Conn) (smtp.Session, error) { return &smtpSession{server: s}, nil }))
+	srv.Domain = "localhost"
+	srv.AllowInsecureAuth = true
+	s.mu.Lock()
+	s.srv = srv
+	s.mu.Unlock()
+	go func() { _ = srv.Serve(ln) }()
+}
+
+// Stop closes the server and every connection to it.
+func (s *SMTPServer) Stop() {
+	s.mu.Lock()
+	srv := s.srv
+	s.srv = nil
+	s.mu.Unlock()
+	if srv != nil {
+		_ = srv.Close()
+	}
+}
+
+// Mail returns what the server received so far.
+func (s *SMTPServer) Mail() []Mail {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Mail(nil), s.mail...)
+}
+
+type smtpSession struct {
+	server   *SMTPServer
+	from, to string
+}
+
+func (x *smtpSession) Reset()        {}
+func (x *smtpSession) Logout() error { return nil }
+func (x *smtpSession) Mail(from string, _ *smtp.MailOptions) error {
+	x.from = from
+	return nil
+}
+func (x *smtpSession) Rcpt(to string, _ *smtp.RcptOptions) error {
+	x.to = to
+	return nil
+}
+func (x *smtpSession) Data(r io.Reader) error {
+	m, err := mail.ReadMessage(r)
+	if err != nil {
+		return err
+	}
+	body, err := io.ReadAll(m.Body)
+	if err != nil {
+		return err
+	}
+	x.server.mu.Lock()
+	defer x.server.mu.Unlock()
+	x.server.mail = append(x.server.mail, Mail{From: x.from, To: x.to, MessageID: m.Header.Get("Message-Id"), Header: m.Header, Body: string(body)})
+	return nil
+}

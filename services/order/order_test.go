@@ -1,0 +1,315 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+type testBundle struct {
+	db  *gorm.DB
+	srv *httptest.Server
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	d := testenv.NewDatabase(t)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := messaging.MigrateOutbox(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	if err := platform.Migrations(migrations, "migrations", "order_schema")(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	log, _ := testenv.NewLogger(t)
+	router := platform.NewRouter(log, prometheus.NewRegistry(), func(ctx context.Context) error { return platform.Ping(ctx, d.DB) })
+	(&api{store: &Store{db: d.DB}, log: log}).routes(router)
+	srv := httptest.NewServer(router)
+	t.Cleanup(srv.Close)
+	return &testBundle{db: d.DB, srv: srv}
+}
+
+const validBody = `{"customer_id": "c-42", "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}, {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 99}]}`
+
+func (b *testBundle) post(t *testing.T, body, contentType, key string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, b.srv.URL+"/orders", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	return do(t, req)
+}
+
+func do(t *testing.T, req *http.Request) (*http.Response, []byte) {
+	t.Helper()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp, body
+}
+
+// counts returns the number of orders, order lines and outbox rows.
+func (b *testBundle) counts(t *testing.T) [3]int64 {
+	t.Helper()
+	return [3]int64{
+		testenv.Count(t, b.db, "SELECT count(*) FROM orders"),
+		testenv.Count(t, b.db, "SELECT count(*) FROM order_lines"),
+		testenv.Count(t, b.db, "SELECT count(*) FROM outbox_messages"),
+	}
+}
+
+func TestPlaceOrderSavesOrderLinesAndEventTogether(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	resp, body := b.post(t, validBody, "application/json; charset=utf-8", "")
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	var o Order
+	if err := json.Unmarshal(body, &o); err != nil {
+		t.Fatal(err)
+	}
+	if o.ID == uuid.Nil || o.CustomerID != "c-42" || len(o.Lines) != 2 || o.TotalCents != 2599 || o.CreatedAt.IsZero() {
+		t.Fatalf("order = %+v, want c-42 with 2 lines totalling 2599", o)
+	}
+	if loc := resp.Header.Get("Location"); loc != "/orders/"+o.ID.String() {
+		t.Fatalf("Location = %q", loc)
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want [1 2 1]", c)
+	}
+	var row messaging.OutboxMessage
+	if err := b.db.Take(&row).Error; err != nil {
+		t.Fatal(err)
+	}
+	ev, err := events.DecodeOrderPlaced(row.Message())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.OrderID != o.ID || ev.TotalCents != 2599 || ev.CustomerID != "c-42" || len(ev.Lines) != 2 || !ev.PlacedAt.Equal(o.CreatedAt) {
+		t.Fatalf("outbox event = %+v, want the order's", ev)
+	}
+	if row.ProcessedAt != nil || row.CorrelationID != o.ID.String() {
+		t.Fatalf("outbox row = %+v, want unsent with the order id as correlation id", row)
+	}
+
+	// And it reads back.
+	resp, body = do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/orders/"+o.ID.String()))
+	var got Order
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &got) != nil || got.TotalCents != 2599 || len(got.Lines) != 2 || got.Lines[1].SKU != "SKU-2" {
+		t.Fatalf("GET = %d %s", resp.StatusCode, body)
+	}
+}
+
+func mustRequest(t *testing.T, method, url string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(method, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
+func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	manyLines := `{"customer_id":"c","lines":[` + strings.TrimSuffix(strings.Repeat(`{"sku":"s","quantity":1,"unit_price_cents":1},`, MaxLines+1), ",") + `]}`
+	cases := []struct {
+		name, body, contentType string
+		status                  int
+	}{
+		{"malformed JSON", `{"customer_id": "c-1", "lines": [`, "application/json", 400},
+		{"not an object", `[1, 2]`, "application/json", 422},
+		{"empty body", ``, "application/json", 400},
+		{"trailing data", validBody + `{}`, "application/json", 400},
+		{"unknown field", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}],"total_cents":1}`, "application/json", 400},
+		{"unknown line field", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1,"discount":5}]}`, "application/json", 400},
+		{"quantity as string", `{"customer_id":"c","lines":[{"sku":"s","quantity":"2","unit_price_cents":1}]}`, "application/json", 422},
+		{"fractional quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`, "application/json", 422},
+		{"overflowing quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1e30,"unit_price_cents":1}]}`, "application/json", 422},
+		{"overflowing price", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":99999999999999999999}]}`, "application/json", 422},
+		{"no lines", `{"customer_id":"c","lines":[]}`, "application/json", 422},
+		{"null body", `null`, "application/json", 422},
+		{"zero quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":0,"unit_price_cents":1}]}`, "application/json", 422},
+		{"negative quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":-3,"unit_price_cents":1}]}`, "application/json", 422},
+		{"huge quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":10001,"unit_price_cents":1}]}`, "application/json", 422},
+		{"negative price", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":-1}]}`, "application/json", 422},
+		{"empty customer", `{"customer_id":"  ","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"empty sku", `{"customer_id":"c","lines":[{"sku":"","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"huge customer id", `{"customer_id":"` + strings.Repeat("c", MaxIDLength+1) + `","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"control characters", `{"customer_id":"c\u0000x","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"too many lines", manyLines, "application/json", 422},
+		{"2 MiB body", `{"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
+		{"text/plain", validBody, "text/plain", 415},
+		{"no content type", validBody, "", 415},
+	}
+	for _, c := range cases {
+		resp, body := b.post(t, c.body, c.contentType, "")
+		if resp.StatusCode != c.status {
+			t.Errorf("%s: status %d, want %d (%s)", c.name, resp.StatusCode, c.status, body)
+			continue
+		}
+		var p platform.Problem
+		if ct := resp.Header.Get("Content-Type"); ct != "application/problem+json" || json.Unmarshal(body, &p) != nil || p.Status != c.status || p.Detail == "" {
+			t.Errorf("%s: not a problem+json body with a detail: %s %s", c.name, ct, body)
+		}
+	}
+	if c := b.counts(t); c != [3]int64{0, 0, 0} {
+		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
+	}
+
+	// Paths and headers.
+	for url, status := range map[string]int{
+		"/orders/not-a-uuid":                      400,
+		"/orders/" + uuid.NewString():             404,
+		"/orders/01234567-89ab-cdef-0123-456789ab": 400,
+	} {
+		resp, body := do(t, mustRequest(t, http.MethodGet, b.srv.URL+url))
+		if resp.StatusCode != status || resp.Header.Get("Content-Type") != "application/problem+json" {
+			t.Errorf("GET %s = %d %s, want %d problem+json", url, resp.StatusCode, body, status)
+		}
+	}
+	if resp, _ := b.post(t, validBody, "application/json", strings.Repeat("k", 256)); resp.StatusCode != 400 {
+		t.Errorf("256-character Idempotency-Key: status %d, want 400", resp.StatusCode)
+	}
+	if c := b.counts(t); c != [3]int64{0, 0, 0} {
+		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
+	}
+}
+
+func TestIdempotencyKeyReturnsTheFirstOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	first, body := b.post(t, validBody, "application/json", "key-1")
+	if first.StatusCode != 201 {
+		t.Fatalf("first: %d %s", first.StatusCode, body)
+	}
+	// The same command with other spacing is the same command.
+	again, body2 := b.post(t, strings.ReplaceAll(validBody, " ", ""), "application/json", "key-1")
+	if again.StatusCode != 201 || again.Header.Get("Location") != first.Header.Get("Location") || again.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %s %s", again.StatusCode, again.Header.Get("Location"), body2)
+	}
+	if !bytes.Equal(body, body2) {
+		t.Fatalf("replay body differs:\n%s\n%s", body, body2)
+	}
+	other, body3 := b.post(t, strings.Replace(validBody, `"quantity": 2`, `"quantity": 3`, 1), "application/json", "key-1")
+	if other.StatusCode != 422 || other.Header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("same key, other body: %d %s", other.StatusCode, body3)
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want one order", c)
+	}
+}
+
+func TestConcurrentRequestsWithOneIdempotencyKeyPlaceOneOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const n = 10
+	locations := make(chan string, n)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			resp, body := b.post(t, validBody, "application/json", "same-key")
+			if resp.StatusCode != 201 {
+				t.Errorf("status %d: %s", resp.StatusCode, body)
+			}
+			locations <- resp.Header.Get("Location")
+		})
+	}
+	wg.Wait()
+	close(locations)
+	seen := map[string]bool{}
+	for l := range locations {
+		seen[l] = true
+	}
+	if len(seen) != 1 {
+		t.Fatalf("%d different orders for one key: %v", len(seen), seen)
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want one order", c)
+	}
+}
+
+func TestDatabaseFailureIsA503(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sqlDB, err := b.db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = sqlDB.Close()
+	resp, body := b.post(t, validBody, "application/json", "")
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("POST with the database gone = %d %s", resp.StatusCode, body)
+	}
+	if resp, _ := do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz")); resp.StatusCode != 503 {
+		t.Fatalf("/readyz with the database gone = %d, want 503", resp.StatusCode)
+	}
+}
+
+func FuzzDecodePlaceOrder(f *testing.F) {
+	f.Add([]byte(validBody))
+	f.Add([]byte(`{"customer_id":"c","lines":[{"sku":"s","quantity":10000,"unit_price_cents":100000000}]}`))
+	f.Add([]byte(`{"lines":[{"quantity":1e300}]}`))
+	f.Add([]byte(`{"customer_id":"\u0000"}{}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		cmd, err := DecodePlaceOrder(bytes.NewReader(body))
+		if err != nil {
+			var de *DecodeError
+			if !errors.As(err, &de) || (de.Status != 400 && de.Status != 422 && de.Status != 413) {
+				t.Fatalf("decode error %v is not a 400/413/422 DecodeError", err)
+			}
+			return
+		}
+		if len(cmd.Validate()) > 0 {
+			return
+		}
+		o := NewOrder(cmd, uuid.New(), time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC))
+		var total int64
+		for _, l := range o.Lines {
+			if l.Quantity < 1 || l.UnitPriceCents < 0 {
+				t.Fatalf("valid command with line %+v", l)
+			}
+			total += l.Quantity * l.UnitPriceCents
+		}
+		if o.TotalCents != total || o.TotalCents < 0 {
+			t.Fatalf("total %d, lines sum to %d", o.TotalCents, total)
+		}
+		if _, err := json.Marshal(o.Placed()); err != nil {
+			t.Fatalf("event of a valid order does not marshal: %v", err)
+		}
+	})
+}
