@@ -1,0 +1,71 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	mux := http.NewServeMux()
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("/unready", func(w http.ResponseWriter, _ *http.Request) {
+		http.Error(w, "database unavailable", http.StatusServiceUnavailable)
+	})
+	mux.HandleFunc("/created", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) })
+	mux.HandleFunc("/moved", func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, "/readyz", http.StatusFound)
+	})
+	mux.HandleFunc("/slow", func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+
+	closed := httptest.NewServer(http.NotFoundHandler())
+	closedURL := closed.URL
+	closed.Close()
+
+	tests := []struct {
+		name    string
+		url     string
+		wantErr string // "" for success
+	}{
+		{"200 is healthy", srv.URL + "/readyz", ""},
+		{"503 is unhealthy", srv.URL + "/unready", "503 Service Unavailable"},
+		{"only 200 counts", srv.URL + "/created", "201 Created"},
+		{"redirects are not followed", srv.URL + "/moved", "302 Found"},
+		{"404 is unhealthy", srv.URL + "/nope", "404 Not Found"},
+		{"timeout", srv.URL + "/slow", "no answer within the timeout"},
+		{"nothing listening", closedURL + "/readyz", "connect"},
+		{"malformed URL", "http://%zz/readyz", "invalid URL escape"},
+		{"not HTTP", "ftp://127.0.0.1/readyz", "unsupported protocol scheme"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer cancel()
+			err := check(ctx, tt.url)
+			switch {
+			case tt.wantErr == "":
+				if err != nil {
+					t.Fatalf("check(%q) = %v, want nil", tt.url, err)
+				}
+			case err == nil:
+				t.Fatalf("check(%q) = nil, want an error containing %q", tt.url, tt.wantErr)
+			case !strings.Contains(err.Error(), tt.wantErr):
+				t.Fatalf("check(%q) = %q, want it to contain %q", tt.url, err, tt.wantErr)
+			case strings.Contains(err.Error(), "\n"):
+				t.Fatalf("check(%q) error spans several lines: %q", tt.url, err)
+			}
+		})
+	}
+}

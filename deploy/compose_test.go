@@ -1,0 +1,574 @@
+// Package deploy_test checks the Docker packaging by inspection, with no Docker engine: it
+// loads docker-compose.yml with the compose-spec loader (the one Docker Compose uses) and reads
+// the Dockerfile, .dockerignore and the PostgreSQL init scripts, and asserts that they agree with
+// each other and with what the services' code reads.
+package deploy_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/compose-spec/compose-go/v2/cli"
+	"github.com/compose-spec/compose-go/v2/types"
+)
+
+// root is the repository root, seen from this package's directory.
+const root = ".."
+
+// app describes one of our services as docker-compose.yml must run it.
+type app struct {
+	name     string
+	port     uint32 // HTTP_ADDR, published as is, and the healthcheck's port
+	database string
+	role     string
+	extra    []string // services it waits for besides postgres and rabbitmq
+}
+
+var apps = []app{
+	{name: "order", port: 8080, database: "order_db", role: "order"},
+	{name: "invoicing", port: 8081, database: "invoicing_db", role: "invoicing"},
+	{name: "notification", port: 8082, database: "notification_db", role: "notification", extra: []string{"mailpit"}},
+}
+
+// loadProject loads docker-compose.yml as `docker compose config` would, but without the
+// process environment or any .env file, so the result depends on the repository alone.
+func loadProject(t *testing.T) *types.Project {
+	t.Helper()
+	dir, err := filepath.Abs(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts, err := cli.NewProjectOptions(
+		[]string{filepath.Join(dir, "docker-compose.yml")},
+		cli.WithWorkingDirectory(dir),
+		cli.WithName("outbox-inbox"),
+		cli.WithEnv(nil),
+		cli.WithDiscardEnvFile,
+		cli.WithResolvedPaths(true),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	project, err := opts.LoadProject(context.Background())
+	if err != nil {
+		t.Fatalf("docker-compose.yml does not load: %v", err)
+	}
+	return project
+}
+
+func service(t *testing.T, p *types.Project, name string) types.ServiceConfig {
+	t.Helper()
+	s, ok := p.Services[name]
+	if !ok {
+		t.Fatalf("docker-compose.yml has no service %q", name)
+	}
+	return s
+}
+
+func env(s types.ServiceConfig, name string) (string, bool) {
+	v, ok := s.Environment[name]
+	if !ok || v == nil {
+		return "", false
+	}
+	return *v, true
+}
+
+func TestComposeHasNoVersionKey(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile(filepath.Join(root, "docker-compose.yml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if regexp.MustCompile(`(?m)^version\s*:`).Match(raw) {
+		t.Error("docker-compose.yml has a top-level version: key (obsolete in the Compose Specification)")
+	}
+}
+
+func TestComposeServices(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	want := []string{"postgres", "rabbitmq", "mailpit"}
+	for _, a := range apps {
+		want = append(want, a.name)
+	}
+	got := p.ServiceNames()
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("services = %v, want %v", got, want)
+	}
+}
+
+func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	for name, s := range p.Services {
+		hc := s.HealthCheck
+		if hc == nil || hc.Disable || len(hc.Test) < 2 || (hc.Test[0] != "CMD" && hc.Test[0] != "CMD-SHELL") {
+			t.Errorf("%s: no usable healthcheck (%+v)", name, hc)
+			continue
+		}
+		if hc.Interval == nil || hc.Timeout == nil || hc.Retries == nil || hc.StartPeriod == nil {
+			t.Errorf("%s: healthcheck needs interval, timeout, retries and start_period", name)
+		}
+	}
+	if test := service(t, p, "postgres").HealthCheck.Test; !slices.Contains(test, "pg_isready") || !slices.Contains(test, "postgres") {
+		t.Errorf("postgres healthcheck = %q, want pg_isready -U postgres", test)
+	}
+	if test := strings.Join(service(t, p, "rabbitmq").HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
+		t.Errorf("rabbitmq healthcheck = %q, want rabbitmq-diagnostics", test)
+	}
+	if test := service(t, p, "mailpit").HealthCheck.Test; !slices.Equal(test, types.HealthCheckTest{"CMD", "/mailpit", "readyz"}) {
+		t.Errorf("mailpit healthcheck = %q, want [CMD /mailpit readyz]", test)
+	}
+}
+
+func TestComposeApps(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	rabbit := service(t, p, "rabbitmq")
+	rabbitUser, _ := env(rabbit, "RABBITMQ_DEFAULT_USER")
+	rabbitPass, _ := env(rabbit, "RABBITMQ_DEFAULT_PASS")
+	if rabbitUser == "" || rabbitUser == "guest" || rabbitPass == "" {
+		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q; guest may not connect from other containers", rabbitUser, rabbitPass)
+	}
+	roles := initScriptRoles(t, p)
+
+	for _, a := range apps {
+		t.Run(a.name, func(t *testing.T) {
+			t.Parallel()
+			s := service(t, p, a.name)
+
+			// Build: the one Dockerfile, with the right SERVICE.
+			abs, _ := filepath.Abs(root)
+			switch {
+			case s.Build == nil:
+				t.Error("no build section")
+			case filepath.Clean(s.Build.Context) != abs:
+				t.Errorf("build context = %q, want the repository root %q", s.Build.Context, abs)
+			case s.Build.Dockerfile != "" && s.Build.Dockerfile != "Dockerfile" && s.Build.Dockerfile != filepath.Join(abs, "Dockerfile"):
+				t.Errorf("build dockerfile = %q, want the root Dockerfile", s.Build.Dockerfile)
+			default:
+				if arg := s.Build.Args["SERVICE"]; arg == nil || *arg != a.name {
+					t.Errorf("build arg SERVICE = %v, want %q", deref(arg), a.name)
+				}
+			}
+
+			// Start order: only once the dependencies are healthy.
+			for _, dep := range append([]string{"postgres", "rabbitmq"}, a.extra...) {
+				if d, ok := s.DependsOn[dep]; !ok || d.Condition != types.ServiceConditionHealthy {
+					t.Errorf("depends_on %s: %+v, want condition service_healthy", dep, d)
+				}
+			}
+			if s.Restart == "" || s.Restart == types.RestartPolicyNo {
+				t.Errorf("restart = %q, want a restart policy", s.Restart)
+			}
+			if s.StopGracePeriod == nil {
+				t.Error("no stop_grace_period")
+			}
+
+			// Configuration: what the code requires is there, and nothing it does not read.
+			for _, name := range requiredVars(t, a.name) {
+				if v, ok := env(s, name); !ok || v == "" {
+					t.Errorf("required variable %s is not set", name)
+				}
+			}
+			known := readVars(t, a.name)
+			for name := range s.Environment {
+				if !slices.Contains(known, name) {
+					t.Errorf("environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)
+				}
+			}
+
+			// DATABASE_URL: its own database, as its own role, created by the init script.
+			dbURL, _ := env(s, "DATABASE_URL")
+			u, err := url.Parse(dbURL)
+			if err != nil {
+				t.Fatalf("DATABASE_URL: %v", err)
+			}
+			pass, _ := u.User.Password()
+			if u.Scheme != "postgres" || u.Hostname() != "postgres" || u.Port() != "5432" ||
+				strings.TrimPrefix(u.Path, "/") != a.database || u.User.Username() != a.role ||
+				u.Query().Get("sslmode") != "disable" {
+				t.Errorf("DATABASE_URL = %q, want postgres://%s:...@postgres:5432/%s?sslmode=disable", dbURL, a.role, a.database)
+			}
+			if got, ok := roles[a.role]; !ok || got != pass {
+				t.Errorf("DATABASE_URL password for %q does not match the role the init script creates", a.role)
+			}
+
+			// AMQP_URL: the broker's service, with the user it is started with.
+			amqpURL, _ := env(s, "AMQP_URL")
+			u, err = url.Parse(amqpURL)
+			if err != nil {
+				t.Fatalf("AMQP_URL: %v", err)
+			}
+			pass, _ = u.User.Password()
+			if u.Scheme != "amqp" || u.Hostname() != "rabbitmq" || u.Port() != "5672" ||
+				u.User.Username() != rabbitUser || pass != rabbitPass {
+				t.Errorf("AMQP_URL = %q, want amqp://%s:<RABBITMQ_DEFAULT_PASS>@rabbitmq:5672/", amqpURL, rabbitUser)
+			}
+
+			// HTTP: listens on its port, publishes it, and the healthcheck asks that port.
+			addr, _ := env(s, "HTTP_ADDR")
+			if _, port, err := net.SplitHostPort(addr); err != nil || port != strconv.Itoa(int(a.port)) {
+				t.Errorf("HTTP_ADDR = %q, want :%d", addr, a.port)
+			}
+			if !publishes(s, a.port) {
+				t.Errorf("ports = %+v, want %d:%d", s.Ports, a.port, a.port)
+			}
+			wantHC := types.HealthCheckTest{"CMD", "/healthcheck", fmt.Sprintf("http://127.0.0.1:%d/readyz", a.port)}
+			if s.HealthCheck == nil || !slices.Equal(s.HealthCheck.Test, wantHC) {
+				var got types.HealthCheckTest
+				if s.HealthCheck != nil {
+					got = s.HealthCheck.Test
+				}
+				t.Errorf("healthcheck test = %q, want %q", got, wantHC)
+			}
+		})
+	}
+
+	notification := service(t, p, "notification")
+	if v, _ := env(notification, "SMTP_ADDR"); v != "mailpit:1025" {
+		t.Errorf("notification SMTP_ADDR = %q, want mailpit:1025", v)
+	}
+	if v, _ := env(notification, "SMTP_FROM"); !strings.Contains(v, "@") {
+		t.Errorf("notification SMTP_FROM = %q, want an address", v)
+	}
+}
+
+func TestComposePublishedPorts(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	for name, port := range map[string]uint32{
+		"order": 8080, "invoicing": 8081, "notification": 8082, "rabbitmq": 15672, "mailpit": 8025,
+	} {
+		if !publishes(service(t, p, name), port) {
+			t.Errorf("%s: ports = %+v, want %d published as %d", name, service(t, p, name).Ports, port, port)
+		}
+	}
+}
+
+func TestComposePostgresInit(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	pg := service(t, p, "postgres")
+	if v, _ := env(pg, "POSTGRES_PASSWORD"); v == "" {
+		t.Error("postgres: POSTGRES_PASSWORD is not set (the image refuses to start without it)")
+	}
+	var data bool
+	for _, v := range pg.Volumes {
+		if v.Target == "/var/lib/postgresql/data" && v.Type == types.VolumeTypeVolume {
+			data = true
+		}
+	}
+	if !data {
+		t.Error("postgres: no named volume at /var/lib/postgresql/data")
+	}
+
+	sql := initScripts(t, p)
+	for _, a := range apps {
+		role := `"?` + regexp.QuoteMeta(a.role) + `"?`
+		if !regexp.MustCompile(`(?is)CREATE\s+(ROLE|USER)\s+`+role+`\s[^;]*\bLOGIN\b[^;]*\bPASSWORD\s+'[^']+'`).MatchString(sql) &&
+			!regexp.MustCompile(`(?is)CREATE\s+USER\s+`+role+`\s[^;]*\bPASSWORD\s+'[^']+'`).MatchString(sql) {
+			t.Errorf("init script does not create the login role %s with a password", a.role)
+		}
+		if !regexp.MustCompile(`(?is)CREATE\s+DATABASE\s+"?` + a.database + `"?\s[^;]*\bOWNER\s*=?\s*` + role + `\s*;`).MatchString(sql) {
+			t.Errorf("init script does not create database %s owned by %s", a.database, a.role)
+		}
+	}
+	// "order" is reserved in SQL: unquoted, CREATE ROLE order fails and the init stops.
+	if regexp.MustCompile(`(?i)(ROLE|USER|OWNER)\s*=?\s*order\b`).MatchString(sql) {
+		t.Error(`init script uses the role order unquoted; it must be "order"`)
+	}
+}
+
+func TestDockerfile(t *testing.T) {
+	t.Parallel()
+	instrs := dockerfile(t)
+
+	var froms []string
+	for _, in := range instrs {
+		if in.cmd == "FROM" {
+			froms = append(froms, in.args)
+		}
+	}
+	if len(froms) < 2 {
+		t.Fatalf("Dockerfile has %d stages, want a multi-stage build", len(froms))
+	}
+	goMod, err := os.ReadFile(filepath.Join(root, "go.mod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	goVersion := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindSubmatch(goMod)
+	if goVersion == nil || !strings.HasPrefix(froms[0], "golang:"+string(goVersion[1])) {
+		t.Errorf("build stage FROM %q, want golang:%s (go.mod's version)", froms[0], goVersion[1])
+	}
+	runtime := strings.Fields(froms[len(froms)-1])[0]
+	if !strings.HasPrefix(runtime, "gcr.io/distroless/static") {
+		t.Errorf("runtime stage FROM %q, want gcr.io/distroless/static (the binaries are static)", runtime)
+	}
+
+	last := instrs[lastIndex(instrs, "FROM"):]
+	build := instrs[:lastIndex(instrs, "FROM")]
+	switch u := lastArgs(last, "USER"); {
+	case u == "" && !strings.HasSuffix(runtime, ":nonroot"):
+		t.Errorf("runtime stage runs as root: no USER, image %s", runtime)
+	case u == "root" || u == "0" || strings.HasPrefix(u, "root:") || strings.HasPrefix(u, "0:"):
+		t.Errorf("runtime stage USER %q is root", u)
+	}
+	if e := lastArgs(last, "ENTRYPOINT"); e != `["/service"]` {
+		t.Errorf("ENTRYPOINT %s, want [\"/service\"]", e)
+	}
+	for _, bin := range []string{"/service", "/healthcheck"} {
+		if !slices.ContainsFunc(last, func(in instr) bool {
+			return in.cmd == "COPY" && strings.HasPrefix(in.args, "--from=") && strings.HasSuffix(in.args, " "+bin)
+		}) {
+			t.Errorf("runtime stage does not COPY --from the build stage to %s", bin)
+		}
+	}
+
+	// The RUN that builds the service sees ARG SERVICE, declared in its own stage.
+	buildAt := slices.IndexFunc(build, func(in instr) bool {
+		return in.cmd == "RUN" && strings.Contains(in.args, "./services/${SERVICE}")
+	})
+	if buildAt < 0 {
+		t.Fatal("no RUN builds ./services/${SERVICE}")
+	}
+	stageAt := lastIndex(build[:buildAt], "FROM")
+	if !slices.ContainsFunc(build[stageAt:buildAt], func(in instr) bool {
+		return in.cmd == "ARG" && (in.args == "SERVICE" || strings.HasPrefix(in.args, "SERVICE="))
+	}) {
+		t.Error("the build stage does not declare ARG SERVICE before building ./services/${SERVICE}")
+	}
+	all := func(cmd string) string {
+		var b strings.Builder
+		for _, in := range build {
+			if in.cmd == cmd {
+				b.WriteString(in.args + "\n")
+			}
+		}
+		return b.String()
+	}
+	runs := all("RUN")
+	if !strings.Contains(all("ENV")+all("ARG")+runs, "CGO_ENABLED=0") {
+		t.Error("build stage does not set CGO_ENABLED=0")
+	}
+	for _, want := range []string{"-trimpath", `-ldflags="-s -w"`, `./services/${SERVICE}`, "./cmd/healthcheck"} {
+		if !strings.Contains(runs, want) {
+			t.Errorf("build stage RUN does not contain %s", want)
+		}
+	}
+
+	// go mod download runs on go.mod and go.sum alone, before the sources are copied in.
+	download := slices.IndexFunc(build, func(in instr) bool { return in.cmd == "RUN" && strings.Contains(in.args, "go mod download") })
+	modCopy := slices.IndexFunc(build, func(in instr) bool {
+		return in.cmd == "COPY" && strings.Contains(in.args, "go.mod") && strings.Contains(in.args, "go.sum")
+	})
+	srcCopy := slices.IndexFunc(build, func(in instr) bool { return in.cmd == "COPY" && strings.HasPrefix(in.args, ". ") })
+	if modCopy < 0 || download < modCopy || srcCopy < download {
+		t.Errorf("want COPY go.mod go.sum, then RUN go mod download, then COPY . (at %d, %d, %d)", modCopy, download, srcCopy)
+	}
+}
+
+func TestDockerignore(t *testing.T) {
+	t.Parallel()
+	f, err := os.Open(filepath.Join(root, ".dockerignore"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var patterns []string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if line := strings.TrimSpace(sc.Text()); line != "" && !strings.HasPrefix(line, "#") {
+			patterns = append(patterns, strings.TrimPrefix(line, "/"))
+		}
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(patterns, ".git") {
+		t.Error(".dockerignore does not exclude .git")
+	}
+	// What the build stage needs must stay in the context.
+	for _, need := range []string{"go.mod", "go.sum", "services", "services/order/main.go", "cmd", "cmd/healthcheck/main.go", "internal", "pkg"} {
+		for _, p := range patterns {
+			if ok, _ := filepath.Match(p, need); ok && !strings.HasPrefix(p, "!") {
+				t.Errorf(".dockerignore pattern %q excludes %s, which the build needs", p, need)
+			}
+		}
+	}
+}
+
+// Helpers.
+
+func deref(s *string) any {
+	if s == nil {
+		return nil
+	}
+	return *s
+}
+
+func publishes(s types.ServiceConfig, port uint32) bool {
+	return slices.ContainsFunc(s.Ports, func(p types.ServicePortConfig) bool {
+		return p.Target == port && p.Published == strconv.Itoa(int(port))
+	})
+}
+
+// goSources returns the non-test Go files the service's binary reads its configuration in.
+func goSources(t *testing.T, svc string) string {
+	t.Helper()
+	var b strings.Builder
+	for _, dir := range []string{filepath.Join(root, "services", svc), filepath.Join(root, "internal", "platform")} {
+		files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		if err != nil || len(files) == 0 {
+			t.Fatalf("no Go files in %s (%v)", dir, err)
+		}
+		for _, f := range files {
+			if strings.HasSuffix(f, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.Write(src)
+		}
+	}
+	return b.String()
+}
+
+// varsMatching returns the distinct variable names captured by re in the service's sources.
+func varsMatching(t *testing.T, svc string, re *regexp.Regexp) []string {
+	t.Helper()
+	var names []string
+	for _, m := range re.FindAllStringSubmatch(goSources(t, svc), -1) {
+		if !slices.Contains(names, m[1]) {
+			names = append(names, m[1])
+		}
+	}
+	slices.Sort(names)
+	return names
+}
+
+// requiredVars are the variables read with Env.URL, the only required kind (config.go).
+func requiredVars(t *testing.T, svc string) []string {
+	t.Helper()
+	names := varsMatching(t, svc, regexp.MustCompile(`\.URL\(\s*"([A-Z][A-Z0-9_]*)"`))
+	for _, must := range []string{"DATABASE_URL", "AMQP_URL"} {
+		if !slices.Contains(names, must) {
+			t.Fatalf("services/%s: found required variables %v, expected %s among them (has config.go changed?)", svc, names, must)
+		}
+	}
+	return names
+}
+
+// readVars are all the variables the service reads through Env.
+func readVars(t *testing.T, svc string) []string {
+	t.Helper()
+	return varsMatching(t, svc, regexp.MustCompile(`\.(?:URL|String|OneOf|Int|Duration|Bool)\(\s*"([A-Z][A-Z0-9_]*)"`))
+}
+
+// initScripts returns the text of the SQL and shell scripts mounted as the postgres image's
+// /docker-entrypoint-initdb.d, checking the mount on the way.
+func initScripts(t *testing.T, p *types.Project) string {
+	t.Helper()
+	var dir string
+	for _, v := range service(t, p, "postgres").Volumes {
+		if v.Target == "/docker-entrypoint-initdb.d" && v.Type == types.VolumeTypeBind {
+			dir = v.Source
+		}
+	}
+	abs, _ := filepath.Abs(filepath.Join(root, "deploy", "postgres"))
+	if dir != abs {
+		t.Fatalf("postgres: /docker-entrypoint-initdb.d is bound to %q, want %q", dir, abs)
+	}
+	files, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, f := range files {
+		if ext := filepath.Ext(f.Name()); f.IsDir() || (ext != ".sql" && ext != ".sh") {
+			continue
+		}
+		src, err := os.ReadFile(filepath.Join(dir, f.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Write(src)
+		b.WriteString("\n")
+	}
+	if b.Len() == 0 {
+		t.Fatalf("no .sql or .sh init script in %s", dir)
+	}
+	return b.String()
+}
+
+// initScriptRoles maps each role the init scripts create to its password.
+func initScriptRoles(t *testing.T, p *types.Project) map[string]string {
+	t.Helper()
+	roles := map[string]string{}
+	re := regexp.MustCompile(`(?is)CREATE\s+(?:ROLE|USER)\s+"?([a-z_][a-z0-9_]*)"?\s[^;]*\bPASSWORD\s+'([^']*)'`)
+	for _, m := range re.FindAllStringSubmatch(initScripts(t, p), -1) {
+		roles[m[1]] = m[2]
+	}
+	return roles
+}
+
+// instr is one Dockerfile instruction, continuation lines joined.
+type instr struct{ cmd, args string }
+
+func dockerfile(t *testing.T) []instr {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(root, "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []instr
+	var cur strings.Builder
+	for line := range strings.SplitSeq(string(raw), "\n") {
+		trimmed := strings.TrimSpace(line)
+		if strings.HasPrefix(trimmed, "#") || (trimmed == "" && cur.Len() == 0) {
+			continue
+		}
+		if s, ok := strings.CutSuffix(trimmed, `\`); ok {
+			cur.WriteString(s + " ")
+			continue
+		}
+		cur.WriteString(trimmed)
+		cmd, args, _ := strings.Cut(strings.TrimSpace(cur.String()), " ")
+		out = append(out, instr{cmd: strings.ToUpper(cmd), args: strings.Join(strings.Fields(args), " ")})
+		cur.Reset()
+	}
+	if cur.Len() > 0 {
+		t.Fatal("Dockerfile ends in a line continuation")
+	}
+	return out
+}
+
+func lastIndex(instrs []instr, cmd string) int {
+	for i := len(instrs) - 1; i >= 0; i-- {
+		if instrs[i].cmd == cmd {
+			return i
+		}
+	}
+	return -1
+}
+
+func lastArgs(instrs []instr, cmd string) string {
+	if i := lastIndex(instrs, cmd); i >= 0 {
+		return instrs[i].args
+	}
+	return ""
+}
