@@ -193,8 +193,8 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 
 	// Paths and headers.
 	for url, status := range map[string]int{
-		"/orders/not-a-uuid":                      400,
-		"/orders/" + uuid.NewString():             404,
+		"/orders/not-a-uuid":                       400,
+		"/orders/" + uuid.NewString():              404,
 		"/orders/01234567-89ab-cdef-0123-456789ab": 400,
 	} {
 		resp, body := do(t, mustRequest(t, http.MethodGet, b.srv.URL+url))
