@@ -23,6 +23,8 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{
 		Logger:         logger.Discard,
 		TranslateError: true,
+		// The loop below waits for the database instead of failing on the first try.
+		DisableAutomaticPing: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
@@ -46,7 +48,11 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		if err == nil {
 			return db, nil
 		}
-		if ctx.Err() != nil || time.Now().After(deadline) {
+		if ctx.Err() != nil {
+			_ = sqlDB.Close()
+			return nil, fmt.Errorf("waiting for the database: %w", ctx.Err())
+		}
+		if time.Now().After(deadline) {
 			_ = sqlDB.Close()
 			return nil, fmt.Errorf("database does not answer: %w", err)
 		}

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -24,9 +25,13 @@ const ShutdownTimeout = 8 * time.Second
 func Main(service string, run func(ctx context.Context, env *Env) error) {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, NewEnv())
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		err = nil // stopped by a signal while starting: a clean exit
+	}
 	stop()
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", service, err)
+		// One line, whatever the error holds (pgx errors span several).
+		fmt.Fprintf(os.Stderr, "%s: %s\n", service, strings.Join(strings.Fields(err.Error()), " "))
 		os.Exit(1)
 	}
 }

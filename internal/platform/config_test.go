@@ -1,0 +1,50 @@
+package platform
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestEnvReportsEveryProblemByName(t *testing.T) {
+	t.Parallel()
+	env := EnvFrom(map[string]string{
+		"AMQP_URL":     "http://user:hunter2@host/",
+		"LOG_LEVEL":    "loud",
+		"DB_MAX_CONNS": "1",
+		"N":            "7",
+		"D":            "90s",
+		"B":            "maybe",
+	})
+	c := ReadCommon(env, ":8080")
+	if n := env.Int("N", 1, 1, 10); n != 7 {
+		t.Errorf("N = %d, want 7", n)
+	}
+	if d := env.Duration("D", time.Second, time.Second, time.Hour); d != 90*time.Second {
+		t.Errorf("D = %s, want 90s", d)
+	}
+	env.Bool("B", false)
+	err := env.Err()
+	if err == nil {
+		t.Fatal("want errors")
+	}
+	msg := err.Error()
+	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 2 to 1000", "B: must be true or false"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error %q lacks %q", msg, want)
+		}
+	}
+	if strings.Contains(msg, "hunter2") || strings.Contains(msg, "\n") {
+		t.Errorf("error must be one line without secrets: %q", msg)
+	}
+	if c.HTTPAddr != ":8080" || c.LogFormat != "text" {
+		t.Errorf("defaults not applied: %+v", c)
+	}
+}
+
+func TestRedactHidesPasswords(t *testing.T) {
+	t.Parallel()
+	if got := Redact("amqp://app:hunter2@rabbitmq:5672/"); strings.Contains(got, "hunter2") || !strings.Contains(got, "app:") {
+		t.Fatalf("Redact = %q", got)
+	}
+}
