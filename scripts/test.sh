@@ -69,11 +69,14 @@ go vet ./...
 say "go test -race (parallel suite)"
 go test -race -count=1 -timeout 15m ./...
 
+say "go test -fuzz (order command decoder and validator, briefly)"
+go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" ./services/order
+
 # These stop RabbitMQ and restart PostgreSQL: nothing else may run meanwhile (-p 1, after the
 # suite). They start the servers again in their cleanup; we check once more anyway.
 say "go test -race (server restarts, alone)"
 status=0
-TEST_SERVER_RESTARTS=1 go test -race -count=1 -p 1 -timeout 10m -run '^TestServerRestart' ./... || status=$?
+TEST_SERVER_RESTARTS=1 go test -race -count=1 -p 1 -timeout 10m -run '^TestServerRestart' ./pkg/messaging/ || status=$?
 ensure_postgres
 ensure_rabbitmq
 exit "$status"
