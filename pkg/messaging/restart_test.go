@@ -4,8 +4,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -73,5 +76,43 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	}
 	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
 		t.Fatalf("dead-letter queue holds %d", n)
+	}
+}
+
+// A memory alarm blocks every publisher of the broker. The relay must not hang on it (the
+// confirm timeout ends each attempt), nothing is marked sent meanwhile, and everything goes
+// out once the alarm clears.
+func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "set_vm_memory_high_watermark", previous).Run() })
+	pub := messaging.NewPublisher(messaging.PublisherConfig{
+		URL: testenv.AMQPURL(), ConnectionName: testenv.UniqueName("publisher"), Logger: b.log,
+		Setup:          func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
+		ConfirmTimeout: 2 * time.Second,
+	})
+	t.Cleanup(pub.Close)
+	run(t, b.relay(t, pub, func(c *messaging.RelayConfig) {
+		c.Backoff = messaging.Backoff{Base: time.Second, Max: 2 * time.Second}
+	}).Run)
+	ids := b.enqueue(t, 5)
+	b.waitAllSent(t, 10*time.Second)
+
+	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", "0")
+	ids = append(ids, b.enqueue(t, 10)...)
+	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("rabbitmq blocked the connection")) > 0 },
+		"the publisher was not told it is blocked")
+	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("outbox publish failed", "wait for confirm")) > 0 },
+		"no publish attempt timed out while the broker was blocked")
+	if n := b.unprocessed(t); n != 10 {
+		t.Fatalf("%d rows unprocessed during the alarm, want 10", n)
+	}
+
+	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", previous)
+	b.waitAllSent(t, 60*time.Second)
+	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
+	if missing+unexpected > 0 {
+		t.Fatalf("after the alarm: %d missing, %d unexpected", missing, unexpected)
 	}
 }

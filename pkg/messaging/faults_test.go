@@ -1,0 +1,121 @@
+package messaging_test
+
+import (
+	"context"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// The consumer's database session is killed in the middle of its transaction: nothing may be
+// acknowledged, and the retry does the work exactly once.
+func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	var attempts atomic.Int32
+	inTx := make(chan int, 1)
+	release := make(chan struct{})
+	work := func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
+		if err := doWork(tx, msg); err != nil {
+			return err
+		}
+		if attempts.Add(1) == 1 {
+			var pid int
+			if err := tx.Raw("SELECT pg_backend_pid()").Scan(&pid).Error; err != nil {
+				return err
+			}
+			inTx <- pid
+			<-release
+		}
+		return nil
+	}
+	b.consumer(t, testenv.AMQPURL(), b.db.DB, work, nil)
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+
+	pid := <-inTx
+	admin, err := testenv.OpenGORM(testenv.DatabaseURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if sqlDB, err := admin.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+	})
+	var killed bool
+	if err := admin.Raw("SELECT pg_terminate_backend(?)", pid).Scan(&killed).Error; err != nil || !killed {
+		t.Fatalf("terminate backend %d: %v %v", pid, killed, err)
+	}
+	close(release)
+
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return b.workDone(t) == 1 && testenv.QueueDepth(t, b.ch, b.queue) == 0
+	}, "message not handled after its session was killed")
+	if a := attempts.Load(); a < 2 {
+		t.Fatalf("handler ran %d times; the killed attempt must have been retried", a)
+	}
+	if n := len(b.logs.Lines("retrying message", msg.ID.String())); n == 0 {
+		t.Fatal("the failed attempt was not logged as retried")
+	}
+	wantMetric(t, b.registry, `consumer_messages_total{outcome="acked",queue="`+b.queue+`"} 1`)
+}
+
+// The queue is deleted under a running consumer: the broker cancels it, and it declares its
+// topology again and carries on.
+func TestConsumerRedeclaresItsQueueAfterItIsDeleted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
+	b.publishRaw(t, publishing(newMessage(t, 1)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "first message not handled")
+
+	if _, err := b.ch.QueueDelete(b.queue, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("consumer started")) >= 2 && c.Ready() },
+		"consumer did not come back after its queue was deleted")
+	b.publishRaw(t, publishing(newMessage(t, 2)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 2 }, "message after the redeclare not handled")
+}
+
+// Connections reset in the middle of a batch and a slow link: the relay loses nothing and
+// publishes everything (at least once) without help.
+func TestRelayThroughResetsAndLatency(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	r := b.relay(t, b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen)), func(c *messaging.RelayConfig) {
+		c.Backoff = messaging.Backoff{Base: 100 * time.Millisecond, Max: 500 * time.Millisecond}
+		c.PollInterval = 100 * time.Millisecond
+	})
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","attributes":{"latency":50,"jitter":20}}`)); err != nil {
+		t.Fatal(err)
+	}
+	// Every connection is reset 300 ms after it opens: batches break half-way, again and again.
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"reset","type":"reset_peer","stream":"upstream","attributes":{"timeout":300}}`)); err != nil {
+		t.Fatal(err)
+	}
+	ids := b.enqueue(t, 3000)
+	run(t, r.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts > 0") > 0
+	}, "no batch failed through the resets")
+	if err := proxy.Toxics.RemoveToxic(context.Background(), "reset"); err != nil {
+		t.Fatal(err)
+	}
+	b.waitAllSent(t, 60*time.Second)
+	missing, dups, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
+	t.Logf("through resets and 50 ms latency: %d missing, %d duplicates (absorbed by inboxes), %d unexpected", missing, dups, unexpected)
+	if missing+unexpected > 0 {
+		t.Fatalf("%d missing, %d unexpected", missing, unexpected)
+	}
+}
