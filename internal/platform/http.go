@@ -107,13 +107,16 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 	return r
 }
 
+// ReadHeaderTimeout is how long a client may take to send its request headers.
+const ReadHeaderTimeout = 5 * time.Second
+
 // NewServer returns an HTTP server with every timeout set: slow or stalled clients (slowloris)
 // cannot hold connections open.
 func NewServer(addr string, h http.Handler) *http.Server {
 	return &http.Server{
 		Addr:              addr,
 		Handler:           h,
-		ReadHeaderTimeout: 5 * time.Second,
+		ReadHeaderTimeout: ReadHeaderTimeout,
 		ReadTimeout:       10 * time.Second,
 		WriteTimeout:      15 * time.Second,
 		IdleTimeout:       60 * time.Second,
