@@ -13,12 +13,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
@@ -50,6 +52,7 @@ func TestMain(m *testing.M) {
 type service struct {
 	name string
 	url  string
+	env  []string
 	db   *testenv.Database
 	logs *testenv.Logs
 	cmd  *exec.Cmd
@@ -57,62 +60,90 @@ type service struct {
 	err  error
 }
 
-// system is the three services, each with its own database, on a private RabbitMQ vhost that
-// they reach through a proxy (stop it and the broker is gone for them), with a mail server.
+// system is the three services, each kind with its own database, on a private RabbitMQ vhost
+// that they reach through a proxy (stop it and the broker is gone for them), with a mail
+// server. orders, invoicers and notifiers are the replicas of each kind; order, invoicing and
+// notification name the first of each.
 type system struct {
 	order, invoicing, notification *service
+	orders, invoicers, notifiers   []*service
 	broker                         *toxiproxy.Proxy
 	mail                           *testenv.SMTPServer
 	vhost                          string
+	amqpURL                        string // direct, not through the proxy: for the test's own checks
 }
 
-func startSystem(t *testing.T, extraEnv map[string][]string) *system {
+// options shape a system: how many replicas of each service, extra environment per service.
+type options struct {
+	orders, invoicers, notifiers int
+	env                          map[string][]string
+}
+
+func startSystem(t *testing.T, opts options) *system {
 	t.Helper()
+	opts.orders, opts.invoicers, opts.notifiers = max(opts.orders, 1), max(opts.invoicers, 1), max(opts.notifiers, 1)
 	s := &system{vhost: testenv.UniqueName("e2e")}
 	testenv.RabbitMQCtl(t, "add_vhost", s.vhost)
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", s.vhost).Run() })
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", s.vhost, "guest", ".*", ".*", ".*")
+	s.amqpURL = testenv.AMQPURL() + s.vhost
 	s.broker = testenv.Proxy(t, testenv.AMQPHost(t))
-	amqpURL := testenv.AMQPURLVia(t, s.broker.Listen) + s.vhost
+	viaProxy := testenv.AMQPURLVia(t, s.broker.Listen) + s.vhost
 	s.mail = testenv.NewSMTPServer(t)
 	s.mail.Start()
 
 	env := func(name string, extra ...string) []string {
-		return append(append([]string{"AMQP_URL=" + amqpURL, "LOG_LEVEL=debug"}, extraEnv[name]...), extra...)
+		return append(append([]string{"AMQP_URL=" + viaProxy, "LOG_LEVEL=debug"}, opts.env[name]...), extra...)
 	}
 	// Consumers first: their queues must exist before the first order is relayed.
-	s.invoicing = startService(t, "invoicing", env("invoicing"))
-	s.notification = startService(t, "notification", env("notification", "SMTP_ADDR="+s.mail.Addr))
-	s.order = startService(t, "order", env("order"))
+	invoicingDB, notificationDB, orderDB := testenv.NewDatabase(t), testenv.NewDatabase(t), testenv.NewDatabase(t)
+	for range opts.invoicers {
+		s.invoicers = append(s.invoicers, startService(t, "invoicing", invoicingDB, env("invoicing")))
+	}
+	for range opts.notifiers {
+		s.notifiers = append(s.notifiers, startService(t, "notification", notificationDB, env("notification", "SMTP_ADDR="+s.mail.Addr)))
+	}
+	for range opts.orders {
+		s.orders = append(s.orders, startService(t, "order", orderDB, env("order")))
+	}
+	s.order, s.invoicing, s.notification = s.orders[0], s.invoicers[0], s.notifiers[0]
 	return s
 }
 
-func startService(t *testing.T, name string, env []string) *service {
+func startService(t *testing.T, name string, db *testenv.Database, env []string) *service {
 	t.Helper()
-	s := &service{name: name, db: testenv.NewDatabase(t), done: make(chan struct{})}
-	addr := freeAddr(t)
-	s.url = "http://" + addr
+	s := &service{name: name, db: db, done: make(chan struct{}), env: env}
+	s.url = "http://" + freeAddr(t)
 	_, s.logs = testenv.NewLogger(t)
-	s.cmd = exec.Command(filepath.Join(binDir, name))
-	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.db.URL, "HTTP_ADDR=" + addr}, env...)...)
+	s.start(t)
+	t.Cleanup(func() { s.stop(t) })
+	return s
+}
+
+// start runs the binary (again, after a stop) and waits until it is ready.
+func (s *service) start(t *testing.T) {
+	t.Helper()
+	s.done = make(chan struct{})
+	s.cmd = exec.Command(filepath.Join(binDir, s.name))
+	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.db.URL, "HTTP_ADDR=" + strings.TrimPrefix(s.url, "http://")}, s.env...)...)
 	s.cmd.Stdout, s.cmd.Stderr = s.logs, s.logs
 	if err := s.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
+		t.Fatalf("start %s: %v", s.name, err)
 	}
 	go func() { s.err = s.cmd.Wait(); close(s.done) }()
-	t.Cleanup(func() { s.stop(t) })
-	testenv.Eventually(t, 30*time.Second, func() bool { return s.status(t, "/readyz") == 200 }, "%s not ready", name)
-	return s
+	testenv.Eventually(t, 30*time.Second, func() bool { return s.status(t, "/readyz") == 200 }, "%s not ready", s.name)
 }
 
-// stop sends SIGTERM and requires a clean exit within 10 s (CONTRACT.md).
-func (s *service) stop(t *testing.T) {
+// stop sends SIGTERM and requires a clean exit within 10 s (CONTRACT.md). It returns how
+// long the exit took.
+func (s *service) stop(t *testing.T) time.Duration {
 	t.Helper()
 	select {
 	case <-s.done:
-		return
+		return 0
 	default:
 	}
+	start := time.Now()
 	_ = s.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-s.done:
@@ -124,6 +155,7 @@ func (s *service) stop(t *testing.T) {
 		<-s.done
 		t.Errorf("%s did not exit within 10 s of SIGTERM", s.name)
 	}
+	return time.Since(start)
 }
 
 func freeAddr(t *testing.T) string {
@@ -162,24 +194,32 @@ func (s *service) getJSON(t *testing.T, path string, v any) {
 	}
 }
 
-// placeOrder posts an order and returns its id; it fails the test unless the answer is 201.
+// placeOrder posts an order to the first order replica; see placeOrderAt.
 func (s *system) placeOrder(t *testing.T, customer string) uuid.UUID {
 	t.Helper()
+	return s.order.placeOrderAt(t, customer)
+}
+
+// placeOrderAt posts an order and returns its id; it fails the test unless the answer is 201.
+func (s *service) placeOrderAt(t *testing.T, customer string) uuid.UUID {
+	t.Helper()
 	body := fmt.Sprintf(`{"customer_id": %q, "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}]}`, customer)
-	resp, err := http.Post(s.order.url+"/orders", "application/json", strings.NewReader(body))
+	resp, err := http.Post(s.url+"/orders", "application/json", strings.NewReader(body))
 	if err != nil {
-		t.Fatal(err)
+		t.Error(err)
+		return uuid.Nil
 	}
 	defer resp.Body.Close()
 	out, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != http.StatusCreated {
-		t.Fatalf("POST /orders = %d %s", resp.StatusCode, out)
+		t.Errorf("POST /orders = %d %s", resp.StatusCode, out)
+		return uuid.Nil
 	}
 	var o struct {
 		ID uuid.UUID `json:"id"`
 	}
 	if err := json.Unmarshal(out, &o); err != nil {
-		t.Fatal(err)
+		t.Error(err)
 	}
 	return o.ID
 }
@@ -190,6 +230,7 @@ type tally struct {
 	invoices, notifications, sent, mails int
 	missingInvoice, extraInvoice         int
 	missingNotice, extraNotice           int
+	duplicateMails                       int
 }
 
 func (s *system) tally(t *testing.T) tally {
@@ -234,7 +275,15 @@ func (s *system) tally(t *testing.T) tally {
 	r.invoices, r.missingInvoice, r.extraInvoice = perOrder(s.invoicing.db, "invoices", "")
 	r.notifications, r.missingNotice, r.extraNotice = perOrder(s.notification.db, "notifications", "")
 	r.sent, _, _ = perOrder(s.notification.db, "notifications", " WHERE status = 'sent'")
-	r.mails = len(s.mail.Mail())
+	mails := s.mail.Mail()
+	r.mails = len(mails)
+	seen := map[string]bool{}
+	for _, m := range mails {
+		if seen[m.MessageID] {
+			r.duplicateMails++
+		}
+		seen[m.MessageID] = true
+	}
 	return r
 }
 
@@ -248,8 +297,9 @@ func (s *system) waitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 		return last.orders == want && last.unsent == 0 &&
 			last.invoices == int(want) && last.missingInvoice+last.extraInvoice == 0 &&
 			last.notifications == int(want) && last.missingNotice+last.extraNotice == 0 &&
-			last.sent == int(want) && last.mails == int(want)
+			last.sent == int(want) && last.mails == int(want) && last.duplicateMails == 0
 	}, "system did not settle on exactly-once for %d orders", want)
+	s.checkQueuesEmpty(t)
 	return last
 }
 
@@ -260,3 +310,85 @@ func (s *system) dumpOnFailure(t *testing.T) {
 		}
 	})
 }
+
+// checkQueuesEmpty requires the consumers' queues to be empty (dead-letter queues aside, whose
+// depth it returns).
+func (s *system) checkQueuesEmpty(t *testing.T) (deadLettered int) {
+	t.Helper()
+	conn, err := amqp.Dial(s.amqpURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for _, q := range []string{"invoicing", "notification"} {
+		for _, name := range []string{q, q + ".dlq"} {
+			ch, err := conn.Channel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			info, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+			if err != nil {
+				t.Fatalf("inspect %s: %v", name, err)
+			}
+			_ = ch.Close()
+			if name == q && info.Messages != 0 {
+				t.Fatalf("queue %s still holds %d messages", q, info.Messages)
+			}
+			if name != q {
+				deadLettered += info.Messages
+			}
+		}
+	}
+	return deadLettered
+}
+
+// duplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas.
+func (s *system) duplicatesSuppressed(t *testing.T) int {
+	t.Helper()
+	total := 0
+	for _, c := range append(append([]*service{}, s.invoicers...), s.notifiers...) {
+		resp, err := http.Get(c.url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for line := range strings.SplitSeq(string(body), "\n") {
+			if strings.HasPrefix(line, "inbox_duplicates_total{") {
+				var n float64
+				fmt.Sscan(line[strings.LastIndex(line, " ")+1:], &n)
+				total += int(n)
+			}
+		}
+	}
+	return total
+}
+
+// load places n orders from workers concurrent clients, spread over the order replicas, and
+// returns the ids of those answered 201; any other answer fails the test.
+func (s *system) load(t *testing.T, n, workers int) []uuid.UUID {
+	t.Helper()
+	ids := make(chan uuid.UUID, n)
+	next := make(chan int, n)
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := range next {
+				ids <- s.orders[i%len(s.orders)].placeOrderAt(t, fmt.Sprintf("load-%d", i))
+			}
+		})
+	}
+	wg.Wait()
+	close(ids)
+	var out []uuid.UUID
+	for id := range ids {
+		out = append(out, id)
+	}
+	return out
+}
+
+func decodeJSON(resp *http.Response, v any) error { return json.NewDecoder(resp.Body).Decode(v) }

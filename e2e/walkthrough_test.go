@@ -12,7 +12,7 @@ import (
 // three real services.
 func TestWalkthrough(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, nil)
+	s := startSystem(t, options{})
 	s.dumpOnFailure(t)
 
 	// 1. Three orders ⇒ three invoices and three confirmations.

@@ -43,7 +43,7 @@ func run(ctx context.Context, env *platform.Env) error {
 
 	var deliverer Deliverer = logDeliverer{log: log}
 	if smtpAddr != "" {
-		deliverer = smtpDeliverer{addr: smtpAddr, from: smtpFrom, timeout: 30 * time.Second}
+		deliverer = smtpDeliverer{addr: smtpAddr, from: smtpFrom}
 	}
 	send := newSender(base.DB, deliverer, maxBackoff, log)
 

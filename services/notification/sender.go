@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -26,12 +25,12 @@ ORDER BY created_at, id
 LIMIT ?
 FOR UPDATE SKIP LOCKED`
 
-	markSentSQL = `UPDATE notifications SET status = 'sent', sent_at = now() WHERE id = ?`
+	markSentSQL = `UPDATE notifications SET status = 'sent', sent_at = clock_timestamp() WHERE id = ?`
 
 	recordDeliveryFailureSQL = `UPDATE notifications
 SET attempts = attempts + 1,
     last_error = ?,
-    next_attempt_at = now() + ? * interval '1 millisecond'
+    next_attempt_at = clock_timestamp() + ? * interval '1 millisecond'
 WHERE id = ?`
 )
 
@@ -43,20 +42,23 @@ type Deliverer interface {
 }
 
 // sender delivers pending notifications after their transaction committed, retrying failures
-// with backoff until they succeed.
+// with backoff until they succeed. Each notification is claimed, delivered and marked in a
+// transaction of its own: a crash between delivering and marking repeats one e-mail at most,
+// never a batch.
 type sender struct {
 	db        *gorm.DB
 	deliverer Deliverer
 	backoff   messaging.Backoff
 	poll      time.Duration
-	batch     int
+	timeout   time.Duration // one delivery, marking included
+	grace     time.Duration // how long a delivery in progress may go on after shutdown
 	log       *slog.Logger
 	wake      chan struct{}
 }
 
 func newSender(db *gorm.DB, d Deliverer, maxBackoff time.Duration, log *slog.Logger) *sender {
 	return &sender{
-		db: db, deliverer: d, batch: 10, poll: time.Second,
+		db: db, deliverer: d, poll: time.Second, timeout: 30 * time.Second, grace: 5 * time.Second,
 		backoff: messaging.Backoff{Base: 2 * time.Second, Max: maxBackoff},
 		log:     log.With("component", "sender"), wake: make(chan struct{}, 1),
 	}
@@ -70,19 +72,20 @@ func (s *sender) Wake() {
 	}
 }
 
-// Run delivers until ctx ends.
+// Run delivers until ctx ends. A delivery in progress at that moment may finish, and be
+// marked sent, within the grace period: a clean shutdown never repeats an e-mail.
 func (s *sender) Run(ctx context.Context) error {
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
-		n, err := s.deliverBatch(ctx)
+		delivered, err := s.deliverOne(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if err != nil {
-			s.log.Error("notification batch failed", "error", err)
+			s.log.Error("notification delivery round failed", "error", err)
 		}
-		if err == nil && n == s.batch {
+		if delivered {
 			continue
 		}
 		timer.Reset(s.poll)
@@ -104,56 +107,55 @@ type pendingRow struct {
 	Attempts  int
 }
 
-// deliverBatch claims due notifications and delivers them one by one, marking each sent. At
-// the first failure it records a backoff and stops: the usual cause, the mail server being
-// down, would fail the rest too. It returns how many it claimed.
-func (s *sender) deliverBatch(ctx context.Context) (int, error) {
-	var claimed int
-	type outcome struct {
-		id       uuid.UUID
-		attempts int
-		delay    time.Duration
-		err      error
-	}
-	var failed *outcome
-	var sent []uuid.UUID
-	err := s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		failed, sent = nil, nil
-		var rows []pendingRow
-		if err := tx.Raw(claimPendingSQL, s.batch).Scan(&rows).Error; err != nil {
-			return fmt.Errorf("claim pending notifications: %w", err)
+// deliverOne claims the oldest due notification, delivers it and marks it sent, or records
+// the failure with a backoff. delivered reports whether one was sent.
+func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(parent), s.timeout)
+	defer cancel()
+	stop := context.AfterFunc(parent, func() {
+		t := time.AfterFunc(s.grace, cancel)
+		<-ctx.Done()
+		t.Stop()
+	})
+	defer stop()
+
+	var row pendingRow
+	var failure error
+	var attempts int
+	var delay time.Duration
+	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		failure, delivered = nil, false
+		res := tx.Raw(claimPendingSQL, 1).Scan(&row)
+		if res.Error != nil {
+			return fmt.Errorf("claim pending notification: %w", res.Error)
 		}
-		claimed = len(rows)
-		for _, r := range rows {
-			n := Notification{ID: r.ID, OrderID: r.OrderID, Recipient: r.Recipient, Subject: r.Subject, Body: r.Body}
-			if err := s.deliverer.Deliver(ctx, n); err != nil {
-				o := outcome{id: r.ID, attempts: r.Attempts + 1, err: err}
-				o.delay = s.backoff.Delay(o.attempts)
-				if err := tx.Exec(recordDeliveryFailureSQL, err.Error(), o.delay.Milliseconds(), r.ID).Error; err != nil {
-					return fmt.Errorf("record delivery failure of %s: %w", r.ID, err)
-				}
-				failed = &o
-				break
-			}
-			if err := tx.Exec(markSentSQL, r.ID).Error; err != nil {
-				return fmt.Errorf("mark notification %s sent: %w", r.ID, err)
-			}
-			sent = append(sent, r.ID)
+		if res.RowsAffected == 0 {
+			return nil
 		}
+		n := Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body}
+		if failure = s.deliverer.Deliver(ctx, n); failure != nil {
+			attempts = row.Attempts + 1
+			delay = s.backoff.Delay(attempts)
+			if err := tx.Exec(recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID).Error; err != nil {
+				return fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
+			}
+			return nil
+		}
+		if err := tx.Exec(markSentSQL, row.ID).Error; err != nil {
+			return fmt.Errorf("mark notification %s sent: %w", row.ID, err)
+		}
+		delivered = true
 		return nil
 	})
 	if err != nil {
-		return claimed, err
+		return false, err
 	}
-	for _, id := range sent {
-		s.log.Info("notification delivered", "notification_id", id)
+	if failure != nil {
+		s.log.Warn("notification delivery failed", "notification_id", row.ID, "attempts", attempts, "retry_in", delay, "error", failure)
+	} else if delivered {
+		s.log.Info("notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	}
-	if failed != nil {
-		s.log.Warn("notification delivery failed", "notification_id", failed.id, "attempts", failed.attempts,
-			"retry_in", failed.delay, "error", failed.err)
-		return claimed, errors.New("delivery failed")
-	}
-	return claimed, nil
+	return delivered, nil
 }
 
 // logDeliverer "delivers" to the log, when no mail server is configured.
@@ -167,16 +169,13 @@ func (d logDeliverer) Deliver(_ context.Context, n Notification) error {
 
 // smtpDeliverer sends e-mail through a plain SMTP relay (Mailpit in docker compose).
 type smtpDeliverer struct {
-	addr    string
-	from    string
-	timeout time.Duration
+	addr string
+	from string
 }
 
 // Deliver sends one e-mail whose Message-ID is derived from the notification id, so the
 // receiving side can drop a repeat.
 func (d smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
-	ctx, cancel := context.WithTimeout(ctx, d.timeout)
-	defer cancel()
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", d.addr)
 	if err != nil {
 		return fmt.Errorf("smtp dial %s: %w", d.addr, err)
