@@ -181,6 +181,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	s := startSystem(t, options{})
 	s.dumpOnFailure(t)
 	var accepted sync.Map
+	var placed atomic.Int64
 	stopLoad := make(chan struct{})
 	var wg sync.WaitGroup
 	for w := range 4 {
@@ -199,13 +200,17 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 				var o struct{ ID uuid.UUID }
 				if resp.StatusCode == http.StatusCreated && decodeJSON(resp, &o) == nil {
 					accepted.Store(o.ID, true)
+					placed.Add(1)
 				}
 				resp.Body.Close()
-				time.Sleep(10 * time.Millisecond)
 			}
 		})
 	}
-	time.Sleep(2 * time.Second) // let load build up before the restart
+	flowing := func() {
+		n := placed.Load() + 50
+		testenv.Eventually(t, 60*time.Second, func() bool { return placed.Load() >= n }, "orders are not flowing")
+	}
+	flowing()
 	versions, _ := filepath.Glob("/etc/postgresql/*")
 	if len(versions) == 0 {
 		t.Skip("no local PostgreSQL cluster to restart")
@@ -213,7 +218,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	if out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", filepath.Base(versions[0]), "main", "restart", "-m", "fast").CombinedOutput(); err != nil {
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
-	time.Sleep(3 * time.Second) // keep the load going after the restart
+	flowing() // the order service takes orders again without a restart
 	close(stopLoad)
 	wg.Wait()
 	var n int64

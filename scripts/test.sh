@@ -60,7 +60,7 @@ ensure_rabbitmq
 say "PostgreSQL and RabbitMQ answer"
 
 say "gofmt"
-unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+unformatted=$(gofmt -l .)
 [ -z "$unformatted" ] || die "gofmt would change: $unformatted"
 
 say "go vet"
@@ -76,7 +76,7 @@ go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" .
 # suite). They start the servers again in their cleanup; we check once more anyway.
 say "go test -race (server restarts, alone)"
 status=0
-TEST_SERVER_RESTARTS=1 go test -race -count=1 -p 1 -timeout 10m -run '^TestServerRestart' ./pkg/messaging/ || status=$?
+TEST_SERVER_RESTARTS=1 go test -race -count=1 -p 1 -timeout 10m -run '^TestServerRestart' ./pkg/messaging/ ./e2e/ || status=$?
 ensure_postgres
 ensure_rabbitmq
 exit "$status"

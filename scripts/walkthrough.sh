@@ -44,6 +44,19 @@ broker() { # broker stop|start
   fi
 }
 
+service_logs() { # service_logs NAME -> the service's log so far
+  if [ "$WALKTHROUGH_MODE" = compose ]; then
+    docker compose logs --no-color --no-log-prefix "$1" 2>/dev/null
+  elif [ -f ".run/$1.log" ]; then
+    sed -E 's/^\[[a-z]+\] //' ".run/$1.log"
+  fi
+}
+show_log() { # show_log NAME TEXT [TEXT]: print the service's last log line holding both, if its log is at hand
+  local line
+  line=$(service_logs "$1" | grep -F -- "$2" | grep -F -- "${3:-$2}" | tail -n1 || true)
+  if [ -n "$line" ]; then info "  [$1] $line"; else info "  ($1's log is not at hand here; look for: $2 ${3:-})"; fi
+}
+
 place_order() { # place_order CUSTOMER -> prints the order id
   local out
   out=$(curl -sS -w '\n%{http_code}' -X POST "$ORDER_URL/orders" -H 'Content-Type: application/json' \
@@ -101,9 +114,9 @@ until [ "$(duplicates "$INVOICING_URL" invoicing)" != "$inv_before" ] && [ "$(du
   [ $SECONDS -ge $deadline ] && fail "the consumers did not report the duplicate within 20 s"
   sleep 0.5
 done
-info "both consumers skipped it; their logs show:"
-info "  msg=\"duplicate message skipped\" consumer=invoicing message_id=$msg"
-info "  msg=\"duplicate message skipped\" consumer=notification message_id=$msg"
+info "both consumers skipped it (inbox_duplicates_total went up by one each); their logs:"
+show_log invoicing "duplicate message skipped" "message_id=$msg"
+show_log notification "duplicate message skipped" "message_id=$msg"
 wait_exactly_once 10 "${ids[@]}"
 info "still exactly one invoice and one confirmation per order"
 
@@ -118,7 +131,8 @@ while [ $SECONDS -lt $end ]; do
   sleep 1
 done
 info "${#outage[@]} orders accepted during the outage (201 each); their events wait in the outbox"
-info "the order service logs: msg=\"outbox publish failed\" message_id=... attempts=... next_attempt_at=..."
+info "the relay records each failed attempt and backs off:"
+show_log order "outbox publish failed"
 broker start
 info "RabbitMQ started again; nobody restarts anything"
 wait_exactly_once 120 "${ids[@]}" "${outage[@]}"

@@ -4,6 +4,7 @@ package events
 
 import (
 	"errors"
+	"math"
 	"time"
 
 	"github.com/google/uuid"
@@ -53,11 +54,34 @@ func DecodeOrderPlaced(msg messaging.Message) (OrderPlaced, error) {
 		err = errors.New("OrderPlaced with a negative total_cents")
 	case len(ev.Lines) == 0:
 		err = errors.New("OrderPlaced without lines")
+	case ev.TotalCents != linesTotal(ev.Lines):
+		err = errors.New("OrderPlaced whose total_cents is not the sum of its lines")
+	}
+	for _, l := range ev.Lines {
+		if l.SKU == "" || l.Quantity < 1 || l.UnitPriceCents < 0 {
+			err = errors.New("OrderPlaced with an invalid line")
+		}
 	}
 	if err != nil {
 		return OrderPlaced{}, messaging.Permanent(err)
 	}
 	return ev, nil
+}
+
+// linesTotal sums the lines; a sum that overflows cannot match any total.
+func linesTotal(lines []Line) int64 {
+	var total int64
+	for _, l := range lines {
+		if l.Quantity > 0 && l.UnitPriceCents > math.MaxInt64/l.Quantity {
+			return -1
+		}
+		sub := l.Quantity * l.UnitPriceCents
+		if total > math.MaxInt64-sub {
+			return -1
+		}
+		total += sub
+	}
+	return total
 }
 
 func truncate(s string) string {

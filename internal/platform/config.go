@@ -3,6 +3,7 @@ package platform
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"strconv"
@@ -131,13 +132,41 @@ func (e *Env) Bool(name string, def bool) bool {
 	return b
 }
 
-// Redact hides the password of a URL, for logging the effective configuration.
+// Redact hides the passwords of a URL, in its user part and in its query (PostgreSQL URLs may
+// carry password= and sslpassword=), for logging the effective configuration.
 func Redact(rawURL string) string {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return "(unparseable)"
 	}
+	q := u.Query()
+	for _, key := range []string{"password", "sslpassword"} {
+		if q.Has(key) {
+			q.Set(key, "xxxxx")
+		}
+	}
+	u.RawQuery = q.Encode()
 	return u.Redacted()
+}
+
+// Addr returns a listen or dial address (host:port, host optional), or def when unset.
+func (e *Env) Addr(name, def string) string {
+	v := e.String(name, def)
+	if v == "" {
+		return v
+	}
+	if _, port, err := net.SplitHostPort(v); err != nil || port == "" {
+		e.fail(name, "must be host:port or :port")
+		return def
+	}
+	return v
+}
+
+// Check records a problem that involves several variables, named in names.
+func (e *Env) Check(ok bool, names, problem string) {
+	if !ok {
+		e.fail(names, "%s", problem)
+	}
 }
 
 // Common is the configuration every service reads (CONTRACT.md).
@@ -155,10 +184,12 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
 		AMQPURL:     env.URL("AMQP_URL", "amqp", "amqps"),
-		HTTPAddr:    env.String("HTTP_ADDR", defaultAddr),
+		HTTPAddr:    env.Addr("HTTP_ADDR", defaultAddr),
 		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
-		DBMaxConns:  env.Int("DB_MAX_CONNS", 20, 2, 1000),
+		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
+		// publishes, and requests must still find one.
+		DBMaxConns: env.Int("DB_MAX_CONNS", 20, 4, 1000),
 	}
 }
 

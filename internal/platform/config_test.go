@@ -9,14 +9,18 @@ import (
 func TestEnvReportsEveryProblemByName(t *testing.T) {
 	t.Parallel()
 	env := EnvFrom(map[string]string{
-		"AMQP_URL":     "http://user:hunter2@host/",
-		"LOG_LEVEL":    "loud",
-		"DB_MAX_CONNS": "1",
-		"N":            "7",
-		"D":            "90s",
-		"B":            "maybe",
+		"AMQP_URL":             "http://user:hunter2@host/",
+		"LOG_LEVEL":            "loud",
+		"DB_MAX_CONNS":         "1",
+		"N":                    "7",
+		"D":                    "90s",
+		"B":                    "maybe",
+		"HTTP_ADDR":            "8080",
+		"CONSUMER_CONCURRENCY": "8",
+		"CONSUMER_PREFETCH":    "2",
 	})
 	c := ReadCommon(env, ":8080")
+	ReadConsumerSettings(env, c)
 	if n := env.Int("N", 1, 1, 10); n != 7 {
 		t.Errorf("N = %d, want 7", n)
 	}
@@ -29,7 +33,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		t.Fatal("want errors")
 	}
 	msg := err.Error()
-	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 2 to 1000", "B: must be true or false"} {
+	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_CONCURRENCY", "B: must be true or false"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q lacks %q", msg, want)
 		}
@@ -37,14 +41,16 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 	if strings.Contains(msg, "hunter2") || strings.Contains(msg, "\n") {
 		t.Errorf("error must be one line without secrets: %q", msg)
 	}
-	if c.HTTPAddr != ":8080" || c.LogFormat != "text" {
+	if c.LogFormat != "text" {
 		t.Errorf("defaults not applied: %+v", c)
 	}
 }
 
 func TestRedactHidesPasswords(t *testing.T) {
 	t.Parallel()
-	if got := Redact("amqp://app:hunter2@rabbitmq:5672/"); strings.Contains(got, "hunter2") || !strings.Contains(got, "app:") {
-		t.Fatalf("Redact = %q", got)
+	for _, u := range []string{"amqp://app:hunter2@rabbitmq:5672/", "postgres://app@db/x?password=hunter2&sslmode=disable", "postgres://db/x?sslpassword=hunter2"} {
+		if got := Redact(u); strings.Contains(got, "hunter2") {
+			t.Errorf("Redact(%q) = %q", u, got)
+		}
 	}
 }

@@ -21,8 +21,6 @@ type InboxConsumer struct {
 	AMQPURL     string
 	Settings    ConsumerSettings
 	Work        func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error
-	// Handled, if set, runs after a message's work committed (to wake an after-commit job).
-	Handled func()
 }
 
 // ConsumerSettings are the knobs of a consumer service.
@@ -32,11 +30,14 @@ type ConsumerSettings struct {
 	InboxRetention time.Duration // INBOX_RETENTION: how long inbox records are kept, default 30 days
 }
 
-// ReadConsumerSettings reads ConsumerSettings.
-func ReadConsumerSettings(env *Env) ConsumerSettings {
+// ReadConsumerSettings reads ConsumerSettings. Every parallel handler holds a database
+// connection for its transaction, so the pool must have room for them and for readiness checks.
+func ReadConsumerSettings(env *Env, c Common) ConsumerSettings {
 	var s ConsumerSettings
 	s.Concurrency = env.Int("CONSUMER_CONCURRENCY", 4, 1, 256)
 	s.Prefetch = env.Int("CONSUMER_PREFETCH", 2*s.Concurrency, 1, 65535)
+	env.Check(s.Prefetch >= s.Concurrency, "CONSUMER_PREFETCH", "must be at least CONSUMER_CONCURRENCY, or handlers sit idle")
+	env.Check(c.DBMaxConns >= s.Concurrency+2, "CONSUMER_CONCURRENCY", "needs DB_MAX_CONNS of at least CONSUMER_CONCURRENCY + 2")
 	// Records must outlive any duplicate: the relay's retries and the broker's redeliveries
 	// arrive within minutes or hours, so a day is the floor.
 	s.InboxRetention = env.Duration("INBOX_RETENTION", 30*24*time.Hour, 24*time.Hour, 10*365*24*time.Hour)
@@ -71,16 +72,6 @@ func (b *Base) NewInboxConsumer(log *slog.Logger, c InboxConsumer) (*messaging.C
 		return nil, err
 	}
 	handle := inbox.Handler(c.Work)
-	if c.Handled != nil {
-		inner := handle
-		handle = func(ctx context.Context, msg messaging.Message) error {
-			err := inner(ctx, msg)
-			if err == nil {
-				c.Handled()
-			}
-			return err
-		}
-	}
 	topology := messaging.ConsumerTopology{Exchange: c.Exchange, Queue: c.Name, RoutingKeys: c.RoutingKeys}
 	return messaging.NewConsumer(messaging.ConsumerConfig{
 		URL: c.AMQPURL, ConnectionName: c.Name, Queue: c.Name,

@@ -75,15 +75,18 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 						panic(p)
 					}
 					log.Error("handler panicked", "panic", p, "method", req.Method, "path", req.URL.Path)
-					if ww.Status() == 0 {
-						WriteProblem(ww, http.StatusInternalServerError, "internal error")
+					if ww.Status() != 0 {
+						// Too late for a problem response: abort, so the client sees a broken
+						// response rather than a truncated 200.
+						panic(http.ErrAbortHandler)
 					}
+					WriteProblem(ww, http.StatusInternalServerError, "internal error")
 				}
 				route := chi.RouteContext(req.Context()).RoutePattern()
 				if route == "" {
 					route = "unmatched"
 				}
-				requests.WithLabelValues(route, req.Method, strconv.Itoa(ww.Status())).Inc()
+				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(ww.Status())).Inc()
 				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
 			}()
 			next.ServeHTTP(ww, req)
@@ -173,4 +176,13 @@ func ListRecent[T any](ctx context.Context, db *gorm.DB, orderID uuid.UUID, limi
 		return nil, fmt.Errorf("list: %w", err)
 	}
 	return rows, nil
+}
+
+// methodLabel keeps the metric's label set bounded whatever methods clients invent.
+func methodLabel(m string) string {
+	switch m {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete, http.MethodOptions:
+		return m
+	}
+	return "other"
 }

@@ -24,6 +24,8 @@ const ShutdownTimeout = 8 * time.Second
 // fails, Main prints one line naming the service and exits 1.
 func Main(service string, run func(ctx context.Context, env *Env) error) {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// After the first signal, a second one kills the process the default way.
+	context.AfterFunc(ctx, stop)
 	err := run(ctx, NewEnv())
 	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		err = nil // stopped by a signal while starting: a clean exit
@@ -62,7 +64,10 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers ...W
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
 		if err := srv.Shutdown(shutdownCtx); err != nil {
-			return fmt.Errorf("http shutdown: %w", err)
+			// A request still running at the deadline is cut off; that is the deadline's
+			// purpose, not a failure of the service (nothing it did was committed half-way).
+			log.Warn("HTTP requests still running at the shutdown deadline were cut off", "error", err)
+			_ = srv.Close()
 		}
 		return nil
 	})

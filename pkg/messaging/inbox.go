@@ -55,7 +55,10 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 // Errors: those of work are returned as they are (mark undecodable input with [Permanent]);
 // any other failure while the database does not answer is wrapped with [Unavailable].
 func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB) error) (duplicate bool, err error) {
+	hooks := &afterCommitHooks{}
+	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	err = in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		hooks.fns = nil
 		res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
 		if res.Error != nil {
 			return fmt.Errorf("claim inbox message %s: %w", msg.ID, res.Error)
@@ -78,7 +81,27 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
 		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
 	}
+	for _, fn := range hooks.fns {
+		fn()
+	}
 	return duplicate, nil
+}
+
+type afterCommitKey struct{}
+
+type afterCommitHooks struct{ fns []func() }
+
+// AfterCommit registers fn to run once the inbox transaction tx belongs to has committed: the
+// place to log what the work did, or to start work outside the database, so that neither
+// happens for a transaction that rolls back. It reports false, and drops fn, when tx is not
+// the transaction of [Inbox.Handle].
+func AfterCommit(tx *gorm.DB, fn func()) bool {
+	hooks, ok := tx.Statement.Context.Value(afterCommitKey{}).(*afterCommitHooks)
+	if !ok {
+		return false
+	}
+	hooks.fns = append(hooks.fns, fn)
+	return true
 }
 
 // Handler adapts the inbox to a [Consumer]: every delivery runs through Handle.

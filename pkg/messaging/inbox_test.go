@@ -3,6 +3,7 @@ package messaging_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -498,4 +499,42 @@ func newInbox(t testing.TB, db *gorm.DB, consumer string, log *slog.Logger) *mes
 		t.Fatal(err)
 	}
 	return in
+}
+
+func TestAfterCommitRunsOnlyForCommittedWork(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := newInbox(t, b.db.DB, consumerName, b.log)
+	msg := newMessage(t, 1)
+	var ran []string
+	work := func(fail bool) func(tx *gorm.DB) error {
+		return func(tx *gorm.DB) error {
+			if !messaging.AfterCommit(tx, func() { ran = append(ran, fmt.Sprint("fail=", fail)) }) {
+				t.Fatal("AfterCommit refused the inbox's transaction")
+			}
+			if fail {
+				return errors.New("roll back")
+			}
+			return doWork(tx, msg)
+		}
+	}
+	_, _ = in.Handle(context.Background(), msg, work(true))
+	if _, err := in.Handle(context.Background(), msg, work(false)); err != nil {
+		t.Fatal(err)
+	}
+	if dup, _ := in.Handle(context.Background(), msg, work(false)); !dup {
+		t.Fatal("third delivery is not a duplicate")
+	}
+	if len(ran) != 1 || ran[0] != "fail=false" {
+		t.Fatalf("hooks ran %v, want only the committed delivery's", ran)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		if messaging.AfterCommit(tx, func() {}) {
+			t.Error("AfterCommit accepted a transaction that is not an inbox's")
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 }

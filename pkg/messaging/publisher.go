@@ -73,6 +73,17 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher")}
 }
 
+// Connect opens the connection and declares the topology now, instead of at the first Publish,
+// so a misconfiguration shows at start. A failure is not final: Publish keeps trying.
+func (p *Publisher) Connect(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return p.connectLocked()
+}
+
 // Publish sends msgs to exchange, each with its Type as the routing key, and waits for the
 // broker's verdict on all of them. It returns one error per message, in order: nil means the
 // broker confirmed it and routed it to at least one queue. Anything else means the message

@@ -51,9 +51,13 @@ func (h invoicer) handle(ctx context.Context, tx *gorm.DB, msg messaging.Message
 		return fmt.Errorf("insert invoice: %w", res.Error)
 	}
 	if res.RowsAffected == 0 {
-		h.log.Warn("order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+		messaging.AfterCommit(tx, func() {
+			h.log.Warn("order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+		})
 		return nil
 	}
-	h.log.Info("invoice created", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
+	messaging.AfterCommit(tx, func() {
+		h.log.Info("invoice created", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
+	})
 	return nil
 }

@@ -21,7 +21,7 @@ func main() { platform.Main("invoicing", run) }
 
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8081")
-	settings := platform.ReadConsumerSettings(env)
+	settings := platform.ReadConsumerSettings(env, common)
 	if err := env.Err(); err != nil {
 		return err
 	}

@@ -5,7 +5,9 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/mail"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -22,10 +24,14 @@ func main() { platform.Main("notification", run) }
 
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8082")
-	settings := platform.ReadConsumerSettings(env)
-	smtpAddr := env.String("SMTP_ADDR", "")
+	settings := platform.ReadConsumerSettings(env, common)
+	smtpAddr := env.Addr("SMTP_ADDR", "")
 	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
+	_, fromErr := mail.ParseAddress(smtpFrom)
+	env.Check(fromErr == nil && !strings.ContainsAny(smtpFrom, "<>\r\n"), "SMTP_FROM", "must be a plain e-mail address")
 	domain := env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example")
+	_, domainErr := mail.ParseAddress("x@" + domain)
+	env.Check(domainErr == nil && !strings.ContainsAny(domain, "@<> "), "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name")
 	maxBackoff := env.Duration("NOTIFY_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
 	if err := env.Err(); err != nil {
 		return err
@@ -50,8 +56,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	consumer, err := base.NewInboxConsumer(log, platform.InboxConsumer{
 		Name: Consumer, Exchange: events.Exchange, RoutingKeys: []string{events.OrderPlacedType},
 		AMQPURL: common.AMQPURL, Settings: settings,
-		Work:    notifier{log: log, domain: domain}.handle,
-		Handled: send.Wake,
+		Work: notifier{log: log, domain: domain, recorded: send.Wake}.handle,
 	})
 	if err != nil {
 		return err

@@ -89,8 +89,9 @@ func recipient(customerID, domain string) string {
 
 // notifier turns OrderPlaced events into pending order confirmations.
 type notifier struct {
-	log    *slog.Logger
-	domain string
+	log      *slog.Logger
+	domain   string
+	recorded func() // called after a new confirmation committed: wakes the sender
 }
 
 // handle runs inside the inbox's transaction; it only records the notification. Sending it is
@@ -110,9 +111,16 @@ func (h notifier) handle(ctx context.Context, tx *gorm.DB, msg messaging.Message
 		return fmt.Errorf("insert notification: %w", res.Error)
 	}
 	if res.RowsAffected == 0 {
-		h.log.Warn("order already has a confirmation from another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+		messaging.AfterCommit(tx, func() {
+			h.log.Warn("order already has a confirmation from another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+		})
 		return nil
 	}
-	h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "recipient", n.Recipient, "message_id", msg.ID)
+	messaging.AfterCommit(tx, func() {
+		h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "recipient", n.Recipient, "message_id", msg.ID)
+		if h.recorded != nil {
+			h.recorded()
+		}
+	})
 	return nil
 }

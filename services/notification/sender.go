@@ -18,12 +18,19 @@ import (
 // The sender's statements: the same claim-deliver-mark shape as the outbox relay, for the one
 // piece of work that leaves the database.
 const (
-	claimPendingSQL = `SELECT id, order_id, recipient, subject, body, attempts
-FROM notifications
-WHERE status = 'pending' AND next_attempt_at <= now()
-ORDER BY created_at, id
-LIMIT ?
-FOR UPDATE SKIP LOCKED`
+	// Lease the oldest due notification: push its next attempt past the time a delivery may
+	// take, so no other sender takes it meanwhile, and no transaction stays open during SMTP.
+	// If this sender dies, the lease runs out and the notification is delivered again, with the
+	// same Message-ID.
+	claimPendingSQL = `UPDATE notifications
+SET next_attempt_at = clock_timestamp() + ? * interval '1 millisecond'
+WHERE id = (
+    SELECT id FROM notifications
+    WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY created_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED)
+RETURNING id, order_id, recipient, subject, body, attempts`
 
 	markSentSQL = `UPDATE notifications SET status = 'sent', sent_at = clock_timestamp() WHERE id = ?`
 
@@ -42,9 +49,10 @@ type Deliverer interface {
 }
 
 // sender delivers pending notifications after their transaction committed, retrying failures
-// with backoff until they succeed. Each notification is claimed, delivered and marked in a
-// transaction of its own: a crash between delivering and marking repeats one e-mail at most,
-// never a batch.
+// with backoff until they succeed. Each notification is leased, delivered and marked on its
+// own: a crash between delivering and marking repeats one e-mail at most, never a batch, and a
+// database that is briefly away when the mark is due is waited for rather than causing a
+// repeat.
 type sender struct {
 	db        *gorm.DB
 	deliverer Deliverer
@@ -107,7 +115,7 @@ type pendingRow struct {
 	Attempts  int
 }
 
-// deliverOne claims the oldest due notification, delivers it and marks it sent, or records
+// deliverOne leases the oldest due notification, delivers it and marks it sent, or records
 // the failure with a backoff. delivered reports whether one was sent.
 func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(parent), s.timeout)
@@ -119,43 +127,47 @@ func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) 
 	})
 	defer stop()
 
-	var row pendingRow
-	var failure error
-	var attempts int
-	var delay time.Duration
-	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		failure, delivered = nil, false
-		res := tx.Raw(claimPendingSQL, 1).Scan(&row)
-		if res.Error != nil {
-			return fmt.Errorf("claim pending notification: %w", res.Error)
-		}
-		if res.RowsAffected == 0 {
-			return nil
-		}
-		n := Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body}
-		if failure = s.deliverer.Deliver(ctx, n); failure != nil {
-			attempts = row.Attempts + 1
-			delay = s.backoff.Delay(attempts)
-			if err := tx.Exec(recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID).Error; err != nil {
-				return fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
-			}
-			return nil
-		}
-		if err := tx.Exec(markSentSQL, row.ID).Error; err != nil {
-			return fmt.Errorf("mark notification %s sent: %w", row.ID, err)
-		}
-		delivered = true
-		return nil
-	})
-	if err != nil {
-		return false, err
+	var rows []pendingRow
+	lease := s.timeout + s.grace
+	if err := s.db.WithContext(ctx).Raw(claimPendingSQL, lease.Milliseconds()).Scan(&rows).Error; err != nil {
+		return false, fmt.Errorf("lease a pending notification: %w", err)
 	}
-	if failure != nil {
+	if len(rows) == 0 {
+		return false, nil
+	}
+	row := rows[0]
+	n := Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body}
+	if failure := s.deliverer.Deliver(ctx, n); failure != nil {
+		attempts := row.Attempts + 1
+		delay := s.backoff.Delay(attempts)
+		if err := s.persist(ctx, recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID); err != nil {
+			return false, fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
+		}
 		s.log.Warn("notification delivery failed", "notification_id", row.ID, "attempts", attempts, "retry_in", delay, "error", failure)
-	} else if delivered {
-		s.log.Info("notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
+		return false, nil
 	}
-	return delivered, nil
+	if err := s.persist(ctx, markSentSQL, row.ID); err != nil {
+		return false, fmt.Errorf("mark notification %s sent (it will be delivered again when its lease ends): %w", row.ID, err)
+	}
+	s.log.Info("notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
+	return true, nil
+}
+
+// persist runs an update, retrying while the database is away, until ctx ends: once an
+// e-mail went out, recording that is worth waiting for.
+func (s *sender) persist(ctx context.Context, sql string, args ...any) error {
+	retry := messaging.Backoff{Base: 100 * time.Millisecond, Max: 2 * time.Second}
+	for attempt := 1; ; attempt++ {
+		err := s.db.WithContext(ctx).Exec(sql, args...).Error
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(retry.Delay(attempt)):
+		}
+	}
 }
 
 // logDeliverer "delivers" to the log, when no mail server is configured.
@@ -184,6 +196,8 @@ func (d smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 	if deadline, ok := ctx.Deadline(); ok {
 		_ = conn.SetDeadline(deadline)
 	}
+	// Cancellation (shutdown past its grace) must interrupt a stalled server too.
+	defer context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })()
 	host, _, _ := net.SplitHostPort(d.addr)
 	c, err := smtp.NewClient(conn, host)
 	if err != nil {
@@ -209,7 +223,9 @@ func (d smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 	if err := w.Close(); err != nil {
 		return fmt.Errorf("smtp end of data: %w", err)
 	}
-	return c.Quit()
+	// The server accepted the message: it is delivered, whatever QUIT says.
+	_ = c.Quit()
+	return nil
 }
 
 // MessageIDDomain qualifies e-mail Message-IDs: <notification-id@MessageIDDomain>.

@@ -19,6 +19,7 @@ func TestLockedDatabaseGives503WithinTheDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	locker := b.db.Begin()
+	t.Cleanup(func() { locker.Rollback() })
 	if err := locker.Exec("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE").Error; err != nil {
 		t.Fatal(err)
 	}

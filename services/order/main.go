@@ -61,14 +61,13 @@ func run(ctx context.Context, env *platform.Env) error {
 	router := platform.NewRouter(log, base.Registry, func(ctx context.Context) error { return platform.Ping(ctx, db) })
 	(&api{store: &Store{db: db}, log: log}).routes(router)
 
-	cleanup := platform.Periodic(log, "outbox cleanup", time.Hour, func(ctx context.Context) error {
-		n, err := messaging.DeleteSentOutboxMessages(ctx, db, retention)
-		if err == nil && n > 0 {
-			log.Info("deleted sent outbox messages", "count", n, "older_than", retention)
-		}
-		return err
-	})
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), relay.Run, cleanup); err != nil {
+	// Connect now, so bad credentials show at start and the exchange exists before the first
+	// order; if the broker is down, the relay keeps trying.
+	if err := publisher.Connect(ctx); err != nil {
+		log.Warn("RabbitMQ not reachable at start; orders are taken and relayed once it is", "error", err)
+	}
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router),
+		relay.Run, base.OutboxCleanup(log, retention)); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil
