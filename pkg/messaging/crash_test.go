@@ -166,10 +166,12 @@ func TestConsumerProcessKilled(t *testing.T) {
 			}
 			// Unacknowledged, so the broker has it again for the next consumer.
 			b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
-			testenv.Eventually(t, 20*time.Second, func() bool {
-				return testenv.QueueDepth(t, b.ch, b.queue) == 0 && b.workDone(t) == 1 &&
-					testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages") == 1
-			}, "the redelivered message was not settled")
+			acked := `consumer_messages_total{outcome="acked",queue="` + b.queue + `"} 1`
+			testenv.Eventually(t, 20*time.Second, func() bool { return hasMetric(t, b.registry, acked) },
+				"the redelivered message was not acknowledged")
+			if w, c := b.workDone(t), testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); w != 1 || c != 1 {
+				t.Fatalf("after redelivery: %d work rows, %d inbox rows; want 1 and 1", w, c)
+			}
 			wantDup := map[string]int{"consumer-after-commit": 1, "consumer-before-commit": 0}[point]
 			if n := len(b.duplicateLines(msg.ID)); n != wantDup {
 				t.Fatalf("%d duplicate lines, want %d", n, wantDup)

@@ -65,7 +65,8 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	if n := len(b.logs.Lines("retrying message", msg.ID.String())); n == 0 {
 		t.Fatal("the failed attempt was not logged as retried")
 	}
-	wantMetric(t, b.registry, `consumer_messages_total{outcome="acked",queue="`+b.queue+`"} 1`)
+	acked := `consumer_messages_total{outcome="acked",queue="` + b.queue + `"} 1`
+	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "the message was not acknowledged once")
 }
 
 // The queue is deleted under a running consumer: the broker cancels it, and it declares its
