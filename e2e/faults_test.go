@@ -25,7 +25,7 @@ func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, options{orders: 3, invoicers: 2, notifiers: 2})
 	s.dumpOnFailure(t)
-	const orders = 1000
+	const orders = 2000
 	start := time.Now()
 	ids := s.load(t, orders, 16)
 	took := time.Since(start)

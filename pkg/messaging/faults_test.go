@@ -120,3 +120,25 @@ func TestRelayThroughResetsAndLatency(t *testing.T) {
 		t.Fatalf("%d missing, %d unexpected", missing, unexpected)
 	}
 }
+
+// A half-open broker connection (traffic silently dropped) is detected by heartbeats in
+// bounded time: the consumer reconnects by itself once the network heals.
+func TestConsumerDetectsAHalfOpenConnectionByHeartbeat(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	c := b.consumer(t, testenv.AMQPURLVia(t, proxy.Listen), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.Heartbeat = time.Second })
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"blackhole","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	testenv.Eventually(t, 15*time.Second, func() bool { return !c.Ready() }, "the silent connection was not detected")
+	t.Logf("half-open connection detected after %s (heartbeat 1 s)", time.Since(start).Round(100*time.Millisecond))
+	if err := proxy.Toxics.RemoveToxic(context.Background(), "blackhole"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 15*time.Second, c.Ready, "consumer did not reconnect")
+	b.publishRaw(t, publishing(newMessage(t, 1)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "message after the reconnect not handled")
+}
