@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/outboxkit/outbox-inbox/internal/systest"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
@@ -23,15 +24,14 @@ import (
 // relays (SKIP LOCKED) publish next to no duplicates.
 func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, options{orders: 3, invoicers: 2, notifiers: 2})
-	s.dumpOnFailure(t)
+	s := startSystem(t, systest.Options{Orders: 3, Invoicers: 2, Notifiers: 2})
 	const orders = 2000
 	start := time.Now()
-	ids := s.load(t, orders, 16)
+	ids := s.Load(t, orders, 16)
 	took := time.Since(start)
-	got := s.waitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
+	got := s.WaitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
 	t.Logf("3 order + 2 invoicing + 2 notification replicas: %d orders accepted in %s; %d invoices, %d confirmations sent, %d e-mails; consumers suppressed %d duplicates",
-		len(ids), took.Round(time.Millisecond), got.invoices, got.sent, got.mails, s.duplicatesSuppressed(t))
+		len(ids), took.Round(time.Millisecond), got.Invoices, got.Sent, got.Mails, s.DuplicatesSuppressed(t))
 	if len(ids) != orders {
 		t.Fatalf("%d of %d orders accepted", len(ids), orders)
 	}
@@ -41,9 +41,8 @@ func TestReplicasUnderLoad(t *testing.T) {
 // consumer's dead-letter queue with their reason logged; the orders behind them go through.
 func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, options{})
-	s.dumpOnFailure(t)
-	conn, err := amqp.Dial(s.amqpURL)
+	s := startSystem(t, systest.Options{})
+	conn, err := amqp.Dial(s.AMQPURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,14 +63,14 @@ func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 		}
 	}
 	for i := range 3 {
-		s.placeOrder(t, fmt.Sprintf("after-poison-%d", i))
+		s.PlaceOrder(t, fmt.Sprintf("after-poison-%d", i))
 	}
-	s.waitExactlyOnce(t, 3, 30*time.Second)
-	testenv.Eventually(t, 10*time.Second, func() bool { return s.checkQueuesEmpty(t) == 2*len(poison) },
+	s.WaitExactlyOnce(t, 3, 30*time.Second)
+	testenv.Eventually(t, 10*time.Second, func() bool { return s.CheckQueuesEmpty(t) == 2*len(poison) },
 		"the dead-letter queues do not hold %d poison messages each", len(poison))
-	for _, c := range []*service{s.invoicing, s.notification} {
-		if n := len(c.logs.Lines("level=ERROR", "message dead-lettered", "reason=")); n != len(poison) {
-			t.Errorf("%s logged %d dead-letter lines with a reason, want %d", c.name, n, len(poison))
+	for _, c := range []*systest.Service{s.Invoicing, s.Notification} {
+		if n := len(c.Logs.Lines("level=ERROR", "message dead-lettered", "reason=")); n != len(poison) {
+			t.Errorf("%s logged %d dead-letter lines with a reason, want %d", c.Name, n, len(poison))
 		}
 	}
 }
@@ -81,8 +80,7 @@ func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 // order is invoiced and confirmed exactly once.
 func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, options{})
-	s.dumpOnFailure(t)
+	s := startSystem(t, systest.Options{})
 
 	var accepted sync.Map
 	var serverErrors, placed atomic.Int64
@@ -98,13 +96,13 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 				default:
 				}
 				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
-				resp, err := client.Post(s.order.url+"/orders", "application/json", strings.NewReader(body))
+				resp, err := client.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
 				if err != nil {
 					time.Sleep(20 * time.Millisecond) // the service is restarting: retry soon
 					continue
 				}
 				var o struct{ ID uuid.UUID }
-				if resp.StatusCode == http.StatusCreated && decodeJSON(resp, &o) == nil {
+				if resp.StatusCode == http.StatusCreated && systest.DecodeJSON(resp, &o) == nil {
 					accepted.Store(o.ID, true)
 					placed.Add(1)
 				} else if resp.StatusCode >= 500 {
@@ -119,15 +117,15 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	}
 
 	waitPlaced(50)
-	for _, c := range []*service{s.invoicing, s.notification} {
-		took := c.stop(t)
-		t.Logf("%s stopped in %s under load", c.name, took.Round(time.Millisecond))
-		c.start(t)
+	for _, c := range []*systest.Service{s.Invoicing, s.Notification} {
+		took := c.Stop(t)
+		t.Logf("%s stopped in %s under load", c.Name, took.Round(time.Millisecond))
+		c.Start(t)
 	}
 	waitPlaced(placed.Load() + 50)
-	took := s.order.stop(t)
+	took := s.Order.Stop(t)
 	t.Logf("order stopped in %s under load", took.Round(time.Millisecond))
-	s.order.start(t)
+	s.Order.Start(t)
 	waitPlaced(placed.Load() + 50)
 	close(stopLoad)
 	wg.Wait()
@@ -137,11 +135,11 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	}
 	var ids []uuid.UUID
 	accepted.Range(func(k, _ any) bool { ids = append(ids, k.(uuid.UUID)); return true })
-	got := s.waitExactlyOnce(t, int64(len(ids)), 60*time.Second)
+	got := s.WaitExactlyOnce(t, int64(len(ids)), 60*time.Second)
 	t.Logf("%d orders accepted across three restarts; %d invoices, %d confirmations, %d duplicates suppressed",
-		len(ids), got.invoices, got.sent, s.duplicatesSuppressed(t))
-	if int64(len(ids)) != got.orders {
-		t.Fatalf("%d orders accepted, %d in the database", len(ids), got.orders)
+		len(ids), got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
+	if int64(len(ids)) != got.Orders {
+		t.Fatalf("%d orders accepted, %d in the database", len(ids), got.Orders)
 	}
 }
 
@@ -151,24 +149,23 @@ func TestLongBrokerOutage(t *testing.T) {
 		t.Skip("takes over a minute; set TEST_LONG=1")
 	}
 	t.Parallel()
-	s := startSystem(t, options{})
-	s.dumpOnFailure(t)
-	ids := []uuid.UUID{s.placeOrder(t, "before")}
-	s.waitExactlyOnce(t, 1, 30*time.Second)
-	s.broker.Stop()
+	s := startSystem(t, systest.Options{})
+	ids := []uuid.UUID{s.PlaceOrder(t, "before")}
+	s.WaitExactlyOnce(t, 1, 30*time.Second)
+	s.Broker.Stop()
 	end := time.Now().Add(60 * time.Second)
 	for time.Now().Before(end) {
-		ids = append(ids, s.placeOrder(t, "during"))
-		if st := s.order.status(t, "/readyz"); st != 200 {
+		ids = append(ids, s.PlaceOrder(t, "during"))
+		if st := s.Order.Status(t, "/readyz"); st != 200 {
 			t.Fatalf("order service not ready during the outage: %d", st)
 		}
 		time.Sleep(time.Second) // the pace of customers
 	}
-	if err := s.broker.Start(); err != nil {
+	if err := s.Broker.Start(); err != nil {
 		t.Fatal(err)
 	}
-	got := s.waitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
-	t.Logf("after a 60 s outage: %d orders, %d invoices, %d confirmations", got.orders, got.invoices, got.sent)
+	got := s.WaitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
+	t.Logf("after a 60 s outage: %d orders, %d invoices, %d confirmations", got.Orders, got.Invoices, got.Sent)
 }
 
 // PostgreSQL restarted while all three services run under load: each recovers by itself,
@@ -178,8 +175,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	if os.Getenv("TEST_SERVER_RESTARTS") != "1" {
 		t.Skip("restarts the shared PostgreSQL; set TEST_SERVER_RESTARTS=1 and run alone")
 	}
-	s := startSystem(t, options{})
-	s.dumpOnFailure(t)
+	s := startSystem(t, systest.Options{})
 	var accepted sync.Map
 	var placed atomic.Int64
 	stopLoad := make(chan struct{})
@@ -193,12 +189,12 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 				default:
 				}
 				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
-				resp, err := http.Post(s.order.url+"/orders", "application/json", strings.NewReader(body))
+				resp, err := http.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
 				if err != nil {
 					continue
 				}
 				var o struct{ ID uuid.UUID }
-				if resp.StatusCode == http.StatusCreated && decodeJSON(resp, &o) == nil {
+				if resp.StatusCode == http.StatusCreated && systest.DecodeJSON(resp, &o) == nil {
 					accepted.Store(o.ID, true)
 					placed.Add(1)
 				}
@@ -223,10 +219,10 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	wg.Wait()
 	var n int64
 	accepted.Range(func(any, any) bool { n++; return true })
-	got := s.waitExactlyOnce(t, n, 90*time.Second)
-	if dl := s.checkQueuesEmpty(t); dl != 0 {
+	got := s.WaitExactlyOnce(t, n, 90*time.Second)
+	if dl := s.CheckQueuesEmpty(t); dl != 0 {
 		t.Fatalf("%d good messages were dead-lettered during the restart", dl)
 	}
 	t.Logf("PostgreSQL restarted under load: %d orders accepted, %d invoices, %d confirmations, %d duplicates suppressed",
-		n, got.invoices, got.sent, s.duplicatesSuppressed(t))
+		n, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }

@@ -1,0 +1,389 @@
+// Package systest runs the three real service binaries on the local PostgreSQL and RabbitMQ,
+// each system on its own databases and RabbitMQ vhost: the harness of the end-to-end tests and
+// the benchmarks.
+package systest
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// Build compiles the three services into dir, with the race detector if race is set.
+func Build(dir string, race bool) error {
+	for _, s := range []string{"order", "invoicing", "notification"} {
+		args := []string{"build", "-o", filepath.Join(dir, s)}
+		if race {
+			args = append(args, "-race")
+		}
+		cmd := exec.Command("go", append(args, "github.com/outboxkit/outbox-inbox/services/"+s)...)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("build %s: %v\n%s", s, err, out)
+		}
+	}
+	return nil
+}
+
+// service is one running binary.
+type Service struct {
+	Name string
+	URL  string // http://host:port
+	DB   *testenv.Database
+	Logs *testenv.Logs
+	bin  string
+	env  []string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// system is the three services, each kind with its own database, on a private RabbitMQ vhost
+// that they reach through a proxy (stop it and the broker is gone for them), with a mail
+// server. orders, invoicers and notifiers are the replicas of each kind; order, invoicing and
+// notification name the first of each.
+type System struct {
+	Order, Invoicing, Notification *Service
+	Orders, Invoicers, Notifiers   []*Service
+	Broker                         *toxiproxy.Proxy
+	Mail                           *testenv.SMTPServer
+	VHost                          string
+	AMQPURL                        string // direct, not through the proxy: for the test's own checks
+}
+
+// options shape a system: how many replicas of each service, extra environment per service.
+type Options struct {
+	BinDir                       string // where Build put the binaries
+	Orders, Invoicers, Notifiers int
+	Env                          map[string][]string
+}
+
+func Start(t *testing.T, opts Options) *System {
+	t.Helper()
+	opts.Orders, opts.Invoicers, opts.Notifiers = max(opts.Orders, 1), max(opts.Invoicers, 1), max(opts.Notifiers, 1)
+	s := &System{VHost: testenv.UniqueName("e2e")}
+	testenv.RabbitMQCtl(t, "add_vhost", s.VHost)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", s.VHost).Run() })
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", s.VHost, "guest", ".*", ".*", ".*")
+	s.AMQPURL = testenv.AMQPURL() + s.VHost
+	s.Broker = testenv.Proxy(t, testenv.AMQPHost(t))
+	viaProxy := testenv.AMQPURLVia(t, s.Broker.Listen) + s.VHost
+	s.Mail = testenv.NewSMTPServer(t)
+	s.Mail.Start()
+
+	env := func(name string, extra ...string) []string {
+		return append(append([]string{"AMQP_URL=" + viaProxy, "LOG_LEVEL=debug"}, opts.Env[name]...), extra...)
+	}
+	// Consumers first: their queues must exist before the first order is relayed.
+	invoicingDB, notificationDB, orderDB := testenv.NewDatabase(t), testenv.NewDatabase(t), testenv.NewDatabase(t)
+	for range opts.Invoicers {
+		s.Invoicers = append(s.Invoicers, startService(t, opts.BinDir, "invoicing", invoicingDB, env("invoicing")))
+	}
+	for range opts.Notifiers {
+		s.Notifiers = append(s.Notifiers, startService(t, opts.BinDir, "notification", notificationDB, env("notification", "SMTP_ADDR="+s.Mail.Addr)))
+	}
+	for range opts.Orders {
+		s.Orders = append(s.Orders, startService(t, opts.BinDir, "order", orderDB, env("order")))
+	}
+	s.Order, s.Invoicing, s.Notification = s.Orders[0], s.Invoicers[0], s.Notifiers[0]
+	return s
+}
+
+func startService(t *testing.T, binDir, name string, db *testenv.Database, env []string) *Service {
+	t.Helper()
+	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env}
+	s.URL = "http://" + freeAddr(t)
+	_, s.Logs = testenv.NewLogger(t)
+	s.Start(t)
+	t.Cleanup(func() { s.Stop(t) })
+	return s
+}
+
+// Start runs the binary (again, after a Stop) and waits until it is ready.
+func (s *Service) Start(t *testing.T) {
+	t.Helper()
+	s.done = make(chan struct{})
+	s.cmd = exec.Command(s.bin)
+	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.DB.URL, "HTTP_ADDR=" + strings.TrimPrefix(s.URL, "http://")}, s.env...)...)
+	s.cmd.Stdout, s.cmd.Stderr = s.Logs, s.Logs
+	if err := s.cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", s.Name, err)
+	}
+	go func() { s.err = s.cmd.Wait(); close(s.done) }()
+	testenv.Eventually(t, 30*time.Second, func() bool { return s.Status(t, "/readyz") == 200 }, "%s not ready", s.Name)
+}
+
+// Stop sends SIGTERM and requires a clean exit within 10 s (CONTRACT.md). It returns how
+// long the exit took.
+func (s *Service) Stop(t *testing.T) time.Duration {
+	t.Helper()
+	select {
+	case <-s.done:
+		return 0
+	default:
+	}
+	start := time.Now()
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+		if s.err != nil {
+			t.Errorf("%s exited with %v after SIGTERM", s.Name, s.err)
+		}
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.done
+		t.Errorf("%s did not exit within 10 s of SIGTERM", s.Name)
+	}
+	return time.Since(start)
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func (s *Service) Status(t *testing.T, path string) int {
+	t.Helper()
+	resp, err := http.Get(s.URL + path)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func (s *Service) GetJSON(t *testing.T, path string, v any) {
+	t.Helper()
+	resp, err := http.Get(s.URL + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("GET %s%s = %d %s", s.Name, path, resp.StatusCode, body)
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		t.Fatalf("GET %s%s: %v: %s", s.Name, path, err, body)
+	}
+}
+
+// PlaceOrder posts an order to the first order replica; see Service.PlaceOrder.
+func (s *System) PlaceOrder(t *testing.T, customer string) uuid.UUID {
+	t.Helper()
+	return s.Order.PlaceOrder(t, customer)
+}
+
+// PlaceOrder posts an order and returns its id; it fails the test unless the answer is 201.
+func (s *Service) PlaceOrder(t *testing.T, customer string) uuid.UUID {
+	t.Helper()
+	body := fmt.Sprintf(`{"customer_id": %q, "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}]}`, customer)
+	resp, err := http.Post(s.URL+"/orders", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Error(err)
+		return uuid.Nil
+	}
+	defer resp.Body.Close()
+	out, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusCreated {
+		t.Errorf("POST /orders = %d %s", resp.StatusCode, out)
+		return uuid.Nil
+	}
+	var o struct {
+		ID uuid.UUID `json:"id"`
+	}
+	if err := json.Unmarshal(out, &o); err != nil {
+		t.Error(err)
+	}
+	return o.ID
+}
+
+// tally is what the system holds, to compare with what it should.
+type Tally struct {
+	Orders, Unsent                       int64
+	Invoices, Notifications, Sent, Mails int
+	MissingInvoice, ExtraInvoice         int
+	MissingNotice, ExtraNotice           int
+	DuplicateMails                       int
+}
+
+func (s *System) Tally(t *testing.T) Tally {
+	t.Helper()
+	var r Tally
+	r.Orders = testenv.Count(t, s.Order.DB.DB, "SELECT count(*) FROM orders")
+	r.Unsent = testenv.Count(t, s.Order.DB.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL")
+	var orderIDs []uuid.UUID
+	if err := s.Order.DB.DB.Raw("SELECT id FROM orders").Scan(&orderIDs).Error; err != nil {
+		t.Fatal(err)
+	}
+	perOrder := func(db *testenv.Database, table, where string) (total int, missing, extra int) {
+		counts := map[uuid.UUID]int{}
+		var rows []struct {
+			OrderID uuid.UUID
+			N       int
+		}
+		if err := db.DB.Raw("SELECT order_id, count(*) AS n FROM " + table + where + " GROUP BY order_id").Scan(&rows).Error; err != nil {
+			t.Fatal(err)
+		}
+		for _, row := range rows {
+			counts[row.OrderID] = row.N
+			total += row.N
+		}
+		known := map[uuid.UUID]bool{}
+		for _, id := range orderIDs {
+			known[id] = true
+			switch n := counts[id]; {
+			case n == 0:
+				missing++
+			case n > 1:
+				extra += n - 1
+			}
+		}
+		for id, n := range counts {
+			if !known[id] {
+				extra += n // work for an order that does not exist
+			}
+		}
+		return total, missing, extra
+	}
+	r.Invoices, r.MissingInvoice, r.ExtraInvoice = perOrder(s.Invoicing.DB, "invoices", "")
+	r.Notifications, r.MissingNotice, r.ExtraNotice = perOrder(s.Notification.DB, "notifications", "")
+	r.Sent, _, _ = perOrder(s.Notification.DB, "notifications", " WHERE status = 'sent'")
+	mails := s.Mail.Mail()
+	r.Mails = len(mails)
+	seen := map[string]bool{}
+	for _, m := range mails {
+		if seen[m.MessageID] {
+			r.DuplicateMails++
+		}
+		seen[m.MessageID] = true
+	}
+	return r
+}
+
+// waitExactlyOnce waits until every order has exactly one invoice and one delivered
+// confirmation, nothing is left to send, and nothing exists that should not.
+func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration) Tally {
+	t.Helper()
+	var last Tally
+	testenv.Eventually(t, timeout, func() bool {
+		last = s.Tally(t)
+		return last.Orders == want && last.Unsent == 0 &&
+			last.Invoices == int(want) && last.MissingInvoice+last.ExtraInvoice == 0 &&
+			last.Notifications == int(want) && last.MissingNotice+last.ExtraNotice == 0 &&
+			last.Sent == int(want) && last.Mails == int(want) && last.DuplicateMails == 0
+	}, "system did not settle on exactly-once for %d orders", want)
+	s.CheckQueuesEmpty(t)
+	return last
+}
+
+func (s *System) DumpOnFailure(t *testing.T) {
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("tally: %+v", s.Tally(t))
+		}
+	})
+}
+
+// checkQueuesEmpty requires the consumers' queues to be empty (dead-letter queues aside, whose
+// depth it returns).
+func (s *System) CheckQueuesEmpty(t *testing.T) (deadLettered int) {
+	t.Helper()
+	conn, err := amqp.Dial(s.AMQPURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for _, q := range []string{"invoicing", "notification"} {
+		for _, name := range []string{q, q + ".dlq"} {
+			ch, err := conn.Channel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			info, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+			if err != nil {
+				t.Fatalf("inspect %s: %v", name, err)
+			}
+			_ = ch.Close()
+			if name == q && info.Messages != 0 {
+				t.Fatalf("queue %s still holds %d messages", q, info.Messages)
+			}
+			if name != q {
+				deadLettered += info.Messages
+			}
+		}
+	}
+	return deadLettered
+}
+
+// duplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas.
+func (s *System) DuplicatesSuppressed(t *testing.T) int {
+	t.Helper()
+	total := 0
+	for _, c := range append(append([]*Service{}, s.Invoicers...), s.Notifiers...) {
+		resp, err := http.Get(c.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for line := range strings.SplitSeq(string(body), "\n") {
+			if strings.HasPrefix(line, "inbox_duplicates_total{") {
+				var n float64
+				fmt.Sscan(line[strings.LastIndex(line, " ")+1:], &n)
+				total += int(n)
+			}
+		}
+	}
+	return total
+}
+
+// load places n orders from workers concurrent clients, spread over the order replicas, and
+// returns the ids of those answered 201; any other answer fails the test.
+func (s *System) Load(t *testing.T, n, workers int) []uuid.UUID {
+	t.Helper()
+	ids := make(chan uuid.UUID, n)
+	next := make(chan int, n)
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := range next {
+				ids <- s.Orders[i%len(s.Orders)].PlaceOrder(t, fmt.Sprintf("load-%d", i))
+			}
+		})
+	}
+	wg.Wait()
+	close(ids)
+	var out []uuid.UUID
+	for id := range ids {
+		out = append(out, id)
+	}
+	return out
+}
+
+// DecodeJSON decodes a response body.
+func DecodeJSON(resp *http.Response, v any) error { return json.NewDecoder(resp.Body).Decode(v) }
