@@ -387,3 +387,21 @@ func (s *System) Load(t *testing.T, n, workers int) []uuid.UUID {
 
 // DecodeJSON decodes a response body.
 func DecodeJSON(resp *http.Response, v any) error { return json.NewDecoder(resp.Body).Decode(v) }
+
+// PeakRSS is the process's peak resident set size so far (VmHWM), in bytes.
+func (s *Service) PeakRSS(t *testing.T) int64 {
+	t.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.cmd.Process.Pid))
+	if err != nil {
+		t.Fatalf("read %s's status: %v", s.Name, err)
+	}
+	for line := range strings.SplitSeq(string(raw), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var kib int64
+			fmt.Sscan(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), &kib)
+			return kib << 10
+		}
+	}
+	t.Fatalf("%s: no VmHWM in /proc status", s.Name)
+	return 0
+}
