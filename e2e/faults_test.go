@@ -24,7 +24,11 @@ import (
 // relays (SKIP LOCKED) publish next to no duplicates.
 func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, systest.Options{Orders: 3, Invoicers: 2, Notifiers: 2})
+	// Seven processes: keep each pool small enough for PostgreSQL's 100 connections, shared
+	// with the tests running beside this one.
+	small := []string{"DB_MAX_CONNS=6", "CONSUMER_CONCURRENCY=4"}
+	s := startSystem(t, systest.Options{Orders: 3, Invoicers: 2, Notifiers: 2,
+		Env: map[string][]string{"order": small, "invoicing": small, "notification": small}})
 	const orders = 2000
 	start := time.Now()
 	ids := s.Load(t, orders, 16)

@@ -17,6 +17,11 @@ import (
 // mark errors no retry can fix with [Permanent] and dependency outages with [Unavailable].
 type Handler func(ctx context.Context, msg Message) error
 
+// BatchHandler does the work of several messages at once, all or nothing: nil means every one
+// is done and committed; an error means none is, and the consumer falls back to handling them
+// one by one with its [Handler].
+type BatchHandler func(ctx context.Context, msgs []Message) error
+
 // ConsumerConfig configures a [Consumer]. URL and Queue are required.
 type ConsumerConfig struct {
 	URL            string // RabbitMQ URL, vhost included
@@ -26,8 +31,14 @@ type ConsumerConfig struct {
 	Setup func(ch *amqp.Channel) error
 	// Concurrency is how many messages are handled in parallel. Default 1.
 	Concurrency int
-	// Prefetch is how many unacknowledged messages the broker sends ahead. Default 2×Concurrency.
+	// Prefetch is how many unacknowledged messages the broker sends ahead. Default 2×Concurrency,
+	// or Concurrency×BatchSize when batching.
 	Prefetch int
+	// BatchHandler, if set, handles up to BatchSize deliveries that are waiting at once in one
+	// go (with an [Inbox], one transaction and one commit for all of them).
+	BatchHandler BatchHandler
+	// BatchSize is the most deliveries one BatchHandler call takes. Default 50.
+	BatchSize int
 	// MaxBodyBytes: larger messages are dead-lettered. Default 1 MiB.
 	MaxBodyBytes int
 	// Retries is how many times a failing message is tried in place before it goes back to
@@ -72,8 +83,14 @@ func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
 	if cfg.Concurrency <= 0 {
 		cfg.Concurrency = 1
 	}
+	if cfg.BatchSize <= 0 {
+		cfg.BatchSize = 50
+	}
 	if cfg.Prefetch <= 0 {
 		cfg.Prefetch = 2 * cfg.Concurrency
+		if cfg.BatchHandler != nil {
+			cfg.Prefetch = cfg.Concurrency * cfg.BatchSize
+		}
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = 1 << 20
@@ -193,7 +210,11 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	for range c.cfg.Concurrency {
 		wg.Go(func() {
 			for d := range deliveries {
-				c.handle(session, handlerCtx, d)
+				if c.cfg.BatchHandler == nil {
+					c.handle(session, handlerCtx, d)
+					continue
+				}
+				c.handleBatch(session, handlerCtx, collect(d, deliveries, c.cfg.BatchSize))
 			}
 		})
 	}
@@ -277,6 +298,59 @@ func deliveryCount(d amqp.Delivery) int {
 		return v
 	}
 	return 0
+}
+
+// collect returns first and whatever else is waiting in deliveries right now, up to max: a
+// batch never waits for messages that have not arrived.
+func collect(first amqp.Delivery, deliveries <-chan amqp.Delivery, max int) []amqp.Delivery {
+	batch := []amqp.Delivery{first}
+	for len(batch) < max {
+		select {
+		case d, ok := <-deliveries:
+			if !ok {
+				return batch
+			}
+			batch = append(batch, d)
+		default:
+			return batch
+		}
+	}
+	return batch
+}
+
+// handleBatch tries the batch handler once on the decodable deliveries; if it fails, each is
+// handled on its own, with the usual retries, dead-lettering and outage handling.
+func (c *Consumer) handleBatch(session, workCtx context.Context, batch []amqp.Delivery) {
+	msgs := make([]Message, 0, len(batch))
+	good := make([]amqp.Delivery, 0, len(batch))
+	for _, d := range batch {
+		msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
+		if err != nil {
+			c.deadLetter(d, d.MessageId, err)
+			continue
+		}
+		msgs, good = append(msgs, msg), append(good, d)
+	}
+	if len(good) == 0 {
+		return
+	}
+	if len(good) > 1 && session.Err() == nil {
+		ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
+		err := c.cfg.BatchHandler(ctx, msgs)
+		cancel()
+		if err == nil {
+			for _, d := range good {
+				if c.settle(c.log, "ack", d.Ack(false)) {
+					c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
+				}
+			}
+			return
+		}
+		c.log.Debug("batch failed; handling its messages one by one", "size", len(good), "error", err)
+	}
+	for _, d := range good {
+		c.handle(session, workCtx, d)
+	}
 }
 
 func (c *Consumer) attempt(ctx context.Context, msg Message) error {

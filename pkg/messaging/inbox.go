@@ -112,6 +112,51 @@ func (in *Inbox) Handler(work func(ctx context.Context, tx *gorm.DB, msg Message
 	}
 }
 
+// HandleBatch handles msgs in one transaction, all or nothing: each is claimed and, unless it
+// is a duplicate, worked, and one commit settles them all (one fsync instead of len(msgs)).
+// If anything fails, nothing is committed and the error is returned; the caller then handles
+// the messages one by one with Handle, so a single bad message cannot hold up the others.
+func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *gorm.DB, msg Message) error) error {
+	hooks := &afterCommitHooks{}
+	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
+	var duplicates []Message
+	err := in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		hooks.fns, duplicates = nil, nil
+		for _, msg := range msgs {
+			res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
+			if res.Error != nil {
+				return fmt.Errorf("claim inbox message %s: %w", msg.ID, res.Error)
+			}
+			if res.RowsAffected == 0 {
+				duplicates = append(duplicates, msg)
+				continue
+			}
+			if err := work(tx, msg); err != nil {
+				return fmt.Errorf("message %s: %w", msg.ID, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	for _, msg := range duplicates {
+		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
+		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
+	}
+	for _, fn := range hooks.fns {
+		fn()
+	}
+	return nil
+}
+
+// BatchHandler adapts HandleBatch to a [Consumer]'s batches.
+func (in *Inbox) BatchHandler(work func(ctx context.Context, tx *gorm.DB, msg Message) error) BatchHandler {
+	return func(ctx context.Context, msgs []Message) error {
+		return in.HandleBatch(ctx, msgs, func(tx *gorm.DB, msg Message) error { return work(ctx, tx, msg) })
+	}
+}
+
 func (in *Inbox) databaseAnswers(ctx context.Context) bool {
 	sqlDB, err := in.cfg.DB.DB()
 	if err != nil {

@@ -538,3 +538,85 @@ func TestAfterCommitRunsOnlyForCommittedWork(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Batching: many waiting messages are handled in shared transactions; duplicates (even two
+// copies in one batch) are still skipped, and a message whose work fails permanently sends its
+// batch back to one-by-one handling, where only that message is dead-lettered.
+func TestConsumerBatchesWaitingMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	bad := newMessage(t, -1)
+	work := func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
+		if msg.ID == bad.ID {
+			return messaging.Permanent(errors.New("this one can never be invoiced"))
+		}
+		return doWork(tx, msg)
+	}
+	in := newInbox(t, b.db.DB, consumerName, b.log)
+	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
+		URL: testenv.AMQPURL(), Queue: b.queue, Setup: b.topology.Declare, Logger: b.log, Metrics: b.metrics,
+		Concurrency: 2, BatchHandler: in.BatchHandler(work), BatchSize: 20,
+	}, in.Handler(work))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Everything waits in the queue before the consumer starts, so batches fill up.
+	const n = 300
+	msgs := make([]messaging.Message, n)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		b.publishRaw(t, publishing(msgs[i]))
+		if i%10 == 0 {
+			b.publishRaw(t, publishing(msgs[i]))
+		}
+		if i == n/2 {
+			b.publishRaw(t, publishing(bad))
+			b.publishRaw(t, amqp.Publishing{MessageId: "poison", Body: []byte("x")})
+		}
+	}
+	run(t, c.Run)
+
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return b.workDone(t) == n && testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 2
+	}, "not every message was settled")
+	acked := fmt.Sprintf(`consumer_messages_total{outcome="acked",queue="%s"} %d`, b.queue, n+n/10)
+	testenv.Eventually(t, 10*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "not every good delivery was acknowledged")
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
+	if got := len(b.logs.Lines("duplicate message skipped")); got != n/10 {
+		t.Fatalf("%d duplicate lines, want %d", got, n/10)
+	}
+}
+
+// A batch is all or nothing: one failing message rolls back every claim and every piece of
+// work of its batch (the consumer then handles them one by one).
+func TestInboxBatchIsAllOrNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := newInbox(t, b.db.DB, consumerName, b.log)
+	good1, bad, good2 := newMessage(t, 1), newMessage(t, 2), newMessage(t, 3)
+	var hooks int
+	work := func(tx *gorm.DB, msg messaging.Message) error {
+		messaging.AfterCommit(tx, func() { hooks++ })
+		if msg.ID == bad.ID {
+			return errors.New("fails")
+		}
+		return doWork(tx, msg)
+	}
+	if err := in.HandleBatch(context.Background(), []messaging.Message{good1, bad, good2}, work); err == nil {
+		t.Fatal("a batch with a failing message succeeded")
+	}
+	if w, c := b.workDone(t), testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); w != 0 || c != 0 || hooks != 0 {
+		t.Fatalf("after a failed batch: %d work rows, %d inbox rows, %d hooks run; want nothing", w, c, hooks)
+	}
+	// Two copies of one message in a batch: the second is a duplicate.
+	if err := in.HandleBatch(context.Background(), []messaging.Message{good1, good2, good1}, work); err != nil {
+		t.Fatal(err)
+	}
+	if w := b.workDone(t); w != 2 || hooks != 2 || len(b.duplicateLines(good1.ID)) != 1 {
+		t.Fatalf("work %d, hooks %d, duplicate lines %d; want 2, 2, 1", w, hooks, len(b.duplicateLines(good1.ID)))
+	}
+}
