@@ -88,13 +88,21 @@ func TestPerformance(t *testing.T) {
 	var r report
 	defer r.print()
 
-	b1 := brokerCeiling(t, &r)
-	b2 := databaseCeiling(t, &r)
-	relayDrain(t, &r, b1)
-	postThroughput(t, &r, binDir, b2)
-	endToEndLatency(t, &r, binDir, true)
-	endToEndLatency(t, &r, binDir, false)
-	consumerThroughput(t, &r, binDir)
+	// Each phase is a subtest, so its databases, queues and processes are gone before the next
+	// one measures anything.
+	var b1, b2 float64
+	phase := func(name string, fn func(t *testing.T)) {
+		if !t.Run(name, fn) {
+			t.FailNow()
+		}
+	}
+	phase("B1", func(t *testing.T) { b1 = brokerCeiling(t, &r) })
+	phase("B2", func(t *testing.T) { b2 = databaseCeiling(t, &r) })
+	phase("relay", func(t *testing.T) { relayDrain(t, &r, b1) })
+	phase("post", func(t *testing.T) { postThroughput(t, &r, binDir, b2) })
+	phase("latency-notify", func(t *testing.T) { endToEndLatency(t, &r, binDir, true) })
+	phase("latency-poll", func(t *testing.T) { endToEndLatency(t, &r, binDir, false) })
+	phase("consumer", func(t *testing.T) { consumerThroughput(t, &r, binDir) })
 }
 
 func rate(n int, d time.Duration) float64 { return float64(n) / d.Seconds() }

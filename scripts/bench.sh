@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=1 go test -count=1 -run '^TestPerformance$' -v -timeout 40m ./bench/ 2>&1 |
-  grep -vE '^(=== RUN|--- PASS|PASS$|ok )' || true
+  grep -vE '^ *(=== RUN|--- PASS|PASS$|ok )' || true
