@@ -3,13 +3,10 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -86,59 +83,22 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
 
-	var accepted sync.Map
-	var serverErrors, placed atomic.Int64
-	stopLoad := make(chan struct{})
-	var wg sync.WaitGroup
-	for w := range 4 {
-		wg.Go(func() {
-			client := &http.Client{Timeout: 15 * time.Second}
-			for i := 0; ; i++ {
-				select {
-				case <-stopLoad:
-					return
-				default:
-				}
-				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
-				resp, err := client.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
-				if err != nil {
-					time.Sleep(20 * time.Millisecond) // the service is restarting: retry soon
-					continue
-				}
-				var o struct{ ID uuid.UUID }
-				if resp.StatusCode == http.StatusCreated && systest.DecodeJSON(resp, &o) == nil {
-					accepted.Store(o.ID, true)
-					placed.Add(1)
-				} else if resp.StatusCode >= 500 {
-					serverErrors.Add(1)
-				}
-				resp.Body.Close()
-			}
-		})
-	}
-	waitPlaced := func(n int64) {
-		testenv.Eventually(t, 30*time.Second, func() bool { return placed.Load() >= n }, "load is not flowing")
-	}
-
-	waitPlaced(50)
+	traffic := s.StartTraffic(4)
+	traffic.WaitFor(t, 50)
 	for _, c := range []*systest.Service{s.Invoicing, s.Notification} {
 		took := c.Stop(t)
 		t.Logf("%s stopped in %s under load", c.Name, took.Round(time.Millisecond))
 		c.Start(t)
 	}
-	waitPlaced(placed.Load() + 50)
+	traffic.WaitFor(t, 50)
 	took := s.Order.Stop(t)
 	t.Logf("order stopped in %s under load", took.Round(time.Millisecond))
 	s.Order.Start(t)
-	waitPlaced(placed.Load() + 50)
-	close(stopLoad)
-	wg.Wait()
-
-	if n := serverErrors.Load(); n != 0 {
-		t.Fatalf("%d requests got a 5xx during the shutdowns", n)
+	traffic.WaitFor(t, 50)
+	ids, serverErrors := traffic.Stop()
+	if serverErrors != 0 {
+		t.Fatalf("%d requests got a 5xx during the shutdowns", serverErrors)
 	}
-	var ids []uuid.UUID
-	accepted.Range(func(k, _ any) bool { ids = append(ids, k.(uuid.UUID)); return true })
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 60*time.Second)
 	t.Logf("%d orders accepted across three restarts; %d invoices, %d confirmations, %d duplicates suppressed",
 		len(ids), got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
@@ -180,37 +140,8 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 		t.Skip("restarts the shared PostgreSQL; set TEST_SERVER_RESTARTS=1 and run alone")
 	}
 	s := startSystem(t, systest.Options{})
-	var accepted sync.Map
-	var placed atomic.Int64
-	stopLoad := make(chan struct{})
-	var wg sync.WaitGroup
-	for w := range 4 {
-		wg.Go(func() {
-			for i := 0; ; i++ {
-				select {
-				case <-stopLoad:
-					return
-				default:
-				}
-				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
-				resp, err := http.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
-				if err != nil {
-					continue
-				}
-				var o struct{ ID uuid.UUID }
-				if resp.StatusCode == http.StatusCreated && systest.DecodeJSON(resp, &o) == nil {
-					accepted.Store(o.ID, true)
-					placed.Add(1)
-				}
-				resp.Body.Close()
-			}
-		})
-	}
-	flowing := func() {
-		n := placed.Load() + 50
-		testenv.Eventually(t, 60*time.Second, func() bool { return placed.Load() >= n }, "orders are not flowing")
-	}
-	flowing()
+	traffic := s.StartTraffic(4)
+	traffic.WaitFor(t, 50)
 	versions, _ := filepath.Glob("/etc/postgresql/*")
 	if len(versions) == 0 {
 		t.Skip("no local PostgreSQL cluster to restart")
@@ -218,11 +149,9 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	if out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", filepath.Base(versions[0]), "main", "restart", "-m", "fast").CombinedOutput(); err != nil {
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
-	flowing() // the order service takes orders again without a restart
-	close(stopLoad)
-	wg.Wait()
-	var n int64
-	accepted.Range(func(any, any) bool { n++; return true })
+	traffic.WaitFor(t, 50) // the order service takes orders again without a restart
+	ids, _ := traffic.Stop()
+	n := int64(len(ids))
 	got := s.WaitExactlyOnce(t, n, 90*time.Second)
 	if dl := s.CheckQueuesEmpty(t); dl != 0 {
 		t.Fatalf("%d good messages were dead-lettered during the restart", dl)

@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -404,4 +405,61 @@ func (s *Service) PeakRSS(t *testing.T) int64 {
 	}
 	t.Fatalf("%s: no VmHWM in /proc status", s.Name)
 	return 0
+}
+
+// Traffic is orders placed without pause by background clients that keep going through
+// restarts and outages, counting what was accepted and what got a 5xx.
+type Traffic struct {
+	accepted             sync.Map
+	placed, serverErrors atomic.Int64
+	stop                 chan struct{}
+	wg                   sync.WaitGroup
+}
+
+// StartTraffic starts workers clients posting to the first order replica.
+func (s *System) StartTraffic(workers int) *Traffic {
+	tr := &Traffic{stop: make(chan struct{})}
+	for w := range workers {
+		tr.wg.Go(func() {
+			client := &http.Client{Timeout: 15 * time.Second}
+			for i := 0; ; i++ {
+				select {
+				case <-tr.stop:
+					return
+				default:
+				}
+				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
+				resp, err := client.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
+				if err != nil {
+					time.Sleep(20 * time.Millisecond) // the service is restarting: try again soon
+					continue
+				}
+				var o struct{ ID uuid.UUID }
+				switch {
+				case resp.StatusCode == http.StatusCreated && DecodeJSON(resp, &o) == nil:
+					tr.accepted.Store(o.ID, true)
+					tr.placed.Add(1)
+				case resp.StatusCode >= 500:
+					tr.serverErrors.Add(1)
+				}
+				resp.Body.Close()
+			}
+		})
+	}
+	return tr
+}
+
+// WaitFor waits until n more orders have been accepted: proof that orders flow.
+func (tr *Traffic) WaitFor(t *testing.T, n int64) {
+	t.Helper()
+	target := tr.placed.Load() + n
+	testenv.Eventually(t, 60*time.Second, func() bool { return tr.placed.Load() >= target }, "orders are not flowing")
+}
+
+// Stop ends the traffic and returns the ids of the accepted orders and the count of 5xx answers.
+func (tr *Traffic) Stop() (accepted []uuid.UUID, serverErrors int64) {
+	close(tr.stop)
+	tr.wg.Wait()
+	tr.accepted.Range(func(k, _ any) bool { accepted = append(accepted, k.(uuid.UUID)); return true })
+	return accepted, tr.serverErrors.Load()
 }
