@@ -459,11 +459,7 @@ func TestPublisherAndConsumerReconnectAfterTheBrokerClosesTheirConnections(t *te
 	consumerConn := testenv.UniqueName("consumer")
 	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.ConnectionName = consumerConn })
 	publisherConn := testenv.UniqueName("publisher")
-	pub := messaging.NewPublisher(messaging.PublisherConfig{
-		URL: testenv.AMQPURL(), ConnectionName: publisherConn, Logger: b.log,
-		Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
-	})
-	t.Cleanup(pub.Close)
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.ConnectionName = publisherConn })
 	publish := func(i int) {
 		t.Helper()
 		msg := newMessage(t, i)

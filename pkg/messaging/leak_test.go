@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -26,9 +24,7 @@ func TestNoGoroutineLeftAfterFaultsAndShutdown(t *testing.T) {
 	func() {
 		proxy := testenv.Proxy(t, testenv.AMQPHost(t))
 		url := testenv.AMQPURLVia(t, proxy.Listen)
-		pub := messaging.NewPublisher(messaging.PublisherConfig{URL: url, ConfirmTimeout: time.Second, Logger: b.log,
-			Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) }})
-		defer pub.Close()
+		pub := b.publisher(t, url, func(c *messaging.PublisherConfig) { c.ConfirmTimeout = time.Second })
 		relay := b.relay(t, pub, func(c *messaging.RelayConfig) {
 			c.PollInterval, c.Backoff = 50*time.Millisecond, messaging.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}
 		})

@@ -215,12 +215,7 @@ func TestRelayLeavesUnconfirmedRowsUnprocessed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
-	pub := messaging.NewPublisher(messaging.PublisherConfig{
-		URL: testenv.AMQPURLVia(t, proxy.Listen), ConnectionName: testenv.UniqueName("publisher"),
-		Setup:          func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
-		ConfirmTimeout: time.Second, Logger: b.log,
-	})
-	t.Cleanup(pub.Close)
+	pub := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = time.Second })
 	r := b.relay(t, pub, nil)
 	warmUp := b.enqueue(t, 1)
 	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 1 {
@@ -398,12 +393,7 @@ func TestRelayGivesUpOnABrokerThatStopsReading(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
-	pub := messaging.NewPublisher(messaging.PublisherConfig{
-		URL: testenv.AMQPURLVia(t, proxy.Listen), ConnectionName: testenv.UniqueName("publisher"),
-		Setup:          func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
-		ConfirmTimeout: time.Second, Logger: b.log,
-	})
-	t.Cleanup(pub.Close)
+	pub := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = time.Second })
 	r := b.relay(t, pub, nil)
 	b.enqueue(t, 1)
 	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 1 {

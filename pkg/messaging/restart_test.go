@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -87,12 +85,7 @@ func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	b := setup(t)
 	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "set_vm_memory_high_watermark", previous).Run() })
-	pub := messaging.NewPublisher(messaging.PublisherConfig{
-		URL: testenv.AMQPURL(), ConnectionName: testenv.UniqueName("publisher"), Logger: b.log,
-		Setup:          func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
-		ConfirmTimeout: 2 * time.Second,
-	})
-	t.Cleanup(pub.Close)
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = 2 * time.Second })
 	run(t, b.relay(t, pub, func(c *messaging.RelayConfig) {
 		c.Backoff = messaging.Backoff{Base: time.Second, Max: 2 * time.Second}
 	}).Run)

@@ -87,14 +87,19 @@ func newMessage(t testing.TB, i int) messaging.Message {
 	return m
 }
 
-// publisher returns a publisher for the bundle's exchange through url (the broker or a proxy).
-func (b *testBundle) publisher(t testing.TB, url string) *messaging.Publisher {
+// publisher returns a publisher for the bundle's exchange through url (the broker or a proxy),
+// its config adjusted by tweak.
+func (b *testBundle) publisher(t testing.TB, url string, tweak ...func(*messaging.PublisherConfig)) *messaging.Publisher {
 	t.Helper()
-	p := messaging.NewPublisher(messaging.PublisherConfig{
+	cfg := messaging.PublisherConfig{
 		URL: url, ConnectionName: testenv.UniqueName("publisher"), AppID: "order",
 		Setup:  func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
 		Logger: b.log,
-	})
+	}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	p := messaging.NewPublisher(cfg)
 	t.Cleanup(p.Close)
 	return p
 }
