@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -143,5 +144,43 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 		if got := recipient(in, "customers.example"); got != want {
 			t.Errorf("recipient(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// A mail server that accepts connections and then says nothing: the delivery gives up at its
+// deadline, and the failure is still recorded (attempts, last_error, a backoff), because
+// recording has a budget of its own.
+func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = conn.Close() }) // held open, never answered
+		}
+	}()
+	b.send.deliverer = smtpDeliverer{addr: ln.Addr().String(), from: "orders@shop.example"}
+	b.send.deliver = 300 * time.Millisecond
+	b.deliver(t, orderPlaced(t, uuid.New(), "c-1"))
+
+	delivered, err := b.send.deliverOne(context.Background())
+	if err != nil || delivered {
+		t.Fatalf("deliverOne = %v, %v; want a recorded failure", delivered, err)
+	}
+	var n Notification
+	if err := b.db.Take(&n).Error; err != nil {
+		t.Fatal(err)
+	}
+	if n.Status != StatusPending || n.Attempts != 1 || n.LastError == nil || !strings.Contains(*n.LastError, "smtp") ||
+		time.Until(n.NextAttemptAt) > 2*time.Second {
+		t.Fatalf("notification = %+v, want pending with 1 attempt, an smtp error and a short backoff (not the lease)", n)
 	}
 }

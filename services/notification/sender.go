@@ -30,20 +30,24 @@ WHERE id = (
     ORDER BY created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED)
-RETURNING id, order_id, recipient, subject, body, attempts`
+RETURNING id, order_id, recipient, subject, body, attempts, next_attempt_at AS leased_until`
 
-	markSentSQL = `UPDATE notifications SET status = 'sent', sent_at = clock_timestamp() WHERE id = ?`
+	// Both updates are fenced by the lease: a sender whose lease ran out (it was too slow, and
+	// another took the notification over) changes nothing.
+	markSentSQL = `UPDATE notifications SET status = 'sent', sent_at = clock_timestamp()
+WHERE id = ? AND status = 'pending' AND next_attempt_at = ?`
 
 	recordDeliveryFailureSQL = `UPDATE notifications
 SET attempts = attempts + 1,
     last_error = ?,
     next_attempt_at = clock_timestamp() + ? * interval '1 millisecond'
-WHERE id = ?`
+WHERE id = ? AND status = 'pending' AND next_attempt_at = ?`
 )
 
 // Deliverer hands a notification to the outside world. The notification id goes with it as
 // the idempotency key: a crash between delivering and marking it sent delivers it again, and
-// the receiver can recognise the repeat.
+// the receiver can recognise the repeat. Deliver must return when ctx ends: the lease that
+// keeps other senders away lasts only so long.
 type Deliverer interface {
 	Deliver(ctx context.Context, n Notification) error
 }
@@ -58,15 +62,18 @@ type sender struct {
 	deliverer Deliverer
 	backoff   messaging.Backoff
 	poll      time.Duration
-	timeout   time.Duration // one delivery, marking included
+	deliver   time.Duration // one delivery at most
+	mark      time.Duration // recording its outcome at most, retries included
 	grace     time.Duration // how long a delivery in progress may go on after shutdown
 	log       *slog.Logger
 	wake      chan struct{}
 }
 
+// The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
+// recording its outcome gets its own budget.
 func newSender(db *gorm.DB, d Deliverer, maxBackoff time.Duration, log *slog.Logger) *sender {
 	return &sender{
-		db: db, deliverer: d, poll: time.Second, timeout: 30 * time.Second, grace: 5 * time.Second,
+		db: db, deliverer: d, poll: time.Second, deliver: 30 * time.Second, mark: 4 * time.Second, grace: 4 * time.Second,
 		backoff: messaging.Backoff{Base: 2 * time.Second, Max: maxBackoff},
 		log:     log.With("component", "sender"), wake: make(chan struct{}, 1),
 	}
@@ -107,64 +114,81 @@ func (s *sender) Run(ctx context.Context) error {
 }
 
 type pendingRow struct {
-	ID        uuid.UUID
-	OrderID   uuid.UUID
-	Recipient string
-	Subject   string
-	Body      string
-	Attempts  int
+	ID          uuid.UUID
+	OrderID     uuid.UUID
+	Recipient   string
+	Subject     string
+	Body        string
+	Attempts    int
+	LeasedUntil time.Time
 }
 
 // deliverOne leases the oldest due notification, delivers it and marks it sent, or records
-// the failure with a backoff. delivered reports whether one was sent.
+// the failure with a backoff. delivered reports whether one was sent. Leasing, delivering and
+// recording each have a budget of their own, and the lease covers all three.
 func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(parent), s.timeout)
-	defer cancel()
-	stop := context.AfterFunc(parent, func() {
-		t := time.AfterFunc(s.grace, cancel)
-		<-ctx.Done()
-		t.Stop()
-	})
-	defer stop()
-
+	if parent.Err() != nil {
+		return false, nil // shutting down: take nothing new
+	}
 	var rows []pendingRow
-	lease := s.timeout + s.grace
-	if err := s.db.WithContext(ctx).Raw(claimPendingSQL, lease.Milliseconds()).Scan(&rows).Error; err != nil {
+	lease := s.deliver + s.mark + s.grace
+	claimCtx, cancelClaim := context.WithTimeout(parent, s.mark)
+	err = s.db.WithContext(claimCtx).Raw(claimPendingSQL, lease.Milliseconds()).Scan(&rows).Error
+	cancelClaim()
+	if err != nil {
 		return false, fmt.Errorf("lease a pending notification: %w", err)
 	}
 	if len(rows) == 0 {
 		return false, nil
 	}
 	row := rows[0]
-	n := Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body}
-	if failure := s.deliverer.Deliver(ctx, n); failure != nil {
+
+	// A delivery in progress at shutdown may finish within the grace, so that a clean shutdown
+	// never repeats an e-mail.
+	deliverCtx, cancelDeliver := context.WithTimeout(context.WithoutCancel(parent), s.deliver)
+	stop := context.AfterFunc(parent, func() {
+		t := time.AfterFunc(s.grace, cancelDeliver)
+		<-deliverCtx.Done()
+		t.Stop()
+	})
+	failure := s.deliverer.Deliver(deliverCtx, Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body})
+	stop()
+	cancelDeliver()
+
+	markCtx, cancelMark := context.WithTimeout(context.WithoutCancel(parent), s.mark)
+	defer cancelMark()
+	if failure != nil {
 		attempts := row.Attempts + 1
 		delay := s.backoff.Delay(attempts)
-		if err := s.persist(ctx, recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID); err != nil {
+		if err := s.persist(markCtx, row, recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID, row.LeasedUntil); err != nil {
 			return false, fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
 		}
 		s.log.Warn("notification delivery failed", "notification_id", row.ID, "attempts", attempts, "retry_in", delay, "error", failure)
 		return false, nil
 	}
-	if err := s.persist(ctx, markSentSQL, row.ID); err != nil {
+	if err := s.persist(markCtx, row, markSentSQL, row.ID, row.LeasedUntil); err != nil {
 		return false, fmt.Errorf("mark notification %s sent (it will be delivered again when its lease ends): %w", row.ID, err)
 	}
 	s.log.Info("notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	return true, nil
 }
 
-// persist runs an update, retrying while the database is away, until ctx ends: once an
-// e-mail went out, recording that is worth waiting for.
-func (s *sender) persist(ctx context.Context, sql string, args ...any) error {
-	retry := messaging.Backoff{Base: 100 * time.Millisecond, Max: 2 * time.Second}
+// persist runs a lease-fenced update, retrying while the database is away, until ctx ends:
+// once an e-mail went out, recording that is worth waiting for. If the lease was lost meanwhile
+// the update changes nothing, which is right: the notification belongs to another sender now.
+func (s *sender) persist(ctx context.Context, row pendingRow, sql string, args ...any) error {
+	retry := messaging.Backoff{Base: 100 * time.Millisecond, Max: time.Second}
 	for attempt := 1; ; attempt++ {
-		err := s.db.WithContext(ctx).Exec(sql, args...).Error
-		if err == nil {
+		res := s.db.WithContext(ctx).Exec(sql, args...)
+		if res.Error == nil {
+			if res.RowsAffected == 0 {
+				s.log.Warn("lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
+			}
 			return nil
 		}
 		select {
 		case <-ctx.Done():
-			return err
+			return res.Error
 		case <-time.After(retry.Delay(attempt)):
 		}
 	}
