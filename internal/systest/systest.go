@@ -41,7 +41,7 @@ func Build(dir string, race bool) error {
 	return nil
 }
 
-// service is one running binary.
+// Service is one running binary.
 type Service struct {
 	Name string
 	URL  string // http://host:port
@@ -54,7 +54,7 @@ type Service struct {
 	err  error
 }
 
-// system is the three services, each kind with its own database, on a private RabbitMQ vhost
+// System is the three services, each kind with its own database, on a private RabbitMQ vhost
 // that they reach through a proxy (stop it and the broker is gone for them), with a mail
 // server. orders, invoicers and notifiers are the replicas of each kind; order, invoicing and
 // notification name the first of each.
@@ -67,7 +67,7 @@ type System struct {
 	AMQPURL                        string // direct, not through the proxy: for the test's own checks
 }
 
-// options shape a system: how many replicas of each service, extra environment per service.
+// Options shape a System: how many replicas of each service, extra environment per service.
 type Options struct {
 	BinDir                       string // where Build put the binaries
 	Orders, Invoicers, Notifiers int
@@ -126,7 +126,14 @@ func (s *Service) Start(t *testing.T) {
 		t.Fatalf("start %s: %v", s.Name, err)
 	}
 	go func() { s.err = s.cmd.Wait(); close(s.done) }()
-	testenv.Eventually(t, 30*time.Second, func() bool { return s.Status(t, "/readyz") == 200 }, "%s not ready", s.Name)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		select {
+		case <-s.done:
+			t.Fatalf("%s exited while starting: %v", s.Name, s.err)
+		default:
+		}
+		return s.Status(t, "/readyz") == 200
+	}, "%s not ready", s.Name)
 }
 
 // Stop sends SIGTERM and requires a clean exit within 10 s (CONTRACT.md). It returns how
@@ -135,6 +142,9 @@ func (s *Service) Stop(t *testing.T) time.Duration {
 	t.Helper()
 	select {
 	case <-s.done:
+		if s.err != nil {
+			t.Errorf("%s had already exited: %v", s.Name, s.err)
+		}
 		return 0
 	default:
 	}
@@ -219,13 +229,16 @@ func (s *Service) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 	return o.ID
 }
 
-// tally is what the system holds, to compare with what it should.
+// Tally is what the system holds, to compare with what it should. RedundantWork counts the
+// consumers' "already invoiced / already has a confirmation" lines: the unique order_id
+// columns would hide a message worked twice, those lines do not.
 type Tally struct {
 	Orders, Unsent                       int64
 	Invoices, Notifications, Sent, Mails int
 	MissingInvoice, ExtraInvoice         int
 	MissingNotice, ExtraNotice           int
 	DuplicateMails                       int
+	RedundantWork                        int
 }
 
 func (s *System) Tally(t *testing.T) Tally {
@@ -270,6 +283,9 @@ func (s *System) Tally(t *testing.T) Tally {
 	r.Invoices, r.MissingInvoice, r.ExtraInvoice = perOrder(s.Invoicing.DB, "invoices", "")
 	r.Notifications, r.MissingNotice, r.ExtraNotice = perOrder(s.Notification.DB, "notifications", "")
 	r.Sent, _, _ = perOrder(s.Notification.DB, "notifications", " WHERE status = 'sent'")
+	for _, c := range append(append([]*Service{}, s.Invoicers...), s.Notifiers...) {
+		r.RedundantWork += len(c.Logs.Lines("already invoiced by another message")) + len(c.Logs.Lines("already has a confirmation"))
+	}
 	mails := s.Mail.Mail()
 	r.Mails = len(mails)
 	seen := map[string]bool{}
@@ -282,7 +298,7 @@ func (s *System) Tally(t *testing.T) Tally {
 	return r
 }
 
-// waitExactlyOnce waits until every order has exactly one invoice and one delivered
+// WaitExactlyOnce waits until every order has exactly one invoice and one delivered
 // confirmation, nothing is left to send, and nothing exists that should not.
 func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration) Tally {
 	t.Helper()
@@ -292,12 +308,33 @@ func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 		return last.Orders == want && last.Unsent == 0 &&
 			last.Invoices == int(want) && last.MissingInvoice+last.ExtraInvoice == 0 &&
 			last.Notifications == int(want) && last.MissingNotice+last.ExtraNotice == 0 &&
-			last.Sent == int(want) && last.Mails == int(want) && last.DuplicateMails == 0
+			last.Sent == int(want) && last.Mails == int(want) && last.DuplicateMails == 0 && last.RedundantWork == 0
 	}, "system did not settle on exactly-once for %d orders", want)
 	s.CheckQueuesEmpty(t)
 	return last
 }
 
+// CheckAccepted requires every order answered 201 to exist, and returns how many orders exist
+// without one (a response lost while a service restarted: committed, never confirmed).
+func (s *System) CheckAccepted(t *testing.T, accepted []uuid.UUID) (unconfirmed int64) {
+	t.Helper()
+	var ids []string
+	if err := s.Order.DB.DB.Raw("SELECT id::text FROM orders").Scan(&ids).Error; err != nil {
+		t.Fatal(err)
+	}
+	exists := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		exists[id] = true
+	}
+	for _, id := range accepted {
+		if !exists[id.String()] {
+			t.Fatalf("order %s was answered 201 but does not exist", id)
+		}
+	}
+	return int64(len(ids) - len(accepted))
+}
+
+// DumpOnFailure logs the tally when the test fails.
 func (s *System) DumpOnFailure(t *testing.T) {
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -306,7 +343,7 @@ func (s *System) DumpOnFailure(t *testing.T) {
 	})
 }
 
-// checkQueuesEmpty requires the consumers' queues to be empty (dead-letter queues aside, whose
+// CheckQueuesEmpty requires the consumers' queues to be empty (dead-letter queues aside, whose
 // depth it returns).
 func (s *System) CheckQueuesEmpty(t *testing.T) (deadLettered int) {
 	t.Helper()
@@ -337,7 +374,7 @@ func (s *System) CheckQueuesEmpty(t *testing.T) (deadLettered int) {
 	return deadLettered
 }
 
-// duplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas.
+// DuplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas.
 func (s *System) DuplicatesSuppressed(t *testing.T) int {
 	t.Helper()
 	total := 0
@@ -359,7 +396,7 @@ func (s *System) DuplicatesSuppressed(t *testing.T) int {
 	return total
 }
 
-// load places n orders from workers concurrent clients, spread over the order replicas, and
+// Load places n orders from workers concurrent clients, spread over the order replicas, and
 // returns the ids of those answered 201; any other answer fails the test.
 func (s *System) Load(t *testing.T, n, workers int) []uuid.UUID {
 	t.Helper()

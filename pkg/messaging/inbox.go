@@ -1,10 +1,12 @@
 package messaging
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"gorm.io/gorm"
@@ -94,7 +96,9 @@ type afterCommitHooks struct{ fns []func() }
 // AfterCommit registers fn to run once the inbox transaction tx belongs to has committed: the
 // place to log what the work did, or to start work outside the database, so that neither
 // happens for a transaction that rolls back. It reports false, and drops fn, when tx is not
-// the transaction of [Inbox.Handle].
+// the transaction of [Inbox.Handle] or [Inbox.HandleBatch]. A hook registered inside a nested
+// tx.Transaction (a savepoint) runs if the outer transaction commits, even when the savepoint
+// was rolled back: register hooks outside savepoints.
 func AfterCommit(tx *gorm.DB, fn func()) bool {
 	hooks, ok := tx.Statement.Context.Value(afterCommitKey{}).(*afterCommitHooks)
 	if !ok {
@@ -104,10 +108,11 @@ func AfterCommit(tx *gorm.DB, fn func()) bool {
 	return true
 }
 
-// Handler adapts the inbox to a [Consumer]: every delivery runs through Handle.
+// Handler adapts the inbox to a [Consumer]: every delivery runs through Handle. work gets the
+// transaction's own context, which carries its [AfterCommit] hooks.
 func (in *Inbox) Handler(work func(ctx context.Context, tx *gorm.DB, msg Message) error) Handler {
 	return func(ctx context.Context, msg Message) error {
-		_, err := in.Handle(ctx, msg, func(tx *gorm.DB) error { return work(ctx, tx, msg) })
+		_, err := in.Handle(ctx, msg, func(tx *gorm.DB) error { return work(tx.Statement.Context, tx, msg) })
 		return err
 	}
 }
@@ -116,7 +121,11 @@ func (in *Inbox) Handler(work func(ctx context.Context, tx *gorm.DB, msg Message
 // is a duplicate, worked, and one commit settles them all (one fsync instead of len(msgs)).
 // If anything fails, nothing is committed and the error is returned; the caller then handles
 // the messages one by one with Handle, so a single bad message cannot hold up the others.
+// Messages are claimed in id order, so two batches holding the same messages lock them in the
+// same order instead of deadlocking.
 func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *gorm.DB, msg Message) error) error {
+	msgs = slices.Clone(msgs)
+	slices.SortFunc(msgs, func(a, b Message) int { return bytes.Compare(a.ID[:], b.ID[:]) })
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	var duplicates []Message
@@ -153,7 +162,7 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 // BatchHandler adapts HandleBatch to a [Consumer]'s batches.
 func (in *Inbox) BatchHandler(work func(ctx context.Context, tx *gorm.DB, msg Message) error) BatchHandler {
 	return func(ctx context.Context, msgs []Message) error {
-		return in.HandleBatch(ctx, msgs, func(tx *gorm.DB, msg Message) error { return work(ctx, tx, msg) })
+		return in.HandleBatch(ctx, msgs, func(tx *gorm.DB, msg Message) error { return work(tx.Statement.Context, tx, msg) })
 	}
 }
 
