@@ -70,6 +70,7 @@ type System struct {
 // Options shape a System: how many replicas of each service, extra environment per service.
 type Options struct {
 	BinDir                       string // where Build put the binaries
+	DirectBroker                 bool   // no proxy in front of RabbitMQ (benchmarks: it costs CPU)
 	Orders, Invoicers, Notifiers int
 	Env                          map[string][]string
 }
@@ -82,8 +83,11 @@ func Start(t *testing.T, opts Options) *System {
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", s.VHost).Run() })
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", s.VHost, "guest", ".*", ".*", ".*")
 	s.AMQPURL = testenv.AMQPURL() + s.VHost
-	s.Broker = testenv.Proxy(t, testenv.AMQPHost(t))
-	viaProxy := testenv.AMQPURLVia(t, s.Broker.Listen) + s.VHost
+	viaProxy := s.AMQPURL
+	if !opts.DirectBroker {
+		s.Broker = testenv.Proxy(t, testenv.AMQPHost(t))
+		viaProxy = testenv.AMQPURLVia(t, s.Broker.Listen) + s.VHost
+	}
 	s.Mail = testenv.NewSMTPServer(t)
 	s.Mail.Start()
 
