@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -12,6 +13,9 @@ import (
 
 // NotifyChannel is the PostgreSQL channel [Enqueue] notifies and the [Relay] listens on.
 const NotifyChannel = "outbox_messages"
+
+// insertOutboxSQL is followed by one "(?, ?, ?, ?, ?)" per message.
+const insertOutboxSQL = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at) VALUES `
 
 // ErrNotInTransaction is returned by [Enqueue] when it is given a *gorm.DB that is not inside
 // a transaction.
@@ -53,7 +57,8 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	rows := make([]OutboxMessage, len(msgs))
+	values := make([]string, len(msgs))
+	args := make([]any, 0, 5*len(msgs))
 	for i, m := range msgs {
 		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
 			return fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
@@ -61,13 +66,13 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 		if m.OccurredAt.IsZero() {
 			m.OccurredAt = time.Now().UTC()
 		}
-		rows[i] = OutboxMessage{
-			ID: m.ID, Type: m.Type, Payload: m.Payload, CorrelationID: m.CorrelationID,
-			OccurredAt: m.OccurredAt,
-		}
+		values[i] = "(?, ?, ?, ?, ?)"
+		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt)
 	}
-	if err := tx.Create(&rows).Error; err != nil {
-		return fmt.Errorf("outbox: insert %d messages: %w", len(rows), err)
+	// next_attempt_at, processed_at and attempts take their defaults: due now, by the
+	// database's clock.
+	if err := tx.Exec(insertOutboxSQL+strings.Join(values, ", "), args...).Error; err != nil {
+		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
 	}
 	// NOTIFY inside the transaction is delivered only if and when it commits: the relay wakes
 	// exactly when the rows become visible to it.
