@@ -471,15 +471,7 @@ func consumerThroughput(t *testing.T, r *report, binDir string, baseline float64
 	sys.Invoicing.Stop(t)
 	sys.Notification.Stop(t)
 	sys.Order.Stop(t)
-	conn, err := amqp.Dial(sys.AMQPURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ch := sys.Channel(t)
 	if err := ch.Confirm(false); err != nil {
 		t.Fatal(err)
 	}

@@ -43,15 +43,7 @@ func TestReplicasUnderLoad(t *testing.T) {
 func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
-	conn, err := amqp.Dial(s.AMQPURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ch := s.Channel(t)
 	poison := []amqp.Publishing{
 		{MessageId: uuid.NewString(), Type: "OrderPlaced", ContentType: "application/json", Body: []byte("not json")},
 		{MessageId: uuid.NewString(), Type: "OrderPlaced", ContentType: "application/json", Body: []byte(`{"order_id": 42, "lines": "many"}`)},

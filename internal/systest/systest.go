@@ -65,6 +65,7 @@ type System struct {
 	Mail                           *testenv.SMTPServer
 	VHost                          string
 	AMQPURL                        string // direct, not through the proxy: for the test's own checks
+	ch                             *amqp.Channel
 }
 
 // Options shape a System: how many replicas of each service, extra environment per service.
@@ -351,31 +352,32 @@ func (s *System) DumpOnFailure(t *testing.T) {
 // depth it returns).
 func (s *System) CheckQueuesEmpty(t *testing.T) (deadLettered int) {
 	t.Helper()
+	ch := s.Channel(t)
+	for _, q := range []string{"invoicing", "notification"} {
+		if n := testenv.QueueDepth(t, ch, q); n != 0 {
+			t.Fatalf("queue %s still holds %d messages", q, n)
+		}
+		deadLettered += testenv.QueueDepth(t, ch, q+".dlq")
+	}
+	return deadLettered
+}
+
+// Channel returns the test's own channel on the system's vhost, directly to the broker (not
+// through the proxy), opened on first use and closed when the test ends. One goroutine only.
+func (s *System) Channel(t *testing.T) *amqp.Channel {
+	t.Helper()
+	if s.ch != nil && !s.ch.IsClosed() {
+		return s.ch
+	}
 	conn, err := amqp.Dial(s.AMQPURL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	for _, q := range []string{"invoicing", "notification"} {
-		for _, name := range []string{q, q + ".dlq"} {
-			ch, err := conn.Channel()
-			if err != nil {
-				t.Fatal(err)
-			}
-			info, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
-			if err != nil {
-				t.Fatalf("inspect %s: %v", name, err)
-			}
-			_ = ch.Close()
-			if name == q && info.Messages != 0 {
-				t.Fatalf("queue %s still holds %d messages", q, info.Messages)
-			}
-			if name != q {
-				deadLettered += info.Messages
-			}
-		}
+	t.Cleanup(func() { _ = conn.Close() })
+	if s.ch, err = conn.Channel(); err != nil {
+		t.Fatal(err)
 	}
-	return deadLettered
+	return s.ch
 }
 
 // DuplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas.
