@@ -4,7 +4,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"mime"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -88,4 +90,68 @@ func truncate(s string, n int) string {
 		return s
 	}
 	return s[:n] + "…"
+}
+
+// connWatch drains a connection's notifications (an undrained Notify channel stalls the
+// client), logs why the connection closed or was blocked, and keeps the blocked state: a
+// blocked connection takes no messages until the broker's resource alarm clears.
+type connWatch struct {
+	mu      sync.Mutex
+	reason  string        // why the broker blocked the connection; "" while it does not
+	blocked chan struct{} // closed while the connection is blocked
+}
+
+func watchConnection(conn *amqp.Connection, log *slog.Logger) *connWatch {
+	w := &connWatch{blocked: make(chan struct{})}
+	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	blocked := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
+	go func() {
+		for b := range blocked {
+			w.set(b)
+			if b.Active {
+				log.Warn("rabbitmq blocked the connection", "reason", b.Reason)
+			} else {
+				log.Info("rabbitmq unblocked the connection")
+			}
+		}
+	}()
+	go func() {
+		if err, ok := <-closed; ok && err != nil {
+			log.Warn("rabbitmq connection closed", "error", err)
+		}
+	}()
+	return w
+}
+
+func (w *connWatch) set(b amqp.Blocking) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch {
+	case b.Active && w.reason == "":
+		w.reason = b.Reason
+		if w.reason == "" {
+			w.reason = "unknown"
+		}
+		close(w.blocked)
+	case !b.Active && w.reason != "":
+		w.reason = ""
+		w.blocked = make(chan struct{})
+	}
+}
+
+// blockedC is closed once the connection is blocked.
+func (w *connWatch) blockedC() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.blocked
+}
+
+// blockedErr is ErrBrokerUnavailable while the connection is blocked, else nil.
+func (w *connWatch) blockedErr() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.reason == "" {
+		return nil
+	}
+	return unavailable("the broker blocked the connection: %s", w.reason)
 }

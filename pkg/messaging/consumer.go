@@ -39,7 +39,7 @@ type ConsumerConfig struct {
 	BatchHandler BatchHandler
 	// BatchSize is the most deliveries one BatchHandler call takes. Default 50.
 	BatchSize int
-	// MaxBodyBytes: larger messages are dead-lettered. Default 1 MiB.
+	// MaxBodyBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
 	MaxBodyBytes int
 	// Retries is how many times a failing message is tried in place before it goes back to
 	// the queue (where the queue's delivery limit is the backstop). Default 3.
@@ -51,7 +51,8 @@ type ConsumerConfig struct {
 	// ShutdownGrace is how long handlers in progress may go on after Run's context ends.
 	// Default 5 s.
 	ShutdownGrace time.Duration
-	// Reconnect paces reconnection attempts. Default 500 ms doubling up to 30 s.
+	// Reconnect paces reconnection attempts. Default 100 ms doubling up to 2 s, jittered: a
+	// broker that comes back is found within about 2 s.
 	Reconnect Backoff
 	// DeliveryLimit is the queue's x-delivery-limit (default DefaultDeliveryLimit). A message
 	// still failing on its last delivery is dead-lettered by the consumer itself, because from
@@ -93,7 +94,7 @@ func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
 		}
 	}
 	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = 1 << 20
+		cfg.MaxBodyBytes = DefaultMaxMessageBytes
 	}
 	if cfg.Retries <= 0 {
 		cfg.Retries = 3
@@ -105,7 +106,7 @@ func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
 	if cfg.ShutdownGrace <= 0 {
 		cfg.ShutdownGrace = 5 * time.Second
 	}
-	cfg.Reconnect = cfg.Reconnect.withDefaults(500*time.Millisecond, 30*time.Second)
+	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 2*time.Second)
 	if cfg.DeliveryLimit <= 0 {
 		cfg.DeliveryLimit = DefaultDeliveryLimit
 	}
@@ -133,10 +134,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 		failures++
 		delay := c.cfg.Reconnect.Delay(failures)
 		c.log.Warn("consumer disconnected; reconnecting", "error", err, "retry_in", delay)
-		select {
-		case <-ctx.Done():
+		if !sleep(ctx, nil, delay) {
 			return nil
-		case <-time.After(delay):
 		}
 	}
 }
@@ -279,10 +278,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 			delay = c.cfg.RetryBackoff.Delay(failures)
 			log.Warn("handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
 		}
-		select {
-		case <-session.Done():
-		case <-time.After(delay):
-		}
+		sleep(session, nil, delay)
 	}
 }
 

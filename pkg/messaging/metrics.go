@@ -15,6 +15,7 @@ type Metrics struct {
 	publishFailures *prometheus.CounterVec
 	settled         *prometheus.CounterVec
 	duplicates      *prometheus.CounterVec
+	brokerUp        *prometheus.GaugeVec
 }
 
 // NewMetrics creates the collectors and registers them with reg.
@@ -26,7 +27,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"type"}),
 		publishFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_publish_failures_total",
-			Help: "Failed publish attempts of outbox messages (each is retried with backoff).",
+			Help: "Outbox messages the broker refused (nacked, returned, too large); each is retried with backoff.",
 		}, []string{"type"}),
 		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "consumer_messages_total",
@@ -36,8 +37,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "inbox_duplicates_total",
 			Help: "Messages an inbox recognised as already handled and skipped.",
 		}, []string{"consumer"}),
+		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_relay_broker_up",
+			Help: "The relay's view of the broker: 1 while it takes messages, 0 during an outage (rows wait, unpenalised).",
+		}, []string{"exchange"}),
 	}
-	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates)
+	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp)
 	return m
 }
 
@@ -50,6 +55,16 @@ func (m *Metrics) recordPublished(msgType string) {
 func (m *Metrics) recordPublishFailure(msgType string) {
 	if m != nil {
 		m.publishFailures.WithLabelValues(msgType).Inc()
+	}
+}
+
+func (m *Metrics) setBrokerUp(exchange string, up bool) {
+	if m != nil {
+		v := 0.0
+		if up {
+			v = 1
+		}
+		m.brokerUp.WithLabelValues(exchange).Set(v)
 	}
 }
 

@@ -3,6 +3,7 @@ package messaging_test
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"sync"
 	"testing"
 	"time"
@@ -145,8 +146,12 @@ func TestMigrationsAreIdempotentAndSafeConcurrently(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM messaging_outbox_schema WHERE version_id > 0"); n != 1 {
-		t.Errorf("outbox migrations recorded %d times, want 1", n)
+	versions, err := fs.Glob(messaging.Schema, "schema/outbox/*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM messaging_outbox_schema WHERE version_id > 0"); n != int64(len(versions)) {
+		t.Errorf("%d outbox migrations recorded, want each of the %d once", n, len(versions))
 	}
 	// The partial index that keeps the relay's claim cheap however many sent rows pile up.
 	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_indexes WHERE tablename = 'outbox_messages'

@@ -9,18 +9,30 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"golang.org/x/sync/semaphore"
 )
 
+// The broker's verdicts on one message. Each is that message's own fault: the relay records it
+// against the row and backs the row off.
 var (
 	// ErrUnroutable: the broker confirmed the message but no queue was bound to take it (a
 	// basic.return). It was not delivered anywhere, so it does not count as sent.
 	ErrUnroutable = errors.New("message unroutable")
-	// ErrNacked: the broker refused the message, or the channel closed before confirming it.
-	ErrNacked = errors.New("message not confirmed by the broker")
-	// ErrNotPublished: the message was never handed to the broker, because an earlier message
-	// of the same call failed to publish (a broken connection). Its attempt does not count.
-	ErrNotPublished = errors.New("message not published")
+	// ErrNacked: the broker refused the message on a channel that stayed open.
+	ErrNacked = errors.New("message nacked by the broker")
+	// ErrTooLarge: the message is over PublisherConfig.MaxMessageBytes; it was not sent.
+	ErrTooLarge = errors.New("message too large")
 )
+
+// ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
+// connection, the channel closed, the broker blocked the connection (a resource alarm), or no
+// confirm came within the timeout. It says nothing about the message itself, which may still
+// have been delivered (at-least-once); the relay does not count it against the row.
+var ErrBrokerUnavailable = errors.New("broker unavailable")
+
+// DefaultMaxMessageBytes is the largest message body a publisher sends and a consumer accepts
+// unless configured otherwise.
+const DefaultMaxMessageBytes = 1 << 20
 
 // PublisherConfig configures a [Publisher]. URL is required.
 type PublisherConfig struct {
@@ -30,29 +42,33 @@ type PublisherConfig struct {
 	// Setup declares what the publisher needs (at least its exchange). It runs on every new
 	// channel, so a deleted exchange comes back after the next reconnect.
 	Setup func(ch *amqp.Channel) error
-	// ConfirmTimeout bounds the wait for one call's confirms: a blocked broker (memory alarm)
-	// or a half-open connection must not hold the caller forever. Default 15 s.
+	// ConfirmTimeout bounds the wait for one call's confirms: a broker that stops reading or a
+	// half-open connection must not hold the caller forever. Default 15 s.
 	ConfirmTimeout time.Duration
 	Heartbeat      time.Duration // default 10 s
-	// MaxInFlight is the most messages one call publishes before waiting for their confirms.
-	// Default 1000.
+	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
+	// calls. Default 1000.
 	MaxInFlight int
-	// Reconnect paces the dial attempts after failures. Default 100 ms doubling up to 5 s.
+	// MaxMessageBytes: a larger body is refused with [ErrTooLarge] before publishing. Default
+	// [DefaultMaxMessageBytes], what a [Consumer] accepts by default.
+	MaxMessageBytes int
+	// Reconnect paces the dial attempts after failures. Default 100 ms doubling up to 2 s,
+	// jittered: a broker that comes back is found within about 2 s.
 	Reconnect Backoff
 	Logger    *slog.Logger
 }
 
 // Publisher publishes messages with mandatory routing and publisher confirms, over a
 // connection that it opens on first use and opens again, by itself, after it breaks.
-// It is safe for concurrent use; calls are serialised on one channel.
+// It is safe for concurrent use: calls write their messages one call at a time on one channel,
+// and wait for their confirms side by side.
 type Publisher struct {
-	cfg PublisherConfig
-	log *slog.Logger
+	cfg      PublisherConfig
+	log      *slog.Logger
+	inFlight *semaphore.Weighted // messages awaiting a verdict, over all calls
 
-	mu        sync.Mutex
-	conn      *amqp.Connection
-	ch        *amqp.Channel
-	returns   chan amqp.Return
+	mu        sync.Mutex // guards the fields below and serialises writes to the channel
+	sess      *pubSession
 	failures  int
 	nextDial  time.Time
 	lastError error
@@ -66,28 +82,38 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.MaxInFlight <= 0 {
 		cfg.MaxInFlight = 1000
 	}
-	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 5*time.Second)
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 2*time.Second)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher")}
+	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher"), inFlight: semaphore.NewWeighted(int64(cfg.MaxInFlight))}
 }
 
 // Connect opens the connection and declares the topology now, instead of at the first Publish,
-// so a misconfiguration shows at start. A failure is not final: Publish keeps trying.
+// so a misconfiguration shows at start. It also tells whether the broker takes messages: it
+// fails while the broker blocks the connection. A failure is not final: Publish keeps trying.
 func (p *Publisher) Connect(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return p.connectLocked()
+	s, err := p.sessionLocked()
+	if err != nil {
+		return err
+	}
+	return s.watch.blockedErr()
 }
 
 // Publish sends msgs to exchange, each with its Type as the routing key, and waits for the
 // broker's verdict on all of them. It returns one error per message, in order: nil means the
-// broker confirmed it and routed it to at least one queue. Anything else means the message
-// must be treated as not sent (and may still have been delivered: at-least-once).
+// broker confirmed it and routed it to at least one queue; [ErrUnroutable], [ErrNacked] and
+// [ErrTooLarge] are verdicts on that message; [ErrBrokerUnavailable] means there was none.
+// Anything but nil means the message must be treated as not sent (and may still have been
+// delivered: at-least-once).
 func (p *Publisher) Publish(ctx context.Context, exchange string, msgs []Message) []error {
 	errs := make([]error, len(msgs))
 	for start := 0; start < len(msgs); start += p.cfg.MaxInFlight {
@@ -97,176 +123,255 @@ func (p *Publisher) Publish(ctx context.Context, exchange string, msgs []Message
 	return errs
 }
 
+// publishWindow publishes up to MaxInFlight messages and fills in their verdicts.
 func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []Message, errs []error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-
-	if err := p.connectLocked(); err != nil {
-		errs[0] = err
-		for i := 1; i < len(errs); i++ {
-			errs[i] = ErrNotPublished
-		}
+	// ConfirmTimeout bounds the whole window, the wait for a place among the in-flight
+	// messages and the writes included.
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
+	defer cancel()
+	if err := p.inFlight.Acquire(ctx, int64(len(msgs))); err != nil {
+		fill(errs, unavailable("wait for room among the messages in flight: %w", err))
 		return
 	}
+	s, confirms := p.write(ctx, exchange, msgs, errs)
+	if s == nil {
+		p.inFlight.Release(int64(len(msgs)))
+		return
+	}
+	if s.await(ctx, confirms, errs, p.cfg.ConfirmTimeout) {
+		// Blocked by the broker: return now, so no caller holds anything open through a
+		// resource alarm, and let the confirms come in later on a connection kept open.
+		go func() {
+			s.settleLate(confirms, msgs)
+			p.inFlight.Release(int64(len(msgs)))
+		}()
+		return
+	}
+	s.matchReturns(msgs, errs)
+	p.inFlight.Release(int64(len(msgs)))
+	if ctx.Err() != nil || s.ch.IsClosed() {
+		p.discard(s)
+	}
+}
 
-	// ConfirmTimeout bounds the whole call, writes included: a broker that stops reading (a
-	// memory alarm, a stalled link) blocks the socket write itself, and the context is only
-	// checked before writing. Closing the connection at the deadline unblocks it.
-	waitCtx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
-	defer cancel()
-	conn := p.conn
-	stop := context.AfterFunc(waitCtx, func() { _ = conn.CloseDeadline(time.Now()) })
-	defer stop()
-
-	// Publish the whole window, then collect the confirms: many in flight, one round trip.
-	broken := false
+// write publishes the window on the current session (connecting first if needed), under the
+// lock: concurrent calls interleave whole windows, not single messages. A nil session means
+// nothing was published; errs says why.
+func (p *Publisher) write(ctx context.Context, exchange string, msgs []Message, errs []error) (*pubSession, []*amqp.DeferredConfirmation) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	s, err := p.sessionLocked()
+	if err == nil {
+		err = s.watch.blockedErr()
+	}
+	if err != nil {
+		fill(errs, err)
+		return nil, nil
+	}
+	// A broker that stops reading blocks the socket write itself, and the context is only
+	// checked before writing. Closing the connection at the deadline unblocks it, and fails
+	// the confirms still awaited.
+	conn := s.conn
+	context.AfterFunc(ctx, func() {
+		if ctx.Err() == context.DeadlineExceeded {
+			_ = conn.CloseDeadline(time.Now())
+		}
+	})
 	confirms := make([]*amqp.DeferredConfirmation, len(msgs))
 	for i, m := range msgs {
-		dc, err := p.ch.PublishWithDeferredConfirmWithContext(waitCtx, exchange, m.Type, true, false, toPublishing(m, p.cfg.AppID))
+		if len(m.Payload) > p.cfg.MaxMessageBytes {
+			errs[i] = fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(m.Payload), p.cfg.MaxMessageBytes)
+			continue
+		}
+		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, m.Type, true, false, toPublishing(m, p.cfg.AppID))
 		if err != nil {
-			errs[i] = fmt.Errorf("publish: %w", err)
-			for j := i + 1; j < len(msgs); j++ {
-				errs[j] = ErrNotPublished
-			}
-			broken = true
+			fill(errs[i:], unavailable("publish: %w", err))
 			break
 		}
 		confirms[i] = dc
 	}
-
-	for i, dc := range confirms {
-		if dc == nil {
-			continue
-		}
-		ack, err := dc.WaitContext(waitCtx)
-		switch {
-		case err != nil || (!ack && waitCtx.Err() != nil):
-			// Timed out (the deadline also closed the connection, which nacks the rest). The
-			// channel's state is unknown now: start afresh.
-			errs[i] = fmt.Errorf("wait for confirm: %w", waitCtx.Err())
-			broken = true
-		case !ack && p.ch.IsClosed():
-			errs[i] = fmt.Errorf("%w: channel closed", ErrNacked)
-		case !ack:
-			errs[i] = ErrNacked
-		}
-	}
-
-	// The broker sends a basic.return before the ack of the same message, and the client hands
-	// it to p.returns before it resolves the confirm. So every return of this window is already
-	// buffered here (the buffer holds MaxInFlight, so none was dropped).
-	returned := p.drainReturnsLocked()
-	for i, m := range msgs {
-		if r, ok := returned[m.ID.String()]; ok && errs[i] == nil {
-			errs[i] = fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
-		}
-	}
-
-	if broken || p.ch.IsClosed() {
-		p.resetLocked()
-	}
+	return s, confirms
 }
 
-func (p *Publisher) drainReturnsLocked() map[string]amqp.Return {
-	var returned map[string]amqp.Return
-	for {
-		select {
-		case r, ok := <-p.returns:
-			if !ok {
-				return returned
-			}
-			if returned == nil {
-				returned = make(map[string]amqp.Return)
-			}
-			returned[r.MessageId] = r
-		default:
-			return returned
-		}
+// sessionLocked returns an open session, dialling if needed, but not more often than the
+// reconnect backoff allows.
+func (p *Publisher) sessionLocked() (*pubSession, error) {
+	if s := p.sess; s != nil && !s.ch.IsClosed() && !s.conn.IsClosed() {
+		return s, nil
 	}
-}
-
-// connectLocked makes sure there is an open confirm-mode channel, dialling if needed, but not
-// more often than the reconnect backoff allows.
-func (p *Publisher) connectLocked() error {
-	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
-		return nil
-	}
-	p.resetLocked()
+	p.discardLocked()
 	if wait := time.Until(p.nextDial); wait > 0 {
-		return fmt.Errorf("rabbitmq unavailable, next connection attempt in %s: %w", wait.Round(time.Millisecond), p.lastError)
+		return nil, unavailable("next connection attempt in %s: %w", wait.Round(time.Millisecond), p.lastError)
 	}
-	if err := p.openLocked(); err != nil {
+	s, err := p.open()
+	if err != nil {
 		p.failures++
 		p.nextDial = time.Now().Add(p.cfg.Reconnect.Delay(p.failures))
 		p.lastError = err
-		p.resetLocked()
 		p.log.Warn("rabbitmq connection failed", "error", err, "failures", p.failures)
-		return err
+		return nil, unavailable("%w", err)
 	}
 	if p.failures > 0 {
 		p.log.Info("rabbitmq connection restored", "after_failures", p.failures)
 	}
-	p.failures = 0
-	return nil
+	p.failures, p.sess = 0, s
+	return s, nil
 }
 
-func (p *Publisher) openLocked() error {
+func (p *Publisher) open() (*pubSession, error) {
 	conn, err := dial(p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	p.conn = conn
-	watchConnection(conn, p.log)
-	ch, err := conn.Channel()
-	if err != nil {
-		return fmt.Errorf("open channel: %w", err)
+	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log)}
+	if err := s.setup(p.cfg); err != nil {
+		s.close()
+		return nil, err
 	}
-	p.ch = ch
-	if err := ch.Confirm(false); err != nil {
-		return fmt.Errorf("enable publisher confirms: %w", err)
-	}
-	p.returns = ch.NotifyReturn(make(chan amqp.Return, p.cfg.MaxInFlight))
-	if p.cfg.Setup != nil {
-		if err := p.cfg.Setup(ch); err != nil {
-			return fmt.Errorf("declare topology: %w", err)
-		}
-	}
-	return nil
+	return s, nil
 }
 
-func (p *Publisher) resetLocked() {
-	if p.conn != nil {
-		// Closing the connection closes its channel too. The deadline matters: a half-open
-		// connection never answers the close handshake (nor would a channel's).
-		_ = p.conn.CloseDeadline(time.Now().Add(time.Second))
+// discard closes s if it is still the current session; a newer one is left alone.
+func (p *Publisher) discard(s *pubSession) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.sess == s {
+		p.discardLocked()
 	}
-	p.ch, p.conn, p.returns = nil, nil, nil
+}
+
+func (p *Publisher) discardLocked() {
+	if p.sess != nil {
+		p.sess.close()
+		p.sess = nil
+	}
 }
 
 // Close closes the connection. Publish after Close opens a new one.
 func (p *Publisher) Close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.resetLocked()
+	p.discardLocked()
 }
 
-// watchConnection drains the connection's notifications (an undrained Notify channel stalls
-// the client) and logs why the connection closed or was blocked.
-func watchConnection(conn *amqp.Connection, log *slog.Logger) {
-	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
-	blocked := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
-	go func() {
-		for b := range blocked {
-			if b.Active {
-				log.Warn("rabbitmq blocked the connection", "reason", b.Reason)
-			} else {
-				log.Info("rabbitmq unblocked the connection")
+// pubSession is one connection with its confirm-mode channel.
+type pubSession struct {
+	conn  *amqp.Connection
+	ch    *amqp.Channel
+	watch *connWatch
+
+	// The broker sends a message's basic.return before its ack, and the client queues it in
+	// returns before it resolves the confirm. So once a call's confirms are in, all its returns
+	// are in returns or, moved there by another call, in returned.
+	returnsMu sync.Mutex
+	returns   chan amqp.Return
+	returned  map[string]amqp.Return
+}
+
+func (s *pubSession) setup(cfg PublisherConfig) error {
+	ch, err := s.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("open channel: %w", err)
+	}
+	s.ch = ch
+	if err := ch.Confirm(false); err != nil {
+		return fmt.Errorf("enable publisher confirms: %w", err)
+	}
+	// Every message in flight may come back once: the semaphore keeps them within the buffer.
+	s.returns = ch.NotifyReturn(make(chan amqp.Return, cfg.MaxInFlight))
+	s.returned = make(map[string]amqp.Return)
+	if cfg.Setup != nil {
+		if err := cfg.Setup(ch); err != nil {
+			return fmt.Errorf("declare topology: %w", err)
+		}
+	}
+	return nil
+}
+
+// await collects the confirms into errs. It returns true, leaving the rest of errs as
+// ErrBrokerUnavailable, as soon as the broker blocks the connection.
+func (s *pubSession) await(ctx context.Context, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
+	for i, dc := range confirms {
+		if dc == nil {
+			continue
+		}
+		select {
+		case <-dc.Done():
+		case <-ctx.Done():
+			fill(errs[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
+			return false
+		case <-s.watch.blockedC():
+			fill(errs[i:], s.watch.blockedErr())
+			return true
+		}
+		switch {
+		case dc.Acked():
+		case s.ch.IsClosed():
+			// The channel closed (the exchange is gone, or the connection): every pending
+			// confirm resolves as a nack, which says nothing about the message.
+			errs[i] = unavailable("channel closed before the confirm")
+		default:
+			errs[i] = ErrNacked
+		}
+	}
+	return false
+}
+
+// matchReturns turns the confirmed messages that came back with a basic.return into
+// ErrUnroutable.
+func (s *pubSession) matchReturns(msgs []Message, errs []error) {
+	s.returnsMu.Lock()
+	defer s.returnsMu.Unlock()
+	s.collectReturnsLocked()
+	for i, m := range msgs {
+		r, ok := s.returned[m.ID.String()]
+		if !ok {
+			continue
+		}
+		delete(s.returned, m.ID.String())
+		if errs[i] == nil {
+			errs[i] = fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
+		}
+	}
+}
+
+func (s *pubSession) collectReturnsLocked() {
+	for {
+		select {
+		case r, ok := <-s.returns:
+			if !ok {
+				return
 			}
+			s.returned[r.MessageId] = r
+		default:
+			return
 		}
-	}()
-	go func() {
-		if err, ok := <-closed; ok && err != nil {
-			log.Warn("rabbitmq connection closed", "error", err)
+	}
+}
+
+// settleLate waits out the confirms of a window abandoned to a blocked connection, until the
+// broker unblocks it or the connection closes, and drops its returns: nobody waits for them.
+func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Message) {
+	for _, dc := range confirms {
+		if dc != nil {
+			<-dc.Done()
 		}
-	}()
+	}
+	s.matchReturns(msgs, make([]error, len(msgs)))
+}
+
+func (s *pubSession) close() {
+	// Closing the connection closes its channel too. The deadline matters: a half-open
+	// connection never answers the close handshake (nor would a channel's).
+	_ = s.conn.CloseDeadline(time.Now().Add(time.Second))
+}
+
+func unavailable(format string, args ...any) error {
+	return fmt.Errorf("%w: %w", ErrBrokerUnavailable, fmt.Errorf(format, args...))
+}
+
+func fill(errs []error, err error) {
+	for i := range errs {
+		errs[i] = err
+	}
 }

@@ -16,8 +16,15 @@ import (
 
 // The statements that carry the relay's guarantees, in one place.
 const (
+	// The claim must walk the partial index in order and stop after the batch. A planner
+	// without statistics (a new table, a burst before autovacuum's first ANALYZE) guesses that
+	// few rows are unsent and prefers to fetch them all and sort them: at every claim, the
+	// whole backlog. Forbidding the sort for the claim's transaction leaves it the index.
+	claimPlanSQL = `SET LOCAL enable_sort = off`
+
 	// Claim the oldest due rows. FOR UPDATE SKIP LOCKED (inside the batch's transaction) makes
-	// concurrent relays take disjoint rows instead of publishing the same ones.
+	// concurrent relays, and the lanes of one relay, take disjoint rows instead of publishing
+	// the same ones.
 	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at <= now()
@@ -30,7 +37,8 @@ FOR UPDATE SKIP LOCKED`
 	markSentSQL = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id IN ?`
 
 	// Never give up on a row: record why it failed and when to try again, counted from now,
-	// not from the start of the transaction (a confirm timeout can take seconds).
+	// not from the start of the transaction. Only the broker's verdict on this one message gets
+	// here; a broker outage is the relay's to wait out, and costs the row nothing.
 	recordFailureSQL = `UPDATE outbox_messages
 SET attempts = attempts + 1,
     last_error = ?,
@@ -39,9 +47,17 @@ WHERE id = ?
 RETURNING next_attempt_at`
 )
 
-// Sender publishes a batch and reports one verdict per message (see [Publisher.Publish]).
+// Sender publishes a batch and reports one verdict per message (see [Publisher.Publish]). An
+// error wrapping [ErrBrokerUnavailable] is no verdict: the row stays due and its attempts
+// untouched. Any other error is the message's own fault, and backs the row off.
 type Sender interface {
 	Publish(ctx context.Context, exchange string, msgs []Message) []error
+}
+
+// brokerProbe is what a [Sender] may also offer (a [Publisher] does): a cheap check that the
+// broker takes messages again, so a relay waiting out an outage claims no rows to find out.
+type brokerProbe interface {
+	Connect(ctx context.Context) error
 }
 
 // RelayConfig configures a [Relay]. DB, Sender and Exchange are required.
@@ -49,13 +65,20 @@ type RelayConfig struct {
 	DB       *gorm.DB // the service's database, holding outbox_messages
 	Sender   Sender
 	Exchange string
-	// BatchSize is the most rows one transaction claims and publishes. Default 500: on the
-	// reference machine 500 drained about 1.6× faster than 100 (BenchmarkRelayDrain).
+	// BatchSize is the most rows one transaction claims and publishes. Default 500.
 	BatchSize int
-	// PollInterval is how often the relay looks for due rows when nothing wakes it. Default 1 s.
+	// Lanes is how many batches may be in progress at once, each in its own transaction:
+	// while one waits for its confirms, the next is claimed and published. Default 2.
+	Lanes int
+	// PollInterval is how often the relay looks for due rows when nothing wakes it. Default
+	// 1 s, jittered.
 	PollInterval time.Duration
-	// Backoff schedules retries of a row that failed: 2 s, 4 s, 8 s … up to 5 min by default.
+	// Backoff schedules retries of a row the broker refused (nacked, returned, too large):
+	// 2 s, 4 s, 8 s … up to 5 min by default, jittered.
 	Backoff Backoff
+	// BrokerRetry paces the relay's checks for the broker during an outage. Default 100 ms
+	// doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's return.
+	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
 	DisableNotify bool
 	// ShutdownGrace is how long a batch in progress may go on after Run's context ends, so it
@@ -69,16 +92,18 @@ type RelayConfig struct {
 type BatchResult struct {
 	Claimed int // rows claimed
 	Sent    int // confirmed by the broker and marked processed
-	Failed  int // attempts recorded with a backoff
+	Failed  int // refused by the broker: attempts recorded with a backoff
+	Unsent  int // no verdict, the broker being unavailable: still due, attempts untouched
 }
 
 // Relay moves outbox rows to the broker: it claims due rows, publishes them, marks those the
-// broker confirmed as processed and backs off those that failed, all in one transaction per
+// broker confirmed as processed and backs off those it refused, all in one transaction per
 // batch. A crash before that commit leaves every row of the batch unprocessed, so they are
 // published again later: delivery is at-least-once, and consumers deduplicate by message id.
 type Relay struct {
-	cfg RelayConfig
-	log *slog.Logger
+	cfg    RelayConfig
+	log    *slog.Logger
+	outage outage
 }
 
 // NewRelay checks cfg and fills in its defaults.
@@ -89,59 +114,119 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.BatchSize <= 0 {
 		cfg.BatchSize = 500
 	}
+	if cfg.Lanes <= 0 {
+		cfg.Lanes = 2
+	}
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = time.Second
 	}
 	cfg.Backoff = cfg.Backoff.withDefaults(2*time.Second, 5*time.Minute)
+	cfg.BrokerRetry = cfg.BrokerRetry.withDefaults(100*time.Millisecond, 2*time.Second)
 	if cfg.ShutdownGrace <= 0 {
 		cfg.ShutdownGrace = 5 * time.Second
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Relay{cfg: cfg, log: cfg.Logger.With("component", "relay")}, nil
+	return &Relay{cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange)}, nil
 }
 
-// Run relays until ctx ends, then returns nil. It drains without pause while batches come back
-// full, and otherwise waits for a NOTIFY from a committed [Enqueue] or the next poll. After a
-// failed batch it waits a full poll interval, so an outage is not hammered on every insert.
+// Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
+// lane drains without pause while its batches come back full, and otherwise waits for a
+// NOTIFY from a committed [Enqueue] or the next poll. While the broker is unavailable the
+// lanes claim nothing; they look for the broker again and resume as soon as it is back.
 func (r *Relay) Run(ctx context.Context) error {
-	wake := make(chan struct{}, 1)
+	if probe, ok := r.cfg.Sender.(brokerProbe); ok {
+		if err := probe.Connect(ctx); err != nil {
+			r.brokerDown(err)
+		} else {
+			r.brokerUp(ctx)
+		}
+	}
+	wake := newBroadcast()
 	var wg sync.WaitGroup
-	defer wg.Wait()
 	if !r.cfg.DisableNotify {
 		wg.Go(func() { r.listen(ctx, wake) })
 	}
-	timer := time.NewTimer(0)
-	defer timer.Stop()
-	for {
+	for range r.cfg.Lanes {
+		wg.Go(func() { r.lane(ctx, wake) })
+	}
+	wg.Wait()
+	return nil
+}
+
+// lane runs batches one after another until ctx ends.
+func (r *Relay) lane(ctx context.Context, wake *broadcast) {
+	for ctx.Err() == nil {
+		woken := wake.C() // taken before the batch: a NOTIFY during it is not missed
 		res, err := r.ProcessBatch(ctx)
-		if ctx.Err() != nil {
-			return nil
-		}
-		if err != nil {
+		switch {
+		case ctx.Err() != nil:
+			return
+		case errors.Is(err, ErrBrokerUnavailable):
+			r.brokerDown(err)
+			r.awaitBroker(ctx)
+		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
-		}
-		healthy := err == nil && res.Failed == 0
-		if healthy && res.Claimed == r.cfg.BatchSize {
-			continue
-		}
-		timer.Reset(r.cfg.PollInterval)
-		if healthy {
-			select {
-			case <-ctx.Done():
-				return nil
-			case <-wake:
-			case <-timer.C:
+			sleep(ctx, nil, Jitter(r.cfg.PollInterval))
+		default:
+			if res.Claimed > 0 { // an empty claim never reached the broker
+				r.brokerUp(ctx)
 			}
-			continue
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-timer.C:
+			if res.Claimed < r.cfg.BatchSize {
+				sleep(ctx, woken, Jitter(r.cfg.PollInterval))
+			}
 		}
 	}
+}
+
+// ProcessBatch claims, publishes and settles one batch of due rows in one transaction. When
+// the broker gave no verdict on some rows (see [ErrBrokerUnavailable]), the rest is still
+// settled and committed, those rows stay due, and the error says why.
+func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
+	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
+	defer cancel()
+
+	var s settlement
+	err := r.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		rows, err := r.claim(tx)
+		if err != nil || len(rows) == 0 {
+			s = settlement{}
+			return err
+		}
+		msgs := make([]Message, len(rows))
+		for i, row := range rows {
+			msgs[i] = row.Message()
+		}
+		s, err = r.settle(tx, rows, msgs, r.cfg.Sender.Publish(ctx, r.cfg.Exchange, msgs))
+		return err
+	})
+	if err != nil {
+		return BatchResult{Claimed: s.res.Claimed}, err
+	}
+	r.report(s)
+	return s.res, s.brokerErr
+}
+
+// claim locks the oldest due rows, up to a batch.
+func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
+	if err := tx.Exec(claimPlanSQL).Error; err != nil {
+		return nil, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	var rows []OutboxMessage
+	if err := tx.Raw(claimSQL, r.cfg.BatchSize).Scan(&rows).Error; err != nil {
+		return nil, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	return rows, nil
+}
+
+// settlement is what a batch did, kept to be logged and counted after its commit, so neither
+// reports a state the database does not hold.
+type settlement struct {
+	res       BatchResult
+	sentTypes []string
+	failures  []failure
+	brokerErr error
 }
 
 type failure struct {
@@ -152,79 +237,116 @@ type failure struct {
 	err           error
 }
 
-// ProcessBatch claims, publishes and settles one batch of due rows in one transaction.
-func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
-	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
-	defer cancel()
-
-	var res BatchResult
-	var failures []failure
-	var sentTypes []string
-	err := r.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		res, failures, sentTypes = BatchResult{}, nil, nil
-		var rows []OutboxMessage
-		if err := tx.Raw(claimSQL, r.cfg.BatchSize).Scan(&rows).Error; err != nil {
-			return fmt.Errorf("claim outbox batch: %w", err)
-		}
-		res.Claimed = len(rows)
-		if len(rows) == 0 {
-			return nil
-		}
-		msgs := make([]Message, len(rows))
-		for i, row := range rows {
-			msgs[i] = row.Message()
-		}
-		verdicts := r.cfg.Sender.Publish(ctx, r.cfg.Exchange, msgs)
-
-		sent := make([]uuid.UUID, 0, len(rows))
-		for i, err := range verdicts {
-			switch {
-			case err == nil:
-				sent = append(sent, rows[i].ID)
-				sentTypes = append(sentTypes, rows[i].Type)
-			case errors.Is(err, ErrNotPublished) && len(failures) > 0:
-				// Never reached the broker because of the failure already recorded: it
-				// stays due and goes out with the next batch.
-			default:
-				f := failure{msg: msgs[i], attempts: rows[i].Attempts + 1, err: err}
-				f.delay = r.cfg.Backoff.Delay(f.attempts)
-				if err := tx.Raw(recordFailureSQL, err.Error(), f.delay.Milliseconds(), f.msg.ID).Scan(&f.nextAttemptAt).Error; err != nil {
-					return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
-				}
-				failures = append(failures, f)
+// settle records the verdicts in tx: marks what was sent, backs off what the broker refused,
+// and leaves alone what it gave no verdict on.
+func (r *Relay) settle(tx *gorm.DB, rows []OutboxMessage, msgs []Message, verdicts []error) (settlement, error) {
+	s := settlement{res: BatchResult{Claimed: len(rows)}}
+	sent := make([]uuid.UUID, 0, len(rows))
+	for i, err := range verdicts {
+		switch {
+		case err == nil:
+			sent = append(sent, rows[i].ID)
+			s.sentTypes = append(s.sentTypes, rows[i].Type)
+		case errors.Is(err, ErrBrokerUnavailable):
+			s.res.Unsent++
+			if s.brokerErr == nil {
+				s.brokerErr = err
 			}
-		}
-		if len(sent) > 0 {
-			if err := tx.Exec(markSentSQL, sent).Error; err != nil {
-				return fmt.Errorf("mark %d outbox rows sent: %w", len(sent), err)
+		default:
+			f := failure{msg: msgs[i], attempts: rows[i].Attempts + 1, err: err}
+			f.delay = r.cfg.Backoff.Delay(f.attempts)
+			if err := tx.Raw(recordFailureSQL, err.Error(), f.delay.Milliseconds(), f.msg.ID).Scan(&f.nextAttemptAt).Error; err != nil {
+				return s, fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
 			}
+			s.failures = append(s.failures, f)
 		}
-		res.Sent, res.Failed = len(sent), len(failures)
-		return nil
-	})
-	if err != nil {
-		return BatchResult{Claimed: res.Claimed}, err
 	}
-	// Logged and counted after the commit, so neither reports a state the database does not hold.
-	for _, t := range sentTypes {
+	if len(sent) > 0 {
+		if err := tx.Exec(markSentSQL, sent).Error; err != nil {
+			return s, fmt.Errorf("mark %d outbox rows sent: %w", len(sent), err)
+		}
+	}
+	s.res.Sent, s.res.Failed = len(sent), len(s.failures)
+	return s, nil
+}
+
+func (r *Relay) report(s settlement) {
+	for _, t := range s.sentTypes {
 		r.cfg.Metrics.recordPublished(t)
 	}
-	for _, f := range failures {
+	for _, f := range s.failures {
 		r.cfg.Metrics.recordPublishFailure(f.msg.Type)
 		r.log.Warn("outbox publish failed",
 			"message_id", f.msg.ID, "type", f.msg.Type, "attempts", f.attempts,
 			"retry_in", f.delay, "next_attempt_at", f.nextAttemptAt.UTC().Format(time.RFC3339Nano), "error", f.err)
 	}
-	if res.Sent > 0 {
-		r.log.Debug("outbox batch sent", "sent", res.Sent, "claimed", res.Claimed)
+	if s.res.Sent > 0 {
+		r.log.Debug("outbox batch sent", "sent", s.res.Sent, "claimed", s.res.Claimed)
 	}
-	return res, nil
+}
+
+// outage is the relay's view of the broker, shared by its lanes.
+type outage struct {
+	mu    sync.Mutex
+	since time.Time // zero while the broker is up
+}
+
+// brokerDown starts an outage, unless one is on: logged once, however many lanes and batches
+// run into it.
+func (r *Relay) brokerDown(err error) {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, false)
+	if !r.outage.since.IsZero() {
+		return
+	}
+	r.outage.since = time.Now()
+	r.log.Warn("broker unavailable; relay paused, rows wait in the outbox", "error", err)
+}
+
+// brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
+// waited (they go out now).
+func (r *Relay) brokerUp(ctx context.Context) {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
+	if r.outage.since.IsZero() {
+		return
+	}
+	lasted := time.Since(r.outage.since)
+	r.outage.since = time.Time{}
+	stats, err := ReadOutboxStats(ctx, r.cfg.DB)
+	if err != nil {
+		stats.Pending = -1 // unknown; the outage is over all the same
+	}
+	r.log.Info("broker available again; relay resumed", "outage", lasted.Round(time.Millisecond), "rows_waiting", stats.Pending)
+}
+
+func (r *Relay) isBrokerDown() bool {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	return !r.outage.since.IsZero()
+}
+
+// awaitBroker returns once the broker looks available again, or ctx ends. Without a probe on
+// the Sender, it returns after one retry delay, and the next batch finds out.
+func (r *Relay) awaitBroker(ctx context.Context) {
+	probe, canProbe := r.cfg.Sender.(brokerProbe)
+	for failures := 1; ; failures++ {
+		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
+			return
+		}
+		if probe.Connect(ctx) == nil {
+			r.brokerUp(ctx)
+			return
+		}
+	}
 }
 
 // listen wakes the relay on every NOTIFY, on a connection of its own taken from the pool for
 // as long as the relay runs (size the pool for it). While it cannot listen, polling still
 // moves everything, only later.
-func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
+func (r *Relay) listen(ctx context.Context, wake *broadcast) {
 	retry := Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}
 	failures := 0
 	for {
@@ -238,16 +360,14 @@ func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
 		failures++
 		delay := retry.Delay(failures)
 		r.log.Warn("relay lost its LISTEN connection; polling meanwhile", "error", err, "retry_in", delay)
-		select {
-		case <-ctx.Done():
+		if !sleep(ctx, nil, delay) {
 			return
-		case <-time.After(delay):
 		}
 	}
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.
-func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened bool, err error) {
+func (r *Relay) listenOnce(ctx context.Context, wake *broadcast) (listened bool, err error) {
 	sqlDB, err := r.cfg.DB.DB()
 	if err != nil {
 		return false, fmt.Errorf("listen: %w", err)
@@ -274,22 +394,51 @@ func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) (listened 
 			}
 		}()
 		listened = true
-		signal(wake) // rows committed while nobody listened
+		wake.signal() // rows committed while nobody listened
 		for {
 			if _, err := pc.WaitForNotification(ctx); err != nil {
 				return fmt.Errorf("wait for notification: %w", err)
 			}
-			signal(wake)
+			wake.signal()
 		}
 	})
 	return listened, err
 }
 
-func signal(c chan<- struct{}) {
+// broadcast wakes every waiter at once: each NOTIFY may start a batch in every lane.
+type broadcast struct {
+	mu sync.Mutex
+	c  chan struct{}
+}
+
+func newBroadcast() *broadcast { return &broadcast{c: make(chan struct{})} }
+
+// C is closed at the next signal.
+func (b *broadcast) C() <-chan struct{} {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.c
+}
+
+func (b *broadcast) signal() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	close(b.c)
+	b.c = make(chan struct{})
+}
+
+// sleep waits for d, an event on wake (nil: none) or the end of ctx, and reports whether ctx
+// is still live.
+func sleep(ctx context.Context, wake <-chan struct{}, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
 	select {
-	case c <- struct{}{}:
-	default:
+	case <-ctx.Done():
+		return false
+	case <-wake:
+	case <-t.C:
 	}
+	return true
 }
 
 // withGrace returns a context that ends grace after parent does (or when cancel is called):

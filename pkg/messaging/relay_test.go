@@ -3,9 +3,11 @@ package messaging_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -99,7 +101,10 @@ func TestThreeRelaysDrainABacklogWithoutDuplicates(t *testing.T) {
 	assertExactlyOnce(t, got, ids)
 }
 
-func TestRelayDeliversEverythingAfterABrokerOutage(t *testing.T) {
+// The seed's experiment: the broker is gone for about 8 s while orders keep coming. The outage
+// is the relay's, not the rows': it is logged once when it starts and once when it ends, no
+// row's attempts move, and everything goes out within seconds of the broker's return.
+func TestRelayWaitsOutABrokerOutageWithoutChargingTheRows(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
@@ -108,41 +113,74 @@ func TestRelayDeliversEverythingAfterABrokerOutage(t *testing.T) {
 
 	ids := b.enqueue(t, 3)
 	b.waitAllSent(t, 10*time.Second)
+	wantMetric(t, b.registry, `outbox_relay_broker_up{exchange="`+b.exchange+`"} 1`)
 
-	// The seed's experiment: the broker is gone for about 8 s while orders keep coming.
 	proxy.Stop()
 	outageEnds := time.Now().Add(8 * time.Second)
 	for time.Now().Before(outageEnds) {
 		ids = append(ids, b.enqueue(t, 1)...)
 		time.Sleep(250 * time.Millisecond) // the pace of incoming orders, not a synchronisation
 	}
-	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts > 0 AND processed_at IS NULL"); n == 0 {
-		t.Fatal("no row recorded a failed attempt during the outage")
+	waiting := b.unprocessed(t)
+	if waiting == 0 {
+		t.Fatal("nothing waited in the outbox during the outage")
 	}
+	wantMetric(t, b.registry, `outbox_relay_broker_up{exchange="`+b.exchange+`"} 0`)
 	if err := proxy.Start(); err != nil {
 		t.Fatal(err)
 	}
+	back := time.Now()
+	b.waitAllSent(t, 5*time.Second)
+	t.Logf("%d rows waited out an 8 s outage; all sent %s after the broker came back", waiting, time.Since(back).Round(time.Millisecond))
 
-	// Backoff of the most-tried row is at most 16 s after an 8 s outage; no manual action.
-	b.waitAllSent(t, 45*time.Second)
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 300*time.Millisecond), ids)
-	if lines := b.logs.Lines("outbox publish failed", "message_id=", "attempts=", "next_attempt_at="); len(lines) == 0 {
-		t.Error("no publish failure was logged with message id, attempts and next attempt")
+	b.wantNoRowCharged(t)
+	if lines := b.logs.Lines("outbox publish failed"); len(lines) != 0 {
+		t.Errorf("the outage was logged as %d per-row failures: %q", len(lines), lines[0])
 	}
+	if lines := b.logs.Lines("level=WARN", "broker unavailable; relay paused", "error="); len(lines) != 1 {
+		t.Errorf("want the outage's start logged once, got %d lines", len(lines))
+	}
+	ended := b.logs.Lines("level=INFO", "broker available again; relay resumed", "outage=", fmt.Sprintf("rows_waiting=%d", waiting))
+	if len(ended) != 1 {
+		t.Errorf("want the outage's end logged once with rows_waiting=%d, got %q", waiting, b.logs.Lines("broker available again"))
+	}
+	wantMetric(t, b.registry, `outbox_relay_broker_up{exchange="`+b.exchange+`"} 1`)
 }
 
-func TestBackoffDoublesFromTwoSecondsUpToTheCap(t *testing.T) {
+func TestBackoffDoublesUpToTheCapJitteredBelowEachStep(t *testing.T) {
 	t.Parallel()
-	b := messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Minute}
-	want := []time.Duration{2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 32 * time.Second,
+	steps := []time.Duration{2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 32 * time.Second,
 		64 * time.Second, 128 * time.Second, 256 * time.Second, 5 * time.Minute, 5 * time.Minute}
-	for i, w := range want {
-		if got := b.Delay(i + 1); got != w {
-			t.Errorf("Delay(%d) = %s, want %s", i+1, got, w)
+	for _, jitter := range []float64{0, 0.5} {
+		share := jitter
+		if share == 0 {
+			share = messaging.DefaultJitter
+		}
+		b := messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Minute, Jitter: jitter}
+		for i, step := range append(steps, 5*time.Minute) {
+			failures := i + 1
+			if i == len(steps) {
+				failures = 10_000
+			}
+			lo, hi := step-time.Duration(share*float64(step)), step
+			seen := map[time.Duration]bool{}
+			for range 200 {
+				d := b.Delay(failures)
+				if d < lo || d > hi {
+					t.Fatalf("jitter %.1f: Delay(%d) = %s, want within [%s, %s]", share, failures, d, lo, hi)
+				}
+				seen[d] = true
+			}
+			if len(seen) < 100 {
+				t.Errorf("jitter %.1f: Delay(%d) took only %d values in 200 draws: replicas would retry in lockstep", share, failures, len(seen))
+			}
 		}
 	}
-	if got := b.Delay(10_000); got != 5*time.Minute {
-		t.Errorf("Delay(10000) = %s, want the 5 min cap", got)
+	for range 200 {
+		if d := messaging.Jitter(time.Second); d < 800*time.Millisecond || d > time.Second {
+			t.Fatalf("Jitter(1s) = %s, want within [800ms, 1s]", d)
+		}
 	}
 }
 
@@ -190,8 +228,8 @@ func TestRelayBacksOffUnroutableRowsWithoutBlockingOthers(t *testing.T) {
 		if s.Processed || s.Attempts != attempt+1 || !strings.Contains(s.LastError, "unroutable") {
 			t.Fatalf("attempt %d: row = %+v, want unprocessed, attempts=%d, an unroutable error", attempt+1, s, attempt+1)
 		}
-		if ms := float64(wantDelay.Milliseconds()); s.DueInMs < ms-1000 || s.DueInMs > ms+50 {
-			t.Fatalf("attempt %d: next attempt in %.0f ms, want about %s", attempt+1, s.DueInMs, wantDelay)
+		if ms := float64(wantDelay.Milliseconds()); s.DueInMs < ms*(1-messaging.DefaultJitter)-200 || s.DueInMs > ms+50 {
+			t.Fatalf("attempt %d: next attempt in %.0f ms, want %s less at most %.0f%% jitter", attempt+1, s.DueInMs, wantDelay, 100*messaging.DefaultJitter)
 		}
 		// Make it due again at once instead of waiting for the backoff.
 		if err := b.db.DB.Exec("UPDATE outbox_messages SET next_attempt_at = now() WHERE id = ?", unroutable.ID).Error; err != nil {
@@ -228,24 +266,19 @@ func TestRelayLeavesUnconfirmedRowsUnprocessed(t *testing.T) {
 	}
 	ids := b.enqueue(t, 5)
 	res, err := r.ProcessBatch(context.Background())
-	if err != nil {
-		t.Fatal(err)
+	if !errors.Is(err, messaging.ErrBrokerUnavailable) || !strings.Contains(err.Error(), "no confirm within 1s") {
+		t.Fatalf("batch through a black hole: error %v, want ErrBrokerUnavailable for the missing confirms", err)
 	}
-	if res.Sent != 0 || res.Failed != 5 || b.unprocessed(t) != 5 {
-		t.Fatalf("batch through a black hole = %+v with %d unprocessed, want 5 failed and unprocessed", res, b.unprocessed(t))
+	if res != (messaging.BatchResult{Claimed: 5, Unsent: 5}) || b.unprocessed(t) != 5 {
+		t.Fatalf("batch through a black hole = %+v with %d unprocessed, want 5 unsent", res, b.unprocessed(t))
 	}
-	if lines := b.logs.Lines("outbox publish failed", "wait for confirm"); len(lines) != 5 {
-		t.Fatalf("want 5 confirm-timeout failures logged, got %d", len(lines))
-	}
+	b.wantNoRowCharged(t)
 
 	if err := proxy.Toxics.RemoveToxic(context.Background(), "blackhole"); err != nil {
 		t.Fatal(err)
 	}
 	proxy.Stop() // drop the stale connection that the black hole left behind
 	if err := proxy.Start(); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.db.DB.Exec("UPDATE outbox_messages SET next_attempt_at = now()").Error; err != nil {
 		t.Fatal(err)
 	}
 	run(t, r.Run)
@@ -273,18 +306,16 @@ func TestRelayRedeclaresTopologyAfterTheExchangeIsDeleted(t *testing.T) {
 	}
 	ids := b.enqueue(t, 3)
 	res, err := r.ProcessBatch(context.Background())
-	if err != nil {
-		t.Fatal(err)
+	if !errors.Is(err, messaging.ErrBrokerUnavailable) {
+		t.Fatalf("batch to a deleted exchange: error %v, want ErrBrokerUnavailable (the channel closed)", err)
 	}
-	if res.Sent != 0 || b.unprocessed(t) != 3 {
-		t.Fatalf("batch to a deleted exchange = %+v, %d unprocessed; want nothing marked sent", res, b.unprocessed(t))
+	if res.Sent != 0 || res.Failed != 0 || b.unprocessed(t) != 3 {
+		t.Fatalf("batch to a deleted exchange = %+v, %d unprocessed; want nothing marked sent or charged", res, b.unprocessed(t))
 	}
+	b.wantNoRowCharged(t)
 	// The publisher declared the exchange again; the queue needs its binding back too (the
 	// consumer's Setup does that on reconnect; here the test plays the consumer).
 	if err := b.topology.Declare(b.ch); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.db.DB.Exec("UPDATE outbox_messages SET next_attempt_at = now()").Error; err != nil {
 		t.Fatal(err)
 	}
 	run(t, r.Run)
@@ -416,16 +447,177 @@ func TestRelayGivesUpOnABrokerThatStopsReading(t *testing.T) {
 	}
 	done := make(chan struct{})
 	var res messaging.BatchResult
+	var err error
 	go func() {
 		defer close(done)
-		res, _ = r.ProcessBatch(context.Background())
+		res, err = r.ProcessBatch(context.Background())
 	}()
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the batch is still stuck writing to a broker that does not read, 10 s after a 1 s confirm timeout")
 	}
-	if res.Sent != 0 || b.unprocessed(t) != 500 {
-		t.Fatalf("batch = %+v with %d unprocessed; want nothing sent", res, b.unprocessed(t))
+	if !errors.Is(err, messaging.ErrBrokerUnavailable) {
+		t.Fatalf("batch through a 1 KB/s link: error %v, want ErrBrokerUnavailable", err)
 	}
+	if res.Sent != 0 || res.Unsent != 500 || b.unprocessed(t) != 500 {
+		t.Fatalf("batch = %+v with %d unprocessed; want all 500 unsent", res, b.unprocessed(t))
+	}
+	b.wantNoRowCharged(t)
+}
+
+// A row over the size limit is refused before publishing, a verdict on that one row: it parks
+// alone, and the good rows around it go out.
+func TestRelayParksAnOversizedRowAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	before := b.enqueue(t, 2)
+	big, err := messaging.NewMessage(eventType, map[string]string{"pad": strings.Repeat("x", messaging.DefaultMaxMessageBytes)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, big) }); err != nil {
+		t.Fatal(err)
+	}
+	after := b.enqueue(t, 2)
+
+	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res != (messaging.BatchResult{Claimed: 5, Sent: 4, Failed: 1}) {
+		t.Fatalf("batch = %+v, want 4 sent and the oversized one failed", res)
+	}
+	var row messaging.OutboxMessage
+	if err := b.db.DB.First(&row, "id = ?", big.ID).Error; err != nil {
+		t.Fatal(err)
+	}
+	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "too large") ||
+		time.Until(row.NextAttemptAt) < time.Second {
+		t.Fatalf("oversized row = attempts %d, last error %v, due in %s; want parked with attempts 1 and a size error",
+			row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), append(before, after...))
+	if lines := b.logs.Lines("outbox publish failed", "message_id="+big.ID.String(), "attempts=1", "retry_in=", "too large"); len(lines) != 1 {
+		t.Errorf("want one failure line for the oversized row, got %d", len(lines))
+	}
+}
+
+// A nack on a channel that stays open is the broker's verdict on those messages: a queue that
+// is full and rejects publishes nacks them. They are charged and parked; the channel goes on.
+func TestRelayChargesRowsTheBrokerNacks(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	full := testenv.UniqueName("full")
+	testenv.CleanupBroker(t, []string{full}, nil)
+	if _, err := b.ch.QueueDeclare(full, true, false, false, false, amqp.Table{"x-max-length": 1, "x-overflow": "reject-publish"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.ch.QueueBind(full, "Full", b.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	var fills []messaging.Message
+	for i := range 3 {
+		m, err := messaging.NewMessage("Full", map[string]int{"n": i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fills = append(fills, m)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, fills...) }); err != nil {
+		t.Fatal(err)
+	}
+	good := b.enqueue(t, 2)
+
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil)
+	res, err := r.ProcessBatch(context.Background())
+	if err != nil {
+		t.Fatalf("a nack is a verdict on the message, not a broker failure: %v", err)
+	}
+	if res != (messaging.BatchResult{Claimed: 5, Sent: 3, Failed: 2}) {
+		t.Fatalf("batch = %+v, want the first of the full queue's messages and the 2 good ones sent, 2 nacked", res)
+	}
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts = 1 AND last_error LIKE '%nacked%' AND processed_at IS NULL"); n != 2 {
+		t.Fatalf("%d rows charged with a nack, want 2", n)
+	}
+	// The same channel carries on: the next batch goes out without a reconnect.
+	more := b.enqueue(t, 1)
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 1 {
+		t.Fatalf("batch after the nacks = %+v, %v", res, err)
+	}
+	if n := len(b.logs.Lines("rabbitmq connection")); n != 0 {
+		t.Errorf("the publisher reconnected after a nack: %q", b.logs.Lines("rabbitmq connection"))
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), append(good, more...))
+}
+
+// More messages than MaxInFlight go out in several windows, each confirmed before the next.
+func TestPublisherSendsMoreThanMaxInFlightInWindows(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.MaxInFlight = 3 })
+	msgs := make([]messaging.Message, 10)
+	ids := make([]uuid.UUID, len(msgs))
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		ids[i] = msgs[i].ID
+	}
+	for i, err := range pub.Publish(context.Background(), b.exchange, msgs) {
+		if err != nil {
+			t.Fatalf("message %d: %v", i, err)
+		}
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
+
+// Rows backed off into the future stay where they are until they are due.
+func TestRelayLeavesRowsThatAreNotDueYet(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	later := b.enqueue(t, 3)
+	if err := b.db.DB.Exec("UPDATE outbox_messages SET next_attempt_at = now() + interval '1 hour'").Error; err != nil {
+		t.Fatal(err)
+	}
+	due := b.enqueue(t, 2)
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil)
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res != (messaging.BatchResult{Claimed: 2, Sent: 2}) {
+		t.Fatalf("batch = %+v, %v; want only the 2 due rows", res, err)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), due)
+	if err := b.db.DB.Exec("UPDATE outbox_messages SET next_attempt_at = now() WHERE processed_at IS NULL").Error; err != nil {
+		t.Fatal(err)
+	}
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 3 {
+		t.Fatalf("batch once due = %+v, %v", res, err)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), later)
+}
+
+// concurrentSender counts the Publish calls in progress at once.
+type concurrentSender struct {
+	messaging.Sender
+	now, most atomic.Int32
+}
+
+func (c *concurrentSender) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
+	n := c.now.Add(1)
+	defer c.now.Add(-1)
+	for m := c.most.Load(); n > m && !c.most.CompareAndSwap(m, n); m = c.most.Load() {
+	}
+	return c.Sender.Publish(ctx, exchange, msgs)
+}
+
+// The lanes overlap: while one batch waits for its confirms, the next is claimed and published
+// in a transaction of its own, and SKIP LOCKED keeps their rows apart.
+func TestRelayLanesOverlapBatchesWithoutDuplicates(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ids := b.enqueue(t, 5000)
+	sender := &concurrentSender{Sender: b.publisher(t, testenv.AMQPURL())}
+	run(t, b.relay(t, sender, func(c *messaging.RelayConfig) { c.BatchSize = 100 }).Run)
+	b.waitAllSent(t, time.Minute)
+	if most := sender.most.Load(); most != 2 {
+		t.Fatalf("at most %d batches were in flight at once, want the 2 lanes", most)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
 }

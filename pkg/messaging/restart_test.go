@@ -77,18 +77,16 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	}
 }
 
-// A memory alarm blocks every publisher of the broker. The relay must not hang on it (the
-// confirm timeout ends each attempt), nothing is marked sent meanwhile, and everything goes
-// out once the alarm clears.
+// A memory alarm blocks every publisher of the broker. The relay learns it from the broker's
+// connection.blocked, and pauses: no transaction stays open and no row stays locked through the
+// alarm (the 15 s confirm timeout is not waited out), no row is charged, and everything goes out
+// once the alarm clears.
 func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	requireServerRestarts(t)
 	b := setup(t)
 	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "set_vm_memory_high_watermark", previous).Run() })
-	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = 2 * time.Second })
-	run(t, b.relay(t, pub, func(c *messaging.RelayConfig) {
-		c.Backoff = messaging.Backoff{Base: time.Second, Max: 2 * time.Second}
-	}).Run)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
 	ids := b.enqueue(t, 5)
 	b.waitAllSent(t, 10*time.Second)
 
@@ -96,16 +94,27 @@ func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	ids = append(ids, b.enqueue(t, 10)...)
 	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("rabbitmq blocked the connection")) > 0 },
 		"the publisher was not told it is blocked")
-	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("outbox publish failed", "wait for confirm")) > 0 },
-		"no publish attempt timed out while the broker was blocked")
-	if n := b.unprocessed(t); n != 10 {
-		t.Fatalf("%d rows unprocessed during the alarm, want 10", n)
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(b.logs.Lines("broker unavailable; relay paused", "blocked")) == 1 },
+		"the relay did not pause on the blocked connection")
+	// Watch the relay through the alarm for longer than the confirm timeout: it holds nothing.
+	for end := time.Now().Add(16 * time.Second); time.Now().Before(end); {
+		if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND state LIKE 'idle in transaction%'", b.db.Name); n != 0 {
+			t.Fatalf("%d transactions held open during the alarm", n)
+		}
+		if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT id FROM outbox_messages WHERE processed_at IS NULL FOR UPDATE SKIP LOCKED) free"); n != 10 {
+			t.Fatalf("%d of the 10 waiting rows are free to claim during the alarm: the others are locked", n)
+		}
+		time.Sleep(200 * time.Millisecond) // sampling pace
 	}
+	b.wantNoRowCharged(t)
 
 	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", previous)
-	b.waitAllSent(t, 60*time.Second)
+	b.waitAllSent(t, 30*time.Second)
 	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
 	if missing+unexpected > 0 {
 		t.Fatalf("after the alarm: %d missing, %d unexpected", missing, unexpected)
+	}
+	if lines := b.logs.Lines("broker available again; relay resumed", "rows_waiting=10"); len(lines) != 1 {
+		t.Fatalf("want one line for the end of the alarm with 10 rows waiting, got %q", b.logs.Lines("broker available again"))
 	}
 }

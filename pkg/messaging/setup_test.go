@@ -182,3 +182,12 @@ func assertExactlyOnce(t testing.TB, deliveries []amqp.Delivery, want []uuid.UUI
 			len(want), missing, dups, unexpected, len(deliveries))
 	}
 }
+
+// wantNoRowCharged fails if any row carries a failed attempt: what the broker's unavailability
+// must never cost a row.
+func (b *testBundle) wantNoRowCharged(t testing.TB) {
+	t.Helper()
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts > 0 OR last_error IS NOT NULL"); n != 0 {
+		t.Fatalf("%d rows were charged an attempt for the broker's unavailability", n)
+	}
+}

@@ -103,7 +103,7 @@ func (s *sender) Run(ctx context.Context) error {
 		if delivered {
 			continue
 		}
-		timer.Reset(s.poll)
+		timer.Reset(messaging.Jitter(s.poll))
 		select {
 		case <-ctx.Done():
 			return nil

@@ -20,6 +20,10 @@ func main() { platform.Main("order", run) }
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8080")
 	batchSize := env.Int("OUTBOX_BATCH_SIZE", 500, 1, 1000)
+	lanes := env.Int("OUTBOX_LANES", 2, 1, 16)
+	// Each lane holds a connection for its batch's transaction, the relay one for LISTEN, and
+	// requests still need some.
+	env.Check(common.DBMaxConns >= lanes+3, "OUTBOX_LANES", "needs DB_MAX_CONNS of at least OUTBOX_LANES + 3")
 	pollInterval := env.Duration("OUTBOX_POLL_INTERVAL", time.Second, 10*time.Millisecond, time.Hour)
 	maxBackoff := env.Duration("OUTBOX_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
 	notify := env.Bool("OUTBOX_NOTIFY", true)
@@ -28,7 +32,7 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	log := platform.NewLogger(os.Stderr, "order", common.LogFormat, common.LogLevel)
-	log.Info("starting", append(common.LogAttrs(), "outbox_batch_size", batchSize, "outbox_poll_interval", pollInterval,
+	log.Info("starting", append(common.LogAttrs(), "outbox_batch_size", batchSize, "outbox_lanes", lanes, "outbox_poll_interval", pollInterval,
 		"outbox_max_backoff", maxBackoff, "outbox_notify", notify, "outbox_retention", retention)...)
 
 	base, err := platform.Start(ctx, log, "order", common,
@@ -48,7 +52,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	defer publisher.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
 		DB: db, Sender: publisher, Exchange: events.Exchange,
-		BatchSize: batchSize, PollInterval: pollInterval, DisableNotify: !notify,
+		BatchSize: batchSize, Lanes: lanes, PollInterval: pollInterval, DisableNotify: !notify,
 		Backoff: messaging.Backoff{Base: 2 * time.Second, Max: maxBackoff},
 		Logger:  log, Metrics: base.Metrics,
 	})
