@@ -27,6 +27,7 @@ func TestConfigurationErrorsNameTheVariable(t *testing.T) {
 		{"order", "AMQP_URL", ""},
 		{"order", "AMQP_URL", "not a url " + secret},
 		{"order", "OUTBOX_BATCH_SIZE", "lots"},
+		{"order", "OUTBOX_LANES", "0"},
 		{"order", "OUTBOX_POLL_INTERVAL", "1 second"},
 		{"order", "OUTBOX_MAX_BACKOFF", "1ms"},
 		{"order", "LOG_LEVEL", "loud"},

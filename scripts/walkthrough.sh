@@ -3,7 +3,9 @@
 #   1. place 3 orders            => 3 invoices and 3 confirmations
 #   2. reset one outbox row      => the consumers log the duplicate; the counts stay 3
 #   3. stop the broker for ~8 s while placing orders, start it again
-#                                => every order is invoiced and confirmed exactly once
+#                                => the relay logs the outage once as it starts and once as
+#                                   it ends, charges no outbox row for it, and every order is
+#                                   invoiced and confirmed exactly once
 # It exits non-zero if any expectation fails.
 #
 # Works against `docker compose up` (the default when its services run) or
@@ -51,6 +53,9 @@ service_logs() { # service_logs NAME -> the service's log so far
     sed -E 's/^\[[a-z]+\] //' ".run/$1.log"
   fi
 }
+log_count() { # log_count NAME TEXT -> how many lines of the service's log hold TEXT
+  service_logs "$1" | grep -cF -- "$2" || true
+}
 show_log() { # show_log NAME TEXT [TEXT]: print the service's last log line holding both, if its log is at hand
   local line
   line=$(service_logs "$1" | grep -F -- "$2" | grep -F -- "${3:-$2}" | tail -n1 || true)
@@ -70,8 +75,31 @@ count() { # count URL -> number of items in the JSON array it returns
 }
 invoices_of()      { count "$INVOICING_URL/invoices?order_id=$1"; }
 confirmations_of() { curl -fsS "$NOTIFICATION_URL/notifications?order_id=$1" | grep -o '"status":"sent"' | wc -l | tr -d ' '; }
-duplicates() { # duplicates URL CONSUMER -> inbox_duplicates_total of that consumer
-  curl -fsS "$1/metrics" | awk -v c="inbox_duplicates_total{consumer=\"$2\"}" '$1 == c { print $2; found=1 } END { if (!found) print 0 }'
+metric() { # metric URL SAMPLE DEFAULT -> the value of SAMPLE (labels included) on URL/metrics, DEFAULT if absent
+  curl -fsS "$1/metrics" | awk -v s="$2" -v d="$3" '$1 == s { print $2; found=1 } END { if (!found) print d }'
+}
+duplicates() { metric "$1" "inbox_duplicates_total{consumer=\"$2\"}" 0; } # duplicates URL CONSUMER
+broker_up() { metric "$ORDER_URL" 'outbox_relay_broker_up{exchange="orders"}' absent; } # the relay's view of the broker
+wait_broker_up() { # wait_broker_up WANT: the relay's gauge shows WANT within 10 s
+  local deadline=$((SECONDS + 10))
+  until [ "$(broker_up)" = "$1" ]; do
+    [ $SECONDS -ge $deadline ] && fail "outbox_relay_broker_up{exchange=\"orders\"} is $(broker_up), want $1"
+    sleep 0.5
+  done
+}
+charged_rows() { # charged_rows SINCE -> outbox rows since then with an attempt or an error recorded
+  order_sql "SELECT count(*) FROM outbox_messages WHERE occurred_at >= '$1' AND (attempts <> 0 OR last_error IS NOT NULL)"
+}
+
+# expect_one_more NAME BEFORE TEXT: the service's log holds exactly one more line with TEXT
+# than the BEFORE it held when the outage began (waiting a little for it to be written), and
+# shows it. Nothing to check when the log is not at hand.
+expect_one_more() {
+  local deadline=$((SECONDS + 10)) n
+  if [ -z "$(service_logs "$1")" ]; then info "  ($1's log is not at hand here; look for: $3)"; return 0; fi
+  while n=$(log_count "$1" "$3"); [ "$n" -le "$2" ] && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  [ "$n" -eq $(($2 + 1)) ] || fail "$1 logged $((n - $2)) \"$3\" line(s) for one broker outage, want 1"
+  show_log "$1" "$3"
 }
 
 # wait_exactly_once SECONDS ID... : every order gets one invoice and one sent confirmation.
@@ -121,6 +149,9 @@ wait_exactly_once 10 "${ids[@]}"
 info "still exactly one invoice and one confirmation per order"
 
 say "3. Stopping the broker for ${OUTAGE_SECONDS} s while orders keep coming"
+paused="broker unavailable; relay paused" resumed="broker available again; relay resumed" failed="outbox publish failed"
+paused_before=$(log_count order "$paused") resumed_before=$(log_count order "$resumed") failed_before=$(log_count order "$failed")
+since=$(order_sql "SELECT now()") # this outage's rows: older ones may carry an earlier broker's verdict
 broker stop
 info "RabbitMQ stopped"
 outage=()
@@ -131,11 +162,21 @@ while [ $SECONDS -lt $end ]; do
   sleep 1
 done
 info "${#outage[@]} orders accepted during the outage (201 each); their events wait in the outbox"
-info "the relay records each failed attempt and backs off:"
-show_log order "outbox publish failed"
+wait_broker_up 0
+info "the relay noticed the outage once and paused (outbox_relay_broker_up{exchange=\"orders\"} is 0):"
+expect_one_more order "$paused_before" "$paused"
+[ "$(charged_rows "$since")" = 0 ] || fail "$(charged_rows "$since") outbox rows were charged an attempt for the broker's outage"
+info "$(order_sql "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL") rows wait, none charged an attempt: the outage is the broker's fault, not theirs"
 broker start
 info "RabbitMQ started again; nobody restarts anything"
 wait_exactly_once 120 "${ids[@]}" "${outage[@]}"
 info "all $(( ${#ids[@]} + ${#outage[@]} )) orders have exactly one invoice and one sent confirmation"
+wait_broker_up 1
+info "the relay logged the end of the outage: how long it lasted and how many rows waited:"
+expect_one_more order "$resumed_before" "$resumed"
+[ "$(charged_rows "$since")" = 0 ] || fail "$(charged_rows "$since") outbox rows were charged an attempt for the broker's outage"
+[ "$(log_count order "$failed")" = "$failed_before" ] || fail "the relay logged \"$failed\" for a broker outage; that line is for the broker's verdict on one message"
+info "every row of the outage still has attempts = 0 and no last_error, and no \"$failed\" line:"
+info "that line, and a row's backoff, are for the broker's verdict on one message (nack, unroutable, too large)"
 
 say "Done: nothing lost, nothing done twice."

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -204,6 +205,32 @@ func (s *Service) GetJSON(t *testing.T, path string, v any) {
 	}
 }
 
+// Metric returns one sample of the service's /metrics, named as the exposition format writes
+// it, labels included (outbox_relay_broker_up{exchange="orders"}); a missing sample fails t.
+func (s *Service) Metric(t *testing.T, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(s.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("GET %s/metrics = %d %s", s.Name, resp.StatusCode, body)
+	}
+	for line := range strings.SplitSeq(string(body), "\n") {
+		if value, ok := strings.CutPrefix(line, name+" "); ok {
+			v, err := strconv.ParseFloat(value, 64)
+			if err != nil {
+				t.Fatalf("%s's /metrics: %s: %v", s.Name, line, err)
+			}
+			return v
+		}
+	}
+	t.Fatalf("%s's /metrics has no sample %s", s.Name, name)
+	return 0
+}
+
 // PlaceOrder posts an order to the first order replica; see Service.PlaceOrder.
 func (s *System) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 	t.Helper()
@@ -317,6 +344,15 @@ func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 	}, "system did not settle on exactly-once for %d orders", want)
 	s.CheckQueuesEmpty(t)
 	return last
+}
+
+// Unhandled returns how many of the orders ids have no invoice yet and how many have no
+// notification yet: what each consumer still has to do.
+func (s *System) Unhandled(t *testing.T, ids []uuid.UUID) (invoices, notifications int64) {
+	t.Helper()
+	n := int64(len(ids))
+	return n - testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE order_id IN ?", ids),
+		n - testenv.Count(t, s.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE order_id IN ?", ids)
 }
 
 // CheckAccepted requires every order answered 201 to exist, and returns how many orders exist
