@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,8 +34,9 @@ LIMIT ?
 FOR UPDATE SKIP LOCKED`
 
 	// Only rows the broker confirmed and routed. clock_timestamp(), not now(): now() is when the
-	// transaction began, before the publishing it waited for.
-	markSentSQL = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id IN ?`
+	// transaction began, before the publishing it waited for. The ids travel as one array (see
+	// uuidArray): 500 separate parameters cost the relay more CPU than the rest of the statement.
+	markSentSQL = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id = ANY(?::uuid[])`
 
 	// Never give up on a row: record why it failed and when to try again, counted from now,
 	// not from the start of the transaction. Only the broker's verdict on this one message gets
@@ -208,16 +210,44 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	return s.res, s.brokerErr
 }
 
-// claim locks the oldest due rows, up to a batch.
+// claim locks the oldest due rows, up to a batch. It scans them by hand: GORM's reflection
+// cost the relay more CPU per row than the claim's own work.
 func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
 	if err := tx.Exec(claimPlanSQL).Error; err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	var rows []OutboxMessage
-	if err := tx.Raw(claimSQL, r.cfg.BatchSize).Scan(&rows).Error; err != nil {
+	cursor, err := tx.Raw(claimSQL, r.cfg.BatchSize).Rows()
+	if err != nil {
+		return nil, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	defer cursor.Close()
+	rows := make([]OutboxMessage, 0, r.cfg.BatchSize)
+	for cursor.Next() {
+		var m OutboxMessage
+		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts); err != nil {
+			return nil, fmt.Errorf("claim outbox batch: %w", err)
+		}
+		rows = append(rows, m)
+	}
+	if err := cursor.Err(); err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	return rows, nil
+}
+
+// uuidArray writes ids as a PostgreSQL array literal, {a,b,…}.
+func uuidArray(ids []uuid.UUID) string {
+	var b strings.Builder
+	b.Grow(len(ids)*37 + 2)
+	b.WriteByte('{')
+	for i, id := range ids {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(id.String())
+	}
+	b.WriteByte('}')
+	return b.String()
 }
 
 // settlement is what a batch did, kept to be logged and counted after its commit, so neither
@@ -262,7 +292,7 @@ func (r *Relay) settle(tx *gorm.DB, rows []OutboxMessage, msgs []Message, verdic
 		}
 	}
 	if len(sent) > 0 {
-		if err := tx.Exec(markSentSQL, sent).Error; err != nil {
+		if err := tx.Exec(markSentSQL, uuidArray(sent)).Error; err != nil {
 			return s, fmt.Errorf("mark %d outbox rows sent: %w", len(sent), err)
 		}
 	}
