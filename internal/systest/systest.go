@@ -121,6 +121,10 @@ func startService(t *testing.T, binDir, name string, db *testenv.Database, env [
 	return s
 }
 
+// SetEnv adds variables to the service's environment from its next Start on (a later value of
+// a variable wins).
+func (s *Service) SetEnv(vars ...string) { s.env = append(s.env, vars...) }
+
 // Start runs the binary (again, after a Stop) and waits until it is ready.
 func (s *Service) Start(t *testing.T) {
 	t.Helper()
