@@ -12,11 +12,25 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// Exchange is the topic exchange the order service publishes to.
-const Exchange = "orders"
+// The exchanges: each publishing service owns one, named after it.
+const (
+	Exchange          = "orders"    // the order service's
+	InvoicingExchange = "invoicing" // the invoicing service's
+)
 
-// OrderPlacedType is the type (and routing key) of OrderPlaced.
-const OrderPlacedType = "OrderPlaced"
+// The event types, which are also their routing keys.
+const (
+	OrderPlacedType    = "OrderPlaced"
+	OrderCancelledType = "OrderCancelled"
+	InvoiceIssuedType  = "InvoiceIssued"
+)
+
+// The events, each with the exchange it comes from and the checks its payload must pass.
+var (
+	OrderPlacedEvent    = messaging.Event[OrderPlaced]{Exchange: Exchange, Type: OrderPlacedType, Validate: OrderPlaced.validate}
+	OrderCancelledEvent = messaging.Event[OrderCancelled]{Exchange: Exchange, Type: OrderCancelledType, Validate: OrderCancelled.validate}
+	InvoiceIssuedEvent  = messaging.Event[InvoiceIssued]{Exchange: InvoicingExchange, Type: InvoiceIssuedType, Validate: InvoiceIssued.validate}
+)
 
 // Line is one order line in an event. Money is integer cents.
 type Line struct {
@@ -25,7 +39,7 @@ type Line struct {
 	UnitPriceCents int64  `json:"unit_price_cents"`
 }
 
-// OrderPlaced says an order was saved (CONTRACT.md).
+// OrderPlaced says an order was saved.
 type OrderPlaced struct {
 	OrderID    uuid.UUID `json:"order_id"`
 	CustomerID string    `json:"customer_id"`
@@ -38,34 +52,68 @@ type OrderPlaced struct {
 // [messaging.Permanent]: a message of another type or shape will never become valid, so the
 // consumer dead-letters it.
 func DecodeOrderPlaced(msg messaging.Message) (OrderPlaced, error) {
-	if msg.Type != OrderPlacedType {
-		return OrderPlaced{}, messaging.Permanent(errors.New("unexpected message type " + truncate(msg.Type)))
-	}
-	ev, err := messaging.Decode[OrderPlaced](msg)
-	if err != nil {
-		return OrderPlaced{}, err
-	}
+	return OrderPlacedEvent.Decode(msg)
+}
+
+func (ev OrderPlaced) validate() error {
 	switch {
 	case ev.OrderID == uuid.Nil:
-		err = errors.New("OrderPlaced without order_id")
+		return errors.New("OrderPlaced without order_id")
 	case ev.CustomerID == "":
-		err = errors.New("OrderPlaced without customer_id")
+		return errors.New("OrderPlaced without customer_id")
 	case ev.TotalCents < 0:
-		err = errors.New("OrderPlaced with a negative total_cents")
+		return errors.New("OrderPlaced with a negative total_cents")
 	case len(ev.Lines) == 0:
-		err = errors.New("OrderPlaced without lines")
+		return errors.New("OrderPlaced without lines")
 	case ev.TotalCents != linesTotal(ev.Lines):
-		err = errors.New("OrderPlaced whose total_cents is not the sum of its lines")
+		return errors.New("OrderPlaced whose total_cents is not the sum of its lines")
 	}
 	for _, l := range ev.Lines {
 		if l.SKU == "" || l.Quantity < 1 || l.UnitPriceCents < 0 {
-			err = errors.New("OrderPlaced with an invalid line")
+			return errors.New("OrderPlaced with an invalid line")
 		}
 	}
-	if err != nil {
-		return OrderPlaced{}, messaging.Permanent(err)
+	return nil
+}
+
+// OrderCancelled says an order was cancelled. It may reach a consumer before the order's
+// OrderPlaced does.
+type OrderCancelled struct {
+	OrderID     uuid.UUID `json:"order_id"`
+	CustomerID  string    `json:"customer_id"`
+	Reason      string    `json:"reason"`
+	CancelledAt time.Time `json:"cancelled_at"`
+}
+
+func (ev OrderCancelled) validate() error {
+	switch {
+	case ev.OrderID == uuid.Nil:
+		return errors.New("OrderCancelled without order_id")
+	case ev.CustomerID == "":
+		return errors.New("OrderCancelled without customer_id")
 	}
-	return ev, nil
+	return nil
+}
+
+// InvoiceIssued says the invoicing service issued an order's invoice.
+type InvoiceIssued struct {
+	InvoiceID   uuid.UUID `json:"invoice_id"`
+	OrderID     uuid.UUID `json:"order_id"`
+	CustomerID  string    `json:"customer_id"`
+	AmountCents int64     `json:"amount_cents"`
+	IssuedAt    time.Time `json:"issued_at"`
+}
+
+func (ev InvoiceIssued) validate() error {
+	switch {
+	case ev.InvoiceID == uuid.Nil || ev.OrderID == uuid.Nil:
+		return errors.New("InvoiceIssued without invoice_id or order_id")
+	case ev.CustomerID == "":
+		return errors.New("InvoiceIssued without customer_id")
+	case ev.AmountCents < 0:
+		return errors.New("InvoiceIssued with a negative amount_cents")
+	}
+	return nil
 }
 
 // linesTotal sums the lines; a sum that overflows cannot match any total.
@@ -82,11 +130,4 @@ func linesTotal(lines []Line) int64 {
 		total += sub
 	}
 	return total
-}
-
-func truncate(s string) string {
-	if len(s) > 64 {
-		return s[:64] + "…"
-	}
-	return s
 }

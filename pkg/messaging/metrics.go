@@ -16,6 +16,7 @@ type Metrics struct {
 	settled         *prometheus.CounterVec
 	duplicates      *prometheus.CounterVec
 	brokerUp        *prometheus.GaugeVec
+	handled         *prometheus.HistogramVec
 }
 
 // NewMetrics creates the collectors and registers them with reg.
@@ -41,8 +42,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "outbox_relay_broker_up",
 			Help: "The relay's view of the broker: 1 while it takes messages, 0 during an outage (rows wait, unpenalised).",
 		}, []string{"exchange"}),
+		handled: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "consumer_handler_seconds",
+			Help:    "Time handlers took per message, by consumer, type and outcome (ok, error, permanent).",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 9), // 0.5 ms to about 33 s
+		}, []string{"consumer", "type", "outcome"}),
 	}
-	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp)
+	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled)
 	return m
 }
 
@@ -65,6 +71,12 @@ func (m *Metrics) setBrokerUp(exchange string, up bool) {
 			v = 1
 		}
 		m.brokerUp.WithLabelValues(exchange).Set(v)
+	}
+}
+
+func (m *Metrics) recordHandled(consumer, msgType, outcome string, took time.Duration) {
+	if m != nil {
+		m.handled.WithLabelValues(consumer, msgType, outcome).Observe(took.Seconds())
 	}
 }
 

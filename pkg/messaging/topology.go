@@ -25,21 +25,45 @@ func DeclareExchange(ch *amqp.Channel, name string) error {
 // DeadLetterQueue names the dead-letter queue of a consumer queue.
 func DeadLetterQueue(queue string) string { return queue + ".dlq" }
 
-// ConsumerTopology is what one consumer needs on the broker: its exchange, its own durable
-// quorum queue bound to the routing keys it handles, and a dead-letter queue next to it.
+// Binding routes the messages of one exchange with one routing key to a queue.
+type Binding struct {
+	Exchange   string
+	RoutingKey string
+}
+
+// ConsumerTopology is what one consumer needs on the broker: its own durable quorum queue
+// bound to what it handles, the exchanges those come from, and a dead-letter queue next to it.
+// Exchange with RoutingKeys binds keys of one exchange; Bindings adds any others.
 type ConsumerTopology struct {
 	Exchange      string
 	Queue         string
 	RoutingKeys   []string
+	Bindings      []Binding
 	DeliveryLimit int // default DefaultDeliveryLimit; give the consumer the same value
 }
 
-// Declare declares the exchange, the dead-letter queue, the queue and its bindings.
+// bindings lists every binding, RoutingKeys first.
+func (t ConsumerTopology) bindings() []Binding {
+	all := make([]Binding, 0, len(t.RoutingKeys)+len(t.Bindings))
+	for _, key := range t.RoutingKeys {
+		all = append(all, Binding{Exchange: t.Exchange, RoutingKey: key})
+	}
+	return append(all, t.Bindings...)
+}
+
+// Declare declares the exchanges, the dead-letter queue, the queue and its bindings.
 // Rejected messages go through the default exchange straight to the dead-letter queue, so no
 // extra exchange is needed.
 func (t ConsumerTopology) Declare(ch *amqp.Channel) error {
-	if err := DeclareExchange(ch, t.Exchange); err != nil {
-		return err
+	declared := map[string]bool{}
+	for _, b := range append([]Binding{{Exchange: t.Exchange}}, t.bindings()...) {
+		if b.Exchange == "" || declared[b.Exchange] {
+			continue
+		}
+		if err := DeclareExchange(ch, b.Exchange); err != nil {
+			return err
+		}
+		declared[b.Exchange] = true
 	}
 	dlq := DeadLetterQueue(t.Queue)
 	if _, err := ch.QueueDeclare(dlq, true, false, false, false, amqp.Table{
@@ -59,9 +83,9 @@ func (t ConsumerTopology) Declare(ch *amqp.Channel) error {
 	}); err != nil {
 		return fmt.Errorf("declare queue %q: %w", t.Queue, err)
 	}
-	for _, key := range t.RoutingKeys {
-		if err := ch.QueueBind(t.Queue, key, t.Exchange, false, nil); err != nil {
-			return fmt.Errorf("bind queue %q to %q/%q: %w", t.Queue, t.Exchange, key, err)
+	for _, b := range t.bindings() {
+		if err := ch.QueueBind(t.Queue, b.RoutingKey, b.Exchange, false, nil); err != nil {
+			return fmt.Errorf("bind queue %q to %q/%q: %w", t.Queue, b.Exchange, b.RoutingKey, err)
 		}
 	}
 	return nil

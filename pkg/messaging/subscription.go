@@ -1,0 +1,217 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+)
+
+// Event names one kind of event: the exchange it is published to, and its type, which is also
+// its routing key. T is the Go type of its payload.
+type Event[T any] struct {
+	Exchange string
+	Type     string
+	// Validate, if set, checks a decoded payload. Its error marks the message as one that can
+	// never be handled: it is dead-lettered with that reason.
+	Validate func(T) error
+}
+
+// Message builds a message of this event from payload, ready for [Enqueue].
+func (e Event[T]) Message(payload T) (Message, error) { return NewMessage(e.Type, payload) }
+
+// Decode reads and checks a message of this event. Every error is [Permanent].
+func (e Event[T]) Decode(msg Message) (T, error) {
+	var zero T
+	if msg.Type != e.Type {
+		return zero, Permanent(fmt.Errorf("message of type %q is not %s", truncate(msg.Type, 64), e.Type))
+	}
+	v, err := Decode[T](msg)
+	if err != nil {
+		return zero, err
+	}
+	if e.Validate != nil {
+		if err := e.Validate(v); err != nil {
+			return zero, Permanent(fmt.Errorf("invalid %s: %w", e.Type, err))
+		}
+	}
+	return v, nil
+}
+
+// HandlerFunc does one message's work inside its inbox transaction: whatever it writes with tx
+// commits together with the record that the message was handled.
+type HandlerFunc func(ctx context.Context, tx *gorm.DB, msg Message) error
+
+// Middleware wraps a HandlerFunc with a concern every message shares (see [Recover],
+// [Timeout], [Observe]).
+type Middleware func(next HandlerFunc) HandlerFunc
+
+// SubscriptionConfig configures a [Subscription]. Name, URL and DB are required.
+type SubscriptionConfig struct {
+	// Name is the consumer's name: its queue, its inbox records and, with ".dlq", its
+	// dead-letter queue.
+	Name string
+	URL  string   // RabbitMQ URL, vhost included
+	DB   *gorm.DB // holds inbox_messages and the consumer's own tables
+	// Concurrency is how many messages, or batches, are handled in parallel; each holds a
+	// database connection. Default 8.
+	Concurrency int
+	// BatchSize is the most waiting messages that share one inbox transaction; 1 turns
+	// batching off. Default 50.
+	BatchSize int
+	// Prefetch is how many unacknowledged deliveries the broker sends ahead. Default
+	// Concurrency × BatchSize.
+	Prefetch int
+	// HandlerTimeout bounds one message's handler. Default 30 s.
+	HandlerTimeout time.Duration
+	// DeliveryLimit is the queue's x-delivery-limit. Default [DefaultDeliveryLimit].
+	DeliveryLimit int
+	// Tracing, if set, wraps every message's handling first, so that its context reaches the
+	// log lines of everything inside it.
+	Tracing Middleware
+	Logger  *slog.Logger
+	Metrics *Metrics // optional
+}
+
+// Subscription owns one consumer's queue: the bindings of every event it handles, its inbox,
+// its batching, and a typed handler per event type, behind an ordered middleware chain, from
+// the outside in: tracing (a slot, see SubscriptionConfig.Tracing), logging and metrics
+// ([Observe]), panic recovery ([Recover]), the per-message timeout ([Timeout]), then whatever
+// [Subscription.Use] adds. Each runs inside the message's inbox transaction.
+// A message of a type without a handler is dead-lettered, with the reason logged.
+type Subscription struct {
+	cfg        SubscriptionConfig
+	log        *slog.Logger
+	routes     map[string]HandlerFunc
+	bindings   []Binding
+	middleware []Middleware
+	consumer   *Consumer
+}
+
+// NewSubscription checks cfg and fills in its defaults. Register handlers with [Handle] before
+// [Subscription.Run].
+func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
+	if cfg.Name == "" || cfg.URL == "" || cfg.DB == nil {
+		return nil, errors.New("subscription: Name, URL and DB are required")
+	}
+	if cfg.Concurrency <= 0 {
+		cfg.Concurrency = 8
+	}
+	if cfg.BatchSize <= 0 {
+		cfg.BatchSize = 50
+	}
+	if cfg.HandlerTimeout <= 0 {
+		cfg.HandlerTimeout = 30 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Subscription{cfg: cfg, log: cfg.Logger.With("component", "subscription", "consumer", cfg.Name),
+		routes: make(map[string]HandlerFunc)}, nil
+}
+
+// Handle registers fn for the events ev names, and binds the subscription's queue to them. fn
+// gets the decoded, checked payload and the envelope it came in (its id, for one). A second
+// handler for the same type replaces the first.
+func Handle[T any](s *Subscription, ev Event[T], fn func(ctx context.Context, tx *gorm.DB, payload T, msg Message) error) {
+	if _, ok := s.routes[ev.Type]; !ok {
+		s.bindings = append(s.bindings, Binding{Exchange: ev.Exchange, RoutingKey: ev.Type})
+	}
+	s.routes[ev.Type] = func(ctx context.Context, tx *gorm.DB, msg Message) error {
+		payload, err := ev.Decode(msg)
+		if err != nil {
+			return err
+		}
+		return fn(ctx, tx, payload, msg)
+	}
+}
+
+// Use adds middleware after the built-in chain, in order: the first added runs first.
+func (s *Subscription) Use(mw ...Middleware) { s.middleware = append(s.middleware, mw...) }
+
+// Topology is what the subscription declares on the broker: every source exchange, its queue
+// bound to the type of every handled event, and its dead-letter queue.
+func (s *Subscription) Topology() ConsumerTopology {
+	return ConsumerTopology{Queue: s.cfg.Name, Bindings: s.bindings, DeliveryLimit: s.cfg.DeliveryLimit}
+}
+
+// Ready reports whether the subscription is consuming.
+func (s *Subscription) Ready() bool { return s.consumer != nil && s.consumer.Ready() }
+
+// Start prepares the consumer; call it once, after the handlers are registered and before
+// [Subscription.Run] or [Subscription.Ready] matter.
+func (s *Subscription) Start() error {
+	if len(s.routes) == 0 {
+		return errors.New("subscription: no handler registered")
+	}
+	inbox, err := NewInbox(InboxConfig{DB: s.cfg.DB, Consumer: s.cfg.Name, Logger: s.cfg.Logger, Metrics: s.cfg.Metrics})
+	if err != nil {
+		return err
+	}
+	work := s.chain()
+	var batch BatchHandler
+	if s.cfg.BatchSize > 1 {
+		batch = s.known(inbox.BatchHandler(work))
+	}
+	topology := s.Topology()
+	s.consumer, err = NewConsumer(ConsumerConfig{
+		URL: s.cfg.URL, ConnectionName: s.cfg.Name, Queue: s.cfg.Name,
+		Setup:       func(ch *amqp.Channel) error { return topology.Declare(ch) },
+		Concurrency: s.cfg.Concurrency, Prefetch: s.cfg.Prefetch,
+		BatchHandler: batch, BatchSize: s.cfg.BatchSize,
+		HandlerTimeout: s.cfg.HandlerTimeout, DeliveryLimit: s.cfg.DeliveryLimit,
+		Logger: s.cfg.Logger, Metrics: s.cfg.Metrics,
+	}, inbox.Handler(work))
+	return err
+}
+
+// Run consumes until ctx ends (see [Consumer.Run]). It calls Start if nobody did.
+func (s *Subscription) Run(ctx context.Context) error {
+	if s.consumer == nil {
+		if err := s.Start(); err != nil {
+			return err
+		}
+	}
+	return s.consumer.Run(ctx)
+}
+
+// chain is the route of each message behind the middleware.
+func (s *Subscription) chain() HandlerFunc {
+	var mws []Middleware
+	if s.cfg.Tracing != nil {
+		mws = append(mws, s.cfg.Tracing)
+	}
+	mws = append(mws, Observe(s.cfg.Name, s.cfg.Logger, s.cfg.Metrics), Recover(s.cfg.Logger), Timeout(s.cfg.HandlerTimeout))
+	mws = append(mws, s.middleware...)
+	h := HandlerFunc(s.route)
+	for i := len(mws) - 1; i >= 0; i-- {
+		h = mws[i](h)
+	}
+	return h
+}
+
+// route hands msg to the handler of its type.
+func (s *Subscription) route(ctx context.Context, tx *gorm.DB, msg Message) error {
+	h, ok := s.routes[msg.Type]
+	if !ok {
+		return Permanent(fmt.Errorf("no handler for message type %q", truncate(msg.Type, 64)))
+	}
+	return h(ctx, tx, msg)
+}
+
+// known fails a batch holding a type without a handler before it opens a transaction; the
+// consumer then handles its messages one by one, and dead-letters that one.
+func (s *Subscription) known(batch BatchHandler) BatchHandler {
+	return func(ctx context.Context, msgs []Message) error {
+		for _, m := range msgs {
+			if _, ok := s.routes[m.Type]; !ok {
+				return Permanent(fmt.Errorf("no handler for message type %q", truncate(m.Type, 64)))
+			}
+		}
+		return batch(ctx, msgs)
+	}
+}

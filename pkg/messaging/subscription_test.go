@@ -1,0 +1,261 @@
+package messaging_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// Two events on one queue, from two exchanges, as the subscription tests use them.
+type (
+	placed struct {
+		OrderID uuid.UUID `json:"order_id"`
+		N       int       `json:"n"`
+	}
+	cancelled struct {
+		OrderID uuid.UUID `json:"order_id"`
+	}
+)
+
+type subscriptionBundle struct {
+	*testBundle
+	other   string // a second exchange
+	name    string // the subscription's consumer and queue
+	placed  messaging.Event[placed]
+	cancels messaging.Event[cancelled]
+}
+
+func setupSubscription(t *testing.T) *subscriptionBundle {
+	t.Helper()
+	b := &subscriptionBundle{testBundle: setup(t), other: testenv.UniqueName("invoicing"), name: testenv.UniqueName("sub")}
+	testenv.CleanupBroker(t, []string{b.name, messaging.DeadLetterQueue(b.name)}, []string{b.other})
+	b.placed = messaging.Event[placed]{Exchange: b.exchange, Type: "Placed", Validate: func(p placed) error {
+		if p.OrderID == uuid.Nil {
+			return errors.New("no order_id")
+		}
+		return nil
+	}}
+	b.cancels = messaging.Event[cancelled]{Exchange: b.other, Type: "Cancelled"}
+	if err := b.db.DB.Exec("CREATE TABLE handled (message_id uuid NOT NULL, type text NOT NULL, txid bigint NOT NULL)").Error; err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (b *subscriptionBundle) subscription(t *testing.T, tweak func(*messaging.SubscriptionConfig)) *messaging.Subscription {
+	t.Helper()
+	cfg := messaging.SubscriptionConfig{Name: b.name, URL: testenv.AMQPURL(), DB: b.db.DB, Concurrency: 2, Logger: b.log, Metrics: b.metrics}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	s, err := messaging.NewSubscription(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// record is a handler's work: one row per message, with the transaction it ran in.
+func record(tx *gorm.DB, msg messaging.Message) error {
+	return tx.Exec("INSERT INTO handled (message_id, type, txid) VALUES (?, ?, txid_current())", msg.ID, msg.Type).Error
+}
+
+func (b *subscriptionBundle) publish(t *testing.T, exchange string, msg messaging.Message) {
+	t.Helper()
+	if err := b.ch.PublishWithContext(context.Background(), exchange, msg.Type, true, false, publishing(msg)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (b *subscriptionBundle) handled(t *testing.T, query string) int64 {
+	t.Helper()
+	return testenv.Count(t, b.db.DB, query)
+}
+
+// One queue carries two event types from two exchanges, each to its typed handler, in batches
+// that share one transaction; a redelivered message is worked once.
+func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	var mu sync.Mutex
+	got := map[string]int{}
+	messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		mu.Lock()
+		got["placed"]++
+		mu.Unlock()
+		return record(tx, msg)
+	})
+	messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, c cancelled, msg messaging.Message) error {
+		mu.Lock()
+		got["cancelled"]++
+		mu.Unlock()
+		return record(tx, msg)
+	})
+	ch := testenv.Channel(t)
+	if err := s.Topology().Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	// The messages wait before the subscription starts, so batches form.
+	const n = 200
+	var first messaging.Message
+	for i := range n {
+		p, err := b.placed.Message(placed{OrderID: uuid.New(), N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := b.cancels.Message(cancelled{OrderID: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.publish(t, b.exchange, p)
+		b.publish(t, b.other, c)
+		if i == 0 {
+			first = p
+		}
+	}
+	b.publish(t, b.exchange, first) // a redelivery
+	run(t, s.Run)
+
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return b.handled(t, "SELECT count(*) FROM handled") == 2*n && testenv.QueueDepth(t, ch, b.name) == 0
+	}, "not every message was handled")
+	if dup := b.handled(t, "SELECT count(*) FROM (SELECT message_id FROM handled GROUP BY message_id HAVING count(*) > 1) d"); dup != 0 {
+		t.Fatalf("%d messages were worked twice", dup)
+	}
+	if b.handled(t, "SELECT count(*) FROM handled WHERE type = 'Placed'") != n || b.handled(t, "SELECT count(*) FROM handled WHERE type = 'Cancelled'") != n {
+		t.Fatal("a type went to the wrong handler")
+	}
+	biggest := b.handled(t, "SELECT coalesce(max(c), 0) FROM (SELECT count(*) c FROM handled GROUP BY txid) t")
+	if biggest < 2 {
+		t.Fatalf("every message had a transaction of its own: no batch formed")
+	}
+	t.Logf("largest batch: %d messages in one transaction", biggest)
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered", n)
+	}
+	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
+}
+
+// A type nobody handles, and a payload its event's checks refuse, go to the dead-letter queue
+// with their reason logged; the messages around them are handled.
+func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return record(tx, msg)
+	})
+	ch := testenv.Channel(t)
+	if err := s.Topology().Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	// Routed to the queue by hand: the subscription binds only what it handles.
+	if err := ch.QueueBind(b.name, "Refunded", b.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	unknown, err := messaging.NewMessage("Refunded", map[string]string{"order_id": uuid.NewString()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	invalid, err := messaging.NewMessage("Placed", map[string]int{"n": 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []messaging.Message{unknown, invalid, good} {
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1
+	}, "want the unknown and the invalid message dead-lettered and the good one handled")
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `no handler for message type \"Refunded\"`); len(lines) != 1 {
+		t.Errorf("the unknown type's reason was not logged: %q", b.logs.Lines("message dead-lettered"))
+	}
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+invalid.ID.String(), "invalid Placed: no order_id"); len(lines) != 1 {
+		t.Errorf("the invalid payload's reason was not logged: %q", b.logs.Lines("message dead-lettered"))
+	}
+}
+
+// A handler that panics fails that message only: its transaction rolls back, the process and
+// the other messages carry on, and the message is dead-lettered at its delivery limit.
+func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.DeliveryLimit = 2 })
+	var bomb uuid.UUID
+	messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		if err := record(tx, msg); err != nil {
+			return err
+		}
+		if p.OrderID == bomb {
+			panic("boom")
+		}
+		return nil
+	})
+	bomb = uuid.New()
+	ch := testenv.Channel(t)
+	if err := s.Topology().Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	var ids []uuid.UUID
+	for i := range 10 {
+		order := uuid.New()
+		if i == 4 {
+			order = bomb
+		}
+		m, err := b.placed.Message(placed{OrderID: order, N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, m.ID)
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 && b.handled(t, "SELECT count(*) FROM handled") == 9
+	}, "want 9 messages handled and the panicking one dead-lettered")
+	if lines := b.logs.Lines("level=ERROR", `msg="handler panicked"`, "panic=boom", "stack="); len(lines) == 0 {
+		t.Error("the panic was not logged with its stack")
+	}
+	if !hasMetric(t, b.registry, `consumer_handler_seconds_count{consumer="`+b.name+`",outcome="error",type="Placed"}`) {
+		t.Error("the panic was not counted as an error")
+	}
+}
+
+// The per-message timeout cuts off a handler stuck in the database.
+func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.HandlerTimeout = 500 * time.Millisecond; c.DeliveryLimit = 2 })
+	messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return tx.Exec("SELECT pg_sleep(30)").Error
+	})
+	ch := testenv.Channel(t)
+	if err := s.Topology().Declare(ch); err != nil {
+		t.Fatal(err)
+	}
+	m, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, b.exchange, m)
+	run(t, s.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
+		"the stuck message was not given up on")
+	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String(), "deadline exceeded"); len(lines) == 0 {
+		t.Errorf("want the handler's failures logged as cut off by the timeout: %q", b.logs.Lines("handler failed"))
+	}
+}
