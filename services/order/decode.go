@@ -22,19 +22,34 @@ func (e *DecodeError) Error() string { return e.Detail }
 // DecodePlaceOrder reads a place-order command strictly: one JSON object, no unknown fields,
 // no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
 // out of range (a quantity of 1e30) is a 422; a body over the limit is a 413.
-func DecodePlaceOrder(r io.Reader) (PlaceOrder, error) {
-	var cmd PlaceOrder
+func DecodePlaceOrder(r io.Reader) (PlaceOrder, error) { return decodeStrict[PlaceOrder](r) }
+
+// DecodeCancelOrder reads a cancel command as strictly; an empty body is a cancel without a
+// reason.
+func DecodeCancelOrder(r io.Reader) (CancelOrder, error) {
+	cmd, err := decodeStrict[CancelOrder](r)
+	var de *DecodeError
+	if errors.As(err, &de) && de.Detail == emptyBody {
+		return CancelOrder{}, nil
+	}
+	return cmd, err
+}
+
+const emptyBody = "empty body"
+
+func decodeStrict[T any](r io.Reader) (T, error) {
+	var cmd, zero T
 	dec := json.NewDecoder(r)
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&cmd); err != nil {
-		return PlaceOrder{}, decodeError(err)
+		return zero, decodeError(err)
 	}
 	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
-			return PlaceOrder{}, decodeError(err)
+			return zero, decodeError(err)
 		}
-		return PlaceOrder{}, &DecodeError{http.StatusBadRequest, "body must hold a single JSON object"}
+		return zero, &DecodeError{http.StatusBadRequest, "body must hold a single JSON object"}
 	}
 	return cmd, nil
 }
@@ -51,7 +66,7 @@ func decodeError(err error) *DecodeError {
 	case errors.As(err, &syntax):
 		return &DecodeError{http.StatusBadRequest, fmt.Sprintf("malformed JSON at byte %d", syntax.Offset)}
 	case errors.Is(err, io.EOF):
-		return &DecodeError{http.StatusBadRequest, "empty body"}
+		return &DecodeError{http.StatusBadRequest, emptyBody}
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return &DecodeError{http.StatusBadRequest, "malformed JSON: unexpected end"}
 	case errors.As(err, &typ):

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"mime"
 	"net/http"
@@ -28,6 +29,7 @@ type api struct {
 func (a *api) routes(r chi.Router) {
 	r.Post("/orders", a.placeOrder)
 	r.Get("/orders/{id}", a.getOrder)
+	r.Post("/orders/{id}/cancel", a.cancelOrder)
 }
 
 func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
@@ -51,11 +53,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if violations := cmd.Validate(); len(violations) > 0 {
-		fields := make([]platform.FieldError, len(violations))
-		for i, v := range violations {
-			fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
-		}
-		platform.WriteProblem(w, http.StatusUnprocessableEntity, "the order is invalid", fields...)
+		writeViolations(w, "the order is invalid", violations)
 		return
 	}
 
@@ -96,6 +94,68 @@ func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
 	default:
 		platform.WriteJSON(w, http.StatusOK, order)
 	}
+}
+
+func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
+	id, err := uuid.Parse(chi.URLParam(r, "id"))
+	if err != nil {
+		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID")
+		return
+	}
+	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
+	if !jsonOrNoBody(r.Header.Get("Content-Type"), body) {
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json")
+		return
+	}
+	cmd, err := DecodeCancelOrder(body)
+	if err != nil {
+		var de *DecodeError
+		if errors.As(err, &de) {
+			platform.WriteProblem(w, de.Status, de.Detail)
+			return
+		}
+		platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
+		return
+	}
+	if violations := cmd.Validate(); len(violations) > 0 {
+		writeViolations(w, "the cancellation is invalid", violations)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+	defer cancel()
+	order, changed, err := a.store.Cancel(ctx, id, cmd)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		platform.WriteProblem(w, http.StatusNotFound, "no order with this id")
+		return
+	case err != nil:
+		a.unavailable(w, r, "cancel order", err)
+		return
+	}
+	if changed {
+		a.log.Info("order cancelled", "order_id", order.ID, "customer_id", order.CustomerID)
+	}
+	platform.WriteJSON(w, http.StatusOK, order)
+}
+
+// jsonOrNoBody reports whether a request body is JSON, or absent: a body without a content type
+// is refused like one of another type.
+func jsonOrNoBody(contentType string, body io.Reader) bool {
+	if contentType == "" {
+		var b [1]byte
+		n, _ := body.Read(b[:])
+		return n == 0
+	}
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && mt == "application/json"
+}
+
+func writeViolations(w http.ResponseWriter, title string, violations []Violation) {
+	fields := make([]platform.FieldError, len(violations))
+	for i, v := range violations {
+		fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
+	}
+	platform.WriteProblem(w, http.StatusUnprocessableEntity, title, fields...)
 }
 
 // unavailable answers a database failure: nothing was written, and the client may retry.

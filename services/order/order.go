@@ -84,19 +84,65 @@ func checkID(s string) string {
 	return ""
 }
 
+// An order's statuses.
+const (
+	StatusPlaced    = "placed"
+	StatusCancelled = "cancelled"
+)
+
+// MaxReasonLength bounds a cancellation's reason, in characters.
+const MaxReasonLength = 500
+
 // Order is a placed order. Its total is computed here, never taken from the client.
 type Order struct {
-	ID         uuid.UUID `json:"id"`
-	CustomerID string    `json:"customer_id"`
-	Lines      []Line    `json:"lines"`
-	TotalCents int64     `json:"total_cents"`
-	CreatedAt  time.Time `json:"created_at"`
+	ID           uuid.UUID  `json:"id"`
+	CustomerID   string     `json:"customer_id"`
+	Lines        []Line     `json:"lines"`
+	TotalCents   int64      `json:"total_cents"`
+	Status       string     `json:"status"`
+	CreatedAt    time.Time  `json:"created_at"`
+	CancelledAt  *time.Time `json:"cancelled_at,omitempty"`
+	CancelReason string     `json:"cancel_reason,omitempty"`
+}
+
+// CancelOrder is the command that cancels an order; its reason is optional.
+type CancelOrder struct {
+	Reason string `json:"reason"`
+}
+
+// Validate returns every violation of the command's rules, or none.
+func (c CancelOrder) Validate() []Violation {
+	switch {
+	case !utf8.ValidString(c.Reason):
+		return []Violation{{"reason", "must be valid UTF-8"}}
+	case utf8.RuneCountInString(c.Reason) > MaxReasonLength:
+		return []Violation{{"reason", "at most 500 characters"}}
+	case strings.IndexFunc(c.Reason, unicode.IsControl) >= 0:
+		return []Violation{{"reason", "must not contain control characters"}}
+	}
+	return nil
+}
+
+// Cancel marks the order cancelled at now, and reports whether that changed anything: an
+// order cancelled before stays as it was.
+func (o *Order) Cancel(cmd CancelOrder, now time.Time) bool {
+	if o.Status == StatusCancelled {
+		return false
+	}
+	at := now.UTC().Truncate(time.Microsecond)
+	o.Status, o.CancelledAt, o.CancelReason = StatusCancelled, &at, cmd.Reason
+	return true
+}
+
+// CancelledEvent returns the order's OrderCancelled event.
+func (o Order) CancelledEvent() events.OrderCancelled {
+	return events.OrderCancelled{OrderID: o.ID, CustomerID: o.CustomerID, Reason: o.CancelReason, CancelledAt: *o.CancelledAt}
 }
 
 // NewOrder places a valid command. Within the limits above the total cannot overflow
 // (100 lines × 10,000 × 100,000,000 < 2⁶³).
 func NewOrder(cmd PlaceOrder, id uuid.UUID, now time.Time) Order {
-	o := Order{ID: id, CustomerID: cmd.CustomerID, Lines: cmd.Lines, CreatedAt: now.UTC().Truncate(time.Microsecond)}
+	o := Order{ID: id, CustomerID: cmd.CustomerID, Lines: cmd.Lines, Status: StatusPlaced, CreatedAt: now.UTC().Truncate(time.Microsecond)}
 	for _, l := range cmd.Lines {
 		o.TotalCents += l.Quantity * l.UnitPriceCents
 	}

@@ -32,7 +32,10 @@ type orderRow struct {
 	ID             uuid.UUID `gorm:"type:uuid;primaryKey"`
 	CustomerID     string
 	TotalCents     int64
+	Status         string
 	CreatedAt      time.Time
+	CancelledAt    *time.Time
+	CancelReason   *string
 	IdempotencyKey *string
 	RequestHash    *string
 }
@@ -67,7 +70,7 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 	order = NewOrder(cmd, id, time.Now())
 
 	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		row := orderRow{ID: order.ID, CustomerID: order.CustomerID, TotalCents: order.TotalCents, CreatedAt: order.CreatedAt}
+		row := orderRow{ID: order.ID, CustomerID: order.CustomerID, TotalCents: order.TotalCents, Status: order.Status, CreatedAt: order.CreatedAt}
 		if key != "" {
 			row.IdempotencyKey, row.RequestHash = &key, &hash
 		}
@@ -96,7 +99,7 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 		if err := tx.Create(&lines).Error; err != nil {
 			return fmt.Errorf("insert order lines: %w", err)
 		}
-		msg, err := messaging.NewMessage(events.OrderPlacedType, order.Placed())
+		msg, err := events.OrderPlacedEvent.Message(order.Placed())
 		if err != nil {
 			return err
 		}
@@ -107,6 +110,42 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 		return Order{}, false, err
 	}
 	return order, replayed, nil
+}
+
+// Cancel cancels the order id: its new status and its OrderCancelled event are written in one
+// transaction. The order's row is locked first, so two cancels at once write one event; an
+// order cancelled before is returned as it is, with changed=false.
+func (s *Store) Cancel(ctx context.Context, id uuid.UUID, cmd CancelOrder) (order Order, changed bool, err error) {
+	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		var row orderRow
+		if err := tx.Clauses(clause.Locking{Strength: "UPDATE"}).Take(&row, "id = ?", id).Error; err != nil {
+			if errors.Is(err, gorm.ErrRecordNotFound) {
+				return ErrNotFound
+			}
+			return fmt.Errorf("lock order: %w", err)
+		}
+		if order, err = load(tx, row); err != nil {
+			return err
+		}
+		if changed = order.Cancel(cmd, time.Now()); !changed {
+			return nil
+		}
+		if err := tx.Model(&orderRow{}).Where("id = ?", id).Updates(map[string]any{
+			"status": order.Status, "cancelled_at": order.CancelledAt, "cancel_reason": order.CancelReason,
+		}).Error; err != nil {
+			return fmt.Errorf("cancel order: %w", err)
+		}
+		msg, err := events.OrderCancelledEvent.Message(order.CancelledEvent())
+		if err != nil {
+			return err
+		}
+		msg.OccurredAt, msg.CorrelationID = *order.CancelledAt, order.ID.String()
+		return messaging.Enqueue(tx, msg)
+	})
+	if err != nil {
+		return Order{}, false, err
+	}
+	return order, changed, nil
 }
 
 // Get returns an order with its lines.
@@ -127,7 +166,15 @@ func load(db *gorm.DB, row orderRow) (Order, error) {
 	if err := db.Where("order_id = ?", row.ID).Order("line_no").Find(&lines).Error; err != nil {
 		return Order{}, fmt.Errorf("load order lines: %w", err)
 	}
-	o := Order{ID: row.ID, CustomerID: row.CustomerID, TotalCents: row.TotalCents, CreatedAt: row.CreatedAt.UTC(), Lines: make([]Line, len(lines))}
+	o := Order{ID: row.ID, CustomerID: row.CustomerID, TotalCents: row.TotalCents, Status: row.Status,
+		CreatedAt: row.CreatedAt.UTC(), Lines: make([]Line, len(lines))}
+	if row.CancelledAt != nil {
+		at := row.CancelledAt.UTC()
+		o.CancelledAt = &at
+	}
+	if row.CancelReason != nil {
+		o.CancelReason = *row.CancelReason
+	}
 	for i, l := range lines {
 		o.Lines[i] = Line{SKU: l.SKU, Quantity: l.Quantity, UnitPriceCents: l.UnitPriceCents}
 	}

@@ -1,0 +1,169 @@
+package main
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+func (b *testBundle) cancel(t *testing.T, id, body, contentType string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, b.srv.URL+"/orders/"+id+"/cancel", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	return do(t, req)
+}
+
+func (b *testBundle) get(t *testing.T, id string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, b.srv.URL+"/orders/"+id, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return do(t, req)
+}
+
+func (b *testBundle) place(t *testing.T) Order {
+	t.Helper()
+	resp, body := b.post(t, validBody, "application/json", "")
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("place: %d %s", resp.StatusCode, body)
+	}
+	var o Order
+	if err := json.Unmarshal(body, &o); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+func (b *testBundle) cancellations(t *testing.T) int64 {
+	t.Helper()
+	return testenv.Count(t, b.db, "SELECT count(*) FROM outbox_messages WHERE type = ?", events.OrderCancelledType)
+}
+
+// Cancelling writes the new status and one OrderCancelled event together; cancelling again
+// answers the same order and writes nothing.
+func TestCancelWritesTheStatusAndOneEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	placed := b.place(t)
+	if placed.Status != StatusPlaced {
+		t.Fatalf("a new order has status %q", placed.Status)
+	}
+	var first Order
+	for i, body := range []string{`{"reason": "changed my mind"}`, `{"reason": "again"}`} {
+		resp, raw := b.cancel(t, placed.ID.String(), body, "application/json")
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("cancel %d: %d %s", i+1, resp.StatusCode, raw)
+		}
+		var o Order
+		if err := json.Unmarshal(raw, &o); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			first = o
+		}
+		if o.Status != StatusCancelled || o.CancelReason != "changed my mind" || o.CancelledAt == nil || !o.CancelledAt.Equal(*first.CancelledAt) {
+			t.Fatalf("cancel %d answered %+v", i+1, o)
+		}
+	}
+	if n := b.cancellations(t); n != 1 {
+		t.Fatalf("%d OrderCancelled events, want 1", n)
+	}
+	var row messaging.OutboxMessage
+	if err := b.db.Take(&row, "type = ?", events.OrderCancelledType).Error; err != nil {
+		t.Fatal(err)
+	}
+	ev, err := events.OrderCancelledEvent.Decode(row.Message())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.OrderID != placed.ID || ev.CustomerID != placed.CustomerID || ev.Reason != "changed my mind" || !ev.CancelledAt.Equal(*first.CancelledAt) {
+		t.Fatalf("event %+v does not describe the cancellation", ev)
+	}
+	resp, raw := b.get(t, placed.ID.String())
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(raw), `"status":"cancelled"`) {
+		t.Fatalf("GET after the cancel: %d %s", resp.StatusCode, raw)
+	}
+}
+
+// A cancel without a body, or with an empty JSON object, has no reason.
+func TestCancelWithoutABody(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, c := range []struct{ body, contentType string }{{"", ""}, {"", "application/json"}, {"{}", "application/json"}} {
+		o := b.place(t)
+		if resp, raw := b.cancel(t, o.ID.String(), c.body, c.contentType); resp.StatusCode != http.StatusOK {
+			t.Fatalf("cancel with body %q, content type %q: %d %s", c.body, c.contentType, resp.StatusCode, raw)
+		}
+	}
+	if n := b.cancellations(t); n != 3 {
+		t.Fatalf("%d OrderCancelled events, want 3", n)
+	}
+}
+
+// Each bad cancel gets its status as problem+json and writes nothing.
+func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	id := o.ID.String()
+	cases := []struct {
+		name, id, body, contentType string
+		status                      int
+	}{
+		{"unknown order", uuid.NewString(), "", "", http.StatusNotFound},
+		{"id not a UUID", "42", "", "", http.StatusBadRequest},
+		{"text body", id, "please", "text/plain", http.StatusUnsupportedMediaType},
+		{"body without a content type", id, `{"reason": "x"}`, "", http.StatusUnsupportedMediaType},
+		{"malformed JSON", id, `{"reason": `, "application/json", http.StatusBadRequest},
+		{"unknown field", id, `{"why": "x"}`, "application/json", http.StatusBadRequest},
+		{"trailing data", id, `{} {}`, "application/json", http.StatusBadRequest},
+		{"reason not a string", id, `{"reason": 42}`, "application/json", http.StatusUnprocessableEntity},
+		{"control character", id, `{"reason": "a\u0007b"}`, "application/json", http.StatusUnprocessableEntity},
+		{"reason too long", id, `{"reason": "` + strings.Repeat("x", MaxReasonLength+1) + `"}`, "application/json", http.StatusUnprocessableEntity},
+	}
+	for _, c := range cases {
+		resp, raw := b.cancel(t, c.id, c.body, c.contentType)
+		if resp.StatusCode != c.status || resp.Header.Get("Content-Type") != "application/problem+json" {
+			t.Errorf("%s: %d %s %s, want %d problem+json", c.name, resp.StatusCode, resp.Header.Get("Content-Type"), raw, c.status)
+		}
+	}
+	if n := b.cancellations(t); n != 0 {
+		t.Fatalf("%d OrderCancelled events after bad cancels, want 0", n)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status <> 'placed'"); n != 0 {
+		t.Fatal("a bad cancel changed an order")
+	}
+}
+
+// Ten cancels of one order at once write one event: the order's row lock decides.
+func TestConcurrentCancelsWriteOneEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	var wg sync.WaitGroup
+	for range 10 {
+		wg.Go(func() {
+			if resp, raw := b.cancel(t, o.ID.String(), "", ""); resp.StatusCode != http.StatusOK {
+				t.Errorf("cancel: %d %s", resp.StatusCode, raw)
+			}
+		})
+	}
+	wg.Wait()
+	if n := b.cancellations(t); n != 1 {
+		t.Fatalf("%d OrderCancelled events from 10 concurrent cancels, want 1", n)
+	}
+}

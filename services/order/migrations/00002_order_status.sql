@@ -1,0 +1,9 @@
+-- +goose Up
+-- An order is placed, or cancelled; a cancellation is written with its OrderCancelled event.
+ALTER TABLE orders
+    ADD COLUMN status        text        NOT NULL DEFAULT 'placed' CHECK (status IN ('placed', 'cancelled')),
+    ADD COLUMN cancelled_at  timestamptz NULL,
+    ADD COLUMN cancel_reason text        NULL;
+
+-- +goose Down
+ALTER TABLE orders DROP COLUMN status, DROP COLUMN cancelled_at, DROP COLUMN cancel_reason;
