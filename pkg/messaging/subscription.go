@@ -86,6 +86,7 @@ type SubscriptionConfig struct {
 type Subscription struct {
 	cfg        SubscriptionConfig
 	log        *slog.Logger
+	inbox      *Inbox
 	routes     map[string]HandlerFunc
 	bindings   []Binding
 	middleware []Middleware
@@ -110,8 +111,12 @@ func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	inbox, err := NewInbox(InboxConfig{DB: cfg.DB, Consumer: cfg.Name, Logger: cfg.Logger, Metrics: cfg.Metrics})
+	if err != nil {
+		return nil, err
+	}
 	return &Subscription{cfg: cfg, log: cfg.Logger.With("component", "subscription", "consumer", cfg.Name),
-		routes: make(map[string]HandlerFunc)}, nil
+		inbox: inbox, routes: make(map[string]HandlerFunc)}, nil
 }
 
 // Handle registers fn for the events ev names, and binds the subscription's queue to them. fn
@@ -148,16 +153,13 @@ func (s *Subscription) Start() error {
 	if len(s.routes) == 0 {
 		return errors.New("subscription: no handler registered")
 	}
-	inbox, err := NewInbox(InboxConfig{DB: s.cfg.DB, Consumer: s.cfg.Name, Logger: s.cfg.Logger, Metrics: s.cfg.Metrics})
-	if err != nil {
-		return err
-	}
 	work := s.chain()
 	var batch BatchHandler
 	if s.cfg.BatchSize > 1 {
-		batch = s.known(inbox.BatchHandler(work))
+		batch = s.known(s.inbox.BatchHandler(work))
 	}
 	topology := s.Topology()
+	var err error
 	s.consumer, err = NewConsumer(ConsumerConfig{
 		URL: s.cfg.URL, ConnectionName: s.cfg.Name, Queue: s.cfg.Name,
 		Setup:       func(ch *amqp.Channel) error { return topology.Declare(ch) },
@@ -165,8 +167,16 @@ func (s *Subscription) Start() error {
 		BatchHandler: batch, BatchSize: s.cfg.BatchSize,
 		HandlerTimeout: s.cfg.HandlerTimeout, DeliveryLimit: s.cfg.DeliveryLimit,
 		Logger: s.cfg.Logger, Metrics: s.cfg.Metrics,
-	}, inbox.Handler(work))
+	}, s.inbox.Handler(work))
 	return err
+}
+
+// Deliver handles msg as a delivery from the queue would be, through the inbox and the
+// middleware, without a broker: for tests, and for tools that replay a message. duplicate
+// reports that this consumer had handled it already.
+func (s *Subscription) Deliver(ctx context.Context, msg Message) (duplicate bool, err error) {
+	work := s.chain()
+	return s.inbox.Handle(ctx, msg, func(tx *gorm.DB) error { return work(tx.Statement.Context, tx, msg) })
 }
 
 // Run consumes until ctx ends (see [Consumer.Run]). It calls Start if nobody did.
