@@ -33,7 +33,7 @@ func TestReplicasUnderLoad(t *testing.T) {
 	ids := s.Load(t, orders, 16)
 	took := time.Since(start)
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
-	t.Logf("3 order + 2 invoicing + 2 notification replicas: %d orders accepted in %s; %d invoices, %d confirmations sent, %d e-mails; consumers suppressed %d duplicates",
+	t.Logf("3 order + 2 invoicing + 2 notification replicas: %d orders accepted in %s; %d invoices, %d notifications sent, %d e-mails; consumers suppressed %d duplicates",
 		len(ids), took.Round(time.Millisecond), got.Invoices, got.Sent, got.Mails, s.DuplicatesSuppressed(t))
 	if len(ids) != orders {
 		t.Fatalf("%d of %d orders accepted", len(ids), orders)
@@ -97,7 +97,7 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 		t.Fatalf("%d orders were committed without their 201 reaching the client across graceful shutdowns", lost)
 	}
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 60*time.Second)
-	t.Logf("%d orders accepted across three restarts; %d invoices, %d confirmations, %d duplicates suppressed",
+	t.Logf("%d orders accepted across three restarts; %d invoices, %d notifications sent, %d duplicates suppressed",
 		len(ids), got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }
 
@@ -182,7 +182,7 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 		t.Errorf("outbox_max_attempts = %v after the outage, want 0", n)
 	}
 	got := s.WaitExactlyOnce(t, int64(len(ids)), time.Minute)
-	t.Logf("after a %s outage: %d orders, %d invoices, %d confirmations sent, %d e-mails", outage, got.Orders, got.Invoices, got.Sent, got.Mails)
+	t.Logf("after a %s outage: %d orders, %d invoices, %d notifications sent, %d e-mails", outage, got.Orders, got.Invoices, got.Sent, got.Mails)
 }
 
 // The relay's two lines about an outage, as the order service logs them.
@@ -256,6 +256,6 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	if dl := s.CheckQueuesEmpty(t); dl != 0 {
 		t.Fatalf("%d good messages were dead-lettered during the restart", dl)
 	}
-	t.Logf("PostgreSQL restarted under load: %d orders accepted (%d more committed whose answer was lost), %d invoices, %d confirmations, %d duplicates suppressed",
+	t.Logf("PostgreSQL restarted under load: %d orders accepted (%d more committed whose answer was lost), %d invoices, %d notifications sent, %d duplicates suppressed",
 		len(ids), unconfirmed, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }

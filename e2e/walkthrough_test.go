@@ -57,7 +57,7 @@ func TestWalkthrough(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := s.WaitExactlyOnce(t, placed, 60*time.Second)
-	t.Logf("after an 8 s broker outage: %d orders, %d invoices, %d confirmations sent, %d e-mails", got.Orders, got.Invoices, got.Sent, got.Mails)
+	t.Logf("after an 8 s broker outage: %d orders, %d invoices, %d notifications sent, %d e-mails", got.Orders, got.Invoices, got.Sent, got.Mails)
 	rowsWaiting := checkOutageReported(t, s)
 	t.Logf("rows_waiting=%d when the relay resumed; %d orders were placed during the outage", rowsWaiting, during)
 }

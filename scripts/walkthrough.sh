@@ -74,7 +74,10 @@ count() { # count URL -> number of items in the JSON array it returns
   curl -fsS "$1" | grep -o '"order_id"' | wc -l | tr -d ' '
 }
 invoices_of()      { count "$INVOICING_URL/invoices?order_id=$1"; }
-confirmations_of() { curl -fsS "$NOTIFICATION_URL/notifications?order_id=$1" | grep -o '"status":"sent"' | wc -l | tr -d ' '; }
+notices_of() { # notices_of ID KIND -> the order's sent notifications of that kind
+  curl -fsS "$NOTIFICATION_URL/notifications?order_id=$1" | tr '}' '\n' | grep -F "\"kind\":\"$2\"" | grep -c '"status":"sent"' || true
+}
+confirmations_of() { notices_of "$1" order_confirmation; }
 metric() { # metric URL SAMPLE DEFAULT -> the value of SAMPLE (labels included) on URL/metrics, DEFAULT if absent
   curl -fsS "$1/metrics" | awk -v s="$2" -v d="$3" '$1 == s { print $2; found=1 } END { if (!found) print d }'
 }

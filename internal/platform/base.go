@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"io/fs"
 	"log/slog"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -61,14 +60,3 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, migr
 
 // Close closes the database pool.
 func (b *Base) Close() { CloseDB(b.DB) }
-
-// OutboxCleanup is the hourly job deleting sent outbox rows older than the retention.
-func (b *Base) OutboxCleanup(log *slog.Logger, retention time.Duration) Worker {
-	return Periodic(log, "outbox cleanup", time.Hour, func(ctx context.Context) error {
-		n, err := messaging.DeleteSentOutboxMessages(ctx, b.DB, retention)
-		if err == nil && n > 0 {
-			log.Info("deleted sent outbox messages", "count", n, "older_than", retention)
-		}
-		return err
-	})
-}

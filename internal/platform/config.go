@@ -169,7 +169,7 @@ func (e *Env) Check(ok bool, names, problem string) {
 	}
 }
 
-// Common is the configuration every service reads (CONTRACT.md).
+// Common is the configuration every service reads (README, Configuration).
 type Common struct {
 	DatabaseURL string
 	AMQPURL     string

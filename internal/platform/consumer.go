@@ -6,22 +6,8 @@ import (
 	"log/slog"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-	"gorm.io/gorm"
-
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
-
-// InboxConsumer describes a consumer service's subscription: its name (also its queue's),
-// what it listens to, and the work it does in the inbox's transaction.
-type InboxConsumer struct {
-	Name        string // consumer name and queue name, e.g. "invoicing"
-	Exchange    string
-	RoutingKeys []string
-	AMQPURL     string
-	Settings    ConsumerSettings
-	Work        func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error
-}
 
 // ConsumerSettings are the knobs of a consumer service.
 type ConsumerSettings struct {
@@ -64,39 +50,24 @@ func (b *Base) InboxCleanup(log *slog.Logger, retention time.Duration) Worker {
 	})
 }
 
-// NewInboxConsumer builds a consumer whose every delivery runs through the base's inbox,
-// on a durable quorum queue with its dead-letter queue. Its Ready and the base's database
-// make the service's readiness.
-func (b *Base) NewInboxConsumer(log *slog.Logger, c InboxConsumer) (*messaging.Consumer, error) {
-	if c.Work == nil {
-		return nil, errors.New("consumer: no work")
-	}
-	inbox, err := messaging.NewInbox(messaging.InboxConfig{DB: b.DB, Consumer: c.Name, Logger: log, Metrics: b.Metrics})
-	if err != nil {
-		return nil, err
-	}
-	var batch messaging.BatchHandler
-	if c.Settings.BatchSize > 1 {
-		batch = inbox.BatchHandler(c.Work)
-	}
-	topology := messaging.ConsumerTopology{Exchange: c.Exchange, Queue: c.Name, RoutingKeys: c.RoutingKeys}
-	return messaging.NewConsumer(messaging.ConsumerConfig{
-		URL: c.AMQPURL, ConnectionName: c.Name, Queue: c.Name,
-		Setup:       func(ch *amqp.Channel) error { return topology.Declare(ch) },
-		Concurrency: c.Settings.Concurrency, Prefetch: c.Settings.Prefetch,
-		BatchHandler: batch, BatchSize: c.Settings.BatchSize,
+// Subscription returns the subscription of the consumer name (also its queue's), on the
+// base's database, configured by s. Register its handlers, then run it.
+func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, s ConsumerSettings) (*messaging.Subscription, error) {
+	return messaging.NewSubscription(messaging.SubscriptionConfig{
+		Name: name, URL: amqpURL, DB: b.DB,
+		Concurrency: s.Concurrency, BatchSize: s.BatchSize, Prefetch: s.Prefetch,
 		Logger: log, Metrics: b.Metrics,
-	}, inbox.Handler(c.Work))
+	})
 }
 
 // ConsumerReady is the readiness of a consumer service: its database and its broker
 // connection both work.
-func (b *Base) ConsumerReady(c *messaging.Consumer) ReadyFunc {
+func (b *Base) ConsumerReady(sub *messaging.Subscription) ReadyFunc {
 	return func(ctx context.Context) error {
 		if err := Ping(ctx, b.DB); err != nil {
 			return errors.New("database unavailable")
 		}
-		if !c.Ready() {
+		if !sub.Ready() {
 			return errors.New("not consuming from RabbitMQ")
 		}
 		return nil

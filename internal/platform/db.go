@@ -21,8 +21,7 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{
-		Logger:         logger.Discard,
-		TranslateError: true,
+		Logger: logger.Discard,
 		// The loop below waits for the database instead of failing on the first try.
 		DisableAutomaticPing: true,
 	})

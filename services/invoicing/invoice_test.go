@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,27 +21,29 @@ import (
 )
 
 type testBundle struct {
-	db    *gorm.DB
-	inbox *messaging.Inbox
-	work  invoicer
-	logs  *testenv.Logs
+	db   *gorm.DB
+	sub  *messaging.Subscription
+	logs *testenv.Logs
 }
 
-func setup(t *testing.T) *testBundle {
+func setup(t *testing.T, mw ...messaging.Middleware) *testBundle {
 	t.Helper()
 	d := testenv.NewDatabase(t)
-	d.Migrate(t, messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "invoicing_schema"))
+	d.Migrate(t, messaging.MigrateInbox, messaging.MigrateOutbox, platform.Migrations(migrations, "migrations", "invoicing_schema"))
 	log, logs := testenv.NewLogger(t)
-	in, err := messaging.NewInbox(messaging.InboxConfig{DB: d.DB, Consumer: Consumer, Logger: log})
+	// Deliver needs no broker: the URL is never dialled.
+	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &testBundle{db: d.DB, inbox: in, work: invoicer{log: log}, logs: logs}
+	invoicer{log: log}.subscribe(sub)
+	sub.Use(mw...)
+	return &testBundle{db: d.DB, sub: sub, logs: logs}
 }
 
 func orderPlaced(t *testing.T, orderID uuid.UUID, total int64) messaging.Message {
 	t.Helper()
-	msg, err := messaging.NewMessage(events.OrderPlacedType, events.OrderPlaced{
+	msg, err := events.OrderPlacedEvent.Message(events.OrderPlaced{
 		OrderID: orderID, CustomerID: "c-42", TotalCents: total, PlacedAt: time.Now().UTC(),
 		Lines: []events.Line{{SKU: "SKU-1", Quantity: 1, UnitPriceCents: total}},
 	})
@@ -50,9 +53,29 @@ func orderPlaced(t *testing.T, orderID uuid.UUID, total int64) messaging.Message
 	return msg
 }
 
+func orderCancelled(t *testing.T, orderID uuid.UUID) messaging.Message {
+	t.Helper()
+	msg, err := events.OrderCancelledEvent.Message(events.OrderCancelled{OrderID: orderID, CustomerID: "c-42", Reason: "test", CancelledAt: time.Now().UTC()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return msg
+}
+
 func (b *testBundle) deliver(t *testing.T, msg messaging.Message) (bool, error) {
 	t.Helper()
-	return b.inbox.Handle(context.Background(), msg, func(tx *gorm.DB) error { return b.work.handle(context.Background(), tx, msg) })
+	return b.sub.Deliver(context.Background(), msg)
+}
+
+// invoiceOf returns the order's invoice and how many InvoiceIssued its outbox holds for it.
+func (b *testBundle) invoiceOf(t *testing.T, orderID uuid.UUID) (Invoice, int64) {
+	t.Helper()
+	var inv Invoice
+	if err := b.db.Take(&inv, "order_id = ?", orderID).Error; err != nil {
+		t.Fatalf("invoice of %s: %v", orderID, err)
+	}
+	return inv, testenv.Count(t, b.db, "SELECT count(*) FROM outbox_messages WHERE type = ? AND payload->>'order_id' = ?",
+		events.InvoiceIssuedType, orderID.String())
 }
 
 func TestOneInvoicePerOrderWhateverArrives(t *testing.T) {
@@ -76,8 +99,12 @@ func TestOneInvoicePerOrderWhateverArrives(t *testing.T) {
 	if err := b.db.Find(&invoices).Error; err != nil {
 		t.Fatal(err)
 	}
-	if len(invoices) != 1 || invoices[0].OrderID != orderID || invoices[0].AmountCents != 2500 || invoices[0].MessageID != msg.ID {
-		t.Fatalf("invoices = %+v, want one of 2500 for the order, from the first message", invoices)
+	if len(invoices) != 1 || invoices[0].OrderID != orderID || invoices[0].AmountCents != 2500 || invoices[0].MessageID != msg.ID ||
+		invoices[0].Status != StatusIssued {
+		t.Fatalf("invoices = %+v, want one issued of 2500 for the order, from the first message", invoices)
+	}
+	if _, issued := b.invoiceOf(t, orderID); issued != 1 {
+		t.Fatalf("%d InvoiceIssued in the outbox, want 1", issued)
 	}
 	if n := len(b.logs.Lines("duplicate", "consumer=invoicing", "message_id="+msg.ID.String())); n != 1 {
 		t.Fatalf("%d duplicate lines, want 1", n)
@@ -93,7 +120,7 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 	good := orderPlaced(t, uuid.New(), 100)
 	noOrder := orderPlaced(t, uuid.Nil, 100)
 	wrongType := good
-	wrongType.ID, wrongType.Type = uuid.New(), "OrderCancelled"
+	wrongType.ID, wrongType.Type = uuid.New(), "OrderRefunded"
 	wrongShape := good
 	wrongShape.ID, wrongShape.Payload = uuid.New(), json.RawMessage(`{"order_id": 5}`)
 	negative := orderPlaced(t, uuid.New(), -1)
@@ -102,7 +129,8 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 			t.Errorf("%s: err = %v, want a permanent error", name, err)
 		}
 	}
-	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices") + testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages"); n != 0 {
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices") + testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages") +
+		testenv.Count(t, b.db, "SELECT count(*) FROM outbox_messages"); n != 0 {
 		t.Fatalf("%d rows written for bad messages", n)
 	}
 }
@@ -151,5 +179,122 @@ func TestListInvoices(t *testing.T) {
 		if status, _ := get(q); status != 400 {
 			t.Errorf("%s: status %d, want 400", q, status)
 		}
+	}
+}
+
+// A cancellation that arrives first leaves a void invoice; the late OrderPlaced fills in its
+// amount and never issues it.
+func TestCancellationBeforeTheOrderNeverIssues(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	for _, msg := range []messaging.Message{orderCancelled(t, orderID), orderPlaced(t, orderID, 900)} {
+		if _, err := b.deliver(t, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inv, issued := b.invoiceOf(t, orderID)
+	if inv.Status != StatusVoid || inv.AmountCents != 900 || inv.VoidedAt == nil || issued != 0 {
+		t.Fatalf("invoice %+v with %d InvoiceIssued, want a void one of 900 and none issued", inv, issued)
+	}
+	if n := len(b.logs.Lines("cancellation remembered before its order")) + len(b.logs.Lines("its invoice stays void")); n != 2 {
+		t.Fatalf("want both steps logged, got %d lines", n)
+	}
+}
+
+// A cancellation after the invoice voids it; InvoiceIssued went out when it was issued.
+func TestCancellationVoidsTheIssuedInvoice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	cancel := orderCancelled(t, orderID)
+	for _, msg := range []messaging.Message{orderPlaced(t, orderID, 900), cancel, cancel} {
+		if _, err := b.deliver(t, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inv, issued := b.invoiceOf(t, orderID)
+	if inv.Status != StatusVoid || inv.AmountCents != 900 || issued != 1 {
+		t.Fatalf("invoice %+v with %d InvoiceIssued, want void, and issued once before", inv, issued)
+	}
+	if n := len(b.logs.Lines("invoice voided", "invoice_id="+inv.ID.String())); n != 1 {
+		t.Fatalf("%d 'invoice voided' lines, want 1", n)
+	}
+}
+
+// holdOpen keeps the transaction of the first message of type msgType open after its work, until
+// release is closed: another transaction can then run into it.
+func holdOpen(msgType string, held chan<- struct{}, release <-chan struct{}) messaging.Middleware {
+	var once sync.Once
+	return func(next messaging.HandlerFunc) messaging.HandlerFunc {
+		return func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
+			err := next(ctx, tx, msg)
+			if msg.Type == msgType {
+				once.Do(func() { close(held); <-release })
+			}
+			return err
+		}
+	}
+}
+
+// The placement and the cancellation of one order handled at the same moment, each in its own
+// transaction: whichever writes first, the other waits for it on the order's invoice row, and
+// no interleaving leaves an issued invoice for a cancelled order.
+func TestPlacementAndCancellationTogether(t *testing.T) {
+	t.Parallel()
+	for _, first := range []string{events.OrderPlacedType, events.OrderCancelledType} {
+		held, release := make(chan struct{}), make(chan struct{})
+		b := setup(t, holdOpen(first, held, release))
+		orderID := uuid.New()
+		msgs := map[string]messaging.Message{events.OrderPlacedType: orderPlaced(t, orderID, 500), events.OrderCancelledType: orderCancelled(t, orderID)}
+		second := events.OrderCancelledType
+		if first == second {
+			second = events.OrderPlacedType
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, 2)
+		wg.Go(func() { _, err := b.deliver(t, msgs[first]); errs <- err })
+		<-held // the first one's invoice row is written, not committed
+		wg.Go(func() { _, err := b.deliver(t, msgs[second]); errs <- err })
+		testenv.Eventually(t, 10*time.Second, func() bool {
+			return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'") == 1
+		}, "the %s did not wait for the %s's transaction", second, first)
+		close(release)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		inv, issued := b.invoiceOf(t, orderID)
+		if inv.Status != StatusVoid {
+			t.Fatalf("%s first, %s waiting: invoice %s, want void", first, second, inv.Status)
+		}
+		t.Logf("%s first, %s waiting for it: invoice %s, %d InvoiceIssued", first, second, inv.Status, issued)
+	}
+
+	// And many times with nothing held: both at once, in whatever order the scheduler picks.
+	b := setup(t)
+	for range 50 {
+		orderID := uuid.New()
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for _, msg := range []messaging.Message{orderPlaced(t, orderID, 500), orderCancelled(t, orderID)} {
+			wg.Go(func() {
+				<-start
+				if _, err := b.deliver(t, msg); err != nil {
+					t.Error(err)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices WHERE status <> 'void'"); n != 0 {
+		t.Fatalf("%d of 50 cancelled orders have an issued invoice", n)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices"); n != 50 {
+		t.Fatalf("%d invoice rows for 50 orders", n)
 	}
 }

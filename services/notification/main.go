@@ -1,5 +1,6 @@
-// Command notification is the notification service: it consumes OrderPlaced through its
-// inbox, records one order confirmation per order, and delivers it after the commit.
+// Command notification is the notification service: it consumes OrderPlaced, InvoiceIssued
+// and OrderCancelled through its inbox, records one notification per order and kind, and
+// delivers it after the commit.
 package main
 
 import (
@@ -12,12 +13,11 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// Consumer is this service's consumer name and queue name (CONTRACT.md).
+// Consumer is this service's consumer name and queue name.
 const Consumer = "notification"
 
 func main() { platform.Main("notification", run) }
@@ -53,21 +53,21 @@ func run(ctx context.Context, env *platform.Env) error {
 	}
 	send := newSender(base.DB, deliverer, maxBackoff, log)
 
-	consumer, err := base.NewInboxConsumer(log, platform.InboxConsumer{
-		Name: Consumer, Exchange: events.Exchange, RoutingKeys: []string{events.OrderPlacedType},
-		AMQPURL: common.AMQPURL, Settings: settings,
-		Work: notifier{log: log, domain: domain, recorded: send.Wake}.handle,
-	})
+	sub, err := base.Subscription(log, Consumer, common.AMQPURL, settings)
 	if err != nil {
 		return err
 	}
+	notifier{log: log, domain: domain, recorded: send.Wake}.subscribe(sub)
+	if err := sub.Start(); err != nil {
+		return err
+	}
 
-	router := platform.NewRouter(log, base.Registry, base.ConsumerReady(consumer))
+	router := platform.NewRouter(log, base.Registry, base.ConsumerReady(sub))
 	router.Get("/notifications", platform.ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]Notification, error) {
 		return platform.ListRecent[Notification](ctx, base.DB, orderID, limit)
 	}))
 	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router),
-		consumer.Run, send.Run, base.InboxCleanup(log, settings.InboxRetention)); err != nil {
+		sub.Run, send.Run, base.InboxCleanup(log, settings.InboxRetention)); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil

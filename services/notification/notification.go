@@ -26,8 +26,13 @@ const (
 	StatusSent    = "sent"
 )
 
-// KindOrderConfirmation is the only notification this service sends.
-const KindOrderConfirmation = "order_confirmation"
+// The kinds of notification: at most one of each per order (the migrations' UNIQUE (order_id,
+// kind)), whatever order and how often their events arrive.
+const (
+	KindOrderConfirmation = "order_confirmation" // from OrderPlaced
+	KindInvoice           = "invoice"            // from InvoiceIssued
+	KindOrderCancelled    = "order_cancelled"    // from OrderCancelled
+)
 
 // Notification is a message to a customer and where its delivery stands.
 type Notification struct {
@@ -50,19 +55,34 @@ type Notification struct {
 // TableName pins the table the migrations create.
 func (Notification) TableName() string { return "notifications" }
 
-// confirmation builds the order confirmation for an OrderPlaced event.
-func confirmation(id, messageID uuid.UUID, ev events.OrderPlaced, domain string, now time.Time) Notification {
+// confirmation is the order confirmation for an OrderPlaced event.
+func confirmation(ev events.OrderPlaced) Notification {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Thank you for your order %s.\r\n\r\n", ev.OrderID)
 	for _, l := range ev.Lines {
 		fmt.Fprintf(&b, "  %d × %s at %s\r\n", l.Quantity, l.SKU, money(l.UnitPriceCents))
 	}
 	fmt.Fprintf(&b, "\r\nTotal: %s\r\n", money(ev.TotalCents))
-	return Notification{
-		ID: id, OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindOrderConfirmation,
-		Recipient: recipient(ev.CustomerID, domain), Subject: "Your order " + ev.OrderID.String(),
-		Body: b.String(), Status: StatusPending, MessageID: messageID, CreatedAt: now, NextAttemptAt: now,
+	return Notification{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindOrderConfirmation,
+		Subject: "Your order " + ev.OrderID.String(), Body: b.String()}
+}
+
+// invoiceNotice tells the customer about an InvoiceIssued event's invoice.
+func invoiceNotice(ev events.InvoiceIssued) Notification {
+	body := fmt.Sprintf("Your invoice %s for order %s.\r\n\r\nAmount: %s\r\n", ev.InvoiceID, ev.OrderID, money(ev.AmountCents))
+	return Notification{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindInvoice,
+		Subject: "Your invoice " + ev.InvoiceID.String(), Body: body}
+}
+
+// cancellation tells the customer about an OrderCancelled event.
+func cancellation(ev events.OrderCancelled) Notification {
+	body := fmt.Sprintf("Your order %s was cancelled.\r\n", ev.OrderID)
+	// One line, whatever the publisher sent: a bare line break would break the e-mail's CRLF lines.
+	if reason := strings.Join(strings.Fields(ev.Reason), " "); reason != "" {
+		body += "\r\nReason: " + reason + "\r\n"
 	}
+	return Notification{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindOrderCancelled,
+		Subject: "Your order " + ev.OrderID.String() + " was cancelled", Body: body}
 }
 
 func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%100) }
@@ -87,37 +107,58 @@ func recipient(customerID, domain string) string {
 	return strings.Trim(local, ".") + "@" + domain
 }
 
-// notifier turns OrderPlaced events into pending order confirmations.
+// notifier turns events into pending notifications. Its handlers run inside the inbox's
+// transaction and only record; sending is the sender's job, after the commit.
 type notifier struct {
 	log      *slog.Logger
 	domain   string
-	recorded func() // called after a new confirmation committed: wakes the sender
+	recorded func() // called after a new notification committed: wakes the sender
 }
 
-// handle runs inside the inbox's transaction; it only records the notification. Sending it is
-// the sender's job, after the commit.
-func (h notifier) handle(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
-	ev, err := events.DecodeOrderPlaced(msg)
-	if err != nil {
-		return err
-	}
+// subscribe registers a handler per event the notifier turns into a notification; the
+// subscription's queue is bound to each.
+func (h notifier) subscribe(sub *messaging.Subscription) {
+	messaging.Handle(sub, events.OrderPlacedEvent, h.orderPlaced)
+	messaging.Handle(sub, events.InvoiceIssuedEvent, h.invoiceIssued)
+	messaging.Handle(sub, events.OrderCancelledEvent, h.orderCancelled)
+}
+
+func (h notifier) orderPlaced(_ context.Context, tx *gorm.DB, ev events.OrderPlaced, msg messaging.Message) error {
+	return h.record(tx, msg, confirmation(ev))
+}
+
+func (h notifier) invoiceIssued(_ context.Context, tx *gorm.DB, ev events.InvoiceIssued, msg messaging.Message) error {
+	return h.record(tx, msg, invoiceNotice(ev))
+}
+
+func (h notifier) orderCancelled(_ context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
+	return h.record(tx, msg, cancellation(ev))
+}
+
+// record inserts n as pending, unless its order already has a notification of its kind: a
+// redelivery never gets here (the inbox skips it), so that is another message about the same
+// order and kind, and the customer must not hear about it twice.
+func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) error {
 	id, err := uuid.NewV7()
 	if err != nil {
-		return err
+		return fmt.Errorf("notification id: %w", err)
 	}
-	n := confirmation(id, msg.ID, ev, h.domain, time.Now().UTC())
-	res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "order_id"}}, DoNothing: true}).Create(&n)
+	now := time.Now().UTC()
+	n.ID, n.MessageID, n.Recipient = id, msg.ID, recipient(n.CustomerID, h.domain)
+	n.Status, n.CreatedAt, n.NextAttemptAt = StatusPending, now, now
+	res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "order_id"}, {Name: "kind"}}, DoNothing: true}).Create(&n)
 	if res.Error != nil {
-		return fmt.Errorf("insert notification: %w", res.Error)
+		return fmt.Errorf("insert %s notification for order %s: %w", n.Kind, n.OrderID, res.Error)
 	}
 	if res.RowsAffected == 0 {
 		messaging.AfterCommit(tx, func() {
-			h.log.Warn("order already has a confirmation from another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+			h.log.Warn("order already has a "+n.Kind+" notification from another message; nothing to do",
+				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		})
 		return nil
 	}
 	messaging.AfterCommit(tx, func() {
-		h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "recipient", n.Recipient, "message_id", msg.ID)
+		h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
 		if h.recorded != nil {
 			h.recorded()
 		}

@@ -2,9 +2,14 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"io/fs"
 	"net"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/google/uuid"
@@ -14,15 +19,16 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/migrate"
 )
 
 type testBundle struct {
 	db    *gorm.DB
-	inbox *messaging.Inbox
-	work  notifier
+	sub   *messaging.Subscription
 	logs  *testenv.Logs
 	smtp  *testenv.SMTPServer
 	send  *sender
+	wakes atomic.Int32 // how often a handler woke the sender
 }
 
 func setup(t *testing.T) *testBundle {
@@ -30,33 +36,75 @@ func setup(t *testing.T) *testBundle {
 	d := testenv.NewDatabase(t)
 	d.Migrate(t, messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "notification_schema"))
 	log, logs := testenv.NewLogger(t)
-	in, err := messaging.NewInbox(messaging.InboxConfig{DB: d.DB, Consumer: Consumer, Logger: log})
+	// Deliver needs no broker: the URL is never dialled.
+	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &testBundle{db: d.DB, inbox: in, work: notifier{log: log, domain: "customers.example"}, logs: logs, smtp: testenv.NewSMTPServer(t)}
+	b := &testBundle{db: d.DB, sub: sub, logs: logs, smtp: testenv.NewSMTPServer(t)}
 	b.send = newSender(d.DB, smtpDeliverer{addr: b.smtp.Addr, from: "orders@shop.example"}, 10*time.Second, log)
 	b.send.backoff.Base = 200 * time.Millisecond
+	notifier{log: log, domain: "customers.example", recorded: func() { b.wakes.Add(1); b.send.Wake() }}.subscribe(sub)
 	return b
 }
 
-func orderPlaced(t *testing.T, orderID uuid.UUID, customer string) messaging.Message {
+func message[T any](t *testing.T, ev messaging.Event[T], payload T) messaging.Message {
 	t.Helper()
-	msg, err := messaging.NewMessage(events.OrderPlacedType, events.OrderPlaced{
-		OrderID: orderID, CustomerID: customer, TotalCents: 2599, PlacedAt: time.Now().UTC(),
-		Lines: []events.Line{{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 1250}, {SKU: "SKU-2", Quantity: 1, UnitPriceCents: 99}},
-	})
+	msg, err := ev.Message(payload)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return msg
 }
 
-func (b *testBundle) deliver(t *testing.T, msg messaging.Message) {
+func orderPlaced(t *testing.T, orderID uuid.UUID, customer string) messaging.Message {
 	t.Helper()
-	if _, err := b.inbox.Handle(context.Background(), msg, func(tx *gorm.DB) error { return b.work.handle(context.Background(), tx, msg) }); err != nil {
+	return message(t, events.OrderPlacedEvent, events.OrderPlaced{
+		OrderID: orderID, CustomerID: customer, TotalCents: 2599, PlacedAt: time.Now().UTC(),
+		Lines: []events.Line{{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 1250}, {SKU: "SKU-2", Quantity: 1, UnitPriceCents: 99}},
+	})
+}
+
+func invoiceIssued(t *testing.T, orderID uuid.UUID, customer string) messaging.Message {
+	t.Helper()
+	return message(t, events.InvoiceIssuedEvent, events.InvoiceIssued{
+		InvoiceID: uuid.New(), OrderID: orderID, CustomerID: customer, AmountCents: 2599, IssuedAt: time.Now().UTC(),
+	})
+}
+
+func orderCancelled(t *testing.T, orderID uuid.UUID, customer string) messaging.Message {
+	t.Helper()
+	return message(t, events.OrderCancelledEvent, events.OrderCancelled{
+		OrderID: orderID, CustomerID: customer, Reason: "changed\r\nmy mind", CancelledAt: time.Now().UTC(),
+	})
+}
+
+// deliver hands msg to the subscription as a delivery from the queue would, and reports
+// whether the inbox skipped it as a duplicate.
+func (b *testBundle) deliver(t *testing.T, msg messaging.Message) (duplicate bool) {
+	t.Helper()
+	duplicate, err := b.sub.Deliver(context.Background(), msg)
+	if err != nil {
+		t.Fatalf("deliver %s %s: %v", msg.Type, msg.ID, err)
+	}
+	return duplicate
+}
+
+// kinds returns the order's notifications by kind.
+func (b *testBundle) kinds(t *testing.T, orderID uuid.UUID) map[string]Notification {
+	t.Helper()
+	var list []Notification
+	if err := b.db.Find(&list, "order_id = ?", orderID).Error; err != nil {
 		t.Fatal(err)
 	}
+	byKind := map[string]Notification{}
+	for _, n := range list {
+		if _, ok := byKind[n.Kind]; ok {
+			t.Fatalf("order %s has two %s notifications", orderID, n.Kind)
+		}
+		byKind[n.Kind] = n
+	}
+	return byKind
 }
 
 func (b *testBundle) run(t *testing.T) {
@@ -72,40 +120,230 @@ func (b *testBundle) run(t *testing.T) {
 	})
 }
 
-func TestOneConfirmationPerOrderDeliveredByMailOnce(t *testing.T) {
+// An order that gets all three events gets one e-mail of each kind, each with its
+// notification's id as Message-ID, sent once.
+func TestOneNotificationPerKindDeliveredByMailOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.smtp.Start()
 	b.run(t)
 	orderID := uuid.New()
-	msg := orderPlaced(t, orderID, "c-42")
-	b.deliver(t, msg)
-	b.deliver(t, msg)                             // redelivery: the inbox skips it
-	b.deliver(t, orderPlaced(t, orderID, "c-42")) // another message, same order: one confirmation per order
-	b.send.Wake()
+	invoice := invoiceIssued(t, orderID, "c-42")
+	for _, msg := range []messaging.Message{orderPlaced(t, orderID, "c-42"), invoice, orderCancelled(t, orderID, "c-42")} {
+		b.deliver(t, msg)
+	}
 
-	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.smtp.Mail()) == 1 }, "no e-mail arrived")
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.smtp.Mail()) == 3 }, "not all three e-mails arrived")
 	testenv.Eventually(t, 5*time.Second, func() bool {
-		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'sent' AND sent_at IS NOT NULL") == 1
-	}, "notification not marked sent")
+		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'sent' AND sent_at IS NOT NULL") == 3
+	}, "notifications not marked sent")
+	if n := b.wakes.Load(); n != 3 {
+		t.Fatalf("the sender was woken %d times, want once per notification", n)
+	}
 
-	var n Notification
-	if err := b.db.Take(&n).Error; err != nil {
+	mails := map[string]testenv.Mail{}
+	for _, m := range b.smtp.Mail() {
+		mails[m.MessageID] = m
+	}
+	issued, err := events.InvoiceIssuedEvent.Decode(invoice)
+	if err != nil {
 		t.Fatal(err)
 	}
-	m := b.smtp.Mail()[0]
-	if m.MessageID != "<"+n.ID.String()+"@"+MessageIDDomain+">" || m.To != "c-42@customers.example" || m.Header.Get("X-Order-Id") != orderID.String() {
-		t.Fatalf("mail = %+v, want Message-ID from notification %s to c-42@customers.example", m, n.ID)
-	}
-	if !strings.Contains(m.Body, "Total: 25.99") || !strings.Contains(m.Header.Get("Subject"), orderID.String()) {
-		t.Fatalf("mail body/subject wrong: %q / %q", m.Body, m.Header.Get("Subject"))
+	for kind, want := range map[string]struct{ subject, body string }{
+		KindOrderConfirmation: {"Your order " + orderID.String(), "Total: 25.99"},
+		KindInvoice:           {"Your invoice " + issued.InvoiceID.String(), "Amount: 25.99"},
+		KindOrderCancelled:    {"Your order " + orderID.String() + " was cancelled", "Reason: changed my mind\r\n"},
+	} {
+		n, ok := b.kinds(t, orderID)[kind]
+		if !ok {
+			t.Fatalf("no %s notification", kind)
+		}
+		m, ok := mails["<"+n.ID.String()+"@"+MessageIDDomain+">"]
+		if !ok {
+			t.Fatalf("no e-mail with the Message-ID of the %s notification %s", kind, n.ID)
+		}
+		if m.To != "c-42@customers.example" || m.Header.Get("X-Order-Id") != orderID.String() ||
+			m.Header.Get("Subject") != want.subject || !strings.Contains(m.Body, want.body) {
+			t.Errorf("%s e-mail = %+v, want subject %q and %q in the body, to c-42@customers.example", kind, m, want.subject, want.body)
+		}
 	}
 	// Nothing is left to send: another pass claims nothing and sends nothing.
 	if delivered, err := b.send.deliverOne(context.Background()); err != nil || delivered {
 		t.Fatalf("another pass delivered %v (%v), want nothing", delivered, err)
 	}
-	if got := len(b.smtp.Mail()); got != 1 {
-		t.Fatalf("%d e-mails, want 1", got)
+	if got := len(b.smtp.Mail()); got != 3 {
+		t.Fatalf("%d e-mails, want 3", got)
+	}
+}
+
+// Every event delivered twice: the inbox skips each repeat, and the handlers never see it.
+func TestRedeliveriesAreSkippedByTheInbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	msgs := []messaging.Message{orderPlaced(t, orderID, "c-42"), invoiceIssued(t, orderID, "c-42"), orderCancelled(t, orderID, "c-42")}
+	for _, msg := range msgs {
+		if b.deliver(t, msg) {
+			t.Fatalf("first delivery of %s reported a duplicate", msg.Type)
+		}
+	}
+	for _, msg := range msgs {
+		if !b.deliver(t, msg) {
+			t.Fatalf("redelivery of %s not reported a duplicate", msg.Type)
+		}
+		if n := len(b.logs.Lines("duplicate message skipped", "message_id="+msg.ID.String())); n != 1 {
+			t.Fatalf("%d duplicate lines for %s, want 1", n, msg.Type)
+		}
+	}
+	if got := b.kinds(t, orderID); len(got) != 3 {
+		t.Fatalf("notifications %+v, want one of each kind", got)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM notifications"); n != 3 {
+		t.Fatalf("%d notifications, want 3", n)
+	}
+	if n := len(b.logs.Lines("already has a")); n != 0 {
+		t.Fatalf("%d 'already has a' lines, want none: the inbox stops a redelivery first", n)
+	}
+	if n := b.wakes.Load(); n != 3 {
+		t.Fatalf("the sender was woken %d times, want 3", n)
+	}
+}
+
+// Another message about an order and kind that already has its notification (an event
+// published twice upstream) records nothing and says so once, after the commit.
+func TestSameKindFromAnotherMessageIsNotRecordedAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	eventOf := map[string]func(*testing.T, uuid.UUID, string) messaging.Message{
+		KindOrderConfirmation: orderPlaced, KindInvoice: invoiceIssued, KindOrderCancelled: orderCancelled,
+	}
+	first := map[string]messaging.Message{}
+	for kind, event := range eventOf {
+		first[kind] = event(t, orderID, "c-42")
+		b.deliver(t, first[kind])
+	}
+	for kind, event := range eventOf {
+		again := event(t, orderID, "c-42")
+		if b.deliver(t, again) {
+			t.Fatalf("%s: a new message reported a duplicate", kind)
+		}
+		if n := len(b.logs.Lines("level=WARN", "already has a "+kind, "message_id="+again.ID.String())); n != 1 {
+			t.Fatalf("%s: %d 'already has a %s' lines for the second message, want 1", kind, n, kind)
+		}
+	}
+	got := b.kinds(t, orderID)
+	for kind, msg := range first {
+		if n, ok := got[kind]; !ok || n.MessageID != msg.ID {
+			t.Errorf("%s notification = %+v, want the one from the first message %s", kind, n, msg.ID)
+		}
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM notifications"); n != 3 {
+		t.Fatalf("%d notifications, want 3", n)
+	}
+	if n := len(b.logs.Lines("already has a")); n != 3 {
+		t.Fatalf("%d 'already has a' lines, want 3", n)
+	}
+	if n := b.wakes.Load(); n != 3 {
+		t.Fatalf("the sender was woken %d times, want only for the 3 new notifications", n)
+	}
+}
+
+// Events of one order arrive in any order: a cancellation ahead of its OrderPlaced still
+// leaves both notifications.
+func TestCancellationBeforeTheOrderStillNotifiesBoth(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	b.deliver(t, orderCancelled(t, orderID, "ann@example.org"))
+	b.deliver(t, orderPlaced(t, orderID, "ann@example.org"))
+	got := b.kinds(t, orderID)
+	if len(got) != 2 || got[KindOrderCancelled].Recipient != "ann@example.org" || got[KindOrderConfirmation].Status != StatusPending {
+		t.Fatalf("notifications = %+v, want a pending confirmation and cancellation to ann@example.org", got)
+	}
+}
+
+// A message that can never become a notification is a permanent error (the consumer
+// dead-letters it), and the rolled-back transaction leaves neither a notification nor an inbox
+// record.
+func TestInvalidInvoiceIssuedIsPermanentAndWritesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	valid := events.InvoiceIssued{InvoiceID: uuid.New(), OrderID: uuid.New(), CustomerID: "c-42", AmountCents: 100, IssuedAt: time.Now().UTC()}
+	noInvoice, noCustomer, negative := valid, valid, valid
+	noInvoice.InvoiceID, noCustomer.CustomerID, negative.AmountCents = uuid.Nil, "", -1
+	wrongShape := message(t, events.InvoiceIssuedEvent, valid)
+	wrongShape.Payload = json.RawMessage(`{"invoice_id": 5}`)
+	for name, msg := range map[string]messaging.Message{
+		"no invoice id":   message(t, events.InvoiceIssuedEvent, noInvoice),
+		"no customer id":  message(t, events.InvoiceIssuedEvent, noCustomer),
+		"negative amount": message(t, events.InvoiceIssuedEvent, negative),
+		"wrong shape":     wrongShape,
+	} {
+		if _, err := b.sub.Deliver(context.Background(), msg); !messaging.IsPermanent(err) {
+			t.Errorf("%s: err = %v, want a permanent error", name, err)
+		}
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM notifications") + testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages"); n != 0 {
+		t.Fatalf("%d rows written for invalid messages", n)
+	}
+}
+
+// The subscription binds its queue to each event it handles, on the exchange that event comes
+// from.
+func TestSubscriptionBindsEveryEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	got := b.sub.Topology().Bindings
+	want := []messaging.Binding{
+		{Exchange: events.Exchange, RoutingKey: events.OrderPlacedType},
+		{Exchange: events.InvoicingExchange, RoutingKey: events.InvoiceIssuedType},
+		{Exchange: events.Exchange, RoutingKey: events.OrderCancelledType},
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("bindings = %+v, want %+v", got, want)
+	}
+}
+
+// Migration 00002 keeps the confirmations written under 00001; from then on an order holds one
+// notification of each known kind, and no other.
+func TestMigrationToKindsKeepsExistingConfirmations(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := fs.ReadFile(migrations, "migrations/00001_create_notifications.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := migrate.Up(context.Background(), sqlDB, fstest.MapFS{"00001_create_notifications.sql": {Data: first}}, "notification_schema"); err != nil {
+		t.Fatal(err)
+	}
+	orderID := uuid.New()
+	insert := func(kind string) error {
+		return d.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, message_id)
+VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?)`, uuid.New(), orderID, kind, uuid.New()).Error
+	}
+	if err := insert(KindOrderConfirmation); err != nil {
+		t.Fatal(err)
+	}
+
+	d.Migrate(t, platform.Migrations(migrations, "migrations", "notification_schema"))
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM notifications WHERE order_id = ? AND kind = ?", orderID, KindOrderConfirmation); n != 1 {
+		t.Fatalf("%d confirmations after the migration, want the 1 from before", n)
+	}
+	for _, kind := range []string{KindInvoice, KindOrderCancelled} {
+		if err := insert(kind); err != nil {
+			t.Fatalf("insert %s next to the confirmation: %v", kind, err)
+		}
+	}
+	if err := insert(KindOrderConfirmation); err == nil || !strings.Contains(err.Error(), "notifications_order_id_kind_key") {
+		t.Fatalf("second confirmation: err = %v, want the unique (order_id, kind) violated", err)
+	}
+	if err := insert("sms"); err == nil || !strings.Contains(err.Error(), "notifications_kind_check") {
+		t.Fatalf("unknown kind: err = %v, want the kind check violated", err)
 	}
 }
 

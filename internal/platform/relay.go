@@ -1,0 +1,83 @@
+package platform
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// RelaySettings are the knobs of a service's outbox relay (OUTBOX_*).
+type RelaySettings struct {
+	BatchSize    int           // OUTBOX_BATCH_SIZE: rows per batch, default 500
+	Lanes        int           // OUTBOX_LANES: batches in progress at once, default 2
+	PollInterval time.Duration // OUTBOX_POLL_INTERVAL: default 1 s
+	MaxBackoff   time.Duration // OUTBOX_MAX_BACKOFF: cap of a refused row's backoff, default 5 min
+	Notify       bool          // OUTBOX_NOTIFY: wake on LISTEN/NOTIFY, default true
+	Retention    time.Duration // OUTBOX_RETENTION: how long sent rows are kept, default 7 days
+}
+
+// ReadRelaySettings reads RelaySettings.
+func ReadRelaySettings(env *Env, c Common) RelaySettings {
+	var s RelaySettings
+	s.BatchSize = env.Int("OUTBOX_BATCH_SIZE", 500, 1, 1000)
+	s.Lanes = env.Int("OUTBOX_LANES", 2, 1, 16)
+	// Each lane holds a connection for its batch's transaction, the relay one for LISTEN, and
+	// requests still need some.
+	env.Check(c.DBMaxConns >= s.Lanes+3, "OUTBOX_LANES", "needs DB_MAX_CONNS of at least OUTBOX_LANES + 3")
+	s.PollInterval = env.Duration("OUTBOX_POLL_INTERVAL", time.Second, 10*time.Millisecond, time.Hour)
+	s.MaxBackoff = env.Duration("OUTBOX_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
+	s.Notify = env.Bool("OUTBOX_NOTIFY", true)
+	s.Retention = env.Duration("OUTBOX_RETENTION", 7*24*time.Hour, time.Minute, 365*24*time.Hour)
+	return s
+}
+
+// LogAttrs lists the settings for the start-up log line.
+func (s RelaySettings) LogAttrs() []any {
+	return []any{"outbox_batch_size", s.BatchSize, "outbox_lanes", s.Lanes, "outbox_poll_interval", s.PollInterval,
+		"outbox_max_backoff", s.MaxBackoff, "outbox_notify", s.Notify, "outbox_retention", s.Retention}
+}
+
+// Outbox is a service's way out: the relay of its outbox to its own exchange, and the hourly
+// cleanup of sent rows. Run both; Close the publisher when done.
+type Outbox struct {
+	Publisher *messaging.Publisher
+	Relay     *messaging.Relay
+	Cleanup   Worker
+}
+
+// Outbox wires the relay of the base's outbox to exchange, publishing as appID. The outbox's
+// gauges join the base's metrics.
+func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, s RelaySettings) (*Outbox, error) {
+	messaging.RegisterOutboxStats(b.Registry, b.DB)
+	pub := messaging.NewPublisher(messaging.PublisherConfig{
+		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID,
+		Setup:  func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, exchange) },
+		Logger: log,
+	})
+	relay, err := messaging.NewRelay(messaging.RelayConfig{
+		DB: b.DB, Sender: pub, Exchange: exchange,
+		BatchSize: s.BatchSize, Lanes: s.Lanes, PollInterval: s.PollInterval, DisableNotify: !s.Notify,
+		Backoff: messaging.Backoff{Base: 2 * time.Second, Max: s.MaxBackoff},
+		Logger:  log, Metrics: b.Metrics,
+	})
+	if err != nil {
+		pub.Close()
+		return nil, err
+	}
+	return &Outbox{Publisher: pub, Relay: relay, Cleanup: b.outboxCleanup(log, s.Retention)}, nil
+}
+
+// outboxCleanup is the hourly job deleting sent outbox rows older than the retention.
+func (b *Base) outboxCleanup(log *slog.Logger, retention time.Duration) Worker {
+	return Periodic(log, "outbox cleanup", time.Hour, func(ctx context.Context) error {
+		n, err := messaging.DeleteSentOutboxMessages(ctx, b.DB, retention)
+		if err == nil && n > 0 {
+			log.Info("deleted sent outbox messages", "count", n, "older_than", retention)
+		}
+		return err
+	})
+}

@@ -1,0 +1,12 @@
+-- +goose Up
+-- An invoice is issued, or void (its order was cancelled). A cancellation that arrives before
+-- its order leaves a void row with no amount yet: the unique order_id then keeps the late
+-- OrderPlaced from ever issuing one.
+ALTER TABLE invoices
+    ADD COLUMN status    text        NOT NULL DEFAULT 'issued' CHECK (status IN ('issued', 'void')),
+    ADD COLUMN voided_at timestamptz NULL;
+
+COMMENT ON COLUMN invoices.message_id IS 'the message that created the row: OrderPlaced, or an OrderCancelled that came first';
+
+-- +goose Down
+ALTER TABLE invoices DROP COLUMN status, DROP COLUMN voided_at;

@@ -1,0 +1,15 @@
+-- +goose Up
+-- One notification per order and kind (order_confirmation, invoice, order_cancelled), instead
+-- of one per order. The rows so far are all order confirmations, one per order, so they meet
+-- both new constraints.
+ALTER TABLE notifications DROP CONSTRAINT notifications_order_id_key;
+ALTER TABLE notifications ADD CONSTRAINT notifications_order_id_kind_key UNIQUE (order_id, kind);
+ALTER TABLE notifications ADD CONSTRAINT notifications_kind_check
+    CHECK (kind IN ('order_confirmation', 'invoice', 'order_cancelled'));
+
+-- +goose Down
+-- The old schema holds only order confirmations: the other kinds are dropped.
+DELETE FROM notifications WHERE kind <> 'order_confirmation';
+ALTER TABLE notifications DROP CONSTRAINT notifications_kind_check;
+ALTER TABLE notifications DROP CONSTRAINT notifications_order_id_kind_key;
+ALTER TABLE notifications ADD CONSTRAINT notifications_order_id_key UNIQUE (order_id);
