@@ -42,18 +42,8 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusBadRequest, "Idempotency-Key must be at most 255 printable ASCII characters")
 		return
 	}
-	cmd, err := DecodePlaceOrder(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
-	if err != nil {
-		var de *DecodeError
-		if errors.As(err, &de) {
-			platform.WriteProblem(w, de.Status, de.Detail)
-			return
-		}
-		platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
-		return
-	}
-	if violations := cmd.Validate(); len(violations) > 0 {
-		writeViolations(w, "the order is invalid", violations)
+	cmd, ok := readCommand(w, http.MaxBytesReader(w, r.Body, MaxBodyBytes), DecodePlaceOrder, "the order is invalid")
+	if !ok {
 		return
 	}
 
@@ -107,18 +97,8 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json")
 		return
 	}
-	cmd, err := DecodeCancelOrder(body)
-	if err != nil {
-		var de *DecodeError
-		if errors.As(err, &de) {
-			platform.WriteProblem(w, de.Status, de.Detail)
-			return
-		}
-		platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
-		return
-	}
-	if violations := cmd.Validate(); len(violations) > 0 {
-		writeViolations(w, "the cancellation is invalid", violations)
+	cmd, ok := readCommand(w, body, DecodeCancelOrder, "the cancellation is invalid")
+	if !ok {
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
@@ -150,12 +130,28 @@ func jsonOrNoBody(contentType string, body io.Reader) bool {
 	return err == nil && mt == "application/json"
 }
 
-func writeViolations(w http.ResponseWriter, title string, violations []Violation) {
-	fields := make([]platform.FieldError, len(violations))
-	for i, v := range violations {
-		fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
+// readCommand decodes and validates a command, answering the problem itself when it cannot:
+// ok=false means the response is written.
+func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, body io.Reader, decode func(io.Reader) (C, error), invalid string) (cmd C, ok bool) {
+	cmd, err := decode(body)
+	if err != nil {
+		var de *DecodeError
+		if errors.As(err, &de) {
+			platform.WriteProblem(w, de.Status, de.Detail)
+		} else {
+			platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
+		}
+		return cmd, false
 	}
-	platform.WriteProblem(w, http.StatusUnprocessableEntity, title, fields...)
+	if violations := cmd.Validate(); len(violations) > 0 {
+		fields := make([]platform.FieldError, len(violations))
+		for i, v := range violations {
+			fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
+		}
+		platform.WriteProblem(w, http.StatusUnprocessableEntity, invalid, fields...)
+		return cmd, false
+	}
+	return cmd, true
 }
 
 // unavailable answers a database failure: nothing was written, and the client may retry.
