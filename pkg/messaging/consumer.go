@@ -146,26 +146,13 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	defer conn.CloseDeadline(time.Now().Add(time.Second))
+	// The deadline is taken at return: the close handshake gets its second however long the
+	// session lasted (an error only means the connection was already gone).
+	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 	watchConnection(conn, c.log)
-	ch, err := conn.Channel()
+	link, err := c.consume(conn)
 	if err != nil {
-		return false, fmt.Errorf("open channel: %w", err)
-	}
-	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if c.cfg.Setup != nil {
-		if err := c.cfg.Setup(ch); err != nil {
-			return false, fmt.Errorf("declare topology: %w", err)
-		}
-	}
-	// Per-consumer prefetch: a global QoS is refused on quorum queues.
-	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
-		return false, fmt.Errorf("set prefetch: %w", err)
-	}
-	tag := c.cfg.Queue + "-" + uuid.NewString()
-	deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
-	if err != nil {
-		return false, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
+		return false, err
 	}
 	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
 	c.ready.Store(true)
@@ -175,7 +162,60 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	// delivery it could no longer acknowledge.
 	session, endSession := context.WithCancel(ctx)
 	defer endSession()
-	var closeErr atomic.Pointer[amqp.Error]
+	closeErr := c.endWithChannel(session, endSession, link.closed)
+	stopConsuming := c.stopAtShutdown(ctx, session, conn, link)
+	defer stopConsuming()
+	handlerCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
+	defer cancel()
+
+	c.work(session, handlerCtx, link.deliveries)
+	if ctx.Err() != nil {
+		return true, nil
+	}
+	if err := closeErr.Load(); err != nil {
+		return true, fmt.Errorf("channel closed: %w", err)
+	}
+	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
+	// again.
+	return true, errors.New("delivery stream ended")
+}
+
+// consumerLink is the channel a session consumes on.
+type consumerLink struct {
+	ch         *amqp.Channel
+	tag        string
+	closed     <-chan *amqp.Error // the channel's close notification
+	deliveries <-chan amqp.Delivery
+}
+
+// consume opens a channel on conn, declares the topology and starts consuming the queue.
+func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return consumerLink{}, fmt.Errorf("open channel: %w", err)
+	}
+	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	if c.cfg.Setup != nil {
+		if err := c.cfg.Setup(ch); err != nil {
+			return consumerLink{}, fmt.Errorf("declare topology: %w", err)
+		}
+	}
+	// Per-consumer prefetch: a global QoS is refused on quorum queues.
+	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+		return consumerLink{}, fmt.Errorf("set prefetch: %w", err)
+	}
+	tag := c.cfg.Queue + "-" + uuid.NewString()
+	deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return consumerLink{}, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
+	}
+	return consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}, nil
+}
+
+// endWithChannel marks the consumer not ready and ends the session once the channel closes,
+// and returns where the broker's reason for closing it will be kept (nil for a clean close).
+func (c *Consumer) endWithChannel(session context.Context, endSession context.CancelFunc, closed <-chan *amqp.Error) *atomic.Pointer[amqp.Error] {
+	closeErr := new(atomic.Pointer[amqp.Error])
 	go func() {
 		select {
 		case err, ok := <-closed:
@@ -187,12 +227,16 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 		case <-session.Done():
 		}
 	}()
+	return closeErr
+}
 
-	// At shutdown, stop the flow of new deliveries (noWait: the cancel must not wait on a dead
-	// connection); the workers settle what they hold, within the grace period. Past it, the
-	// connection is closed regardless and the broker requeues whatever is unacknowledged.
-	stopConsuming := context.AfterFunc(ctx, func() {
-		_ = ch.Cancel(tag, true)
+// stopAtShutdown arranges that, once ctx ends, the flow of new deliveries stops (noWait: the
+// cancel must not wait on a dead connection); the workers settle what they hold, within the
+// grace period. Past it, the connection is closed regardless and the broker requeues whatever
+// is unacknowledged. The returned function disarms it.
+func (c *Consumer) stopAtShutdown(ctx, session context.Context, conn *amqp.Connection, link consumerLink) (stop func() bool) {
+	return context.AfterFunc(ctx, func() {
+		_ = link.ch.Cancel(link.tag, true)
 		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second)
 		defer t.Stop()
 		select {
@@ -201,10 +245,11 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 		case <-session.Done():
 		}
 	})
-	defer stopConsuming()
-	handlerCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
-	defer cancel()
+}
 
+// work runs Concurrency workers over deliveries and returns once the stream has ended (the
+// consumer was cancelled or the channel closed) and every worker settled what it held.
+func (c *Consumer) work(session, handlerCtx context.Context, deliveries <-chan amqp.Delivery) {
 	var wg sync.WaitGroup
 	for range c.cfg.Concurrency {
 		wg.Go(func() {
@@ -218,15 +263,6 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 		})
 	}
 	wg.Wait()
-	if ctx.Err() != nil {
-		return true, nil
-	}
-	if err := closeErr.Load(); err != nil {
-		return true, fmt.Errorf("channel closed: %w", err)
-	}
-	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
-	// again.
-	return true, errors.New("delivery stream ended")
 }
 
 // handle settles one delivery. session ends at shutdown or when the channel is lost; workCtx
@@ -296,11 +332,11 @@ func deliveryCount(d amqp.Delivery) int {
 	return 0
 }
 
-// collect returns first and whatever else is waiting in deliveries right now, up to max: a
+// collect returns first and whatever else is waiting in deliveries right now, up to limit: a
 // batch never waits for messages that have not arrived.
-func collect(first amqp.Delivery, deliveries <-chan amqp.Delivery, max int) []amqp.Delivery {
+func collect(first amqp.Delivery, deliveries <-chan amqp.Delivery, limit int) []amqp.Delivery {
 	batch := []amqp.Delivery{first}
-	for len(batch) < max {
+	for len(batch) < limit {
 		select {
 		case d, ok := <-deliveries:
 			if !ok {

@@ -3,6 +3,7 @@ package messaging
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,12 +15,19 @@ import (
 
 // claimInboxSQL records that a consumer handles a message. The primary key (message_id,
 // consumer) decides between two deliveries of one message, even concurrent ones: under READ
-// COMMITTED (PostgreSQL's default, which the inbox's transactions use) the second insert waits
-// for the first transaction and then affects 0 rows. There is no check-then-insert race, and
-// no unique-violation error that would abort the transaction.
+// COMMITTED the second insert waits for the first transaction and then affects 0 rows. There
+// is no check-then-insert race, and no unique-violation error that would abort the
+// transaction.
 const claimInboxSQL = `INSERT INTO inbox_messages (message_id, consumer, processed_at)
 VALUES (?, ?, now())
 ON CONFLICT (message_id, consumer) DO NOTHING`
+
+// inboxTxOptions sets READ COMMITTED on the inbox's transactions rather than trusting
+// PostgreSQL's default, which default_transaction_isolation (per server, database or role) can
+// change: under REPEATABLE READ or SERIALIZABLE the waiting claim fails with a serialization
+// error instead of finding the duplicate. A DB that is itself inside a transaction keeps that
+// transaction's isolation.
+var inboxTxOptions = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 
 // Inbox makes a consumer's work idempotent: it runs the work for a message at most once per
 // consumer name, in the same transaction as the record that it did.
@@ -60,7 +68,6 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	err = in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		hooks.fns = nil
 		res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
 		if res.Error != nil {
 			return fmt.Errorf("claim inbox message %s: %w", msg.ID, res.Error)
@@ -69,7 +76,7 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 			return nil
 		}
 		return work(tx)
-	})
+	}, inboxTxOptions)
 	if err != nil {
 		// Ask the database directly, on a context of its own: a database that swallows traffic
 		// shows up as the handler's deadline passing, and that must not count as the message's
@@ -130,7 +137,6 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	var duplicates []Message
 	err := in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		hooks.fns, duplicates = nil, nil
 		for _, msg := range msgs {
 			res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
 			if res.Error != nil {
@@ -145,7 +151,7 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 			}
 		}
 		return nil
-	})
+	}, inboxTxOptions)
 	if err != nil {
 		return err
 	}

@@ -616,3 +616,84 @@ func TestInboxBatchIsAllOrNothing(t *testing.T) {
 		t.Fatalf("work %d, hooks %d, duplicate lines %d; want 2, 2, 1", w, hooks, len(b.duplicateLines(good1.ID)))
 	}
 }
+
+// The inbox sets READ COMMITTED itself: on a database whose default isolation is SERIALIZABLE,
+// concurrent duplicates must still be told apart without errors, alone and in batches.
+func TestInboxUsesReadCommittedWhateverTheDatabaseDefault(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	if err := b.db.DB.Exec("ALTER DATABASE " + b.db.Name + " SET default_transaction_isolation = 'serializable'").Error; err != nil {
+		t.Fatal(err)
+	}
+	// The setting applies to sessions that start after it: a new pool.
+	db, err := testenv.OpenGORM(b.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if sqlDB, err := db.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+	})
+	isolation := func(tx *gorm.DB) string {
+		var level string
+		if err := tx.Raw("SHOW transaction_isolation").Scan(&level).Error; err != nil {
+			t.Error(err)
+		}
+		return level
+	}
+	_ = db.Transaction(func(tx *gorm.DB) error {
+		if got := isolation(tx); got != "serializable" {
+			t.Fatalf("a plain transaction runs at %q, want the database's default, serializable", got)
+		}
+		return nil
+	})
+
+	in := newInbox(t, db, consumerName, b.log)
+	single, batched := newMessage(t, 1), newMessage(t, 2)
+	const deliveries = 10
+	var wg sync.WaitGroup
+	var dups, errs atomic.Int32
+	var levels sync.Map
+	start := make(chan struct{})
+	for i := range 2 * deliveries {
+		wg.Go(func() {
+			<-start
+			work := func(tx *gorm.DB, msg messaging.Message) error {
+				levels.Store(isolation(tx), true)
+				time.Sleep(10 * time.Millisecond) // widen the window in which the others arrive
+				return doWork(tx, msg)
+			}
+			if i%2 == 0 {
+				dup, err := in.Handle(context.Background(), single, func(tx *gorm.DB) error { return work(tx, single) })
+				if err != nil {
+					t.Errorf("Handle: %v", err)
+					errs.Add(1)
+				}
+				if dup {
+					dups.Add(1)
+				}
+				return
+			}
+			if err := in.HandleBatch(context.Background(), []messaging.Message{batched}, work); err != nil {
+				t.Errorf("HandleBatch: %v", err)
+				errs.Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if errs.Load() != 0 || dups.Load() != deliveries-1 || b.workDone(t) != 2 {
+		t.Fatalf("errors=%d single duplicates=%d work=%d, want 0, %d, 2", errs.Load(), dups.Load(), b.workDone(t), deliveries-1)
+	}
+	if n := len(b.duplicateLines(batched.ID)); n != deliveries-1 {
+		t.Fatalf("%d duplicate log lines for the batched message, want %d", n, deliveries-1)
+	}
+	levels.Range(func(level, _ any) bool {
+		if level != "read committed" {
+			t.Errorf("inbox work ran at %q, want read committed", level)
+		}
+		return true
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -17,21 +18,27 @@ const NotifyChannel = "outbox_messages"
 // insertOutboxSQL is followed by one "(?, ?, ?, ?, ?)" per message.
 const insertOutboxSQL = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at) VALUES `
 
+// maxInsertRows is the most rows one INSERT may carry: PostgreSQL's wire protocol numbers a
+// statement's parameters with 16 bits, and each row takes 5 of them.
+const maxInsertRows = 65535 / 5
+
 // ErrNotInTransaction is returned by [Enqueue] when it is given a *gorm.DB that is not inside
 // a transaction.
 var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transaction")
 
 // OutboxMessage is one row of outbox_messages: an event waiting to be, or already, published.
+// It is for reading rows; the library's migrations define the table and its column defaults,
+// and only [Enqueue] inserts.
 type OutboxMessage struct {
 	ID            uuid.UUID       `gorm:"type:uuid;primaryKey"`
 	Type          string          `gorm:"not null"`
 	Payload       json.RawMessage `gorm:"type:jsonb;not null"`
-	CorrelationID string          `gorm:"not null;default:''"`
+	CorrelationID string          `gorm:"not null"`
 	OccurredAt    time.Time       `gorm:"not null"`
 	ProcessedAt   *time.Time      // set once the broker confirmed the publish
-	Attempts      int             `gorm:"not null;default:0"`
+	Attempts      int             `gorm:"not null"`
 	LastError     *string
-	NextAttemptAt time.Time `gorm:"not null;default:now()"` // the database's clock decides when a row is due
+	NextAttemptAt time.Time `gorm:"not null"` // the database's clock decides when a row is due
 }
 
 // TableName pins the table name the migrations create.
@@ -57,14 +64,33 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	values := make([]string, len(msgs))
-	args := make([]any, 0, 5*len(msgs))
 	for i, m := range msgs {
 		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
 			return fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
 		}
+	}
+	now := time.Now().UTC()
+	for chunk := range slices.Chunk(msgs, maxInsertRows) {
+		if err := insertOutbox(tx, chunk, now); err != nil {
+			return err
+		}
+	}
+	// NOTIFY inside the transaction is delivered only if and when it commits: the relay wakes
+	// exactly when the rows become visible to it.
+	if err := tx.Exec("SELECT pg_notify(?, '')", NotifyChannel).Error; err != nil {
+		return fmt.Errorf("outbox: notify relay: %w", err)
+	}
+	return nil
+}
+
+// insertOutbox inserts msgs, at most maxInsertRows of them, in one statement. Messages without
+// an OccurredAt get now.
+func insertOutbox(tx *gorm.DB, msgs []Message, now time.Time) error {
+	values := make([]string, len(msgs))
+	args := make([]any, 0, 5*len(msgs))
+	for i, m := range msgs {
 		if m.OccurredAt.IsZero() {
-			m.OccurredAt = time.Now().UTC()
+			m.OccurredAt = now
 		}
 		values[i] = "(?, ?, ?, ?, ?)"
 		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt)
@@ -73,11 +99,6 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 	// database's clock.
 	if err := tx.Exec(insertOutboxSQL+strings.Join(values, ", "), args...).Error; err != nil {
 		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
-	}
-	// NOTIFY inside the transaction is delivered only if and when it commits: the relay wakes
-	// exactly when the rows become visible to it.
-	if err := tx.Exec("SELECT pg_notify(?, '')", NotifyChannel).Error; err != nil {
-		return fmt.Errorf("outbox: notify relay: %w", err)
 	}
 	return nil
 }

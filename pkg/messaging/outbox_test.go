@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"gorm.io/gorm"
 
@@ -54,6 +55,52 @@ func TestEnqueueCommitsAndRollsBackWithBusinessData(t *testing.T) {
 	if n := testenv.Count(t, db, `SELECT count(*) FROM outbox_messages o JOIN orders ON orders.id = o.id
 		WHERE o.type = 'OrderPlaced' AND o.processed_at IS NULL AND o.attempts = 0 AND o.next_attempt_at <= now()`); n != 1 {
 		t.Errorf("committed outbox row is not a due, unsent OrderPlaced row with the order's id")
+	}
+}
+
+// One Enqueue of more messages than one statement can carry (PostgreSQL takes at most 65,535
+// parameters, 5 per row): every row is written, in the caller's transaction, and a rollback
+// leaves none.
+func TestEnqueueTakesMoreMessagesThanOneStatementCarries(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := b.db.DB
+	const n = 30_000
+	batch := func() ([]messaging.Message, []uuid.UUID) {
+		msgs, ids := make([]messaging.Message, n), make([]uuid.UUID, n)
+		for i := range msgs {
+			msgs[i] = newMessage(t, i)
+			ids[i] = msgs[i].ID
+		}
+		return msgs, ids
+	}
+
+	rolledBack, _ := batch()
+	err := db.Transaction(func(tx *gorm.DB) error {
+		if err := messaging.Enqueue(tx, rolledBack...); err != nil {
+			t.Fatalf("enqueue %d messages: %v", n, err)
+		}
+		return errors.New("roll back")
+	})
+	if err == nil {
+		t.Fatal("want the rolled-back transaction's error")
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); got != 0 {
+		t.Fatalf("after a rollback: %d outbox rows, want 0", got)
+	}
+
+	committed, ids := batch()
+	if err := db.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, committed...) }); err != nil {
+		t.Fatalf("enqueue %d messages: %v", n, err)
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); got != n {
+		t.Fatalf("%d outbox rows, want %d", got, n)
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages WHERE id IN ?", ids); got != n {
+		t.Fatalf("%d of the %d enqueued ids found", got, n)
+	}
+	if got := testenv.Count(t, db, "SELECT count(DISTINCT (payload->>'n')::int) FROM outbox_messages"); got != n {
+		t.Fatalf("%d distinct payloads, want %d", got, n)
 	}
 }
 
