@@ -224,7 +224,7 @@ func postThroughput(t *testing.T, r *report, binDir string, b2 float64) {
 					errs.Add(1)
 					continue
 				}
-				_, _ = drainBody(resp)
+				drainBody(resp)
 				if resp.StatusCode != http.StatusCreated {
 					errs.Add(1)
 					continue
@@ -272,7 +272,7 @@ func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 				errs.Add(1)
 				return
 			}
-			_, _ = drainBody(resp)
+			drainBody(resp)
 			if resp.StatusCode != http.StatusCreated {
 				errs.Add(1)
 			}
@@ -391,7 +391,7 @@ func consumerThroughput(t *testing.T, r *report, binDir string, baseline float64
 	return perSec
 }
 
-func drainBody(resp *http.Response) (int64, error) {
+func drainBody(resp *http.Response) {
 	defer resp.Body.Close()
-	return io.Copy(io.Discard, resp.Body)
+	_, _ = io.Copy(io.Discard, resp.Body)
 }

@@ -311,18 +311,22 @@ func (d *drainSetup) settle(t *testing.T) {
 	}
 }
 
-// drain runs relays until none of the n committed rows is left unsent, and returns the rate
+// inProcessBacklog is the rows each in-process drain sends.
+const inProcessBacklog = 50_000
+
+// drain runs relays until none of the inProcessBacklog committed rows is left unsent, and returns the rate
 // (on the database's clock, from the relays' start to the last processed_at) and how many
 // messages reached the queue, duplicates included.
-func (d *drainSetup) drain(t *testing.T, relays, n int) (float64, int) {
+func (d *drainSetup) drain(t *testing.T, relays int) (float64, int) {
 	t.Helper()
+	const n = inProcessBacklog
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	start := dbNow(t, d.db.DB)
 	for range relays {
 		pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(),
 			Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, d.exchange) }})
-		defer pub.Close()
+		t.Cleanup(pub.Close)
 		relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.db.DB, Sender: pub, Exchange: d.exchange, PollInterval: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
@@ -347,19 +351,19 @@ func (d *drainSetup) drain(t *testing.T, relays, n int) (float64, int) {
 // queue bound, to compare relays with relays.
 func relayInProcess(t *testing.T, r *report) {
 	t.Helper()
-	const n = 50_000
+	const n = inProcessBacklog
 	d := newDrainSetup(t)
 	// The first drain on a new database is cold (new connections, empty caches, no statistics).
 	// Every compared drain comes after an earlier one, on a settled table, with its rows
 	// committed then: warm is compared with warm.
 	fillOutbox(t, d.db.DB, n)
-	cold, gotCold := d.drain(t, 1, n)
+	cold, gotCold := d.drain(t, 1)
 	d.settle(t)
 	fillOutbox(t, d.db.DB, n)
-	warm, got := d.drain(t, 1, n)
+	warm, got := d.drain(t, 1)
 	d.settle(t)
 	fillOutbox(t, d.db.DB, n)
-	three, got3 := d.drain(t, 3, n)
+	three, got3 := d.drain(t, 3)
 	if gotCold != n || got != n {
 		t.Errorf("1 relay: the queue got %d and %d messages, want %d each", gotCold, got, n)
 	}
@@ -380,7 +384,7 @@ func relayInProcess(t *testing.T, r *report) {
 	}
 	fmt.Printf("EXPLAIN of the claim with 1,000,000 sent and %d unsent rows:\n  %s\n", n, strings.Join(plan, "\n  "))
 	usesIndex := strings.Contains(strings.Join(plan, " "), "outbox_messages_unprocessed_idx")
-	scale, gotScale := d.drain(t, 1, n)
+	scale, gotScale := d.drain(t, 1)
 
 	r.add("in-process: 1 relay drains 50,000 rows, warm (claim, publish, confirm, mark)", fmt.Sprintf("%.0f msg/s", warm), "", "", "", true)
 	r.add("   the same, the first drain on a new database (cold)", fmt.Sprintf("%.0f msg/s", cold), "1 relay, warm", fmt.Sprintf("%.2f", cold/warm), "", true)

@@ -310,7 +310,7 @@ func TestDockerfile(t *testing.T) {
 		t.Fatal(err)
 	}
 	goVersion := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindSubmatch(goMod)
-	if goVersion == nil || !strings.HasPrefix(froms[0], "golang:"+string(goVersion[1])) {
+	if len(goVersion) < 2 || !strings.HasPrefix(froms[0], "golang:"+string(goVersion[1])) {
 		t.Errorf("build stage FROM %q, want golang:%s (go.mod's version)", froms[0], goVersion[1])
 	}
 	runtime := strings.Fields(froms[len(froms)-1])[0]

@@ -3,6 +3,7 @@ package platform
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -71,7 +72,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
 			defer func() {
 				if p := recover(); p != nil {
-					if p == http.ErrAbortHandler {
+					if err, ok := p.(error); ok && errors.Is(err, http.ErrAbortHandler) {
 						panic(p)
 					}
 					log.Error("handler panicked", "panic", p, "method", req.Method, "path", req.URL.Path)

@@ -17,7 +17,7 @@ import (
 )
 
 // ShutdownTimeout bounds how long in-flight HTTP requests may take to finish after a signal;
-// with the workers' own grace periods the process exits within 10 s (CONTRACT.md).
+// with the workers' own grace periods the process exits within 10 s (README, Configuration).
 const ShutdownTimeout = 8 * time.Second
 
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run

@@ -64,12 +64,12 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	id, err := uuid.Parse(d.MessageId)
 	if err != nil {
-		return Message{}, Permanent(fmt.Errorf("invalid message_id %q: %w", truncate(d.MessageId, 64), err))
+		return Message{}, Permanent(fmt.Errorf("invalid message_id %q: %w", truncate(d.MessageId), err))
 	}
 	if d.ContentType != "" {
 		mt, _, err := mime.ParseMediaType(d.ContentType)
 		if err != nil || mt != contentTypeJSON {
-			return Message{}, Permanent(fmt.Errorf("content type %q is not %s", truncate(d.ContentType, 64), contentTypeJSON))
+			return Message{}, Permanent(fmt.Errorf("content type %q is not %s", truncate(d.ContentType), contentTypeJSON))
 		}
 	}
 	if maxBody > 0 && len(d.Body) > maxBody {
@@ -85,11 +85,15 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	return Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: corr}, nil
 }
 
-func truncate(s string, n int) string {
-	if len(s) <= n {
+// maxEchoed is how much of a field from a bad message an error or a log line repeats.
+const maxEchoed = 64
+
+// truncate shortens a field from an untrusted message for errors and logs.
+func truncate(s string) string {
+	if len(s) <= maxEchoed {
 		return s
 	}
-	return s[:n] + "…"
+	return s[:maxEchoed] + "…"
 }
 
 // connWatch drains a connection's notifications (an undrained Notify channel stalls the

@@ -394,7 +394,7 @@ func (c *Consumer) attempt(ctx context.Context, msg Message) error {
 // deadLetter rejects without requeue: the queue's dead-letter settings route the message to
 // its dead-letter queue, and the messages behind it carry on.
 func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
-	c.log.Error("message dead-lettered", "message_id", truncate(messageID, 64), "type", truncate(d.Type, 64),
+	c.log.Error("message dead-lettered", "message_id", truncate(messageID), "type", truncate(d.Type),
 		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
 	if c.settle(c.log, "reject", d.Reject(false)) {
 		c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")

@@ -55,7 +55,7 @@ func ExampleEnqueue() {
 		return messaging.Enqueue(tx, msg) // refuses a plain *gorm.DB: it must be the same transaction
 	})
 	if err != nil {
-		log.Fatal(err)
+		panic(err) // panic, not log.Fatal: the deferred cleanup still runs
 	}
 	var unsent int64
 	db.Raw("SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL").Scan(&unsent)
@@ -79,18 +79,18 @@ func ExampleRelay() {
 		return messaging.Enqueue(tx, msg)
 	})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(), AppID: "order",
 		Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, exchange) }})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: db, Sender: pub, Exchange: exchange})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	res, err := relay.ProcessBatch(context.Background())
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	fmt.Printf("claimed %d, sent %d, queued %d\n", res.Claimed, res.Sent, queued())
 	// Output: claimed 1, sent 1, queued 1
@@ -104,7 +104,7 @@ func ExampleHandle() {
 	defer done()
 	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: "invoicing", URL: testenv.AMQPURL(), DB: db, Logger: quiet})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *gorm.DB, ev OrderPlaced, msg messaging.Message) error {
 		fmt.Println("invoice", ev.TotalCents)
@@ -120,7 +120,7 @@ func ExampleHandle() {
 	for _, msg := range []messaging.Message{placed, cancelled, placed} {
 		duplicate, err := sub.Deliver(context.Background(), msg)
 		if err != nil {
-			log.Fatal(err)
+			panic(err)
 		}
 		if duplicate {
 			fmt.Println("duplicate skipped")
@@ -140,7 +140,7 @@ func Example_consumerOutbox() {
 	defer done()
 	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: "invoicing", URL: testenv.AMQPURL(), DB: db, Logger: quiet})
 	if err != nil {
-		log.Fatal(err)
+		panic(err)
 	}
 	messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *gorm.DB, ev OrderPlaced, msg messaging.Message) error {
 		issued, err := invoiceIssued.Message(InvoiceIssued{OrderID: ev.OrderID, AmountCents: ev.TotalCents})
@@ -152,7 +152,7 @@ func Example_consumerOutbox() {
 	placed, _ := orderPlaced.Message(OrderPlaced{OrderID: uuid.New(), TotalCents: 2500})
 	for range 2 {
 		if _, err := sub.Deliver(context.Background(), placed); err != nil {
-			log.Fatal(err)
+			panic(err)
 		}
 	}
 	var issued int64

@@ -28,7 +28,7 @@ func (e Event[T]) Message(payload T) (Message, error) { return NewMessage(e.Type
 func (e Event[T]) Decode(msg Message) (T, error) {
 	var zero T
 	if msg.Type != e.Type {
-		return zero, Permanent(fmt.Errorf("message of type %q is not %s", truncate(msg.Type, 64), e.Type))
+		return zero, Permanent(fmt.Errorf("message of type %q is not %s", truncate(msg.Type), e.Type))
 	}
 	v, err := Decode[T](msg)
 	if err != nil {
@@ -208,7 +208,7 @@ func (s *Subscription) chain() HandlerFunc {
 func (s *Subscription) route(ctx context.Context, tx *gorm.DB, msg Message) error {
 	h, ok := s.routes[msg.Type]
 	if !ok {
-		return Permanent(fmt.Errorf("no handler for message type %q", truncate(msg.Type, 64)))
+		return Permanent(fmt.Errorf("no handler for message type %q", truncate(msg.Type)))
 	}
 	return h(ctx, tx, msg)
 }
@@ -219,7 +219,7 @@ func (s *Subscription) known(batch BatchHandler) BatchHandler {
 	return func(ctx context.Context, msgs []Message) error {
 		for _, m := range msgs {
 			if _, ok := s.routes[m.Type]; !ok {
-				return Permanent(fmt.Errorf("no handler for message type %q", truncate(m.Type, 64)))
+				return Permanent(fmt.Errorf("no handler for message type %q", truncate(m.Type)))
 			}
 		}
 		return batch(ctx, msgs)

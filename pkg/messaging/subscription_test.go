@@ -210,7 +210,6 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	if err := s.Topology().Declare(ch); err != nil {
 		t.Fatal(err)
 	}
-	var ids []uuid.UUID
 	for i := range 10 {
 		order := uuid.New()
 		if i == 4 {
@@ -220,7 +219,6 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ids = append(ids, m.ID)
 		b.publish(t, b.exchange, m)
 	}
 	run(t, s.Run)

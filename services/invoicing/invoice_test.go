@@ -159,7 +159,7 @@ func TestListInvoices(t *testing.T) {
 		defer resp.Body.Close()
 		body, _ := io.ReadAll(resp.Body)
 		var list []Invoice
-		if resp.StatusCode == 200 {
+		if resp.StatusCode == http.StatusOK {
 			if err := json.Unmarshal(body, &list); err != nil {
 				t.Fatalf("%s: %v", body, err)
 			}

@@ -202,7 +202,7 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 			t.Errorf("GET %s = %d %s, want %d problem+json", url, resp.StatusCode, body, status)
 		}
 	}
-	if resp, _ := b.post(t, validBody, "application/json", strings.Repeat("k", 256)); resp.StatusCode != 400 {
+	if resp, _ := b.post(t, validBody, "application/json", strings.Repeat("k", 256)); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("256-character Idempotency-Key: status %d, want 400", resp.StatusCode)
 	}
 	if c := b.counts(t); c != [3]int64{0, 0, 0} {
@@ -214,19 +214,19 @@ func TestIdempotencyKeyReturnsTheFirstOrder(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	first, body := b.post(t, validBody, "application/json", "key-1")
-	if first.StatusCode != 201 {
+	if first.StatusCode != http.StatusCreated {
 		t.Fatalf("first: %d %s", first.StatusCode, body)
 	}
 	// The same command with other spacing is the same command.
 	again, body2 := b.post(t, strings.ReplaceAll(validBody, " ", ""), "application/json", "key-1")
-	if again.StatusCode != 201 || again.Header.Get("Location") != first.Header.Get("Location") || again.Header.Get("Idempotent-Replayed") != "true" {
+	if again.StatusCode != http.StatusCreated || again.Header.Get("Location") != first.Header.Get("Location") || again.Header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("replay: %d %s %s", again.StatusCode, again.Header.Get("Location"), body2)
 	}
 	if !bytes.Equal(body, body2) {
 		t.Fatalf("replay body differs:\n%s\n%s", body, body2)
 	}
 	other, body3 := b.post(t, strings.Replace(validBody, `"quantity": 2`, `"quantity": 3`, 1), "application/json", "key-1")
-	if other.StatusCode != 422 || other.Header.Get("Content-Type") != "application/problem+json" {
+	if other.StatusCode != http.StatusUnprocessableEntity || other.Header.Get("Content-Type") != "application/problem+json" {
 		t.Fatalf("same key, other body: %d %s", other.StatusCode, body3)
 	}
 	if c := b.counts(t); c != [3]int64{1, 2, 1} {
@@ -255,7 +255,7 @@ func TestConcurrentRequestsWithOneIdempotencyKeyPlaceOneOrder(t *testing.T) {
 				return
 			}
 			resp.Body.Close()
-			if resp.StatusCode != 201 {
+			if resp.StatusCode != http.StatusCreated {
 				t.Errorf("status %d", resp.StatusCode)
 			}
 			locations <- resp.Header.Get("Location")
@@ -284,10 +284,10 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 	}
 	_ = sqlDB.Close()
 	resp, body := b.post(t, validBody, "application/json", "")
-	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" {
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" {
 		t.Fatalf("POST with the database gone = %d %s", resp.StatusCode, body)
 	}
-	if resp, _ := do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz")); resp.StatusCode != 503 {
+	if resp, _ := do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz")); resp.StatusCode != http.StatusServiceUnavailable {
 		t.Fatalf("/readyz with the database gone = %d, want 503", resp.StatusCode)
 	}
 }
