@@ -100,19 +100,23 @@ type afterCommitKey struct{}
 
 type afterCommitHooks struct{ fns []func() }
 
+// ErrNotInInbox is returned by [AfterCommit] for a transaction that is not an inbox's.
+var ErrNotInInbox = errors.New("after commit: not the transaction of an inbox")
+
 // AfterCommit registers fn to run once the inbox transaction tx belongs to has committed: the
 // place to log what the work did, or to start work outside the database, so that neither
-// happens for a transaction that rolls back. It reports false, and drops fn, when tx is not
-// the transaction of [Inbox.Handle] or [Inbox.HandleBatch]. A hook registered inside a nested
+// happens for a transaction that rolls back. It returns [ErrNotInInbox], and drops fn, when tx
+// is not the transaction of [Inbox.Handle] or [Inbox.HandleBatch]: return that error, and the
+// message is retried instead of losing its hook. A hook registered inside a nested
 // tx.Transaction (a savepoint) runs if the outer transaction commits, even when the savepoint
 // was rolled back: register hooks outside savepoints.
-func AfterCommit(tx *gorm.DB, fn func()) bool {
+func AfterCommit(tx *gorm.DB, fn func()) error {
 	hooks, ok := tx.Statement.Context.Value(afterCommitKey{}).(*afterCommitHooks)
 	if !ok {
-		return false
+		return ErrNotInInbox
 	}
 	hooks.fns = append(hooks.fns, fn)
-	return true
+	return nil
 }
 
 // Handler adapts the inbox to a [Consumer]: every delivery runs through Handle. work gets the

@@ -506,8 +506,8 @@ func TestAfterCommitRunsOnlyForCommittedWork(t *testing.T) {
 	var ran []string
 	work := func(fail bool) func(tx *gorm.DB) error {
 		return func(tx *gorm.DB) error {
-			if !messaging.AfterCommit(tx, func() { ran = append(ran, fmt.Sprint("fail=", fail)) }) {
-				t.Fatal("AfterCommit refused the inbox's transaction")
+			if err := messaging.AfterCommit(tx, func() { ran = append(ran, fmt.Sprint("fail=", fail)) }); err != nil {
+				t.Fatalf("AfterCommit refused the inbox's transaction: %v", err)
 			}
 			if fail {
 				return errors.New("roll back")
@@ -526,8 +526,8 @@ func TestAfterCommitRunsOnlyForCommittedWork(t *testing.T) {
 		t.Fatalf("hooks ran %v, want only the committed delivery's", ran)
 	}
 	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
-		if messaging.AfterCommit(tx, func() {}) {
-			t.Error("AfterCommit accepted a transaction that is not an inbox's")
+		if err := messaging.AfterCommit(tx, func() {}); !errors.Is(err, messaging.ErrNotInInbox) {
+			t.Errorf("AfterCommit on a transaction that is not an inbox's: %v, want ErrNotInInbox", err)
 		}
 		return nil
 	}); err != nil {
@@ -596,7 +596,9 @@ func TestInboxBatchIsAllOrNothing(t *testing.T) {
 	good1, bad, good2 := newMessage(t, 1), newMessage(t, 2), newMessage(t, 3)
 	var hooks int
 	work := func(tx *gorm.DB, msg messaging.Message) error {
-		messaging.AfterCommit(tx, func() { hooks++ })
+		if err := messaging.AfterCommit(tx, func() { hooks++ }); err != nil {
+			return err
+		}
 		if msg.ID == bad.ID {
 			return errors.New("fails")
 		}

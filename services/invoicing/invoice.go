@@ -80,10 +80,9 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced
 	if err := messaging.Enqueue(tx, issued); err != nil {
 		return err
 	}
-	messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(tx, func() {
 		h.log.Info("invoice issued", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
 	})
-	return nil
 }
 
 // alreadyKnown handles an OrderPlaced whose order has its invoice row already.
@@ -93,18 +92,16 @@ func (h invoicer) alreadyKnown(tx *gorm.DB, ev events.OrderPlaced) error {
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
 	}
 	if existing.Status == StatusIssued {
-		messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(tx, func() {
 			h.log.Warn("order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
 		})
-		return nil
 	}
 	if err := tx.Model(&existing).Update("amount_cents", ev.TotalCents).Error; err != nil {
 		return fmt.Errorf("record the amount of void invoice %s: %w", existing.ID, err)
 	}
-	messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(tx, func() {
 		h.log.Info("order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
 	})
-	return nil
 }
 
 // cancelled voids the order's invoice; if the order has none yet, a void row remembers the
@@ -120,10 +117,9 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		return err
 	}
 	if remembered {
-		messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(tx, func() {
 			h.log.Info("cancellation remembered before its order", "order_id", ev.OrderID, "invoice_id", inv.ID, "message_id", msg.ID)
 		})
-		return nil
 	}
 	var voided Invoice
 	res := tx.Model(&voided).Clauses(clause.Returning{}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
@@ -131,12 +127,12 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	if res.Error != nil {
 		return fmt.Errorf("void invoice of order %s: %w", ev.OrderID, res.Error)
 	}
-	if res.RowsAffected > 0 {
-		messaging.AfterCommit(tx, func() {
-			h.log.Info("invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
-		})
+	if res.RowsAffected == 0 {
+		return nil // void already: a cancellation from another message, or a remembered one
 	}
-	return nil
+	return messaging.AfterCommit(tx, func() {
+		h.log.Info("invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
+	})
 }
 
 func newInvoice(orderID uuid.UUID, customerID string, amount int64, status string, msg messaging.Message) (Invoice, error) {

@@ -151,17 +151,15 @@ func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) err
 		return fmt.Errorf("insert %s notification for order %s: %w", n.Kind, n.OrderID, res.Error)
 	}
 	if res.RowsAffected == 0 {
-		messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(tx, func() {
 			h.log.Warn("order already has a "+n.Kind+" notification from another message; nothing to do",
 				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		})
-		return nil
 	}
-	messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(tx, func() {
 		h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
 		if h.recorded != nil {
 			h.recorded()
 		}
 	})
-	return nil
 }
