@@ -122,22 +122,8 @@ func (c *Consumer) Ready() bool { return c.ready.Load() }
 // Run consumes until ctx ends, reconnecting after every connection loss, and returns nil once
 // in-flight messages are settled.
 func (c *Consumer) Run(ctx context.Context) error {
-	failures := 0
-	for {
-		consumed, err := c.session(ctx)
-		if ctx.Err() != nil {
-			return nil
-		}
-		if consumed {
-			failures = 0
-		}
-		failures++
-		delay := c.cfg.Reconnect.Delay(failures)
-		c.log.Warn("consumer disconnected; reconnecting", "error", err, "retry_in", delay)
-		if !sleep(ctx, nil, delay) {
-			return nil
-		}
-	}
+	reconnect(ctx, c.cfg.Reconnect, c.log, "consumer disconnected; reconnecting", c.session)
+	return nil
 }
 
 // session runs one connection's life. consumed reports whether it got as far as consuming.
@@ -314,7 +300,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 			delay = c.cfg.RetryBackoff.Delay(failures)
 			log.Warn("handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
 		}
-		sleep(session, nil, delay)
+		Sleep(session, nil, delay)
 	}
 }
 

@@ -170,13 +170,13 @@ func (r *Relay) lane(ctx context.Context, wake *broadcast) {
 			r.awaitBroker(ctx)
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
-			sleep(ctx, nil, Jitter(r.cfg.PollInterval))
+			Sleep(ctx, nil, Jitter(r.cfg.PollInterval))
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
 			}
 			if res.Claimed < r.cfg.BatchSize {
-				sleep(ctx, woken, Jitter(r.cfg.PollInterval))
+				Sleep(ctx, woken, Jitter(r.cfg.PollInterval))
 			}
 		}
 	}
@@ -363,7 +363,7 @@ func (r *Relay) isBrokerDown() bool {
 func (r *Relay) awaitBroker(ctx context.Context) {
 	probe, canProbe := r.cfg.Sender.(brokerProbe)
 	for failures := 1; ; failures++ {
-		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
+		if !Sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
 			return
 		}
 		if probe.Connect(ctx) == nil {
@@ -377,23 +377,9 @@ func (r *Relay) awaitBroker(ctx context.Context) {
 // as long as the relay runs (size the pool for it). While it cannot listen, polling still
 // moves everything, only later.
 func (r *Relay) listen(ctx context.Context, wake *broadcast) {
-	retry := Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}
-	failures := 0
-	for {
-		listened, err := r.listenOnce(ctx, wake)
-		if ctx.Err() != nil {
-			return
-		}
-		if listened {
-			failures = 0
-		}
-		failures++
-		delay := retry.Delay(failures)
-		r.log.Warn("relay lost its LISTEN connection; polling meanwhile", "error", err, "retry_in", delay)
-		if !sleep(ctx, nil, delay) {
-			return
-		}
-	}
+	reconnect(ctx, Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}, r.log,
+		"relay lost its LISTEN connection; polling meanwhile",
+		func(ctx context.Context) (bool, error) { return r.listenOnce(ctx, wake) })
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.
@@ -455,20 +441,6 @@ func (b *broadcast) signal() {
 	defer b.mu.Unlock()
 	close(b.c)
 	b.c = make(chan struct{})
-}
-
-// sleep waits for d, an event on wake (nil: none) or the end of ctx, and reports whether ctx
-// is still live.
-func sleep(ctx context.Context, wake <-chan struct{}, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-wake:
-	case <-t.C:
-	}
-	return true
 }
 
 // withGrace returns a context that ends grace after parent does (or when cancel is called):

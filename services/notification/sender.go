@@ -90,8 +90,6 @@ func (s *sender) Wake() {
 // Run delivers until ctx ends. A delivery in progress at that moment may finish, and be
 // marked sent, within the grace period: a clean shutdown never repeats an e-mail.
 func (s *sender) Run(ctx context.Context) error {
-	timer := time.NewTimer(0)
-	defer timer.Stop()
 	for {
 		delivered, err := s.deliverOne(ctx)
 		if ctx.Err() != nil {
@@ -100,15 +98,8 @@ func (s *sender) Run(ctx context.Context) error {
 		if err != nil {
 			s.log.Error("notification delivery round failed", "error", err)
 		}
-		if delivered {
-			continue
-		}
-		timer.Reset(messaging.Jitter(s.poll))
-		select {
-		case <-ctx.Done():
+		if !delivered && !messaging.Sleep(ctx, s.wake, messaging.Jitter(s.poll)) {
 			return nil
-		case <-s.wake:
-		case <-timer.C:
 		}
 	}
 }
