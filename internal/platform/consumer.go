@@ -3,8 +3,11 @@ package platform
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -72,4 +75,23 @@ func (b *Base) ConsumerReady(sub *messaging.Subscription) ReadyFunc {
 		}
 		return nil
 	}
+}
+
+// ServeConsumer runs a consumer service once its handlers are registered on sub: sub itself,
+// the inbox cleanup and workers, and an HTTP server on addr that is ready while the database
+// and the broker both work and serves GET path, the records of type T by order (see
+// ListByOrder).
+func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, path string, sub *messaging.Subscription, s ConsumerSettings, workers ...Worker) error {
+	if err := sub.Start(); err != nil {
+		return err
+	}
+	router := NewRouter(log, b.Registry, b.ConsumerReady(sub))
+	router.Get(path, ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error) {
+		return ListRecent[T](ctx, b.DB, orderID, limit)
+	}))
+	workers = append(workers, sub.Run, b.InboxCleanup(log, s.InboxRetention))
+	if err := Serve(ctx, log, NewServer(addr, router), workers...); err != nil {
+		return fmt.Errorf("run: %w", err)
+	}
+	return nil
 }

@@ -5,10 +5,7 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
-
-	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
@@ -47,17 +44,5 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	invoicer{log: log}.subscribe(sub)
-	if err := sub.Start(); err != nil {
-		return err
-	}
-
-	router := platform.NewRouter(log, base.Registry, base.ConsumerReady(sub))
-	router.Get("/invoices", platform.ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]Invoice, error) {
-		return platform.ListRecent[Invoice](ctx, base.DB, orderID, limit)
-	}))
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router),
-		sub.Run, outbox.Relay.Run, outbox.Cleanup, base.InboxCleanup(log, settings.InboxRetention)); err != nil {
-		return fmt.Errorf("run: %w", err)
-	}
-	return nil
+	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings, outbox.Relay.Run, outbox.Cleanup)
 }

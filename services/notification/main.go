@@ -5,13 +5,10 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"net/mail"
 	"os"
 	"strings"
 	"time"
-
-	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -58,17 +55,5 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	notifier{log: log, domain: domain, recorded: send.Wake}.subscribe(sub)
-	if err := sub.Start(); err != nil {
-		return err
-	}
-
-	router := platform.NewRouter(log, base.Registry, base.ConsumerReady(sub))
-	router.Get("/notifications", platform.ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]Notification, error) {
-		return platform.ListRecent[Notification](ctx, base.DB, orderID, limit)
-	}))
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router),
-		sub.Run, send.Run, base.InboxCleanup(log, settings.InboxRetention)); err != nil {
-		return fmt.Errorf("run: %w", err)
-	}
-	return nil
+	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings, send.Run)
 }
