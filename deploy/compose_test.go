@@ -133,6 +133,31 @@ func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	}
 }
 
+// The services are the folders of services/ (the Dockerfile, run-local.sh and the system
+// tests find them there): each must be described in apps, so that the tests below hold
+// docker-compose.yml and the database init scripts to it.
+func TestAppsAreTheServicesFolders(t *testing.T) {
+	t.Parallel()
+	entries, err := os.ReadDir(filepath.Join(root, "services"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var folders, described []string
+	for _, e := range entries {
+		if _, err := os.Stat(filepath.Join(root, "services", e.Name(), "main.go")); e.IsDir() && err == nil {
+			folders = append(folders, e.Name())
+		}
+	}
+	for _, a := range apps {
+		described = append(described, a.name)
+	}
+	slices.Sort(folders)
+	slices.Sort(described)
+	if !slices.Equal(folders, described) {
+		t.Fatalf("services/ holds %v, but the compose tests describe %v: describe every service in apps", folders, described)
+	}
+}
+
 func TestComposeApps(t *testing.T) {
 	t.Parallel()
 	p := loadProject(t)

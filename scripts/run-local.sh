@@ -16,7 +16,10 @@ AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
 LOG_LEVEL="${LOG_LEVEL:-info}"
 
 command -v psql >/dev/null || { echo "run-local: psql not found (install the PostgreSQL client)" >&2; exit 1; }
-for db in order_db invoicing_db notification_db; do
+# The services are the folders of services/, each with a database <name>_db.
+services=$(cd services && for d in */; do if [ -f "$d/main.go" ]; then printf "%s " "${d%/}"; fi; done)
+for s in $services; do
+  db="${s}_db"
   if [ "$(psql "$PG_URL/postgres?sslmode=disable" -qAtc "SELECT 1 FROM pg_database WHERE datname = '$db'")" != 1 ]; then
     psql "$PG_URL/postgres?sslmode=disable" -qc "CREATE DATABASE $db"
     echo "run-local: created database $db"
@@ -24,7 +27,7 @@ for db in order_db invoicing_db notification_db; do
 done
 
 mkdir -p bin .run
-for s in order invoicing notification; do
+for s in $services; do
   go build -o "bin/$s" "./services/$s"
 done
 
