@@ -19,8 +19,8 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// Several replicas of every service under concurrent load: exactly-once effects, and the
-// relays (SKIP LOCKED) publish next to no duplicates.
+// Several replicas of every service under concurrent load, every 4th order cancelled at once:
+// exactly-once effects, and the relays (SKIP LOCKED) publish next to no duplicates.
 func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
 	// Seven processes: keep each pool small enough for PostgreSQL's 100 connections, shared
@@ -30,13 +30,16 @@ func TestReplicasUnderLoad(t *testing.T) {
 		Env: map[string][]string{"order": small, "invoicing": small, "notification": small}})
 	const orders = 2000
 	start := time.Now()
-	ids := s.Load(t, orders, 16)
+	ids, cancelled := s.Load(t, orders, 16)
 	took := time.Since(start)
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 3*time.Minute)
-	t.Logf("3 order + 2 invoicing + 2 notification replicas: %d orders accepted in %s; %d invoices, %d notifications sent, %d e-mails; consumers suppressed %d duplicates",
-		len(ids), took.Round(time.Millisecond), got.Invoices, got.Sent, got.Mails, s.DuplicatesSuppressed(t))
+	t.Logf("3 order + 2 invoicing + 2 notification replicas: %d orders accepted in %s, %d of them cancelled; %d invoices, %d notifications sent, %d e-mails; consumers suppressed %d duplicates",
+		len(ids), took.Round(time.Millisecond), got.Cancelled, got.Invoices, got.Sent, got.Mails, s.DuplicatesSuppressed(t))
 	if len(ids) != orders {
 		t.Fatalf("%d of %d orders accepted", len(ids), orders)
+	}
+	if got.Cancelled != cancelled {
+		t.Errorf("%d orders are cancelled, want the %d whose cancellation was answered 200", got.Cancelled, cancelled)
 	}
 }
 
@@ -70,9 +73,10 @@ func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 	}
 }
 
-// SIGTERM under load: every service exits 0 within 10 s, no request accepted before the signal
-// gets a 5xx, nothing is acknowledged without its commit, and after a restart every accepted
-// order is invoiced and confirmed exactly once.
+// SIGTERM under load (every 4th order cancelled): every service exits 0 within 10 s, no request
+// accepted before the signal gets a 5xx, nothing is acknowledged without its commit, and after
+// a restart every accepted order is invoiced and confirmed, and every cancellation voids and
+// notifies, exactly once.
 func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
@@ -89,7 +93,7 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Logf("order stopped in %s under load", took.Round(time.Millisecond))
 	s.Order.Start(t)
 	traffic.WaitFor(t, 50)
-	ids, serverErrors := traffic.Stop()
+	ids, cancelled, serverErrors := traffic.Stop(t)
 	if serverErrors != 0 {
 		t.Fatalf("%d requests got a 5xx during the shutdowns", serverErrors)
 	}
@@ -97,8 +101,11 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 		t.Fatalf("%d orders were committed without their 201 reaching the client across graceful shutdowns", lost)
 	}
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 60*time.Second)
-	t.Logf("%d orders accepted across three restarts; %d invoices, %d notifications sent, %d duplicates suppressed",
-		len(ids), got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
+	if got.Cancelled != int(cancelled) {
+		t.Errorf("%d orders are cancelled, want the %d whose cancellation was answered 200: an answer was lost across graceful shutdowns", got.Cancelled, cancelled)
+	}
+	t.Logf("%d orders accepted across three restarts, %d of them cancelled; %d invoices, %d notifications sent, %d duplicates suppressed",
+		len(ids), got.Cancelled, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }
 
 // The broker gone for a minute while orders keep coming.
@@ -120,10 +127,10 @@ func TestLongBrokerOutage5m(t *testing.T) {
 // brokerUpGauge is the relay's view of the broker on the order service's /metrics.
 const brokerUpGauge = `outbox_relay_broker_up{exchange="orders"}`
 
-// testBrokerOutage cuts the broker off for outage while an order arrives every second. Every
-// order is accepted, the order service stays ready, the relay says the broker is down and
-// charges no row for it, and within 5 s of the broker's return both consumers have handled
-// every order, exactly once.
+// testBrokerOutage cuts the broker off for outage while an order arrives every second, every
+// 4th cancelled at once. Every order and cancellation is accepted, the order service stays
+// ready, the relay says the broker is down and charges no row for it, and within 5 s of the
+// broker's return both consumers have handled every order and cancellation, exactly once.
 func testBrokerOutage(t *testing.T, outage time.Duration) {
 	s := startSystem(t, systest.Options{})
 	ids := []uuid.UUID{s.PlaceOrder(t, "before")}
@@ -134,9 +141,14 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 
 	s.Broker.Stop()
 	during := 0
+	var cancelled []uuid.UUID
 	for end := time.Now().Add(outage); time.Now().Before(end); {
-		ids = append(ids, s.PlaceOrder(t, fmt.Sprintf("during-%d", during)))
+		id := s.PlaceOrder(t, fmt.Sprintf("during-%d", during))
+		ids = append(ids, id)
 		during++
+		if during%4 == 0 && s.CancelOrder(t, id, "changed my mind during the outage") {
+			cancelled = append(cancelled, id)
+		}
 		if st := s.Order.Status(t, "/readyz"); st != 200 {
 			t.Fatalf("order service not ready %d orders into the outage: %d", during, st)
 		}
@@ -152,8 +164,8 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 	if n := len(s.Order.Logs.Lines(relayPaused...)); n != 1 {
 		t.Errorf("the relay logged %d outage-start lines during the outage, want 1", n)
 	}
-	if n := s.Order.Metric(t, "outbox_pending_messages"); n != float64(during) {
-		t.Errorf("outbox_pending_messages = %v at the end of the outage, want the %d orders placed during it", n, during)
+	if n := s.Order.Metric(t, "outbox_pending_messages"); n != float64(during+len(cancelled)) {
+		t.Errorf("outbox_pending_messages = %v at the end of the outage, want the %d orders placed and %d cancelled during it", n, during, len(cancelled))
 	}
 
 	back := time.Now()
@@ -162,18 +174,18 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 	}
 	// A generous deadline, so that a slow recovery is measured and reported, not cut short.
 	testenv.Eventually(t, time.Minute, func() bool {
-		invoices, notifications := s.Unhandled(t, ids)
+		invoices, notifications := s.Unhandled(t, ids, cancelled)
 		return invoices == 0 && notifications == 0
-	}, "the consumers have not handled all %d orders since the broker came back", len(ids))
+	}, "the consumers have not handled all %d orders and %d cancellations since the broker came back", len(ids), len(cancelled))
 	took := time.Since(back)
-	t.Logf("after a %s outage: broker back → last event handled in %s (%d orders placed during the outage, %d in all)",
-		outage, took.Round(time.Millisecond), during, len(ids))
+	t.Logf("after a %s outage: broker back → last event handled in %s (%d orders placed during the outage, %d of them cancelled, %d in all)",
+		outage, took.Round(time.Millisecond), during, len(cancelled), len(ids))
 	if took > 5*time.Second {
 		t.Errorf("both consumers handled every order %s after the broker came back, want within 5 s", took.Round(time.Millisecond))
 	}
 
 	rowsWaiting := checkOutageReported(t, s)
-	t.Logf("rows_waiting=%d when the relay resumed; %d orders were placed during the outage", rowsWaiting, during)
+	t.Logf("rows_waiting=%d when the relay resumed; %d orders were placed and %d cancelled during the outage", rowsWaiting, during, len(cancelled))
 	if up := s.Order.Metric(t, brokerUpGauge); up != 1 {
 		t.Errorf("%s = %v after the outage, want 1", brokerUpGauge, up)
 	}
@@ -182,7 +194,11 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 		t.Errorf("outbox_max_attempts = %v after the outage, want 0", n)
 	}
 	got := s.WaitExactlyOnce(t, int64(len(ids)), time.Minute)
-	t.Logf("after a %s outage: %d orders, %d invoices, %d notifications sent, %d e-mails", outage, got.Orders, got.Invoices, got.Sent, got.Mails)
+	if got.Cancelled != len(cancelled) {
+		t.Errorf("%d orders are cancelled, want the %d cancelled during the outage", got.Cancelled, len(cancelled))
+	}
+	t.Logf("after a %s outage: %d orders, %d of them cancelled, %d invoices, %d notifications sent, %d e-mails",
+		outage, got.Orders, got.Cancelled, got.Invoices, got.Sent, got.Mails)
 }
 
 // The relay's two lines about an outage, as the order service logs them.
@@ -245,17 +261,21 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	traffic := s.StartTraffic(4)
 	traffic.WaitFor(t, 50)
 	if out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput(); err != nil {
-		traffic.Stop()
+		traffic.Stop(t)
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
 	traffic.WaitFor(t, 50) // the order service takes orders again without a restart
-	ids, _ := traffic.Stop()
+	ids, cancelled, _ := traffic.Stop(t)
 	unconfirmed := s.CheckAccepted(t, ids)
 	n := int64(len(ids)) + unconfirmed
 	got := s.WaitExactlyOnce(t, n, 90*time.Second)
 	if dl := s.CheckQueuesEmpty(t); dl != 0 {
 		t.Fatalf("%d good messages were dead-lettered during the restart", dl)
 	}
-	t.Logf("PostgreSQL restarted under load: %d orders accepted (%d more committed whose answer was lost), %d invoices, %d notifications sent, %d duplicates suppressed",
-		len(ids), unconfirmed, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
+	// A cancellation whose answer the restart cut off may be committed too: only fewer is wrong.
+	if got.Cancelled < int(cancelled) {
+		t.Errorf("%d orders are cancelled, fewer than the %d cancellations answered 200", got.Cancelled, cancelled)
+	}
+	t.Logf("PostgreSQL restarted under load: %d orders accepted (%d more committed whose answer was lost), %d cancelled, %d invoices, %d notifications sent, %d duplicates suppressed",
+		len(ids), unconfirmed, got.Cancelled, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }

@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The seeds' experiment against a running system, in plain words:
-#   1. place 3 orders            => 3 invoices and 3 confirmations
-#   2. reset one outbox row      => the consumers log the duplicate; the counts stay 3
-#   3. stop the broker for ~8 s while placing orders, start it again
+#   1. place 3 orders            => 3 invoices, and per order a confirmation and an invoice notice
+#   2. reset one OrderPlaced row of the order outbox
+#                                => both consumers log the duplicate; the counts stay
+#   3. reset one InvoiceIssued row of the invoicing outbox
+#                                => notification logs the duplicate; still one invoice notice
+#                                   per order
+#   4. cancel an order, then cancel it again
+#                                => its invoice turns void and its customer is told once; the
+#                                   second cancel answers 200 and writes no second event
+#   5. stop the broker for ~8 s while placing orders, start it again
 #                                => the relay logs the outage once as it starts and once as
 #                                   it ends, charges no outbox row for it, and every order is
-#                                   invoiced and confirmed exactly once
+#                                   invoiced and notified exactly once
 # It exits non-zero if any expectation fails.
 #
 # Works against `docker compose up` (the default when its services run) or
@@ -17,6 +24,7 @@ ORDER_URL="${ORDER_URL:-http://localhost:8080}"
 INVOICING_URL="${INVOICING_URL:-http://localhost:8081}"
 NOTIFICATION_URL="${NOTIFICATION_URL:-http://localhost:8082}"
 ORDER_DATABASE_URL="${ORDER_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/order_db?sslmode=disable}"
+INVOICING_DATABASE_URL="${INVOICING_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/invoicing_db?sslmode=disable}"
 OUTAGE_SECONDS="${OUTAGE_SECONDS:-8}"
 
 if [ -z "${WALKTHROUGH_MODE:-}" ]; then
@@ -31,13 +39,15 @@ say()  { printf '\n== %s\n' "$*"; }
 info() { printf '   %s\n' "$*"; }
 fail() { printf '\nFAILED: %s\n' "$*" >&2; exit 1; }
 
-order_sql() {
+service_sql() { # service_sql ROLE DATABASE URL QUERY: QUERY on a service's own database
   if [ "$WALKTHROUGH_MODE" = compose ]; then
-    docker compose exec -T postgres psql -U order -d order_db -qAtc "$1"
+    docker compose exec -T postgres psql -U "$1" -d "$2" -qAtc "$4"
   else
-    psql "$ORDER_DATABASE_URL" -qAtc "$1"
+    psql "$3" -qAtc "$4"
   fi
 }
+order_sql()     { service_sql order order_db "$ORDER_DATABASE_URL" "$1"; }
+invoicing_sql() { service_sql invoicing invoicing_db "$INVOICING_DATABASE_URL" "$1"; }
 broker() { # broker stop|start
   if [ "$WALKTHROUGH_MODE" = compose ]; then
     docker compose "$1" rabbitmq >/dev/null
@@ -53,13 +63,30 @@ service_logs() { # service_logs NAME -> the service's log so far
     sed -E 's/^\[[a-z]+\] //' ".run/$1.log"
   fi
 }
-log_count() { # log_count NAME TEXT -> how many lines of the service's log hold TEXT
-  service_logs "$1" | grep -cF -- "$2" || true
+log_lines() { # log_lines NAME TEXT... -> the service's log lines holding every TEXT
+  local lines text
+  lines=$(service_logs "$1" || true); shift
+  for text in "$@"; do lines=$(grep -F -- "$text" <<<"$lines" || true); done
+  [ -z "$lines" ] || printf '%s\n' "$lines"
 }
-show_log() { # show_log NAME TEXT [TEXT]: print the service's last log line holding both, if its log is at hand
+log_count() { # log_count NAME TEXT... -> how many lines of the service's log hold every TEXT
+  log_lines "$@" | grep -c . || true
+}
+show_log() { # show_log NAME TEXT...: print the service's last log line holding every TEXT, if its log is at hand
   local line
-  line=$(service_logs "$1" | grep -F -- "$2" | grep -F -- "${3:-$2}" | tail -n1 || true)
-  if [ -n "$line" ]; then info "  [$1] $line"; else info "  ($1's log is not at hand here; look for: $2 ${3:-})"; fi
+  line=$(log_lines "$@" | tail -n1)
+  if [ -n "$line" ]; then info "  [$1] $line"; else info "  ($1's log is not at hand here; look for: ${*:2})"; fi
+}
+# expect_log NAME TEXT...: the service logs a line holding every TEXT within 10 s; show it.
+# Nothing to check when its log is not at hand.
+expect_log() {
+  local deadline=$((SECONDS + 10))
+  if [ -z "$(service_logs "$1")" ]; then info "  ($1's log is not at hand here; look for: ${*:2})"; return 0; fi
+  until [ "$(log_count "$@")" -gt 0 ]; do
+    [ $SECONDS -ge $deadline ] && fail "$1 logged no line with: ${*:2}"
+    sleep 0.5
+  done
+  show_log "$@"
 }
 
 place_order() { # place_order CUSTOMER -> prints the order id
@@ -70,14 +97,22 @@ place_order() { # place_order CUSTOMER -> prints the order id
   head -n1 <<<"$out" | sed -E 's/.*"id":"([0-9a-f-]{36})".*/\1/'
 }
 
-count() { # count URL -> number of items in the JSON array it returns
-  curl -fsS "$1" | grep -o '"order_id"' | wc -l | tr -d ' '
+cancel_order() { # cancel_order ID REASON: the answer must be 200 with the order cancelled
+  local out
+  out=$(curl -sS -w '\n%{http_code}' -X POST "$ORDER_URL/orders/$1/cancel" -H 'Content-Type: application/json' \
+    -d "{\"reason\":\"$2\"}")
+  [ "$(tail -n1 <<<"$out")" = 200 ] || fail "POST /orders/$1/cancel answered $(tail -n1 <<<"$out"): $(head -n1 <<<"$out")"
+  grep -qF '"status":"cancelled"' <<<"$out" || fail "POST /orders/$1/cancel answered 200 without status \"cancelled\": $(head -n1 <<<"$out")"
 }
-invoices_of()      { count "$INVOICING_URL/invoices?order_id=$1"; }
-notices_of() { # notices_of ID KIND -> the order's sent notifications of that kind
-  curl -fsS "$NOTIFICATION_URL/notifications?order_id=$1" | tr '}' '\n' | grep -F "\"kind\":\"$2\"" | grep -c '"status":"sent"' || true
+
+invoice_of() { # invoice_of ID -> the statuses of the order's invoices, comma-separated
+  curl -fsS "$INVOICING_URL/invoices?order_id=$1" | grep -o '"status":"[a-z]*"' | cut -d'"' -f4 | paste -sd, - || true
 }
-confirmations_of() { notices_of "$1" order_confirmation; }
+sent_to() { # sent_to ID -> the kinds of the order's sent notifications, sorted, comma-separated
+  curl -fsS "$NOTIFICATION_URL/notifications?order_id=$1" | tr '}' '\n' | grep -F '"status":"sent"' |
+    grep -o '"kind":"[a-z_]*"' | cut -d'"' -f4 | LC_ALL=C sort | paste -sd, - || true
+}
+state() { echo "invoice=$(invoice_of "$1") sent=$(sent_to "$1")"; } # state ID -> what the order has
 metric() { # metric URL SAMPLE DEFAULT -> the value of SAMPLE (labels included) on URL/metrics, DEFAULT if absent
   curl -fsS "$1/metrics" | awk -v s="$2" -v d="$3" '$1 == s { print $2; found=1 } END { if (!found) print d }'
 }
@@ -105,19 +140,39 @@ expect_one_more() {
   show_log "$1" "$3"
 }
 
-# wait_exactly_once SECONDS ID... : every order gets one invoice and one sent confirmation.
+# want ID -> the state the order should settle in: one invoice, issued, with a sent confirmation
+# and invoice notice; for the order cancelled in step 4, the invoice void and a sent
+# cancellation notice as well (it was invoiced before it was cancelled).
+cancelled=""
+want() {
+  if [ "$1" = "$cancelled" ]; then echo "invoice=void sent=invoice,order_cancelled,order_confirmation"
+  else echo "invoice=issued sent=invoice,order_confirmation"; fi
+}
+
+# wait_exactly_once SECONDS ID... : every order settles in the state it should (see want).
 wait_exactly_once() {
   local secs=$1; shift
   local deadline=$((SECONDS + secs)) id bad
   while :; do
     bad=""
     for id in "$@"; do
-      if [ "$(invoices_of "$id")" != 1 ] || [ "$(confirmations_of "$id")" != 1 ]; then bad=$id; break; fi
+      if [ "$(state "$id")" != "$(want "$id")" ]; then bad=$id; break; fi
     done
     [ -z "$bad" ] && return 0
-    [ $SECONDS -ge $deadline ] && fail "order $bad has $(invoices_of "$bad") invoice(s) and $(confirmations_of "$bad") sent confirmation(s), want 1 and 1"
+    [ $SECONDS -ge $deadline ] && fail "order $bad has $(state "$bad"), want $(want "$bad")"
     sleep 0.5
   done
+}
+
+# wait_duplicate URL CONSUMER BEFORE: the consumer's inbox_duplicates_total goes from BEFORE up
+# by exactly one within 20 s.
+wait_duplicate() {
+  local deadline=$((SECONDS + 20))
+  until [ "$(duplicates "$1" "$2")" != "$3" ]; do
+    [ $SECONDS -ge $deadline ] && fail "$2 did not report the duplicate within 20 s"
+    sleep 0.5
+  done
+  [ "$(duplicates "$1" "$2")" = $(($3 + 1)) ] || fail "inbox_duplicates_total{consumer=\"$2\"} went from $3 to $(duplicates "$1" "$2"), want $(($3 + 1))"
 }
 
 say "Mode: $WALKTHROUGH_MODE. Checking the three services are ready"
@@ -133,25 +188,54 @@ for c in alice bob carol; do
   info "order $id placed for $c (201 Created)"
 done
 wait_exactly_once 30 "${ids[@]}"
-info "each of the 3 orders has exactly one invoice and one sent confirmation"
+info "each of the 3 orders has exactly one invoice, one sent confirmation and one sent invoice notice"
 
-say "2. Faking a redelivery: resetting the outbox row of order ${ids[0]}"
+say "2. Faking a redelivery: resetting the OrderPlaced outbox row of order ${ids[0]}"
 inv_before=$(duplicates "$INVOICING_URL" invoicing); not_before=$(duplicates "$NOTIFICATION_URL" notification)
-msg=$(order_sql "UPDATE outbox_messages SET processed_at = NULL, next_attempt_at = now() WHERE payload->>'order_id' = '${ids[0]}' RETURNING id")
-[ -n "$msg" ] || fail "no outbox row for order ${ids[0]}"
-info "message $msg is unsent again; the relay publishes it a second time with the same message id"
-deadline=$((SECONDS + 20))
-until [ "$(duplicates "$INVOICING_URL" invoicing)" != "$inv_before" ] && [ "$(duplicates "$NOTIFICATION_URL" notification)" != "$not_before" ]; do
-  [ $SECONDS -ge $deadline ] && fail "the consumers did not report the duplicate within 20 s"
-  sleep 0.5
-done
+msg=$(order_sql "UPDATE outbox_messages SET processed_at = NULL, next_attempt_at = now() WHERE type = 'OrderPlaced' AND payload->>'order_id' = '${ids[0]}' RETURNING id")
+[ -n "$msg" ] || fail "no OrderPlaced outbox row for order ${ids[0]}"
+info "message $msg is unsent again; the order relay publishes it a second time with the same message id"
+wait_duplicate "$INVOICING_URL" invoicing "$inv_before"
+wait_duplicate "$NOTIFICATION_URL" notification "$not_before"
 info "both consumers skipped it (inbox_duplicates_total went up by one each); their logs:"
-show_log invoicing "duplicate message skipped" "message_id=$msg"
-show_log notification "duplicate message skipped" "message_id=$msg"
+expect_log invoicing "duplicate message skipped" "consumer=invoicing" "message_id=$msg"
+expect_log notification "duplicate message skipped" "consumer=notification" "message_id=$msg"
 wait_exactly_once 10 "${ids[@]}"
-info "still exactly one invoice and one confirmation per order"
+info "still exactly one invoice and one notification of each kind per order"
 
-say "3. Stopping the broker for ${OUTAGE_SECONDS} s while orders keep coming"
+say "3. Faking a redelivery one hop down the chain: resetting the InvoiceIssued outbox row of order ${ids[0]} in the invoicing database"
+not_before=$(duplicates "$NOTIFICATION_URL" notification)
+msg=$(invoicing_sql "UPDATE outbox_messages SET processed_at = NULL, next_attempt_at = now() WHERE type = 'InvoiceIssued' AND payload->>'order_id' = '${ids[0]}' RETURNING id")
+[ -n "$msg" ] || fail "no InvoiceIssued outbox row for order ${ids[0]} in the invoicing database"
+info "message $msg is unsent again; the invoicing service's own relay publishes it a second time with the same message id"
+wait_duplicate "$NOTIFICATION_URL" notification "$not_before"
+info "the notification service skipped it (inbox_duplicates_total{consumer=\"notification\"} went up by one); its log:"
+expect_log notification "duplicate message skipped" "consumer=notification" "message_id=$msg"
+wait_exactly_once 10 "${ids[@]}"
+info "still one invoice notice per order, each e-mailed once"
+
+cancelled=${ids[2]}
+say "4. Cancelling order $cancelled"
+cancel_order "$cancelled" "ordered by mistake"
+info "POST /orders/$cancelled/cancel answered 200 with status \"cancelled\""
+wait_exactly_once 30 "${ids[@]}"
+info "GET /invoices?order_id=$cancelled: its one invoice is now $(invoice_of "$cancelled")"
+info "GET /notifications?order_id=$cancelled: sent $(sent_to "$cancelled")"
+info "the logs of the cancellation along the chain:"
+expect_log order 'msg="order cancelled"' "order_id=$cancelled"
+expect_log invoicing 'msg="invoice voided"' "order_id=$cancelled"
+expect_log notification 'msg="notification recorded"' "order_id=$cancelled" "kind=order_cancelled"
+cancel_order "$cancelled" "ordered by mistake"
+events=$(order_sql "SELECT count(*) FROM outbox_messages WHERE type = 'OrderCancelled' AND payload->>'order_id' = '$cancelled'")
+[ "$events" = 1 ] || fail "order $cancelled has $events OrderCancelled outbox rows after two cancellations, want 1"
+if [ -n "$(service_logs order)" ] && [ "$(log_count order 'msg="order cancelled"' "order_id=$cancelled")" != 1 ]; then
+  fail "the order service logged the cancellation of $cancelled $(log_count order 'msg="order cancelled"' "order_id=$cancelled") times, want 1"
+fi
+info "cancelling again answered 200 as well, and wrote nothing: the order outbox holds one OrderCancelled for it"
+wait_exactly_once 10 "${ids[@]}"
+info "still one invoice per order, and one notification per order and kind"
+
+say "5. Stopping the broker for ${OUTAGE_SECONDS} s while orders keep coming"
 paused="broker unavailable; relay paused" resumed="broker available again; relay resumed" failed="outbox publish failed"
 paused_before=$(log_count order "$paused") resumed_before=$(log_count order "$resumed") failed_before=$(log_count order "$failed")
 since=$(order_sql "SELECT now()") # this outage's rows: older ones may carry an earlier broker's verdict
@@ -173,7 +257,7 @@ info "$(order_sql "SELECT count(*) FROM outbox_messages WHERE processed_at IS NU
 broker start
 info "RabbitMQ started again; nobody restarts anything"
 wait_exactly_once 120 "${ids[@]}" "${outage[@]}"
-info "all $(( ${#ids[@]} + ${#outage[@]} )) orders have exactly one invoice and one sent confirmation"
+info "all $(( ${#ids[@]} + ${#outage[@]} )) orders have exactly one invoice and one sent notification of each kind they earned"
 wait_broker_up 1
 info "the relay logged the end of the outage: how long it lasted and how many rows waited:"
 expect_one_more order "$resumed_before" "$resumed"

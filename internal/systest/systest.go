@@ -4,6 +4,7 @@
 package systest
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,16 +29,20 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// Build compiles the three services into dir, with the race detector if race is set.
+// Build compiles every service (each package under services/) into dir, with the race
+// detector if race is set.
 func Build(dir string, race bool) error {
-	for _, s := range []string{"order", "invoicing", "notification"} {
-		args := []string{"build", "-o", filepath.Join(dir, s)}
+	list, err := exec.Command("go", "list", "github.com/outboxkit/outbox-inbox/services/...").Output()
+	if err != nil {
+		return fmt.Errorf("list the services: %w", err)
+	}
+	for _, pkg := range strings.Fields(string(list)) {
+		args := []string{"build", "-o", filepath.Join(dir, path.Base(pkg))}
 		if race {
 			args = append(args, "-race")
 		}
-		cmd := exec.Command("go", append(args, "github.com/outboxkit/outbox-inbox/services/"+s)...)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("build %s: %v\n%s", s, err, out)
+		if out, err := exec.Command("go", append(args, pkg)...).CombinedOutput(); err != nil {
+			return fmt.Errorf("build %s: %w\n%s", pkg, err, out)
 		}
 	}
 	return nil
@@ -146,7 +152,7 @@ func (s *Service) Start(t *testing.T) {
 	}, "%s not ready", s.Name)
 }
 
-// Stop sends SIGTERM and requires a clean exit within 10 s (CONTRACT.md). It returns how
+// Stop sends SIGTERM and requires a clean exit within 10 s (README, Configuration). It returns how
 // long the exit took.
 func (s *Service) Stop(t *testing.T) time.Duration {
 	t.Helper()
@@ -201,7 +207,7 @@ func (s *Service) GetJSON(t *testing.T, path string, v any) {
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != 200 {
+	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("GET %s%s = %d %s", s.Name, path, resp.StatusCode, body)
 	}
 	if err := json.Unmarshal(body, v); err != nil {
@@ -213,13 +219,30 @@ func (s *Service) GetJSON(t *testing.T, path string, v any) {
 // it, labels included (outbox_relay_broker_up{exchange="orders"}); a missing sample fails t.
 func (s *Service) Metric(t *testing.T, name string) float64 {
 	t.Helper()
+	v, ok := s.sample(t, name)
+	if !ok {
+		t.Fatalf("%s's /metrics has no sample %s", s.Name, name)
+	}
+	return v
+}
+
+// Counter is Metric for a counter with labels: it has no sample until its first increment,
+// which reads as 0.
+func (s *Service) Counter(t *testing.T, name string) float64 {
+	t.Helper()
+	v, _ := s.sample(t, name)
+	return v
+}
+
+func (s *Service) sample(t *testing.T, name string) (float64, bool) {
+	t.Helper()
 	resp, err := http.Get(s.URL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != 200 {
+	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("GET %s/metrics = %d %s", s.Name, resp.StatusCode, body)
 	}
 	for line := range strings.SplitSeq(string(body), "\n") {
@@ -228,11 +251,10 @@ func (s *Service) Metric(t *testing.T, name string) float64 {
 			if err != nil {
 				t.Fatalf("%s's /metrics: %s: %v", s.Name, line, err)
 			}
-			return v
+			return v, true
 		}
 	}
-	t.Fatalf("%s's /metrics has no sample %s", s.Name, name)
-	return 0
+	return 0, false
 }
 
 // PlaceOrder posts an order to the first order replica; see Service.PlaceOrder.
@@ -265,6 +287,49 @@ func (s *Service) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 	return o.ID
 }
 
+// CancelOrder cancels an order through the first order replica; see Service.CancelOrder.
+func (s *System) CancelOrder(t *testing.T, id uuid.UUID, reason string) bool {
+	t.Helper()
+	return s.Order.CancelOrder(t, id, reason)
+}
+
+// CancelOrder posts the order's cancellation and reports whether it was answered 200 with the
+// order cancelled (as a repeated cancellation is too); any other answer fails the test.
+func (s *Service) CancelOrder(t *testing.T, id uuid.UUID, reason string) bool {
+	t.Helper()
+	code, body, err := postCancel(http.DefaultClient, s.URL, id, reason)
+	switch {
+	case err != nil:
+		t.Error(err)
+		return false
+	case code != http.StatusOK || !isCancelled(body):
+		t.Errorf("POST /orders/%s/cancel = %d %s", id, code, body)
+		return false
+	}
+	return true
+}
+
+// postCancel posts the cancellation of order id to an order replica and returns the answer.
+func postCancel(client *http.Client, orderURL string, id uuid.UUID, reason string) (code int, body []byte, err error) {
+	payload, err := json.Marshal(map[string]string{"reason": reason})
+	if err != nil {
+		return 0, nil, err
+	}
+	resp, err := client.Post(orderURL+"/orders/"+id.String()+"/cancel", "application/json", bytes.NewReader(payload))
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	body, err = io.ReadAll(resp.Body)
+	return resp.StatusCode, body, err
+}
+
+// isCancelled reports whether body is an order whose status is cancelled.
+func isCancelled(body []byte) bool {
+	var o struct{ Status string }
+	return json.Unmarshal(body, &o) == nil && o.Status == "cancelled"
+}
+
 // Tally is what the system holds, to compare with what it should, over the whole chain:
 // order → OrderPlaced (and OrderCancelled) → invoice and InvoiceIssued → notifications. Each
 // order should have one invoice row, and one notification per kind it earned: an
@@ -274,6 +339,7 @@ func (s *Service) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 // worked twice, those lines do not.
 type Tally struct {
 	Orders, Unsent               int64
+	Cancelled                    int // orders cancelled
 	Invoices                     int
 	MissingInvoice, ExtraInvoice int
 	Notifications, Expected      int // notifications held, and earned
@@ -329,6 +395,7 @@ func (s *System) Tally(t *testing.T) Tally {
 
 	one := countByOrder(t, s.Order.DB, "SELECT id AS order_id, 1 AS n FROM orders")
 	cancelled := countByOrder(t, s.Order.DB, "SELECT id AS order_id, 1 AS n FROM orders WHERE status = 'cancelled'")
+	r.Cancelled = len(cancelled)
 	issued := countByOrder(t, s.Invoicing.DB, `SELECT (payload->>'order_id')::uuid AS order_id, count(*) AS n
 		FROM outbox_messages WHERE type = 'InvoiceIssued' GROUP BY 1`)
 	invoices := countByOrder(t, s.Invoicing.DB, "SELECT order_id, count(*) AS n FROM invoices GROUP BY order_id")
@@ -377,13 +444,18 @@ func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 	return last
 }
 
-// Unhandled returns how many of the orders ids have no invoice yet and how many have no order
-// confirmation yet: what each consumer still has to do with their OrderPlaced.
-func (s *System) Unhandled(t *testing.T, ids []uuid.UUID) (invoices, notifications int64) {
+// Unhandled returns what each consumer still has to do with the order service's events about
+// the orders ids, of which cancelled were cancelled: invoicing, invoices missing and cancelled
+// orders' invoices not yet void; notification, order confirmations and cancellation notices
+// missing.
+func (s *System) Unhandled(t *testing.T, ids, cancelled []uuid.UUID) (invoices, notifications int64) {
 	t.Helper()
-	n := int64(len(ids))
-	return n - testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE order_id IN ?", ids),
-		n - testenv.Count(t, s.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE kind = 'order_confirmation' AND order_id IN ?", ids)
+	n, c := int64(len(ids)), int64(len(cancelled))
+	invoices = n - testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE order_id IN ?", ids) +
+		c - testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE status = 'void' AND order_id IN ?", cancelled)
+	notifications = n - testenv.Count(t, s.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE kind = 'order_confirmation' AND order_id IN ?", ids) +
+		c - testenv.Count(t, s.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE kind = 'order_cancelled' AND order_id IN ?", cancelled)
+	return invoices, notifications
 }
 
 // CheckAccepted requires every order answered 201 to exist, and returns how many orders exist
@@ -460,8 +532,10 @@ func (s *System) DuplicatesSuppressed(t *testing.T) int {
 		resp.Body.Close()
 		for line := range strings.SplitSeq(string(body), "\n") {
 			if strings.HasPrefix(line, "inbox_duplicates_total{") {
-				var n float64
-				fmt.Sscan(line[strings.LastIndex(line, " ")+1:], &n)
+				n, err := strconv.ParseFloat(line[strings.LastIndex(line, " ")+1:], 64)
+				if err != nil {
+					t.Fatalf("%s: %q: %v", c.Name, line, err)
+				}
 				total += int(n)
 			}
 		}
@@ -470,34 +544,40 @@ func (s *System) DuplicatesSuppressed(t *testing.T) int {
 }
 
 // Load places n orders from workers concurrent clients, spread over the order replicas, and
-// returns the ids of those answered 201; any other answer fails the test.
-func (s *System) Load(t *testing.T, n, workers int) []uuid.UUID {
+// cancels every 4th right after it is accepted, through the next replica: OrderCancelled then
+// races its OrderPlaced through the relays and the consumers. It returns the ids of the orders
+// answered 201 and how many cancellations were answered 200; any other answer fails the test.
+func (s *System) Load(t *testing.T, n, workers int) (ids []uuid.UUID, cancelled int) {
 	t.Helper()
-	ids := make(chan uuid.UUID, n)
+	accepted := make(chan uuid.UUID, n)
 	next := make(chan int, n)
 	for i := range n {
 		next <- i
 	}
 	close(next)
+	var cancels atomic.Int64
 	var wg sync.WaitGroup
 	for range workers {
 		wg.Go(func() {
 			for i := range next {
-				ids <- s.Orders[i%len(s.Orders)].PlaceOrder(t, fmt.Sprintf("load-%d", i))
+				id := s.Orders[i%len(s.Orders)].PlaceOrder(t, fmt.Sprintf("load-%d", i))
+				if id == uuid.Nil {
+					continue
+				}
+				accepted <- id
+				if i%4 == 3 && s.Orders[(i+1)%len(s.Orders)].CancelOrder(t, id, "load") {
+					cancels.Add(1)
+				}
 			}
 		})
 	}
 	wg.Wait()
-	close(ids)
-	var out []uuid.UUID
-	for id := range ids {
-		out = append(out, id)
+	close(accepted)
+	for id := range accepted {
+		ids = append(ids, id)
 	}
-	return out
+	return ids, int(cancels.Load())
 }
-
-// DecodeJSON decodes a response body.
-func DecodeJSON(resp *http.Response, v any) error { return json.NewDecoder(resp.Body).Decode(v) }
 
 // PeakRSS is the process's peak resident set size so far (VmHWM), in bytes.
 func (s *Service) PeakRSS(t *testing.T) int64 {
@@ -508,8 +588,10 @@ func (s *Service) PeakRSS(t *testing.T) int64 {
 	}
 	for line := range strings.SplitSeq(string(raw), "\n") {
 		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
-			var kib int64
-			fmt.Sscan(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), &kib)
+			kib, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			if err != nil {
+				t.Fatalf("%s: %q: %v", s.Name, line, err)
+			}
 			return kib << 10
 		}
 	}
@@ -518,12 +600,15 @@ func (s *Service) PeakRSS(t *testing.T) int64 {
 }
 
 // Traffic is orders placed without pause by background clients that keep going through
-// restarts and outages, counting what was accepted and what got a 5xx.
+// restarts and outages, every 4th accepted order cancelled right after, counting what was
+// accepted, what was cancelled, what got a 5xx, and any other answer (a failure).
 type Traffic struct {
-	accepted             sync.Map
-	placed, serverErrors atomic.Int64
-	stop                 chan struct{}
-	wg                   sync.WaitGroup
+	accepted                        sync.Map
+	placed, cancelled, serverErrors atomic.Int64
+	mu                              sync.Mutex
+	unexpected                      []string
+	stop                            chan struct{}
+	wg                              sync.WaitGroup
 }
 
 // StartTraffic starts workers clients posting to the first order replica.
@@ -532,6 +617,7 @@ func (s *System) StartTraffic(workers int) *Traffic {
 	for w := range workers {
 		tr.wg.Go(func() {
 			client := &http.Client{Timeout: 15 * time.Second}
+			accepted := 0
 			for i := 0; ; i++ {
 				select {
 				case <-tr.stop:
@@ -544,19 +630,55 @@ func (s *System) StartTraffic(workers int) *Traffic {
 					time.Sleep(20 * time.Millisecond) // the service is restarting: try again soon
 					continue
 				}
+				out, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
 				var o struct{ ID uuid.UUID }
 				switch {
-				case resp.StatusCode == http.StatusCreated && DecodeJSON(resp, &o) == nil:
+				case resp.StatusCode == http.StatusCreated && json.Unmarshal(out, &o) == nil:
 					tr.accepted.Store(o.ID, true)
 					tr.placed.Add(1)
+					if accepted++; accepted%4 == 0 {
+						tr.cancel(client, s.Order.URL, o.ID)
+					}
 				case resp.StatusCode >= 500:
 					tr.serverErrors.Add(1)
+				default:
+					tr.fail("POST /orders = %d %s", resp.StatusCode, out)
 				}
-				resp.Body.Close()
 			}
 		})
 	}
 	return tr
+}
+
+// cancel cancels order id, asking again while the service cannot be reached (a repeated
+// cancellation writes nothing), until the traffic stops.
+func (tr *Traffic) cancel(client *http.Client, orderURL string, id uuid.UUID) {
+	for {
+		code, body, err := postCancel(client, orderURL, id, "traffic")
+		if err == nil {
+			switch {
+			case code == http.StatusOK && isCancelled(body):
+				tr.cancelled.Add(1)
+			case code >= 500:
+				tr.serverErrors.Add(1)
+			default:
+				tr.fail("POST /orders/%s/cancel = %d %s", id, code, body)
+			}
+			return
+		}
+		select {
+		case <-tr.stop:
+			return
+		case <-time.After(20 * time.Millisecond): // the service is restarting: try again soon
+		}
+	}
+}
+
+func (tr *Traffic) fail(format string, args ...any) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.unexpected = append(tr.unexpected, fmt.Sprintf(format, args...))
 }
 
 // WaitFor waits until n more orders have been accepted: proof that orders flow.
@@ -566,10 +688,15 @@ func (tr *Traffic) WaitFor(t *testing.T, n int64) {
 	testenv.Eventually(t, 60*time.Second, func() bool { return tr.placed.Load() >= target }, "orders are not flowing")
 }
 
-// Stop ends the traffic and returns the ids of the accepted orders and the count of 5xx answers.
-func (tr *Traffic) Stop() (accepted []uuid.UUID, serverErrors int64) {
+// Stop ends the traffic and returns the ids of the accepted orders, how many cancellations
+// were answered 200, and the count of 5xx answers. Any other answer fails t.
+func (tr *Traffic) Stop(t *testing.T) (accepted []uuid.UUID, cancelled, serverErrors int64) {
+	t.Helper()
 	close(tr.stop)
 	tr.wg.Wait()
+	for _, u := range tr.unexpected {
+		t.Errorf("traffic: %s", u)
+	}
 	tr.accepted.Range(func(k, _ any) bool { accepted = append(accepted, k.(uuid.UUID)); return true })
-	return accepted, tr.serverErrors.Load()
+	return accepted, tr.cancelled.Load(), tr.serverErrors.Load()
 }
