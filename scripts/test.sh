@@ -66,6 +66,17 @@ unformatted=$(gofmt -l .)
 say "go vet"
 go vet ./...
 
+# golangci-lint, pinned (.golangci.yml holds the linters). Installed from the Go module proxy
+# into GOPATH/bin the first time, which takes a few minutes; later runs reuse it.
+GOLANGCI_LINT_VERSION=2.15.0
+lint="$(go env GOPATH)/bin/golangci-lint"
+if ! "$lint" version 2>/dev/null | grep -q "version $GOLANGCI_LINT_VERSION "; then
+  say "installing golangci-lint v$GOLANGCI_LINT_VERSION"
+  go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$GOLANGCI_LINT_VERSION"
+fi
+say "golangci-lint"
+"$lint" run ./...
+
 say "go test -race (parallel suite)"
 go test -race -count=1 -timeout 15m ./...
 
