@@ -145,7 +145,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.brokerUp(ctx)
 		}
 	}
-	wake := newBroadcast()
+	wake := newWakeup()
 	var wg sync.WaitGroup
 	if !r.cfg.DisableNotify {
 		wg.Go(func() { r.listen(ctx, wake) })
@@ -158,9 +158,8 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 // lane runs batches one after another until ctx ends.
-func (r *Relay) lane(ctx context.Context, wake *broadcast) {
+func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	for ctx.Err() == nil {
-		woken := wake.C() // taken before the batch: a NOTIFY during it is not missed
 		res, err := r.ProcessBatch(ctx)
 		switch {
 		case ctx.Err() != nil:
@@ -175,8 +174,10 @@ func (r *Relay) lane(ctx context.Context, wake *broadcast) {
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
 			}
-			if res.Claimed < r.cfg.BatchSize {
-				Sleep(ctx, woken, Jitter(r.cfg.PollInterval))
+			if res.Claimed == r.cfg.BatchSize {
+				wake.signal() // more is waiting: another lane may join
+			} else {
+				Sleep(ctx, wake, Jitter(r.cfg.PollInterval))
 			}
 		}
 	}
@@ -376,14 +377,14 @@ func (r *Relay) awaitBroker(ctx context.Context) {
 // listen wakes the relay on every NOTIFY, on a connection of its own taken from the pool for
 // as long as the relay runs (size the pool for it). While it cannot listen, polling still
 // moves everything, only later.
-func (r *Relay) listen(ctx context.Context, wake *broadcast) {
+func (r *Relay) listen(ctx context.Context, wake wakeup) {
 	reconnect(ctx, Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}, r.log,
 		"relay lost its LISTEN connection; polling meanwhile",
 		func(ctx context.Context) (bool, error) { return r.listenOnce(ctx, wake) })
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.
-func (r *Relay) listenOnce(ctx context.Context, wake *broadcast) (listened bool, err error) {
+func (r *Relay) listenOnce(ctx context.Context, wake wakeup) (listened bool, err error) {
 	sqlDB, err := r.cfg.DB.DB()
 	if err != nil {
 		return false, fmt.Errorf("listen: %w", err)
@@ -421,26 +422,17 @@ func (r *Relay) listenOnce(ctx context.Context, wake *broadcast) (listened bool,
 	return listened, err
 }
 
-// broadcast wakes every waiter at once: each NOTIFY may start a batch in every lane.
-type broadcast struct {
-	mu sync.Mutex
-	c  chan struct{}
-}
+// wakeup is a token for one idle lane: each NOTIFY starts one batch, not one per lane, and a
+// lane whose batch came back full passes the token on, so that another joins the drain.
+type wakeup chan struct{}
 
-func newBroadcast() *broadcast { return &broadcast{c: make(chan struct{})} }
+func newWakeup() wakeup { return make(wakeup, 1) }
 
-// C is closed at the next signal.
-func (b *broadcast) C() <-chan struct{} {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.c
-}
-
-func (b *broadcast) signal() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	close(b.c)
-	b.c = make(chan struct{})
+func (w wakeup) signal() {
+	select {
+	case w <- struct{}{}:
+	default:
+	}
 }
 
 // withGrace returns a context that ends grace after parent does (or when cancel is called):
