@@ -1,0 +1,178 @@
+// Command testreport reads `go test -json` on standard input and makes its skips visible: it
+// prints each package's result line as go test would, the output of every failed test, and
+// every skipped test with its reason. It fails when a test failed, when a test skipped for a
+// reason that -allow does not match, or when fewer tests ran than -want. With -skipped FILE it
+// also writes, for the skips whose reason matches -collect, one line per package: the package,
+// then a -run pattern of those tests (scripts/test.sh runs them in a later phase).
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+)
+
+// event is one line of `go test -json` (see `go doc test2json`).
+type event struct {
+	Action  string
+	Package string
+	Test    string
+	Output  string
+	Elapsed float64
+}
+
+type test struct{ pkg, name string }
+
+func main() {
+	allow := flag.String("allow", "", "regexp a skip's reason must match (empty: no skip is allowed)")
+	collect := flag.String("collect", "", "regexp of skip reasons whose tests -skipped lists")
+	skipped := flag.String("skipped", "", "file to write the collected skipped tests to")
+	want := flag.Int("want", 0, "fail unless at least this many tests ran")
+	flag.Parse()
+	r, err := read(os.Stdin)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testreport:", err)
+		os.Exit(2)
+	}
+	ok := r.report(os.Stdout, *allow, *want)
+	if *skipped != "" {
+		if err := os.WriteFile(*skipped, []byte(r.collect(*collect)), 0o644); err != nil {
+			fmt.Fprintln(os.Stderr, "testreport:", err)
+			os.Exit(2)
+		}
+	}
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// run is what a `go test -json` stream told.
+type run struct {
+	output  map[test][]string // each test's output lines; a package's own under name ""
+	results map[test]string   // pass, fail or skip
+	order   []test            // tests and packages, as they ended
+}
+
+func read(in io.Reader) (*run, error) {
+	r := &run{output: map[test][]string{}, results: map[test]string{}}
+	sc := bufio.NewScanner(in)
+	sc.Buffer(make([]byte, 1<<20), 16<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		var e event
+		if err := json.Unmarshal(line, &e); err != nil || e.Action == "" {
+			fmt.Println(string(line)) // go test's own words (a build failure, say)
+			continue
+		}
+		key := test{e.Package, e.Test}
+		switch e.Action {
+		case "build-output":
+			fmt.Print(e.Output) // why a package did not build
+		case "output":
+			r.output[key] = append(r.output[key], e.Output)
+		case "pass", "fail", "skip":
+			r.results[key] = e.Action
+			r.order = append(r.order, key)
+		}
+	}
+	return r, sc.Err()
+}
+
+// report prints the results and tells whether they pass.
+func (r *run) report(w io.Writer, allow string, want int) bool {
+	allowed := regexp.MustCompile(allow)
+	ok := true
+	passed, failed, ran := 0, 0, 0
+	var skips, bad []string
+	for _, k := range r.order {
+		res := r.results[k]
+		if k.name == "" {
+			// The package's own result line, as go test prints it.
+			for _, l := range r.output[k] {
+				if strings.HasPrefix(l, "ok ") || strings.HasPrefix(l, "FAIL") || strings.HasPrefix(l, "?") || strings.HasPrefix(l, "---") {
+					fmt.Fprint(w, l)
+				}
+			}
+			if res == "fail" {
+				ok = false
+			}
+			continue
+		}
+		switch res {
+		case "pass":
+			passed++
+			ran++
+		case "fail":
+			failed++
+			ran++
+			ok = false
+			fmt.Fprintf(w, "--- FAIL: %s (%s)\n", k.name, k.pkg)
+			for _, l := range r.output[k] {
+				fmt.Fprint(w, "    ", l)
+			}
+		case "skip":
+			reason := r.reason(k)
+			skips = append(skips, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
+			if allow == "" || !allowed.MatchString(reason) {
+				bad = append(bad, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
+			}
+		}
+	}
+	slices.Sort(skips)
+	fmt.Fprintf(w, "skipped tests (%d):\n", len(skips))
+	for _, s := range skips {
+		fmt.Fprintln(w, s)
+	}
+	if len(bad) > 0 {
+		ok = false
+		slices.Sort(bad)
+		fmt.Fprintf(w, "tests skipped for a reason not on the allowed list (README, Testing):\n%s\n", strings.Join(bad, "\n"))
+	}
+	if ran < want {
+		ok = false
+		fmt.Fprintf(w, "%d tests ran, want at least %d: a test was renamed or lost its skip\n", ran, want)
+	}
+	fmt.Fprintf(w, "%d passed, %d failed, %d skipped\n", passed, failed, len(skips))
+	return ok
+}
+
+// reason is the message a skipped test gave: its last output line of the form "file.go:N: ...".
+func (r *run) reason(k test) string {
+	reason := "(no reason given)"
+	for _, l := range r.output[k] {
+		l = strings.TrimSpace(l)
+		if i := strings.Index(l, ".go:"); i > 0 && !strings.HasPrefix(l, "---") && !strings.HasPrefix(l, "===") {
+			if j := strings.Index(l[i+4:], ": "); j >= 0 {
+				reason = l[i+4+j+2:]
+			}
+		}
+	}
+	return reason
+}
+
+// collect lists, per package, the tests whose skip reason matches pattern, as a -run pattern.
+func (r *run) collect(pattern string) string {
+	re := regexp.MustCompile(pattern)
+	byPkg := map[string][]string{}
+	for _, k := range r.order {
+		if k.name != "" && !strings.Contains(k.name, "/") && r.results[k] == "skip" && pattern != "" && re.MatchString(r.reason(k)) {
+			byPkg[k.pkg] = append(byPkg[k.pkg], regexp.QuoteMeta(k.name))
+		}
+	}
+	var b strings.Builder
+	pkgs := make([]string, 0, len(byPkg))
+	for p := range byPkg {
+		pkgs = append(pkgs, p)
+	}
+	slices.Sort(pkgs)
+	for _, p := range pkgs {
+		fmt.Fprintf(&b, "%s ^(%s)$\n", p, strings.Join(byPkg[p], "|"))
+	}
+	return b.String()
+}
