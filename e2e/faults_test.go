@@ -258,6 +258,14 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	cluster := filepath.Base(versions[0])
 	t.Cleanup(func() { _ = exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start").Run() })
 	s := startSystem(t, systest.Options{})
+	started := func() time.Time {
+		var at time.Time
+		if err := s.Order.DB.DB.Raw("SELECT pg_postmaster_start_time()").Scan(&at).Error; err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
+	before := started()
 	traffic := s.StartTraffic(4)
 	traffic.WaitFor(t, 50)
 	if out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput(); err != nil {
@@ -265,6 +273,9 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
 	traffic.WaitFor(t, 50) // the order service takes orders again without a restart
+	if after := started(); !after.After(before) {
+		t.Fatalf("the server the services use did not restart: started at %s, and still at %s", before, after)
+	}
 	ids, cancelled, _ := traffic.Stop(t)
 	unconfirmed := s.CheckAccepted(t, ids)
 	n := int64(len(ids)) + unconfirmed

@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -46,35 +49,82 @@ func TestServerRestartBrokerStopAppThenStartApp(t *testing.T) {
 	}
 }
 
+// PostgreSQL restarted while the relay and a consumer are busy: both recover by themselves,
+// the relay's LISTEN comes back (a row committed afterwards is sent without waiting for the
+// poll), nothing is lost, done twice or dead-lettered.
 func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	requireServerRestarts(t)
-	b := setup(t)
-	b.createWorkTable(t)
-	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
-	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
-	ids := b.enqueue(t, 5)
-	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 5 }, "first messages not handled")
-
 	versions, err := filepath.Glob("/etc/postgresql/*")
 	if err != nil || len(versions) == 0 {
 		t.Skip("no local PostgreSQL cluster to restart")
 	}
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour }).Run)
+	listening := func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}
+	testenv.Eventually(t, 10*time.Second, listening, "relay is not listening")
+	started := func() time.Time {
+		var at time.Time
+		if err := b.db.DB.Raw("SELECT pg_postmaster_start_time()").Scan(&at).Error; err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
+	before := started()
+
+	// Under load: rows keep coming while the server restarts.
+	var ids []uuid.UUID
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			msg := newMessage(t, len(ids))
+			if b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, msg) }) == nil {
+				ids = append(ids, msg.ID)
+			}
+			time.Sleep(20 * time.Millisecond) // the pace of incoming rows, not a synchronisation
+		}
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 5 }, "no work done before the restart")
 	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", filepath.Base(versions[0]), "main", "restart", "-m", "fast").CombinedOutput()
 	if err != nil {
+		close(stop)
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
-	testenv.Eventually(t, 30*time.Second, func() bool {
-		return b.db.DB.Exec("SELECT 1").Error == nil
-	}, "PostgreSQL did not come back")
-	ids = append(ids, b.enqueue(t, 20)...)
+	testenv.Eventually(t, 30*time.Second, func() bool { return b.db.DB.Exec("SELECT 1").Error == nil }, "PostgreSQL did not come back")
+	if after := started(); !after.After(before) {
+		t.Fatalf("the server at TEST_DATABASE_URL did not restart: started at %s, and still at %s", before, after)
+	}
+	testenv.Eventually(t, 30*time.Second, listening, "the relay did not LISTEN again after the restart")
+	// The traffic goes on until work done after the restart shows it is handled again.
+	resumed := b.workDone(t)
+	testenv.Eventually(t, 30*time.Second, func() bool { return b.workDone(t) > resumed }, "no work done after the restart")
+	close(stop)
+	<-done
+
+	// With the poll an hour away, only a NOTIFY on the new connection can send this one soon.
+	ids = append(ids, b.enqueue(t, 1)...)
 	testenv.Eventually(t, 60*time.Second, func() bool { return b.workDone(t) == int64(len(ids)) && b.unprocessed(t) == 0 },
 		"not everything was handled after PostgreSQL restarted")
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
 	if !c.Ready() {
 		t.Fatal("consumer not ready after the database restart")
 	}
 	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
 		t.Fatalf("dead-letter queue holds %d", n)
 	}
+	t.Logf("%d rows across a PostgreSQL restart (start time %s → %s), all handled once", len(ids), before.Format(time.RFC3339), started().Format(time.RFC3339))
 }
 
 // A memory alarm blocks every publisher of the broker. The relay learns it from the broker's
