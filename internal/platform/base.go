@@ -34,6 +34,15 @@ type Base struct {
 	DB       *gorm.DB
 	Registry *prometheus.Registry
 	Metrics  *messaging.Metrics
+	// alreadyDone counts messages whose work their business key shows was done already, by
+	// another message: what the inbox cannot see, and no message should cause.
+	alreadyDone *prometheus.CounterVec
+}
+
+// AlreadyDone returns the counter of the consumer's messages that found their work done
+// already by another message (consumer_already_done_total).
+func (b *Base) AlreadyDone(consumer string) func() {
+	return b.alreadyDone.WithLabelValues(consumer).Inc
 }
 
 // Start opens the service's database, applies migrations in order (before anything serves,
@@ -55,7 +64,12 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, migr
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg)}, nil
+	alreadyDone := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "consumer_already_done_total",
+		Help: "Messages whose work was already done by another message (same business key): a sign of duplicate messages upstream.",
+	}, []string{"consumer"})
+	reg.MustRegister(alreadyDone)
+	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg), alreadyDone: alreadyDone}, nil
 }
 
 // Close closes the database pool.

@@ -48,7 +48,10 @@ func (Invoice) TableName() string { return "invoices" }
 // invoice row, and the unique order_id makes the second insert wait for the first transaction
 // and then find its row: whichever commits first, the other acts on what it wrote. No
 // check-then-insert, so no interleaving can issue an invoice for a cancelled order.
-type invoicer struct{ log *slog.Logger }
+type invoicer struct {
+	log         *slog.Logger
+	alreadyDone func() // counts a message whose invoice another message made already
+}
 
 // subscribe registers the invoicer's handlers.
 func (h invoicer) subscribe(sub *messaging.Subscription) {
@@ -93,6 +96,7 @@ func (h invoicer) alreadyKnown(tx *gorm.DB, ev events.OrderPlaced) error {
 	}
 	if existing.Status == StatusIssued {
 		return messaging.AfterCommit(tx, func() {
+			h.alreadyDone()
 			h.log.Warn("order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
 		})
 	}
@@ -128,7 +132,11 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		return fmt.Errorf("void invoice of order %s: %w", ev.OrderID, res.Error)
 	}
 	if res.RowsAffected == 0 {
-		return nil // void already: a cancellation from another message, or a remembered one
+		// Void already: another message cancelled the order.
+		return messaging.AfterCommit(tx, func() {
+			h.alreadyDone()
+			h.log.Warn("order already cancelled by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+		})
 	}
 	return messaging.AfterCommit(tx, func() {
 		h.log.Info("invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)

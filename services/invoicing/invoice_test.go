@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,9 +22,10 @@ import (
 )
 
 type testBundle struct {
-	db   *gorm.DB
-	sub  *messaging.Subscription
-	logs *testenv.Logs
+	db          *gorm.DB
+	sub         *messaging.Subscription
+	logs        *testenv.Logs
+	alreadyDone *atomic.Int64
 }
 
 func setup(t *testing.T, mw ...messaging.Middleware) *testBundle {
@@ -36,9 +38,10 @@ func setup(t *testing.T, mw ...messaging.Middleware) *testBundle {
 	if err != nil {
 		t.Fatal(err)
 	}
-	invoicer{log: log}.subscribe(sub)
+	var alreadyDone atomic.Int64
+	invoicer{log: log, alreadyDone: func() { alreadyDone.Add(1) }}.subscribe(sub)
 	sub.Use(mw...)
-	return &testBundle{db: d.DB, sub: sub, logs: logs}
+	return &testBundle{db: d.DB, sub: sub, logs: logs, alreadyDone: &alreadyDone}
 }
 
 func orderPlaced(t *testing.T, orderID uuid.UUID, total int64) messaging.Message {
@@ -109,8 +112,8 @@ func TestOneInvoicePerOrderWhateverArrives(t *testing.T) {
 	if n := len(b.logs.Lines("duplicate", "consumer=invoicing", "message_id="+msg.ID.String())); n != 1 {
 		t.Fatalf("%d duplicate lines, want 1", n)
 	}
-	if n := len(b.logs.Lines("order already invoiced")); n != 1 {
-		t.Fatalf("%d 'already invoiced' lines, want 1", n)
+	if n := len(b.logs.Lines("order already invoiced")); n != 1 || b.alreadyDone.Load() != 1 {
+		t.Fatalf("%d 'already invoiced' lines and %d counted, want 1 of each", n, b.alreadyDone.Load())
 	}
 }
 

@@ -43,6 +43,6 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err != nil {
 		return err
 	}
-	invoicer{log: log}.subscribe(sub)
+	invoicer{log: log, alreadyDone: base.AlreadyDone(Consumer)}.subscribe(sub)
 	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings, outbox.Relay.Run, outbox.Cleanup)
 }

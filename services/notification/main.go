@@ -54,6 +54,6 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err != nil {
 		return err
 	}
-	notifier{log: log, domain: domain, recorded: send.Wake}.subscribe(sub)
+	notifier{log: log, domain: domain, recorded: send.Wake, alreadyDone: base.AlreadyDone(Consumer)}.subscribe(sub)
 	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings, send.Run)
 }

@@ -113,6 +113,8 @@ type notifier struct {
 	log      *slog.Logger
 	domain   string
 	recorded func() // called after a new notification committed: wakes the sender
+	// alreadyDone, if set, counts a message whose notification another message recorded already.
+	alreadyDone func()
 }
 
 // subscribe registers a handler per event the notifier turns into a notification; the
@@ -152,6 +154,9 @@ func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) err
 	}
 	if res.RowsAffected == 0 {
 		return messaging.AfterCommit(tx, func() {
+			if h.alreadyDone != nil {
+				h.alreadyDone()
+			}
 			h.log.Warn("order already has a "+n.Kind+" notification from another message; nothing to do",
 				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		})
