@@ -24,9 +24,10 @@ RUN --mount=type=cache,target=/root/.cache/go-build \
     go build -trimpath -ldflags="-s -w" -o /out/service "./services/${SERVICE}" && \
     go build -trimpath -ldflags="-s -w" -o /out/healthcheck ./cmd/healthcheck
 
+# Debian 13: debian12 passed its end of life in September 2026.
 # No shell, no package manager, runs as uid 65532. The compose healthchecks call
 # /healthcheck, since there is no curl either.
-FROM gcr.io/distroless/static-debian12:nonroot
+FROM gcr.io/distroless/static-debian13:nonroot
 COPY --from=build /out/service /service
 COPY --from=build /out/healthcheck /healthcheck
 USER nonroot:nonroot

@@ -1,7 +1,7 @@
 // Package deploy_test checks the Docker packaging by inspection, with no Docker engine: it
-// loads docker-compose.yml with the compose-spec loader (the one Docker Compose uses) and reads
-// the Dockerfile, .dockerignore and the PostgreSQL init scripts, and asserts that they agree with
-// each other and with what the services' code reads.
+// loads docker-compose.yml and deploy/compose.test.yml with the compose-spec loader (the one
+// Docker Compose uses) and reads the Dockerfile, .dockerignore and the PostgreSQL init
+// scripts, and asserts that they agree with each other and with what the services' code reads.
 package deploy_test
 
 import (
@@ -44,15 +44,22 @@ var apps = []app{
 // process environment or any .env file, so the result depends on the repository alone.
 func loadProject(t *testing.T) *types.Project {
 	t.Helper()
+	return loadCompose(t, "docker-compose.yml", nil)
+}
+
+// loadCompose loads the compose file at path (from the repository root) with only the
+// variables in env set ("NAME=value").
+func loadCompose(t *testing.T, path string, env []string) *types.Project {
+	t.Helper()
 	dir, err := filepath.Abs(root)
 	if err != nil {
 		t.Fatal(err)
 	}
+	file := filepath.Join(dir, path)
 	opts, err := cli.NewProjectOptions(
-		[]string{filepath.Join(dir, "docker-compose.yml")},
-		cli.WithWorkingDirectory(dir),
-		cli.WithName("outbox-inbox"),
-		cli.WithEnv(nil),
+		[]string{file},
+		cli.WithWorkingDirectory(filepath.Dir(file)),
+		cli.WithEnv(env),
 		cli.WithDiscardEnvFile,
 		cli.WithResolvedPaths(true),
 	)
@@ -61,7 +68,7 @@ func loadProject(t *testing.T) *types.Project {
 	}
 	project, err := opts.LoadProject(context.Background())
 	if err != nil {
-		t.Fatalf("docker-compose.yml does not load: %v", err)
+		t.Fatalf("%s does not load: %v", path, err)
 	}
 	return project
 }
@@ -165,7 +172,7 @@ func TestComposeApps(t *testing.T) {
 	rabbitUser, _ := env(rabbit, "RABBITMQ_DEFAULT_USER")
 	rabbitPass, _ := env(rabbit, "RABBITMQ_DEFAULT_PASS")
 	if rabbitUser == "" || rabbitUser == "guest" || rabbitPass == "" {
-		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q; guest may not connect from other containers", rabbitUser, rabbitPass)
+		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q, want a user of our own, not the well-known guest/guest", rabbitUser, rabbitPass)
 	}
 	roles := initScriptRoles(t, p)
 
@@ -248,8 +255,8 @@ func TestComposeApps(t *testing.T) {
 			if _, port, err := net.SplitHostPort(addr); err != nil || port != strconv.Itoa(int(a.port)) {
 				t.Errorf("HTTP_ADDR = %q, want :%d", addr, a.port)
 			}
-			if !publishes(s, a.port) {
-				t.Errorf("ports = %+v, want %d:%d", s.Ports, a.port, a.port)
+			if !publishes(s, a.port, a.port) {
+				t.Errorf("ports = %+v, want 127.0.0.1:%d:%d", s.Ports, a.port, a.port)
 			}
 			wantHC := types.HealthCheckTest{"CMD", "/healthcheck", fmt.Sprintf("http://127.0.0.1:%d/readyz", a.port)}
 			if s.HealthCheck == nil || !slices.Equal(s.HealthCheck.Test, wantHC) {
@@ -271,16 +278,168 @@ func TestComposeApps(t *testing.T) {
 	}
 }
 
+// publishedPorts are the ports docker-compose.yml publishes: the container port, and the
+// variable that moves the host port (the container port when unset).
+var publishedPorts = []struct {
+	service  string
+	port     uint32
+	variable string
+}{
+	{"order", 8080, "ORDER_PORT"},
+	{"invoicing", 8081, "INVOICING_PORT"},
+	{"notification", 8082, "NOTIFICATION_PORT"},
+	{"rabbitmq", 15672, "RABBITMQ_UI_PORT"},
+	{"mailpit", 8025, "MAILPIT_UI_PORT"},
+}
+
 func TestComposePublishedPorts(t *testing.T) {
 	t.Parallel()
 	p := loadProject(t)
-	for name, port := range map[string]uint32{
-		"order": 8080, "invoicing": 8081, "notification": 8082, "rabbitmq": 15672, "mailpit": 8025,
-	} {
-		if !publishes(service(t, p, name), port) {
-			t.Errorf("%s: ports = %+v, want %d published as %d", name, service(t, p, name).Ports, port, port)
+	want := map[string]int{}
+	for _, pp := range publishedPorts {
+		want[pp.service]++
+		if !publishes(service(t, p, pp.service), pp.port, pp.port) {
+			t.Errorf("%s: ports = %+v, want 127.0.0.1:%d:%d with %s unset", pp.service, service(t, p, pp.service).Ports, pp.port, pp.port, pp.variable)
 		}
 	}
+	// Nothing else is published, and nothing on all interfaces: the RabbitMQ UI is an
+	// administrator login, Mailpit shows every e-mail.
+	for name, s := range p.Services {
+		if len(s.Ports) != want[name] {
+			t.Errorf("%s: publishes %d ports (%+v), want %d", name, len(s.Ports), s.Ports, want[name])
+		}
+		for _, port := range s.Ports {
+			if port.HostIP != "127.0.0.1" {
+				t.Errorf("%s: port %d is published on %q, want 127.0.0.1 only", name, port.Target, port.HostIP)
+			}
+		}
+	}
+
+	// Each host port moves with its variable, the container port stays.
+	var env []string
+	for i, pp := range publishedPorts {
+		env = append(env, fmt.Sprintf("%s=%d", pp.variable, 20000+i))
+	}
+	moved := loadCompose(t, "docker-compose.yml", env)
+	for i, pp := range publishedPorts {
+		if s := service(t, moved, pp.service); !publishes(s, pp.port, uint32(20000+i)) {
+			t.Errorf("%s: with %s=%d, ports = %+v, want 127.0.0.1:%d:%d", pp.service, pp.variable, 20000+i, s.Ports, 20000+i, pp.port)
+		}
+	}
+}
+
+// The images still get updates: RabbitMQ 3.13 images stopped in December 2025, distroless
+// debian12 reached its end of life in September 2026. Each is pinned to a release series,
+// not to latest.
+func TestComposeImages(t *testing.T) {
+	t.Parallel()
+	p := loadProject(t)
+	if img := service(t, p, "rabbitmq").Image; !regexp.MustCompile(`^rabbitmq:4\.\d+-management$`).MatchString(img) {
+		t.Errorf("rabbitmq image = %q, want rabbitmq:4.<minor>-management", img)
+	}
+	if img := service(t, p, "postgres").Image; !regexp.MustCompile(`^postgres:\d+-alpine$`).MatchString(img) {
+		t.Errorf("postgres image = %q, want postgres:<major>-alpine", img)
+	}
+	// The test servers are the same versions as the system's.
+	test := loadCompose(t, "deploy/compose.test.yml", nil)
+	for _, name := range []string{"postgres", "rabbitmq"} {
+		if got, want := service(t, test, name).Image, service(t, p, name).Image; got != want {
+			t.Errorf("deploy/compose.test.yml %s image = %q, want %q as in docker-compose.yml", name, got, want)
+		}
+	}
+}
+
+// deploy/compose.test.yml runs the two servers scripts/test.sh needs where the tests look for
+// them by default.
+func TestComposeTestServers(t *testing.T) {
+	t.Parallel()
+	p := loadCompose(t, "deploy/compose.test.yml", nil)
+	got := p.ServiceNames()
+	slices.Sort(got)
+	if want := []string{"postgres", "rabbitmq"}; !slices.Equal(got, want) {
+		t.Fatalf("deploy/compose.test.yml services = %v, want %v", got, want)
+	}
+
+	for name, s := range p.Services {
+		if len(s.Ports) != 1 {
+			t.Errorf("%s: ports = %+v, want exactly one", name, s.Ports)
+		}
+		for _, port := range s.Ports {
+			if port.HostIP != "127.0.0.1" {
+				t.Errorf("%s: port %d is published on %q, want 127.0.0.1 only (the logins are open)", name, port.Target, port.HostIP)
+			}
+		}
+		hc := s.HealthCheck
+		if hc == nil || hc.Disable || len(hc.Test) < 2 || hc.Test[0] != "CMD" ||
+			hc.Interval == nil || hc.Timeout == nil || hc.Retries == nil || hc.StartPeriod == nil {
+			t.Errorf("%s: healthcheck = %+v, want a CMD test with interval, timeout, retries and start_period (up --wait waits on it)", name, hc)
+		}
+	}
+
+	// PostgreSQL: postgres without a password, as TEST_DATABASE_URL's default logs in.
+	pg := service(t, p, "postgres")
+	dbURL := testURLDefault(t, "TEST_DATABASE_URL")
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, hasPass := u.User.Password(); u.Hostname() != "127.0.0.1" || u.Port() != "5432" || u.User.Username() != "postgres" || hasPass {
+		t.Fatalf("TEST_DATABASE_URL defaults to %q; this test expects postgres without a password at 127.0.0.1:5432", dbURL)
+	}
+	if !publishes(pg, 5432, 5432) {
+		t.Errorf("postgres: ports = %+v, want 127.0.0.1:5432:5432", pg.Ports)
+	}
+	if v, _ := env(pg, "POSTGRES_HOST_AUTH_METHOD"); v != "trust" {
+		t.Errorf("postgres: POSTGRES_HOST_AUTH_METHOD = %q, want trust (%s has no password)", v, dbURL)
+	}
+	if test := pg.HealthCheck; test == nil || !slices.Contains(test.Test, "pg_isready") {
+		t.Errorf("postgres: healthcheck %+v, want pg_isready", test)
+	}
+
+	// RabbitMQ: guest/guest, as TEST_AMQP_URL's default logs in.
+	rabbit := service(t, p, "rabbitmq")
+	amqpURL := testURLDefault(t, "TEST_AMQP_URL")
+	if u, err = url.Parse(amqpURL); err != nil {
+		t.Fatal(err)
+	}
+	pass, _ := u.User.Password()
+	if u.Hostname() != "127.0.0.1" || u.Port() != "5672" || u.User.Username() != "guest" || pass != "guest" {
+		t.Fatalf("TEST_AMQP_URL defaults to %q; this test expects guest:guest at 127.0.0.1:5672", amqpURL)
+	}
+	if !publishes(rabbit, 5672, 5672) {
+		t.Errorf("rabbitmq: ports = %+v, want 127.0.0.1:5672:5672", rabbit.Ports)
+	}
+	user, _ := env(rabbit, "RABBITMQ_DEFAULT_USER")
+	pass, _ = env(rabbit, "RABBITMQ_DEFAULT_PASS")
+	if user != "guest" || pass != "guest" {
+		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q, want guest/guest", user, pass)
+	}
+	if test := strings.Join(rabbit.HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
+		t.Errorf("rabbitmq: healthcheck %q, want rabbitmq-diagnostics", test)
+	}
+}
+
+// testURLDefault returns the default of a TEST_*_URL variable, checking that the tests
+// (internal/testenv) and scripts/test.sh agree on it.
+func testURLDefault(t *testing.T, name string) string {
+	t.Helper()
+	read := func(path string) string {
+		src, err := os.ReadFile(filepath.Join(root, path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(src)
+	}
+	q := regexp.QuoteMeta(name)
+	goDefault := regexp.MustCompile(`envOr\("` + q + `",\s*"([^"]+)"\)`).FindStringSubmatch(read("internal/testenv/testenv.go"))
+	shDefault := regexp.MustCompile(`\$\{` + q + `:-([^}]+)\}`).FindStringSubmatch(read("scripts/test.sh"))
+	if goDefault == nil || shDefault == nil {
+		t.Fatalf("%s: no default found in internal/testenv/testenv.go (%v) or scripts/test.sh (%v)", name, goDefault, shDefault)
+	}
+	if goDefault[1] != shDefault[1] {
+		t.Fatalf("%s defaults to %q in internal/testenv but %q in scripts/test.sh", name, goDefault[1], shDefault[1])
+	}
+	return goDefault[1]
 }
 
 func TestComposePostgresInit(t *testing.T) {
@@ -339,8 +498,11 @@ func TestDockerfile(t *testing.T) {
 		t.Errorf("build stage FROM %q, want golang:%s (go.mod's version)", froms[0], goVersion[1])
 	}
 	runtime := strings.Fields(froms[len(froms)-1])[0]
-	if !strings.HasPrefix(runtime, "gcr.io/distroless/static") {
-		t.Errorf("runtime stage FROM %q, want gcr.io/distroless/static (the binaries are static)", runtime)
+	// Static binaries need no libc; debian12 reached its end of life in September 2026.
+	if m := regexp.MustCompile(`^gcr\.io/distroless/static-debian(\d+):`).FindStringSubmatch(runtime); m == nil {
+		t.Errorf("runtime stage FROM %q, want gcr.io/distroless/static-debianN (the binaries are static)", runtime)
+	} else if n, _ := strconv.Atoi(m[1]); n < 13 {
+		t.Errorf("runtime stage FROM %q: debian%d gets no more updates, want static-debian13 or later", runtime, n)
 	}
 
 	last := instrs[lastIndex(instrs, "FROM"):]
@@ -444,9 +606,10 @@ func deref(s *string) any {
 	return *s
 }
 
-func publishes(s types.ServiceConfig, port uint32) bool {
+// publishes reports whether s publishes its port target as host port published on 127.0.0.1.
+func publishes(s types.ServiceConfig, target, published uint32) bool {
 	return slices.ContainsFunc(s.Ports, func(p types.ServicePortConfig) bool {
-		return p.Target == port && p.Published == strconv.Itoa(int(port))
+		return p.Target == target && p.Published == strconv.Itoa(int(published)) && p.HostIP == "127.0.0.1"
 	})
 }
 

@@ -13,8 +13,19 @@ export TEST_AMQP_URL="${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
 say() { printf '== %s\n' "$*"; }
 die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 
-# host:port of a URL such as scheme://user:pass@host:port/path
-host_port() { local rest="${1#*://}"; rest="${rest#*@}"; printf '%s' "${rest%%[/?]*}"; }
+# host:port of a URL such as scheme://user:pass@host:port/path; without a port, the scheme's.
+host_port() {
+  local scheme="${1%%://*}" rest="${1#*://}"
+  rest="${rest#*@}"; rest="${rest%%[/?]*}"
+  case "$rest" in
+    \[*\]:*|[!\[]*:*) printf '%s' "$rest" ;;
+    *) case "$scheme" in
+         postgres|postgresql) printf '%s:5432' "$rest" ;;
+         amqps) printf '%s:5671' "$rest" ;;
+         *) printf '%s:5672' "$rest" ;;
+       esac ;;
+  esac
+}
 tcp_open() { local hp; hp=$(host_port "$1"); timeout 2 bash -c "</dev/tcp/${hp%:*}/${hp##*:}" 2>/dev/null; }
 is_local() { case "$(host_port "$1")" in 127.0.0.1:*|localhost:*|\[::1\]:*) return 0 ;; *) return 1 ;; esac; }
 
@@ -42,7 +53,7 @@ rabbit_ready() { tcp_open "$TEST_AMQP_URL"; }
 ensure_rabbitmq() {
   rabbit_ready && return 0
   is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
-  command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ or set TEST_AMQP_URL"
+  command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ (4.x in the compose files) or set TEST_AMQP_URL"
   if timeout 30 rabbitmqctl -q ping >/dev/null 2>&1; then
     say "starting the RabbitMQ application (the node runs, the app was stopped)"
     rabbitmqctl -q start_app
@@ -55,6 +66,13 @@ ensure_rabbitmq() {
 }
 
 command -v go >/dev/null || die "Go is not installed (need Go 1.26)"
+# Neither server, and none installed: one message that names both ways to get them.
+if ! pg_ready 2>/dev/null && ! rabbit_ready && ! command -v pg_ctlcluster >/dev/null && ! command -v rabbitmqctl >/dev/null; then
+  die "neither PostgreSQL ($(host_port "$TEST_DATABASE_URL")) nor RabbitMQ ($(host_port "$TEST_AMQP_URL")) answers.
+  Either install PostgreSQL 15+ and RabbitMQ locally (postgres with trust auth, guest/guest),
+  or, with Docker, start both and run this again:
+    docker compose -f deploy/compose.test.yml up -d --wait"
+fi
 ensure_postgres
 ensure_rabbitmq
 say "PostgreSQL and RabbitMQ answer"

@@ -20,20 +20,43 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ORDER_URL="${ORDER_URL:-http://localhost:8080}"
-INVOICING_URL="${INVOICING_URL:-http://localhost:8081}"
-NOTIFICATION_URL="${NOTIFICATION_URL:-http://localhost:8082}"
+ORDER_URL="${ORDER_URL:-http://localhost:${ORDER_PORT:-8080}}"
+INVOICING_URL="${INVOICING_URL:-http://localhost:${INVOICING_PORT:-8081}}"
+NOTIFICATION_URL="${NOTIFICATION_URL:-http://localhost:${NOTIFICATION_PORT:-8082}}"
 ORDER_DATABASE_URL="${ORDER_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/order_db?sslmode=disable}"
 INVOICING_DATABASE_URL="${INVOICING_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/invoicing_db?sslmode=disable}"
 OUTAGE_SECONDS="${OUTAGE_SECONDS:-8}"
 
-if [ -z "${WALKTHROUGH_MODE:-}" ]; then
-  if command -v docker >/dev/null && docker compose ps --status running --services 2>/dev/null | grep -qx order; then
-    WALKTHROUGH_MODE=compose
-  else
-    WALKTHROUGH_MODE=local
-  fi
-fi
+# Compose mode when this project's containers all run, local mode when there are none; it
+# says which and why. Local mode stops the developer's own broker (rabbitmqctl stop_app), so
+# it is never chosen by default while containers of this project exist but are not all
+# running: then it stops instead. WALKTHROUGH_MODE=compose|local overrides.
+case "${WALKTHROUGH_MODE:-}" in
+  compose|local) mode_reason="WALKTHROUGH_MODE=$WALKTHROUGH_MODE" ;;
+  "")
+    if ! command -v docker >/dev/null 2>&1; then
+      WALKTHROUGH_MODE=local mode_reason="docker is not installed"
+    elif ! containers=$(docker compose ps --all --quiet 2>/dev/null); then
+      why=$(docker compose ps --all --quiet 2>&1 >/dev/null | grep . | head -n1 || true)
+      WALKTHROUGH_MODE=local mode_reason="docker compose is not available (${why:-docker compose ps failed})"
+    elif [ -z "$containers" ]; then
+      WALKTHROUGH_MODE=local mode_reason="docker compose ps lists no container of this project"
+    else
+      services=$(docker compose config --services | LC_ALL=C sort)
+      running=$(docker compose ps --status running --services | LC_ALL=C sort)
+      not_running=$(LC_ALL=C comm -23 <(printf '%s\n' "$services") <(printf '%s\n' "$running") | paste -sd' ' -)
+      if [ -n "$not_running" ]; then
+        printf 'walkthrough: this project has containers, but not all its services run (not running: %s).\n' "$not_running" >&2
+        printf '  Start them (docker compose up -d --wait) or remove them (docker compose down) and run again,\n' >&2
+        printf '  or choose explicitly: WALKTHROUGH_MODE=compose|local (local stops the local broker).\n' >&2
+        exit 1
+      fi
+      WALKTHROUGH_MODE=compose mode_reason="docker compose ps shows the services running"
+    fi
+    ;;
+  *) printf 'walkthrough: WALKTHROUGH_MODE=%s, want compose or local\n' "$WALKTHROUGH_MODE" >&2; exit 2 ;;
+esac
+printf '%s mode: %s\n' "$WALKTHROUGH_MODE" "$mode_reason"
 
 say()  { printf '\n== %s\n' "$*"; }
 info() { printf '   %s\n' "$*"; }
