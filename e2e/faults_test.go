@@ -113,6 +113,34 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 		len(ids), got.Cancelled, got.Invoices, got.Sent, s.DuplicatesSuppressed(t))
 }
 
+// Each service binary SIGKILLed under load, then started again, as an orchestrator would: no
+// grace, nothing finished. Every accepted order ends invoiced and notified exactly once over
+// the whole chain; only an e-mail may arrive twice, with its Message-ID, if the kill fell between
+// its SMTP send and its mark.
+func TestKilledServicesUnderLoad(t *testing.T) {
+	t.Parallel()
+	s := startSystem(t, systest.Options{})
+	s.RepeatedMails = true
+	traffic := s.StartTraffic(4)
+	traffic.WaitFor(t, 50)
+	for _, c := range []*systest.Service{s.Invoicing, s.Notification, s.Order} {
+		c.Kill(t)
+		if c != s.Order {
+			traffic.WaitFor(t, 30) // orders keep coming while the consumer is dead
+		}
+		c.Start(t)
+		traffic.WaitFor(t, 50)
+	}
+	ids, cancelled, serverErrors := traffic.Stop(t)
+	unconfirmed := s.CheckAccepted(t, ids)
+	got := s.WaitExactlyOnce(t, int64(len(ids))+unconfirmed, 90*time.Second)
+	if got.Cancelled < int(cancelled) {
+		t.Errorf("%d orders are cancelled, fewer than the %d cancellations answered 200", got.Cancelled, cancelled)
+	}
+	t.Logf("3 SIGKILLs under load: %d orders accepted (%d more committed whose answer the kill cut off), %d cancelled, %d 5xx; %d invoices, %d notifications, %d e-mails (%d repeated with their Message-ID); %d duplicates suppressed",
+		len(ids), unconfirmed, got.Cancelled, serverErrors, got.Invoices, got.Sent, got.Mails, got.DuplicateMails, s.DuplicatesSuppressed(t))
+}
+
 // The broker gone for a minute while orders keep coming.
 func TestBrokerOutage60s(t *testing.T) {
 	t.Parallel()
