@@ -550,9 +550,19 @@ func TestConsumerBatchesWaitingMessages(t *testing.T) {
 		return doWork(tx, msg)
 	}
 	in := newInbox(t, b.db.DB, consumerName, b.log)
+	// The largest batch that committed: the batching must be seen to happen.
+	var biggest atomic.Int32
+	batch := in.BatchHandler(work)
+	measured := func(ctx context.Context, msgs []messaging.Message) error {
+		err := batch(ctx, msgs)
+		if n := int32(len(msgs)); err == nil && n > biggest.Load() {
+			biggest.Store(n)
+		}
+		return err
+	}
 	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
 		URL: testenv.AMQPURL(), Queue: b.queue, Setup: b.topology.Declare, Logger: b.log, Metrics: b.metrics,
-		Concurrency: 2, BatchHandler: in.BatchHandler(work), BatchSize: 20,
+		Concurrency: 2, BatchHandler: measured, BatchSize: 20,
 	}, in.Handler(work))
 	if err != nil {
 		t.Fatal(err)
@@ -583,6 +593,9 @@ func TestConsumerBatchesWaitingMessages(t *testing.T) {
 	}
 	if got := len(b.logs.Lines("duplicate message skipped")); got != n/10 {
 		t.Fatalf("%d duplicate lines, want %d", got, n/10)
+	}
+	if got := biggest.Load(); got < 2 {
+		t.Fatalf("the largest batch committed held %d message(s): no batching happened", got)
 	}
 }
 
