@@ -494,8 +494,12 @@ func TestRelayParksAnOversizedRowAndSendsTheRest(t *testing.T) {
 	}
 	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "too large") ||
 		time.Until(row.NextAttemptAt) < time.Second {
-		t.Fatalf("oversized row = attempts %d, last error %v, due in %s; want parked with attempts 1 and a size error",
-			row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+		lastError := "(none)"
+		if row.LastError != nil {
+			lastError = *row.LastError
+		}
+		t.Fatalf("oversized row = attempts %d, last error %q, due in %s; want parked with attempts 1 and a size error",
+			row.Attempts, lastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
 	}
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), append(before, after...))
 	if lines := b.logs.Lines("outbox publish failed", "message_id="+big.ID.String(), "attempts=1", "retry_in=", "too large"); len(lines) != 1 {
