@@ -2,6 +2,7 @@ package messaging_test
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -41,6 +42,10 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	b.publishRaw(t, publishing(msg))
 
 	pid := <-inTx
+	// The work's transaction is open: the delivery must not be acknowledged yet. (The broker
+	// refreshes its queue statistics every few seconds, hence the wait.)
+	testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == 1 },
+		"the delivery is not unacknowledged while its work's transaction is open: acked before its commit")
 	admin, err := testenv.OpenGORM(testenv.DatabaseURL())
 	if err != nil {
 		t.Fatal(err)
@@ -141,4 +146,22 @@ func TestConsumerDetectsAHalfOpenConnectionByHeartbeat(t *testing.T) {
 	testenv.Eventually(t, 15*time.Second, c.Ready, "consumer did not reconnect")
 	b.publishRaw(t, publishing(newMessage(t, 1)))
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "message after the reconnect not handled")
+}
+
+// unacked is how many of queue's deliveries (on the default vhost) are not acknowledged yet: a
+// passive declare counts only the ready ones.
+func unacked(t *testing.T, queue string) int {
+	t.Helper()
+	out := testenv.RabbitMQCtl(t, "list_queues", "-q", "-p", "/", "--no-table-headers", "name", "messages_unacknowledged")
+	for line := range strings.SplitSeq(out, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == queue {
+			n, err := strconv.Atoi(f[1])
+			if err != nil {
+				t.Fatalf("list_queues: %q: %v", line, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("list_queues has no queue %s", queue)
+	return 0
 }
