@@ -44,13 +44,7 @@ func (s ConsumerSettings) LogAttrs() []any {
 
 // InboxCleanup is the hourly job deleting inbox records older than the retention.
 func (b *Base) InboxCleanup(log *slog.Logger, retention time.Duration) Worker {
-	return Periodic(log, "inbox cleanup", time.Hour, func(ctx context.Context) error {
-		n, err := messaging.DeleteInboxMessages(ctx, b.DB, retention)
-		if err == nil && n > 0 {
-			log.Info("deleted old inbox records", "count", n, "older_than", retention)
-		}
-		return err
-	})
+	return b.cleanup(log, "inbox records", retention, messaging.DeleteInboxMessages)
 }
 
 // Subscription returns the subscription of the consumer name (also its queue's), on the

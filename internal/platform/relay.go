@@ -1,7 +1,6 @@
 package platform
 
 import (
-	"context"
 	"log/slog"
 	"time"
 
@@ -73,11 +72,5 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, s Relay
 
 // outboxCleanup is the hourly job deleting sent outbox rows older than the retention.
 func (b *Base) outboxCleanup(log *slog.Logger, retention time.Duration) Worker {
-	return Periodic(log, "outbox cleanup", time.Hour, func(ctx context.Context) error {
-		n, err := messaging.DeleteSentOutboxMessages(ctx, b.DB, retention)
-		if err == nil && n > 0 {
-			log.Info("deleted sent outbox messages", "count", n, "older_than", retention)
-		}
-		return err
-	})
+	return b.cleanup(log, "sent outbox messages", retention, messaging.DeleteSentOutboxMessages)
 }

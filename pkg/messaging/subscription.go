@@ -85,7 +85,6 @@ type SubscriptionConfig struct {
 // A message of a type without a handler is dead-lettered, with the reason logged.
 type Subscription struct {
 	cfg        SubscriptionConfig
-	log        *slog.Logger
 	inbox      *Inbox
 	routes     map[string]HandlerFunc
 	bindings   []Binding
@@ -115,8 +114,7 @@ func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Subscription{cfg: cfg, log: cfg.Logger.With("component", "subscription", "consumer", cfg.Name),
-		inbox: inbox, routes: make(map[string]HandlerFunc)}, nil
+	return &Subscription{cfg: cfg, inbox: inbox, routes: make(map[string]HandlerFunc)}, nil
 }
 
 // Handle registers fn for the events ev names, and binds the subscription's queue to them. fn
