@@ -23,8 +23,7 @@ import (
 // exactly-once effects, and the relays (SKIP LOCKED) publish next to no duplicates.
 func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
-	// Seven processes: keep each pool small enough for PostgreSQL's 100 connections, shared
-	// with the tests running beside this one.
+	// Seven processes, with pools smaller still than the other tests' (see smallPools).
 	small := []string{"DB_MAX_CONNS=6", "CONSUMER_CONCURRENCY=4"}
 	s := startSystem(t, systest.Options{Orders: 3, Invoicers: 2, Notifiers: 2,
 		Env: map[string][]string{"order": small, "invoicing": small, "notification": small}})

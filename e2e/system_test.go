@@ -31,10 +31,20 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// smallPools are the e2e tests' database pools, unless a test says otherwise: each system
+// reserves every connection its services may open, and at the services' default of 20 two
+// systems would not fit the suite's share of PostgreSQL beside each other.
+var smallPools = []string{"DB_MAX_CONNS=8", "CONSUMER_CONCURRENCY=6"}
+
 // startSystem starts the race-enabled binaries as opts describes.
 func startSystem(t *testing.T, opts systest.Options) *systest.System {
 	t.Helper()
 	opts.BinDir = binDir
+	env := map[string][]string{}
+	for _, name := range []string{"order", "invoicing", "notification"} {
+		env[name] = append(append([]string{}, smallPools...), opts.Env[name]...)
+	}
+	opts.Env = env
 	s := systest.Start(t, opts)
 	s.DumpOnFailure(t)
 	return s

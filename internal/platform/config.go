@@ -179,6 +179,9 @@ type Common struct {
 	DBMaxConns  int
 }
 
+// DefaultDBMaxConns is the pool of a service's database handle unless DB_MAX_CONNS says.
+const DefaultDBMaxConns = 20
+
 // ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL and DB_MAX_CONNS.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
@@ -189,7 +192,7 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
 		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
 		// publishes, and requests must still find one.
-		DBMaxConns: env.Int("DB_MAX_CONNS", 20, 4, 1000),
+		DBMaxConns: env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
@@ -56,9 +57,11 @@ type Service struct {
 	Logs *testenv.Logs
 	bin  string
 	env  []string
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error
+	// conns is the DB_MAX_CONNS its share of the test's connection budget allows.
+	conns int
+	cmd   *exec.Cmd
+	done  chan struct{}
+	err   error
 	// alreadyDone carries consumer_already_done_total over the process's restarts.
 	alreadyDone float64
 }
@@ -100,7 +103,26 @@ type Options struct {
 	BinDir                       string // where Build put the binaries
 	DirectBroker                 bool   // no proxy in front of RabbitMQ (benchmarks: it costs CPU)
 	Orders, Invoicers, Notifiers int
-	Env                          map[string][]string
+	Env                          map[string][]string // a service's DB_MAX_CONNS here is its pool
+}
+
+// checkPool is the pool of each of the test's own handles on the services' databases.
+const checkPool = 2
+
+// dbConns is the pool a service started with env gets: its last DB_MAX_CONNS, or the
+// services' default.
+func dbConns(t *testing.T, env []string) int {
+	t.Helper()
+	n := platform.DefaultDBMaxConns
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "DB_MAX_CONNS="); ok {
+			var err error
+			if n, err = strconv.Atoi(v); err != nil {
+				t.Fatalf("DB_MAX_CONNS=%q: %v", v, err)
+			}
+		}
+	}
+	return n
 }
 
 func Start(t *testing.T, opts Options) *System {
@@ -122,16 +144,21 @@ func Start(t *testing.T, opts Options) *System {
 	env := func(name string, extra ...string) []string {
 		return append(append([]string{"AMQP_URL=" + viaProxy, "LOG_LEVEL=debug"}, opts.Env[name]...), extra...)
 	}
+	envs := map[string][]string{"invoicing": env("invoicing"), "notification": env("notification", "SMTP_ADDR="+s.Mail.Addr), "order": env("order")}
+	// Every connection the system can open, reserved at once: the services' pools and the
+	// test's own handles on their three databases.
+	testenv.Connections(t, 3*(checkPool+1)+
+		opts.Invoicers*dbConns(t, envs["invoicing"])+opts.Notifiers*dbConns(t, envs["notification"])+opts.Orders*dbConns(t, envs["order"]))
+	invoicingDB, notificationDB, orderDB := testenv.NewDatabaseWithPool(t, checkPool), testenv.NewDatabaseWithPool(t, checkPool), testenv.NewDatabaseWithPool(t, checkPool)
 	// Consumers first: their queues must exist before the first order is relayed.
-	invoicingDB, notificationDB, orderDB := testenv.NewDatabase(t), testenv.NewDatabase(t), testenv.NewDatabase(t)
 	for range opts.Invoicers {
-		s.Invoicers = append(s.Invoicers, startService(t, opts.BinDir, "invoicing", invoicingDB, env("invoicing")))
+		s.Invoicers = append(s.Invoicers, startService(t, opts.BinDir, "invoicing", invoicingDB, envs["invoicing"]))
 	}
 	for range opts.Notifiers {
-		s.Notifiers = append(s.Notifiers, startService(t, opts.BinDir, "notification", notificationDB, env("notification", "SMTP_ADDR="+s.Mail.Addr)))
+		s.Notifiers = append(s.Notifiers, startService(t, opts.BinDir, "notification", notificationDB, envs["notification"]))
 	}
 	for range opts.Orders {
-		s.Orders = append(s.Orders, startService(t, opts.BinDir, "order", orderDB, env("order")))
+		s.Orders = append(s.Orders, startService(t, opts.BinDir, "order", orderDB, envs["order"]))
 	}
 	s.Order, s.Invoicing, s.Notification = s.Orders[0], s.Invoicers[0], s.Notifiers[0]
 	return s
@@ -139,7 +166,7 @@ func Start(t *testing.T, opts Options) *System {
 
 func startService(t *testing.T, binDir, name string, db *testenv.Database, env []string) *Service {
 	t.Helper()
-	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env}
+	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env, conns: dbConns(t, env)}
 	s.URL = "http://" + freeAddr(t)
 	_, s.Logs = testenv.NewLogger(t)
 	s.Start(t)
@@ -166,6 +193,9 @@ func (s *Service) SetEnv(vars ...string) { s.env = append(s.env, vars...) }
 // Start runs the binary (again, after a Stop) and waits until it is ready.
 func (s *Service) Start(t *testing.T) {
 	t.Helper()
+	if n := dbConns(t, s.env); n > s.conns {
+		t.Fatalf("%s would start with DB_MAX_CONNS=%d, more than the %d reserved for it", s.Name, n, s.conns)
+	}
 	s.done = make(chan struct{})
 	s.cmd = exec.Command(s.bin)
 	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.DB.URL, "HTTP_ADDR=" + strings.TrimPrefix(s.URL, "http://")}, s.env...)...)

@@ -56,9 +56,17 @@ type Database struct {
 	DB   *gorm.DB
 }
 
-// NewDatabase creates a database for t.
+// NewDatabase creates a database for t, with a handle on a pool of 10 connections.
 func NewDatabase(t testing.TB) *Database {
 	t.Helper()
+	return NewDatabaseWithPool(t, poolSize)
+}
+
+// NewDatabaseWithPool creates a database for t, with a handle on a pool of pool connections.
+// It draws them, and one for creating and dropping the database, from t's reservation.
+func NewDatabaseWithPool(t testing.TB, pool int) *Database {
+	t.Helper()
+	Draw(t, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := UniqueName("test")
@@ -76,14 +84,8 @@ func NewDatabase(t testing.TB) *Database {
 	}
 	u.Path = "/" + name
 	d := &Database{Name: name, URL: u.String()}
-	d.DB, err = OpenGORM(d.URL)
-	if err != nil {
-		t.Fatalf("open %s: %v", name, err)
-	}
+	// Dropped after the pool below is closed: cleanups run last-registered first.
 	t.Cleanup(func() {
-		if sqlDB, err := d.DB.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		admin, err := pgx.Connect(ctx, DatabaseURL())
@@ -96,6 +98,7 @@ func NewDatabase(t testing.TB) *Database {
 			t.Errorf("drop database %s: %v", name, err)
 		}
 	})
+	d.DB = OpenPool(t, d.URL, pool)
 	return d
 }
 
@@ -113,8 +116,27 @@ func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *sq
 	}
 }
 
-// OpenGORM opens a quiet GORM handle on url.
-func OpenGORM(url string) (*gorm.DB, error) {
+// OpenPool opens a quiet GORM handle on url with at most size connections, drawn from t's
+// reservation, and closes it when t ends.
+func OpenPool(t testing.TB, url string, size int) *gorm.DB {
+	t.Helper()
+	Draw(t, size)
+	db, err := OpenGORM(url, size)
+	if err != nil {
+		t.Fatalf("open pool: %v", err)
+	}
+	t.Cleanup(func() {
+		if sqlDB, err := db.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+	})
+	return db
+}
+
+// OpenGORM opens a quiet GORM handle on url with at most size connections, for code that has
+// no test to draw them from: a test's child process (its parent draws them), an example
+// (after Reserve).
+func OpenGORM(url string, size int) (*gorm.DB, error) {
 	db, err := gorm.Open(postgres.Open(url), &gorm.Config{Logger: logger.Discard})
 	if err != nil {
 		return nil, err
@@ -123,7 +145,7 @@ func OpenGORM(url string) (*gorm.DB, error) {
 	if err != nil {
 		return nil, err
 	}
-	sqlDB.SetMaxOpenConns(20)
+	sqlDB.SetMaxOpenConns(size)
 	return db, nil
 }
 

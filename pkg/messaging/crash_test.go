@@ -26,6 +26,8 @@ const (
 	crashDBEnv    = "MESSAGING_CRASH_DB"
 	crashExEnv    = "MESSAGING_CRASH_EXCHANGE"
 	crashQueueEnv = "MESSAGING_CRASH_QUEUE"
+	// childPool is the child's pool, drawn from the parent test's connections.
+	childPool = 2
 )
 
 func die() {
@@ -37,6 +39,7 @@ func die() {
 // SIGKILL.
 func (b *testBundle) runChild(t *testing.T, name, point string) {
 	t.Helper()
+	testenv.Draw(t, childPool)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^"+name+"$", "-test.v")
@@ -54,7 +57,7 @@ func (b *testBundle) runChild(t *testing.T, name, point string) {
 // childEnv is what a crashing child needs, read from the parent's environment.
 func childEnv(t *testing.T) (db *gorm.DB, exchange, queue string) {
 	t.Helper()
-	db, err := testenv.OpenGORM(os.Getenv(crashDBEnv))
+	db, err := testenv.OpenGORM(os.Getenv(crashDBEnv), childPool)
 	if err != nil {
 		t.Fatal(err)
 	}

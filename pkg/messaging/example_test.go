@@ -168,7 +168,13 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 // exampleDatabase makes a database of its own with both messaging tables, and more tables if
 // given; done drops it. (The tests' helpers need a *testing.T, which examples do not have.)
 func exampleDatabase(tables ...string) (db *gorm.DB, done func()) {
-	admin, err := testenv.OpenGORM(testenv.DatabaseURL())
+	// An admin connection and the pool.
+	const pool = 4
+	release, err := testenv.Reserve(1 + pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	admin, err := testenv.OpenGORM(testenv.DatabaseURL(), 1)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -181,7 +187,7 @@ func exampleDatabase(tables ...string) (db *gorm.DB, done func()) {
 		log.Fatal(err)
 	}
 	u.Path = "/" + name
-	if db, err = testenv.OpenGORM(u.String()); err != nil {
+	if db, err = testenv.OpenGORM(u.String(), pool); err != nil {
 		log.Fatal(err)
 	}
 	sqlDB, err := db.DB()
@@ -204,6 +210,7 @@ func exampleDatabase(tables ...string) (db *gorm.DB, done func()) {
 		if a, err := admin.DB(); err == nil {
 			_ = a.Close()
 		}
+		release()
 	}
 }
 

@@ -46,15 +46,7 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	// refreshes its queue statistics every few seconds, hence the wait.)
 	testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == 1 },
 		"the delivery is not unacknowledged while its work's transaction is open: acked before its commit")
-	admin, err := testenv.OpenGORM(testenv.DatabaseURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if sqlDB, err := admin.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
-	})
+	admin := testenv.OpenPool(t, testenv.DatabaseURL(), 1)
 	var killed bool
 	if err := admin.Raw("SELECT pg_terminate_backend(?)", pid).Scan(&killed).Error; err != nil || !killed {
 		t.Fatalf("terminate backend %d: %v %v", pid, killed, err)

@@ -359,15 +359,7 @@ func TestConsumerWaitsOutADatabaseOutageWithoutDeadLettering(t *testing.T) {
 			b := setup(t)
 			b.createWorkTable(t)
 			proxy := testenv.Proxy(t, "127.0.0.1:5432")
-			viaProxy, err := testenv.OpenGORM(strings.Replace(b.db.URL, "127.0.0.1:5432", proxy.Listen, 1))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if sqlDB, err := viaProxy.DB(); err == nil {
-					_ = sqlDB.Close()
-				}
-			})
+			viaProxy := testenv.OpenPool(t, strings.Replace(b.db.URL, "127.0.0.1:5432", proxy.Listen, 1), 4)
 			consumerConn := testenv.UniqueName("consumer")
 			b.consumer(t, testenv.AMQPURL(), viaProxy, workFunc, func(c *messaging.ConsumerConfig) {
 				c.Retries, c.HandlerTimeout, c.ConnectionName = 2, 500*time.Millisecond, consumerConn
@@ -642,15 +634,7 @@ func TestInboxUsesReadCommittedWhateverTheDatabaseDefault(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The setting applies to sessions that start after it: a new pool.
-	db, err := testenv.OpenGORM(b.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if sqlDB, err := db.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
-	})
+	db := testenv.OpenPool(t, b.db.URL, 10)
 	isolation := func(tx *gorm.DB) string {
 		var level string
 		if err := tx.Raw("SHOW transaction_isolation").Scan(&level).Error; err != nil {

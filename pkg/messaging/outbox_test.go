@@ -140,6 +140,7 @@ func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
 	b := setup(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	testenv.Connections(t, testenv.DefaultConnections+1)
 	conn, err := pgx.Connect(ctx, b.db.URL)
 	if err != nil {
 		t.Fatal(err)

@@ -376,16 +376,7 @@ func (k *killAfterPublish) Publish(ctx context.Context, exchange string, msgs []
 	errs := k.Sender.Publish(ctx, exchange, msgs)
 	if !k.killed {
 		k.killed = true
-		admin, err := testenv.OpenGORM(testenv.DatabaseURL())
-		if err != nil {
-			k.t.Error(err)
-			return errs
-		}
-		defer func() {
-			if sqlDB, err := admin.DB(); err == nil {
-				_ = sqlDB.Close()
-			}
-		}()
+		admin := testenv.OpenPool(k.t, testenv.DatabaseURL(), 1)
 		n := testenv.Count(k.t, admin, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 			WHERE datname = ? AND state = 'idle in transaction'`, k.db.Name)
 		if n != 1 {

@@ -54,15 +54,7 @@ func (e *senderEnv) sender(t *testing.T, name string, d Deliverer) *sender {
 	q := u.Query()
 	q.Set("application_name", name)
 	u.RawQuery = q.Encode()
-	db, err := testenv.OpenGORM(u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if sqlDB, err := db.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
-	})
+	db := testenv.OpenPool(t, u.String(), 4)
 	s := newSender(db, d, time.Second, e.log.With("sender", name))
 	s.deliver, s.mark, s.grace, s.poll = 500*time.Millisecond, time.Second, 500*time.Millisecond, 50*time.Millisecond
 	s.backoff.Base = 100 * time.Millisecond
@@ -107,16 +99,7 @@ func (e *senderEnv) mails(t *testing.T, id uuid.UUID) int {
 // admin is a connection to the server's maintenance database, for killing sessions.
 func admin(t *testing.T) *gorm.DB {
 	t.Helper()
-	db, err := testenv.OpenGORM(testenv.DatabaseURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if sqlDB, err := db.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
-	})
-	return db
+	return testenv.OpenPool(t, testenv.DatabaseURL(), 1)
 }
 
 // sameRow fails unless got is want: status, attempts, last error, lease and sent_at.
