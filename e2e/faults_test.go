@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -93,11 +94,21 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 		c.Start(t)
 	}
 	traffic.WaitFor(t, 50)
-	took := s.Order.Stop(t)
-	t.Logf("order stopped in %s under load", took.Round(time.Millisecond))
+	// A request in flight at the signal: its body is half sent. The listener closes, and the
+	// request still completes, committed and answered, before the process exits.
+	finish := s.Order.InFlightOrder(t, "in-flight")
+	wait := s.Order.Terminate(t)
+	testenv.Eventually(t, 5*time.Second, s.Order.Refuses, "order still takes new connections after SIGTERM")
+	status, inFlight := finish()
+	if status != http.StatusCreated {
+		t.Fatalf("the request in flight at SIGTERM got %d, want 201: shutdown dropped it", status)
+	}
+	took := wait()
+	t.Logf("order stopped in %s under load, finishing a request in flight at the signal", took.Round(time.Millisecond))
 	s.Order.Start(t)
 	traffic.WaitFor(t, 50)
 	ids, cancelled, serverErrors := traffic.Stop(t)
+	ids = append(ids, inFlight)
 	if serverErrors != 0 {
 		t.Fatalf("%d requests got a 5xx during the shutdowns", serverErrors)
 	}

@@ -4,6 +4,7 @@
 package systest
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -218,12 +219,19 @@ func (s *Service) Start(t *testing.T) {
 // long the exit took.
 func (s *Service) Stop(t *testing.T) time.Duration {
 	t.Helper()
+	return s.Terminate(t)()
+}
+
+// Terminate sends SIGTERM and returns at once; wait requires a clean exit within 10 s of the
+// signal and returns how long the exit took.
+func (s *Service) Terminate(t *testing.T) (wait func() time.Duration) {
+	t.Helper()
 	select {
 	case <-s.done:
 		if s.err != nil {
 			t.Errorf("%s had already exited: %v", s.Name, s.err)
 		}
-		return 0
+		return func() time.Duration { return 0 }
 	default:
 	}
 	// The count dies with the process: keep it. (Work during the shutdown itself still shows
@@ -231,6 +239,11 @@ func (s *Service) Stop(t *testing.T) time.Duration {
 	s.alreadyDone = s.AlreadyDone(t)
 	start := time.Now()
 	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	return func() time.Duration { return s.waitExit(t, start) }
+}
+
+func (s *Service) waitExit(t *testing.T, start time.Time) time.Duration {
+	t.Helper()
 	select {
 	case <-s.done:
 		if s.err != nil {
@@ -372,6 +385,49 @@ func (s *Service) CancelOrder(t *testing.T, id uuid.UUID, reason string) bool {
 		return false
 	}
 	return true
+}
+
+// InFlightOrder starts POST /orders for customer on a connection of its own and sends all of
+// the request but the end of its body: the service is handling it, reading the body, until
+// finish sends the rest and reads the answer.
+func (s *Service) InFlightOrder(t *testing.T, customer string) (finish func() (status int, id uuid.UUID)) {
+	t.Helper()
+	body := fmt.Sprintf(`{"customer_id":%q,"lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, customer)
+	conn, err := net.Dial("tcp", strings.TrimPrefix(s.URL, "http://"))
+	if err != nil {
+		t.Fatalf("connect to %s: %v", s.Name, err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	head := fmt.Sprintf("POST /orders HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n",
+		strings.TrimPrefix(s.URL, "http://"), len(body))
+	half := len(body) / 2
+	if _, err := io.WriteString(conn, head+body[:half]); err != nil {
+		t.Fatalf("start POST /orders: %v", err)
+	}
+	return func() (int, uuid.UUID) {
+		t.Helper()
+		if _, err := io.WriteString(conn, body[half:]); err != nil {
+			t.Fatalf("finish POST /orders: %v", err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("read the answer to POST /orders: %v", err)
+		}
+		defer resp.Body.Close()
+		var o struct{ ID uuid.UUID }
+		_ = json.NewDecoder(resp.Body).Decode(&o)
+		return resp.StatusCode, o.ID
+	}
+}
+
+// Refuses reports whether the service takes no new connections: its listener is closed.
+func (s *Service) Refuses() bool {
+	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(s.URL, "http://"), time.Second)
+	if err != nil {
+		return true
+	}
+	_ = conn.Close()
+	return false
 }
 
 // postCancel posts the cancellation of order id to an order replica and returns the answer.
@@ -754,7 +810,9 @@ func (s *System) StartTraffic(workers int) *Traffic {
 				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
 				resp, err := client.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
 				if err != nil {
-					time.Sleep(20 * time.Millisecond) // the service is restarting: try again soon
+					// Refused or reset: the service is restarting. Try again soon. Whether an
+					// error hid an answer to an order that was committed, CheckAccepted tells.
+					time.Sleep(20 * time.Millisecond)
 					continue
 				}
 				out, _ := io.ReadAll(resp.Body)

@@ -93,7 +93,7 @@ func TestRelayProcessKilledBetweenPublishAndCommit(t *testing.T) {
 		t.Fatal("the relay survived its crash point")
 	}
 	t.Parallel()
-	b := setup(t)
+	b := setupWith(t, childPool)
 	b.createWorkTable(t)
 	ids := b.enqueue(t, 20)
 	b.runChild(t, "TestRelayProcessKilledBetweenPublishAndCommit", "relay-after-publish")
@@ -157,7 +157,7 @@ func TestConsumerProcessKilled(t *testing.T) {
 	for _, point := range []string{"consumer-after-commit", "consumer-before-commit"} {
 		t.Run(point, func(t *testing.T) {
 			t.Parallel()
-			b := setup(t)
+			b := setupWith(t, childPool)
 			b.createWorkTable(t)
 			msg := newMessage(t, 1)
 			b.publishRaw(t, publishing(msg))

@@ -18,7 +18,7 @@ import (
 // acknowledged, and the retry does the work exactly once.
 func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	b := setupWith(t, 1) // an admin connection
 	b.createWorkTable(t)
 	var attempts atomic.Int32
 	inTx := make(chan int, 1)

@@ -137,10 +137,9 @@ func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
 
 func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	b := setupWith(t, 1) // a LISTEN connection of the test's own
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	testenv.Connections(t, testenv.DefaultConnections+1)
 	conn, err := pgx.Connect(ctx, b.db.URL)
 	if err != nil {
 		t.Fatal(err)

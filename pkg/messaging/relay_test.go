@@ -388,7 +388,7 @@ func (k *killAfterPublish) Publish(ctx context.Context, exchange string, msgs []
 
 func TestRelayRepublishesWhenItDiesBetweenPublishAndCommit(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	b := setupWith(t, 1) // an admin connection
 	ids := b.enqueue(t, 10)
 	r := b.relay(t, &killAfterPublish{Sender: b.publisher(t, testenv.AMQPURL()), t: t, db: b.db}, nil)
 

@@ -31,6 +31,14 @@ type testBundle struct {
 	metrics  *messaging.Metrics
 }
 
+// setupWith is setup for a test that opens extra connections of its own beyond the bundle's
+// database pool (a child process's pool, an admin connection).
+func setupWith(t testing.TB, extra int) *testBundle {
+	t.Helper()
+	testenv.Connections(t, testenv.DefaultConnections+extra)
+	return setup(t)
+}
+
 func setup(t testing.TB) *testBundle {
 	t.Helper()
 	b := &testBundle{db: testenv.NewDatabase(t)}

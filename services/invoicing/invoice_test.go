@@ -245,6 +245,7 @@ func holdOpen(msgType string, held chan<- struct{}, release <-chan struct{}) mes
 // no interleaving leaves an issued invoice for a cancelled order.
 func TestPlacementAndCancellationTogether(t *testing.T) {
 	t.Parallel()
+	testenv.Connections(t, 3*testenv.DefaultConnections) // three databases, one after another
 	for _, first := range []string{events.OrderPlacedType, events.OrderCancelledType} {
 		held, release := make(chan struct{}), make(chan struct{})
 		b := setup(t, holdOpen(first, held, release))

@@ -28,8 +28,13 @@ type senderEnv struct {
 	logs *testenv.Logs
 }
 
+// senderPool is the pool of each sender a test builds.
+const senderPool = 4
+
 func newSenderEnv(t *testing.T) *senderEnv {
 	t.Helper()
+	// The database, two senders and an admin connection.
+	testenv.Connections(t, testenv.DefaultConnections+2*senderPool+1)
 	d := testenv.NewDatabase(t)
 	d.Migrate(t, platform.Migrations(migrations, "migrations", "notification_schema"))
 	log, logs := testenv.NewLogger(t)
@@ -54,7 +59,7 @@ func (e *senderEnv) sender(t *testing.T, name string, d Deliverer) *sender {
 	q := u.Query()
 	q.Set("application_name", name)
 	u.RawQuery = q.Encode()
-	db := testenv.OpenPool(t, u.String(), 4)
+	db := testenv.OpenPool(t, u.String(), senderPool)
 	s := newSender(db, d, time.Second, e.log.With("sender", name))
 	s.deliver, s.mark, s.grace, s.poll = 500*time.Millisecond, time.Second, 500*time.Millisecond, 50*time.Millisecond
 	s.backoff.Base = 100 * time.Millisecond
@@ -518,5 +523,65 @@ func TestDeliveryFinishingDuringShutdownIsMarkedSent(t *testing.T) {
 	}
 	if n := len(e.logs.Lines("notification delivered", id.String())); n != 1 {
 		t.Fatalf("%d 'notification delivered' lines, want 1", n)
+	}
+}
+
+// slow stands for a slow mail server: each delivery takes delay, well within the lease.
+type slow struct {
+	inner     Deliverer
+	delay     time.Duration
+	delivered atomic.Int32
+}
+
+func (d *slow) Deliver(ctx context.Context, n Notification) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d.delay):
+	}
+	if err := d.inner.Deliver(ctx, n); err != nil {
+		return err
+	}
+	d.delivered.Add(1)
+	return nil
+}
+
+// Two senders compete for the same notifications on one slow mail server: while a lease holds,
+// nobody else takes the notification, so each is e-mailed once.
+func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const notifications = 10
+	ids := make([]uuid.UUID, notifications)
+	for i := range ids {
+		ids[i] = e.pending(t)
+	}
+	a, b := &slow{inner: e.mailer(), delay: 200 * time.Millisecond}, &slow{inner: e.mailer(), delay: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for name, d := range map[string]*slow{"sender-a": a, "sender-b": b} {
+		s := e.sender(t, name, d)
+		wg.Go(func() { _ = s.Run(ctx) })
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'") == notifications
+	}, "not all %d notifications were sent", notifications)
+	cancel()
+	wg.Wait()
+
+	if a.delivered.Load() == 0 || b.delivered.Load() == 0 {
+		t.Fatalf("deliveries: sender-a %d, sender-b %d; both must have taken part", a.delivered.Load(), b.delivered.Load())
+	}
+	byMessageID := map[string]int{}
+	for _, m := range e.smtp.Mail() {
+		byMessageID[m.MessageID]++
+	}
+	for _, id := range ids {
+		if n := byMessageID["<"+id.String()+"@"+MessageIDDomain+">"]; n != 1 {
+			t.Errorf("notification %s e-mailed %d times while leases held, want once", id, n)
+		}
+	}
+	if len(byMessageID) != notifications {
+		t.Errorf("%d distinct Message-IDs e-mailed, want %d", len(byMessageID), notifications)
 	}
 }
