@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -294,11 +293,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	if os.Getenv("TEST_SERVER_RESTARTS") != "1" {
 		t.Skip("restarts the shared PostgreSQL; set TEST_SERVER_RESTARTS=1 and run alone")
 	}
-	versions, _ := filepath.Glob("/etc/postgresql/*")
-	if len(versions) == 0 {
-		t.Skip("no local PostgreSQL cluster to restart")
-	}
-	cluster := filepath.Base(versions[0])
+	cluster := testenv.PostgreSQLCluster(t)
 	t.Cleanup(func() { _ = exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start").Run() })
 	s := startSystem(t, systest.Options{})
 	started := func() time.Time {

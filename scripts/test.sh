@@ -13,21 +13,7 @@ export TEST_AMQP_URL="${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
 say() { printf '== %s\n' "$*"; }
 die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 
-# host:port of a URL such as scheme://user:pass@host:port/path; without a port, the scheme's.
-host_port() {
-  local scheme="${1%%://*}" rest="${1#*://}"
-  rest="${rest#*@}"; rest="${rest%%[/?]*}"
-  case "$rest" in
-    \[*\]:*|[!\[]*:*) printf '%s' "$rest" ;;
-    *) case "$scheme" in
-         postgres|postgresql) printf '%s:5432' "$rest" ;;
-         amqps) printf '%s:5671' "$rest" ;;
-         *) printf '%s:5672' "$rest" ;;
-       esac ;;
-  esac
-}
-tcp_open() { local hp; hp=$(host_port "$1"); timeout 2 bash -c "</dev/tcp/${hp%:*}/${hp##*:}" 2>/dev/null; }
-is_local() { case "$(host_port "$1")" in 127.0.0.1:*|localhost:*|\[::1\]:*) return 0 ;; *) return 1 ;; esac; }
+. scripts/servers.sh
 
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   local secs=$1 what=$2; shift 2
@@ -35,7 +21,6 @@ wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   die "$what did not come up within ${secs}s"
 }
 
-pg_ready() { pg_isready -d "$TEST_DATABASE_URL" -t 2 >/dev/null 2>&1; }
 ensure_postgres() {
   command -v pg_isready >/dev/null || die "PostgreSQL client tools (pg_isready) are not installed; install PostgreSQL 15+ or point TEST_DATABASE_URL at a reachable server"
   pg_ready && return 0
@@ -49,7 +34,6 @@ ensure_postgres() {
   fi
 }
 
-rabbit_ready() { tcp_open "$TEST_AMQP_URL"; }
 ensure_rabbitmq() {
   rabbit_ready && return 0
   is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
@@ -65,16 +49,35 @@ ensure_rabbitmq() {
   wait_for 60 RabbitMQ rabbit_ready
 }
 
+# The test servers of deploy/compose.test.yml, started unless they answer already.
+compose_servers() {
+  command -v docker >/dev/null || die "TEST_SERVERS=compose needs Docker"
+  if ! pg_ready || ! rabbit_ready; then
+    say "starting the test servers: docker compose -f $compose_test_file up -d --wait"
+    docker compose -f "$compose_test_file" up -d --wait
+  fi
+  wait_for 60 PostgreSQL pg_ready
+  wait_for 60 RabbitMQ rabbit_ready
+}
+
 command -v go >/dev/null || die "Go is not installed (need Go 1.26)"
-# Neither server, and none installed: one message that names both ways to get them.
-if ! pg_ready 2>/dev/null && ! rabbit_ready && ! command -v pg_ctlcluster >/dev/null && ! command -v rabbitmqctl >/dev/null; then
-  die "neither PostgreSQL ($(host_port "$TEST_DATABASE_URL")) nor RabbitMQ ($(host_port "$TEST_AMQP_URL")) answers.
-  Either install PostgreSQL 15+ and RabbitMQ locally (postgres with trust auth, guest/guest),
-  or, with Docker, start both and run this again:
-    docker compose -f deploy/compose.test.yml up -d --wait"
+mode_and_why=$(servers_mode) || exit 1
+mode=${mode_and_why%%:*}
+say "test servers: $mode_and_why"
+# Every skip is printed with its reason, and one whose reason is not on this list (README,
+# Testing) fails the run: a test that silently stopped running is a guarantee nobody checks.
+ALLOWED_SKIPS='TEST_LONG|BENCH|TEST_SERVER_RESTARTS|TEST_CLUSTER'
+restart_skips='^$'
+if [ "$mode" = compose ]; then
+  # The tests that need pg_ctlcluster on this host skip, saying so; nowhere else may they.
+  export TEST_SERVERS=compose
+  ALLOWED_SKIPS="$ALLOWED_SKIPS|TEST_SERVERS=compose"
+  restart_skips='TEST_SERVERS=compose'
+  compose_servers
+else
+  ensure_postgres
+  ensure_rabbitmq
 fi
-ensure_postgres
-ensure_rabbitmq
 say "PostgreSQL and RabbitMQ answer"
 
 say "gofmt"
@@ -95,9 +98,6 @@ fi
 say "golangci-lint"
 "$lint" run ./...
 
-# Every skip is printed with its reason, and one whose reason is not on this list (README,
-# Testing) fails the run: a test that silently stopped running is a guarantee nobody checks.
-ALLOWED_SKIPS='TEST_LONG|BENCH|TEST_SERVER_RESTARTS|TEST_CLUSTER'
 report="$(mktemp -d)"
 trap 'rm -rf "$report"' EXIT
 go build -o "$report/testreport" ./internal/testreport
@@ -119,8 +119,7 @@ status=0
 while read -r pkg pattern; do
   want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')
   TEST_SERVER_RESTARTS=1 go test -json -race -count=1 -p 1 -timeout 10m -run "$pattern" "$pkg" </dev/null |
-    "$report/testreport" -want "$want" || status=$?
+    "$report/testreport" -want "$want" -allow "$restart_skips" || status=$?
 done < "$report/restarts"
-ensure_postgres
-ensure_rabbitmq
+if [ "$mode" = compose ]; then compose_servers; else ensure_postgres; ensure_rabbitmq; fi
 exit "$status"

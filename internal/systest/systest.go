@@ -131,7 +131,7 @@ func Start(t *testing.T, opts Options) *System {
 	opts.Orders, opts.Invoicers, opts.Notifiers = max(opts.Orders, 1), max(opts.Invoicers, 1), max(opts.Notifiers, 1)
 	s := &System{VHost: testenv.UniqueName("e2e")}
 	testenv.RabbitMQCtl(t, "add_vhost", s.VHost)
-	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", s.VHost).Run() })
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_vhost", s.VHost) })
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", s.VHost, "guest", ".*", ".*", ".*")
 	s.AMQPURL = testenv.AMQPURL() + s.VHost
 	viaProxy := s.AMQPURL

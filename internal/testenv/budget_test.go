@@ -78,14 +78,15 @@ func TestSlotsOfAKilledProcessAreFree(t *testing.T) {
 	h.release()
 }
 
-// recorder is a testing.TB that records Fatalf instead of ending the test, to check that
-// Draw refuses what was not reserved.
+// recorder is a testing.TB that records Fatalf and Skipf instead of ending the test, to check
+// what the helpers refuse.
 type recorder struct {
 	testing.TB
-	fatal string
+	fatal, skip string
 }
 
 func (r *recorder) Fatalf(format string, args ...any) { r.fatal = fmt.Sprintf(format, args...) }
+func (r *recorder) Skipf(format string, args ...any)  { r.skip = fmt.Sprintf(format, args...) }
 
 func TestDrawingMoreThanReservedFails(t *testing.T) {
 	r := &recorder{TB: t}

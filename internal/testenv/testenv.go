@@ -11,7 +11,6 @@ import (
 	"log/slog"
 	"net/url"
 	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -336,16 +335,6 @@ func QueueDepth(t testing.TB, ch *amqp.Channel, queue string) int {
 		t.Fatalf("inspect queue %s: %v", queue, err)
 	}
 	return q.Messages
-}
-
-// RabbitMQCtl runs rabbitmqctl and returns its output.
-func RabbitMQCtl(t testing.TB, args ...string) string {
-	t.Helper()
-	out, err := exec.Command("rabbitmqctl", args...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
-	}
-	return string(out)
 }
 
 // CloseConnectionsNamed closes, from the broker's side, every connection whose client-given

@@ -3,7 +3,6 @@ package messaging_test
 import (
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -29,7 +28,7 @@ func TestServerRestartBrokerStopAppThenStartApp(t *testing.T) {
 	requireServerRestarts(t)
 	b := setup(t)
 	b.createWorkTable(t)
-	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "start_app").Run() })
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("start_app") })
 	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
 	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
 
@@ -54,10 +53,7 @@ func TestServerRestartBrokerStopAppThenStartApp(t *testing.T) {
 // poll), nothing is lost, done twice or dead-lettered.
 func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	requireServerRestarts(t)
-	versions, err := filepath.Glob("/etc/postgresql/*")
-	if err != nil || len(versions) == 0 {
-		t.Skip("no local PostgreSQL cluster to restart")
-	}
+	cluster := testenv.PostgreSQLCluster(t)
 	b := setup(t)
 	b.createWorkTable(t)
 	c := b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
@@ -95,7 +91,7 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 		}
 	}()
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 5 }, "no work done before the restart")
-	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", filepath.Base(versions[0]), "main", "restart", "-m", "fast").CombinedOutput()
+	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput()
 	if err != nil {
 		close(stop)
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
@@ -135,7 +131,7 @@ func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	requireServerRestarts(t)
 	b := setup(t)
 	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
-	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "set_vm_memory_high_watermark", previous).Run() })
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("set_vm_memory_high_watermark", previous) })
 	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
 	ids := b.enqueue(t, 5)
 	b.waitAllSent(t, 10*time.Second)

@@ -1,0 +1,63 @@
+package testenv
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+)
+
+// ComposeSkip is the reason every test gives that skips because the test servers run in
+// deploy/compose.test.yml, where this host has no admin tools for them. scripts/test.sh
+// allows it in that mode only.
+const ComposeSkip = "TEST_SERVERS=compose"
+
+// composeMode reports whether scripts/test.sh runs the suite against the servers of
+// deploy/compose.test.yml.
+func composeMode() bool { return os.Getenv("TEST_SERVERS") == "compose" }
+
+// composeFile is deploy/compose.test.yml of this repository.
+func composeFile() string {
+	_, here, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(here), "..", "..", "deploy", "compose.test.yml")
+}
+
+// rabbitmqctlCommand runs rabbitmqctl on this host, or in compose mode inside the test
+// broker's container.
+func rabbitmqctlCommand(args ...string) *exec.Cmd {
+	if composeMode() {
+		return exec.Command("docker", append([]string{"compose", "-f", composeFile(), "exec", "-T", "rabbitmq", "rabbitmqctl"}, args...)...)
+	}
+	return exec.Command("rabbitmqctl", args...)
+}
+
+// RabbitMQCtl runs rabbitmqctl and returns its output.
+func RabbitMQCtl(t testing.TB, args ...string) string {
+	t.Helper()
+	out, err := rabbitmqctlCommand(args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// RabbitMQCtlQuietly runs rabbitmqctl for a cleanup, where a failure has nobody to tell.
+func RabbitMQCtlQuietly(args ...string) { _ = rabbitmqctlCommand(args...).Run() }
+
+// PostgreSQLCluster returns the version of the local PostgreSQL cluster, to restart with
+// pg_ctlcluster. Compose's test server has no such tool here: the test skips in that mode,
+// and fails anywhere else without one.
+func PostgreSQLCluster(t testing.TB) string {
+	t.Helper()
+	if composeMode() {
+		t.Skipf("restarts PostgreSQL with pg_ctlcluster, which this host lacks: the test servers run in deploy/compose.test.yml (%s)", ComposeSkip)
+		return ""
+	}
+	versions, _ := filepath.Glob("/etc/postgresql/*")
+	if _, err := exec.LookPath("pg_ctlcluster"); err != nil || len(versions) == 0 {
+		t.Fatal("restarts PostgreSQL with pg_ctlcluster, and no local cluster is installed (/etc/postgresql); run it on the machine of the PostgreSQL at TEST_DATABASE_URL")
+	}
+	return filepath.Base(versions[0])
+}
