@@ -6,9 +6,12 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // Env reads configuration from environment variables and collects every problem, each naming
@@ -90,6 +93,43 @@ func (e *Env) URL(name string, schemes ...string) string {
 	return ""
 }
 
+// URLList returns a comma-separated list of URLs, one per node of a cluster, each as URL
+// checks it, all with the same path (a broker's vhost).
+func (e *Env) URLList(name string, schemes ...string) string {
+	v, ok := e.get(name)
+	if !ok {
+		e.fail(name, "required")
+		return ""
+	}
+	urls := messaging.SplitURLs(v)
+	if len(urls) == 0 {
+		e.fail(name, "not a valid URL")
+		return ""
+	}
+	var path string
+	for i, raw := range urls {
+		entry := ""
+		if len(urls) > 1 {
+			entry = fmt.Sprintf("entry %d of %d: ", i+1, len(urls))
+		}
+		u, err := url.Parse(raw)
+		if err != nil || u.Host == "" {
+			e.fail(name, "%snot a valid URL", entry)
+			return ""
+		}
+		if !slices.Contains(schemes, u.Scheme) {
+			e.fail(name, "%sscheme must be one of %s", entry, strings.Join(schemes, ", "))
+			return ""
+		}
+		if i > 0 && u.Path != path {
+			e.fail(name, "every entry must name the same vhost: %q and %q differ", path, u.Path)
+			return ""
+		}
+		path = u.Path
+	}
+	return v
+}
+
 // Int returns an integer in [lo, hi], or def when unset.
 func (e *Env) Int(name string, def, lo, hi int) int {
 	v, ok := e.get(name)
@@ -149,6 +189,15 @@ func Redact(rawURL string) string {
 	return u.Redacted()
 }
 
+// RedactList redacts each URL of a comma-separated list.
+func RedactList(list string) string {
+	urls := messaging.SplitURLs(list)
+	for i, u := range urls {
+		urls[i] = Redact(u)
+	}
+	return strings.Join(urls, ",")
+}
+
 // Addr returns a listen or dial address (host:port, host optional), or def when unset.
 func (e *Env) Addr(name, def string) string {
 	v := e.String(name, def)
@@ -186,7 +235,7 @@ const DefaultDBMaxConns = 20
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
-		AMQPURL:     env.URL("AMQP_URL", "amqp", "amqps"),
+		AMQPURL:     env.URLList("AMQP_URL", "amqp", "amqps"),
 		HTTPAddr:    env.Addr("HTTP_ADDR", defaultAddr),
 		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
@@ -199,7 +248,7 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 // LogAttrs lists the effective configuration with secrets masked.
 func (c Common) LogAttrs() []any {
 	return []any{
-		"database_url", Redact(c.DatabaseURL), "amqp_url", Redact(c.AMQPURL), "http_addr", c.HTTPAddr,
+		"database_url", Redact(c.DatabaseURL), "amqp_url", RedactList(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
 	}
 }

@@ -54,3 +54,28 @@ func TestRedactHidesPasswords(t *testing.T) {
 		}
 	}
 }
+
+func TestAMQPURLTakesOneURLPerNode(t *testing.T) {
+	t.Parallel()
+	list := "amqp://app:hunter2@rabbit-1:5672/shop, amqp://app:hunter2@rabbit-2:5672/shop,amqps://app:hunter2@rabbit-3/shop"
+	env := EnvFrom(map[string]string{"AMQP_URL": list})
+	if got := env.URLList("AMQP_URL", "amqp", "amqps"); got != list || env.Err() != nil {
+		t.Fatalf("URLList = %q, %v; want the list", got, env.Err())
+	}
+	if got := RedactList(list); strings.Contains(got, "hunter2") || strings.Count(got, "rabbit-") != 3 {
+		t.Errorf("RedactList = %q, want three URLs without their password", got)
+	}
+	for value, want := range map[string]string{
+		"amqp://a@n1/shop,amqp://a@n2/other":       `AMQP_URL: every entry must name the same vhost: "/shop" and "/other" differ`,
+		"amqp://a@n1/shop,http://a@n2/shop":        "AMQP_URL: entry 2 of 2: scheme must be one of amqp, amqps",
+		"amqp://a@n1/shop,not a url":               "AMQP_URL: entry 2 of 2: not a valid URL",
+		" , ":                                      "AMQP_URL: not a valid URL",
+		"amqp://app:hunter2@n1/shop,ftp://n2/shop": "AMQP_URL: entry 2 of 2: scheme must be one of",
+	} {
+		env := EnvFrom(map[string]string{"AMQP_URL": value})
+		env.URLList("AMQP_URL", "amqp", "amqps")
+		if err := env.Err(); err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("AMQP_URL=%q: %v, want %q and no password", value, err, want)
+		}
+	}
+}

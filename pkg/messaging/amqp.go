@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"mime"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,9 +22,40 @@ const (
 	dialTimeout         = 10 * time.Second
 )
 
-// dial opens a connection with heartbeats (so a half-open TCP connection is noticed in
+// SplitURLs splits a comma-separated list of broker URLs, one per node of a cluster, all with
+// the same vhost. A single URL is a list of one.
+func SplitURLs(list string) []string {
+	var urls []string
+	for u := range strings.SplitSeq(list, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
+}
+
+// dial connects to the first broker of urls (see [SplitURLs]) that answers, trying them in a
+// new random order each time: with no preferred node, clients spread over the cluster, and a
+// node that fails is simply passed over, as RabbitMQ's client guidance advises.
+func dial(urls, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+	list := SplitURLs(urls)
+	if len(list) == 0 {
+		return nil, errors.New("dial rabbitmq: no broker URL")
+	}
+	errs := make([]error, 0, len(list))
+	for _, i := range rand.Perm(len(list)) {
+		conn, err := dialOne(list[i], name, heartbeat)
+		if err == nil {
+			return conn, nil
+		}
+		errs = append(errs, err)
+	}
+	return nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
+}
+
+// dialOne opens a connection with heartbeats (so a half-open TCP connection is noticed in
 // bounded time) and a connection name that shows up in the broker's management tools.
-func dial(url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+func dialOne(url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
 	if heartbeat <= 0 {
 		heartbeat = defaultHeartbeat
 	}
@@ -35,7 +68,7 @@ func dial(url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
 		Dial:       amqp.DefaultDial(dialTimeout),
 	})
 	if err != nil {
-		return nil, fmt.Errorf("dial rabbitmq: %w", err)
+		return nil, err
 	}
 	return conn, nil
 }

@@ -24,7 +24,7 @@ type BatchHandler func(ctx context.Context, msgs []Message) error
 
 // ConsumerConfig configures a [Consumer]. URL and Queue are required.
 type ConsumerConfig struct {
-	URL            string // RabbitMQ URL, vhost included
+	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	Queue          string // the queue to consume
 	// Setup declares the topology (see [ConsumerTopology.Declare]) on every new channel.

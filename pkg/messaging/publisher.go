@@ -36,7 +36,7 @@ const DefaultMaxMessageBytes = 1 << 20
 
 // PublisherConfig configures a [Publisher]. URL is required.
 type PublisherConfig struct {
-	URL            string
+	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	AppID          string // the AMQP app_id of every message
 	// Setup declares what the publisher needs (at least its exchange). It runs on every new

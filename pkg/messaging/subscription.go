@@ -55,7 +55,7 @@ type SubscriptionConfig struct {
 	// Name is the consumer's name: its queue, its inbox records and, with ".dlq", its
 	// dead-letter queue.
 	Name string
-	URL  string   // RabbitMQ URL, vhost included
+	URL  string   // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
 	DB   *gorm.DB // holds inbox_messages and the consumer's own tables
 	// Concurrency is how many messages, or batches, are handled in parallel; each holds a
 	// database connection. Default 8.
