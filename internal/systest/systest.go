@@ -92,11 +92,13 @@ type System struct {
 	Broker                         *toxiproxy.Proxy
 	Mail                           *testenv.SMTPServer
 	VHost                          string
-	AMQPURL                        string // direct, not through the proxy: for the test's own checks
+	AMQPURL                        string // direct, not through the proxy: for the test's own checks; a list for a cluster
 	// RepeatedMails lets an e-mail arrive again with its Message-ID: what a sender killed
 	// between the SMTP send and the mark does, by design (the receiver's idempotency key).
 	RepeatedMails bool
 	ch            *amqp.Channel
+	amqpURLs      []string                                  // each broker node's URL
+	ctl           func(t testing.TB, args ...string) string // rabbitmqctl for the system's broker
 }
 
 // Options shape a System: how many replicas of each service, extra environment per service.
@@ -105,6 +107,9 @@ type Options struct {
 	DirectBroker                 bool   // no proxy in front of RabbitMQ (benchmarks: it costs CPU)
 	Orders, Invoicers, Notifiers int
 	Env                          map[string][]string // a service's DB_MAX_CONNS here is its pool
+	// Cluster, if set, is the broker instead of the local one: every node's URL in AMQP_URL,
+	// no proxy.
+	Cluster *testenv.Cluster
 }
 
 // checkPool is the pool of each of the test's own handles on the services' databases.
@@ -129,11 +134,19 @@ func dbConns(t *testing.T, env []string) int {
 func Start(t *testing.T, opts Options) *System {
 	t.Helper()
 	opts.Orders, opts.Invoicers, opts.Notifiers = max(opts.Orders, 1), max(opts.Invoicers, 1), max(opts.Notifiers, 1)
-	s := &System{VHost: testenv.UniqueName("e2e")}
-	testenv.RabbitMQCtl(t, "add_vhost", s.VHost)
-	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_vhost", s.VHost) })
-	testenv.RabbitMQCtl(t, "set_permissions", "-p", s.VHost, "guest", ".*", ".*", ".*")
-	s.AMQPURL = testenv.AMQPURL() + s.VHost
+	s := &System{VHost: testenv.UniqueName("e2e"), ctl: testenv.RabbitMQCtl}
+	brokers := []string{testenv.AMQPURL()}
+	if opts.Cluster != nil {
+		s.ctl, brokers, opts.DirectBroker = opts.Cluster.CtlAny, opts.Cluster.URLs, true
+	} else {
+		t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_vhost", s.VHost) })
+	}
+	s.ctl(t, "add_vhost", s.VHost)
+	s.ctl(t, "set_permissions", "-p", s.VHost, "guest", ".*", ".*", ".*")
+	for _, b := range brokers {
+		s.amqpURLs = append(s.amqpURLs, b+s.VHost)
+	}
+	s.AMQPURL = strings.Join(s.amqpURLs, ",")
 	viaProxy := s.AMQPURL
 	if !opts.DirectBroker {
 		s.Broker = testenv.Proxy(t, testenv.AMQPHost(t))
@@ -617,7 +630,7 @@ func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 // a declare (QueueDepth) counts only the ready ones, so a redelivery in flight would pass.
 func (s *System) queuesIdle(t *testing.T) bool {
 	t.Helper()
-	out := testenv.RabbitMQCtl(t, "list_queues", "-q", "-p", s.VHost, "--no-table-headers", "name", "messages_ready", "messages_unacknowledged")
+	out := s.ctl(t, "list_queues", "-q", "-p", s.VHost, "--no-table-headers", "name", "messages_ready", "messages_unacknowledged")
 	for line := range strings.SplitSeq(out, "\n") {
 		f := strings.Fields(line)
 		if len(f) == 3 && (f[0] == "invoicing" || f[0] == "notification") && (f[1] != "0" || f[2] != "0") {
@@ -691,7 +704,13 @@ func (s *System) Channel(t *testing.T) *amqp.Channel {
 	if s.ch != nil && !s.ch.IsClosed() {
 		return s.ch
 	}
-	conn, err := amqp.Dial(s.AMQPURL)
+	var conn *amqp.Connection
+	var err error
+	for _, u := range s.amqpURLs { // the first node that answers
+		if conn, err = amqp.Dial(u); err == nil {
+			break
+		}
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
