@@ -118,6 +118,7 @@ func TestPerformance(t *testing.T) {
 	var b2 float64
 	phase("B2", func(t *testing.T) { b2 = databaseCeiling(t, &r) })
 	phase("post", func(t *testing.T) { postThroughput(t, &r, binDir, b2) })
+	phase("cleanup", func(t *testing.T) { postLatencyDuringCleanup(t, &r, binDir) })
 	phase("latency-notify", func(t *testing.T) { endToEndLatency(t, &r, binDir, true) })
 	phase("latency-poll", func(t *testing.T) { endToEndLatency(t, &r, binDir, false) })
 	var oneByOne float64

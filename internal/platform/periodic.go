@@ -6,15 +6,26 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
+// cleanupFunc deletes what of a table is older than a retention (messaging's
+// DeleteSentOutboxMessages, DeleteInboxMessages).
+type cleanupFunc func(ctx context.Context, db *gorm.DB, olderThan time.Duration, opts messaging.CleanupOptions) (messaging.CleanupResult, error)
+
 // cleanup is the hourly job that deletes what of the base's database is older than retention,
-// and says how many, as what.
-func (b *Base) cleanup(log *slog.Logger, what string, retention time.Duration, del func(context.Context, *gorm.DB, time.Duration) (int64, error)) Worker {
+// counted in the base's metrics, and says how many, as what. Every replica runs it; the one
+// that finds another replica's run in progress skips its turn.
+func (b *Base) cleanup(log *slog.Logger, what string, retention time.Duration, del cleanupFunc) Worker {
 	return Periodic(log, what+" cleanup", time.Hour, func(ctx context.Context) error {
-		n, err := del(ctx, b.DB, retention)
-		if err == nil && n > 0 {
-			log.Info("deleted "+what, "count", n, "older_than", retention)
+		start := time.Now()
+		res, err := del(ctx, b.DB, retention, messaging.CleanupOptions{Metrics: b.Metrics})
+		switch {
+		case res.Skipped:
+			log.Debug(what+" cleanup skipped: another replica is running it", "older_than", retention)
+		case res.Deleted > 0:
+			log.Info("deleted "+what, "count", res.Deleted, "batches", res.Batches, "took", time.Since(start), "older_than", retention)
 		}
 		return err
 	})

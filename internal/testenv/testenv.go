@@ -158,6 +158,13 @@ func Count(t testing.TB, db *gorm.DB, query string, args ...any) int64 {
 	return n
 }
 
+// UUIDv7SQL is a SQL expression for a UUIDv7 whose timestamp is the timestamptz expression ts
+// and whose other bits are the bigint expression n (distinct per row): rows made by one
+// INSERT … SELECT … generate_series get ids ordered by time, as a producer's would be.
+func UUIDv7SQL(ts, n string) string {
+	return fmt.Sprintf(`(lpad(to_hex(floor(extract(epoch FROM %s) * 1000)::bigint), 12, '0') || '70008' || lpad(to_hex(%s), 15, '0'))::uuid`, ts, n)
+}
+
 // Eventually polls cond every 20 ms until it holds, failing t after timeout.
 func Eventually(t testing.TB, timeout time.Duration, cond func() bool, format string, args ...any) {
 	t.Helper()

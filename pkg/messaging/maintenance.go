@@ -36,26 +36,3 @@ FROM outbox_messages WHERE processed_at IS NULL`).Scan(&row).Error
 		MaxAttempts:   row.MaxAttempts,
 	}, nil
 }
-
-// DeleteSentOutboxMessages deletes rows sent more than olderThan ago and returns how many.
-// Unsent rows are never deleted, however old.
-func DeleteSentOutboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration) (int64, error) {
-	res := db.WithContext(ctx).Exec(`DELETE FROM outbox_messages
-WHERE processed_at IS NOT NULL AND processed_at < now() - ? * interval '1 millisecond'`, olderThan.Milliseconds())
-	if res.Error != nil {
-		return 0, fmt.Errorf("delete sent outbox messages: %w", res.Error)
-	}
-	return res.RowsAffected, nil
-}
-
-// DeleteInboxMessages deletes inbox records older than olderThan and returns how many. Keep
-// them longer than any duplicate can arrive (the relay's longest possible retry, the broker's
-// redelivery window): a message whose record is gone would be handled again.
-func DeleteInboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration) (int64, error) {
-	res := db.WithContext(ctx).Exec(`DELETE FROM inbox_messages
-WHERE processed_at < now() - ? * interval '1 millisecond'`, olderThan.Milliseconds())
-	if res.Error != nil {
-		return 0, fmt.Errorf("delete inbox messages: %w", res.Error)
-	}
-	return res.RowsAffected, nil
-}

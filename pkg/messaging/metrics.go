@@ -17,6 +17,7 @@ type Metrics struct {
 	duplicates      *prometheus.CounterVec
 	brokerUp        *prometheus.GaugeVec
 	handled         *prometheus.HistogramVec
+	cleanupDeleted  *prometheus.CounterVec
 }
 
 // NewMetrics creates the collectors and registers them with reg.
@@ -47,8 +48,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:    "Time handlers took per message, by consumer, type and outcome (ok, error, permanent).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 9), // 0.5 ms to about 33 s
 		}, []string{"consumer", "type", "outcome"}),
+		cleanupDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_cleanup_deleted_total",
+			Help: "Rows the cleanup jobs deleted, by table: outbox_messages (sent rows), inbox_messages (old records).",
+		}, []string{"table"}),
 	}
-	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled)
+	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled, m.cleanupDeleted)
 	return m
 }
 
@@ -89,6 +94,12 @@ func (m *Metrics) recordSettled(queue, outcome string) {
 func (m *Metrics) recordDuplicate(consumer string) {
 	if m != nil {
 		m.duplicates.WithLabelValues(consumer).Inc()
+	}
+}
+
+func (m *Metrics) recordCleanupDeleted(table string, n int64) {
+	if m != nil {
+		m.cleanupDeleted.WithLabelValues(table).Add(float64(n))
 	}
 }
 
