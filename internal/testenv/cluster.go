@@ -59,12 +59,6 @@ func (c *Cluster) script(args ...string) (string, error) {
 	return string(out), err
 }
 
-// Ctl runs rabbitmqctl against node (1-3) and returns its output.
-func (c *Cluster) Ctl(t testing.TB, node int, args ...string) string {
-	t.Helper()
-	return c.must(t, append([]string{"ctl", strconv.Itoa(node)}, args...)...)
-}
-
 // CtlAny runs rabbitmqctl against the first node that answers, for what any node can tell.
 func (c *Cluster) CtlAny(t testing.TB, args ...string) string {
 	t.Helper()
