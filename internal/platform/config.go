@@ -177,9 +177,13 @@ type Common struct {
 	LogFormat   string
 	LogLevel    string
 	DBMaxConns  int
+	// OTLPEndpoint is OTEL_EXPORTER_OTLP_ENDPOINT: spans are exported there, and nowhere when
+	// it is unset.
+	OTLPEndpoint string
 }
 
-// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL and DB_MAX_CONNS.
+// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS and
+// OTEL_EXPORTER_OTLP_ENDPOINT.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
@@ -189,7 +193,8 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
 		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
 		// publishes, and requests must still find one.
-		DBMaxConns: env.Int("DB_MAX_CONNS", 20, 4, 1000),
+		DBMaxConns:   env.Int("DB_MAX_CONNS", 20, 4, 1000),
+		OTLPEndpoint: readOTLPEndpoint(env),
 	}
 }
 
@@ -198,5 +203,6 @@ func (c Common) LogAttrs() []any {
 	return []any{
 		"database_url", Redact(c.DatabaseURL), "amqp_url", Redact(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
+		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint),
 	}
 }
