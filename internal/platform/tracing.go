@@ -24,8 +24,10 @@ const OTLPEndpointVariable = "OTEL_EXPORTER_OTLP_ENDPOINT"
 const traceFlushTimeout = 2 * time.Second
 
 // readOTLPEndpoint reads OTEL_EXPORTER_OTLP_ENDPOINT, which is optional: "" exports nothing.
+// The name is spelled out in the call, as for every variable, for deploy/compose_test.go to
+// find what the services read.
 func readOTLPEndpoint(env *Env) string {
-	v := env.String(OTLPEndpointVariable, "")
+	v := env.String("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 	if v == "" {
 		return ""
 	}
