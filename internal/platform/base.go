@@ -8,6 +8,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -28,8 +29,8 @@ func Migrations(fsys fs.FS, dir, versionTable string) Migration {
 	}
 }
 
-// Base is what every service starts with: its database, migrated, and a metrics registry
-// with the process collectors and the messaging metrics.
+// Base is what every service starts with: its tracer provider, its database, migrated, and a
+// metrics registry with the process collectors and the messaging metrics.
 type Base struct {
 	DB       *gorm.DB
 	Registry *prometheus.Registry
@@ -37,6 +38,8 @@ type Base struct {
 	// alreadyDone counts messages whose work their business key shows was done already, by
 	// another message: what the inbox cannot see, and no message should cause.
 	alreadyDone *prometheus.CounterVec
+	tracing     *sdktrace.TracerProvider
+	log         *slog.Logger
 }
 
 // AlreadyDone returns the counter of the consumer's messages that found their work done
@@ -45,20 +48,28 @@ func (b *Base) AlreadyDone(consumer string) func() {
 	return b.alreadyDone.WithLabelValues(consumer).Inc
 }
 
-// Start opens the service's database, applies migrations in order (before anything serves,
-// so no pooled statement sees a changing schema) and prepares the metrics.
+// Start installs the service's tracer provider (see startTracing), opens the service's
+// database, applies migrations in order (before anything serves, so no pooled statement sees
+// a changing schema) and prepares the metrics.
 func Start(ctx context.Context, log *slog.Logger, service string, c Common, migrations ...Migration) (*Base, error) {
+	tp, err := startTracing(ctx, log, service, c.OTLPEndpoint != "")
+	if err != nil {
+		return nil, err
+	}
 	db, err := OpenDB(ctx, log, service, c.DatabaseURL, c.DBMaxConns)
 	if err != nil {
+		stopTracing(log, tp)
 		return nil, err
 	}
 	sqlDB, err := db.DB()
 	if err != nil {
+		stopTracing(log, tp)
 		return nil, err
 	}
 	for _, m := range migrations {
 		if err := m(ctx, sqlDB); err != nil {
 			_ = sqlDB.Close()
+			stopTracing(log, tp)
 			return nil, err
 		}
 	}
@@ -69,8 +80,11 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, migr
 		Help: "Messages whose work was already done by another message (same business key): a sign of duplicate messages upstream.",
 	}, []string{"consumer"})
 	reg.MustRegister(alreadyDone)
-	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg), alreadyDone: alreadyDone}, nil
+	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg), alreadyDone: alreadyDone, tracing: tp, log: log}, nil
 }
 
-// Close closes the database pool.
-func (b *Base) Close() { CloseDB(b.DB) }
+// Close exports the spans still waiting and closes the database pool.
+func (b *Base) Close() {
+	stopTracing(b.log, b.tracing)
+	CloseDB(b.DB)
+}

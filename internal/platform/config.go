@@ -226,12 +226,16 @@ type Common struct {
 	LogFormat   string
 	LogLevel    string
 	DBMaxConns  int
+	// OTLPEndpoint is OTEL_EXPORTER_OTLP_ENDPOINT: spans are exported there, and nowhere when
+	// it is unset.
+	OTLPEndpoint string
 }
 
 // DefaultDBMaxConns is the pool of a service's database handle unless DB_MAX_CONNS says.
 const DefaultDBMaxConns = 20
 
-// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL and DB_MAX_CONNS.
+// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS and
+// OTEL_EXPORTER_OTLP_ENDPOINT.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
@@ -241,7 +245,8 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
 		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
 		// publishes, and requests must still find one.
-		DBMaxConns: env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
+		DBMaxConns:   env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
+		OTLPEndpoint: readOTLPEndpoint(env),
 	}
 }
 
@@ -250,5 +255,6 @@ func (c Common) LogAttrs() []any {
 	return []any{
 		"database_url", Redact(c.DatabaseURL), "amqp_url", RedactList(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
+		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint),
 	}
 }

@@ -15,6 +15,12 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 )
 
@@ -52,9 +58,11 @@ func WriteJSON(w http.ResponseWriter, status int, v any) {
 // ReadyFunc reports whether the service can do its job now.
 type ReadyFunc func(ctx context.Context) error
 
-// NewRouter returns a chi router with recovery, request metrics, problem+json for unknown
-// routes, and the operational endpoints: /healthz (the process runs), /readyz (ready returns
-// nil) and /metrics (reg, in Prometheus text format).
+// NewRouter returns a chi router with tracing, recovery, request metrics, problem+json for
+// unknown routes, and the operational endpoints: /healthz (the process runs), /readyz (ready
+// returns nil) and /metrics (reg, in Prometheus text format). Every request runs in a server
+// span that continues the W3C trace context the request came with (its traceparent header),
+// or starts a trace: the handler's context carries it.
 func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.Router {
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "http_requests_total", Help: "HTTP requests by route, method and status code.",
@@ -65,17 +73,24 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 	}, []string{"route"})
 	reg.MustRegister(requests, duration)
 
+	tracer := otel.Tracer(tracerName)
 	r := chi.NewRouter()
 	r.Use(func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			start := time.Now()
+			// Named once routed (describeServerSpan): the method alone is the client's to choose.
+			ctx, span := tracer.Start(w3c.Extract(req.Context(), propagation.HeaderCarrier(req.Header)), "HTTP", serverSpan)
+			defer span.End()
+			req = req.WithContext(ctx)
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
+			// Deferred before the recovery, so it runs after it, also when it panics again.
+			defer func() { describeServerSpan(span, req, ww.Status()) }()
 			defer func() {
 				if p := recover(); p != nil {
 					if err, ok := p.(error); ok && errors.Is(err, http.ErrAbortHandler) {
 						panic(p)
 					}
-					log.Error("handler panicked", "panic", p, "method", req.Method, "path", req.URL.Path)
+					log.ErrorContext(ctx, "handler panicked", "panic", p, "method", req.Method, "path", req.URL.Path)
 					if ww.Status() != 0 {
 						// Too late for a problem response: abort, so the client sees a broken
 						// response rather than a truncated 200.
@@ -83,10 +98,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 					}
 					WriteProblem(ww, http.StatusInternalServerError, "internal error")
 				}
-				route := chi.RouteContext(req.Context()).RoutePattern()
-				if route == "" {
-					route = "unmatched"
-				}
+				route := routeLabel(req)
 				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(ww.Status())).Inc()
 				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
 			}()
@@ -109,6 +121,46 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 	})
 	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	return r
+}
+
+// tracerName is the instrumentation scope of the platform's spans.
+const tracerName = "github.com/outboxkit/outbox-inbox/internal/platform"
+
+// w3c reads the traceparent and tracestate headers, the W3C Trace Context that the API's
+// contract names, whatever propagator is installed globally.
+var w3c propagation.TraceContext
+
+var serverSpan = trace.WithSpanKind(trace.SpanKindServer)
+
+// routeLabel is the request's route pattern (/orders/{id}), known once chi has routed it, or
+// "unmatched".
+func routeLabel(req *http.Request) string {
+	if route := chi.RouteContext(req.Context()).RoutePattern(); route != "" {
+		return route
+	}
+	return "unmatched"
+}
+
+// describeServerSpan names a request's span after its route, as the HTTP semantic conventions
+// do ("POST /orders"), and records its outcome: a 5xx is an error of the server's.
+func describeServerSpan(span trace.Span, req *http.Request, status int) {
+	if status == 0 {
+		status = http.StatusOK // nothing written: net/http answers 200
+	}
+	name := methodLabel(req.Method)
+	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodKey.String(name), semconv.HTTPResponseStatusCode(status), semconv.URLPath(req.URL.Path)}
+	if name == "other" {
+		name, attrs[0] = "HTTP", semconv.HTTPRequestMethodOther
+	}
+	if route := chi.RouteContext(req.Context()).RoutePattern(); route != "" {
+		name += " " + route
+		attrs = append(attrs, semconv.HTTPRoute(route))
+	}
+	span.SetName(name)
+	span.SetAttributes(attrs...)
+	if status >= 500 {
+		span.SetStatus(codes.Error, http.StatusText(status))
+	}
 }
 
 // ReadHeaderTimeout is how long a client may take to send its request headers.
@@ -156,7 +208,7 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		defer cancel()
 		items, err := list(ctx, orderID, limit)
 		if err != nil {
-			log.Error("list failed", "path", r.URL.Path, "error", err)
+			log.ErrorContext(r.Context(), "list failed", "path", r.URL.Path, "error", err)
 			w.Header().Set("Retry-After", "1")
 			WriteProblem(w, http.StatusServiceUnavailable, "the database is unavailable; try again")
 			return

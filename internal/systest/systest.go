@@ -357,8 +357,22 @@ func (s *System) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 // PlaceOrder posts an order and returns its id; it fails the test unless the answer is 201.
 func (s *Service) PlaceOrder(t *testing.T, customer string) uuid.UUID {
 	t.Helper()
+	return s.PlaceOrderWith(t, customer, nil)
+}
+
+// PlaceOrderWith is PlaceOrder with extra request headers (a traceparent, say).
+func (s *Service) PlaceOrderWith(t *testing.T, customer string, header http.Header) uuid.UUID {
+	t.Helper()
 	body := fmt.Sprintf(`{"customer_id": %q, "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}]}`, customer)
-	resp, err := http.Post(s.URL+"/orders", "application/json", strings.NewReader(body))
+	req, err := http.NewRequest(http.MethodPost, s.URL+"/orders", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range header {
+		req.Header[http.CanonicalHeaderKey(k)] = v
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Error(err)
 		return uuid.Nil

@@ -1,6 +1,7 @@
 package messaging
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -74,7 +75,8 @@ func dialOne(url, name string, heartbeat time.Duration) (*amqp.Connection, error
 }
 
 // toPublishing puts the envelope into AMQP properties, so consumers (and people reading a
-// queue in the management UI) see id, type and time without parsing the body.
+// queue in the management UI) see id, type and time without parsing the body. The trace
+// context goes in the traceparent and tracestate headers, as W3C Trace Context names them.
 func toPublishing(m Message, appID string) amqp.Publishing {
 	p := amqp.Publishing{
 		ContentType:  contentTypeJSON,
@@ -85,9 +87,18 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 		AppId:        appID,
 		Body:         m.Payload,
 	}
+	if m.CorrelationID != "" || m.TraceParent != "" {
+		p.Headers = make(amqp.Table, 3)
+	}
 	if m.CorrelationID != "" {
 		p.CorrelationId = m.CorrelationID
-		p.Headers = amqp.Table{correlationIDHeader: m.CorrelationID}
+		p.Headers[correlationIDHeader] = m.CorrelationID
+	}
+	if m.TraceParent != "" {
+		p.Headers[traceParentHeader] = m.TraceParent
+		if m.TraceState != "" {
+			p.Headers[traceStateHeader] = m.TraceState
+		}
 	}
 	return p
 }
@@ -115,7 +126,23 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	if v, ok := d.Headers[correlationIDHeader].(string); ok && corr == "" {
 		corr = v
 	}
-	return Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: corr}, nil
+	traceParent, traceState := deliveryTraceContext(d)
+	return Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: corr,
+		TraceParent: traceParent, TraceState: traceState}, nil
+}
+
+// deliveryTraceContext reads the W3C trace context headers of d.
+func deliveryTraceContext(d amqp.Delivery) (parent, state string) {
+	parent, _ = d.Headers[traceParentHeader].(string)
+	state, _ = d.Headers[traceStateHeader].(string)
+	return parent, state
+}
+
+// deliveryTrace is a context of the trace d came with, for the lines about a delivery that
+// never became a Message.
+func deliveryTrace(d amqp.Delivery) context.Context {
+	parent, state := deliveryTraceContext(d)
+	return withTrace(context.Background(), parent, state)
 }
 
 // maxEchoed is how much of a field from a bad message an error or a log line repeats.

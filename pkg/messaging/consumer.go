@@ -259,20 +259,22 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 		c.deadLetter(d, d.MessageId, err)
 		return
 	}
+	// The handler works, and these lines are written, in the trace the message came with.
+	ctx := msg.traced(workCtx)
 	log := c.log.With("message_id", msg.ID, "type", msg.Type)
 	failures, outages := 0, 0
 	for {
 		if session.Err() != nil {
 			// Shutting down or disconnected: hand it back untouched for another consumer.
-			c.settle(log, "nack", d.Nack(false, true))
+			c.settle(ctx, log, "nack", d.Nack(false, true))
 			return
 		}
-		err := c.attempt(workCtx, msg)
+		err := c.attempt(ctx, msg)
 		var delay time.Duration
 		switch {
 		case err == nil:
 			// Only now, after the handler committed, may the broker forget the message.
-			if c.settle(log, "ack", d.Ack(false)) {
+			if c.settle(ctx, log, "ack", d.Ack(false)) {
 				c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
 			}
 			return
@@ -283,7 +285,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 			// Not the message's fault: wait for the dependency without spending its retries.
 			outages++
 			delay = c.cfg.RetryBackoff.Delay(outages)
-			log.Warn("dependency unavailable; retrying message", "error", err, "retry_in", delay)
+			log.WarnContext(ctx, "dependency unavailable; retrying message", "error", err, "retry_in", delay)
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
@@ -291,14 +293,14 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 					c.deadLetter(d, msg.ID.String(), fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
 					return
 				}
-				log.Warn("handler failed; returning message to the queue", "error", err, "attempts", failures)
-				if c.settle(log, "nack", d.Nack(false, true)) {
+				log.WarnContext(ctx, "handler failed; returning message to the queue", "error", err, "attempts", failures)
+				if c.settle(ctx, log, "nack", d.Nack(false, true)) {
 					c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
 				}
 				return
 			}
 			delay = c.cfg.RetryBackoff.Delay(failures)
-			log.Warn("handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
+			log.WarnContext(ctx, "handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
 		}
 		Sleep(session, nil, delay)
 	}
@@ -358,7 +360,7 @@ func (c *Consumer) handleBatch(session, workCtx context.Context, batch []amqp.De
 		cancel()
 		if err == nil {
 			for _, d := range good {
-				if c.settle(c.log, "ack", d.Ack(false)) {
+				if c.settle(workCtx, c.log, "ack", d.Ack(false)) {
 					c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
 				}
 			}
@@ -380,18 +382,19 @@ func (c *Consumer) attempt(ctx context.Context, msg Message) error {
 // deadLetter rejects without requeue: the queue's dead-letter settings route the message to
 // its dead-letter queue, and the messages behind it carry on.
 func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
-	c.log.Error("message dead-lettered", "message_id", truncate(messageID), "type", truncate(d.Type),
+	ctx := deliveryTrace(d)
+	c.log.ErrorContext(ctx, "message dead-lettered", "message_id", truncate(messageID), "type", truncate(d.Type),
 		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
-	if c.settle(c.log, "reject", d.Reject(false)) {
+	if c.settle(ctx, c.log, "reject", d.Reject(false)) {
 		c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
 	}
 }
 
 // settle logs a failed ack, nack or reject. It happens when the channel closed meanwhile; the
 // broker then redelivers the message, and the inbox recognises it if it was handled.
-func (c *Consumer) settle(log *slog.Logger, op string, err error) bool {
+func (c *Consumer) settle(ctx context.Context, log *slog.Logger, op string, err error) bool {
 	if err != nil {
-		log.Warn("could not "+op+" message; the broker will redeliver it", "error", err)
+		log.WarnContext(ctx, "could not "+op+" message; the broker will redeliver it", "error", err)
 		return false
 	}
 	return true

@@ -10,6 +10,8 @@ import (
 	"slices"
 	"time"
 
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 )
 
@@ -32,8 +34,12 @@ var inboxTxOptions = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 // Inbox makes a consumer's work idempotent: it runs the work for a message at most once per
 // consumer name, in the same transaction as the record that it did.
 type Inbox struct {
-	cfg InboxConfig
-	log *slog.Logger
+	cfg    InboxConfig
+	log    *slog.Logger
+	tracer trace.Tracer
+	// spanName and spanOptions are the same for every message's span: made once.
+	spanName    string
+	spanOptions []trace.SpanStartOption
 }
 
 // InboxConfig configures an [Inbox]. DB and Consumer are required.
@@ -45,6 +51,10 @@ type InboxConfig struct {
 	Consumer string
 	Logger   *slog.Logger
 	Metrics  *Metrics // optional
+	// TracerProvider makes each message's consumer span, a child of the span that published
+	// the message. Default: the global provider (a no-op unless the process installed one; the
+	// message's trace context reaches the work either way).
+	TracerProvider trace.TracerProvider
 }
 
 // NewInbox returns the inbox of one consumer.
@@ -55,7 +65,22 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Inbox{cfg: cfg, log: cfg.Logger.With("component", "inbox")}, nil
+	return &Inbox{
+		cfg: cfg, log: cfg.Logger.With("component", "inbox"),
+		tracer: newTracer(cfg.TracerProvider), spanName: "process " + cfg.Consumer,
+		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"),
+			semconv.MessagingConsumerGroupName(cfg.Consumer))},
+	}, nil
+}
+
+// startSpan starts msg's consumer span, a child of the trace context msg came with, or of
+// ctx's span when it came without one (a new trace when neither has one). Work done in the
+// returned context, its log lines and what it enqueues, belongs to that trace.
+func (in *Inbox) startSpan(ctx context.Context, msg Message) (context.Context, trace.Span) {
+	ctx, span := in.tracer.Start(msg.traced(ctx), in.spanName, in.spanOptions...)
+	messageAttributes(span, msg)
+	return ctx, span
 }
 
 // Handle claims msg and runs work with the same transaction, then commits both. If this
@@ -64,7 +89,11 @@ func NewInbox(cfg InboxConfig) (*Inbox, error) {
 //
 // Errors: those of work are returned as they are (mark undecodable input with [Permanent]);
 // any other failure while the database does not answer is wrapped with [Unavailable].
+//
+// It all happens in msg's span (see [InboxConfig.TracerProvider]): tx's context carries it.
 func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB) error) (duplicate bool, err error) {
+	ctx, span := in.startSpan(ctx, msg)
+	defer func() { endSpan(span, err) }()
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	err = in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
@@ -87,8 +116,7 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 		return false, err
 	}
 	if duplicate {
-		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
-		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
+		in.skipped(ctx, span, msg)
 	}
 	for _, fn := range hooks.fns {
 		fn()
@@ -134,23 +162,33 @@ func (in *Inbox) Handler(work func(ctx context.Context, tx *gorm.DB, msg Message
 // the messages one by one with Handle, so a single bad message cannot hold up the others.
 // Messages are claimed in id order, so two batches holding the same messages lock them in the
 // same order instead of deadlocking.
-func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *gorm.DB, msg Message) error) error {
+//
+// Each message has its own span, and its work a tx whose context carries it: one transaction,
+// as many traces as messages.
+func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *gorm.DB, msg Message) error) (err error) {
 	msgs = slices.Clone(msgs)
 	slices.SortFunc(msgs, func(a, b Message) int { return bytes.Compare(a.ID[:], b.ID[:]) })
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
-	var duplicates []Message
-	err := in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+	traced := make([]tracedMessage, 0, len(msgs))
+	defer func() {
+		for _, m := range traced {
+			endSpan(m.span, err)
+		}
+	}()
+	err = in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
 		for _, msg := range msgs {
+			msgCtx, span := in.startSpan(ctx, msg)
 			res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
+			duplicate := res.Error == nil && res.RowsAffected == 0
+			traced = append(traced, tracedMessage{ctx: msgCtx, span: span, msg: msg, duplicate: duplicate})
 			if res.Error != nil {
 				return fmt.Errorf("claim inbox message %s: %w", msg.ID, res.Error)
 			}
-			if res.RowsAffected == 0 {
-				duplicates = append(duplicates, msg)
+			if duplicate {
 				continue
 			}
-			if err := work(tx, msg); err != nil {
+			if err := work(tx.WithContext(msgCtx), msg); err != nil {
 				return fmt.Errorf("message %s: %w", msg.ID, err)
 			}
 		}
@@ -159,14 +197,30 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 	if err != nil {
 		return err
 	}
-	for _, msg := range duplicates {
-		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
-		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
+	for _, m := range traced {
+		if m.duplicate {
+			in.skipped(m.ctx, m.span, m.msg)
+		}
 	}
 	for _, fn := range hooks.fns {
 		fn()
 	}
 	return nil
+}
+
+// tracedMessage is one message of a batch with its span.
+type tracedMessage struct {
+	ctx       context.Context
+	span      trace.Span
+	msg       Message
+	duplicate bool
+}
+
+// skipped counts and logs a duplicate, in its span.
+func (in *Inbox) skipped(ctx context.Context, span trace.Span, msg Message) {
+	in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
+	span.AddEvent("duplicate message skipped")
+	in.log.InfoContext(ctx, "duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
 }
 
 // BatchHandler adapts HandleBatch to a [Consumer]'s batches.

@@ -18,6 +18,12 @@ type Message struct {
 	Payload       json.RawMessage // the event itself, JSON
 	OccurredAt    time.Time
 	CorrelationID string // optional; carried as the AMQP correlation_id and a header
+	// TraceParent and TraceState are the W3C trace context the message belongs to. [Enqueue]
+	// takes them from the span of its transaction's context unless they are set; the relay
+	// sends them as the traceparent and tracestate headers; a consumer reads them back and
+	// continues the trace. Empty when the message was enqueued outside any trace.
+	TraceParent string
+	TraceState  string
 }
 
 // NewMessage builds a message with a fresh UUIDv7 (time-ordered, so outbox inserts append to

@@ -15,12 +15,16 @@ import (
 // NotifyChannel is the PostgreSQL channel [Enqueue] notifies and the [Relay] listens on.
 const NotifyChannel = "outbox_messages"
 
-// insertOutboxSQL is followed by one "(?, ?, ?, ?, ?)" per message.
-const insertOutboxSQL = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at) VALUES `
+// insertOutboxSQL is followed by one insertOutboxRow per message.
+const (
+	insertOutboxSQL  = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state) VALUES `
+	insertOutboxRow  = "(?, ?, ?, ?, ?, ?, ?)"
+	insertOutboxArgs = 7
+)
 
 // maxInsertRows is the most rows one INSERT may carry: PostgreSQL's wire protocol numbers a
-// statement's parameters with 16 bits, and each row takes 5 of them.
-const maxInsertRows = 65535 / 5
+// statement's parameters with 16 bits.
+const maxInsertRows = 65535 / insertOutboxArgs
 
 // ErrNotInTransaction is returned by [Enqueue] when it is given a *gorm.DB that is not inside
 // a transaction.
@@ -39,6 +43,8 @@ type OutboxMessage struct {
 	Attempts      int             `gorm:"not null"`
 	LastError     *string
 	NextAttemptAt time.Time `gorm:"not null"` // the database's clock decides when a row is due
+	TraceParent   string    `gorm:"not null"` // W3C trace context of the enqueuing span; "" for none
+	TraceState    string    `gorm:"not null"`
 }
 
 // TableName pins the table name the migrations create.
@@ -46,7 +52,8 @@ func (OutboxMessage) TableName() string { return "outbox_messages" }
 
 // Message returns the row's envelope.
 func (m OutboxMessage) Message() Message {
-	return Message{ID: m.ID, Type: m.Type, Payload: m.Payload, OccurredAt: m.OccurredAt, CorrelationID: m.CorrelationID}
+	return Message{ID: m.ID, Type: m.Type, Payload: m.Payload, OccurredAt: m.OccurredAt, CorrelationID: m.CorrelationID,
+		TraceParent: m.TraceParent, TraceState: m.TraceState}
 }
 
 // Enqueue adds msgs to the outbox inside tx, the caller's open transaction, and notifies the
@@ -57,6 +64,10 @@ func (m OutboxMessage) Message() Message {
 // saved together or not at all, so a crash or a broker outage can never leave one without the
 // other. Given a plain *gorm.DB, Enqueue would commit the messages on their own and bring back
 // the dual-write problem, so it refuses with [ErrNotInTransaction] instead.
+//
+// Each message keeps the trace context of the span in tx's context (db.WithContext(ctx) before
+// the transaction; a consumer's handler gets such a tx), unless it has one of its own: the
+// relay and the consumers continue that trace.
 func Enqueue(tx *gorm.DB, msgs ...Message) error {
 	if _, ok := tx.Statement.ConnPool.(gorm.TxCommitter); !ok {
 		return ErrNotInTransaction
@@ -70,8 +81,9 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 		}
 	}
 	now := time.Now().UTC()
+	traceParent, traceState := traceOf(tx.Statement.Context)
 	for chunk := range slices.Chunk(msgs, maxInsertRows) {
-		if err := insertOutbox(tx, chunk, now); err != nil {
+		if err := insertOutbox(tx, chunk, now, traceParent, traceState); err != nil {
 			return err
 		}
 	}
@@ -84,16 +96,19 @@ func Enqueue(tx *gorm.DB, msgs ...Message) error {
 }
 
 // insertOutbox inserts msgs, at most maxInsertRows of them, in one statement. Messages without
-// an OccurredAt get now.
-func insertOutbox(tx *gorm.DB, msgs []Message, now time.Time) error {
+// an OccurredAt get now, those without a trace context the caller's (traceParent, traceState).
+func insertOutbox(tx *gorm.DB, msgs []Message, now time.Time, traceParent, traceState string) error {
 	values := make([]string, len(msgs))
-	args := make([]any, 0, 5*len(msgs))
+	args := make([]any, 0, insertOutboxArgs*len(msgs))
 	for i, m := range msgs {
 		if m.OccurredAt.IsZero() {
 			m.OccurredAt = now
 		}
-		values[i] = "(?, ?, ?, ?, ?)"
-		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt)
+		if m.TraceParent == "" {
+			m.TraceParent, m.TraceState = traceParent, traceState
+		}
+		values[i] = insertOutboxRow
+		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt, m.TraceParent, m.TraceState)
 	}
 	// next_attempt_at, processed_at and attempts take their defaults: due now, by the
 	// database's clock.

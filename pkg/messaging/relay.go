@@ -12,6 +12,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 )
 
@@ -26,7 +28,7 @@ const (
 	// Claim the oldest due rows. FOR UPDATE SKIP LOCKED (inside the batch's transaction) makes
 	// concurrent relays, and the lanes of one relay, take disjoint rows instead of publishing
 	// the same ones.
-	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts
+	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at <= now()
 ORDER BY occurred_at, id
@@ -88,6 +90,10 @@ type RelayConfig struct {
 	ShutdownGrace time.Duration
 	Logger        *slog.Logger
 	Metrics       *Metrics // optional
+	// TracerProvider makes the spans of the publishes, one per message that carries a trace
+	// context, each a child of the span that enqueued it. Default: the global provider (a
+	// no-op unless the process installed one; the trace context is passed on either way).
+	TracerProvider trace.TracerProvider
 }
 
 // BatchResult tells what one [Relay.ProcessBatch] did.
@@ -106,6 +112,10 @@ type Relay struct {
 	cfg    RelayConfig
 	log    *slog.Logger
 	outage outage
+	tracer trace.Tracer
+	// spanName and spanOptions are the same for every publish span: made once.
+	spanName    string
+	spanOptions []trace.SpanStartOption
 }
 
 // NewRelay checks cfg and fills in its defaults.
@@ -130,7 +140,13 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Relay{cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange)}, nil
+	return &Relay{
+		cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
+		tracer: newTracer(cfg.TracerProvider), spanName: "publish " + cfg.Exchange,
+		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
+			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"),
+			semconv.MessagingDestinationName(cfg.Exchange))},
+	}, nil
 }
 
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
@@ -201,13 +217,16 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 		for i, row := range rows {
 			msgs[i] = row.Message()
 		}
-		s, err = r.settle(tx, rows, msgs, r.cfg.Sender.Publish(ctx, r.cfg.Exchange, msgs))
+		spans := r.startPublishSpans(ctx, msgs)
+		verdicts := r.cfg.Sender.Publish(ctx, r.cfg.Exchange, msgs)
+		endPublishSpans(spans, verdicts)
+		s, err = r.settle(tx, rows, msgs, verdicts)
 		return err
 	})
 	if err != nil {
 		return BatchResult{Claimed: s.res.Claimed}, err
 	}
-	r.report(s)
+	r.report(ctx, s)
 	return s.res, s.brokerErr
 }
 
@@ -225,7 +244,7 @@ func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
 	rows := make([]OutboxMessage, 0, r.cfg.BatchSize)
 	for cursor.Next() {
 		var m OutboxMessage
-		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts); err != nil {
+		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts, &m.TraceParent, &m.TraceState); err != nil {
 			return nil, fmt.Errorf("claim outbox batch: %w", err)
 		}
 		rows = append(rows, m)
@@ -234,6 +253,47 @@ func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	return rows, nil
+}
+
+// startPublishSpans starts a producer span for each message that carries a trace context, as
+// a child of the span that enqueued it, and makes that span the message's trace context: the
+// consumers' spans become its children. A message enqueued outside any trace is sent without
+// one, and costs nothing here. The spans are returned by message index, nil where none was
+// started, or nil altogether.
+func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.Span {
+	var spans []trace.Span
+	for i := range msgs {
+		m := &msgs[i]
+		if m.TraceParent == "" {
+			continue
+		}
+		parent := m.traced(ctx)
+		psc := trace.SpanContextFromContext(parent)
+		if !psc.IsValid() {
+			continue // not a W3C traceparent: sent as it is, for the consumer to ignore
+		}
+		if spans == nil {
+			spans = make([]trace.Span, len(msgs))
+		}
+		spanCtx, span := r.tracer.Start(parent, r.spanName, r.spanOptions...)
+		messageAttributes(span, *m)
+		spans[i] = span
+		// Without a tracer provider the span is the parent itself: the stored context goes on
+		// as it is, with no formatting.
+		if span.SpanContext().SpanID() != psc.SpanID() {
+			m.TraceParent, m.TraceState = traceOf(spanCtx)
+		}
+	}
+	return spans
+}
+
+// endPublishSpans ends the spans with the broker's verdicts.
+func endPublishSpans(spans []trace.Span, verdicts []error) {
+	for i, span := range spans {
+		if span != nil {
+			endSpan(span, verdicts[i])
+		}
+	}
 }
 
 // uuidArray writes ids as a PostgreSQL array literal, {a,b,…}.
@@ -301,13 +361,15 @@ func (r *Relay) settle(tx *gorm.DB, rows []OutboxMessage, msgs []Message, verdic
 	return s, nil
 }
 
-func (r *Relay) report(s settlement) {
+// report logs and counts what a committed batch did. A line about one message carries that
+// message's trace context.
+func (r *Relay) report(ctx context.Context, s settlement) {
 	for _, t := range s.sentTypes {
 		r.cfg.Metrics.recordPublished(t)
 	}
 	for _, f := range s.failures {
 		r.cfg.Metrics.recordPublishFailure(f.msg.Type)
-		r.log.Warn("outbox publish failed",
+		r.log.WarnContext(f.msg.traced(ctx), "outbox publish failed",
 			"message_id", f.msg.ID, "type", f.msg.Type, "attempts", f.attempts,
 			"retry_in", f.delay, "next_attempt_at", f.nextAttemptAt.UTC().Format(time.RFC3339Nano), "error", f.err)
 	}

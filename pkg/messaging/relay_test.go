@@ -62,6 +62,7 @@ func TestRelayPublishesWithConfirmsAndMarksRowsSent(t *testing.T) {
 		"correlation id":   d.CorrelationId == "req-42" && d.Headers["correlation_id"] == "req-42",
 		"body is payload":  jsonEqual(t, d.Body, msg.Payload),
 		"row processed_at": row.ProcessedAt != nil && row.Attempts == 0,
+		"no trace context": d.Headers["traceparent"] == nil && row.TraceParent == "", // enqueued outside any trace
 	}
 	for what, ok := range checks {
 		if !ok {

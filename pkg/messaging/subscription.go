@@ -8,6 +8,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 )
 
@@ -70,18 +71,20 @@ type SubscriptionConfig struct {
 	HandlerTimeout time.Duration
 	// DeliveryLimit is the queue's x-delivery-limit. Default [DefaultDeliveryLimit].
 	DeliveryLimit int
-	// Tracing, if set, wraps every message's handling first, so that its context reaches the
-	// log lines of everything inside it.
-	Tracing Middleware
-	Logger  *slog.Logger
-	Metrics *Metrics // optional
+	Logger        *slog.Logger
+	Metrics       *Metrics // optional
+	// TracerProvider makes each message's consumer span (see [InboxConfig.TracerProvider]).
+	// Default: the global provider. Either way every handler's context carries the trace its
+	// message came in, before the inbox's claim and after the commit as well, so its log lines
+	// and what it enqueues belong to it.
+	TracerProvider trace.TracerProvider
 }
 
 // Subscription owns one consumer's queue: the bindings of every event it handles, its inbox,
 // its batching, and a typed handler per event type, behind an ordered middleware chain, from
-// the outside in: tracing (a slot, see SubscriptionConfig.Tracing), logging and metrics
-// ([Observe]), panic recovery ([Recover]), the per-message timeout ([Timeout]), then whatever
-// [Subscription.Use] adds. Each runs inside the message's inbox transaction.
+// the outside in: logging and metrics ([Observe]), panic recovery ([Recover]), the per-message
+// timeout ([Timeout]), then whatever [Subscription.Use] adds. Each runs inside the message's
+// inbox transaction and its span.
 // A message of a type without a handler is dead-lettered, with the reason logged.
 type Subscription struct {
 	cfg        SubscriptionConfig
@@ -110,7 +113,7 @@ func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	inbox, err := NewInbox(InboxConfig{DB: cfg.DB, Consumer: cfg.Name, Logger: cfg.Logger, Metrics: cfg.Metrics})
+	inbox, err := NewInbox(InboxConfig{DB: cfg.DB, Consumer: cfg.Name, Logger: cfg.Logger, Metrics: cfg.Metrics, TracerProvider: cfg.TracerProvider})
 	if err != nil {
 		return nil, err
 	}
@@ -190,9 +193,6 @@ func (s *Subscription) Run(ctx context.Context) error {
 // chain is the route of each message behind the middleware.
 func (s *Subscription) chain() HandlerFunc {
 	var mws []Middleware
-	if s.cfg.Tracing != nil {
-		mws = append(mws, s.cfg.Tracing)
-	}
 	mws = append(mws, Observe(s.cfg.Name, s.cfg.Logger, s.cfg.Metrics), Recover(s.cfg.Logger), Timeout(s.cfg.HandlerTimeout))
 	mws = append(mws, s.middleware...)
 	h := HandlerFunc(s.route)

@@ -71,7 +71,7 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced
 		return err
 	}
 	if !inserted {
-		return h.alreadyKnown(tx, ev)
+		return h.alreadyKnown(ctx, tx, ev)
 	}
 	issued, err := events.InvoiceIssuedEvent.Message(events.InvoiceIssued{
 		InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
@@ -84,12 +84,12 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced
 		return err
 	}
 	return messaging.AfterCommit(tx, func() {
-		h.log.Info("invoice issued", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
+		h.log.InfoContext(ctx, "invoice issued", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
 	})
 }
 
 // alreadyKnown handles an OrderPlaced whose order has its invoice row already.
-func (h invoicer) alreadyKnown(tx *gorm.DB, ev events.OrderPlaced) error {
+func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced) error {
 	var existing Invoice
 	if err := tx.Take(&existing, "order_id = ?", ev.OrderID).Error; err != nil {
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
@@ -97,14 +97,14 @@ func (h invoicer) alreadyKnown(tx *gorm.DB, ev events.OrderPlaced) error {
 	if existing.Status == StatusIssued {
 		return messaging.AfterCommit(tx, func() {
 			h.alreadyDone()
-			h.log.Warn("order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
+			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
 		})
 	}
 	if err := tx.Model(&existing).Update("amount_cents", ev.TotalCents).Error; err != nil {
 		return fmt.Errorf("record the amount of void invoice %s: %w", existing.ID, err)
 	}
 	return messaging.AfterCommit(tx, func() {
-		h.log.Info("order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
+		h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
 	})
 }
 
@@ -122,7 +122,7 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	}
 	if remembered {
 		return messaging.AfterCommit(tx, func() {
-			h.log.Info("cancellation remembered before its order", "order_id", ev.OrderID, "invoice_id", inv.ID, "message_id", msg.ID)
+			h.log.InfoContext(ctx, "cancellation remembered before its order", "order_id", ev.OrderID, "invoice_id", inv.ID, "message_id", msg.ID)
 		})
 	}
 	var voided Invoice
@@ -135,11 +135,11 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		// Void already: another message cancelled the order.
 		return messaging.AfterCommit(tx, func() {
 			h.alreadyDone()
-			h.log.Warn("order already cancelled by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+			h.log.WarnContext(ctx, "order already cancelled by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
 		})
 	}
 	return messaging.AfterCommit(tx, func() {
-		h.log.Info("invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
+		h.log.InfoContext(ctx, "invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
 	})
 }
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/propagation"
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 
@@ -50,6 +51,10 @@ type Notification struct {
 	MessageID     uuid.UUID  `json:"message_id" gorm:"type:uuid"`
 	CreatedAt     time.Time  `json:"created_at"`
 	SentAt        *time.Time `json:"sent_at,omitempty"`
+	// TraceParent and TraceState are the W3C trace context of the handling that recorded it,
+	// which its delivery continues.
+	TraceParent string `json:"-"`
+	TraceState  string `json:"-"`
 }
 
 // TableName pins the table the migrations create.
@@ -84,6 +89,9 @@ func cancellation(ev events.OrderCancelled) Notification {
 	return Notification{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindOrderCancelled,
 		Subject: "Your order " + ev.OrderID.String() + " was cancelled", Body: body}
 }
+
+// w3c writes and reads a notification's trace context, the W3C Trace Context of the messages.
+var w3c propagation.TraceContext
 
 func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%100) }
 
@@ -125,22 +133,23 @@ func (h notifier) subscribe(sub *messaging.Subscription) {
 	messaging.Handle(sub, events.OrderCancelledEvent, h.orderCancelled)
 }
 
-func (h notifier) orderPlaced(_ context.Context, tx *gorm.DB, ev events.OrderPlaced, msg messaging.Message) error {
-	return h.record(tx, msg, confirmation(ev))
+func (h notifier) orderPlaced(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced, msg messaging.Message) error {
+	return h.record(ctx, tx, msg, confirmation(ev))
 }
 
-func (h notifier) invoiceIssued(_ context.Context, tx *gorm.DB, ev events.InvoiceIssued, msg messaging.Message) error {
-	return h.record(tx, msg, invoiceNotice(ev))
+func (h notifier) invoiceIssued(ctx context.Context, tx *gorm.DB, ev events.InvoiceIssued, msg messaging.Message) error {
+	return h.record(ctx, tx, msg, invoiceNotice(ev))
 }
 
-func (h notifier) orderCancelled(_ context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
-	return h.record(tx, msg, cancellation(ev))
+func (h notifier) orderCancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
+	return h.record(ctx, tx, msg, cancellation(ev))
 }
 
 // record inserts n as pending, unless its order already has a notification of its kind: a
 // redelivery never gets here (the inbox skips it), so that is another message about the same
-// order and kind, and the customer must not hear about it twice.
-func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) error {
+// order and kind, and the customer must not hear about it twice. n keeps ctx's trace context
+// for its delivery.
+func (h notifier) record(ctx context.Context, tx *gorm.DB, msg messaging.Message, n Notification) error {
 	id, err := uuid.NewV7()
 	if err != nil {
 		return fmt.Errorf("notification id: %w", err)
@@ -148,6 +157,9 @@ func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) err
 	now := time.Now().UTC()
 	n.ID, n.MessageID, n.Recipient = id, msg.ID, recipient(n.CustomerID, h.domain)
 	n.Status, n.CreatedAt, n.NextAttemptAt = StatusPending, now, now
+	carrier := propagation.MapCarrier{}
+	w3c.Inject(ctx, carrier)
+	n.TraceParent, n.TraceState = carrier.Get("traceparent"), carrier.Get("tracestate")
 	res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "order_id"}, {Name: "kind"}}, DoNothing: true}).Create(&n)
 	if res.Error != nil {
 		return fmt.Errorf("insert %s notification for order %s: %w", n.Kind, n.OrderID, res.Error)
@@ -157,12 +169,12 @@ func (h notifier) record(tx *gorm.DB, msg messaging.Message, n Notification) err
 			if h.alreadyDone != nil {
 				h.alreadyDone()
 			}
-			h.log.Warn("order already has a "+n.Kind+" notification from another message; nothing to do",
+			h.log.WarnContext(ctx, "order already has a "+n.Kind+" notification from another message; nothing to do",
 				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		})
 	}
 	return messaging.AfterCommit(tx, func() {
-		h.log.Info("notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
+		h.log.InfoContext(ctx, "notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
 		if h.recorded != nil {
 			h.recorded()
 		}

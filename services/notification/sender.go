@@ -10,6 +10,11 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -30,7 +35,7 @@ WHERE id = (
     ORDER BY created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED)
-RETURNING id, order_id, recipient, subject, body, attempts, next_attempt_at AS leased_until`
+RETURNING id, order_id, recipient, subject, body, attempts, next_attempt_at AS leased_until, trace_parent, trace_state`
 
 	// Both updates are fenced by the lease: a sender whose lease ran out (it was too slow, and
 	// another took the notification over) changes nothing.
@@ -67,6 +72,7 @@ type sender struct {
 	grace     time.Duration // how long a delivery in progress may go on after shutdown
 	log       *slog.Logger
 	wake      chan struct{}
+	tracer    trace.Tracer
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
@@ -76,6 +82,7 @@ func newSender(db *gorm.DB, d Deliverer, maxBackoff time.Duration, log *slog.Log
 		db: db, deliverer: d, poll: time.Second, deliver: 30 * time.Second, mark: 4 * time.Second, grace: 4 * time.Second,
 		backoff: messaging.Backoff{Base: 2 * time.Second, Max: maxBackoff},
 		log:     log.With("component", "sender"), wake: make(chan struct{}, 1),
+		tracer: otel.Tracer("github.com/outboxkit/outbox-inbox/services/notification"),
 	}
 }
 
@@ -112,11 +119,14 @@ type pendingRow struct {
 	Body        string
 	Attempts    int
 	LeasedUntil time.Time
+	TraceParent string
+	TraceState  string
 }
 
 // deliverOne leases the oldest due notification, delivers it and marks it sent, or records
 // the failure with a backoff. delivered reports whether one was sent. Leasing, delivering and
-// recording each have a budget of their own, and the lease covers all three.
+// recording each have a budget of their own, and the lease covers all three. Delivering and
+// recording happen in a span of the trace that recorded the notification.
 func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) {
 	if parent.Err() != nil {
 		return false, nil // shutting down: take nothing new
@@ -133,10 +143,17 @@ func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) 
 		return false, nil
 	}
 	row := rows[0]
+	ctx, span := s.startSpan(parent, row)
+	defer func() {
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 
 	// A delivery in progress at shutdown may finish within the grace, so that a clean shutdown
 	// never repeats an e-mail.
-	deliverCtx, cancelDeliver := context.WithTimeout(context.WithoutCancel(parent), s.deliver)
+	deliverCtx, cancelDeliver := context.WithTimeout(context.WithoutCancel(ctx), s.deliver)
 	stop := context.AfterFunc(parent, func() {
 		t := time.AfterFunc(s.grace, cancelDeliver)
 		<-deliverCtx.Done()
@@ -146,22 +163,34 @@ func (s *sender) deliverOne(parent context.Context) (delivered bool, err error) 
 	stop()
 	cancelDeliver()
 
-	markCtx, cancelMark := context.WithTimeout(context.WithoutCancel(parent), s.mark)
+	markCtx, cancelMark := context.WithTimeout(context.WithoutCancel(ctx), s.mark)
 	defer cancelMark()
 	if failure != nil {
+		span.SetStatus(codes.Error, failure.Error())
 		attempts := row.Attempts + 1
 		delay := s.backoff.Delay(attempts)
 		if err := s.persist(markCtx, row, recordDeliveryFailureSQL, failure.Error(), delay.Milliseconds(), row.ID, row.LeasedUntil); err != nil {
 			return false, fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
 		}
-		s.log.Warn("notification delivery failed", "notification_id", row.ID, "attempts", attempts, "retry_in", delay, "error", failure)
+		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", attempts, "retry_in", delay, "error", failure)
 		return false, nil
 	}
 	if err := s.persist(markCtx, row, markSentSQL, row.ID, row.LeasedUntil); err != nil {
 		return false, fmt.Errorf("mark notification %s sent (it will be delivered again when its lease ends): %w", row.ID, err)
 	}
-	s.log.Info("notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
+	s.log.InfoContext(ctx, "notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	return true, nil
+}
+
+// startSpan starts the delivery's span, a child of the span that recorded the notification
+// (a new trace for a notification recorded outside any).
+func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context, trace.Span) {
+	ctx = w3c.Extract(ctx, propagation.MapCarrier{"traceparent": row.TraceParent, "tracestate": row.TraceState})
+	ctx, span := s.tracer.Start(ctx, "deliver notification", trace.WithSpanKind(trace.SpanKindClient))
+	if span.IsRecording() {
+		span.SetAttributes(attribute.String("notification.id", row.ID.String()), attribute.Int("notification.attempts", row.Attempts))
+	}
+	return ctx, span
 }
 
 // persist runs a lease-fenced update, retrying while the database is away, until ctx ends:
@@ -173,7 +202,7 @@ func (s *sender) persist(ctx context.Context, row pendingRow, sql string, args .
 		res := s.db.WithContext(ctx).Exec(sql, args...)
 		if res.Error == nil {
 			if res.RowsAffected == 0 {
-				s.log.Warn("lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
+				s.log.WarnContext(ctx, "lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
 			}
 			return nil
 		}
@@ -188,8 +217,8 @@ func (s *sender) persist(ctx context.Context, row pendingRow, sql string, args .
 // logDeliverer "delivers" to the log, when no mail server is configured.
 type logDeliverer struct{ log *slog.Logger }
 
-func (d logDeliverer) Deliver(_ context.Context, n Notification) error {
-	d.log.Info("notification delivered to the log (no SMTP_ADDR set)", "notification_id", n.ID, "order_id", n.OrderID,
+func (d logDeliverer) Deliver(ctx context.Context, n Notification) error {
+	d.log.InfoContext(ctx, "notification delivered to the log (no SMTP_ADDR set)", "notification_id", n.ID, "order_id", n.OrderID,
 		"recipient", n.Recipient, "subject", n.Subject)
 	return nil
 }

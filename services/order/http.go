@@ -62,7 +62,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	if replayed {
 		w.Header().Set("Idempotent-Replayed", "true")
 	} else {
-		a.log.Info("order placed", "order_id", order.ID, "customer_id", order.CustomerID, "total_cents", order.TotalCents)
+		a.log.InfoContext(ctx, "order placed", "order_id", order.ID, "customer_id", order.CustomerID, "total_cents", order.TotalCents)
 	}
 	platform.WriteJSON(w, http.StatusCreated, order)
 }
@@ -113,7 +113,7 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if changed {
-		a.log.Info("order cancelled", "order_id", order.ID, "customer_id", order.CustomerID)
+		a.log.InfoContext(ctx, "order cancelled", "order_id", order.ID, "customer_id", order.CustomerID)
 	}
 	platform.WriteJSON(w, http.StatusOK, order)
 }
@@ -157,7 +157,7 @@ func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, b
 // unavailable answers a database failure: nothing was written, and the client may retry.
 func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) {
 	if r.Context().Err() == nil {
-		a.log.Error(op+" failed", "error", err)
+		a.log.ErrorContext(r.Context(), op+" failed", "error", err)
 	}
 	w.Header().Set("Retry-After", "1")
 	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; try again")

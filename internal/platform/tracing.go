@@ -1,0 +1,77 @@
+package platform
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+)
+
+// OTLPEndpointVariable is the standard variable that turns on the export of spans: the base URL
+// of an OTLP/HTTP receiver (http://jaeger:4318). The exporter reads it, and the other
+// OTEL_EXPORTER_OTLP_* variables, itself.
+const OTLPEndpointVariable = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+// traceFlushTimeout bounds the export of the last spans at shutdown: the process must exit
+// within 10 s of the signal (see HardStop), and a receiver that is gone must not hold it.
+const traceFlushTimeout = 2 * time.Second
+
+// readOTLPEndpoint reads OTEL_EXPORTER_OTLP_ENDPOINT, which is optional: "" exports nothing.
+// The name is spelled out in the call, as for every variable, for deploy/compose_test.go to
+// find what the services read.
+func readOTLPEndpoint(env *Env) string {
+	v := env.String("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+	if v == "" {
+		return ""
+	}
+	u, err := url.Parse(v)
+	env.Check(err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "", OTLPEndpointVariable, "must be an http or https URL")
+	return v
+}
+
+// startTracing installs the process's tracer provider as the global one, which the HTTP
+// middleware and pkg/messaging use. It exists whether spans are exported or not: it gives every
+// request and every message without an incoming trace a new one, whose trace id its log lines
+// carry. Only with export does it send spans anywhere, by OTLP over HTTP to the endpoint the
+// exporter reads from the environment; otherwise a span ends where it started. Every trace
+// is sampled unless an incoming trace context says it was not.
+func startTracing(ctx context.Context, log *slog.Logger, service string, export bool) (*sdktrace.TracerProvider, error) {
+	res, err := resource.New(ctx, resource.WithFromEnv(), resource.WithTelemetrySDK(),
+		resource.WithAttributes(semconv.ServiceName(service)))
+	if err != nil {
+		return nil, fmt.Errorf("tracing: resource: %w", err)
+	}
+	opts := []sdktrace.TracerProviderOption{
+		sdktrace.WithResource(res),
+		sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.AlwaysSample())),
+	}
+	if export {
+		exporter, err := otlptracehttp.New(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", OTLPEndpointVariable, err)
+		}
+		opts = append(opts, sdktrace.WithBatcher(exporter))
+	}
+	tp := sdktrace.NewTracerProvider(opts...)
+	otel.SetTracerProvider(tp)
+	// The SDK reports a failed export here, once per batch, instead of on stderr in a format
+	// of its own.
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) { log.Warn("tracing failed", "error", err) }))
+	return tp, nil
+}
+
+// stopTracing exports the spans still waiting, within traceFlushTimeout.
+func stopTracing(log *slog.Logger, tp *sdktrace.TracerProvider) {
+	ctx, cancel := context.WithTimeout(context.Background(), traceFlushTimeout)
+	defer cancel()
+	if err := tp.Shutdown(ctx); err != nil {
+		log.Warn("spans not exported at shutdown", "error", err)
+	}
+}

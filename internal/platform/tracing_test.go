@@ -1,0 +1,146 @@
+package platform
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// Without OTEL_EXPORTER_OTLP_ENDPOINT, spans still get trace ids but go nowhere, even when the
+// signal-specific variable the exporter would read points at a receiver; with it, they reach
+// the receiver it names, tagged with the service's name.
+func TestSpansAreExportedOnlyWhenTheOTLPEndpointIsSet(t *testing.T) {
+	receiver := testenv.NewOTLPReceiver(t)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+
+	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.URL+"/v1/traces")
+	env := EnvFrom(map[string]string{})
+	tp, err := startTracing(context.Background(), log, "order", readOTLPEndpoint(env) != "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, span := otel.Tracer("test").Start(context.Background(), "unexported")
+	span.End()
+	stopTracing(log, tp)
+	if sc := span.SpanContext(); !sc.IsValid() || !sc.IsSampled() {
+		t.Fatalf("span context %+v without an endpoint, want a valid sampled one: log lines need its trace id", sc)
+	}
+	if n := receiver.Posts(); n != 0 {
+		t.Fatalf("%d exports without OTEL_EXPORTER_OTLP_ENDPOINT, want none", n)
+	}
+
+	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+	env = EnvFrom(map[string]string{OTLPEndpointVariable: receiver.URL})
+	t.Setenv(OTLPEndpointVariable, receiver.URL) // the exporter reads the process's environment
+	tp, err = startTracing(context.Background(), log, "order", readOTLPEndpoint(env) != "")
+	if err != nil || env.Err() != nil {
+		t.Fatal(err, env.Err())
+	}
+	_, span = otel.Tracer("test").Start(context.Background(), "exported")
+	span.End()
+	stopTracing(log, tp) // flushes
+	got := receiver.Trace(span.SpanContext().TraceID().String())
+	if len(got) != 1 || got[0].Name != "exported" || got[0].Service != "order" {
+		t.Fatalf("received %+v, want the span, from service order", got)
+	}
+}
+
+func TestOTLPEndpointMustBeAnHTTPURL(t *testing.T) {
+	t.Parallel()
+	for _, v := range []string{"jaeger:4318", "grpc://jaeger:4317", "http://"} {
+		env := EnvFrom(map[string]string{OTLPEndpointVariable: v})
+		readOTLPEndpoint(env)
+		if err := env.Err(); err == nil || !strings.Contains(err.Error(), OTLPEndpointVariable+": must be an http or https URL") {
+			t.Errorf("%s=%q: %v, want it refused by name", OTLPEndpointVariable, v, err)
+		}
+	}
+}
+
+var traceIDField = regexp.MustCompile(`trace_id=([0-9a-f]{32}) span_id=([0-9a-f]{16})`)
+
+// A request runs in a server span that continues the caller's traceparent, or starts a trace;
+// the handler's log lines carry its trace id. (Not parallel: it installs the global provider.)
+func TestRequestsRunInAServerSpanThatTheirLogLinesName(t *testing.T) {
+	var logs bytes.Buffer
+	log := NewLogger(&logs, "order", "text", "info")
+	tp, err := startTracing(context.Background(), log, "order", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stopTracing(log, tp) })
+	var handled trace.SpanContext
+	router := NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil })
+	router.Get("/things/{id}", func(w http.ResponseWriter, r *http.Request) {
+		handled = trace.SpanContextFromContext(r.Context())
+		log.InfoContext(r.Context(), "thing shown")
+		w.WriteHeader(http.StatusNoContent)
+	})
+	srv := httptest.NewServer(router)
+	t.Cleanup(srv.Close)
+	get := func(header string) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, srv.URL+"/things/7", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if header != "" {
+			req.Header.Set("traceparent", header)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("GET = %d", resp.StatusCode)
+		}
+	}
+
+	const caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	get(caller)
+	if handled.TraceID().String() != "4bf92f3577b34da6a3ce929d0e0e4736" || handled.SpanID().String() == "00f067aa0ba902b7" || handled.IsRemote() {
+		t.Fatalf("the handler ran in %s/%s (remote %v), want a span of its own in the caller's trace", handled.TraceID(), handled.SpanID(), handled.IsRemote())
+	}
+	m := traceIDField.FindStringSubmatch(logs.String())
+	if m == nil || m[1] != handled.TraceID().String() || m[2] != handled.SpanID().String() {
+		t.Fatalf("log %q, want trace_id=%s span_id=%s", logs.String(), handled.TraceID(), handled.SpanID())
+	}
+
+	logs.Reset()
+	get("")
+	if !handled.IsValid() || handled.TraceID().String() == "4bf92f3577b34da6a3ce929d0e0e4736" {
+		t.Fatalf("a request without traceparent ran in %+v, want a trace of its own", handled)
+	}
+	if m := traceIDField.FindStringSubmatch(logs.String()); m == nil || m[1] != handled.TraceID().String() {
+		t.Fatalf("log %q, want trace_id=%s", logs.String(), handled.TraceID())
+	}
+}
+
+// A line logged without a span in its context has no trace fields, and the fields follow the
+// logger's own attributes.
+func TestLogLinesOutsideATraceHaveNoTraceID(t *testing.T) {
+	t.Parallel()
+	var logs bytes.Buffer
+	log := NewLogger(&logs, "order", "text", "info").With("component", "relay")
+	log.Info("starting")
+	log.InfoContext(trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{2},
+	})), "one message", "n", 1)
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	if len(lines) != 2 || strings.Contains(lines[0], "trace_id") ||
+		!strings.HasSuffix(lines[1], "service=order component=relay n=1 trace_id=01000000000000000000000000000000 span_id=0200000000000000") {
+		t.Fatalf("lines %q", lines)
+	}
+}

@@ -1,0 +1,12 @@
+-- +goose Up
+-- The W3C trace context (traceparent, tracestate) of the message handling that recorded the
+-- notification: the sender delivers it later, from this row, and continues that trace, so the
+-- delivery belongs to the request that caused it. '' for the rows before this version.
+ALTER TABLE notifications
+    ADD COLUMN trace_parent text NOT NULL DEFAULT '',
+    ADD COLUMN trace_state  text NOT NULL DEFAULT '';
+
+-- +goose Down
+ALTER TABLE notifications
+    DROP COLUMN trace_state,
+    DROP COLUMN trace_parent;
