@@ -1,0 +1,1121 @@
+package deploy_test
+
+// The Kubernetes manifests of deploy/k8s, checked with no cluster: every document of every
+// file kustomization.yaml lists is decoded into typed objects, or validated against the
+// operator's CRD schema, with unknown fields rejected (as `kubectl apply`, whose field
+// validation is strict by default, would reject them), and then held to what the services'
+// code needs: probes on the right port, the variables their config readers require,
+// credentials that agree between the servers and the URLs, shutdown timing, security.
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/url"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/santhosh-tekuri/jsonschema/v6"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	kjson "sigs.k8s.io/json"
+	"sigs.k8s.io/yaml"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
+)
+
+var k8sDir = filepath.Join(root, "deploy", "k8s")
+
+// measuredPeakRSS is the highest VmHWM the three services reached under load (order, 25,012
+// kB: the table in deploy/k8s/order.yaml and README "Kubernetes"). Memory requests must be at
+// least twice that; measure again when the services change much.
+const measuredPeakRSS = 25012 * 1024
+
+// shutdownContract is how long a service may take to exit after SIGTERM (README,
+// Configuration; platform.HardStop enforces it from inside).
+const shutdownContract = 10
+
+// The kinds the manifests may hold. Anything else fails the decoding test, so a new kind
+// comes with a decision on how to check it.
+type k8sManifests struct {
+	configMaps  map[string]corev1.ConfigMap
+	secrets     map[string]corev1.Secret
+	services    map[string]corev1.Service
+	deployments map[string]appsv1.Deployment
+	pdbs        []policyv1.PodDisruptionBudget
+	rabbits     []rabbitmqCluster
+	pgClusters  []cnpgCluster
+	databases   []cnpgDatabase
+	kust        kustomization
+}
+
+// kustomization holds the fields deploy/k8s/kustomization.yaml may use; it is decoded
+// strictly too, so a field added there is a field this test learns about.
+type kustomization struct {
+	APIVersion string      `json:"apiVersion"`
+	Kind       string      `json:"kind"`
+	Namespace  string      `json:"namespace,omitempty"`
+	Resources  []string    `json:"resources"`
+	Images     []kustImage `json:"images,omitempty"`
+}
+
+type kustImage struct {
+	Name    string `json:"name"`
+	NewName string `json:"newName,omitempty"`
+	NewTag  string `json:"newTag,omitempty"`
+	Digest  string `json:"digest,omitempty"`
+}
+
+// The fields of the custom resources these tests look at. The whole documents are first
+// validated against the CRD schemas (unknown fields rejected); these partial views are
+// decoded leniently afterwards, only to read values.
+type rabbitmqCluster struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Replicas  *int32                       `json:"replicas"`
+		Image     string                       `json:"image"`
+		Resources *corev1.ResourceRequirements `json:"resources"`
+		Rabbitmq  struct {
+			AdditionalConfig string `json:"additionalConfig"`
+		} `json:"rabbitmq"`
+		SecretBackend struct {
+			ExternalSecret struct {
+				Name string `json:"name"`
+			} `json:"externalSecret"`
+		} `json:"secretBackend"`
+	} `json:"spec"`
+}
+
+type cnpgCluster struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Instances  int    `json:"instances"`
+		ImageName  string `json:"imageName"`
+		PostgreSQL struct {
+			Parameters  map[string]string `json:"parameters"`
+			PgHBA       []string          `json:"pg_hba"`
+			Synchronous *struct {
+				Method         string `json:"method"`
+				Number         int    `json:"number"`
+				DataDurability string `json:"dataDurability"`
+				FailoverQuorum bool   `json:"failoverQuorum"`
+			} `json:"synchronous"`
+		} `json:"postgresql"`
+		MinSyncReplicas int `json:"minSyncReplicas"`
+		MaxSyncReplicas int `json:"maxSyncReplicas"`
+		Managed         struct {
+			Roles []cnpgRole `json:"roles"`
+		} `json:"managed"`
+		Resources corev1.ResourceRequirements `json:"resources"`
+		Storage   struct {
+			Size string `json:"size"`
+		} `json:"storage"`
+	} `json:"spec"`
+}
+
+type cnpgRole struct {
+	Name           string `json:"name"`
+	Ensure         string `json:"ensure"`
+	Login          bool   `json:"login"`
+	PasswordSecret *struct {
+		Name string `json:"name"`
+	} `json:"passwordSecret"`
+}
+
+type cnpgDatabase struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Cluster struct {
+			Name string `json:"name"`
+		} `json:"cluster"`
+		Name   string `json:"name"`
+		Owner  string `json:"owner"`
+		Ensure string `json:"ensure"`
+	} `json:"spec"`
+}
+
+// loadK8s reads the manifests once for all the tests.
+var loadK8s = sync.OnceValues(readK8sManifests)
+
+func k8s(t *testing.T) *k8sManifests {
+	t.Helper()
+	m, err := loadK8s()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func readK8sManifests() (*k8sManifests, error) {
+	m := &k8sManifests{
+		configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
+		services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{},
+	}
+	raw, err := os.ReadFile(filepath.Join(k8sDir, "kustomization.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	if err := decodeYAMLStrict(raw, &m.kust); err != nil {
+		return nil, fmt.Errorf("kustomization.yaml: %w", err)
+	}
+	if m.kust.APIVersion != "kustomize.config.k8s.io/v1beta1" || m.kust.Kind != "Kustomization" {
+		return nil, fmt.Errorf("kustomization.yaml: apiVersion %q kind %q, want kustomize.config.k8s.io/v1beta1 Kustomization", m.kust.APIVersion, m.kust.Kind)
+	}
+	crds, err := loadCRDs(filepath.Join(k8sDir, "testdata", "crds"))
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	for _, file := range m.kust.Resources {
+		docs, err := yamlDocuments(filepath.Join(k8sDir, file))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", file, err))
+			continue
+		}
+		for i, doc := range docs {
+			if err := m.add(crds, doc); err != nil {
+				errs = append(errs, fmt.Errorf("%s, document %d: %w", file, i+1, err))
+			}
+		}
+	}
+	return m, errors.Join(errs...)
+}
+
+// add decodes one document (JSON) by its kind, strictly, and files it.
+func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
+	var head struct {
+		APIVersion string `json:"apiVersion"`
+		Kind       string `json:"kind"`
+		Metadata   struct {
+			Name      string `json:"name"`
+			Namespace string `json:"namespace"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(doc, &head); err != nil {
+		return err
+	}
+	if head.Metadata.Name == "" {
+		return fmt.Errorf("%s %s has no metadata.name", head.APIVersion, head.Kind)
+	}
+	if head.Metadata.Namespace != "" {
+		// The base applies into whatever namespace it is given (README "Kubernetes").
+		return fmt.Errorf("%s %s names namespace %q; leave it to kustomization or kubectl", head.Kind, head.Metadata.Name, head.Metadata.Namespace)
+	}
+	what := head.APIVersion + " " + head.Kind
+	name := head.Metadata.Name
+	dup := func(have bool) error {
+		if have {
+			return fmt.Errorf("%s %s is defined twice", head.Kind, name)
+		}
+		return nil
+	}
+	switch what {
+	case "v1 ConfigMap":
+		var o corev1.ConfigMap
+		if err := decodeJSONStrict(doc, &o); err != nil {
+			return fmt.Errorf("%s %s: %w", what, name, err)
+		}
+		_, have := m.configMaps[name]
+		m.configMaps[name] = o
+		return dup(have)
+	case "v1 Secret":
+		var o corev1.Secret
+		if err := decodeJSONStrict(doc, &o); err != nil {
+			return fmt.Errorf("%s %s: %w", what, name, err)
+		}
+		_, have := m.secrets[name]
+		m.secrets[name] = o
+		return dup(have)
+	case "v1 Service":
+		var o corev1.Service
+		if err := decodeJSONStrict(doc, &o); err != nil {
+			return fmt.Errorf("%s %s: %w", what, name, err)
+		}
+		_, have := m.services[name]
+		m.services[name] = o
+		return dup(have)
+	case "apps/v1 Deployment":
+		var o appsv1.Deployment
+		if err := decodeJSONStrict(doc, &o); err != nil {
+			return fmt.Errorf("%s %s: %w", what, name, err)
+		}
+		_, have := m.deployments[name]
+		m.deployments[name] = o
+		return dup(have)
+	case "policy/v1 PodDisruptionBudget":
+		var o policyv1.PodDisruptionBudget
+		if err := decodeJSONStrict(doc, &o); err != nil {
+			return fmt.Errorf("%s %s: %w", what, name, err)
+		}
+		m.pdbs = append(m.pdbs, o)
+		return nil
+	}
+	c, ok := crds[head.APIVersion+"/"+head.Kind]
+	if !ok {
+		return fmt.Errorf("%s: no check for this kind (the decoding test knows v1 ConfigMap, Secret and Service, apps/v1 Deployment, policy/v1 PodDisruptionBudget, and the CRDs in deploy/k8s/testdata/crds)", what)
+	}
+	if err := c.validate(doc); err != nil {
+		return fmt.Errorf("%s %s: %w", what, name, err)
+	}
+	var into any
+	switch head.Kind {
+	case "RabbitmqCluster":
+		m.rabbits = append(m.rabbits, rabbitmqCluster{})
+		into = &m.rabbits[len(m.rabbits)-1]
+	case "Cluster":
+		m.pgClusters = append(m.pgClusters, cnpgCluster{})
+		into = &m.pgClusters[len(m.pgClusters)-1]
+	case "Database":
+		m.databases = append(m.databases, cnpgDatabase{})
+		into = &m.databases[len(m.databases)-1]
+	default:
+		return fmt.Errorf("%s: validated, but no test reads it; add it to k8sManifests", what)
+	}
+	return json.Unmarshal(doc, into)
+}
+
+// yamlDocuments splits a YAML file into its documents, as JSON, skipping empty ones (a file
+// may start with comments and ---).
+func yamlDocuments(file string) ([][]byte, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	r := utilyaml.NewYAMLReader(bufio.NewReader(f))
+	var docs [][]byte
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return docs, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		// YAMLToJSONStrict refuses duplicate keys, which a lenient parse would resolve
+		// silently in favour of the last.
+		js, err := yaml.YAMLToJSONStrict(doc)
+		if err != nil {
+			return nil, err
+		}
+		if t := bytes.TrimSpace(js); len(t) == 0 || string(t) == "null" {
+			continue
+		}
+		docs = append(docs, js)
+	}
+}
+
+// decodeJSONStrict decodes as the API server's strict field validation does: field names
+// match case-sensitively, and unknown or duplicate fields are errors.
+func decodeJSONStrict(js []byte, into any) error {
+	strict, err := kjson.UnmarshalStrict(js, into, kjson.DisallowDuplicateFields, kjson.DisallowUnknownFields)
+	if err != nil {
+		return err
+	}
+	return errors.Join(strict...)
+}
+
+func decodeYAMLStrict(y []byte, into any) error {
+	js, err := yaml.YAMLToJSONStrict(y)
+	if err != nil {
+		return err
+	}
+	return decodeJSONStrict(js, into)
+}
+
+// crd is one served version of a vendored CustomResourceDefinition, its OpenAPI schema
+// compiled as a JSON schema.
+type crd struct {
+	source string
+	schema *jsonschema.Schema
+}
+
+// loadCRDs compiles every served version of the CRDs in dir, keyed "group/version/Kind".
+//
+// A CRD's openAPIV3Schema is structural: the API server prunes (or, with strict field
+// validation, rejects) any field its properties do not declare, unless a node says
+// x-kubernetes-preserve-unknown-fields. JSON Schema allows undeclared fields by default, so
+// each object node gets additionalProperties: false first. CEL rules
+// (x-kubernetes-validations) are not evaluated here; the tests below check the values that
+// matter by hand.
+func loadCRDs(dir string) (map[string]*crd, error) {
+	files, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	if err != nil || len(files) == 0 {
+		return nil, fmt.Errorf("no CRDs in %s (%v)", dir, err)
+	}
+	out := map[string]*crd{}
+	for _, file := range files {
+		raw, err := os.ReadFile(file)
+		if err != nil {
+			return nil, err
+		}
+		var def struct {
+			APIVersion string `json:"apiVersion"`
+			Kind       string `json:"kind"`
+			Spec       struct {
+				Group string `json:"group"`
+				Names struct {
+					Kind string `json:"kind"`
+				} `json:"names"`
+				Versions []struct {
+					Name   string `json:"name"`
+					Served bool   `json:"served"`
+					Schema struct {
+						OpenAPIV3Schema json.RawMessage `json:"openAPIV3Schema"`
+					} `json:"schema"`
+				} `json:"versions"`
+			} `json:"spec"`
+		}
+		js, err := yaml.YAMLToJSON(raw)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", file, err)
+		}
+		if err := json.Unmarshal(js, &def); err != nil {
+			return nil, fmt.Errorf("%s: %w", file, err)
+		}
+		if def.APIVersion != "apiextensions.k8s.io/v1" || def.Kind != "CustomResourceDefinition" {
+			return nil, fmt.Errorf("%s: not an apiextensions.k8s.io/v1 CustomResourceDefinition", file)
+		}
+		for _, v := range def.Spec.Versions {
+			if !v.Served {
+				continue
+			}
+			doc, err := jsonschema.UnmarshalJSON(bytes.NewReader(v.Schema.OpenAPIV3Schema))
+			if err != nil {
+				return nil, fmt.Errorf("%s %s: %w", file, v.Name, err)
+			}
+			root, ok := doc.(map[string]any)
+			if !ok {
+				return nil, fmt.Errorf("%s %s: openAPIV3Schema is not an object", file, v.Name)
+			}
+			structural(root)
+			// metadata is the API server's ObjectMeta, which the schema leaves open:
+			// crd.validate decodes it strictly into metav1.ObjectMeta instead.
+			if props, ok := root["properties"].(map[string]any); ok {
+				props["metadata"] = map[string]any{"type": "object"}
+			}
+			loc := "file:///" + path.Join(def.Spec.Group, v.Name, def.Spec.Names.Kind) + ".json"
+			c := jsonschema.NewCompiler()
+			if err := c.AddResource(loc, root); err != nil {
+				return nil, fmt.Errorf("%s %s: %w", file, v.Name, err)
+			}
+			sch, err := c.Compile(loc)
+			if err != nil {
+				return nil, fmt.Errorf("%s %s: %w", file, v.Name, err)
+			}
+			out[def.Spec.Group+"/"+v.Name+"/"+def.Spec.Names.Kind] = &crd{source: filepath.Base(file), schema: sch}
+		}
+	}
+	return out, nil
+}
+
+// structural closes every object node of a CRD schema to the fields it declares, as the API
+// server treats them.
+func structural(node map[string]any) {
+	if preserve, _ := node["x-kubernetes-preserve-unknown-fields"].(bool); !preserve {
+		_, hasAdditional := node["additionalProperties"]
+		if _, hasProps := node["properties"]; (hasProps || node["type"] == "object") && !hasAdditional {
+			node["additionalProperties"] = false
+		}
+	}
+	if props, ok := node["properties"].(map[string]any); ok {
+		for _, p := range props {
+			if p, ok := p.(map[string]any); ok {
+				structural(p)
+			}
+		}
+	}
+	for _, key := range []string{"items", "additionalProperties", "not"} {
+		if sub, ok := node[key].(map[string]any); ok {
+			structural(sub)
+		}
+	}
+	for _, key := range []string{"allOf", "anyOf", "oneOf"} {
+		if subs, ok := node[key].([]any); ok {
+			for _, s := range subs {
+				if s, ok := s.(map[string]any); ok {
+					structural(s)
+				}
+			}
+		}
+	}
+}
+
+func (c *crd) validate(doc []byte) error {
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(doc))
+	if err != nil {
+		return err
+	}
+	if err := c.schema.Validate(inst); err != nil {
+		return fmt.Errorf("against %s: %w", c.source, err)
+	}
+	var meta struct {
+		APIVersion string            `json:"apiVersion"`
+		Kind       string            `json:"kind"`
+		Metadata   metav1.ObjectMeta `json:"metadata"`
+		Spec       json.RawMessage   `json:"spec"`
+	}
+	return decodeJSONStrict(doc, &meta)
+}
+
+// Every file kustomization.yaml lists decodes, and every document in it is a kind the tests
+// check.
+func TestK8sManifestsDecodeStrictly(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.deployments) != len(apps) || len(m.rabbits) != 1 || len(m.pgClusters) != 1 {
+		t.Errorf("found %d Deployments, %d RabbitmqClusters and %d CloudNativePG Clusters; want one Deployment per service (%d), one of each server",
+			len(m.deployments), len(m.rabbits), len(m.pgClusters), len(apps))
+	}
+}
+
+// The unknown-field checks work: a misspelt field in a built-in kind and in each custom
+// resource is refused, and so is a field of the wrong type.
+func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
+	t.Parallel()
+	crds, err := loadCRDs(filepath.Join(k8sDir, "testdata", "crds"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := []string{
+		`{"apiVersion":"apps/v1","kind":"Deployment","metadata":{"name":"x"},"spec":{"replica":2}}`,
+		`{"apiVersion":"apps/v1","kind":"Deployment","metadata":{"name":"x"},"spec":{"Replicas":2}}`,
+		`{"apiVersion":"v1","kind":"Service","metadata":{"name":"x","lables":{}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x"},"spec":{"replica":3}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x"},"spec":{"rabbitmq":{"additionalConfg":""}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x","labls":{}},"spec":{}}`,
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Cluster","metadata":{"name":"x"},"spec":{"instances":3,"postgresql":{"synchronous":{"method":"any","number":1,"durability":"required"}}}}`,
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Cluster","metadata":{"name":"x"},"spec":{"instances":"three"}}`,
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Cluster","metadata":{"name":"x"},"spec":{"instances":3,"postgresql":{"synchronous":{"method":"some","number":1}}}}`,
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Database","metadata":{"name":"x"},"spec":{"cluster":{"name":"c"},"name":"d","owner":"o","ownr":"o"}}`,
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Widget","metadata":{"name":"x"}}`,
+	}
+	for _, doc := range bad {
+		m := &k8sManifests{configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
+			services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{}}
+		if err := m.add(crds, []byte(doc)); err == nil {
+			t.Errorf("accepted %s", doc)
+		}
+	}
+	good := `{"apiVersion":"postgresql.cnpg.io/v1","kind":"Database","metadata":{"name":"x"},"spec":{"cluster":{"name":"c"},"name":"d","owner":"o"}}`
+	m := &k8sManifests{}
+	if err := m.add(crds, []byte(good)); err != nil {
+		t.Errorf("refused a valid Database: %v", err)
+	}
+}
+
+// kustomization.yaml lists exactly the manifest files of deploy/k8s: none forgotten (kubectl
+// apply -k would skip it), none missing.
+func TestK8sKustomizationListsEveryFile(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	entries, err := os.ReadDir(k8sDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var files []string
+	for _, e := range entries {
+		if ext := filepath.Ext(e.Name()); !e.IsDir() && (ext == ".yaml" || ext == ".yml") && e.Name() != "kustomization.yaml" {
+			files = append(files, e.Name())
+		}
+	}
+	listed := slices.Clone(m.kust.Resources)
+	slices.Sort(files)
+	slices.Sort(listed)
+	if !slices.Equal(files, listed) {
+		t.Errorf("kustomization.yaml resources = %v, want every manifest of deploy/k8s: %v", listed, files)
+	}
+	if len(slices.Compact(listed)) != len(m.kust.Resources) {
+		t.Errorf("kustomization.yaml lists a file twice: %v", m.kust.Resources)
+	}
+}
+
+func TestK8sDeployments(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	for _, a := range apps {
+		t.Run(a.name, func(t *testing.T) {
+			t.Parallel()
+			d, ok := m.deployments[a.name]
+			if !ok {
+				t.Fatalf("no Deployment %s", a.name)
+			}
+			spec := d.Spec.Template.Spec
+			if len(spec.Containers) != 1 || len(spec.InitContainers) != 0 {
+				t.Fatalf("%d containers and %d init containers, want the service alone", len(spec.Containers), len(spec.InitContainers))
+			}
+			c := spec.Containers[0]
+			if d.Spec.Replicas == nil || *d.Spec.Replicas < 2 {
+				t.Errorf("replicas = %v, want at least 2 (a drain or a rollout then keeps one serving)", d.Spec.Replicas)
+			}
+			sel, err := metav1.LabelSelectorAsSelector(d.Spec.Selector)
+			if err != nil || sel.Empty() || !sel.Matches(labels.Set(d.Spec.Template.Labels)) {
+				t.Errorf("selector %v does not select the template's labels %v (%v)", d.Spec.Selector, d.Spec.Template.Labels, err)
+			}
+
+			// The image is the one the Dockerfile's comment tags, and kustomization.yaml
+			// says where it really is.
+			if want := "outbox-inbox/" + a.name; c.Image != want {
+				t.Errorf("image = %q, want %q (kustomization.yaml's images: maps it to a registry)", c.Image, want)
+			}
+			if i := slices.IndexFunc(m.kust.Images, func(im kustImage) bool { return im.Name == c.Image }); i < 0 || m.kust.Images[i].NewName == "" || (m.kust.Images[i].NewTag == "" && m.kust.Images[i].Digest == "") {
+				t.Errorf("kustomization.yaml images: has no newName and newTag (or digest) for %s", c.Image)
+			}
+
+			// The port: HTTP_ADDR's, named http; the probes ask it.
+			env := containerEnv(t, m, c)
+			_, portText, err := net.SplitHostPort(env["HTTP_ADDR"])
+			if err != nil {
+				t.Fatalf("HTTP_ADDR = %q: %v", env["HTTP_ADDR"], err)
+			}
+			port, _ := strconv.Atoi(portText)
+			if i := slices.IndexFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.Name == "http" }); i < 0 || c.Ports[i].ContainerPort != int32(port) {
+				t.Errorf("ports = %+v, want one named http on %d, HTTP_ADDR's port", c.Ports, port)
+			}
+			probes := []struct {
+				name  string
+				probe *corev1.Probe
+				path  string
+			}{
+				{"startupProbe", c.StartupProbe, "/healthz"},
+				{"livenessProbe", c.LivenessProbe, "/healthz"},
+				{"readinessProbe", c.ReadinessProbe, "/readyz"},
+			}
+			for _, p := range probes {
+				switch {
+				case p.probe == nil || p.probe.HTTPGet == nil:
+					t.Errorf("%s: none, or not an HTTP GET", p.name)
+				case p.probe.HTTPGet.Path != p.path:
+					t.Errorf("%s: path %q, want %s", p.name, p.probe.HTTPGet.Path, p.path)
+				case resolvePort(c, p.probe.HTTPGet.Port) != int32(port):
+					t.Errorf("%s: port %s, want the container's HTTP port %d", p.name, p.probe.HTTPGet.Port.String(), port)
+				case p.probe.HTTPGet.Scheme != "" && p.probe.HTTPGet.Scheme != corev1.URISchemeHTTP:
+					t.Errorf("%s: scheme %s, want HTTP (the services serve plain HTTP)", p.name, p.probe.HTTPGet.Scheme)
+				}
+			}
+			// The HTTP server comes up only after the database answers (OpenDB waits up to a
+			// minute) and the migrations ran: the startup probe must outwait that.
+			if sp := c.StartupProbe; sp != nil && sp.PeriodSeconds*sp.FailureThreshold < 90 {
+				t.Errorf("startupProbe allows %d s, want at least 90 (a minute of waiting for the database, then migrations)", sp.PeriodSeconds*sp.FailureThreshold)
+			}
+
+			// Shutdown: drain first (the services close their listener on SIGTERM, /readyz
+			// never fails first), then the 10 s the service may take.
+			var drain int64
+			if c.Lifecycle == nil || c.Lifecycle.PreStop == nil || c.Lifecycle.PreStop.Sleep == nil || c.Lifecycle.PreStop.Sleep.Seconds < 5 {
+				t.Errorf("lifecycle.preStop = %+v, want a sleep of at least 5 s (the image has no shell for an exec hook)", c.Lifecycle)
+			} else {
+				drain = c.Lifecycle.PreStop.Sleep.Seconds
+			}
+			hardStop := int64(math.Ceil(platform.HardStop.Seconds()))
+			if g := spec.TerminationGracePeriodSeconds; g == nil || *g < drain+shutdownContract || *g < drain+hardStop {
+				t.Errorf("terminationGracePeriodSeconds = %v, want at least the preStop drain (%d s) + the %d s a service may take to stop", deref64(g), drain, shutdownContract)
+			}
+
+			checkSecurity(t, spec, c)
+			checkResources(t, c)
+			if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+				t.Error("automountServiceAccountToken is not false (the services never call the Kubernetes API)")
+			}
+
+			// A Service in front, whose port leads to HTTP_ADDR's.
+			svc, ok := m.services[a.name]
+			if !ok {
+				t.Fatalf("no Service %s", a.name)
+			}
+			if len(svc.Spec.Selector) == 0 || !labels.Set(svc.Spec.Selector).AsSelector().Matches(labels.Set(d.Spec.Template.Labels)) {
+				t.Errorf("Service selector %v does not select the pods (labels %v)", svc.Spec.Selector, d.Spec.Template.Labels)
+			}
+			if len(svc.Spec.Ports) == 0 {
+				t.Error("Service has no ports")
+			}
+			for _, p := range svc.Spec.Ports {
+				target := p.TargetPort
+				if target.Type == intstr.Int && target.IntVal == 0 {
+					target = intstr.FromInt32(p.Port) // unset: the Service's own port
+				}
+				if got := resolvePort(c, target); got != int32(port) {
+					t.Errorf("Service port %d: targetPort %s reaches container port %d, want %d", p.Port, target.String(), got, port)
+				}
+			}
+		})
+	}
+}
+
+func checkSecurity(t *testing.T, spec corev1.PodSpec, c corev1.Container) {
+	t.Helper()
+	psc := spec.SecurityContext
+	if psc == nil {
+		psc = &corev1.PodSecurityContext{}
+	}
+	csc := c.SecurityContext
+	if csc == nil {
+		t.Fatal("the container has no securityContext")
+	}
+	// A container's setting wins over the pod's.
+	nonRoot := csc.RunAsNonRoot
+	if nonRoot == nil {
+		nonRoot = psc.RunAsNonRoot
+	}
+	user := csc.RunAsUser
+	if user == nil {
+		user = psc.RunAsUser
+	}
+	seccomp := csc.SeccompProfile
+	if seccomp == nil {
+		seccomp = psc.SeccompProfile
+	}
+	if nonRoot == nil || !*nonRoot {
+		t.Error("runAsNonRoot is not true")
+	}
+	// Numeric, so the kubelet can check runAsNonRoot without reading the image; distroless
+	// nonroot is 65532.
+	if user == nil || *user != 65532 {
+		t.Errorf("runAsUser = %v, want 65532 (distroless nonroot)", deref64(user))
+	}
+	if seccomp == nil || seccomp.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("seccompProfile = %+v, want RuntimeDefault", seccomp)
+	}
+	if csc.AllowPrivilegeEscalation == nil || *csc.AllowPrivilegeEscalation {
+		t.Error("allowPrivilegeEscalation is not false")
+	}
+	if csc.ReadOnlyRootFilesystem == nil || !*csc.ReadOnlyRootFilesystem {
+		t.Error("readOnlyRootFilesystem is not true")
+	}
+	if csc.Privileged != nil && *csc.Privileged {
+		t.Error("privileged")
+	}
+	if csc.Capabilities == nil || !slices.Contains(csc.Capabilities.Drop, "ALL") || len(csc.Capabilities.Add) > 0 {
+		t.Errorf("capabilities = %+v, want drop [ALL] and nothing added", csc.Capabilities)
+	}
+}
+
+func checkResources(t *testing.T, c corev1.Container) {
+	t.Helper()
+	req, lim := c.Resources.Requests, c.Resources.Limits
+	cpu, hasCPU := req[corev1.ResourceCPU]
+	mem, hasMem := req[corev1.ResourceMemory]
+	memLimit, hasLimit := lim[corev1.ResourceMemory]
+	if !hasCPU || cpu.IsZero() || !hasMem || !hasLimit {
+		t.Fatalf("resources = %+v, want CPU and memory requests and a memory limit", c.Resources)
+	}
+	if mem.Value() < 2*measuredPeakRSS {
+		t.Errorf("memory request %s is under twice the measured peak RSS (%d KiB)", mem.String(), measuredPeakRSS/1024)
+	}
+	if memLimit.Cmp(mem) <= 0 {
+		t.Errorf("memory limit %s is not above the request %s", memLimit.String(), mem.String())
+	}
+}
+
+// The environment the ConfigMap and Secret give each service passes the service's own config
+// readers, and names only variables the service reads.
+func TestK8sServiceConfiguration(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	for _, a := range apps {
+		t.Run(a.name, func(t *testing.T) {
+			t.Parallel()
+			d, ok := m.deployments[a.name]
+			if !ok || len(d.Spec.Template.Spec.Containers) == 0 {
+				t.Fatalf("no Deployment %s with a container", a.name)
+			}
+			vars := containerEnv(t, m, d.Spec.Template.Spec.Containers[0])
+
+			// The readers main.go calls, with what the pod would get.
+			src, err := os.ReadFile(filepath.Join(root, "services", a.name, "main.go"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			env := platform.EnvFrom(vars)
+			common := platform.ReadCommon(env, ":1")
+			if bytes.Contains(src, []byte("platform.ReadRelaySettings(")) {
+				platform.ReadRelaySettings(env, common)
+			}
+			if bytes.Contains(src, []byte("platform.ReadConsumerSettings(")) {
+				platform.ReadConsumerSettings(env, common)
+			}
+			if err := env.Err(); err != nil {
+				t.Errorf("the service would refuse to start: %v", err)
+			}
+			// Variables read in a service's main.go alone (notification's SMTP_*, NOTIFY_*)
+			// have no reader to call from here; the manifests leave them unset.
+			for _, name := range requiredVars(t, a.name) {
+				if vars[name] == "" {
+					t.Errorf("required variable %s is not set", name)
+				}
+			}
+			if _, ok := vars["HTTP_ADDR"]; !ok {
+				t.Error("HTTP_ADDR is not set: the container port must not depend on a default")
+			}
+			known := readVars(t, a.name)
+			for name := range vars {
+				if !slices.Contains(known, name) {
+					t.Errorf("the environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)
+				}
+			}
+		})
+	}
+}
+
+// The URLs the services dial lead to the servers these manifests run, with the credentials
+// those servers are given.
+func TestK8sCredentialsAgree(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.pgClusters) != 1 || len(m.rabbits) != 1 {
+		t.Fatalf("want one CloudNativePG Cluster and one RabbitmqCluster, have %d and %d", len(m.pgClusters), len(m.rabbits))
+	}
+	pg, rabbit := m.pgClusters[0], m.rabbits[0]
+	rabbitUser, rabbitPass := rabbitDefaultUser(t, m, rabbit)
+
+	for _, a := range apps {
+		t.Run(a.name, func(t *testing.T) {
+			t.Parallel()
+			d := m.deployments[a.name]
+			if len(d.Spec.Template.Spec.Containers) == 0 {
+				t.Fatalf("no Deployment %s with a container", a.name)
+			}
+			c := d.Spec.Template.Spec.Containers[0]
+			vars := containerEnv(t, m, c)
+
+			// DATABASE_URL: the primary's Service, the service's database, as its role.
+			u, err := url.Parse(vars["DATABASE_URL"])
+			if err != nil {
+				t.Fatalf("DATABASE_URL: %v", err)
+			}
+			pass, _ := u.User.Password()
+			if u.Scheme != "postgres" || u.Hostname() != pg.Metadata.Name+"-rw" || u.Port() != "5432" ||
+				strings.TrimPrefix(u.Path, "/") != a.database || u.User.Username() != a.role {
+				t.Errorf("DATABASE_URL = %s, want postgres://%s:…@%s-rw:5432/%s (the primary, read-write)", platform.Redact(u.String()), a.role, pg.Metadata.Name, a.database)
+			}
+			// TLS, verified against the cluster's CA, mounted from the Secret the operator makes.
+			q := u.Query()
+			if q.Get("sslmode") != "verify-full" {
+				t.Errorf("DATABASE_URL sslmode = %q, want verify-full", q.Get("sslmode"))
+			}
+			if ca := q.Get("sslrootcert"); !mountsSecretKey(d.Spec.Template.Spec, c, ca, pg.Metadata.Name+"-ca", "ca.crt") {
+				t.Errorf("DATABASE_URL sslrootcert = %q, which is not key ca.crt of Secret %s-ca mounted in the container", ca, pg.Metadata.Name)
+			}
+			if !slices.ContainsFunc(m.databases, func(db cnpgDatabase) bool {
+				return db.Spec.Cluster.Name == pg.Metadata.Name && db.Spec.Name == a.database && db.Spec.Owner == a.role &&
+					(db.Spec.Ensure == "" || db.Spec.Ensure == "present")
+			}) {
+				t.Errorf("no Database %s owned by %s in Cluster %s", a.database, a.role, pg.Metadata.Name)
+			}
+			i := slices.IndexFunc(pg.Spec.Managed.Roles, func(r cnpgRole) bool { return r.Name == a.role })
+			if i < 0 {
+				t.Fatalf("Cluster %s manages no role %s", pg.Metadata.Name, a.role)
+			}
+			role := pg.Spec.Managed.Roles[i]
+			if !role.Login || (role.Ensure != "" && role.Ensure != "present") || role.PasswordSecret == nil {
+				t.Fatalf("role %s: login %v, ensure %q, passwordSecret %v; want a login role, present, with a password Secret", a.role, role.Login, role.Ensure, role.PasswordSecret)
+			}
+			s, ok := m.secrets[role.PasswordSecret.Name]
+			if !ok {
+				t.Fatalf("role %s: no Secret %s", a.role, role.PasswordSecret.Name)
+			}
+			if s.Type != corev1.SecretTypeBasicAuth || secretValue(s, "username") != a.role || secretValue(s, "password") != pass || pass == "" {
+				t.Errorf("Secret %s: want type %s with username %s and the password DATABASE_URL uses", s.Name, corev1.SecretTypeBasicAuth, a.role)
+			}
+			// Only this role reaches this database (the compose init script's REVOKE CONNECT).
+			hba := pg.Spec.PostgreSQL.PgHBA
+			allow := slices.IndexFunc(hba, func(l string) bool {
+				f := strings.Fields(l)
+				return len(f) == 5 && f[0] == "hostssl" && f[1] == a.database && f[2] == a.role && f[4] == "scram-sha-256"
+			})
+			reject := slices.IndexFunc(hba, func(l string) bool {
+				f := strings.Fields(l)
+				return len(f) == 5 && f[0] == "host" && f[1] == "all" && slices.Contains(strings.Split(f[2], ","), a.role) && f[4] == "reject"
+			})
+			if allow < 0 || reject < allow {
+				t.Errorf("pg_hba = %q, want `hostssl %s %s all scram-sha-256` before a `host all …%s… all reject`", hba, a.database, a.role, a.role)
+			}
+
+			// AMQP_URL: the broker's Service, with its default user.
+			u, err = url.Parse(vars["AMQP_URL"])
+			if err != nil {
+				t.Fatalf("AMQP_URL: %v", err)
+			}
+			pass, _ = u.User.Password()
+			if u.Scheme != "amqp" || u.Hostname() != rabbit.Metadata.Name || u.Port() != "5672" ||
+				u.User.Username() != rabbitUser || pass != rabbitPass {
+				t.Errorf("AMQP_URL = %s, want amqp://%s:<its password>@%s:5672/", platform.Redact(u.String()), rabbitUser, rabbit.Metadata.Name)
+			}
+		})
+	}
+}
+
+// rabbitDefaultUser returns the user the RabbitMQ Cluster Operator creates from the
+// externalSecret, checking that its fields agree with each other.
+func rabbitDefaultUser(t *testing.T, m *k8sManifests, r rabbitmqCluster) (user, pass string) {
+	t.Helper()
+	name := r.Spec.SecretBackend.ExternalSecret.Name
+	s, ok := m.secrets[name]
+	if name == "" || !ok {
+		t.Fatalf("RabbitmqCluster %s: secretBackend.externalSecret %q is not a Secret here", r.Metadata.Name, name)
+	}
+	// RabbitMQ reads default_user.conf (the operator mounts that key); username and password
+	// are there for clients, so all must say the same.
+	conf := map[string]string{}
+	for line := range strings.SplitSeq(secretValue(s, "default_user.conf"), "\n") {
+		if k, v, ok := strings.Cut(line, "="); ok {
+			conf[strings.TrimSpace(k)] = strings.TrimSpace(v)
+		}
+	}
+	user, pass = conf["default_user"], conf["default_pass"]
+	if user == "" || pass == "" || secretValue(s, "username") != user || secretValue(s, "password") != pass {
+		t.Fatalf("Secret %s: default_user.conf (%q) and username/password do not agree", name, user)
+	}
+	return user, pass
+}
+
+// Each pool of every replica, and of the surge pod of a rollout, fits in PostgreSQL's
+// max_connections, with room for the operator and an administrator.
+func TestK8sDatabaseConnectionsFit(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.pgClusters) != 1 {
+		t.Fatalf("want one CloudNativePG Cluster, have %d", len(m.pgClusters))
+	}
+	const reserve = 20
+	maxConns, err := strconv.Atoi(m.pgClusters[0].Spec.PostgreSQL.Parameters["max_connections"])
+	if err != nil {
+		t.Fatalf("max_connections: %v (set it: the default 100 is sized for no one)", err)
+	}
+	total := 0
+	for _, a := range apps {
+		d := m.deployments[a.name]
+		if d.Spec.Replicas == nil || len(d.Spec.Template.Spec.Containers) == 0 {
+			t.Fatalf("Deployment %s: no replicas or no container", a.name)
+		}
+		conns := platform.DefaultDBMaxConns
+		if v, ok := containerEnv(t, m, d.Spec.Template.Spec.Containers[0])["DB_MAX_CONNS"]; ok {
+			if conns, err = strconv.Atoi(v); err != nil {
+				t.Fatalf("%s DB_MAX_CONNS: %v", a.name, err)
+			}
+		}
+		surge := 1 // Kubernetes' default is 25 %, rounded up
+		if ru := d.Spec.Strategy.RollingUpdate; ru != nil && ru.MaxSurge != nil {
+			if surge, err = intstr.GetScaledValueFromIntOrPercent(ru.MaxSurge, int(*d.Spec.Replicas), true); err != nil {
+				t.Fatal(err)
+			}
+		}
+		total += (int(*d.Spec.Replicas) + surge) * conns
+	}
+	if total+reserve > maxConns {
+		t.Errorf("the pools can open %d connections (+%d reserved), over max_connections %d", total, reserve, maxConns)
+	}
+}
+
+func TestK8sPodDisruptionBudgets(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	for _, a := range apps {
+		d := m.deployments[a.name]
+		pods := labels.Set(d.Spec.Template.Labels)
+		var matching []policyv1.PodDisruptionBudget
+		for _, p := range m.pdbs {
+			if sel, err := metav1.LabelSelectorAsSelector(p.Spec.Selector); err == nil && !sel.Empty() && sel.Matches(pods) {
+				matching = append(matching, p)
+			}
+		}
+		// Kubernetes refuses evictions of a pod that more than one budget selects.
+		if len(matching) != 1 {
+			t.Errorf("%s: %d PodDisruptionBudgets select its pods, want exactly 1", a.name, len(matching))
+			continue
+		}
+		s := matching[0].Spec
+		one := intstr.FromInt32(1)
+		switch {
+		case s.MaxUnavailable != nil && s.MinAvailable == nil && *s.MaxUnavailable == one:
+		case s.MinAvailable != nil && s.MaxUnavailable == nil && *s.MinAvailable == one && d.Spec.Replicas != nil && *d.Spec.Replicas >= 2:
+		default:
+			t.Errorf("%s: PodDisruptionBudget %s has minAvailable %v, maxUnavailable %v; want maxUnavailable: 1 (or minAvailable: 1 with 2+ replicas)",
+				a.name, matching[0].Name, s.MinAvailable, s.MaxUnavailable)
+		}
+	}
+}
+
+func TestK8sRabbitmqCluster(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.rabbits) != 1 {
+		t.Fatalf("want one RabbitmqCluster, have %d", len(m.rabbits))
+	}
+	r := m.rabbits[0]
+	if r.Spec.Replicas == nil || *r.Spec.Replicas != 3 {
+		t.Errorf("replicas = %v, want 3 (a quorum queue keeps working with one node gone)", r.Spec.Replicas)
+	}
+	if want := service(t, loadProject(t), "rabbitmq").Image; r.Spec.Image != want {
+		t.Errorf("image = %q, want %q, the image docker-compose.yml runs", r.Spec.Image, want)
+	}
+	if !regexp.MustCompile(`(?m)^\s*cluster_partition_handling\s*=\s*pause_minority\s*$`).MatchString(r.Spec.Rabbitmq.AdditionalConfig) {
+		t.Errorf("additionalConfig = %q, want cluster_partition_handling = pause_minority", r.Spec.Rabbitmq.AdditionalConfig)
+	}
+	if res := r.Spec.Resources; res == nil || res.Requests.Memory().IsZero() || res.Limits.Memory().IsZero() || res.Requests.Cpu().IsZero() {
+		t.Errorf("resources = %+v, want CPU and memory requests and a memory limit", res)
+	}
+}
+
+func TestK8sPostgresCluster(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.pgClusters) != 1 {
+		t.Fatalf("want one CloudNativePG Cluster, have %d", len(m.pgClusters))
+	}
+	c := m.pgClusters[0]
+	if c.Spec.Instances != 3 {
+		t.Errorf("instances = %d, want 3", c.Spec.Instances)
+	}
+	// Synchronous and required: an inbox row whose message was acked, or an order whose event
+	// was published, must survive a failover (postgres.yaml says why).
+	s := c.Spec.PostgreSQL.Synchronous
+	switch {
+	case s == nil:
+		t.Error("postgresql.synchronous is not set: replication is asynchronous")
+	case s.Method != "any" && s.Method != "first", s.Number < 1, s.Number >= c.Spec.Instances:
+		t.Errorf("synchronous = %+v, want method any or first and 1 to instances-1 standbys", *s)
+	case s.DataDurability != "required":
+		t.Errorf("synchronous.dataDurability = %q, want required (preferred lets the primary commit alone)", s.DataDurability)
+	case !s.FailoverQuorum:
+		t.Error("synchronous.failoverQuorum is not true: a failover could promote the standby that lacks the latest commits")
+	}
+	if c.Spec.MinSyncReplicas != 0 || c.Spec.MaxSyncReplicas != 0 {
+		t.Error("minSyncReplicas/maxSyncReplicas are the deprecated form; use postgresql.synchronous alone")
+	}
+	// The PostgreSQL major version docker-compose.yml runs.
+	composeImage := service(t, loadProject(t), "postgres").Image
+	major := regexp.MustCompile(`^postgres:(\d+)`).FindStringSubmatch(composeImage)
+	if major == nil || !regexp.MustCompile(`^ghcr\.io/cloudnative-pg/postgresql:`+major[1]+`[.-]`).MatchString(c.Spec.ImageName) {
+		t.Errorf("imageName = %q, want CloudNativePG's PostgreSQL %v, the major version of %s", c.Spec.ImageName, major, composeImage)
+	}
+	if c.Spec.Resources.Requests.Memory().IsZero() || c.Spec.Resources.Limits.Memory().IsZero() {
+		t.Errorf("resources = %+v, want a memory request and limit", c.Spec.Resources)
+	}
+	if _, err := resource.ParseQuantity(c.Spec.Storage.Size); err != nil {
+		t.Errorf("storage.size = %q: %v", c.Spec.Storage.Size, err)
+	}
+	for _, db := range m.databases {
+		if db.Spec.Cluster.Name != c.Metadata.Name {
+			t.Errorf("Database %s is for Cluster %q, which is not here", db.Metadata.Name, db.Spec.Cluster.Name)
+		}
+	}
+}
+
+// Helpers.
+
+// containerEnv is the environment the kubelet gives the container: envFrom (ConfigMaps and
+// Secrets of these manifests), then env, which wins.
+func containerEnv(t *testing.T, m *k8sManifests, c corev1.Container) map[string]string {
+	t.Helper()
+	vars := map[string]string{}
+	for _, from := range c.EnvFrom {
+		var data map[string]string
+		switch {
+		case from.ConfigMapRef != nil:
+			cm, ok := m.configMaps[from.ConfigMapRef.Name]
+			if !ok {
+				t.Fatalf("envFrom: no ConfigMap %s", from.ConfigMapRef.Name)
+			}
+			data = cm.Data
+		case from.SecretRef != nil:
+			s, ok := m.secrets[from.SecretRef.Name]
+			if !ok {
+				t.Fatalf("envFrom: no Secret %s", from.SecretRef.Name)
+			}
+			data = map[string]string{}
+			for k := range s.Data {
+				data[k] = secretValue(s, k)
+			}
+			for k := range s.StringData {
+				data[k] = secretValue(s, k)
+			}
+		}
+		for k, v := range data {
+			vars[from.Prefix+k] = v
+		}
+	}
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom == nil:
+			vars[e.Name] = e.Value
+		case e.ValueFrom.ConfigMapKeyRef != nil:
+			vars[e.Name] = m.configMaps[e.ValueFrom.ConfigMapKeyRef.Name].Data[e.ValueFrom.ConfigMapKeyRef.Key]
+		case e.ValueFrom.SecretKeyRef != nil:
+			vars[e.Name] = secretValue(m.secrets[e.ValueFrom.SecretKeyRef.Name], e.ValueFrom.SecretKeyRef.Key)
+		default:
+			t.Fatalf("env %s: a valueFrom this test cannot resolve", e.Name)
+		}
+	}
+	return vars
+}
+
+// secretValue is a Secret's key as the pod sees it: stringData is written over data.
+func secretValue(s corev1.Secret, key string) string {
+	if v, ok := s.StringData[key]; ok {
+		return v
+	}
+	return string(s.Data[key])
+}
+
+// resolvePort is the container port a named or numbered port refers to, or 0.
+func resolvePort(c corev1.Container, p intstr.IntOrString) int32 {
+	if p.Type == intstr.Int {
+		return p.IntVal
+	}
+	for _, cp := range c.Ports {
+		if cp.Name == p.StrVal {
+			return cp.ContainerPort
+		}
+	}
+	return 0
+}
+
+// mountsSecretKey reports whether file, in container c, is key of Secret secret.
+func mountsSecretKey(spec corev1.PodSpec, c corev1.Container, file, secret, key string) bool {
+	for _, vm := range c.VolumeMounts {
+		rel, err := filepath.Rel(vm.MountPath, file)
+		if err != nil || strings.HasPrefix(rel, "..") || vm.SubPath != "" {
+			continue
+		}
+		for _, v := range spec.Volumes {
+			if v.Name != vm.Name || v.Secret == nil || v.Secret.SecretName != secret {
+				continue
+			}
+			if len(v.Secret.Items) == 0 {
+				return rel == key
+			}
+			for _, it := range v.Secret.Items {
+				if it.Key == key && it.Path == rel {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+func deref64[T int64 | int32](p *T) any {
+	if p == nil {
+		return nil
+	}
+	return *p
+}
