@@ -649,10 +649,10 @@ func varsMatching(t *testing.T, svc string, re *regexp.Regexp) []string {
 	return names
 }
 
-// requiredVars are the variables read with Env.URL, the only required kind (config.go).
+// requiredVars are the variables read with Env.URL or Env.URLList, the only required kinds (config.go).
 func requiredVars(t *testing.T, svc string) []string {
 	t.Helper()
-	names := varsMatching(t, svc, regexp.MustCompile(`\.URL\(\s*"([A-Z][A-Z0-9_]*)"`))
+	names := varsMatching(t, svc, regexp.MustCompile(`\.URL(?:List)?\(\s*"([A-Z][A-Z0-9_]*)"`))
 	for _, must := range []string{"DATABASE_URL", "AMQP_URL"} {
 		if !slices.Contains(names, must) {
 			t.Fatalf("services/%s: found required variables %v, expected %s among them (has config.go changed?)", svc, names, must)
@@ -664,7 +664,7 @@ func requiredVars(t *testing.T, svc string) []string {
 // readVars are all the variables the service reads through Env.
 func readVars(t *testing.T, svc string) []string {
 	t.Helper()
-	return varsMatching(t, svc, regexp.MustCompile(`\.(?:URL|String|OneOf|Int|Duration|Bool|Addr)\(\s*"([A-Z][A-Z0-9_]*)"`))
+	return varsMatching(t, svc, regexp.MustCompile(`\.(?:URL|URLList|String|OneOf|Int|Duration|Bool|Addr)\(\s*"([A-Z][A-Z0-9_]*)"`))
 }
 
 // initScripts returns the text of the SQL and shell scripts mounted as the postgres image's
