@@ -358,8 +358,11 @@ type crd struct {
 // matter by hand.
 func loadCRDs(dir string) (map[string]*crd, error) {
 	files, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
-	if err != nil || len(files) == 0 {
-		return nil, fmt.Errorf("no CRDs in %s (%v)", dir, err)
+	if err != nil {
+		return nil, fmt.Errorf("no CRDs in %s: %w", dir, err)
+	}
+	if len(files) == 0 {
+		return nil, fmt.Errorf("no CRDs in %s", dir)
 	}
 	out := map[string]*crd{}
 	for _, file := range files {
@@ -1004,7 +1007,7 @@ func TestK8sPostgresCluster(t *testing.T) {
 	// The PostgreSQL major version docker-compose.yml runs.
 	composeImage := service(t, loadProject(t), "postgres").Image
 	major := regexp.MustCompile(`^postgres:(\d+)`).FindStringSubmatch(composeImage)
-	if major == nil || !regexp.MustCompile(`^ghcr\.io/cloudnative-pg/postgresql:`+major[1]+`[.-]`).MatchString(c.Spec.ImageName) {
+	if len(major) < 2 || !regexp.MustCompile(`^ghcr\.io/cloudnative-pg/postgresql:`+major[1]+`[.-]`).MatchString(c.Spec.ImageName) {
 		t.Errorf("imageName = %q, want CloudNativePG's PostgreSQL %v, the major version of %s", c.Spec.ImageName, major, composeImage)
 	}
 	if c.Spec.Resources.Requests.Memory().IsZero() || c.Spec.Resources.Limits.Memory().IsZero() {

@@ -61,7 +61,7 @@ func TestOneTraceFollowsAnOrderThroughTheThreeServices(t *testing.T) {
 		t.Fatalf("%d 'order placed' lines for order %s, want 1", len(line), untraced)
 	}
 	m := regexp.MustCompile(`trace_id=([0-9a-f]{32})`).FindStringSubmatch(line[0])
-	if m == nil || m[1] == traceID {
+	if len(m) < 2 || m[1] == traceID {
 		t.Fatalf("the untraced order's line %q has no trace id of its own", line[0])
 	}
 	requireTraceInLogs(t, s, untraced.String(), m[1])
