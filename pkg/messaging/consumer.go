@@ -176,16 +176,11 @@ type consumerLink struct {
 
 // consume opens a channel on conn, declares the topology and starts consuming the queue.
 func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
-	ch, err := conn.Channel()
+	ch, err := c.declare(conn)
 	if err != nil {
-		return consumerLink{}, fmt.Errorf("open channel: %w", err)
+		return consumerLink{}, err
 	}
 	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if c.cfg.Setup != nil {
-		if err := c.cfg.Setup(ch); err != nil {
-			return consumerLink{}, fmt.Errorf("declare topology: %w", err)
-		}
-	}
 	// Per-consumer prefetch: a global QoS is refused on quorum queues.
 	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
 		return consumerLink{}, fmt.Errorf("set prefetch: %w", err)
@@ -196,6 +191,31 @@ func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
 		return consumerLink{}, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
 	}
 	return consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}, nil
+}
+
+// declare runs Setup on a new channel and returns the channel to consume on. A dead-letter
+// queue an earlier version declared is used as it is (see [ErrLegacyDeadLetterQueue]): the
+// broker closed the channel that declared it, so consuming takes a new one.
+func (c *Consumer) declare(conn *amqp.Connection) (*amqp.Channel, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	if c.cfg.Setup == nil {
+		return ch, nil
+	}
+	err = c.cfg.Setup(ch)
+	if errors.Is(err, ErrLegacyDeadLetterQueue) {
+		c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
+			"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "error", err)
+		if ch, err = conn.Channel(); err != nil {
+			return nil, fmt.Errorf("open channel: %w", err)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("declare topology: %w", err)
+	}
+	return ch, nil
 }
 
 // endWithChannel marks the consumer not ready and ends the session once the channel closes,
