@@ -3,6 +3,7 @@ package messaging_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -187,6 +188,13 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 	if lines := b.logs.Lines("message dead-lettered", "message_id="+invalid.ID.String(), "invalid Placed: no order_id"); len(lines) != 1 {
 		t.Errorf("want the invalid payload dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
 	}
+	reasons := reasonsByID(deadLetters(t, ch, b.name))
+	if r := reasons[unknown.ID.String()]; !strings.Contains(r, `no handler for message type "Refunded"`) {
+		t.Errorf("the unknown type's dead-letter reason is %q", r)
+	}
+	if r := reasons[invalid.ID.String()]; !strings.Contains(r, "invalid Placed: no order_id") {
+		t.Errorf("the invalid payload's dead-letter reason is %q", r)
+	}
 }
 
 // A handler that panics fails that message only: its transaction rolls back, the process and
@@ -231,6 +239,11 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	if !hasMetric(t, b.registry, `consumer_handler_seconds_count{consumer="`+b.name+`",outcome="error",type="Placed"}`) {
 		t.Error("the panic was not counted as an error")
 	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue held %d messages, want the panicking one", len(got))
+	}
+	wantReason(t, got[0], "failed on each of 2 deliveries, last: handler panicked: boom")
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
@@ -256,4 +269,9 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String(), "deadline exceeded"); len(lines) == 0 {
 		t.Errorf("want the handler's failures logged as cut off by the timeout: %q", b.logs.Lines("handler failed"))
 	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 || got[0].MessageId != m.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the stuck one", len(got))
+	}
+	wantReason(t, got[0], "deadline exceeded")
 }
