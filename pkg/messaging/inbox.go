@@ -44,7 +44,10 @@ type InboxConfig struct {
 	// separate records through their names.
 	Consumer string
 	Logger   *slog.Logger
-	Metrics  *Metrics // optional
+	// Metrics, optional, counts duplicates and observes each handled message's age, from its
+	// occurred_at to the commit of its work (consumer_event_age_seconds). A duplicate's age is
+	// left out: it says how late a copy came, not how long the work took to happen.
+	Metrics *Metrics
 }
 
 // NewInbox returns the inbox of one consumer.
@@ -89,6 +92,8 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 	if duplicate {
 		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
 		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
+	} else {
+		in.cfg.Metrics.recordEventAge(in.cfg.Consumer, msg, time.Now())
 	}
 	for _, fn := range hooks.fns {
 		fn()
@@ -139,7 +144,7 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 	slices.SortFunc(msgs, func(a, b Message) int { return bytes.Compare(a.ID[:], b.ID[:]) })
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
-	var duplicates []Message
+	var duplicates, worked []Message
 	err := in.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
 		for _, msg := range msgs {
 			res := tx.Exec(claimInboxSQL, msg.ID, in.cfg.Consumer)
@@ -153,6 +158,7 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 			if err := work(tx, msg); err != nil {
 				return fmt.Errorf("message %s: %w", msg.ID, err)
 			}
+			worked = append(worked, msg)
 		}
 		return nil
 	}, inboxTxOptions)
@@ -162,6 +168,10 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 	for _, msg := range duplicates {
 		in.cfg.Metrics.recordDuplicate(in.cfg.Consumer)
 		in.log.Info("duplicate message skipped", "consumer", in.cfg.Consumer, "message_id", msg.ID, "type", msg.Type)
+	}
+	committed := time.Now()
+	for _, msg := range worked {
+		in.cfg.Metrics.recordEventAge(in.cfg.Consumer, msg, committed)
 	}
 	for _, fn := range hooks.fns {
 		fn()
