@@ -113,7 +113,10 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 		"the consumer did not report the dead-letter queue refusing the message")
 	cancel()
 	select {
-	case <-stopped:
+	case err := <-stopped:
+		if err != nil {
+			t.Fatalf("Run returned %v", err)
+		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("consumer did not stop")
 	}
