@@ -321,6 +321,10 @@ func TestConsumerDeadLettersPoisonAndCarriesOn(t *testing.T) {
 	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
 		t.Fatalf("queue still holds %d", n)
 	}
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return len(b.logs.Lines("level=ERROR", "message dead-lettered", "reason=")) >= len(poison)
+	}, "not every poison message was logged as dead-lettered")
 	if lines := b.logs.Lines("level=ERROR", "message dead-lettered", "reason="); len(lines) != len(poison) {
 		t.Fatalf("%d dead-letter lines with a reason, want %d", len(lines), len(poison))
 	}
@@ -420,8 +424,10 @@ func TestConsumerDeadLettersAMessageThatFailsOnEveryDelivery(t *testing.T) {
 	b.consumer(t, testenv.AMQPURL(), b.db.DB, broken, func(c *messaging.ConsumerConfig) { c.Retries, c.DeliveryLimit = 1, 3 })
 	msg := newMessage(t, 1)
 	b.publishRaw(t, publishing(msg))
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 },
-		"message not dead-lettered")
+	// Logged once the broker confirmed the copy, which the queue may show a moment before.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 && len(b.logs.Lines("message dead-lettered")) > 0
+	}, "message not dead-lettered")
 	if n := len(b.logs.Lines("message dead-lettered", "failed on each of 3 deliveries")); n != 1 {
 		t.Fatalf("%d dead-letter lines naming the delivery limit, want 1", n)
 	}

@@ -179,8 +179,10 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 		b.publish(t, b.exchange, m)
 	}
 	run(t, s.Run)
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
 	testenv.Eventually(t, 20*time.Second, func() bool {
-		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1 &&
+			len(b.logs.Lines("message dead-lettered")) >= 2
 	}, "want the unknown and the invalid message dead-lettered and the good one handled")
 	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `no handler for message type \"Refunded\"`); len(lines) != 1 {
 		t.Errorf("want the unknown type dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
