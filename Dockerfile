@@ -22,13 +22,17 @@ RUN test -n "${SERVICE}" && test -f "./services/${SERVICE}/main.go" || \
     { echo "build argument SERVICE must name a folder of services/ (got '${SERVICE}')" >&2; exit 1; }
 RUN --mount=type=cache,target=/root/.cache/go-build \
     go build -trimpath -ldflags="-s -w" -o /out/service "./services/${SERVICE}" && \
-    go build -trimpath -ldflags="-s -w" -o /out/healthcheck ./cmd/healthcheck
+    go build -trimpath -ldflags="-s -w" -o /out/healthcheck ./cmd/healthcheck && \
+    go build -trimpath -ldflags="-s -w" -o /out/outboxctl ./cmd/outboxctl
 
 # Debian 13: debian12 passed its end of life in September 2026.
 # No shell, no package manager, runs as uid 65532. The compose healthchecks call
-# /healthcheck, since there is no curl either.
+# /healthcheck, since there is no curl either. /outboxctl is the operator's tool, at hand in
+# every service's container with its DATABASE_URL and AMQP_URL:
+#   docker compose exec invoicing /outboxctl dlq list invoicing
 FROM gcr.io/distroless/static-debian13:nonroot
 COPY --from=build /out/service /service
 COPY --from=build /out/healthcheck /healthcheck
+COPY --from=build /out/outboxctl /outboxctl
 USER nonroot:nonroot
 ENTRYPOINT ["/service"]

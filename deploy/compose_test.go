@@ -516,7 +516,7 @@ func TestDockerfile(t *testing.T) {
 	if e := lastArgs(last, "ENTRYPOINT"); e != `["/service"]` {
 		t.Errorf("ENTRYPOINT %s, want [\"/service\"]", e)
 	}
-	for _, bin := range []string{"/service", "/healthcheck"} {
+	for _, bin := range []string{"/service", "/healthcheck", "/outboxctl"} {
 		if !slices.ContainsFunc(last, func(in instr) bool {
 			return in.cmd == "COPY" && strings.HasPrefix(in.args, "--from=") && strings.HasSuffix(in.args, " "+bin)
 		}) {
@@ -550,7 +550,7 @@ func TestDockerfile(t *testing.T) {
 	if !strings.Contains(all("ENV")+all("ARG")+runs, "CGO_ENABLED=0") {
 		t.Error("build stage does not set CGO_ENABLED=0")
 	}
-	for _, want := range []string{"-trimpath", `-ldflags="-s -w"`, `./services/${SERVICE}`, "./cmd/healthcheck"} {
+	for _, want := range []string{"-trimpath", `-ldflags="-s -w"`, `./services/${SERVICE}`, "./cmd/healthcheck", "./cmd/outboxctl"} {
 		if !strings.Contains(runs, want) {
 			t.Errorf("build stage RUN does not contain %s", want)
 		}
@@ -588,7 +588,7 @@ func TestDockerignore(t *testing.T) {
 		t.Error(".dockerignore does not exclude .git")
 	}
 	// What the build stage needs must stay in the context.
-	for _, need := range []string{"go.mod", "go.sum", "services", "services/order/main.go", "cmd", "cmd/healthcheck/main.go", "internal", "pkg"} {
+	for _, need := range []string{"go.mod", "go.sum", "services", "services/order/main.go", "cmd", "cmd/healthcheck/main.go", "cmd/outboxctl/main.go", "internal", "pkg"} {
 		for _, p := range patterns {
 			if ok, _ := filepath.Match(p, need); ok && !strings.HasPrefix(p, "!") {
 				t.Errorf(".dockerignore pattern %q excludes %s, which the build needs", p, need)

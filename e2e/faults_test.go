@@ -70,6 +70,10 @@ func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 	s.WaitExactlyOnce(t, 3, 30*time.Second)
 	testenv.Eventually(t, 10*time.Second, func() bool { return s.CheckQueuesEmpty(t) == 2*len(poison) },
 		"the dead-letter queues do not hold %d poison messages each", len(poison))
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return len(s.Invoicing.Logs.Lines("message dead-lettered")) >= len(poison) && len(s.Notification.Logs.Lines("message dead-lettered")) >= len(poison)
+	}, "not every poison message was logged as dead-lettered")
 	for _, c := range []*systest.Service{s.Invoicing, s.Notification} {
 		if n := len(c.Logs.Lines("level=ERROR", "message dead-lettered", "reason=")); n != len(poison) {
 			t.Errorf("%s logged %d dead-letter lines with a reason, want %d", c.Name, n, len(poison))

@@ -67,13 +67,16 @@ type ConsumerConfig struct {
 
 // Consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
 // delivery is acknowledged only after its handler returned nil (after the commit, with an
-// [Inbox]), rejected to the dead-letter queue when it can never be handled, and otherwise
-// retried: in place with backoff, then through the queue.
+// [Inbox]), moved to the dead-letter queue with its reason when it can never be handled, and
+// otherwise retried: in place with backoff, then through the queue.
 type Consumer struct {
 	cfg     ConsumerConfig
 	handler Handler
 	log     *slog.Logger
 	ready   atomic.Bool
+	// deadLetters publishes on the current session's connection. A session sets it before its
+	// workers start, and they have all stopped before the next session sets it again.
+	deadLetters *deadLetterPublisher
 }
 
 // NewConsumer checks cfg and fills in its defaults.
@@ -140,6 +143,7 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	if err != nil {
 		return false, err
 	}
+	c.deadLetters = &deadLetterPublisher{conn: conn, queue: DeadLetterQueue(c.cfg.Queue)}
 	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
 	c.ready.Store(true)
 	defer c.ready.Store(false)
@@ -176,16 +180,11 @@ type consumerLink struct {
 
 // consume opens a channel on conn, declares the topology and starts consuming the queue.
 func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
-	ch, err := conn.Channel()
+	ch, err := c.declare(conn)
 	if err != nil {
-		return consumerLink{}, fmt.Errorf("open channel: %w", err)
+		return consumerLink{}, err
 	}
 	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if c.cfg.Setup != nil {
-		if err := c.cfg.Setup(ch); err != nil {
-			return consumerLink{}, fmt.Errorf("declare topology: %w", err)
-		}
-	}
 	// Per-consumer prefetch: a global QoS is refused on quorum queues.
 	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
 		return consumerLink{}, fmt.Errorf("set prefetch: %w", err)
@@ -196,6 +195,31 @@ func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
 		return consumerLink{}, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
 	}
 	return consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}, nil
+}
+
+// declare runs Setup on a new channel and returns the channel to consume on. A dead-letter
+// queue an earlier version declared is used as it is (see [ErrLegacyDeadLetterQueue]): the
+// broker closed the channel that declared it, so consuming takes a new one.
+func (c *Consumer) declare(conn *amqp.Connection) (*amqp.Channel, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	if c.cfg.Setup == nil {
+		return ch, nil
+	}
+	err = c.cfg.Setup(ch)
+	if errors.Is(err, ErrLegacyDeadLetterQueue) {
+		c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
+			"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "error", err)
+		if ch, err = conn.Channel(); err != nil {
+			return nil, fmt.Errorf("open channel: %w", err)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("declare topology: %w", err)
+	}
+	return ch, nil
 }
 
 // endWithChannel marks the consumer not ready and ends the session once the channel closes,
@@ -256,7 +280,7 @@ func (c *Consumer) work(session, handlerCtx context.Context, deliveries <-chan a
 func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
 	if err != nil {
-		c.deadLetter(d, d.MessageId, err)
+		c.deadLetter(session, workCtx, d, d.MessageId, err)
 		return
 	}
 	// The handler works, and these lines are written, in the trace the message came with.
@@ -279,7 +303,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 			}
 			return
 		case IsPermanent(err):
-			c.deadLetter(d, msg.ID.String(), err)
+			c.deadLetter(session, workCtx, d, msg.ID.String(), err)
 			return
 		case IsUnavailable(err):
 			// Not the message's fault: wait for the dependency without spending its retries.
@@ -290,7 +314,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 			failures++
 			if failures >= c.cfg.Retries {
 				if deliveryCount(d)+1 >= c.cfg.DeliveryLimit {
-					c.deadLetter(d, msg.ID.String(), fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
+					c.deadLetter(session, workCtx, d, msg.ID.String(), fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
 					return
 				}
 				log.WarnContext(ctx, "handler failed; returning message to the queue", "error", err, "attempts", failures)
@@ -309,7 +333,7 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 // deliveryCount is how many times the broker delivered d before (quorum queues count it in
 // x-delivery-count).
 func deliveryCount(d amqp.Delivery) int {
-	switch v := d.Headers["x-delivery-count"].(type) {
+	switch v := d.Headers[deliveryCountHeader].(type) {
 	case int64:
 		return int(v)
 	case int32:
@@ -346,7 +370,7 @@ func (c *Consumer) handleBatch(session, workCtx context.Context, batch []amqp.De
 	for _, d := range batch {
 		msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
 		if err != nil {
-			c.deadLetter(d, d.MessageId, err)
+			c.deadLetter(session, workCtx, d, d.MessageId, err)
 			continue
 		}
 		msgs, good = append(msgs, msg), append(good, d)
@@ -379,13 +403,30 @@ func (c *Consumer) attempt(ctx context.Context, msg Message) error {
 	return c.handler(ctx, msg)
 }
 
-// deadLetter rejects without requeue: the queue's dead-letter settings route the message to
-// its dead-letter queue, and the messages behind it carry on.
-func (c *Consumer) deadLetter(d amqp.Delivery, messageID string, reason error) {
+// deadLetter moves d to the dead-letter queue, and the messages behind it carry on. A copy
+// carrying the reason is published there with a confirm, and only then is d acknowledged. Until
+// then d stays unacknowledged: a failed publish is tried again with backoff, and a session that
+// ends first hands d back to the broker. Nothing is lost; a crash between the confirm and the
+// ack leaves a second copy in the dead-letter queue, which a redrive hands to the inbox with the
+// same message id. Its lines are in the message's trace.
+func (c *Consumer) deadLetter(session, workCtx context.Context, d amqp.Delivery, messageID string, reason error) {
 	ctx := deliveryTrace(d)
-	c.log.ErrorContext(ctx, "message dead-lettered", "message_id", truncate(messageID), "type", truncate(d.Type),
-		"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
-	if c.settle(ctx, c.log, "reject", d.Reject(false)) {
+	log := c.log.With("message_id", truncate(messageID), "type", truncate(d.Type))
+	for failures := 1; ; failures++ {
+		err := c.deadLetters.publish(workCtx, d, reason)
+		if err == nil {
+			break
+		}
+		if session.Err() != nil {
+			c.settle(ctx, log, "nack", d.Nack(false, true))
+			return
+		}
+		delay := c.cfg.RetryBackoff.Delay(failures)
+		log.WarnContext(ctx, "could not dead-letter message; retrying", "error", err, "reason", reason, "retry_in", delay)
+		Sleep(session, nil, delay)
+	}
+	log.ErrorContext(ctx, "message dead-lettered", "dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
+	if c.settle(ctx, log, "ack", d.Ack(false)) {
 		c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
 	}
 }

@@ -50,7 +50,10 @@ type InboxConfig struct {
 	// separate records through their names.
 	Consumer string
 	Logger   *slog.Logger
-	Metrics  *Metrics // optional
+	// Metrics, optional, counts duplicates and observes each handled message's age, from its
+	// occurred_at to the commit of its work (consumer_event_age_seconds). A duplicate's age is
+	// left out: it says how late a copy came, not how long the work took to happen.
+	Metrics *Metrics
 	// TracerProvider makes each message's consumer span, a child of the span that published
 	// the message. Default: the global provider (a no-op unless the process installed one; the
 	// message's trace context reaches the work either way).
@@ -117,6 +120,8 @@ func (in *Inbox) Handle(ctx context.Context, msg Message, work func(tx *gorm.DB)
 	}
 	if duplicate {
 		in.skipped(ctx, span, msg)
+	} else {
+		in.cfg.Metrics.recordEventAge(in.cfg.Consumer, msg, time.Now())
 	}
 	for _, fn := range hooks.fns {
 		fn()
@@ -200,6 +205,12 @@ func (in *Inbox) HandleBatch(ctx context.Context, msgs []Message, work func(tx *
 	for _, m := range traced {
 		if m.duplicate {
 			in.skipped(m.ctx, m.span, m.msg)
+		}
+	}
+	committed := time.Now()
+	for _, m := range traced {
+		if !m.duplicate {
+			in.cfg.Metrics.recordEventAge(in.cfg.Consumer, m.msg, committed)
 		}
 	}
 	for _, fn := range hooks.fns {

@@ -294,17 +294,22 @@ func TestConsumerDeadLettersPoisonAndCarriesOn(t *testing.T) {
 	b.createWorkTable(t)
 	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, func(c *messaging.ConsumerConfig) { c.Concurrency = 1 })
 	id := func() string { return uuid.NewString() }
-	poison := map[string]amqp.Publishing{
-		"not json":      {MessageId: id(), ContentType: "application/json", Body: []byte("<xml/>")},
-		"no message id": {ContentType: "application/json", Body: []byte(`{"order_id":"` + id() + `"}`)},
-		"bad id":        {MessageId: "42", ContentType: "application/json", Body: []byte(`{}`)},
-		"wrong shape":   {MessageId: id(), ContentType: "application/json", Body: []byte(`{"order_id":12,"n":"x"}`)},
-		"missing field": {MessageId: id(), ContentType: "application/json", Body: []byte(`{"n":1}`)},
-		"not JSON type": {MessageId: id(), ContentType: "text/plain", Body: []byte(`{}`)},
-		"huge":          {MessageId: id(), ContentType: "application/json", Body: []byte(`"` + strings.Repeat("x", 2<<20) + `"`)},
+	// Each poison message, and what its dead-letter reason says.
+	poison := map[string]struct {
+		p      amqp.Publishing
+		reason string
+	}{
+		"not json":      {amqp.Publishing{MessageId: id(), ContentType: "application/json", Body: []byte("<xml/>")}, "body is not valid JSON"},
+		"no message id": {amqp.Publishing{ContentType: "application/json", Body: []byte(`{"order_id":"` + id() + `"}`)}, `invalid message_id ""`},
+		"bad id":        {amqp.Publishing{MessageId: "42", ContentType: "application/json", Body: []byte(`{}`)}, `invalid message_id "42"`},
+		"wrong shape":   {amqp.Publishing{MessageId: id(), ContentType: "application/json", Body: []byte(`{"order_id":12,"n":"x"}`)}, "decode OrderPlaced payload"},
+		"missing field": {amqp.Publishing{MessageId: id(), ContentType: "application/json", Body: []byte(`{"n":1}`)}, "payload has no order_id"},
+		"not JSON type": {amqp.Publishing{MessageId: id(), ContentType: "text/plain", Body: []byte(`{}`)}, `content type "text/plain" is not application/json`},
+		"huge":          {amqp.Publishing{MessageId: id(), ContentType: "application/json", Body: []byte(`"` + strings.Repeat("x", 2<<20) + `"`)}, "exceeds the limit"},
 	}
 	for _, p := range poison {
-		b.publishRaw(t, p)
+		p.p.Type = eventType
+		b.publishRaw(t, p.p)
 	}
 	good := newMessage(t, 1)
 	b.publishRaw(t, publishing(good))
@@ -316,11 +321,21 @@ func TestConsumerDeadLettersPoisonAndCarriesOn(t *testing.T) {
 	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
 		t.Fatalf("queue still holds %d", n)
 	}
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return len(b.logs.Lines("level=ERROR", "message dead-lettered", "reason=")) >= len(poison)
+	}, "not every poison message was logged as dead-lettered")
 	if lines := b.logs.Lines("level=ERROR", "message dead-lettered", "reason="); len(lines) != len(poison) {
 		t.Fatalf("%d dead-letter lines with a reason, want %d", len(lines), len(poison))
 	}
 	if c := testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); c != 1 {
 		t.Fatalf("inbox holds %d rows, want only the good message", c)
+	}
+	reasons := reasonsByID(deadLetters(t, b.ch, b.queue))
+	for name, p := range poison {
+		if !strings.Contains(reasons[p.p.MessageId], p.reason) {
+			t.Errorf("%s: dead-letter reason %q does not contain %q", name, reasons[p.p.MessageId], p.reason)
+		}
 	}
 }
 
@@ -401,8 +416,10 @@ func TestConsumerDeadLettersAMessageThatFailsOnEveryDelivery(t *testing.T) {
 	b.consumer(t, testenv.AMQPURL(), b.db.DB, broken, func(c *messaging.ConsumerConfig) { c.Retries, c.DeliveryLimit = 1, 3 })
 	msg := newMessage(t, 1)
 	b.publishRaw(t, publishing(msg))
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 },
-		"message not dead-lettered")
+	// Logged once the broker confirmed the copy, which the queue may show a moment before.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 && len(b.logs.Lines("message dead-lettered")) > 0
+	}, "message not dead-lettered")
 	// The queue's own limit is 20: the third delivery was dead-lettered by the consumer, not by
 	// the broker, and the two before it were returned to the queue.
 	settled := `consumer_messages_total{outcome="%s",queue="` + b.queue + `"} %d`
@@ -411,13 +428,11 @@ func TestConsumerDeadLettersAMessageThatFailsOnEveryDelivery(t *testing.T) {
 			t.Errorf("want %s", fmt.Sprintf(settled, outcome, n))
 		}
 	}
-	dead := testenv.Drain(t, b.ch, messaging.DeadLetterQueue(b.queue), 0)
-	if len(dead) != 1 || dead[0].MessageId != msg.ID.String() {
-		t.Fatalf("dead-letter queue holds %d messages, want the one", len(dead))
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 || got[0].MessageId != msg.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the failing one", len(got))
 	}
-	if n := len(b.logs.Lines("message dead-lettered", "failed on each of 3 deliveries")); n != 1 {
-		t.Fatalf("%d dead-letter lines naming the delivery limit, want 1", n)
-	}
+	wantReason(t, got[0], "failed on each of 3 deliveries, last: always fails")
 }
 
 // Shutdown must finish within its grace period even when the broker connection went silent.
@@ -597,6 +612,13 @@ func TestConsumerBatchesWaitingMessages(t *testing.T) {
 	}
 	if got := biggest.Load(); got < 2 {
 		t.Fatalf("the largest batch committed held %d message(s): no batching happened", got)
+	}
+	reasons := reasonsByID(deadLetters(t, b.ch, b.queue))
+	if r := reasons[bad.ID.String()]; !strings.Contains(r, "this one can never be invoiced") {
+		t.Errorf("the permanently failing message's dead-letter reason is %q", r)
+	}
+	if r := reasons["poison"]; !strings.Contains(r, `invalid message_id "poison"`) {
+		t.Errorf("the undecodable message's dead-letter reason is %q", r)
 	}
 }
 

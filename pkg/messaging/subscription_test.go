@@ -3,6 +3,7 @@ package messaging_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -178,14 +179,23 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 		b.publish(t, b.exchange, m)
 	}
 	run(t, s.Run)
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
 	testenv.Eventually(t, 20*time.Second, func() bool {
-		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1 &&
+			len(b.logs.Lines("message dead-lettered")) >= 2
 	}, "want the unknown and the invalid message dead-lettered and the good one handled")
 	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `no handler for message type \"Refunded\"`); len(lines) != 1 {
 		t.Errorf("want the unknown type dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
 	}
 	if lines := b.logs.Lines("message dead-lettered", "message_id="+invalid.ID.String(), "invalid Placed: no order_id"); len(lines) != 1 {
 		t.Errorf("want the invalid payload dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
+	}
+	reasons := reasonsByID(deadLetters(t, ch, b.name))
+	if r := reasons[unknown.ID.String()]; !strings.Contains(r, `no handler for message type "Refunded"`) {
+		t.Errorf("the unknown type's dead-letter reason is %q", r)
+	}
+	if r := reasons[invalid.ID.String()]; !strings.Contains(r, "invalid Placed: no order_id") {
+		t.Errorf("the invalid payload's dead-letter reason is %q", r)
 	}
 }
 
@@ -231,6 +241,11 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	if !hasMetric(t, b.registry, `consumer_handler_seconds_count{consumer="`+b.name+`",outcome="error",type="Placed"}`) {
 		t.Error("the panic was not counted as an error")
 	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue held %d messages, want the panicking one", len(got))
+	}
+	wantReason(t, got[0], "failed on each of 2 deliveries, last: handler panicked: boom")
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
@@ -256,4 +271,9 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String(), "deadline exceeded"); len(lines) == 0 {
 		t.Errorf("want the handler's failures logged as cut off by the timeout: %q", b.logs.Lines("handler failed"))
 	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 || got[0].MessageId != m.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the stuck one", len(got))
+	}
+	wantReason(t, got[0], "deadline exceeded")
 }

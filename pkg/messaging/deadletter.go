@@ -1,0 +1,150 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// The headers a [Consumer] adds to the copy of a message it dead-letters, so that the reason
+// travels with the message instead of living only in a log line. The broker's own x-death says
+// no more than "rejected".
+const (
+	HeaderDeadLetterReason   = "x-outbox-dead-letter-reason"   // why no retry can help, truncated
+	HeaderDeadLetteredAt     = "x-outbox-dead-lettered-at"     // when, RFC 3339 in UTC
+	HeaderOriginalExchange   = "x-outbox-original-exchange"    // where the message was published
+	HeaderOriginalRoutingKey = "x-outbox-original-routing-key" // and with which routing key
+)
+
+// deliveryCountHeader is where a quorum queue says how often it delivered a message before.
+const deliveryCountHeader = "x-delivery-count"
+
+// maxReasonBytes bounds the reason header: a reason quoting a large decoding error must not
+// grow the message's headers past the broker's frame size.
+const maxReasonBytes = 1024
+
+// deadLetterTimeout bounds one dead-letter publish and its confirm.
+const deadLetterTimeout = 15 * time.Second
+
+// errDeadLetterNotConfirmed means the broker did not take the copy: the original stays
+// unacknowledged and is tried again.
+var errDeadLetterNotConfirmed = errors.New("dead-letter queue did not take the message")
+
+// deadLetterCopy is what goes to the dead-letter queue for d: its body and properties, its
+// message id unchanged (so a redriven message is still recognised by the inbox), and its
+// headers plus the reason. Left out: x-delivery-count, which the dead-letter queue keeps for
+// itself; expiration, which the broker too removes when it dead-letters, so that the copy does
+// not expire there; and user_id, which the broker checks against the user publishing it, here
+// the consumer's and not the original publisher's.
+func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing {
+	headers := make(amqp.Table, len(d.Headers)+4)
+	for k, v := range d.Headers {
+		if k != deliveryCountHeader {
+			headers[k] = v
+		}
+	}
+	why := reason.Error()
+	if len(why) > maxReasonBytes {
+		why = why[:maxReasonBytes] + "…"
+	}
+	headers[HeaderDeadLetterReason] = why
+	headers[HeaderDeadLetteredAt] = at.UTC().Format(time.RFC3339Nano)
+	headers[HeaderOriginalExchange] = d.Exchange
+	headers[HeaderOriginalRoutingKey] = d.RoutingKey
+	return amqp.Publishing{
+		Headers:         headers,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    d.DeliveryMode,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+// deadLetterPublisher publishes dead-letter copies on a confirm-mode channel of its own, opened
+// on the consumer's connection when first needed.
+type deadLetterPublisher struct {
+	conn  *amqp.Connection
+	queue string // the dead-letter queue
+
+	// mu makes it one copy at a time: dead letters are rare, and with one publish in flight a
+	// basic.return on the channel can only be that publish's.
+	mu      sync.Mutex
+	ch      *amqp.Channel
+	returns chan amqp.Return
+}
+
+// publish sends the copy of d through the default exchange to the dead-letter queue, mandatory,
+// and returns nil only once the broker confirmed it and routed it to that queue.
+func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reason error) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.open(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, deadLetterTimeout)
+	defer cancel()
+	err := p.confirm(ctx, deadLetterCopy(d, reason, time.Now()))
+	if err != nil {
+		// A confirm or return still on its way must not be taken for the next copy's.
+		p.discard()
+	}
+	return err
+}
+
+func (p *deadLetterPublisher) open() error {
+	if p.ch != nil && !p.ch.IsClosed() {
+		return nil
+	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("open dead-letter channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		_ = ch.Close()
+		return fmt.Errorf("enable confirms on the dead-letter channel: %w", err)
+	}
+	p.ch, p.returns = ch, ch.NotifyReturn(make(chan amqp.Return, 1))
+	return nil
+}
+
+func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) error {
+	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, "", p.queue, true, false, pub)
+	if err != nil {
+		return fmt.Errorf("publish to %q: %w", p.queue, err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: no confirm from %q: %w", errDeadLetterNotConfirmed, p.queue, err)
+	case !acked:
+		return fmt.Errorf("%w: %q nacked it, or the channel closed", errDeadLetterNotConfirmed, p.queue)
+	}
+	// The broker sends a basic.return before the confirm, and the client hands it over before
+	// it resolves the confirm: if there is one, it is here now.
+	select {
+	case r := <-p.returns:
+		return fmt.Errorf("%w: unroutable, does queue %q exist? %d %s", errDeadLetterNotConfirmed, p.queue, r.ReplyCode, r.ReplyText)
+	default:
+		return nil
+	}
+}
+
+// discard drops the channel; it is closed in the background, since closing waits for the
+// broker's answer, and a broker that stopped answering must not hold the worker.
+func (p *deadLetterPublisher) discard() {
+	if p.ch != nil {
+		go func(ch *amqp.Channel) { _ = ch.Close() }(p.ch)
+		p.ch = nil
+	}
+}

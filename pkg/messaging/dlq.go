@@ -1,0 +1,249 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// DeadLetter is one message waiting in a dead-letter queue.
+type DeadLetter struct {
+	MessageID string
+	Type      string
+	// Reason says why: the consumer's reason header, or, for a message the broker dead-lettered
+	// itself (at the queue's delivery limit), the broker's reason from x-death.
+	Reason         string
+	DeadLetteredAt time.Time // zero when unknown
+}
+
+// DeadLetterConfig names a consumer queue whose dead-letter queue ([DeadLetterQueue]) is to be
+// listed or redriven.
+type DeadLetterConfig struct {
+	URL            string // RabbitMQ URL, vhost included
+	Queue          string // the consumer queue, e.g. "invoicing"
+	ConnectionName string // shown by the broker
+}
+
+// ErrDeadLetterNotFound is returned by [RedriveDeadLetters] when no message matched.
+var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue")
+
+// The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
+// goes without them, so that it is handled like any other.
+var deadLetterHeaders = []string{
+	"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
+	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", deliveryCountHeader,
+	HeaderDeadLetterReason, HeaderDeadLetteredAt, HeaderOriginalExchange, HeaderOriginalRoutingKey,
+}
+
+// ListDeadLetters returns what waits in the dead-letter queue, in queue order, and leaves it
+// all there in that order. AMQP cannot peek: it takes as many messages as the queue held at the
+// start without acknowledging them, then hands each back, in the order it came. The dead-letter
+// queue has no delivery limit (see [ConsumerTopology.Declare]), so listing costs the messages
+// nothing. Messages another client holds unacknowledged at the time are not listed.
+func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig) ([]DeadLetter, error) {
+	var listed []DeadLetter
+	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
+		held, err := take(ctx, ch, dlq, waiting)
+		defer handBack(ch, dlq, held)
+		for _, d := range held {
+			listed = append(listed, readDeadLetter(d))
+		}
+		return err
+	})
+	return listed, err
+}
+
+// RedriveDeadLetters moves the messages of the dead-letter queue that match (all, if match is
+// nil) back to the consumer queue, through the default exchange, with their properties and
+// message ids unchanged (so the inbox still recognises one already handled) and without the
+// headers of their dead-lettering. Each is acknowledged in the dead-letter queue only once the
+// broker confirmed and routed its copy: a failure leaves it there, and at worst (a crash in
+// between) it is in both queues, which the inbox tells apart. The others stay, in their order.
+// It returns the moved messages; [ErrDeadLetterNotFound] if match was given and none matched.
+func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, match func(DeadLetter) bool) ([]DeadLetter, error) {
+	var moved []DeadLetter
+	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
+		// The queue must exist: publishing to a missing one would only come back unroutable.
+		if _, err := ch.QueueDeclarePassive(cfg.Queue, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("queue %q: %w", cfg.Queue, err)
+		}
+		if err := ch.Confirm(false); err != nil {
+			return fmt.Errorf("enable publisher confirms: %w", err)
+		}
+		returns := ch.NotifyReturn(make(chan amqp.Return, 1))
+		held, err := take(ctx, ch, dlq, waiting)
+		var kept []amqp.Delivery
+		defer func() { handBack(ch, dlq, kept) }()
+		if err != nil {
+			kept = held
+			return err
+		}
+		for i, d := range held {
+			dl := readDeadLetter(d)
+			if match != nil && !match(dl) {
+				kept = append(kept, d)
+				continue
+			}
+			if err := redrive(ctx, ch, returns, cfg.Queue, d); err != nil {
+				kept = append(kept, held[i:]...)
+				return fmt.Errorf("redrive message %s: %w", dl.MessageID, err)
+			}
+			if err := d.Ack(false); err != nil {
+				return fmt.Errorf("message %s is in %q now, but could not be removed from %q (the inbox recognises the second copy): %w",
+					dl.MessageID, cfg.Queue, dlq, err)
+			}
+			moved = append(moved, dl)
+		}
+		if match != nil && len(moved) == 0 {
+			return ErrDeadLetterNotFound
+		}
+		return nil
+	})
+	return moved, err
+}
+
+// withDeadLetterQueue connects, checks that the dead-letter queue exists, and runs fn with a
+// channel, the queue's name, and how many messages wait in it now.
+func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *amqp.Channel, dlq string, waiting int) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	conn, err := dial(cfg.URL, cfg.ConnectionName, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
+	// An interrupt closes the connection: the broker then takes back whatever is held, in order.
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
+	defer stop()
+	ch, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("open channel: %w", err)
+	}
+	dlq := DeadLetterQueue(cfg.Queue)
+	q, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil)
+	if err != nil {
+		return fmt.Errorf("dead-letter queue %q: %w", dlq, err)
+	}
+	return fn(ch, dlq, q.Messages)
+}
+
+// take gets up to n messages from queue without acknowledging them: the n that waited when it
+// was counted, not those that came after.
+func take(ctx context.Context, ch *amqp.Channel, queue string, n int) ([]amqp.Delivery, error) {
+	held := make([]amqp.Delivery, 0, n)
+	for len(held) < n {
+		if err := ctx.Err(); err != nil {
+			return held, err
+		}
+		d, ok, err := ch.Get(queue, false)
+		if err != nil {
+			return held, fmt.Errorf("get from %q: %w", queue, err)
+		}
+		if !ok {
+			break
+		}
+		held = append(held, d)
+	}
+	return held, nil
+}
+
+// handBackWait bounds how long handBack waits for the broker to count the messages again.
+const handBackWait = 5 * time.Second
+
+// handBack returns the held messages to queue, one by one in the order they came, which keeps
+// them in that order ahead of the rest, then waits until the broker counts them as waiting
+// again. A quorum queue applies the returns after it answered (on RabbitMQ 3.10, a count read
+// right after always fell short), and a listing started then would miss them. If the channel
+// is gone, the broker took them back already.
+func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
+	for _, d := range held {
+		if err := d.Nack(false, true); err != nil {
+			return
+		}
+	}
+	for deadline := time.Now().Add(handBackWait); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		if err != nil || q.Messages >= len(held) {
+			return
+		}
+	}
+}
+
+// redrive publishes d to queue through the default exchange and waits for the broker to
+// confirm it and route it.
+func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, queue string, d amqp.Delivery) error {
+	ctx, cancel := context.WithTimeout(ctx, deadLetterTimeout)
+	defer cancel()
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, redriveCopy(d))
+	if err != nil {
+		return fmt.Errorf("publish to %q: %w", queue, err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	switch {
+	case err != nil:
+		return fmt.Errorf("no confirm from the broker: %w", err)
+	case !acked:
+		return fmt.Errorf("the broker nacked it, or the channel closed")
+	}
+	select {
+	case r := <-returns:
+		return fmt.Errorf("unroutable: %d %s", r.ReplyCode, r.ReplyText)
+	default:
+		return nil
+	}
+}
+
+// redriveCopy is d as it was first delivered: the same body, properties and message id, and
+// none of the headers its dead-lettering added.
+func redriveCopy(d amqp.Delivery) amqp.Publishing {
+	headers := make(amqp.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		headers[k] = v
+	}
+	for _, k := range deadLetterHeaders {
+		delete(headers, k)
+	}
+	return amqp.Publishing{
+		Headers:         headers,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    d.DeliveryMode,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		Expiration:      d.Expiration,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+// readDeadLetter reads what a dead-lettered delivery says about itself.
+func readDeadLetter(d amqp.Delivery) DeadLetter {
+	dl := DeadLetter{MessageID: d.MessageId, Type: d.Type}
+	if reason, ok := d.Headers[HeaderDeadLetterReason].(string); ok {
+		dl.Reason = reason
+		if at, ok := d.Headers[HeaderDeadLetteredAt].(string); ok {
+			dl.DeadLetteredAt, _ = time.Parse(time.RFC3339Nano, at)
+		}
+		return dl
+	}
+	// Dead-lettered by the broker: the most recent x-death entry comes first.
+	if deaths, ok := d.Headers["x-death"].([]any); ok && len(deaths) > 0 {
+		if death, ok := deaths[0].(amqp.Table); ok {
+			reason, _ := death["reason"].(string)
+			queue, _ := death["queue"].(string)
+			dl.Reason = fmt.Sprintf("%s: dead-lettered by the broker from queue %s (x-death count %v)", reason, queue, death["count"])
+			dl.DeadLetteredAt, _ = death["time"].(time.Time)
+			return dl
+		}
+	}
+	dl.Reason = "unknown: no reason header and no x-death"
+	return dl
+}
