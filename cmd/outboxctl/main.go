@@ -27,6 +27,8 @@ import (
 	"strings"
 	"syscall"
 	"unicode"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 const usage = `usage:
@@ -149,8 +151,11 @@ func urlFrom(flagName, value, variable string, schemes ...string) (string, error
 	if value == "" {
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
-	if u, err := url.Parse(value); err != nil || u.Host == "" || !slices.Contains(schemes, u.Scheme) {
-		return "", usageError{fmt.Sprintf("%s is not a URL with scheme %s", source, strings.Join(schemes, " or "))}
+	// A broker's may list one URL per node of a cluster, as AMQP_URL does.
+	for _, one := range messaging.SplitURLs(value) {
+		if u, err := url.Parse(one); err != nil || u.Host == "" || !slices.Contains(schemes, u.Scheme) {
+			return "", usageError{fmt.Sprintf("%s is not a URL, or a comma-separated list of URLs, with scheme %s", source, strings.Join(schemes, " or "))}
+		}
 	}
 	return value, nil
 }
@@ -164,8 +169,10 @@ func hideSecrets(msg string, args []string) string {
 			values = append(values, v)
 		}
 		for _, v := range values {
-			for _, secret := range passwords(v) {
-				msg = strings.ReplaceAll(msg, secret, "xxxxx")
+			for _, one := range messaging.SplitURLs(v) {
+				for _, secret := range passwords(one) {
+					msg = strings.ReplaceAll(msg, secret, "xxxxx")
+				}
 			}
 		}
 	}
