@@ -1,15 +1,19 @@
 package e2e
 
 import (
+	"context"
+	"fmt"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/outbox-inbox/internal/systest"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // The three services, two replicas of each consumer, on a three-node RabbitMQ cluster while
@@ -32,6 +36,10 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 
 	killed := time.Now()
 	cluster.Kill(t, leader)
+	// A poison message while the node is gone: its dead-lettering must survive the loss too
+	// (the consumer acks it only once the dead-letter queue confirmed the copy).
+	poison := uuid.NewString()
+	publishConfirmed(t, s, amqp.Publishing{MessageId: poison, Type: "OrderPlaced", ContentType: "application/json", Body: []byte("not json")})
 	stall := untilInvoicedAfter(t, s, killed)
 	t.Logf("stall: %s from the kill until an order placed after it was invoiced", stall.Round(time.Millisecond))
 	traffic.WaitFor(t, 30) // orders flow on two nodes
@@ -53,6 +61,16 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 		t.Fatalf("%d orders committed without their 201 reaching the client", lost)
 	}
 	got := s.WaitExactlyOnce(t, int64(len(ids)), 120*time.Second)
+	// Dead-lettered by both consumers, each with its reason, once.
+	for _, q := range []string{"invoicing", "notification"} {
+		dead := testenv.Drain(t, s.Channel(t), messaging.DeadLetterQueue(q), time.Second)
+		if len(dead) != 1 || dead[0].MessageId != poison {
+			t.Fatalf("%s holds %d messages, want the poison message once", messaging.DeadLetterQueue(q), len(dead))
+		}
+		if reason, _ := dead[0].Headers[messaging.HeaderDeadLetterReason].(string); reason == "" {
+			t.Errorf("the poison message in %s has no reason header", messaging.DeadLetterQueue(q))
+		}
+	}
 	t.Logf("%d orders accepted before, during and after the loss of node %d, %d cancelled; %d invoices, %d notifications sent, %d duplicates suppressed, stall %s",
 		len(ids), leader, cancelled, got.Invoices, got.Sent, s.DuplicatesSuppressed(t), stall.Round(time.Millisecond))
 }
@@ -140,4 +158,43 @@ func untilInvoicedAfter(t *testing.T, s *systest.System, since time.Time) time.D
 		return true
 	}, "no order placed after the node was killed got its invoice")
 	return at.Sub(since)
+}
+
+// publishConfirmed publishes p to the orders exchange through the first node that takes it
+// and confirms it, trying the nodes again until one does.
+func publishConfirmed(t *testing.T, s *systest.System, p amqp.Publishing) {
+	t.Helper()
+	testenv.Eventually(t, 60*time.Second, func() bool {
+		for _, u := range messaging.SplitURLs(s.AMQPURL) {
+			if publishOnce(u, p) == nil {
+				return true
+			}
+		}
+		return false
+	}, "no node confirmed the poison message")
+}
+
+func publishOnce(url string, p amqp.Publishing) error {
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	if err := ch.Confirm(false); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	confirm, err := ch.PublishWithDeferredConfirmWithContext(ctx, "orders", "OrderPlaced", true, false, p)
+	if err != nil {
+		return err
+	}
+	if ok, err := confirm.WaitContext(ctx); err != nil || !ok {
+		return fmt.Errorf("not confirmed: %v", err)
+	}
+	return nil
 }
