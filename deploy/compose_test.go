@@ -168,12 +168,7 @@ func TestAppsAreTheServicesFolders(t *testing.T) {
 func TestComposeApps(t *testing.T) {
 	t.Parallel()
 	p := loadProject(t)
-	rabbit := service(t, p, "rabbitmq")
-	rabbitUser, _ := env(rabbit, "RABBITMQ_DEFAULT_USER")
-	rabbitPass, _ := env(rabbit, "RABBITMQ_DEFAULT_PASS")
-	if rabbitUser == "" || rabbitUser == "guest" || rabbitPass == "" {
-		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q, want a user of our own, not the well-known guest/guest", rabbitUser, rabbitPass)
-	}
+	defs := brokerDefinitions(t, p)
 	roles := initScriptRoles(t, p)
 
 	for _, a := range apps {
@@ -238,7 +233,9 @@ func TestComposeApps(t *testing.T) {
 				t.Errorf("DATABASE_URL password for %q does not match the role the init script creates", a.role)
 			}
 
-			// AMQP_URL: the broker's service, with the user it is started with.
+			// AMQP_URL: the broker's service, as the service's own user, whose password is
+			// the one the definitions file holds the hash of, on the virtual host / where its
+			// permissions are.
 			amqpURL, _ := env(s, "AMQP_URL")
 			u, err = url.Parse(amqpURL)
 			if err != nil {
@@ -246,8 +243,16 @@ func TestComposeApps(t *testing.T) {
 			}
 			pass, _ = u.User.Password()
 			if u.Scheme != "amqp" || u.Hostname() != "rabbitmq" || u.Port() != "5672" ||
-				u.User.Username() != rabbitUser || pass != rabbitPass {
-				t.Errorf("AMQP_URL = %q, want amqp://%s:<RABBITMQ_DEFAULT_PASS>@rabbitmq:5672/", amqpURL, rabbitUser)
+				u.User.Username() != a.name || (u.Path != "" && u.Path != "/") {
+				t.Errorf("AMQP_URL = %q, want amqp://%s:<its password>@rabbitmq:5672/", amqpURL, a.name)
+			}
+			if user, ok := defs.user(a.name); !ok {
+				t.Errorf("deploy/rabbitmq/definitions.json has no user %q", a.name)
+			} else if !user.passwordIs(pass) {
+				t.Errorf("AMQP_URL's password for %q does not match its password_hash in deploy/rabbitmq/definitions.json", a.name)
+			}
+			if _, ok := defs.permissions(a.name, "/"); !ok {
+				t.Errorf("deploy/rabbitmq/definitions.json gives %q no permissions on the virtual host /", a.name)
 			}
 
 			// HTTP: listens on its port, publishes it, and the healthcheck asks that port.
