@@ -139,7 +139,8 @@ func TestAlertRules(t *testing.T) {
 	}
 }
 
-// pendingMetrics are named by the alerts ahead of the code that will export them: consumer_event_age_seconds, the age of an event (from its occurred_at) when its
+// pendingMetrics are named by the dashboard and the alerts ahead of the code that will export
+// them: consumer_event_age_seconds, the age of an event (from its occurred_at) when its
 // consumer handles it, comes with the tracing work. Remove an entry once the code declares it.
 var pendingMetrics = map[string]string{"consumer_event_age_seconds": "histogram"}
 

@@ -95,7 +95,9 @@ fi
 say "golangci-lint"
 "$lint" run ./...
 
-# promtool, pinned: Prometheus 3.16.0 is Go module version 0.316.0. Installed the same way, from the Go module proxy into
+# promtool, pinned to the Prometheus release the observability profile runs: Prometheus
+# 3.16.0 is Go module version 0.316.0 (deploy/observability_test.go holds docker-compose.yml's
+# prom/prometheus image to it). Installed the same way, from the Go module proxy into
 # GOPATH/bin the first time; later runs reuse it. The remove_all_sd build tag (Prometheus
 # 3.10+) leaves out the service discovery providers and their cloud SDKs, which static
 # targets and rules never need: that halves the build, to about 8 CPU-minutes (18 minutes
