@@ -51,6 +51,13 @@ func loadProject(t *testing.T) *types.Project {
 // variables in env set ("NAME=value").
 func loadCompose(t *testing.T, path string, env []string) *types.Project {
 	t.Helper()
+	return loadComposeProfiles(t, path, env)
+}
+
+// loadComposeProfiles is loadCompose with the profiles named enabled, as
+// `docker compose --profile NAME` would.
+func loadComposeProfiles(t *testing.T, path string, env []string, profiles ...string) *types.Project {
+	t.Helper()
 	dir, err := filepath.Abs(root)
 	if err != nil {
 		t.Fatal(err)
@@ -62,6 +69,7 @@ func loadCompose(t *testing.T, path string, env []string) *types.Project {
 		cli.WithEnv(env),
 		cli.WithDiscardEnvFile,
 		cli.WithResolvedPaths(true),
+		cli.WithProfiles(profiles),
 	)
 	if err != nil {
 		t.Fatal(err)
@@ -118,7 +126,8 @@ func TestComposeServices(t *testing.T) {
 
 func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	t.Parallel()
-	p := loadProject(t)
+	// The observability profile's containers too.
+	p := loadComposeProfiles(t, "docker-compose.yml", nil, observabilityProfile)
 	for name, s := range p.Services {
 		hc := s.HealthCheck
 		if hc == nil || hc.Disable || len(hc.Test) < 2 || (hc.Test[0] != "CMD" && hc.Test[0] != "CMD-SHELL") {
@@ -168,12 +177,7 @@ func TestAppsAreTheServicesFolders(t *testing.T) {
 func TestComposeApps(t *testing.T) {
 	t.Parallel()
 	p := loadProject(t)
-	rabbit := service(t, p, "rabbitmq")
-	rabbitUser, _ := env(rabbit, "RABBITMQ_DEFAULT_USER")
-	rabbitPass, _ := env(rabbit, "RABBITMQ_DEFAULT_PASS")
-	if rabbitUser == "" || rabbitUser == "guest" || rabbitPass == "" {
-		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q, want a user of our own, not the well-known guest/guest", rabbitUser, rabbitPass)
-	}
+	defs := brokerDefinitions(t, p)
 	roles := initScriptRoles(t, p)
 
 	for _, a := range apps {
@@ -215,7 +219,7 @@ func TestComposeApps(t *testing.T) {
 					t.Errorf("required variable %s is not set", name)
 				}
 			}
-			known := readVars(t, a.name)
+			known := slices.Concat(readVars(t, a.name), libraryVars)
 			for name := range s.Environment {
 				if !slices.Contains(known, name) {
 					t.Errorf("environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)
@@ -238,7 +242,9 @@ func TestComposeApps(t *testing.T) {
 				t.Errorf("DATABASE_URL password for %q does not match the role the init script creates", a.role)
 			}
 
-			// AMQP_URL: the broker's service, with the user it is started with.
+			// AMQP_URL: the broker's service, as the service's own user, whose password is
+			// the one the definitions file holds the hash of, on the virtual host / where its
+			// permissions are.
 			amqpURL, _ := env(s, "AMQP_URL")
 			u, err = url.Parse(amqpURL)
 			if err != nil {
@@ -246,8 +252,16 @@ func TestComposeApps(t *testing.T) {
 			}
 			pass, _ = u.User.Password()
 			if u.Scheme != "amqp" || u.Hostname() != "rabbitmq" || u.Port() != "5672" ||
-				u.User.Username() != rabbitUser || pass != rabbitPass {
-				t.Errorf("AMQP_URL = %q, want amqp://%s:<RABBITMQ_DEFAULT_PASS>@rabbitmq:5672/", amqpURL, rabbitUser)
+				u.User.Username() != a.name || (u.Path != "" && u.Path != "/") {
+				t.Errorf("AMQP_URL = %q, want amqp://%s:<its password>@rabbitmq:5672/", amqpURL, a.name)
+			}
+			if user, ok := defs.user(a.name); !ok {
+				t.Errorf("deploy/rabbitmq/definitions.json has no user %q", a.name)
+			} else if !user.passwordIs(pass) {
+				t.Errorf("AMQP_URL's password for %q does not match its password_hash in deploy/rabbitmq/definitions.json", a.name)
+			}
+			if _, ok := defs.permissions(a.name, "/"); !ok {
+				t.Errorf("deploy/rabbitmq/definitions.json gives %q no permissions on the virtual host /", a.name)
 			}
 
 			// HTTP: listens on its port, publishes it, and the healthcheck asks that port.

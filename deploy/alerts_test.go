@@ -1,0 +1,243 @@
+package deploy_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v4"
+)
+
+// readYAML parses the repository's file rel into v.
+func readYAML(t *testing.T, rel string, v any) {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(root, rel))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.Unmarshal(raw, v); err != nil {
+		t.Fatalf("%s: %v", rel, err)
+	}
+}
+
+// alertRules is the part of a Prometheus rule file this project writes.
+type alertRules struct {
+	Groups []struct {
+		Name  string `yaml:"name"`
+		Rules []struct {
+			Alert       string            `yaml:"alert"`
+			Record      string            `yaml:"record"`
+			Expr        string            `yaml:"expr"`
+			For         string            `yaml:"for"`
+			Labels      map[string]string `yaml:"labels"`
+			Annotations map[string]string `yaml:"annotations"`
+		} `yaml:"rules"`
+	} `yaml:"groups"`
+}
+
+// ruleTests is the part of a promtool test file this project writes.
+type ruleTests struct {
+	RuleFiles []string `yaml:"rule_files"`
+	Tests     []struct {
+		AlertRuleTests []struct {
+			EvalTime  string           `yaml:"eval_time"`
+			AlertName string           `yaml:"alertname"`
+			ExpAlerts []map[string]any `yaml:"exp_alerts"`
+		} `yaml:"alert_rule_test"`
+	} `yaml:"tests"`
+}
+
+// Every alert names metrics that exist, has a severity and the two annotations, a case where
+// it fires and one where it stays quiet in alerts_test.yml (promtool runs them), and a line
+// in the README's Alerts section.
+func TestAlertRules(t *testing.T) {
+	t.Parallel()
+	var rules alertRules
+	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+	var tests ruleTests
+	readYAML(t, "deploy/prometheus/alerts_test.yml", &tests)
+	if !slices.Equal(tests.RuleFiles, []string{"alerts.yml"}) {
+		t.Errorf("alerts_test.yml tests rule files %v, want [alerts.yml]", tests.RuleFiles)
+	}
+	fires, quiet := map[string]bool{}, map[string]bool{}
+	for _, tc := range tests.Tests {
+		for _, at := range tc.AlertRuleTests {
+			if len(at.ExpAlerts) > 0 {
+				fires[at.AlertName] = true
+			} else {
+				quiet[at.AlertName] = true
+			}
+		}
+	}
+	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(readme), "\n## Alerts\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+
+	known := knownMetrics(t)
+	var names, exprs []string
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			if r.Alert == "" {
+				t.Errorf("group %s: a rule that is no alert (record %q)", g.Name, r.Record)
+				continue
+			}
+			if slices.Contains(names, r.Alert) {
+				t.Errorf("alert %s is defined twice", r.Alert)
+			}
+			names = append(names, r.Alert)
+			exprs = append(exprs, r.Expr)
+			if s := r.Labels["severity"]; s != "warning" && s != "critical" {
+				t.Errorf("alert %s: severity %q, want warning or critical", r.Alert, s)
+			}
+			if r.Annotations["summary"] == "" || r.Annotations["description"] == "" {
+				t.Errorf("alert %s: want a summary and a description", r.Alert)
+			}
+			ms := metricNames(r.Expr)
+			if len(ms) == 0 {
+				t.Errorf("alert %s names no metric: %s", r.Alert, r.Expr)
+			}
+			for _, m := range ms {
+				if !known[m] {
+					t.Errorf("alert %s: no service, RabbitMQ or Prometheus exports %s", r.Alert, m)
+				}
+			}
+			if !fires[r.Alert] || !quiet[r.Alert] {
+				t.Errorf("alert %s: alerts_test.yml has a case where it fires: %v, where it stays quiet: %v; want both", r.Alert, fires[r.Alert], quiet[r.Alert])
+			}
+			if !strings.Contains(section, "`"+r.Alert+"`") {
+				t.Errorf("alert %s is not described in the README's Alerts section", r.Alert)
+			}
+		}
+	}
+	for name := range fires {
+		if !slices.Contains(names, name) {
+			t.Errorf("alerts_test.yml tests %s, which alerts.yml does not define", name)
+		}
+	}
+	// (scripts/test.sh checks alerts.yml with promtool itself; here the expressions alone,
+	// so that go test ./deploy/ catches a typo too.)
+	defer checkWithPromtool(t, "alerts", exprs)
+	// The alerts the README's production checklist promises.
+	for _, m := range []string{
+		"outbox_oldest_pending_age_seconds", "outbox_max_attempts", "outbox_publish_failures_total",
+		"outbox_relay_broker_up", "consumer_messages_total", "rabbitmq_detailed_queue_messages",
+		"consumer_event_age_seconds_bucket", "up",
+	} {
+		if !slices.ContainsFunc(exprs, func(e string) bool { return slices.Contains(metricNames(e), m) }) {
+			t.Errorf("no alert watches %s", m)
+		}
+	}
+}
+
+// rabbitmqMetrics are the series of the rabbitmq_prometheus plugin's
+// /metrics/detailed?family=queue_coarse_metrics endpoint, each labelled vhost and queue.
+var rabbitmqMetrics = []string{
+	"rabbitmq_detailed_queue_messages", "rabbitmq_detailed_queue_messages_ready", "rabbitmq_detailed_queue_messages_unacked",
+}
+
+// knownMetrics returns every series name the services can export, read from the collectors
+// their code declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec] with Opts{Name:
+// "..."}, and prometheus.NewDesc("...")) in pkg/, internal/platform and services/, with a
+// histogram's _bucket, _sum and _count; the plugin's queue series; and Prometheus's up.
+func knownMetrics(t *testing.T) map[string]bool {
+	t.Helper()
+	opts := regexp.MustCompile(`(?s)prometheus\.New(Counter|Gauge|Histogram|Summary)(?:Vec)?\(\s*prometheus\.(?:Counter|Gauge|Histogram|Summary)Opts\{[^}]*?\bName:\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
+	desc := regexp.MustCompile(`prometheus\.NewDesc\(\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
+	known := map[string]bool{"up": true}
+	add := func(kind, name string) {
+		known[name] = true
+		switch kind {
+		case "Histogram":
+			known[name+"_bucket"], known[name+"_sum"], known[name+"_count"] = true, true, true
+		case "Summary":
+			known[name+"_sum"], known[name+"_count"] = true, true
+		}
+	}
+	declared := 0
+	for _, dir := range []string{"pkg", "internal/platform", "services"} {
+		err := filepath.WalkDir(filepath.Join(root, dir), func(p string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+				return err
+			}
+			src, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			for _, m := range opts.FindAllStringSubmatch(string(src), -1) {
+				add(m[1], m[2])
+				declared++
+			}
+			for _, m := range desc.FindAllStringSubmatch(string(src), -1) {
+				add("Gauge", m[1])
+				declared++
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The messaging package alone declares nine; fewer means the pattern no longer matches.
+	if declared < 9 || !known["outbox_oldest_pending_age_seconds"] || !known["consumer_messages_total"] {
+		t.Fatalf("found %d metric declarations (%v); has the way collectors are declared changed?", declared, known)
+	}
+	for _, name := range rabbitmqMetrics {
+		known[name] = true
+	}
+	return known
+}
+
+// checkWithPromtool has promtool parse exprs, as recording rules, when it is installed
+// (scripts/test.sh installs it and sets PROMTOOL). Grafana's interval variables become 5m.
+func checkWithPromtool(t *testing.T, what string, exprs []string) {
+	t.Helper()
+	promtool := os.Getenv("PROMTOOL")
+	if promtool == "" {
+		if p, err := exec.LookPath("promtool"); err == nil {
+			promtool = p
+		} else if gopath, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
+			if p := filepath.Join(strings.TrimSpace(string(gopath)), "bin", "promtool"); fileExists(p) {
+				promtool = p
+			}
+		}
+	}
+	if promtool == "" {
+		t.Skipf("promtool is not installed, so the %s's queries were not parsed (scripts/test.sh installs it; README, Testing)", what)
+	}
+	type rule struct {
+		Record string `json:"record"`
+		Expr   string `json:"expr"`
+	}
+	var rules []rule
+	vars := strings.NewReplacer("$__rate_interval", "5m", "$__interval", "5m", "$__range", "5m")
+	for i, e := range exprs {
+		rules = append(rules, rule{Record: fmt.Sprintf("%s:query_%d", what, i), Expr: vars.Replace(e)})
+	}
+	// JSON is YAML: promtool reads it as a rule file.
+	raw, err := json.Marshal(map[string]any{"groups": []any{map[string]any{"name": what, "rules": rules}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(t.TempDir(), what+"-rules.yml")
+	if err := os.WriteFile(file, raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(promtool, "check", "rules", file).CombinedOutput(); err != nil {
+		t.Errorf("promtool check rules on the %s's queries: %v\n%s", what, err, out)
+	}
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
