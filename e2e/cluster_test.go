@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"regexp"
 	"strings"
@@ -198,8 +199,12 @@ func publishOnce(url string, p amqp.Publishing) error {
 	if err != nil {
 		return err
 	}
-	if ok, err := confirm.WaitContext(ctx); err != nil || !ok {
-		return fmt.Errorf("not confirmed: %v", err)
+	ok, err := confirm.WaitContext(ctx)
+	if err != nil {
+		return fmt.Errorf("wait for the confirm: %w", err)
+	}
+	if !ok {
+		return errors.New("nacked")
 	}
 	return nil
 }
