@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"bufio"
 	"fmt"
 	"os"
 	"os/exec"
@@ -57,13 +58,27 @@ func TestSlotsOfAKilledProcessAreFree(t *testing.T) {
 	dir := t.TempDir()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestSlotsOfAKilledProcessAreFree$")
 	cmd.Env = append(os.Environ(), "TESTENV_HOLD_SLOTS="+dir)
-	var out strings.Builder
-	cmd.Stdout = &out
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	Eventually(t, 30*time.Second, func() bool { return strings.Contains(out.String(), "holding") }, "child did not take the slots")
+	holding := make(chan bool, 1)
+	go func() {
+		line, _ := bufio.NewReader(out).ReadString('\n')
+		holding <- strings.TrimSpace(line) == "holding"
+	}()
+	select {
+	case ok := <-holding:
+		if !ok {
+			t.Fatal("the child could not take the slots")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the child did not take the slots within 30 s")
+	}
 	if _, err := acquireSlots(dir, 4, 1, 100*time.Millisecond); err == nil {
 		t.Fatal("a slot the child holds was reserved again")
 	}
