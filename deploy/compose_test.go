@@ -128,8 +128,8 @@ func TestComposeServices(t *testing.T) {
 
 func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	t.Parallel()
-	// The observability profile's containers too.
-	p := loadComposeProfiles(t, "docker-compose.yml", nil, observabilityProfile)
+	// Every profile's containers too.
+	p := loadEveryProfile(t)
 	for name, s := range p.Services {
 		hc := s.HealthCheck
 		if hc == nil || hc.Disable || len(hc.Test) < 2 || (hc.Test[0] != "CMD" && hc.Test[0] != "CMD-SHELL") {
@@ -143,8 +143,10 @@ func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	if test := service(t, p, "postgres").HealthCheck.Test; !slices.Contains(test, "pg_isready") || !slices.Contains(test, "postgres") {
 		t.Errorf("postgres healthcheck = %q, want pg_isready -U postgres", test)
 	}
-	if test := strings.Join(service(t, p, "rabbitmq").HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
-		t.Errorf("rabbitmq healthcheck = %q, want rabbitmq-diagnostics", test)
+	for _, node := range append([]string{"rabbitmq"}, clusterNodes...) {
+		if test := strings.Join(service(t, p, node).HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
+			t.Errorf("%s healthcheck = %q, want rabbitmq-diagnostics", node, test)
+		}
 	}
 	if test := service(t, p, "mailpit").HealthCheck.Test; !slices.Equal(test, types.HealthCheckTest{"CMD", "/mailpit", "readyz"}) {
 		t.Errorf("mailpit healthcheck = %q, want [CMD /mailpit readyz]", test)
@@ -370,6 +372,24 @@ func TestComposePublishedPorts(t *testing.T) {
 	}
 }
 
+// With every profile, each port is published on 127.0.0.1 only and no two take the same host
+// port by default: `docker compose --profile observability --profile cluster up` starts.
+func TestComposeHostPortsWithEveryProfile(t *testing.T) {
+	t.Parallel()
+	takenBy := map[string]string{}
+	for name, s := range loadEveryProfile(t).Services {
+		for _, port := range s.Ports {
+			if port.HostIP != "127.0.0.1" {
+				t.Errorf("%s: port %d is published on %q, want 127.0.0.1 only", name, port.Target, port.HostIP)
+			}
+			if by, ok := takenBy[port.Published]; ok {
+				t.Errorf("%s and %s both publish host port %s", by, name, port.Published)
+			}
+			takenBy[port.Published] = name
+		}
+	}
+}
+
 // The images still get updates: RabbitMQ 3.13 images stopped in December 2025, distroless
 // debian12 reached its end of life in September 2026. Each is pinned to a release series,
 // not to latest.
@@ -381,6 +401,13 @@ func TestComposeImages(t *testing.T) {
 	}
 	if img := service(t, p, "postgres").Image; !regexp.MustCompile(`^postgres:\d+-alpine$`).MatchString(img) {
 		t.Errorf("postgres image = %q, want postgres:<major>-alpine", img)
+	}
+	// The cluster profile's nodes run the single broker's release.
+	cluster := loadCluster(t)
+	for _, node := range clusterNodes {
+		if got, want := service(t, cluster, node).Image, service(t, p, "rabbitmq").Image; got != want {
+			t.Errorf("%s image = %q, want %q as the rabbitmq service", node, got, want)
+		}
 	}
 	// The test servers are the same versions as the system's.
 	test := loadCompose(t, "deploy/compose.test.yml", nil)
@@ -508,8 +535,11 @@ func TestComposePostgresInit(t *testing.T) {
 			!regexp.MustCompile(`(?is)CREATE\s+USER\s+`+role+`\s[^;]*\bPASSWORD\s+'[^']+'`).MatchString(sql) {
 			t.Errorf("init script does not create the login role %s with a password", a.role)
 		}
-		if !regexp.MustCompile(`(?is)CREATE\s+DATABASE\s+"?` + a.database + `"?\s[^;]*\bOWNER\s*=?\s*` + role + `\s*;`).MatchString(sql) {
-			t.Errorf("init script does not create database %s owned by %s", a.database, a.role)
+		// Its database, and the one of its copy in the cluster profile.
+		for _, db := range []string{a.database, clusterDatabase(a)} {
+			if !regexp.MustCompile(`(?is)CREATE\s+DATABASE\s+"?` + db + `"?\s[^;]*\bOWNER\s*=?\s*` + role + `\s*;`).MatchString(sql) {
+				t.Errorf("init script does not create database %s owned by %s", db, a.role)
+			}
 		}
 	}
 	// "order" is reserved in SQL: unquoted, CREATE ROLE order fails and the init stops.
