@@ -20,6 +20,8 @@ import (
 
 	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // root is the repository root, seen from this package's directory.
@@ -126,8 +128,8 @@ func TestComposeServices(t *testing.T) {
 
 func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	t.Parallel()
-	// The observability profile's containers too.
-	p := loadComposeProfiles(t, "docker-compose.yml", nil, observabilityProfile)
+	// Every profile's containers too.
+	p := loadEveryProfile(t)
 	for name, s := range p.Services {
 		hc := s.HealthCheck
 		if hc == nil || hc.Disable || len(hc.Test) < 2 || (hc.Test[0] != "CMD" && hc.Test[0] != "CMD-SHELL") {
@@ -141,8 +143,10 @@ func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 	if test := service(t, p, "postgres").HealthCheck.Test; !slices.Contains(test, "pg_isready") || !slices.Contains(test, "postgres") {
 		t.Errorf("postgres healthcheck = %q, want pg_isready -U postgres", test)
 	}
-	if test := strings.Join(service(t, p, "rabbitmq").HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
-		t.Errorf("rabbitmq healthcheck = %q, want rabbitmq-diagnostics", test)
+	for _, node := range append([]string{"rabbitmq"}, clusterNodes...) {
+		if test := strings.Join(service(t, p, node).HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
+			t.Errorf("%s healthcheck = %q, want rabbitmq-diagnostics", node, test)
+		}
 	}
 	if test := service(t, p, "mailpit").HealthCheck.Test; !slices.Equal(test, types.HealthCheckTest{"CMD", "/mailpit", "readyz"}) {
 		t.Errorf("mailpit healthcheck = %q, want [CMD /mailpit readyz]", test)
@@ -184,101 +188,10 @@ func TestComposeApps(t *testing.T) {
 		t.Run(a.name, func(t *testing.T) {
 			t.Parallel()
 			s := service(t, p, a.name)
-
-			// Build: the one Dockerfile, with the right SERVICE.
-			abs, _ := filepath.Abs(root)
-			switch {
-			case s.Build == nil:
-				t.Error("no build section")
-			case filepath.Clean(s.Build.Context) != abs:
-				t.Errorf("build context = %q, want the repository root %q", s.Build.Context, abs)
-			case s.Build.Dockerfile != "" && s.Build.Dockerfile != "Dockerfile" && s.Build.Dockerfile != filepath.Join(abs, "Dockerfile"):
-				t.Errorf("build dockerfile = %q, want the root Dockerfile", s.Build.Dockerfile)
-			default:
-				if arg := s.Build.Args["SERVICE"]; arg == nil || *arg != a.name {
-					t.Errorf("build arg SERVICE = %v, want %q", deref(arg), a.name)
-				}
-			}
-
-			// Start order: only once the dependencies are healthy.
-			for _, dep := range append([]string{"postgres", "rabbitmq"}, a.extra...) {
-				if d, ok := s.DependsOn[dep]; !ok || d.Condition != types.ServiceConditionHealthy {
-					t.Errorf("depends_on %s: %+v, want condition service_healthy", dep, d)
-				}
-			}
-			if s.Restart == "" || s.Restart == types.RestartPolicyNo {
-				t.Errorf("restart = %q, want a restart policy", s.Restart)
-			}
-			if s.StopGracePeriod == nil {
-				t.Error("no stop_grace_period")
-			}
-
-			// Configuration: what the code requires is there, and nothing it does not read.
-			for _, name := range requiredVars(t, a.name) {
-				if v, ok := env(s, name); !ok || v == "" {
-					t.Errorf("required variable %s is not set", name)
-				}
-			}
-			known := slices.Concat(readVars(t, a.name), libraryVars)
-			for name := range s.Environment {
-				if !slices.Contains(known, name) {
-					t.Errorf("environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)
-				}
-			}
-
-			// DATABASE_URL: its own database, as its own role, created by the init script.
-			dbURL, _ := env(s, "DATABASE_URL")
-			u, err := url.Parse(dbURL)
-			if err != nil {
-				t.Fatalf("DATABASE_URL: %v", err)
-			}
-			pass, _ := u.User.Password()
-			if u.Scheme != "postgres" || u.Hostname() != "postgres" || u.Port() != "5432" ||
-				strings.TrimPrefix(u.Path, "/") != a.database || u.User.Username() != a.role ||
-				u.Query().Get("sslmode") != "disable" {
-				t.Errorf("DATABASE_URL = %q, want postgres://%s:...@postgres:5432/%s?sslmode=disable", dbURL, a.role, a.database)
-			}
-			if got, ok := roles[a.role]; !ok || got != pass {
-				t.Errorf("DATABASE_URL password for %q does not match the role the init script creates", a.role)
-			}
-
-			// AMQP_URL: the broker's service, as the service's own user, whose password is
-			// the one the definitions file holds the hash of, on the virtual host / where its
-			// permissions are.
-			amqpURL, _ := env(s, "AMQP_URL")
-			u, err = url.Parse(amqpURL)
-			if err != nil {
-				t.Fatalf("AMQP_URL: %v", err)
-			}
-			pass, _ = u.User.Password()
-			if u.Scheme != "amqp" || u.Hostname() != "rabbitmq" || u.Port() != "5672" ||
-				u.User.Username() != a.name || (u.Path != "" && u.Path != "/") {
-				t.Errorf("AMQP_URL = %q, want amqp://%s:<its password>@rabbitmq:5672/", amqpURL, a.name)
-			}
-			if user, ok := defs.user(a.name); !ok {
-				t.Errorf("deploy/rabbitmq/definitions.json has no user %q", a.name)
-			} else if !user.passwordIs(pass) {
-				t.Errorf("AMQP_URL's password for %q does not match its password_hash in deploy/rabbitmq/definitions.json", a.name)
-			}
-			if _, ok := defs.permissions(a.name, "/"); !ok {
-				t.Errorf("deploy/rabbitmq/definitions.json gives %q no permissions on the virtual host /", a.name)
-			}
-
-			// HTTP: listens on its port, publishes it, and the healthcheck asks that port.
-			addr, _ := env(s, "HTTP_ADDR")
-			if _, port, err := net.SplitHostPort(addr); err != nil || port != strconv.Itoa(int(a.port)) {
-				t.Errorf("HTTP_ADDR = %q, want :%d", addr, a.port)
-			}
+			checkApp(t, s, a, appTarget{brokers: []string{"rabbitmq"}, database: a.database}, defs, roles)
+			// It publishes its HTTP port, as is.
 			if !publishes(s, a.port, a.port) {
 				t.Errorf("ports = %+v, want 127.0.0.1:%d:%d", s.Ports, a.port, a.port)
-			}
-			wantHC := types.HealthCheckTest{"CMD", "/healthcheck", fmt.Sprintf("http://127.0.0.1:%d/readyz", a.port)}
-			if s.HealthCheck == nil || !slices.Equal(s.HealthCheck.Test, wantHC) {
-				var got types.HealthCheckTest
-				if s.HealthCheck != nil {
-					got = s.HealthCheck.Test
-				}
-				t.Errorf("healthcheck test = %q, want %q", got, wantHC)
 			}
 		})
 	}
@@ -289,6 +202,123 @@ func TestComposeApps(t *testing.T) {
 	}
 	if v, _ := env(notification, "SMTP_FROM"); !strings.Contains(v, "@") {
 		t.Errorf("notification SMTP_FROM = %q, want an address", v)
+	}
+}
+
+// appTarget is where a compose service running app a connects: the broker services (one URL
+// each in AMQP_URL) and its database.
+type appTarget struct {
+	brokers  []string
+	database string
+}
+
+// checkApp checks that s runs app a as docker-compose.yml must, connected to target: built
+// from the one Dockerfile, started once its dependencies are healthy, configured with what the
+// code reads, logged in to PostgreSQL and RabbitMQ as its own role and user, and
+// healthchecked on its HTTP port. defs are the broker's definitions, roles the init scripts'.
+func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs definitions, roles map[string]string) {
+	t.Helper()
+
+	// Build: the one Dockerfile, with the right SERVICE.
+	abs, _ := filepath.Abs(root)
+	switch {
+	case s.Build == nil:
+		t.Error("no build section")
+	case filepath.Clean(s.Build.Context) != abs:
+		t.Errorf("build context = %q, want the repository root %q", s.Build.Context, abs)
+	case s.Build.Dockerfile != "" && s.Build.Dockerfile != "Dockerfile" && s.Build.Dockerfile != filepath.Join(abs, "Dockerfile"):
+		t.Errorf("build dockerfile = %q, want the root Dockerfile", s.Build.Dockerfile)
+	default:
+		if arg := s.Build.Args["SERVICE"]; arg == nil || *arg != a.name {
+			t.Errorf("build arg SERVICE = %v, want %q", deref(arg), a.name)
+		}
+	}
+
+	// Start order: only once the dependencies are healthy.
+	for _, dep := range slices.Concat([]string{"postgres"}, target.brokers, a.extra) {
+		if d, ok := s.DependsOn[dep]; !ok || d.Condition != types.ServiceConditionHealthy {
+			t.Errorf("depends_on %s: %+v, want condition service_healthy", dep, d)
+		}
+	}
+	if s.Restart == "" || s.Restart == types.RestartPolicyNo {
+		t.Errorf("restart = %q, want a restart policy", s.Restart)
+	}
+	if s.StopGracePeriod == nil {
+		t.Error("no stop_grace_period")
+	}
+
+	// Configuration: what the code requires is there, and nothing it does not read.
+	for _, name := range requiredVars(t, a.name) {
+		if v, ok := env(s, name); !ok || v == "" {
+			t.Errorf("required variable %s is not set", name)
+		}
+	}
+	known := slices.Concat(readVars(t, a.name), libraryVars)
+	for name := range s.Environment {
+		if !slices.Contains(known, name) {
+			t.Errorf("environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)
+		}
+	}
+
+	// DATABASE_URL: its database, as its own role, created by the init script.
+	dbURL, _ := env(s, "DATABASE_URL")
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatalf("DATABASE_URL: %v", err)
+	}
+	pass, _ := u.User.Password()
+	if u.Scheme != "postgres" || u.Hostname() != "postgres" || u.Port() != "5432" ||
+		strings.TrimPrefix(u.Path, "/") != target.database || u.User.Username() != a.role ||
+		u.Query().Get("sslmode") != "disable" {
+		t.Errorf("DATABASE_URL = %q, want postgres://%s:...@postgres:5432/%s?sslmode=disable", dbURL, a.role, target.database)
+	}
+	if got, ok := roles[a.role]; !ok || got != pass {
+		t.Errorf("DATABASE_URL password for %q does not match the role the init script creates", a.role)
+	}
+
+	// AMQP_URL: one URL per broker node (the code reads a comma-separated list), each as the
+	// service's own user, whose password is the one the definitions file holds the hash of,
+	// on the virtual host / where its permissions are.
+	amqpURL, _ := env(s, "AMQP_URL")
+	var hosts []string
+	for _, raw := range messaging.SplitURLs(amqpURL) {
+		u, err := url.Parse(raw)
+		if err != nil {
+			t.Errorf("AMQP_URL entry %q: %v", raw, err)
+			continue
+		}
+		hosts = append(hosts, u.Hostname())
+		pass, _ := u.User.Password()
+		if u.Scheme != "amqp" || !slices.Contains(target.brokers, u.Hostname()) || u.Port() != "5672" ||
+			u.User.Username() != a.name || (u.Path != "" && u.Path != "/") {
+			t.Errorf("AMQP_URL entry %q, want amqp://%s:<its password>@<one of %v>:5672/", u.Redacted(), a.name, target.brokers)
+		}
+		if user, ok := defs.user(a.name); !ok {
+			t.Errorf("deploy/rabbitmq/definitions.json has no user %q", a.name)
+		} else if !user.passwordIs(pass) {
+			t.Errorf("AMQP_URL's password for %q (%s) does not match its password_hash in deploy/rabbitmq/definitions.json", a.name, u.Hostname())
+		}
+	}
+	slices.Sort(hosts)
+	if want := slices.Sorted(slices.Values(target.brokers)); !slices.Equal(hosts, want) {
+		t.Errorf("AMQP_URL names the brokers %v, want each of %v once", hosts, want)
+	}
+	if _, ok := defs.permissions(a.name, "/"); !ok {
+		t.Errorf("deploy/rabbitmq/definitions.json gives %q no permissions on the virtual host /", a.name)
+	}
+
+	// HTTP: listens on its port, and the healthcheck asks that port.
+	addr, _ := env(s, "HTTP_ADDR")
+	if _, port, err := net.SplitHostPort(addr); err != nil || port != strconv.Itoa(int(a.port)) {
+		t.Errorf("HTTP_ADDR = %q, want :%d", addr, a.port)
+	}
+	wantHC := types.HealthCheckTest{"CMD", "/healthcheck", fmt.Sprintf("http://127.0.0.1:%d/readyz", a.port)}
+	if s.HealthCheck == nil || !slices.Equal(s.HealthCheck.Test, wantHC) {
+		var got types.HealthCheckTest
+		if s.HealthCheck != nil {
+			got = s.HealthCheck.Test
+		}
+		t.Errorf("healthcheck test = %q, want %q", got, wantHC)
 	}
 }
 
@@ -342,6 +372,24 @@ func TestComposePublishedPorts(t *testing.T) {
 	}
 }
 
+// With every profile, each port is published on 127.0.0.1 only and no two take the same host
+// port by default: `docker compose --profile observability --profile cluster up` starts.
+func TestComposeHostPortsWithEveryProfile(t *testing.T) {
+	t.Parallel()
+	takenBy := map[string]string{}
+	for name, s := range loadEveryProfile(t).Services {
+		for _, port := range s.Ports {
+			if port.HostIP != "127.0.0.1" {
+				t.Errorf("%s: port %d is published on %q, want 127.0.0.1 only", name, port.Target, port.HostIP)
+			}
+			if by, ok := takenBy[port.Published]; ok {
+				t.Errorf("%s and %s both publish host port %s", by, name, port.Published)
+			}
+			takenBy[port.Published] = name
+		}
+	}
+}
+
 // The images still get updates: RabbitMQ 3.13 images stopped in December 2025, distroless
 // debian12 reached its end of life in September 2026. Each is pinned to a release series,
 // not to latest.
@@ -353,6 +401,13 @@ func TestComposeImages(t *testing.T) {
 	}
 	if img := service(t, p, "postgres").Image; !regexp.MustCompile(`^postgres:\d+-alpine$`).MatchString(img) {
 		t.Errorf("postgres image = %q, want postgres:<major>-alpine", img)
+	}
+	// The cluster profile's nodes run the single broker's release.
+	cluster := loadCluster(t)
+	for _, node := range clusterNodes {
+		if got, want := service(t, cluster, node).Image, service(t, p, "rabbitmq").Image; got != want {
+			t.Errorf("%s image = %q, want %q as the rabbitmq service", node, got, want)
+		}
 	}
 	// The test servers are the same versions as the system's.
 	test := loadCompose(t, "deploy/compose.test.yml", nil)
@@ -480,8 +535,11 @@ func TestComposePostgresInit(t *testing.T) {
 			!regexp.MustCompile(`(?is)CREATE\s+USER\s+`+role+`\s[^;]*\bPASSWORD\s+'[^']+'`).MatchString(sql) {
 			t.Errorf("init script does not create the login role %s with a password", a.role)
 		}
-		if !regexp.MustCompile(`(?is)CREATE\s+DATABASE\s+"?` + a.database + `"?\s[^;]*\bOWNER\s*=?\s*` + role + `\s*;`).MatchString(sql) {
-			t.Errorf("init script does not create database %s owned by %s", a.database, a.role)
+		// Its database, and the one of its copy in the cluster profile.
+		for _, db := range []string{a.database, clusterDatabase(a)} {
+			if !regexp.MustCompile(`(?is)CREATE\s+DATABASE\s+"?` + db + `"?\s[^;]*\bOWNER\s*=?\s*` + role + `\s*;`).MatchString(sql) {
+				t.Errorf("init script does not create database %s owned by %s", db, a.role)
+			}
 		}
 	}
 	// "order" is reserved in SQL: unquoted, CREATE ROLE order fails and the init stops.

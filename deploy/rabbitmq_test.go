@@ -115,7 +115,13 @@ func readDefinitions(t testing.TB) definitions {
 // and returns the file's definitions.
 func brokerDefinitions(t *testing.T, p *types.Project) definitions {
 	t.Helper()
-	rabbit := service(t, p, "rabbitmq")
+	return importedDefinitions(t, service(t, p, "rabbitmq"))
+}
+
+// importedDefinitions checks that the RabbitMQ node rabbit imports the definitions file at boot, as
+// brokerDefinitions describes, and returns the file's definitions.
+func importedDefinitions(t *testing.T, rabbit types.ServiceConfig) definitions {
+	t.Helper()
 	conf, err := os.ReadFile(filepath.Join(root, definitionsConf))
 	if err != nil {
 		t.Fatal(err)
@@ -128,7 +134,7 @@ func brokerDefinitions(t *testing.T, p *types.Project) definitions {
 	for _, v := range rabbit.Volumes {
 		if v.Type == types.VolumeTypeBind {
 			if !v.ReadOnly {
-				t.Errorf("rabbitmq: %s is mounted read-write, want :ro", v.Target)
+				t.Errorf("%s: %s is mounted read-write, want :ro", rabbit.Name, v.Target)
 			}
 			mounts[v.Target] = v.Source
 		}
@@ -136,7 +142,7 @@ func brokerDefinitions(t *testing.T, p *types.Project) definitions {
 	for target, file := range map[string]string{definitionsConfMount: definitionsConf, string(m[1]): definitionsFile} {
 		want, _ := filepath.Abs(filepath.Join(root, file))
 		if mounts[target] != want {
-			t.Errorf("rabbitmq: %s is bound to %q, want %s", target, mounts[target], file)
+			t.Errorf("%s: %s is bound to %q, want %s", rabbit.Name, target, mounts[target], file)
 		}
 	}
 	return readDefinitions(t)
