@@ -12,6 +12,8 @@
 #   scripts/cluster.sh cut N     (CLUSTER_NETNS=1) cut node N off the network: from the other
 #                                nodes and from every client
 #   scripts/cluster.sh heal N    (CLUSTER_NETNS=1) connect node N again
+#   scripts/cluster.sh listening N  (CLUSTER_NETNS=1) succeed if node N's AMQP listener is
+#                                open, as seen inside its namespace, so even while it is cut
 #
 # Each node has its own node name (outbox-inbox-N@localhost), AMQP port (CLUSTER_PORT + N - 1,
 # default 5681-5683), distribution port (AMQP port + 20000) and data directory under
@@ -185,6 +187,14 @@ kill_node() {
 cut() { netns_mode || die "cut needs CLUSTER_NETNS=1"; ip link set "$(veth "$1")" down; }
 heal() { netns_mode || die "heal needs CLUSTER_NETNS=1"; ip link set "$(veth "$1")" up; }
 
+# listening N: whether node N listens for AMQP. A paused node closes its listener; ss reads the
+# socket table without connecting, so asking often neither shows in the node's log nor costs
+# an Erlang VM's start, as each CLI call does.
+listening() {
+  netns_mode || die "listening needs CLUSTER_NETNS=1"
+  [ -n "$(ip netns exec "$(ns "$1")" ss -Hltn "sport = :$(port "$1")")" ]
+}
+
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
@@ -195,5 +205,6 @@ case "${1:-}" in
   revive) start_node "$2" ;;
   cut) cut "$2" ;;
   heal) heal "$2" ;;
-  *) die "usage: scripts/cluster.sh start|stop|ctl N ARGS|queues N ARGS|diagnostics N ARGS|kill N|revive N|cut N|heal N" ;;
+  listening) listening "$2" ;;
+  *) die "usage: scripts/cluster.sh start|stop|ctl N ARGS|queues N ARGS|diagnostics N ARGS|kill N|revive N|cut N|heal N|listening N" ;;
 esac

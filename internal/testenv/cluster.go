@@ -170,6 +170,13 @@ func (c *Cluster) Logged(t testing.TB, node int, since time.Time, text string) (
 	return time.Time{}, false
 }
 
+// Listening reports whether node's AMQP listener is open (netns mode), as seen inside node's
+// network: a node that pause_minority paused has closed it. Cheap enough to poll often.
+func (c *Cluster) Listening(node int) bool {
+	_, err := c.script("listening", strconv.Itoa(node))
+	return err == nil
+}
+
 // Node is the node name of node (1-3), as rabbitmqctl prints it.
 func (c *Cluster) Node(node int) string {
 	if c.netns {
