@@ -12,8 +12,9 @@
 #   scripts/cluster.sh cut N     (CLUSTER_NETNS=1) cut node N off the network: from the other
 #                                nodes and from every client
 #   scripts/cluster.sh heal N    (CLUSTER_NETNS=1) connect node N again
-#   scripts/cluster.sh listening N  (CLUSTER_NETNS=1) succeed if node N's AMQP listener is
-#                                open, as seen inside its namespace, so even while it is cut
+#   scripts/cluster.sh listening N  (CLUSTER_NETNS=1) print yes if node N's AMQP listener is
+#                                open, no if not, as seen inside its namespace (so even while
+#                                it is cut off); fail if it cannot tell
 #
 # Each node has its own node name (outbox-inbox-N@localhost), AMQP port (CLUSTER_PORT + N - 1,
 # default 5681-5683), distribution port (AMQP port + 20000) and data directory under
@@ -40,6 +41,7 @@ netns=${CLUSTER_NETNS:-0}
 net=${CLUSTER_NET:-10.77}
 ticktime=${CLUSTER_TICKTIME:-10}
 bridge=oi-br
+netns_dir=/run/netns # where ip netns keeps the namespaces it names
 
 die() { printf 'scripts/cluster.sh: %s\n' "$*" >&2; exit 1; }
 netns_mode() { [ "$netns" = 1 ]; }
@@ -90,7 +92,7 @@ diagnostics() { local n=$1; shift; run_as "$n" "$bin/rabbitmq-diagnostics" -n "$
 # net_up: the bridge, and a namespace per node linked to it.
 net_up() {
   [ "$(id -u)" = 0 ] || die "CLUSTER_NETNS=1 needs root (ip netns)"
-  if ip link show "$bridge" >/dev/null 2>&1 || ip netns list | grep -q '^oi-n[123]\b'; then
+  if ip link show "$bridge" >/dev/null 2>&1 || [ -e "$netns_dir/oi-n1" ] || [ -e "$netns_dir/oi-n2" ] || [ -e "$netns_dir/oi-n3" ]; then
     die "a namespaced cluster exists already (CLUSTER_NETNS=1 scripts/cluster.sh stop removes it)"
   fi
   ip link add "$bridge" type bridge
@@ -110,7 +112,7 @@ net_up() {
 # then delete the links and the namespaces. Leaves nothing when there is nothing to delete.
 net_down() {
   for n in 1 2 3; do
-    ip netns list | grep -q "^$(ns "$n")\b" || continue
+    [ -e "$netns_dir/$(ns "$n")" ] || continue
     local pids
     pids=$(ip netns pids "$(ns "$n")")
     [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
@@ -165,9 +167,11 @@ start() {
 }
 
 stop() {
+  # Every node connected first: a node shutting down waits on its links to the others, and on
+  # one to a node cut off it would wait for good.
+  if netns_mode; then for n in 1 2 3; do heal "$n" 2>/dev/null || true; done; fi
   for n in 1 2 3; do
     [ -d "$dir/node$n" ] || continue
-    if netns_mode; then heal "$n" 2>/dev/null || true; fi
     ctl "$n" -q shutdown >/dev/null 2>&1 || true
     kill_node "$n" 2>/dev/null || true
   done
@@ -190,9 +194,12 @@ heal() { netns_mode || die "heal needs CLUSTER_NETNS=1"; ip link set "$(veth "$1
 # listening N: whether node N listens for AMQP. A paused node closes its listener; ss reads the
 # socket table without connecting, so asking often neither shows in the node's log nor costs
 # an Erlang VM's start, as each CLI call does.
+# It tells "no" from a failure to ask: a failed ss must not pass for a closed listener.
 listening() {
   netns_mode || die "listening needs CLUSTER_NETNS=1"
-  [ -n "$(ip netns exec "$(ns "$1")" ss -Hltn "sport = :$(port "$1")")" ]
+  local sockets
+  sockets=$(ip netns exec "$(ns "$1")" ss -Hltn "sport = :$(port "$1")") || die "ss failed in $(ns "$1")"
+  if [ -n "$sockets" ]; then echo yes; else echo no; fi
 }
 
 case "${1:-}" in
