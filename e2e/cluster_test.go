@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -60,11 +61,11 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 var clusterNode = regexp.MustCompile(`outbox-inbox-(\d)@`)
 
 // quorumStatus returns each replica of queue that answers, with its raft state, by node number,
-// as a node that is not cut off sees them.
-func quorumStatus(t *testing.T, c *testenv.Cluster, vhost, queue string) map[int]string {
+// as the first node that answers sees them: one of prefer if it can, never one cut off.
+func quorumStatus(t *testing.T, c *testenv.Cluster, vhost, queue string, prefer ...int) map[int]string {
 	t.Helper()
 	status := map[int]string{}
-	for node := 1; node <= 3; node++ {
+	for _, node := range slices.Concat(prefer, []int{1, 2, 3}) {
 		if c.IsCut(node) {
 			continue // it would only know itself, or wait for the others
 		}

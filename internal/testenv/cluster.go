@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -56,7 +57,7 @@ func StartNetnsCluster(t testing.TB) *Cluster {
 		t.Skip(ClusterSkip)
 	}
 	if os.Geteuid() != 0 {
-		t.Skip("the namespaced cluster needs root (ip netns)")
+		t.Skip("TEST_CLUSTER=1, but the namespaced cluster needs root (ip netns)")
 	}
 	c := &Cluster{dir: t.TempDir(), netns: true, cut: map[int]bool{}}
 	c.start(t)
@@ -142,9 +143,19 @@ func (c *Cluster) Running(node int) bool {
 	return err == nil
 }
 
-// Logged returns when node's log first says text at or after since: the node's own time of an
-// event, where polling it with the CLI tools (seconds a call) would only bound it.
-func (c *Cluster) Logged(t testing.TB, node int, since time.Time, text string) (time.Time, bool) {
+// Logged returns when node's log first says text at or after since, waiting up to wait for it:
+// the node's own time of an event, where polling it with the CLI tools (seconds a call) would
+// only bound it. The node writes its log with a delay, so a line may come after the event shows.
+func (c *Cluster) Logged(t testing.TB, node int, since time.Time, text string, wait time.Duration) (time.Time, bool) {
+	t.Helper()
+	for deadline := time.Now().Add(wait); ; time.Sleep(100 * time.Millisecond) {
+		if at, ok := c.logged(t, node, since, text); ok || time.Now().After(deadline) {
+			return at, ok
+		}
+	}
+}
+
+func (c *Cluster) logged(t testing.TB, node int, since time.Time, text string) (time.Time, bool) {
 	t.Helper()
 	f, err := os.Open(filepath.Join(c.dir, "node"+strconv.Itoa(node), "log", c.Node(node)+".log"))
 	if err != nil {
@@ -155,11 +166,11 @@ func (c *Cluster) Logged(t testing.TB, node int, since time.Time, text string) (
 	lines.Buffer(make([]byte, 64<<10), 1<<20)
 	for lines.Scan() {
 		// 2026-01-02 15:04:05.123456+00:00 [info] <0.1.0> text
-		f := strings.Fields(lines.Text())
-		if len(f) < 2 || !strings.Contains(lines.Text(), text) {
+		fields := strings.Fields(lines.Text())
+		if len(fields) < 2 || !strings.Contains(lines.Text(), text) {
 			continue
 		}
-		at, err := time.Parse("2006-01-02 15:04:05.999999-07:00", f[0]+" "+f[1])
+		at, err := time.Parse("2006-01-02 15:04:05.999999-07:00", fields[0]+" "+fields[1])
 		if err == nil && !at.Before(since) {
 			return at, true
 		}
@@ -171,10 +182,14 @@ func (c *Cluster) Logged(t testing.TB, node int, since time.Time, text string) (
 }
 
 // Listening reports whether node's AMQP listener is open (netns mode), as seen inside node's
-// network: a node that pause_minority paused has closed it. Cheap enough to poll often.
-func (c *Cluster) Listening(node int) bool {
-	_, err := c.script("listening", strconv.Itoa(node))
-	return err == nil
+// network: a node that pause_minority paused has closed it. Cheap enough to poll often. An
+// error is a failure to tell, not a closed listener.
+func (c *Cluster) Listening(node int) (bool, error) {
+	out, err := c.script("listening", strconv.Itoa(node))
+	if err != nil {
+		return false, fmt.Errorf("scripts/cluster.sh listening %d: %w\n%s", node, err, out)
+	}
+	return strings.TrimSpace(out) == "yes", nil
 }
 
 // Node is the node name of node (1-3), as rabbitmqctl prints it.
