@@ -184,7 +184,11 @@ func TestCleanupRunsOnceAcrossRunners(t *testing.T) {
 		return testenv.Count(t, e.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'") == 1
 	}, "the first runner's batch is not waiting for the held row")
 
-	second, err := messaging.DeleteSentOutboxMessages(context.Background(), e.db, week, e.opts)
+	// Bounded: a second runner that ignored the lock would wait on the held row, and the test
+	// must fail saying so, not hang.
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	second, err := messaging.DeleteSentOutboxMessages(ctx, e.db, week, e.opts)
 	if err != nil || !second.Skipped || second.Deleted != 0 || second.Batches != 0 {
 		t.Fatalf("second runner: %+v, %v; want it skipped, without an error", second, err)
 	}
