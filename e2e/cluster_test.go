@@ -33,7 +33,7 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 
 	traffic := s.StartTraffic(2)
 	traffic.WaitFor(t, 30)
-	leader := leaderOf(t, cluster, s.VHost, "invoicing")
+	leader := invoicingLeader(t, cluster, s.VHost)
 	t.Logf("node %d leads: %s", leader, strings.Join(ledBy(t, cluster, s.VHost, leader), ", "))
 
 	cluster.Kill(t, leader)
@@ -47,7 +47,7 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 	stall := untilInvoicedAfter(t, s, killed)
 	t.Logf("stall: %s from the kill until an order placed after it was invoiced", stall.Round(time.Millisecond))
 	traffic.WaitFor(t, 30) // orders flow on two nodes
-	if now := leaderOf(t, cluster, s.VHost, "invoicing"); now == leader {
+	if now := invoicingLeader(t, cluster, s.VHost); now == leader {
 		t.Fatalf("node %d still leads the invoicing queue after it was killed", leader)
 	}
 
@@ -126,8 +126,11 @@ func members(t *testing.T, c *testenv.Cluster, vhost, queue string) []int {
 	return nodes
 }
 
-func leaderOf(t *testing.T, c *testenv.Cluster, vhost, queue string) int {
+// invoicingLeader is the node that leads the invoicing queue: the one both cluster tests take
+// away.
+func invoicingLeader(t *testing.T, c *testenv.Cluster, vhost string) int {
 	t.Helper()
+	const queue = "invoicing"
 	var leader int
 	testenv.Eventually(t, 60*time.Second, func() bool {
 		for node, state := range quorumStatus(t, c, vhost, queue) {

@@ -30,7 +30,7 @@ func TestClusterPartitionPausesTheMinority(t *testing.T) {
 
 	traffic := s.StartTraffic(2)
 	traffic.WaitFor(t, 30)
-	minority := leaderOf(t, cluster, s.VHost, "invoicing")
+	minority := invoicingLeader(t, cluster, s.VHost)
 	t.Logf("node %d leads: %s", minority, strings.Join(ledBy(t, cluster, s.VHost, minority), ", "))
 	for node := 1; node <= 3; node++ { // who loses their connection with the node decides the stall
 		t.Logf("node %d's clients: %s", node, strings.Join(clientsOf(t, cluster, s.VHost, node), ", "))
@@ -87,7 +87,7 @@ func TestClusterPartitionPausesTheMinority(t *testing.T) {
 	t.Logf("cut off: node %d paused %s after the cut (its log), its listener closed after %s; invoicing's new leader elected after %s; stall %s from the cut until an order placed after it was invoiced (the cut command took %s)",
 		minority, paused.Sub(cut).Round(time.Millisecond), listenerClosed.Round(time.Millisecond), elected, stall.Round(time.Millisecond), cut.Sub(cutting).Round(time.Millisecond))
 	traffic.WaitFor(t, 30) // orders flow on the majority
-	if now := leaderOf(t, cluster, s.VHost, "invoicing"); now == minority {
+	if now := invoicingLeader(t, cluster, s.VHost); now == minority {
 		t.Fatalf("node %d still leads the invoicing queue while cut off", minority)
 	}
 	if listening, err := cluster.Listening(minority); err != nil || listening {
