@@ -40,14 +40,26 @@ var errRollback = errors.New("rollback")
 // whatever settings it makes for its claims.
 func explainClaim(t *testing.T, db *gorm.DB, guarded bool) planNode {
 	t.Helper()
-	var out string
-	err := db.Transaction(func(tx *gorm.DB) error {
+	return explainRolledBack(t, db, func(tx *gorm.DB) (string, error) {
 		if guarded {
 			if _, err := (&Relay{cfg: RelayConfig{BatchSize: 1}}).claim(tx); err != nil {
-				return err
+				return "", err
 			}
 		}
-		if err := tx.Raw("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+claimSQL, 500).Row().Scan(&out); err != nil {
+		var out string
+		err := tx.Raw("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+claimSQL, 500).Row().Scan(&out)
+		return out, err
+	})
+}
+
+// explainRolledBack runs explain, which returns an EXPLAIN (FORMAT JSON) result, in a
+// transaction that is rolled back, and returns the plan's root.
+func explainRolledBack(t *testing.T, db *gorm.DB, explain func(tx *gorm.DB) (string, error)) planNode {
+	t.Helper()
+	var out string
+	err := db.Transaction(func(tx *gorm.DB) error {
+		var err error
+		if out, err = explain(tx); err != nil {
 			return err
 		}
 		return errRollback

@@ -2,8 +2,6 @@ package messaging
 
 import (
 	"bytes"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -19,11 +17,10 @@ import (
 // prepared statement (as the driver's statement cache runs it) with the plan cache mode given.
 func explainBatch(t *testing.T, db *gorm.DB, planCacheMode, query string, args ...any) planNode {
 	t.Helper()
-	var out string
-	err := db.Transaction(func(tx *gorm.DB) error {
+	return explainRolledBack(t, db, func(tx *gorm.DB) (string, error) {
 		for _, q := range []string{cleanupPlanSQL, "SET LOCAL plan_cache_mode = " + planCacheMode, "PREPARE cleanup_batch AS " + query} {
 			if err := tx.Exec(q).Error; err != nil {
-				return err
+				return "", err
 			}
 		}
 		params := ""
@@ -33,23 +30,13 @@ func explainBatch(t *testing.T, db *gorm.DB, planCacheMode, query string, args .
 			}
 			params += fmt.Sprintf("'%v'", a)
 		}
+		var out string
 		if err := tx.Raw("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE cleanup_batch(" + params + ")").Row().Scan(&out); err != nil {
-			return err
+			return "", err
 		}
 		// A prepared statement outlives the transaction: the pooled connection must not keep it.
-		if err := tx.Exec("DEALLOCATE cleanup_batch").Error; err != nil {
-			return err
-		}
-		return errRollback
+		return out, tx.Exec("DEALLOCATE cleanup_batch").Error
 	})
-	if !errors.Is(err, errRollback) {
-		t.Fatal(err)
-	}
-	var plans []struct{ Plan planNode }
-	if err := json.Unmarshal([]byte(out), &plans); err != nil || len(plans) != 1 {
-		t.Fatalf("parse plan %s: %v", out, err)
-	}
-	return plans[0].Plan
 }
 
 // checkBatchPlan fails t unless the batch walks index to find its rows and deletes them by
