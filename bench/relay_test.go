@@ -293,7 +293,9 @@ func newDrainSetup(t *testing.T) *drainSetup {
 	d.db.Migrate(t, messaging.MigrateOutbox)
 	testenv.CleanupBroker(t, []string{d.queue, d.queue + ".dlq"}, []string{d.exchange})
 	d.ch = testenv.Channel(t)
-	if err := (messaging.ConsumerTopology{Exchange: d.exchange, Queue: d.queue, RoutingKeys: []string{events.OrderPlacedType}}).Declare(d.ch); err != nil {
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{
+		{Queue: d.queue, Bindings: []messaging.Binding{{Exchange: d.exchange, RoutingKey: events.OrderPlacedType}}}}}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
 		t.Fatal(err)
 	}
 	return d
@@ -325,7 +327,7 @@ func (d *drainSetup) drain(t *testing.T, relays int) (float64, int) {
 	start := dbNow(t, d.db.DB)
 	for range relays {
 		pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(),
-			Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, d.exchange) }})
+			Topology: messaging.Topology{Exchanges: []string{d.exchange}}})
 		t.Cleanup(pub.Close)
 		relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.db.DB, Sender: pub, Exchange: d.exchange, PollInterval: 10 * time.Millisecond})
 		if err != nil {

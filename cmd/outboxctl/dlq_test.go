@@ -94,16 +94,17 @@ func deliveryIDs(deliveries []amqp.Delivery) []string {
 func deadLettered(t *testing.T) (queue string, ch *amqp.Channel, ids []string) {
 	t.Helper()
 	exchange, queue := brokerNames(t)
-	topology := messaging.ConsumerTopology{Exchange: exchange, Queue: queue, RoutingKeys: []string{"OrderPlaced"}, DeliveryLimit: 2}
-	ch = testenv.Channel(t)
-	if err := topology.Declare(ch); err != nil {
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{
+		{Queue: queue, Bindings: []messaging.Binding{{Exchange: exchange, RoutingKey: "OrderPlaced"}}, DeliveryLimit: 2}}}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
 		t.Fatal(err)
 	}
+	ch = testenv.Channel(t)
 	refuse := func(_ context.Context, msg messaging.Message) error {
 		return messaging.Permanent(fmt.Errorf("cannot invoice order of message %s", msg.ID))
 	}
 	log, _ := testenv.NewLogger(t)
-	c, err := messaging.NewConsumer(messaging.ConsumerConfig{URL: testenv.AMQPURL(), Queue: queue, Setup: topology.Declare, DeliveryLimit: 2, Logger: log}, refuse)
+	c, err := messaging.NewConsumer(messaging.ConsumerConfig{URL: testenv.AMQPURL(), Queue: queue, Topology: topology, DeliveryLimit: 2, Logger: log}, refuse)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,10 +229,14 @@ func TestDlqRedriveIntoASubscription(t *testing.T) {
 	messaging.Handle(sub, event, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
 		return tx.Exec("INSERT INTO handled (message_id) VALUES (?)", msg.ID).Error
 	})
-	ch := testenv.Channel(t)
-	if err := sub.Topology().Declare(ch); err != nil {
+	topology, err := sub.Topology()
+	if err != nil {
 		t.Fatal(err)
 	}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	ch := testenv.Channel(t)
 	background(t, sub.Run)
 	handled := func(id uuid.UUID) int64 {
 		return testenv.Count(t, db.DB, "SELECT count(*) FROM handled WHERE message_id = ?", id)

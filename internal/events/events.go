@@ -32,6 +32,27 @@ var (
 	InvoiceIssuedEvent  = messaging.Event[InvoiceIssued]{Exchange: InvoicingExchange, Type: InvoiceIssuedType, Validate: InvoiceIssued.validate}
 )
 
+// The consumers' queues, each also the consumer's name.
+const (
+	InvoicingQueue    = "invoicing"
+	NotificationQueue = "notification"
+)
+
+// Topology is the whole system on the broker: both exchanges, and each consumer's queue bound
+// to the events it handles. Every service declares all of it at start, before it publishes or
+// consumes, so an event published before a consumer first started waits in that consumer's
+// queue, whatever order the services start in. The compose definitions and the Kubernetes
+// resources declare the same (deploy's tests hold them to it), and each consumer's handlers
+// must match its entry: its subscription refuses to start otherwise.
+var Topology = messaging.Topology{
+	Exchanges: []string{Exchange, InvoicingExchange},
+	Queues: []messaging.ConsumerTopology{
+		{Queue: InvoicingQueue, Bindings: []messaging.Binding{OrderPlacedEvent.Binding(), OrderCancelledEvent.Binding()}},
+		{Queue: NotificationQueue, Bindings: []messaging.Binding{
+			OrderPlacedEvent.Binding(), InvoiceIssuedEvent.Binding(), OrderCancelledEvent.Binding()}},
+	},
+}
+
 // Line is one order line in an event. Money is integer cents.
 type Line struct {
 	SKU            string `json:"sku"`

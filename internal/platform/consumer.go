@@ -48,10 +48,11 @@ func (b *Base) InboxCleanup(log *slog.Logger, retention time.Duration) Worker {
 }
 
 // Subscription returns the subscription of the consumer name (also its queue's), on the
-// base's database, configured by s. Register its handlers, then run it.
-func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, s ConsumerSettings) (*messaging.Subscription, error) {
+// base's database, configured by s, declaring topology, the whole system's. Register its
+// handlers, then run it.
+func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology messaging.Topology, s ConsumerSettings) (*messaging.Subscription, error) {
 	return messaging.NewSubscription(messaging.SubscriptionConfig{
-		Name: name, URL: amqpURL, DB: b.DB,
+		Name: name, URL: amqpURL, DB: b.DB, Topology: topology,
 		Concurrency: s.Concurrency, BatchSize: s.BatchSize, Prefetch: s.Prefetch,
 		Logger: log, Metrics: b.Metrics,
 	})

@@ -4,8 +4,6 @@ import (
 	"log/slog"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
@@ -48,14 +46,13 @@ type Outbox struct {
 	Cleanup   Worker
 }
 
-// Outbox wires the relay of the base's outbox to exchange, publishing as appID. The outbox's
-// gauges join the base's metrics.
-func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, s RelaySettings) (*Outbox, error) {
+// Outbox wires the relay of the base's outbox, publishing as appID; exchange takes the rows
+// that name none of their own. Its publisher declares topology, the whole system's, before its
+// first publish. The outbox's gauges join the base's metrics.
+func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topology messaging.Topology, s RelaySettings) (*Outbox, error) {
 	messaging.RegisterOutboxStats(b.Registry, b.DB)
 	pub := messaging.NewPublisher(messaging.PublisherConfig{
-		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID,
-		Setup:  func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, exchange) },
-		Logger: log,
+		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID, Topology: topology, Logger: log,
 	})
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
 		DB: b.DB, Sender: pub, Exchange: exchange,

@@ -265,15 +265,22 @@ func AMQPHost(t testing.TB) string {
 	return u.Host
 }
 
-// Channel opens a plain AMQP channel for the test's own declarations and inspections.
-func Channel(t testing.TB) *amqp.Channel {
+// Connection opens a plain AMQP connection for the test's own declarations, closed when the
+// test ends.
+func Connection(t testing.TB) *amqp.Connection {
 	t.Helper()
 	conn, err := amqp.Dial(AMQPURL())
 	if err != nil {
 		t.Fatalf("connect to RabbitMQ at TEST_AMQP_URL: %v", err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
+	return conn
+}
+
+// Channel opens a plain AMQP channel for the test's own declarations and inspections.
+func Channel(t testing.TB) *amqp.Channel {
+	t.Helper()
+	ch, err := Connection(t).Channel()
 	if err != nil {
 		t.Fatalf("open channel: %v", err)
 	}

@@ -128,7 +128,7 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	}
 	traceParent, traceState := deliveryTraceContext(d)
 	return Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: corr,
-		TraceParent: traceParent, TraceState: traceState}, nil
+		TraceParent: traceParent, TraceState: traceState, Exchange: d.Exchange, RoutingKey: d.RoutingKey}, nil
 }
 
 // deliveryTraceContext reads the W3C trace context headers of d.

@@ -27,8 +27,9 @@ type ConsumerConfig struct {
 	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	Queue          string // the queue to consume
-	// Setup declares the topology (see [ConsumerTopology.Declare]) on every new channel.
-	Setup func(ch *amqp.Channel) error
+	// Topology is declared on every new connection, before consuming (see [Topology.Declare]):
+	// at least the consumer's queue, its bindings and its dead-letter queue.
+	Topology Topology
 	// Concurrency is how many messages are handled in parallel. Default 1.
 	Concurrency int
 	// Prefetch is how many unacknowledged messages the broker sends ahead. Default 2×Concurrency,
@@ -197,27 +198,19 @@ func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
 	return consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}, nil
 }
 
-// declare runs Setup on a new channel and returns the channel to consume on. A dead-letter
-// queue an earlier version declared is used as it is (see [ErrLegacyDeadLetterQueue]): the
-// broker closed the channel that declared it, so consuming takes a new one.
+// declare declares the topology on conn and returns a channel to consume on. A dead-letter
+// queue an earlier version declared is used as it is (see [ErrLegacyDeadLetterQueue]).
 func (c *Consumer) declare(conn *amqp.Connection) (*amqp.Channel, error) {
-	ch, err := conn.Channel()
-	if err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
-	}
-	if c.cfg.Setup == nil {
-		return ch, nil
-	}
-	err = c.cfg.Setup(ch)
+	err := c.cfg.Topology.Declare(conn, c.log)
 	if errors.Is(err, ErrLegacyDeadLetterQueue) {
 		c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
 			"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "error", err)
-		if ch, err = conn.Channel(); err != nil {
-			return nil, fmt.Errorf("open channel: %w", err)
-		}
-	}
-	if err != nil {
+	} else if err != nil {
 		return nil, fmt.Errorf("declare topology: %w", err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
 	}
 	return ch, nil
 }
@@ -289,7 +282,8 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 	failures, outages := 0, 0
 	for {
 		if session.Err() != nil {
-			// Shutting down or disconnected: hand it back untouched for another consumer.
+			// Shutting down or disconnected: hand it back untouched for another consumer. A
+			// nack, which RabbitMQ 4.3 does not count against the message: it did not fail.
 			c.settle(ctx, log, "nack", d.Nack(false, true))
 			return
 		}
@@ -318,7 +312,10 @@ func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
 					return
 				}
 				log.WarnContext(ctx, "handler failed; returning message to the queue", "error", err, "attempts", failures)
-				if c.settle(ctx, log, "nack", d.Nack(false, true)) {
+				// basic.reject, not basic.nack: from RabbitMQ 4.3 on only a reject counts as a
+				// failed delivery, and without the count neither the queue's delivery limit nor
+				// the check above ever fires: the message would come back forever.
+				if c.settle(ctx, log, "reject", d.Reject(true)) {
 					c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
 				}
 				return

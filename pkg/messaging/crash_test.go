@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -68,8 +67,8 @@ func childEnv(t *testing.T) (db *gorm.DB, exchange, queue string) {
 // messages, the relay's transaction never commits its marks.
 type killAfterConfirms struct{ messaging.Sender }
 
-func (k killAfterConfirms) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
-	errs := k.Sender.Publish(ctx, exchange, msgs)
+func (k killAfterConfirms) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	errs := k.Sender.Publish(ctx, msgs)
 	for _, err := range errs {
 		if err != nil {
 			fmt.Println("publish failed before the crash point:", err)
@@ -84,7 +83,7 @@ func TestRelayProcessKilledBetweenPublishAndCommit(t *testing.T) {
 	if os.Getenv(crashPointEnv) == "relay-after-publish" {
 		db, exchange, _ := childEnv(t)
 		pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(),
-			Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, exchange) }})
+			Topology: messaging.Topology{Exchanges: []string{exchange}}})
 		r, err := messaging.NewRelay(messaging.RelayConfig{DB: db, Sender: killAfterConfirms{pub}, Exchange: exchange})
 		if err != nil {
 			t.Fatal(err)

@@ -130,9 +130,7 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 		t.Fatal("counted as dead-lettered while no dead-letter queue took it")
 	}
 
-	if err := b.topology.Declare(b.ch); err != nil { // the dead-letter queue is back
-		t.Fatal(err)
-	}
+	declare(t, b.topology) // the dead-letter queue is back
 	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not dead-lettered")
 	got := deadLetters(t, b.ch, b.queue)
@@ -158,7 +156,7 @@ func TestConsumerUsesADeadLetterQueueDeclaredWithoutALimit(t *testing.T) {
 	if _, err := b.ch.QueueDeclare(dlq, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum}); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.topology.Declare(testenv.Channel(t)); !errors.Is(err, messaging.ErrLegacyDeadLetterQueue) {
+	if err := b.topology.Declare(testenv.Connection(t), nil); !errors.Is(err, messaging.ErrLegacyDeadLetterQueue) {
 		t.Fatalf("Declare = %v, want ErrLegacyDeadLetterQueue", err)
 	}
 	b.consumer(t, testenv.AMQPURL(), b.db.DB, workFunc, nil)

@@ -76,13 +76,14 @@ func ExampleRelay() {
 		if err != nil {
 			return err
 		}
+		msg.Exchange = exchange // this example's own exchange, not the event's
 		return messaging.Enqueue(tx, msg)
 	})
 	if err != nil {
 		panic(err)
 	}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(), AppID: "order",
-		Setup: func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, exchange) }})
+		Topology: messaging.Topology{Exchanges: []string{exchange}}})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: db, Sender: pub, Exchange: exchange})
 	if err != nil {
@@ -226,7 +227,7 @@ func exampleQueue(routingKey string) (exchange string, depth func() int, done fu
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := (messaging.ConsumerTopology{Exchange: exchange, Queue: queue, RoutingKeys: []string{routingKey}}).Declare(ch); err != nil {
+	if err := queueTopology(exchange, queue, routingKey).Declare(conn, nil); err != nil {
 		log.Fatal(err)
 	}
 	depth = func() int {

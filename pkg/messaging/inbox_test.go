@@ -148,7 +148,7 @@ func (b *testBundle) consumer(t *testing.T, url string, db *gorm.DB, work func(c
 	t.Helper()
 	cfg := messaging.ConsumerConfig{
 		URL: url, ConnectionName: testenv.UniqueName("consumer"), Queue: b.queue,
-		Setup: b.topology.Declare, Concurrency: 4, Logger: b.log, Metrics: b.metrics,
+		Topology: b.topology, Concurrency: 4, Logger: b.log, Metrics: b.metrics,
 		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 200 * time.Millisecond},
 		Reconnect:    messaging.Backoff{Base: 100 * time.Millisecond, Max: time.Second},
 	}
@@ -443,7 +443,7 @@ func TestConsumerStopsWithinItsGraceOnASilentConnection(t *testing.T) {
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
 	in := newInbox(t, b.db.DB, consumerName, b.log)
 	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
-		URL: testenv.AMQPURLVia(t, proxy.Listen), Queue: b.queue, Setup: b.topology.Declare,
+		URL: testenv.AMQPURLVia(t, proxy.Listen), Queue: b.queue, Topology: b.topology,
 		ShutdownGrace: time.Second, Logger: b.log,
 	}, in.Handler(workFunc))
 	if err != nil {
@@ -479,7 +479,8 @@ func TestPublisherAndConsumerReconnectAfterTheBrokerClosesTheirConnections(t *te
 	publish := func(i int) {
 		t.Helper()
 		msg := newMessage(t, i)
-		errs := pub.Publish(context.Background(), b.exchange, []messaging.Message{msg})
+		msg.Exchange = b.exchange
+		errs := pub.Publish(context.Background(), []messaging.Message{msg})
 		if errs[0] != nil {
 			t.Fatalf("publish %d: %v", i, errs[0])
 		}
@@ -499,7 +500,9 @@ func TestPublisherAndConsumerReconnectAfterTheBrokerClosesTheirConnections(t *te
 	// The publisher's first call after the close may fail (it learns of the close then), with
 	// ErrBrokerUnavailable: no verdict on the message. It must succeed again without outside help.
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return pub.Publish(context.Background(), b.exchange, []messaging.Message{newMessage(t, 2)})[0] == nil
+		msg := newMessage(t, 2)
+		msg.Exchange = b.exchange
+		return pub.Publish(context.Background(), []messaging.Message{msg})[0] == nil
 	}, "publisher did not reconnect")
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 2 }, "message after reconnect not handled")
 }
@@ -577,7 +580,7 @@ func TestConsumerBatchesWaitingMessages(t *testing.T) {
 		return err
 	}
 	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
-		URL: testenv.AMQPURL(), Queue: b.queue, Setup: b.topology.Declare, Logger: b.log, Metrics: b.metrics,
+		URL: testenv.AMQPURL(), Queue: b.queue, Topology: b.topology, Logger: b.log, Metrics: b.metrics,
 		Concurrency: 2, BatchHandler: measured, BatchSize: 20,
 	}, in.Handler(work))
 	if err != nil {

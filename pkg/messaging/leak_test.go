@@ -29,7 +29,7 @@ func TestNoGoroutineLeftAfterFaultsAndShutdown(t *testing.T) {
 			c.PollInterval, c.Backoff = 50*time.Millisecond, messaging.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}
 		})
 		in := newInbox(t, b.db.DB, consumerName, b.log)
-		consumer, err := messaging.NewConsumer(messaging.ConsumerConfig{URL: url, Queue: b.queue, Setup: b.topology.Declare,
+		consumer, err := messaging.NewConsumer(messaging.ConsumerConfig{URL: url, Queue: b.queue, Topology: b.topology,
 			Heartbeat: time.Second, ShutdownGrace: time.Second, Logger: b.log,
 			Reconnect: messaging.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}}, in.Handler(workFunc))
 		if err != nil {

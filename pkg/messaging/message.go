@@ -14,7 +14,7 @@ import (
 // message_id, and the inbox key on the receiving side, and it never changes between attempts.
 type Message struct {
 	ID            uuid.UUID
-	Type          string          // e.g. "OrderPlaced"; also the AMQP routing key
+	Type          string          // e.g. "OrderPlaced"; also the AMQP routing key, unless RoutingKey says otherwise
 	Payload       json.RawMessage // the event itself, JSON
 	OccurredAt    time.Time
 	CorrelationID string // optional; carried as the AMQP correlation_id and a header
@@ -24,6 +24,20 @@ type Message struct {
 	// continues the trace. Empty when the message was enqueued outside any trace.
 	TraceParent string
 	TraceState  string
+	// Exchange and RoutingKey say where the message is published: an [Event]'s exchange, with
+	// the message's Type as the routing key unless RoutingKey is set. A message enqueued without
+	// an exchange goes to its relay's ([RelayConfig.Exchange]). On the consuming side they tell
+	// where the delivery came through.
+	Exchange   string
+	RoutingKey string
+}
+
+// routingKey is the key the message is published with.
+func (m Message) routingKey() string {
+	if m.RoutingKey != "" {
+		return m.RoutingKey
+	}
+	return m.Type
 }
 
 // NewMessage builds a message with a fresh UUIDv7 (time-ordered, so outbox inserts append to

@@ -17,9 +17,9 @@ const NotifyChannel = "outbox_messages"
 
 // insertOutboxSQL is followed by one insertOutboxRow per message.
 const (
-	insertOutboxSQL  = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state) VALUES `
-	insertOutboxRow  = "(?, ?, ?, ?, ?, ?, ?)"
-	insertOutboxArgs = 7
+	insertOutboxSQL  = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key) VALUES `
+	insertOutboxRow  = "(?, ?, ?, ?, ?, ?, ?, ?, ?)"
+	insertOutboxArgs = 9
 )
 
 // maxInsertRows is the most rows one INSERT may carry: PostgreSQL's wire protocol numbers a
@@ -45,6 +45,8 @@ type OutboxMessage struct {
 	NextAttemptAt time.Time `gorm:"not null"` // the database's clock decides when a row is due
 	TraceParent   string    `gorm:"not null"` // W3C trace context of the enqueuing span; "" for none
 	TraceState    string    `gorm:"not null"`
+	Exchange      *string   // nil: the relay's exchange
+	RoutingKey    *string   // nil: the type
 }
 
 // TableName pins the table name the migrations create.
@@ -53,7 +55,22 @@ func (OutboxMessage) TableName() string { return "outbox_messages" }
 // Message returns the row's envelope.
 func (m OutboxMessage) Message() Message {
 	return Message{ID: m.ID, Type: m.Type, Payload: m.Payload, OccurredAt: m.OccurredAt, CorrelationID: m.CorrelationID,
-		TraceParent: m.TraceParent, TraceState: m.TraceState}
+		TraceParent: m.TraceParent, TraceState: m.TraceState, Exchange: deref(m.Exchange), RoutingKey: deref(m.RoutingKey)}
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// nullIfEmpty stores "" as NULL.
+func nullIfEmpty(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
 }
 
 // Enqueue adds msgs to the outbox inside tx, the caller's open transaction, and notifies the
@@ -108,7 +125,8 @@ func insertOutbox(tx *gorm.DB, msgs []Message, now time.Time, traceParent, trace
 			m.TraceParent, m.TraceState = traceParent, traceState
 		}
 		values[i] = insertOutboxRow
-		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt, m.TraceParent, m.TraceState)
+		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt, m.TraceParent, m.TraceState,
+			nullIfEmpty(m.Exchange), nullIfEmpty(m.RoutingKey))
 	}
 	// next_attempt_at, processed_at and attempts take their defaults: due now, by the
 	// database's clock.

@@ -22,6 +22,8 @@ var (
 	ErrNacked = errors.New("message nacked by the broker")
 	// ErrTooLarge: the message is over PublisherConfig.MaxMessageBytes; it was not sent.
 	ErrTooLarge = errors.New("message too large")
+	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
+	ErrNoExchange = errors.New("no such exchange")
 )
 
 // ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
@@ -39,9 +41,11 @@ type PublisherConfig struct {
 	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	AppID          string // the AMQP app_id of every message
-	// Setup declares what the publisher needs (at least its exchange). It runs on every new
-	// channel, so a deleted exchange comes back after the next reconnect.
-	Setup func(ch *amqp.Channel) error
+	// Topology is declared on every new connection, before the first publish on it (see
+	// [Topology.Declare]): at least the exchanges of the messages, and, so that no message is
+	// published before a queue that should take it exists, every consumer's queue. A deleted
+	// exchange comes back after the next reconnect.
+	Topology Topology
 	// ConfirmTimeout bounds the wait for one call's confirms: a broker that stops reading or a
 	// half-open connection must not hold the caller forever. Default 15 s.
 	ConfirmTimeout time.Duration
@@ -108,23 +112,23 @@ func (p *Publisher) Connect(ctx context.Context) error {
 	return s.watch.blockedErr()
 }
 
-// Publish sends msgs to exchange, each with its Type as the routing key, and waits for the
-// broker's verdict on all of them. It returns one error per message, in order: nil means the
-// broker confirmed it and routed it to at least one queue; [ErrUnroutable], [ErrNacked] and
-// [ErrTooLarge] are verdicts on that message; [ErrBrokerUnavailable] means there was none.
-// Anything but nil means the message must be treated as not sent (and may still have been
-// delivered: at-least-once).
-func (p *Publisher) Publish(ctx context.Context, exchange string, msgs []Message) []error {
+// Publish sends each message to its exchange with its routing key (see [Message.Exchange]),
+// and waits for the broker's verdict on all of them. It returns one error per message, in
+// order: nil means the broker confirmed it and routed it to at least one queue;
+// [ErrUnroutable], [ErrNoExchange], [ErrNacked] and [ErrTooLarge] are verdicts on that message;
+// [ErrBrokerUnavailable] means there was none. Anything but nil means the message must be
+// treated as not sent (and may still have been delivered: at-least-once).
+func (p *Publisher) Publish(ctx context.Context, msgs []Message) []error {
 	errs := make([]error, len(msgs))
 	for start := 0; start < len(msgs); start += p.cfg.MaxInFlight {
 		end := min(start+p.cfg.MaxInFlight, len(msgs))
-		p.publishWindow(ctx, exchange, msgs[start:end], errs[start:end])
+		p.publishWindow(ctx, msgs[start:end], errs[start:end])
 	}
 	return errs
 }
 
 // publishWindow publishes up to MaxInFlight messages and fills in their verdicts.
-func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []Message, errs []error) {
+func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []error) {
 	// ConfirmTimeout bounds the whole window, the wait for a place among the in-flight
 	// messages and the writes included.
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
@@ -133,7 +137,7 @@ func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []M
 		fill(errs, unavailable("wait for room among the messages in flight: %w", err))
 		return
 	}
-	s, confirms := p.write(ctx, exchange, msgs, errs)
+	s, confirms := p.write(ctx, msgs, errs)
 	if s == nil {
 		p.inFlight.Release(int64(len(msgs)))
 		return
@@ -157,7 +161,7 @@ func (p *Publisher) publishWindow(ctx context.Context, exchange string, msgs []M
 // write publishes the window on the current session (connecting first if needed), under the
 // lock: concurrent calls interleave whole windows, not single messages. A nil session means
 // nothing was published; errs says why.
-func (p *Publisher) write(ctx context.Context, exchange string, msgs []Message, errs []error) (*pubSession, []*amqp.DeferredConfirmation) {
+func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*pubSession, []*amqp.DeferredConfirmation) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	s, err := p.sessionLocked()
@@ -183,7 +187,15 @@ func (p *Publisher) write(ctx context.Context, exchange string, msgs []Message, 
 			errs[i] = fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(m.Payload), p.cfg.MaxMessageBytes)
 			continue
 		}
-		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, m.Type, true, false, toPublishing(m, p.cfg.AppID))
+		if err := s.checkExchange(m.Exchange); err != nil {
+			if !errors.Is(err, ErrNoExchange) {
+				fill(errs[i:], err)
+				break
+			}
+			errs[i] = err
+			continue
+		}
+		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.routingKey(), true, false, toPublishing(m, p.cfg.AppID))
 		if err != nil {
 			fill(errs[i:], unavailable("publish: %w", err))
 			break
@@ -224,7 +236,7 @@ func (p *Publisher) open() (*pubSession, error) {
 		return nil, err
 	}
 	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log)}
-	if err := s.setup(p.cfg); err != nil {
+	if err := s.setup(p.cfg, p.log); err != nil {
 		s.close()
 		return nil, err
 	}
@@ -266,9 +278,22 @@ type pubSession struct {
 	returnsMu sync.Mutex
 	returns   chan amqp.Return
 	returned  map[string]amqp.Return
+
+	// exchanges holds the exchanges known to exist on this connection, checked before the first
+	// publish to each: a publish to a missing one would close the channel, and with it every
+	// other message's confirm.
+	exchanges map[string]bool
 }
 
-func (s *pubSession) setup(cfg PublisherConfig) error {
+func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
+	err := cfg.Topology.Declare(s.conn, log)
+	if err != nil && !errors.Is(err, ErrLegacyDeadLetterQueue) {
+		return fmt.Errorf("declare topology: %w", err)
+	}
+	s.exchanges = map[string]bool{"": true} // the default exchange always exists
+	for _, x := range cfg.Topology.AllExchanges() {
+		s.exchanges[x] = true
+	}
 	ch, err := s.conn.Channel()
 	if err != nil {
 		return fmt.Errorf("open channel: %w", err)
@@ -280,12 +305,32 @@ func (s *pubSession) setup(cfg PublisherConfig) error {
 	// Every message in flight may come back once: the semaphore keeps them within the buffer.
 	s.returns = ch.NotifyReturn(make(chan amqp.Return, cfg.MaxInFlight))
 	s.returned = make(map[string]amqp.Return)
-	if cfg.Setup != nil {
-		if err := cfg.Setup(ch); err != nil {
-			return fmt.Errorf("declare topology: %w", err)
-		}
-	}
 	return nil
+}
+
+// checkExchange returns nil if exchange exists, ErrNoExchange if it does not, and
+// ErrBrokerUnavailable if the broker did not say. It asks on a channel of its own, which the
+// broker closes when the exchange is missing.
+func (s *pubSession) checkExchange(exchange string) error {
+	if s.exchanges[exchange] {
+		return nil
+	}
+	ch, err := s.conn.Channel()
+	if err != nil {
+		return unavailable("open channel: %w", err)
+	}
+	err = ch.ExchangeDeclarePassive(exchange, amqp.ExchangeTopic, true, false, false, false, nil)
+	var amqpErr *amqp.Error
+	switch {
+	case err == nil:
+		_ = ch.Close()
+		s.exchanges[exchange] = true
+		return nil
+	case errors.As(err, &amqpErr) && amqpErr.Code == amqp.NotFound:
+		return fmt.Errorf("%w: %q", ErrNoExchange, exchange)
+	default:
+		return unavailable("check exchange %q: %w", exchange, err)
+	}
 }
 
 // await collects the confirms into errs. It returns true, leaving the rest of errs as

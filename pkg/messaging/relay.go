@@ -28,7 +28,7 @@ const (
 	// Claim the oldest due rows. FOR UPDATE SKIP LOCKED (inside the batch's transaction) makes
 	// concurrent relays, and the lanes of one relay, take disjoint rows instead of publishing
 	// the same ones.
-	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state
+	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at <= now()
 ORDER BY occurred_at, id
@@ -51,11 +51,12 @@ WHERE id = ?
 RETURNING next_attempt_at`
 )
 
-// Sender publishes a batch and reports one verdict per message (see [Publisher.Publish]). An
-// error wrapping [ErrBrokerUnavailable] is no verdict: the row stays due and its attempts
-// untouched. Any other error is the message's own fault, and backs the row off.
+// Sender publishes a batch, each message to its exchange, and reports one verdict per message
+// (see [Publisher.Publish]). An error wrapping [ErrBrokerUnavailable] is no verdict: the row
+// stays due and its attempts untouched. Any other error is the message's own fault, and backs
+// the row off.
 type Sender interface {
-	Publish(ctx context.Context, exchange string, msgs []Message) []error
+	Publish(ctx context.Context, msgs []Message) []error
 }
 
 // brokerProbe is what a [Sender] may also offer (a [Publisher] does): a cheap check that the
@@ -66,8 +67,10 @@ type brokerProbe interface {
 
 // RelayConfig configures a [Relay]. DB, Sender and Exchange are required.
 type RelayConfig struct {
-	DB       *gorm.DB // the service's database, holding outbox_messages
-	Sender   Sender
+	DB     *gorm.DB // the service's database, holding outbox_messages
+	Sender Sender
+	// Exchange is where the rows that name no exchange of their own go: those enqueued before
+	// rows recorded it, and messages enqueued without one. Each other row goes to its own.
 	Exchange string
 	// BatchSize is the most rows one transaction claims and publishes. Default 500.
 	BatchSize int
@@ -113,8 +116,7 @@ type Relay struct {
 	log    *slog.Logger
 	outage outage
 	tracer trace.Tracer
-	// spanName and spanOptions are the same for every publish span: made once.
-	spanName    string
+	// spanOptions are the same for every publish span: made once.
 	spanOptions []trace.SpanStartOption
 }
 
@@ -142,10 +144,9 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	}
 	return &Relay{
 		cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
-		tracer: newTracer(cfg.TracerProvider), spanName: "publish " + cfg.Exchange,
+		tracer: newTracer(cfg.TracerProvider),
 		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
-			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"),
-			semconv.MessagingDestinationName(cfg.Exchange))},
+			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"))},
 	}, nil
 }
 
@@ -216,9 +217,12 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 		msgs := make([]Message, len(rows))
 		for i, row := range rows {
 			msgs[i] = row.Message()
+			if row.Exchange == nil { // a row from before rows named their exchange
+				msgs[i].Exchange = r.cfg.Exchange
+			}
 		}
 		spans := r.startPublishSpans(ctx, msgs)
-		verdicts := r.cfg.Sender.Publish(ctx, r.cfg.Exchange, msgs)
+		verdicts := r.cfg.Sender.Publish(ctx, msgs)
 		endPublishSpans(spans, verdicts)
 		s, err = r.settle(tx, rows, msgs, verdicts)
 		return err
@@ -244,7 +248,7 @@ func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
 	rows := make([]OutboxMessage, 0, r.cfg.BatchSize)
 	for cursor.Next() {
 		var m OutboxMessage
-		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts, &m.TraceParent, &m.TraceState); err != nil {
+		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts, &m.TraceParent, &m.TraceState, &m.Exchange, &m.RoutingKey); err != nil {
 			return nil, fmt.Errorf("claim outbox batch: %w", err)
 		}
 		rows = append(rows, m)
@@ -275,8 +279,11 @@ func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.S
 		if spans == nil {
 			spans = make([]trace.Span, len(msgs))
 		}
-		spanCtx, span := r.tracer.Start(parent, r.spanName, r.spanOptions...)
+		spanCtx, span := r.tracer.Start(parent, "publish "+m.Exchange, r.spanOptions...)
 		messageAttributes(span, *m)
+		if span.IsRecording() {
+			span.SetAttributes(semconv.MessagingDestinationName(m.Exchange))
+		}
 		spans[i] = span
 		// Without a tracer provider the span is the parent itself: the stored context goes on
 		// as it is, with no formatting.

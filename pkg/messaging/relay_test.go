@@ -315,10 +315,8 @@ func TestRelayRedeclaresTopologyAfterTheExchangeIsDeleted(t *testing.T) {
 	}
 	b.wantNoRowCharged(t)
 	// The publisher declared the exchange again; the queue needs its binding back too (the
-	// consumer's Setup does that on reconnect; here the test plays the consumer).
-	if err := b.topology.Declare(b.ch); err != nil {
-		t.Fatal(err)
-	}
+	// consumer's topology does that on reconnect; here the test plays the consumer).
+	declare(t, b.topology)
 	run(t, r.Run)
 	b.waitAllSent(t, 20*time.Second)
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), append(first, ids...))
@@ -373,8 +371,8 @@ type killAfterPublish struct {
 	killed bool
 }
 
-func (k *killAfterPublish) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
-	errs := k.Sender.Publish(ctx, exchange, msgs)
+func (k *killAfterPublish) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	errs := k.Sender.Publish(ctx, msgs)
 	if !k.killed {
 		k.killed = true
 		admin := testenv.OpenPool(k.t, testenv.DatabaseURL(), 1)
@@ -556,9 +554,10 @@ func TestPublisherSendsMoreThanMaxInFlightInWindows(t *testing.T) {
 	ids := make([]uuid.UUID, len(msgs))
 	for i := range msgs {
 		msgs[i] = newMessage(t, i)
+		msgs[i].Exchange = b.exchange
 		ids[i] = msgs[i].ID
 	}
-	for i, err := range pub.Publish(context.Background(), b.exchange, msgs) {
+	for i, err := range pub.Publish(context.Background(), msgs) {
 		if err != nil {
 			t.Fatalf("message %d: %v", i, err)
 		}
@@ -595,12 +594,12 @@ type concurrentSender struct {
 	now, most atomic.Int32
 }
 
-func (c *concurrentSender) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
+func (c *concurrentSender) Publish(ctx context.Context, msgs []messaging.Message) []error {
 	n := c.now.Add(1)
 	defer c.now.Add(-1)
 	for m := c.most.Load(); n > m && !c.most.CompareAndSwap(m, n); m = c.most.Load() {
 	}
-	return c.Sender.Publish(ctx, exchange, msgs)
+	return c.Sender.Publish(ctx, msgs)
 }
 
 // The lanes overlap: while one batch waits for its confirms, the next is claimed and published

@@ -23,7 +23,7 @@ type testBundle struct {
 	db       *testenv.Database
 	exchange string
 	queue    string
-	topology messaging.ConsumerTopology
+	topology messaging.Topology
 	ch       *amqp.Channel
 	log      *slog.Logger
 	logs     *testenv.Logs
@@ -55,16 +55,41 @@ func setup(t testing.TB) *testBundle {
 	}
 	b.exchange = testenv.UniqueName("orders")
 	b.queue = testenv.UniqueName("invoicing")
-	b.topology = messaging.ConsumerTopology{Exchange: b.exchange, Queue: b.queue, RoutingKeys: []string{eventType}}
+	b.topology = queueTopology(b.exchange, b.queue, eventType)
 	testenv.CleanupBroker(t, []string{b.queue, messaging.DeadLetterQueue(b.queue)}, []string{b.exchange})
 	b.ch = testenv.Channel(t)
-	if err := b.topology.Declare(b.ch); err != nil {
-		t.Fatal(err)
-	}
+	declare(t, b.topology)
 	b.log, b.logs = testenv.NewLogger(t)
 	b.registry = prometheus.NewRegistry()
 	b.metrics = messaging.NewMetrics(b.registry)
 	return b
+}
+
+// declare declares topology on the broker at TEST_AMQP_URL.
+func declare(t testing.TB, topology messaging.Topology) {
+	t.Helper()
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
+		t.Fatalf("declare topology: %v", err)
+	}
+}
+
+// queueTopology is a queue bound to keys of exchange.
+func queueTopology(exchange, queue string, keys ...string) messaging.Topology {
+	q := messaging.ConsumerTopology{Queue: queue}
+	for _, k := range keys {
+		q.Bindings = append(q.Bindings, messaging.Binding{Exchange: exchange, RoutingKey: k})
+	}
+	return messaging.Topology{Queues: []messaging.ConsumerTopology{q}}
+}
+
+// declareSubscription declares what s declares when it starts.
+func declareSubscription(t testing.TB, s *messaging.Subscription) {
+	t.Helper()
+	topology, err := s.Topology()
+	if err != nil {
+		t.Fatal(err)
+	}
+	declare(t, topology)
 }
 
 // enqueue commits n OrderPlaced messages in transactions of up to 1,000 and returns their ids.
@@ -101,8 +126,8 @@ func (b *testBundle) publisher(t testing.TB, url string, tweak ...func(*messagin
 	t.Helper()
 	cfg := messaging.PublisherConfig{
 		URL: url, ConnectionName: testenv.UniqueName("publisher"), AppID: "order",
-		Setup:  func(ch *amqp.Channel) error { return messaging.DeclareExchange(ch, b.exchange) },
-		Logger: b.log,
+		Topology: messaging.Topology{Exchanges: []string{b.exchange}},
+		Logger:   b.log,
 	}
 	for _, f := range tweak {
 		f(&cfg)

@@ -41,12 +41,12 @@ type heldPublish struct {
 	once           sync.Once
 }
 
-func (h *heldPublish) Publish(ctx context.Context, exchange string, msgs []messaging.Message) []error {
+func (h *heldPublish) Publish(ctx context.Context, msgs []messaging.Message) []error {
 	h.once.Do(func() {
 		close(h.begun)
 		<-h.release
 	})
-	return h.Sender.Publish(ctx, exchange, msgs)
+	return h.Sender.Publish(ctx, msgs)
 }
 
 // A batch in flight at shutdown is published and marked within the grace period, not
@@ -94,7 +94,7 @@ func TestConsumerFinishesTheMessageInFlightAtShutdown(t *testing.T) {
 		t.Fatal(err)
 	}
 	c, err := messaging.NewConsumer(messaging.ConsumerConfig{
-		URL: testenv.AMQPURL(), Queue: b.queue, Setup: b.topology.Declare, Logger: b.log, Metrics: b.metrics,
+		URL: testenv.AMQPURL(), Queue: b.queue, Topology: b.topology, Logger: b.log, Metrics: b.metrics,
 		ShutdownGrace: 5 * time.Second,
 	}, in.Handler(work))
 	if err != nil {

@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 )
@@ -22,8 +22,16 @@ type Event[T any] struct {
 	Validate func(T) error
 }
 
-// Message builds a message of this event from payload, ready for [Enqueue].
-func (e Event[T]) Message(payload T) (Message, error) { return NewMessage(e.Type, payload) }
+// Message builds a message of this event from payload, ready for [Enqueue]: published to the
+// event's exchange.
+func (e Event[T]) Message(payload T) (Message, error) {
+	m, err := NewMessage(e.Type, payload)
+	m.Exchange = e.Exchange
+	return m, err
+}
+
+// Binding is what routes this event to a queue.
+func (e Event[T]) Binding() Binding { return Binding{Exchange: e.Exchange, RoutingKey: e.Type} }
 
 // Decode reads and checks a message of this event. Every error is [Permanent].
 func (e Event[T]) Decode(msg Message) (T, error) {
@@ -69,9 +77,15 @@ type SubscriptionConfig struct {
 	Prefetch int
 	// HandlerTimeout bounds one message's handler. Default 30 s.
 	HandlerTimeout time.Duration
-	// DeliveryLimit is the queue's x-delivery-limit. Default [DefaultDeliveryLimit].
+	// DeliveryLimit is the queue's x-delivery-limit, unless Topology gives the queue one.
+	// Default [DefaultDeliveryLimit].
 	DeliveryLimit int
-	Logger        *slog.Logger
+	// Topology, if set, is the whole system's, declared at every (re)connect so that no
+	// consumer's queue is missing when its first event is published (see [Topology]). Its
+	// entry for Name must bind exactly the events the subscription handles. Without one, the
+	// subscription declares its own queue, bound to what it handles.
+	Topology Topology
+	Logger   *slog.Logger
 	Metrics       *Metrics // optional
 	// TracerProvider makes each message's consumer span (see [InboxConfig.TracerProvider]).
 	// Default: the global provider. Either way every handler's context carries the trace its
@@ -125,7 +139,7 @@ func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
 // handler for the same type replaces the first.
 func Handle[T any](s *Subscription, ev Event[T], fn func(ctx context.Context, tx *gorm.DB, payload T, msg Message) error) {
 	if _, ok := s.routes[ev.Type]; !ok {
-		s.bindings = append(s.bindings, Binding{Exchange: ev.Exchange, RoutingKey: ev.Type})
+		s.bindings = append(s.bindings, ev.Binding())
 	}
 	s.routes[ev.Type] = func(ctx context.Context, tx *gorm.DB, msg Message) error {
 		payload, err := ev.Decode(msg)
@@ -139,10 +153,32 @@ func Handle[T any](s *Subscription, ev Event[T], fn func(ctx context.Context, tx
 // Use adds middleware after the built-in chain, in order: the first added runs first.
 func (s *Subscription) Use(mw ...Middleware) { s.middleware = append(s.middleware, mw...) }
 
-// Topology is what the subscription declares on the broker: every source exchange, its queue
-// bound to the type of every handled event, and its dead-letter queue.
-func (s *Subscription) Topology() ConsumerTopology {
-	return ConsumerTopology{Queue: s.cfg.Name, Bindings: s.bindings, DeliveryLimit: s.cfg.DeliveryLimit}
+// Topology is what the subscription declares on the broker: [SubscriptionConfig.Topology],
+// or, without one, its queue bound to the type of every handled event and its dead-letter
+// queue. It fails unless the configured topology's entry for the queue binds exactly the events
+// the subscription handles: a missing binding would lose events, an extra one dead-letter them.
+func (s *Subscription) Topology() (Topology, error) {
+	own := ConsumerTopology{Queue: s.cfg.Name, Bindings: s.bindings, DeliveryLimit: s.cfg.DeliveryLimit}
+	if len(s.cfg.Topology.Queues) == 0 && len(s.cfg.Topology.Exchanges) == 0 {
+		return Topology{Queues: []ConsumerTopology{own}}, nil
+	}
+	q, ok := s.cfg.Topology.Queue(s.cfg.Name)
+	if !ok {
+		return Topology{}, fmt.Errorf("subscription %s: the topology has no queue %q", s.cfg.Name, s.cfg.Name)
+	}
+	for _, b := range s.bindings {
+		if !slices.Contains(q.Bindings, b) {
+			return Topology{}, fmt.Errorf("subscription %s handles %s from exchange %q, but the topology does not bind queue %q to it",
+				s.cfg.Name, b.RoutingKey, b.Exchange, s.cfg.Name)
+		}
+	}
+	for _, b := range q.Bindings {
+		if !slices.Contains(s.bindings, b) {
+			return Topology{}, fmt.Errorf("the topology binds queue %q to %s from exchange %q, which subscription %s has no handler for",
+				s.cfg.Name, b.RoutingKey, b.Exchange, s.cfg.Name)
+		}
+	}
+	return s.cfg.Topology, nil
 }
 
 // Ready reports whether the subscription is consuming.
@@ -159,14 +195,16 @@ func (s *Subscription) Start() error {
 	if s.cfg.BatchSize > 1 {
 		batch = s.known(s.inbox.BatchHandler(work))
 	}
-	topology := s.Topology()
-	var err error
+	topology, err := s.Topology()
+	if err != nil {
+		return err
+	}
+	queue, _ := topology.Queue(s.cfg.Name)
 	s.consumer, err = NewConsumer(ConsumerConfig{
-		URL: s.cfg.URL, ConnectionName: s.cfg.Name, Queue: s.cfg.Name,
-		Setup:       func(ch *amqp.Channel) error { return topology.Declare(ch) },
+		URL: s.cfg.URL, ConnectionName: s.cfg.Name, Queue: s.cfg.Name, Topology: topology,
 		Concurrency: s.cfg.Concurrency, Prefetch: s.cfg.Prefetch,
 		BatchHandler: batch, BatchSize: s.cfg.BatchSize,
-		HandlerTimeout: s.cfg.HandlerTimeout, DeliveryLimit: s.cfg.DeliveryLimit,
+		HandlerTimeout: s.cfg.HandlerTimeout, DeliveryLimit: queue.DeliveryLimit,
 		Logger: s.cfg.Logger, Metrics: s.cfg.Metrics,
 	}, s.inbox.Handler(work))
 	return err

@@ -102,9 +102,7 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 		return record(tx, msg)
 	})
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	// The messages wait before the subscription starts, so batches form.
 	const n = 200
 	var first messaging.Message
@@ -156,9 +154,7 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 		return record(tx, msg)
 	})
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	// Routed to the queue by hand: the subscription binds only what it handles.
 	if err := ch.QueueBind(b.name, "Refunded", b.exchange, false, nil); err != nil {
 		t.Fatal(err)
@@ -217,9 +213,7 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	})
 	bomb = uuid.New()
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	for i := range 10 {
 		order := uuid.New()
 		if i == 4 {
@@ -257,9 +251,7 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 		return tx.Exec("SELECT pg_sleep(30)").Error
 	})
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	m, err := b.placed.Message(placed{OrderID: uuid.New()})
 	if err != nil {
 		t.Fatal(err)

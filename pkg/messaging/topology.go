@@ -3,17 +3,20 @@ package messaging
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
+	"slices"
 	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // DefaultDeliveryLimit is the x-delivery-limit of consumer queues: a backstop that
-// dead-letters a message after this many deliveries (a message that crashes its consumer
-// every time, say). RabbitMQ 3.x quorum queues have no limit unless one is set; from 4.3 a
-// requeue no longer counts towards it, so the [Consumer] also dead-letters by itself a message
-// that fails on its last allowed delivery.
+// dead-letters a message after this many failed deliveries (a message that crashes its
+// consumer every time, say). RabbitMQ 3.x quorum queues have no limit unless one is set; 4.x
+// has a default of 20. A [Consumer] returns a failed message with basic.reject, which every
+// RabbitMQ version counts as a failed delivery (from 4.3 on, a basic.nack does not), and
+// dead-letters by itself, with its reason, a message failing on its last allowed delivery.
 const DefaultDeliveryLimit = 20
 
 // deadLetterDeliveryLimit is the x-delivery-limit of dead-letter queues: no limit in practice.
@@ -28,17 +31,8 @@ const deadLetterDeliveryLimit = math.MaxInt32
 // ErrLegacyDeadLetterQueue means the dead-letter queue exists already, declared by an earlier
 // version without x-delivery-limit: RabbitMQ refuses a declaration with other arguments, and
 // closes the channel it came on. The queue works as before; on RabbitMQ 4.0 to 4.2 it has the
-// default limit of 20 deliveries (see the README's "When something goes wrong").
+// default limit of 20 deliveries.
 var ErrLegacyDeadLetterQueue = errors.New("dead-letter queue declared earlier without x-delivery-limit")
-
-// DeclareExchange declares a durable topic exchange. Declaring is idempotent, so every
-// (re)connect does it.
-func DeclareExchange(ch *amqp.Channel, name string) error {
-	if err := ch.ExchangeDeclare(name, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
-		return fmt.Errorf("declare exchange %q: %w", name, err)
-	}
-	return nil
-}
 
 // DeadLetterQueue names the dead-letter queue of a consumer queue.
 func DeadLetterQueue(queue string) string { return queue + ".dlq" }
@@ -50,76 +44,188 @@ type Binding struct {
 }
 
 // ConsumerTopology is what one consumer needs on the broker: its own durable quorum queue
-// bound to what it handles, the exchanges those come from, and a dead-letter queue next to it.
-// Exchange with RoutingKeys binds keys of one exchange; Bindings adds any others.
+// bound to what it handles, and a dead-letter queue next to it.
 type ConsumerTopology struct {
-	Exchange      string
 	Queue         string
-	RoutingKeys   []string
 	Bindings      []Binding
 	DeliveryLimit int // default DefaultDeliveryLimit; give the consumer the same value
 }
 
-// bindings lists every binding, RoutingKeys first.
-func (t ConsumerTopology) bindings() []Binding {
-	all := make([]Binding, 0, len(t.RoutingKeys)+len(t.Bindings))
-	for _, key := range t.RoutingKeys {
-		all = append(all, Binding{Exchange: t.Exchange, RoutingKey: key})
-	}
-	return append(all, t.Bindings...)
-}
-
-// Declare declares the exchanges, the queue, its bindings and, last, its dead-letter queue,
-// which has no delivery limit. Rejected messages, and those over the queue's delivery limit, go
-// through the default exchange straight to the dead-letter queue, so no extra exchange is
-// needed. A dead-letter queue declared by an earlier version makes it return an error wrapping
-// [ErrLegacyDeadLetterQueue], once everything else is declared, on a channel the broker closed.
-func (t ConsumerTopology) Declare(ch *amqp.Channel) error {
-	declared := map[string]bool{}
-	for _, b := range append([]Binding{{Exchange: t.Exchange}}, t.bindings()...) {
-		if b.Exchange == "" || declared[b.Exchange] {
-			continue
-		}
-		if err := DeclareExchange(ch, b.Exchange); err != nil {
-			return err
-		}
-		declared[b.Exchange] = true
-	}
-	dlq := DeadLetterQueue(t.Queue)
+// Arguments are the queue's x-arguments: a quorum queue with its delivery limit, whose rejected
+// messages go through the default exchange straight to its dead-letter queue. A deployment
+// that declares the queue itself (broker definitions, an operator) must give exactly these: the
+// broker refuses a declaration whose arguments differ from the queue's.
+func (t ConsumerTopology) Arguments() amqp.Table {
 	limit := t.DeliveryLimit
 	if limit <= 0 {
 		limit = DefaultDeliveryLimit
 	}
-	if _, err := ch.QueueDeclare(t.Queue, true, false, false, false, amqp.Table{
+	return amqp.Table{
 		amqp.QueueTypeArg:           amqp.QueueTypeQuorum,
 		"x-delivery-limit":          limit,
 		"x-dead-letter-exchange":    "",
-		"x-dead-letter-routing-key": dlq,
-	}); err != nil {
-		return fmt.Errorf("declare queue %q: %w", t.Queue, err)
+		"x-dead-letter-routing-key": DeadLetterQueue(t.Queue),
 	}
-	for _, b := range t.bindings() {
-		if err := ch.QueueBind(t.Queue, b.RoutingKey, b.Exchange, false, nil); err != nil {
-			return fmt.Errorf("bind queue %q to %q/%q: %w", t.Queue, b.Exchange, b.RoutingKey, err)
-		}
-	}
-	return declareDeadLetterQueue(ch, dlq)
 }
 
-// declareDeadLetterQueue declares dlq without a delivery limit (see deadLetterDeliveryLimit).
-func declareDeadLetterQueue(ch *amqp.Channel, dlq string) error {
-	_, err := ch.QueueDeclare(dlq, true, false, false, false, amqp.Table{
-		amqp.QueueTypeArg:  amqp.QueueTypeQuorum,
-		"x-delivery-limit": int32(deadLetterDeliveryLimit),
-	})
+// DeadLetterArguments are the dead-letter queue's x-arguments: a quorum queue without a
+// delivery limit in practice (see deadLetterDeliveryLimit).
+func (t ConsumerTopology) DeadLetterArguments() amqp.Table {
+	return amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, "x-delivery-limit": int32(deadLetterDeliveryLimit)}
+}
+
+// Topology is what a system needs on the broker: the exchanges its events are published to,
+// and every consumer's queue with its bindings and dead-letter queue. Every process of the
+// system declares all of it before it publishes or consumes anything: a message published
+// before its consumer first started then waits in that consumer's queue, whatever order the
+// processes start in. (mandatory only tells that at least one queue took a message: a queue
+// that does not exist yet misses it silently.)
+type Topology struct {
+	Exchanges []string // durable topic exchanges; those the bindings name are declared too
+	Queues    []ConsumerTopology
+}
+
+// Queue returns the entry of the named queue.
+func (t Topology) Queue(name string) (ConsumerTopology, bool) {
+	i := slices.IndexFunc(t.Queues, func(q ConsumerTopology) bool { return q.Queue == name })
+	if i < 0 {
+		return ConsumerTopology{}, false
+	}
+	return t.Queues[i], true
+}
+
+// AllExchanges lists every exchange of the topology once, in order: Exchanges, then those the
+// bindings name.
+func (t Topology) AllExchanges() []string {
+	var all []string
+	add := func(x string) {
+		if x != "" && !slices.Contains(all, x) {
+			all = append(all, x)
+		}
+	}
+	for _, x := range t.Exchanges {
+		add(x)
+	}
+	for _, q := range t.Queues {
+		for _, b := range q.Bindings {
+			add(b.Exchange)
+		}
+	}
+	return all
+}
+
+// Declare declares the topology on conn, idempotently: the exchanges, then each queue, its
+// bindings and its dead-letter queue.
+//
+// A deployment may declare the topology itself (broker definitions, an operator's resources)
+// and give each service's user the right to configure only its own resources. A declaration the
+// broker refuses for lack of that right is then accepted when the resource exists, and, for a
+// binding, when its queue does: the deployment declared it. log (nil: none) says which, once
+// per declaration. A resource that neither exists nor may be declared is an error.
+//
+// A dead-letter queue declared by an earlier version makes it return an error wrapping
+// [ErrLegacyDeadLetterQueue], once everything else is declared.
+func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
+	d := &declarer{conn: conn, log: log}
+	defer d.close()
+	for _, x := range t.AllExchanges() {
+		err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil)
+		}, func(ch *amqp.Channel) error { return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil) })
+		if err != nil {
+			return err
+		}
+	}
+	var legacy error
+	for _, q := range t.Queues {
+		err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments())
+			return err
+		}, passiveQueue(q.Queue))
+		if err != nil {
+			return err
+		}
+		for _, b := range q.Bindings {
+			err := d.declare(fmt.Sprintf("binding of queue %s to %s/%s", q.Queue, b.Exchange, b.RoutingKey), func(ch *amqp.Channel) error {
+				return ch.QueueBind(q.Queue, b.RoutingKey, b.Exchange, false, nil)
+			}, passiveQueue(q.Queue))
+			if err != nil {
+				return err
+			}
+		}
+		dlq := DeadLetterQueue(q.Queue)
+		err = d.declare("dead-letter queue "+dlq, func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclare(dlq, true, false, false, false, q.DeadLetterArguments())
+			return err
+		}, passiveQueue(dlq))
+		var refused *amqp.Error
+		switch {
+		case errors.As(err, &refused) && refused.Code == amqp.PreconditionFailed &&
+			strings.Contains(refused.Reason, "inequivalent arg 'x-delivery-limit'"):
+			legacy = fmt.Errorf("%w: %q: %w", ErrLegacyDeadLetterQueue, dlq, err)
+		case err != nil:
+			return err
+		}
+	}
+	return legacy
+}
+
+func passiveQueue(name string) func(ch *amqp.Channel) error {
+	return func(ch *amqp.Channel) error {
+		_, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+		return err
+	}
+}
+
+// declarer runs declarations on a channel of conn, opening a new one after the broker closed
+// the last (it closes the channel of every refused declaration).
+type declarer struct {
+	conn *amqp.Connection
+	log  *slog.Logger
+	ch   *amqp.Channel
+}
+
+// declare runs do; if the broker refuses it for lack of permission, exists tells whether the
+// resource is there all the same.
+func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) error {
+	ch, err := d.channel()
+	if err != nil {
+		return err
+	}
+	err = do(ch)
 	var refused *amqp.Error
-	switch {
-	case err == nil:
+	if !errors.As(err, &refused) || refused.Code != amqp.AccessRefused {
+		if err != nil {
+			return fmt.Errorf("declare %s: %w", what, err)
+		}
 		return nil
-	case errors.As(err, &refused) && refused.Code == amqp.PreconditionFailed &&
-		strings.Contains(refused.Reason, "inequivalent arg 'x-delivery-limit'"):
-		return fmt.Errorf("%w: %q: %w", ErrLegacyDeadLetterQueue, dlq, err)
-	default:
-		return fmt.Errorf("declare dead-letter queue %q: %w", dlq, err)
+	}
+	if ch, err = d.channel(); err != nil {
+		return err
+	}
+	if err := exists(ch); err != nil {
+		return fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, refused)
+	}
+	if d.log != nil {
+		d.log.Debug("not allowed to declare "+what+"; it exists, declared by the deployment")
+	}
+	return nil
+}
+
+func (d *declarer) channel() (*amqp.Channel, error) {
+	if d.ch != nil && !d.ch.IsClosed() {
+		return d.ch, nil
+	}
+	ch, err := d.conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	d.ch = ch
+	return ch, nil
+}
+
+func (d *declarer) close() {
+	if d.ch != nil && !d.ch.IsClosed() {
+		_ = d.ch.Close()
 	}
 }

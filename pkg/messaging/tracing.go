@@ -97,6 +97,6 @@ func endSpan(span trace.Span, err error) {
 // span that records: the id's string costs an allocation.
 func messageAttributes(span trace.Span, m Message) {
 	if span.IsRecording() {
-		span.SetAttributes(semconv.MessagingMessageID(m.ID.String()), semconv.MessagingRabbitMQDestinationRoutingKey(m.Type))
+		span.SetAttributes(semconv.MessagingMessageID(m.ID.String()), semconv.MessagingRabbitMQDestinationRoutingKey(m.routingKey()))
 	}
 }

@@ -23,14 +23,14 @@ func BenchmarkPublishSpans(b *testing.B) {
 		traceParent string
 	}{{"sdk", sdk, traced}, {"no provider", nil, traced}, {"untraced rows", sdk, ""}} {
 		b.Run(c.name, func(b *testing.B) {
-			relay := &Relay{tracer: newTracer(c.provider), spanName: "publish orders"}
+			relay := &Relay{tracer: newTracer(c.provider)}
 			rows := make([]Message, 500)
 			for i := range rows {
 				m, err := NewMessage("OrderPlaced", map[string]int{"n": i})
 				if err != nil {
 					b.Fatal(err)
 				}
-				m.CorrelationID, m.TraceParent = m.ID.String(), c.traceParent
+				m.CorrelationID, m.TraceParent, m.Exchange = m.ID.String(), c.traceParent, "orders"
 				rows[i] = m
 			}
 			msgs := make([]Message, len(rows))

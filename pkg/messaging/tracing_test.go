@@ -102,9 +102,7 @@ func spy(t *testing.T, ch *amqp.Channel, exchange, routingKey string) string {
 	t.Helper()
 	q := testenv.UniqueName("spy")
 	testenv.CleanupBroker(t, []string{q, messaging.DeadLetterQueue(q)}, nil)
-	if err := (messaging.ConsumerTopology{Exchange: exchange, Queue: q, RoutingKeys: []string{routingKey}}).Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declare(t, queueTopology(exchange, q, routingKey))
 	return q
 }
 
@@ -155,9 +153,7 @@ func TestTraceFollowsAMessageFromEnqueueToTheConsumersOwnOutbox(t *testing.T) {
 		return messaging.Enqueue(tx, next)
 	})
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	headers := spy(t, ch, b.exchange, b.placed.Type)
 
 	ctx, request := tr.tp.Tracer("test").Start(context.Background(), "request")
@@ -230,9 +226,7 @@ func TestEachMessageOfABatchKeepsItsOwnTrace(t *testing.T) {
 		seen.record(ctx, msg)
 		return record(tx, msg)
 	})
-	if err := s.Topology().Declare(testenv.Channel(t)); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	// They wait before the subscription starts, so batches form.
 	const n = 100
 	sent := map[uuid.UUID]trace.SpanContext{}
@@ -283,9 +277,7 @@ func TestMessageWithoutTraceContextStartsATrace(t *testing.T) {
 		seen.record(ctx, msg) // last: the test reads followUp once it sees this
 		return messaging.Enqueue(tx, next)
 	})
-	if err := s.Topology().Declare(testenv.Channel(t)); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	msg, err := b.placed.Message(placed{OrderID: uuid.New()})
 	if err != nil {
 		t.Fatal(err)
@@ -336,9 +328,7 @@ func TestTraceContextPassesThroughWithoutATracerProvider(t *testing.T) {
 		return messaging.Enqueue(tx, next)
 	})
 	ch := testenv.Channel(t)
-	if err := s.Topology().Declare(ch); err != nil {
-		t.Fatal(err)
-	}
+	declareSubscription(t, s)
 	headers := spy(t, ch, b.exchange, b.placed.Type)
 
 	msg, err := b.placed.Message(placed{OrderID: uuid.New()})

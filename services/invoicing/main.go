@@ -13,7 +13,7 @@ import (
 )
 
 // Consumer is this service's consumer name and queue name.
-const Consumer = "invoicing"
+const Consumer = events.InvoicingQueue
 
 func main() { platform.Main("invoicing", run) }
 
@@ -33,13 +33,13 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	defer base.Close()
-	outbox, err := base.Outbox(log, common.AMQPURL, events.InvoicingExchange, "invoicing", relaying)
+	outbox, err := base.Outbox(log, common.AMQPURL, events.InvoicingExchange, "invoicing", events.Topology, relaying)
 	if err != nil {
 		return err
 	}
 	defer outbox.Publisher.Close()
 
-	sub, err := base.Subscription(log, Consumer, common.AMQPURL, settings)
+	sub, err := base.Subscription(log, Consumer, common.AMQPURL, events.Topology, settings)
 	if err != nil {
 		return err
 	}

@@ -10,12 +10,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // Consumer is this service's consumer name and queue name.
-const Consumer = "notification"
+const Consumer = events.NotificationQueue
 
 func main() { platform.Main("notification", run) }
 
@@ -50,7 +51,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	}
 	send := newSender(base.DB, deliverer, maxBackoff, log)
 
-	sub, err := base.Subscription(log, Consumer, common.AMQPURL, settings)
+	sub, err := base.Subscription(log, Consumer, common.AMQPURL, events.Topology, settings)
 	if err != nil {
 		return err
 	}

@@ -37,7 +37,7 @@ func setup(t *testing.T) *testBundle {
 	d.Migrate(t, messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "notification_schema"))
 	log, logs := testenv.NewLogger(t)
 	// Deliver needs no broker: the URL is never dialled.
-	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Logger: log})
+	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Topology: events.Topology, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,19 +288,22 @@ func TestInvalidInvoiceIssuedIsPermanentAndWritesNothing(t *testing.T) {
 	}
 }
 
-// The subscription binds its queue to each event it handles, on the exchange that event comes
-// from.
+// The system's topology binds the notification queue to exactly the events the notifier
+// handles, each on the exchange it comes from: the subscription starts.
 func TestSubscriptionBindsEveryEvent(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	got := b.sub.Topology().Bindings
+	if _, err := b.sub.Topology(); err != nil {
+		t.Fatal(err)
+	}
+	q, _ := events.Topology.Queue(Consumer)
 	want := []messaging.Binding{
 		{Exchange: events.Exchange, RoutingKey: events.OrderPlacedType},
 		{Exchange: events.InvoicingExchange, RoutingKey: events.InvoiceIssuedType},
 		{Exchange: events.Exchange, RoutingKey: events.OrderCancelledType},
 	}
-	if !slices.Equal(got, want) {
-		t.Fatalf("bindings = %+v, want %+v", got, want)
+	if !slices.Equal(q.Bindings, want) {
+		t.Fatalf("bindings = %+v, want %+v", q.Bindings, want)
 	}
 }
 

@@ -29,7 +29,7 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	defer base.Close()
-	outbox, err := base.Outbox(log, common.AMQPURL, events.Exchange, "order", relaying)
+	outbox, err := base.Outbox(log, common.AMQPURL, events.Exchange, "order", events.Topology, relaying)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Newer servers than this machine's, without Docker: a Debian unstable root (debootstrap) with
+# RabbitMQ 4.3 and Prometheus 3.5 from Debian's own packages, run beside the machine's own
+# servers and never touching them. scripts/test.sh uses it to run the suite against the broker
+# compose ships.
+#
+#   scripts/sidroot.sh provision   make the root and install the packages, once: it is cached
+#                                  (SIDROOT_DIR) and a later call returns at once
+#   scripts/sidroot.sh start       provision if needed, then start the RabbitMQ 4.3 node on a
+#                                  fresh data directory and wait until it serves; prints the
+#                                  exports of `env`
+#   scripts/sidroot.sh stop        shut the node down and release the root's mounts
+#   scripts/sidroot.sh env         the variables the tests read: TEST_AMQP_URL of the node,
+#                                  TEST_RABBITMQCTL (how to run rabbitmqctl against it),
+#                                  TEST_SIDROOT, TEST_RABBITMQ_PROMETHEUS_URL
+#   scripts/sidroot.sh ctl ARGS    rabbitmqctl against the node
+#   scripts/sidroot.sh version     the RabbitMQ and Prometheus versions installed
+#
+# The node is rabbit43@localhost: AMQP on 127.0.0.1:SIDROOT_AMQP_PORT (default 5674),
+# distribution on that port + 20000, its Prometheus endpoint on 127.0.0.1:SIDROOT_METRICS_PORT
+# (default 15694), registered with the machine's epmd (or its own, if none runs). guest/guest
+# works from loopback. Needs root (debootstrap, chroot, mount) and, for the first provisioning,
+# Debian's package mirror (about a minute, and about 800 MB on disk).
+set -euo pipefail
+
+root=${SIDROOT_DIR:-/var/cache/outbox-inbox/debian-sid}
+amqp_port=${SIDROOT_AMQP_PORT:-5674}
+metrics_port=${SIDROOT_METRICS_PORT:-15694}
+node=rabbit43@localhost
+packages="rabbitmq-server prometheus"
+marker="$root/.outbox-inbox-provisioned"
+here=$(cd "$(dirname "$0")" && pwd)
+
+die() { printf 'scripts/sidroot.sh: %s\n' "$*" >&2; exit 1; }
+say() { printf 'sidroot: %s\n' "$*" >&2; }
+[ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot and mount)"
+
+# in_root runs a command inside the root, as root, with the node's home.
+in_root() { chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/var/lib/rabbitmq LANG=C.UTF-8 "$@"; }
+ctl() { in_root rabbitmqctl -n "$node" "$@"; }
+
+mount_proc() { mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"; }
+
+provision() {
+  if [ -f "$marker" ] && [ "$(cat "$marker")" = "$packages" ]; then
+    return 0
+  fi
+  local start=$SECONDS
+  if ! command -v debootstrap >/dev/null; then
+    say "installing debootstrap from the machine's Debian suite"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
+      die "could not install debootstrap (apt-get install debootstrap)"
+  fi
+  # A half-made root (an interrupted run) is started over.
+  release
+  rm -rf "$root"
+  mkdir -p "$(dirname "$root")"
+  say "making a Debian unstable root in $root (debootstrap, about a minute)"
+  debootstrap --variant=minbase sid "$root" >"$root.log" 2>&1 ||
+    die "debootstrap failed; see $root.log"
+  # No package may start a service inside the root: the node is started by this script only.
+  printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+  chmod +x "$root/usr/sbin/policy-rc.d"
+  cp /etc/hosts "$root/etc/hosts"
+  cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+  mount_proc
+  say "installing $packages inside it"
+  # The mirror may serve a snapshot whose Release file has expired; its signatures still count.
+  in_root apt-get -q -o Acquire::Check-Valid-Until=false update >>"$root.log" 2>&1 ||
+    die "apt-get update in the root failed; see $root.log"
+  in_root env DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Acquire::Check-Valid-Until=false \
+    install --no-install-recommends $packages >>"$root.log" 2>&1 ||
+    die "apt-get install $packages in the root failed; see $root.log"
+  in_root apt-get clean
+  configure
+  echo "$packages" >"$marker"
+  say "provisioned in $((SECONDS - start)) s: $(version | tr '\n' ' ')"
+}
+
+# configure writes the node's own configuration inside the root.
+configure() {
+  cat >"$root/etc/rabbitmq/rabbitmq-env.conf" <<EOF
+NODENAME=$node
+NODE_PORT=$amqp_port
+DIST_PORT=$((amqp_port + 20000))
+ERL_EPMD_ADDRESS=127.0.0.1
+EOF
+  cat >"$root/etc/rabbitmq/rabbitmq.conf" <<EOF
+listeners.tcp.local = 127.0.0.1:$amqp_port
+prometheus.tcp.ip = 127.0.0.1
+prometheus.tcp.port = $metrics_port
+EOF
+  echo '[rabbitmq_prometheus].' >"$root/etc/rabbitmq/enabled_plugins"
+}
+
+running() { ctl -q ping >/dev/null 2>&1; }
+
+start() {
+  provision
+  mount_proc
+  configure
+  if running; then
+    say "stopping the node left running by an earlier run"
+    ctl -q shutdown >/dev/null 2>&1 || true
+  fi
+  # A fresh data directory each time: no queue, vhost or user left over from an earlier run.
+  rm -rf "$root/var/lib/rabbitmq/mnesia" "$root/var/log/rabbitmq"/*
+  in_root rabbitmq-server -detached
+  local i
+  for i in $(seq 60); do
+    if ctl -q await_startup --timeout 5 >/dev/null 2>&1; then
+      env_lines
+      return 0
+    fi
+    sleep 1
+  done
+  die "RabbitMQ $node did not start within a minute; see $root/var/log/rabbitmq/"
+}
+
+stop() {
+  [ -d "$root" ] || return 0
+  if running; then
+    ctl -q shutdown >/dev/null 2>&1 || true
+  fi
+  release
+}
+
+# release unmounts what start mounted, once nothing runs inside the root any more.
+release() {
+  [ -d "$root/proc" ] || return 0
+  if mountpoint -q "$root/proc"; then
+    umount "$root/proc" 2>/dev/null || umount -l "$root/proc"
+  fi
+}
+
+env_lines() {
+  printf 'export TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:%s/\n' "$amqp_port"
+  printf 'export TEST_RABBITMQCTL="%s ctl"\n' "$here/sidroot.sh"
+  printf 'export TEST_SIDROOT=%s\n' "$root"
+  printf 'export TEST_RABBITMQ_PROMETHEUS_URL=http://127.0.0.1:%s/metrics\n' "$metrics_port"
+}
+
+version() {
+  in_root dpkg-query -W -f '${Package} ${Version}\n' rabbitmq-server prometheus erlang-base
+}
+
+case "${1:-}" in
+  provision) provision ;;
+  start) start ;;
+  stop) stop ;;
+  env) env_lines ;;
+  ctl) shift; ctl "$@" ;;
+  version) version ;;
+  *) die "usage: scripts/sidroot.sh provision|start|stop|env|ctl ARGS|version" ;;
+esac
