@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -422,7 +421,7 @@ func importForTest(t *testing.T, defs definitions) map[string]*brokerUser {
 	// Registered first: whatever part of the import happened is removed.
 	t.Cleanup(func() {
 		for _, args := range append([][]string{{"delete_vhost", vhost}}, usersToDelete(test)...) {
-			if out, err := exec.Command("rabbitmqctl", append([]string{"-q"}, args...)...).CombinedOutput(); err != nil {
+			if out, err := testenv.RabbitMQCtlCommand(append([]string{"-q"}, args...)...).CombinedOutput(); err != nil {
 				t.Logf("cleanup: rabbitmqctl %s: %v %s", strings.Join(args, " "), err, out)
 			}
 		}
@@ -431,7 +430,7 @@ func importForTest(t *testing.T, defs definitions) map[string]*brokerUser {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command("rabbitmqctl", "-q", "import_definitions")
+	cmd := testenv.RabbitMQCtlCommand("-q", "import_definitions")
 	cmd.Stdin = bytes.NewReader(raw)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("rabbitmqctl import_definitions (the test's copy of %s): %v\n%s", definitionsFile, err, out)

@@ -2,8 +2,14 @@
 # The one test command (README "Testing"; .ci/run calls it).
 #
 # Checks that PostgreSQL and RabbitMQ answer at TEST_DATABASE_URL / TEST_AMQP_URL, starts the
-# local ones if they are installed but stopped, then runs gofmt, go vet, the whole suite with
-# the race detector, and finally, alone, the tests that restart the real servers.
+# local ones if they are installed but stopped, then runs gofmt, go vet and the linters. Then
+# the tests, each phase with the race detector and a skip report:
+#   1. the whole suite against RabbitMQ 4.3, the broker compose ships: a node of its own that
+#      scripts/sidroot.sh provisions (once, cached) and starts beside the machine's;
+#   2. the library's suite (pkg/...) against the machine's RabbitMQ (3.10 here), the oldest
+#      broker the library supports;
+#   3. alone, the tests that restart the real servers, against each broker in turn.
+# In compose mode (TEST_SERVERS=compose) compose's test broker (4.3) stands in for both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -123,27 +129,60 @@ say "promtool: Prometheus configuration, alert rules and their tests"
 "$PROMTOOL" test rules deploy/prometheus/alerts_test.yml
 
 report="$(mktemp -d)"
-trap 'rm -rf "$report"' EXIT
 go build -o "$report/testreport" ./internal/testreport
 
-say "go test -race (parallel suite)"
-go test -json -race -count=1 -timeout 15m ./... |
-  "$report/testreport" -allow "$ALLOWED_SKIPS" -collect TEST_SERVER_RESTARTS -skipped "$report/restarts"
+# broker_env NAME: the environment of the tests against broker NAME (4.3 or machine).
+machine_amqp_url=$TEST_AMQP_URL
+sidroot_env=""
+if [ "$mode" = local ]; then
+  say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
+  sidroot_env=$(scripts/sidroot.sh start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
+  trap 'scripts/sidroot.sh stop; rm -rf "$report"' EXIT
+  say "$(scripts/sidroot.sh version | tr '\n' ' ')"
+else
+  trap 'rm -rf "$report"' EXIT
+fi
+with_broker() { # with_broker 4.3|machine COMMAND...
+  if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
+    (eval "$sidroot_env"; shift; "$@")
+  else
+    (export TEST_AMQP_URL="$machine_amqp_url"; unset TEST_RABBITMQCTL; shift; "$@")
+  fi
+}
+
+# suite BROKER PACKAGES...: the parallel suite against BROKER, collecting the tests it skipped
+# for TEST_SERVER_RESTARTS into $report/restarts-BROKER.
+suite() {
+  local broker=$1; shift
+  with_broker "$broker" go test -json -race -count=1 -timeout 15m "$@" |
+    "$report/testreport" -allow "$ALLOWED_SKIPS" -collect TEST_SERVER_RESTARTS -skipped "$report/restarts-$broker"
+}
+
+library_packages=./pkg/...
+say "go test -race, the whole suite, against RabbitMQ 4.3"
+suite 4.3 ./...
+if [ "$mode" = local ]; then
+  say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
+  suite machine $library_packages
+fi
 
 say "go test -fuzz (order command decoder and validator, briefly)"
 go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" ./services/order
 
 # These stop RabbitMQ and restart PostgreSQL: nothing else may run meanwhile (one package at a
-# time, after the suite). They are exactly the tests the parallel phase skipped for
+# time, after the suites). They are exactly the tests the parallel phases skipped for
 # TEST_SERVER_RESTARTS, whatever their names, and each must run here. They start the servers
 # again in their cleanup; we check once more anyway.
-say "go test -race (server restarts, alone)"
-[ -s "$report/restarts" ] || die "the parallel phase skipped no server-restart test: were they renamed or removed?"
 status=0
-while read -r pkg pattern; do
-  want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')
-  TEST_SERVER_RESTARTS=1 go test -json -race -count=1 -p 1 -timeout 10m -run "$pattern" "$pkg" </dev/null |
-    "$report/testreport" -want "$want" -allow "$restart_skips" || status=$?
-done < "$report/restarts"
+for broker in 4.3 machine; do
+  [ -f "$report/restarts-$broker" ] || continue
+  say "go test -race (server restarts, alone), against $( [ "$broker" = 4.3 ] && echo "RabbitMQ 4.3" || echo "the machine's RabbitMQ")"
+  [ -s "$report/restarts-$broker" ] || die "the parallel phase against $broker skipped no server-restart test: were they renamed or removed?"
+  while read -r pkg pattern; do
+    want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')
+    with_broker "$broker" env TEST_SERVER_RESTARTS=1 go test -json -race -count=1 -p 1 -timeout 10m -run "$pattern" "$pkg" </dev/null |
+      "$report/testreport" -want "$want" -allow "$restart_skips" || status=$?
+  done < "$report/restarts-$broker"
+done
 if [ "$mode" = compose ]; then compose_servers; else ensure_postgres; ensure_rabbitmq; fi
 exit "$status"

@@ -24,19 +24,23 @@ func composeFile() string {
 	return filepath.Join(filepath.Dir(here), "..", "..", "deploy", "compose.test.yml")
 }
 
-// rabbitmqctlCommand runs rabbitmqctl on this host, or in compose mode inside the test
-// broker's container.
-func rabbitmqctlCommand(args ...string) *exec.Cmd {
+// RabbitMQCtlCommand is rabbitmqctl for the broker at TEST_AMQP_URL: the command
+// TEST_RABBITMQCTL names (scripts/sidroot.sh's for its RabbitMQ 4.3 node), in compose mode the
+// one inside the test broker's container, or else this host's own.
+func RabbitMQCtlCommand(args ...string) *exec.Cmd {
 	if composeMode() {
 		return exec.Command("docker", append([]string{"compose", "-f", composeFile(), "exec", "-T", "rabbitmq", "rabbitmqctl"}, args...)...)
+	}
+	if custom := strings.Fields(os.Getenv("TEST_RABBITMQCTL")); len(custom) > 0 {
+		return exec.Command(custom[0], append(custom[1:], args...)...)
 	}
 	return exec.Command("rabbitmqctl", args...)
 }
 
-// RabbitMQCtl runs rabbitmqctl and returns its output.
+// RabbitMQCtl runs rabbitmqctl (see RabbitMQCtlCommand) and returns its output.
 func RabbitMQCtl(t testing.TB, args ...string) string {
 	t.Helper()
-	out, err := rabbitmqctlCommand(args...).CombinedOutput()
+	out, err := RabbitMQCtlCommand(args...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
@@ -44,7 +48,7 @@ func RabbitMQCtl(t testing.TB, args ...string) string {
 }
 
 // RabbitMQCtlQuietly runs rabbitmqctl for a cleanup, where a failure has nobody to tell.
-func RabbitMQCtlQuietly(args ...string) { _ = rabbitmqctlCommand(args...).Run() }
+func RabbitMQCtlQuietly(args ...string) { _ = RabbitMQCtlCommand(args...).Run() }
 
 // PostgreSQLCluster returns the version of the local PostgreSQL cluster, to restart with
 // pg_ctlcluster. Compose's test server has no such tool here: the test skips in that mode,
