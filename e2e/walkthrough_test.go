@@ -130,3 +130,27 @@ func redeliver(t *testing.T, db *testenv.Database, typ string, consumers ...*sys
 		}, "%s did not log and count the duplicate of %s %s once", c.Name, typ, id)
 	}
 }
+
+// Start order does not matter: on an empty vhost, order and invoicing start, orders are placed
+// and invoiced, and only then does notification start, for the first time. Every event it
+// handles was published before its first start, and it finds every one: the order service
+// declared notification's queue and bindings before its first publish.
+func TestAConsumerThatStartsLastMissesNothing(t *testing.T) {
+	t.Parallel()
+	s := startSystem(t, systest.Options{Held: []string{"notification"}})
+	const orders = 20
+	for i := range orders {
+		s.PlaceOrder(t, fmt.Sprintf("early-%d", i))
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE status = 'issued'") == orders
+	}, "the %d orders were not invoiced before notification started", orders)
+	s.Notification.Start(t)
+	got := s.WaitExactlyOnce(t, orders, 60*time.Second)
+	confirmations := testenv.Count(t, s.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE kind = 'order_confirmation' AND status = 'sent'")
+	t.Logf("notification started after %d orders were invoiced: %d of %d order confirmations sent, %d notifications in all (%+v)",
+		orders, confirmations, orders, got.Notifications, got)
+	if confirmations != orders {
+		t.Fatalf("%d of %d order confirmations", confirmations, orders)
+	}
+}

@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -110,6 +111,9 @@ type Options struct {
 	// Cluster, if set, is the broker instead of the local one: every node's URL in AMQP_URL,
 	// no proxy.
 	Cluster *testenv.Cluster
+	// Held names the kinds of service ("notification", say) that Start prepares but does not
+	// start: the test starts them later, with Service.Start.
+	Held []string
 }
 
 // checkPool is the pool of each of the test's own handles on the services' databases.
@@ -163,27 +167,35 @@ func Start(t *testing.T, opts Options) *System {
 	// test's own handles on their three databases.
 	testenv.Connections(t, 3*(checkPool+1)+
 		opts.Invoicers*dbConns(t, envs["invoicing"])+opts.Notifiers*dbConns(t, envs["notification"])+opts.Orders*dbConns(t, envs["order"]))
-	invoicingDB, notificationDB, orderDB := testenv.NewDatabaseWithPool(t, checkPool), testenv.NewDatabaseWithPool(t, checkPool), testenv.NewDatabaseWithPool(t, checkPool)
-	// Consumers first: their queues must exist before the first order is relayed.
-	for range opts.Invoicers {
-		s.Invoicers = append(s.Invoicers, startService(t, opts.BinDir, "invoicing", invoicingDB, envs["invoicing"]))
+	dbs := map[string]*testenv.Database{
+		"invoicing": testenv.NewDatabaseWithPool(t, checkPool), "notification": testenv.NewDatabaseWithPool(t, checkPool),
+		"order": testenv.NewDatabaseWithPool(t, checkPool),
 	}
-	for range opts.Notifiers {
-		s.Notifiers = append(s.Notifiers, startService(t, opts.BinDir, "notification", notificationDB, envs["notification"]))
-	}
-	for range opts.Orders {
-		s.Orders = append(s.Orders, startService(t, opts.BinDir, "order", orderDB, envs["order"]))
+	replicas := map[string]int{"order": opts.Orders, "invoicing": opts.Invoicers, "notification": opts.Notifiers}
+	lists := map[string]*[]*Service{"order": &s.Orders, "invoicing": &s.Invoicers, "notification": &s.Notifiers}
+	// The publisher first, the consumers after it: no service may rely on another having
+	// started before it (each declares the whole topology), and this order is the one that
+	// would lose events if one did.
+	for _, name := range []string{"order", "invoicing", "notification"} {
+		for range replicas[name] {
+			svc := newService(t, opts.BinDir, name, dbs[name], envs[name])
+			if !slices.Contains(opts.Held, name) {
+				svc.Start(t)
+			}
+			*lists[name] = append(*lists[name], svc)
+		}
 	}
 	s.Order, s.Invoicing, s.Notification = s.Orders[0], s.Invoicers[0], s.Notifiers[0]
 	return s
 }
 
-func startService(t *testing.T, binDir, name string, db *testenv.Database, env []string) *Service {
+// newService prepares a service, stopped until Start; it is stopped when the test ends.
+func newService(t *testing.T, binDir, name string, db *testenv.Database, env []string) *Service {
 	t.Helper()
 	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env, conns: dbConns(t, env)}
+	close(s.done) // not running
 	s.URL = "http://" + freeAddr(t)
 	_, s.Logs = testenv.NewLogger(t)
-	s.Start(t)
 	t.Cleanup(func() { s.Stop(t) })
 	return s
 }

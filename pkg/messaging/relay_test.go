@@ -616,3 +616,77 @@ func TestRelayLanesOverlapBatchesWithoutDuplicates(t *testing.T) {
 	}
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
 }
+
+// One relay publishes each row to its own event's exchange: two event types of two exchanges
+// arrive each in the queue bound to its exchange only, and a row that names no exchange (one
+// enqueued before rows recorded it) goes to the relay's.
+func TestRelayPublishesEachRowToItsEventsExchange(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	other, otherQueue := testenv.UniqueName("invoicing"), testenv.UniqueName("notification")
+	testenv.CleanupBroker(t, []string{otherQueue, messaging.DeadLetterQueue(otherQueue)}, []string{other})
+	declare(t, queueTopology(other, otherQueue, "InvoiceIssued"))
+
+	placed := messaging.Event[map[string]int]{Exchange: b.exchange, Type: eventType}
+	issued := messaging.Event[map[string]int]{Exchange: other, Type: "InvoiceIssued"}
+	var toOrders, toOther []uuid.UUID
+	err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		for i := range 3 {
+			p, err := placed.Message(map[string]int{"n": i})
+			if err != nil {
+				return err
+			}
+			inv, err := issued.Message(map[string]int{"n": i})
+			if err != nil {
+				return err
+			}
+			legacy := newMessage(t, i) // no exchange: the relay's
+			toOrders, toOther = append(toOrders, p.ID, legacy.ID), append(toOther, inv.ID)
+			if err := messaging.Enqueue(tx, p, inv, legacy); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) {
+		c.Topology = messaging.Topology{Exchanges: []string{b.exchange, other}}
+	})
+	res, err := b.relay(t, pub, nil).ProcessBatch(context.Background())
+	if err != nil || res.Sent != 9 {
+		t.Fatalf("batch = %+v, %v; want 9 sent", res, err)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), toOrders)
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, otherQueue, 200*time.Millisecond), toOther)
+}
+
+// A row naming an exchange that does not exist is that row's own failure: it backs off with
+// the reason, and the rows beside it are sent on the same connection (a publish to a missing
+// exchange would close the channel under them all).
+func TestRelayBacksOffARowWhoseExchangeDoesNotExist(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	lost := newMessage(t, 0)
+	lost.Exchange = testenv.UniqueName("nowhere")
+	good := []messaging.Message{newMessage(t, 1), newMessage(t, 2)}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, good[0], lost, good[1]) }); err != nil {
+		t.Fatal(err)
+	}
+	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
+	if err != nil || res.Sent != 2 || res.Failed != 1 {
+		t.Fatalf("batch = %+v, %v; want 2 sent, 1 failed", res, err)
+	}
+	var row messaging.OutboxMessage
+	if err := b.db.DB.Take(&row, "id = ?", lost.ID).Error; err != nil {
+		t.Fatal(err)
+	}
+	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "no such exchange") {
+		t.Fatalf("row for a missing exchange: processed %v, attempts %d, last error %v", row.ProcessedAt, row.Attempts, row.LastError)
+	}
+	if lines := b.logs.Lines("outbox publish failed", "message_id="+lost.ID.String(), "attempts=1", "next_attempt_at="); len(lines) != 1 {
+		t.Fatalf("want one failure line for the row, got %d", len(lines))
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
+}

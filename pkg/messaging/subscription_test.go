@@ -269,3 +269,31 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 	}
 	wantReason(t, got[0], "deadline exceeded")
 }
+
+// A subscription given the system's topology starts only if that topology binds its queue to
+// exactly the events it handles: a missing binding would lose events, an extra one
+// dead-letter them. Start says which.
+func TestSubscriptionRefusesATopologyThatDoesNotMatchItsHandlers(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	both := []messaging.Binding{b.placed.Binding(), b.cancels.Binding()}
+	for _, c := range []struct {
+		name     string
+		bindings []messaging.Binding
+		want     string
+	}{
+		{"matching", both, ""},
+		{"missing a binding", both[:1], "does not bind queue"},
+		{"an unhandled binding", append(both, messaging.Binding{Exchange: b.other, RoutingKey: "Refunded"}), "has no handler for"},
+	} {
+		s := b.subscription(t, func(cfg *messaging.SubscriptionConfig) {
+			cfg.Topology = messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: b.name, Bindings: c.bindings}}}
+		})
+		messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error { return nil })
+		messaging.Handle(s, b.cancels, func(context.Context, *gorm.DB, cancelled, messaging.Message) error { return nil })
+		err := s.Start()
+		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%s: Start = %v, want %q", c.name, err, c.want)
+		}
+	}
+}
