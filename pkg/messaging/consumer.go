@@ -56,8 +56,8 @@ type ConsumerConfig struct {
 	// broker that comes back is found within about 2 s.
 	Reconnect Backoff
 	// DeliveryLimit is the queue's x-delivery-limit (default DefaultDeliveryLimit). A message
-	// still failing on its last delivery is dead-lettered by the consumer itself, because from
-	// RabbitMQ 4.3 on a requeue no longer counts towards the broker's limit.
+	// still failing on its last delivery is dead-lettered by the consumer itself, with its
+	// reason: the broker's own dead-lettering at the limit would say only "delivery_limit".
 	DeliveryLimit int
 	// Heartbeat is the AMQP heartbeat interval (default 10 s): a silent connection is declared
 	// dead after a few missed beats.
