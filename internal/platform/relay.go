@@ -50,7 +50,7 @@ type Outbox struct {
 // that name none of their own. Its publisher declares topology, the whole system's, before its
 // first publish. The outbox's gauges join the base's metrics.
 func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topology messaging.Topology, s RelaySettings) (*Outbox, error) {
-	messaging.RegisterOutboxStats(b.Registry, b.DB)
+	messaging.RegisterOutboxStats(b.Registry, b.DB, log)
 	pub := messaging.NewPublisher(messaging.PublisherConfig{
 		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID, Topology: topology, Logger: log,
 	})
