@@ -88,21 +88,24 @@ type readiness struct {
 
 func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	err := r.ready(req.Context())
-	reason := ""
+	reason, cause := "", err
 	if err != nil {
 		reason = "not ready"
 		var nr *NotReadyError
 		if errors.As(err, &nr) {
-			reason = nr.Reason
+			reason, cause = nr.Reason, nr.Err
 		}
 	}
 	r.mu.Lock()
 	if reason != r.reason {
 		r.reason = reason
-		if err != nil {
-			r.log.WarnContext(req.Context(), "not ready", "reason", reason, "error", err)
-		} else {
+		switch {
+		case err == nil:
 			r.log.InfoContext(req.Context(), "ready again")
+		case cause == nil:
+			r.log.WarnContext(req.Context(), "not ready", "reason", reason)
+		default:
+			r.log.WarnContext(req.Context(), "not ready", "reason", reason, "error", cause)
 		}
 	}
 	r.mu.Unlock()
