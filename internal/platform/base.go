@@ -29,12 +29,17 @@ func Migrations(fsys fs.FS, dir, versionTable string) Migration {
 	}
 }
 
-// Base is what every service starts with: its tracer provider, its database, migrated, and a
-// metrics registry with the process collectors and the messaging metrics.
+// Base is what every service starts with: its tracer provider, its database, migrated, the
+// readiness check of that database, and a metrics registry with the process collectors and the
+// messaging metrics.
 type Base struct {
+	// DB is the pool of DB_MAX_CONNS less ReadinessConns connections.
 	DB       *gorm.DB
 	Registry *prometheus.Registry
 	Metrics  *messaging.Metrics
+	// DatabaseReady pings the database over a connection of its own (OpenReadinessDB).
+	DatabaseReady ReadyFunc
+	readinessDB   *sql.DB
 	// alreadyDone counts messages whose work their business key shows was done already, by
 	// another message: what the inbox cannot see, and no message should cause.
 	alreadyDone *prometheus.CounterVec
@@ -49,14 +54,15 @@ func (b *Base) AlreadyDone(consumer string) func() {
 }
 
 // Start installs the service's tracer provider (see startTracing), opens the service's
-// database, applies migrations in order (before anything serves, so no pooled statement sees
-// a changing schema) and prepares the metrics.
+// database (a pool and the readiness check's connection, DB_MAX_CONNS in all), applies
+// migrations in order (before anything serves, so no pooled statement sees a changing
+// schema) and prepares the metrics.
 func Start(ctx context.Context, log *slog.Logger, service string, c Common, migrations ...Migration) (*Base, error) {
 	tp, err := startTracing(ctx, log, service, c.OTLPEndpoint != "")
 	if err != nil {
 		return nil, err
 	}
-	db, err := OpenDB(ctx, log, service, c.DatabaseURL, c.DBMaxConns)
+	db, err := OpenDB(ctx, log, service, c.DatabaseURL, c.DBMaxConns-ReadinessConns)
 	if err != nil {
 		stopTracing(log, tp)
 		return nil, err
@@ -73,6 +79,12 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, migr
 			return nil, err
 		}
 	}
+	readinessDB, err := OpenReadinessDB(service, c.DatabaseURL)
+	if err != nil {
+		_ = sqlDB.Close()
+		stopTracing(log, tp)
+		return nil, err
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	alreadyDone := prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -80,11 +92,17 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, migr
 		Help: "Messages whose work was already done by another message (same business key): a sign of duplicate messages upstream.",
 	}, []string{"consumer"})
 	reg.MustRegister(alreadyDone)
-	return &Base{DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg), alreadyDone: alreadyDone, tracing: tp, log: log}, nil
+	return &Base{
+		DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg),
+		DatabaseReady: DatabaseReady(readinessDB), readinessDB: readinessDB,
+		alreadyDone: alreadyDone, tracing: tp, log: log,
+	}, nil
 }
 
-// Close exports the spans still waiting and closes the database pool.
+// Close exports the spans still waiting and closes the database pool and the readiness
+// check's connection.
 func (b *Base) Close() {
 	stopTracing(b.log, b.tracing)
 	CloseDB(b.DB)
+	_ = b.readinessDB.Close()
 }

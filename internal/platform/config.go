@@ -225,13 +225,16 @@ type Common struct {
 	HTTPAddr    string
 	LogFormat   string
 	LogLevel    string
-	DBMaxConns  int
+	// DBMaxConns is every database connection the process opens: the readiness check's
+	// (ReadinessConns) and the pool's.
+	DBMaxConns int
 	// OTLPEndpoint is OTEL_EXPORTER_OTLP_ENDPOINT: spans are exported there, and nowhere when
 	// it is unset.
 	OTLPEndpoint string
 }
 
-// DefaultDBMaxConns is the pool of a service's database handle unless DB_MAX_CONNS says.
+// DefaultDBMaxConns is how many database connections a service opens unless DB_MAX_CONNS
+// says: its pool and its readiness check's connection.
 const DefaultDBMaxConns = 20
 
 // ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS and
@@ -244,7 +247,7 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
 		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
-		// publishes, and requests must still find one.
+		// publishes, requests must still find one, and the readiness check has its own.
 		DBMaxConns:   env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
 		OTLPEndpoint: readOTLPEndpoint(env),
 	}

@@ -2,7 +2,6 @@ package platform
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -21,7 +20,8 @@ type ConsumerSettings struct {
 }
 
 // ReadConsumerSettings reads ConsumerSettings. Every parallel handler holds a database
-// connection for its transaction, so the pool must have room for them and for readiness checks.
+// connection for its transaction, so DB_MAX_CONNS must have room for them, for requests and
+// for the readiness check's own connection.
 func ReadConsumerSettings(env *Env, c Common) ConsumerSettings {
 	var s ConsumerSettings
 	// 8 handlers drained a backlog about 1.5× faster than 4 on two cores (scripts/bench.sh),
@@ -62,11 +62,11 @@ func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology mes
 // connection both work.
 func (b *Base) ConsumerReady(sub *messaging.Subscription) ReadyFunc {
 	return func(ctx context.Context) error {
-		if err := Ping(ctx, b.DB); err != nil {
-			return errors.New("database unavailable")
+		if err := b.DatabaseReady(ctx); err != nil {
+			return err
 		}
 		if !sub.Ready() {
-			return errors.New("not consuming from RabbitMQ")
+			return &NotReadyError{Reason: "not consuming from RabbitMQ"}
 		}
 		return nil
 	}

@@ -2,11 +2,13 @@ package platform
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"log/slog"
 	"net/url"
 	"time"
 
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver of OpenReadinessDB
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
@@ -33,7 +35,8 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		return nil, fmt.Errorf("open database: %w", err)
 	}
 	// One pool for HTTP handlers, the relay's transactions (held open while publishing) and
-	// its LISTEN connection: sized so the relay cannot starve the handlers.
+	// its LISTEN connection: sized so the relay cannot starve the handlers. Readiness checks
+	// have a connection of their own (OpenReadinessDB).
 	sqlDB.SetMaxOpenConns(maxConns)
 	sqlDB.SetMaxIdleConns(maxConns)
 	sqlDB.SetConnMaxLifetime(30 * time.Minute)
@@ -76,15 +79,40 @@ func withApplicationName(rawURL, name string) (string, error) {
 	return u.String(), nil
 }
 
-// Ping checks the database within 2 s, for readiness.
-func Ping(ctx context.Context, db *gorm.DB) error {
-	sqlDB, err := db.DB()
+// ReadinessConns is how many of DB_MAX_CONNS readiness checks keep for themselves (see
+// OpenReadinessDB); the pool has the rest.
+const ReadinessConns = 1
+
+// OpenReadinessDB returns the handle readiness checks ping the database through: a
+// connection of its own, apart from the pool that requests and workers share, so a saturated
+// pool cannot make every replica unready at once. It connects at the first check, and again
+// after its connection breaks. Its sessions carry application_name=service-readiness.
+func OpenReadinessDB(service, rawURL string) (*sql.DB, error) {
+	dsn, err := withApplicationName(rawURL, service+"-readiness")
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	return sqlDB.PingContext(ctx)
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		return nil, fmt.Errorf("open readiness connection: %w", err)
+	}
+	db.SetMaxOpenConns(ReadinessConns)
+	db.SetMaxIdleConns(ReadinessConns)
+	db.SetConnMaxLifetime(30 * time.Minute)
+	return db, nil
+}
+
+// DatabaseReady is the readiness check of the database behind db (see OpenReadinessDB): it
+// must answer a ping within 2 s.
+func DatabaseReady(db *sql.DB) ReadyFunc {
+	return func(ctx context.Context) error {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if err := db.PingContext(ctx); err != nil {
+			return &NotReadyError{Reason: "the database does not answer", Err: err}
+		}
+		return nil
+	}
 }
 
 // CloseDB closes the pool behind db.

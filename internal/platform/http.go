@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/go-chi/chi/v5"
@@ -55,12 +56,70 @@ func WriteJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// ReadyFunc reports whether the service can do its job now.
+// ReadyFunc reports whether the service can do its job now: nil, or why not, best as a
+// *NotReadyError.
 type ReadyFunc func(ctx context.Context) error
+
+// NotReadyError is why a service is not ready: Reason, fixed words that /readyz answers, and
+// Err, the cause, which only the log shows (its text is the driver's, and internal).
+type NotReadyError struct {
+	Reason string
+	Err    error
+}
+
+func (e *NotReadyError) Error() string {
+	if e.Err == nil {
+		return e.Reason
+	}
+	return e.Reason + ": " + e.Err.Error()
+}
+
+func (e *NotReadyError) Unwrap() error { return e.Err }
+
+// readiness answers /readyz and logs each change of the answer once, with its cause: probes
+// come every few seconds, and a line per probe would bury the one that matters.
+type readiness struct {
+	ready ReadyFunc
+	log   *slog.Logger
+	mu    sync.Mutex
+	// reason is why the service was not ready at the last probe, "" if it was.
+	reason string
+}
+
+func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	err := r.ready(req.Context())
+	reason, cause := "", err
+	if err != nil {
+		reason = "not ready"
+		var nr *NotReadyError
+		if errors.As(err, &nr) {
+			reason, cause = nr.Reason, nr.Err
+		}
+	}
+	r.mu.Lock()
+	if reason != r.reason {
+		r.reason = reason
+		switch {
+		case err == nil:
+			r.log.InfoContext(req.Context(), "ready again")
+		case cause == nil:
+			r.log.WarnContext(req.Context(), "not ready", "reason", reason)
+		default:
+			r.log.WarnContext(req.Context(), "not ready", "reason", reason, "error", cause)
+		}
+	}
+	r.mu.Unlock()
+	if err != nil {
+		WriteProblem(w, http.StatusServiceUnavailable, reason)
+		return
+	}
+	WriteJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+}
 
 // NewRouter returns a chi router with tracing, recovery, request metrics, problem+json for
 // unknown routes, and the operational endpoints: /healthz (the process runs), /readyz (ready
-// returns nil) and /metrics (reg, in Prometheus text format). Every request runs in a server
+// returns nil; otherwise a 503 that gives the reason, not the cause, see NotReadyError) and
+// /metrics (reg, in Prometheus text format). Every request runs in a server
 // span that continues the W3C trace context the request came with (its traceparent header),
 // or starts a trace: the handler's context carries it.
 func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.Router {
@@ -112,13 +171,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
-	r.Get("/readyz", func(w http.ResponseWriter, req *http.Request) {
-		if err := ready(req.Context()); err != nil {
-			WriteProblem(w, http.StatusServiceUnavailable, "not ready: "+err.Error())
-			return
-		}
-		WriteJSON(w, http.StatusOK, map[string]string{"status": "ready"})
-	})
+	r.Method(http.MethodGet, "/readyz", &readiness{ready: ready, log: log})
 	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	return r
 }

@@ -22,8 +22,8 @@ func ReadRelaySettings(env *Env, c Common) RelaySettings {
 	var s RelaySettings
 	s.BatchSize = env.Int("OUTBOX_BATCH_SIZE", 500, 1, 1000)
 	s.Lanes = env.Int("OUTBOX_LANES", 2, 1, 16)
-	// Each lane holds a connection for its batch's transaction, the relay one for LISTEN, and
-	// requests still need some.
+	// Each lane holds a connection for its batch's transaction, the relay one for LISTEN, the
+	// readiness check one of its own, and requests still need one.
 	env.Check(c.DBMaxConns >= s.Lanes+3, "OUTBOX_LANES", "needs DB_MAX_CONNS of at least OUTBOX_LANES + 3")
 	s.PollInterval = env.Duration("OUTBOX_POLL_INTERVAL", time.Second, 10*time.Millisecond, time.Hour)
 	s.MaxBackoff = env.Duration("OUTBOX_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
@@ -50,7 +50,7 @@ type Outbox struct {
 // that name none of their own. Its publisher declares topology, the whole system's, before its
 // first publish. The outbox's gauges join the base's metrics.
 func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topology messaging.Topology, s RelaySettings) (*Outbox, error) {
-	messaging.RegisterOutboxStats(b.Registry, b.DB)
+	messaging.RegisterOutboxStats(b.Registry, b.DB, log)
 	pub := messaging.NewPublisher(messaging.PublisherConfig{
 		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID, Topology: topology, Logger: log,
 	})

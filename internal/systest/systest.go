@@ -107,7 +107,7 @@ type Options struct {
 	BinDir                       string // where Build put the binaries
 	DirectBroker                 bool   // no proxy in front of RabbitMQ (benchmarks: it costs CPU)
 	Orders, Invoicers, Notifiers int
-	Env                          map[string][]string // a service's DB_MAX_CONNS here is its pool
+	Env                          map[string][]string // a service's DB_MAX_CONNS here is every connection it opens
 	// Cluster, if set, is the broker instead of the local one: every node's URL in AMQP_URL,
 	// no proxy.
 	Cluster *testenv.Cluster
@@ -119,8 +119,8 @@ type Options struct {
 // checkPool is the pool of each of the test's own handles on the services' databases.
 const checkPool = 2
 
-// dbConns is the pool a service started with env gets: its last DB_MAX_CONNS, or the
-// services' default.
+// dbConns is how many database connections a service started with env opens (its pool and
+// its readiness check's): its last DB_MAX_CONNS, or the services' default.
 func dbConns(t *testing.T, env []string) int {
 	t.Helper()
 	n := platform.DefaultDBMaxConns

@@ -33,7 +33,8 @@ func TestOutboxStats(t *testing.T) {
 		t.Fatalf("stats = %+v, want 1 pending, 6 attempts, about 90 s old", s)
 	}
 
-	messaging.RegisterOutboxStats(b.registry, db)
+	messaging.RegisterOutboxStats(b.registry, db, b.log)
 	wantMetric(t, b.registry, "outbox_pending_messages 1")
 	wantMetric(t, b.registry, "outbox_max_attempts 6")
+	wantMetric(t, b.registry, "outbox_stats_errors_total 0") // exported before any failure
 }

@@ -2,9 +2,13 @@ package messaging
 
 import (
 	"context"
+	"database/sql"
+	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/singleflight"
 	"gorm.io/gorm"
 )
 
@@ -121,9 +125,27 @@ func (m *Metrics) recordCleanupDeleted(table string, n int64) {
 // RegisterOutboxStats registers gauges read from outbox_messages at every scrape (see
 // [ReadOutboxStats]): the backlog, its oldest row's age, and the most attempts of any unsent
 // row. Alert when the age keeps growing or the attempts pass a threshold.
-func RegisterOutboxStats(reg prometheus.Registerer, db *gorm.DB) {
-	reg.MustRegister(&outboxStatsCollector{db: db})
+//
+// The query is bounded (statsStatementTimeout, by the server) and shared by scrapes that
+// overlap it. When it fails or times out, that scrape has no outbox gauges, the rest of it is
+// served, outbox_stats_errors_total counts the failure and log (nil: slog.Default()) says why.
+func RegisterOutboxStats(reg prometheus.Registerer, db *gorm.DB, log *slog.Logger) {
+	if log == nil {
+		log = slog.Default()
+	}
+	reg.MustRegister(&outboxStatsCollector{db: db, log: log, errors: prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_stats_errors_total",
+		Help: "Backlog queries that failed or timed out; the scrapes they served have no outbox_pending_messages, " +
+			"outbox_oldest_pending_age_seconds or outbox_max_attempts.",
+	})})
 }
+
+// statsStatementTimeout bounds the backlog query, well inside Prometheus's scrape timeout
+// (10 s by default); statsTimeout also covers waiting for a pool connection.
+const (
+	statsStatementTimeout = time.Second
+	statsTimeout          = 2 * time.Second
+)
 
 var (
 	pendingDesc = prometheus.NewDesc("outbox_pending_messages", "Outbox messages not yet sent.", nil, nil)
@@ -131,23 +153,55 @@ var (
 	attemptDesc = prometheus.NewDesc("outbox_max_attempts", "Most failed publish attempts of any unsent outbox message.", nil, nil)
 )
 
-type outboxStatsCollector struct{ db *gorm.DB }
+type outboxStatsCollector struct {
+	db     *gorm.DB
+	log    *slog.Logger
+	errors prometheus.Counter
+	// reading lets overlapping scrapes share one query, so a slow database never has more
+	// than one of them waiting.
+	reading singleflight.Group
+}
 
 func (c *outboxStatsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- pendingDesc
 	ch <- oldestDesc
 	ch <- attemptDesc
+	c.errors.Describe(ch)
 }
 
+// Collect sends the gauges if the query works, and the error counter after it, so a scrape
+// counts its own failure.
 func (c *outboxStatsCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	s, err := ReadOutboxStats(ctx, c.db)
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(pendingDesc, err)
-		return
+	v, err, _ := c.reading.Do("stats", func() (any, error) { return c.read() })
+	if err == nil {
+		s := v.(OutboxStats)
+		ch <- prometheus.MustNewConstMetric(pendingDesc, prometheus.GaugeValue, float64(s.Pending))
+		ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, s.OldestPending.Seconds())
+		ch <- prometheus.MustNewConstMetric(attemptDesc, prometheus.GaugeValue, float64(s.MaxAttempts))
 	}
-	ch <- prometheus.MustNewConstMetric(pendingDesc, prometheus.GaugeValue, float64(s.Pending))
-	ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, s.OldestPending.Seconds())
-	ch <- prometheus.MustNewConstMetric(attemptDesc, prometheus.GaugeValue, float64(s.MaxAttempts))
+	c.errors.Collect(ch)
+}
+
+// read runs the query under a statement timeout shorter than its context: the server ends the
+// query itself and the connection stays usable. At a context's deadline the driver drops the
+// connection instead, and only a cancel request, sent best effort, stops the server's side,
+// which may go on waiting (for a lock, say) and holding a connection slot.
+func (c *outboxStatsCollector) read() (OutboxStats, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), statsTimeout)
+	defer cancel()
+	var s OutboxStats
+	err := c.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		if err := tx.Exec(fmt.Sprintf("SET LOCAL statement_timeout = %d", statsStatementTimeout.Milliseconds())).Error; err != nil {
+			return fmt.Errorf("set statement_timeout: %w", err)
+		}
+		var err error
+		s, err = ReadOutboxStats(ctx, tx)
+		return err
+	}, &sql.TxOptions{ReadOnly: true})
+	if err != nil {
+		c.errors.Inc()
+		c.log.Warn("outbox backlog query failed; the scrape goes without the outbox gauges", "error", err)
+		return OutboxStats{}, err
+	}
+	return s, nil
 }

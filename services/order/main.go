@@ -37,9 +37,8 @@ func run(ctx context.Context, env *platform.Env) error {
 
 	// Ready while the database works, whatever the broker does: taking orders while the
 	// broker is down is what the outbox is for.
-	db := base.DB
-	router := platform.NewRouter(log, base.Registry, func(ctx context.Context) error { return platform.Ping(ctx, db) })
-	(&api{store: &Store{db: db}, log: log}).routes(router)
+	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
+	(&api{store: &Store{db: base.DB}, log: log}).routes(router)
 
 	// Connect now, so bad credentials show at start and the exchange exists before the first
 	// order; if the broker is down, the relay keeps trying.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"io"
@@ -24,12 +25,14 @@ import (
 )
 
 type testBundle struct {
-	db  *gorm.DB
-	srv *httptest.Server
+	db        *gorm.DB
+	readiness *sql.DB
+	srv       *httptest.Server
 }
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
+	testenv.Connections(t, testenv.DefaultConnections+platform.ReadinessConns)
 	d := testenv.NewDatabase(t)
 	sqlDB, err := d.DB.DB()
 	if err != nil {
@@ -42,12 +45,18 @@ func setup(t *testing.T) *testBundle {
 	if err := platform.Migrations(migrations, "migrations", "order_schema")(ctx, sqlDB); err != nil {
 		t.Fatal(err)
 	}
+	testenv.Draw(t, platform.ReadinessConns)
+	readiness, err := platform.OpenReadinessDB("order", d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = readiness.Close() })
 	log, _ := testenv.NewLogger(t)
-	router := platform.NewRouter(log, prometheus.NewRegistry(), func(ctx context.Context) error { return platform.Ping(ctx, d.DB) })
+	router := platform.NewRouter(log, prometheus.NewRegistry(), platform.DatabaseReady(readiness))
 	(&api{store: &Store{db: d.DB}, log: log}).routes(router)
 	srv := httptest.NewServer(router)
 	t.Cleanup(srv.Close)
-	return &testBundle{db: d.DB, srv: srv}
+	return &testBundle{db: d.DB, readiness: readiness, srv: srv}
 }
 
 const validBody = `{"customer_id": "c-42", "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}, {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 99}]}`
@@ -283,12 +292,15 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = sqlDB.Close()
+	_ = b.readiness.Close()
 	resp, body := b.post(t, validBody, "application/json", "")
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" {
 		t.Fatalf("POST with the database gone = %d %s", resp.StatusCode, body)
 	}
-	if resp, _ := do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz")); resp.StatusCode != http.StatusServiceUnavailable {
-		t.Fatalf("/readyz with the database gone = %d, want 503", resp.StatusCode)
+	resp, body = do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz"))
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" ||
+		!strings.Contains(string(body), `"detail":"the database does not answer"`) {
+		t.Fatalf("/readyz with the database gone = %d %s, want a 503 problem saying the database does not answer", resp.StatusCode, body)
 	}
 }
 
