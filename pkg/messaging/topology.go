@@ -131,7 +131,9 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 	for _, x := range t.AllExchanges() {
 		err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil)
-		}, func(ch *amqp.Channel) error { return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil) })
+		}, func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil)
+		})
 		if err != nil {
 			return err
 		}
@@ -207,7 +209,7 @@ func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error)
 		return fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, refused)
 	}
 	if d.log != nil {
-		d.log.Debug("not allowed to declare "+what+"; it exists, declared by the deployment")
+		d.log.Debug("not allowed to declare " + what + "; it exists, declared by the deployment")
 	}
 	return nil
 }
