@@ -86,7 +86,7 @@ type SubscriptionConfig struct {
 	// subscription declares its own queue, bound to what it handles.
 	Topology Topology
 	Logger   *slog.Logger
-	Metrics       *Metrics // optional
+	Metrics  *Metrics // optional
 	// TracerProvider makes each message's consumer span (see [InboxConfig.TracerProvider]).
 	// Default: the global provider. Either way every handler's context carries the trace its
 	// message came in, before the inbox's claim and after the commit as well, so its log lines
