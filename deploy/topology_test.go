@@ -12,6 +12,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -210,6 +211,52 @@ func TestComposeTopology(t *testing.T) {
 	}
 }
 
+// The Messaging Topology Operator's resources declare exactly events.Topology, on the
+// RabbitmqCluster of these manifests, and deleting a Queue resource keeps its messages.
+func TestK8sTopology(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.rabbits) != 1 {
+		t.Fatalf("want one RabbitmqCluster, have %d", len(m.rabbits))
+	}
+	cluster := m.rabbits[0].Metadata.Name
+	got := newBrokerTopology()
+	for _, x := range m.exchanges {
+		checkClusterRef(t, "Exchange "+x.Metadata.Name, x.Spec.RabbitmqClusterReference, cluster)
+		s := x.Spec
+		got.exchange(s.Name, exchangeDecl{VHost: orDefault(s.Vhost, "/"), Type: orDefault(s.Type, "direct"), Durable: s.Durable, AutoDelete: s.AutoDelete, Arguments: canonicalArgs(t, s.Arguments)})
+	}
+	for _, q := range m.queues {
+		checkClusterRef(t, "Queue "+q.Metadata.Name, q.Spec.RabbitmqClusterReference, cluster)
+		s := q.Spec
+		if s.DeletionPolicy != "retain" {
+			t.Errorf("Queue %s: deletionPolicy %q, want retain: deleting the resource must not delete the messages", q.Metadata.Name, s.DeletionPolicy)
+		}
+		// The operator sends spec.type as the x-queue-type argument.
+		args := maps.Clone(s.Arguments)
+		if s.Type != "" {
+			if args == nil {
+				args = map[string]any{}
+			}
+			if v, ok := args["x-queue-type"]; ok && v != s.Type {
+				t.Errorf("Queue %s: type %q and argument x-queue-type %v disagree", q.Metadata.Name, s.Type, v)
+			}
+			args["x-queue-type"] = s.Type
+		}
+		durable := s.Durable != nil && *s.Durable
+		got.queue(s.Name, queueDecl{VHost: orDefault(s.Vhost, "/"), Durable: durable, AutoDelete: s.AutoDelete, Arguments: canonicalArgs(t, args)})
+	}
+	for _, b := range m.bindings {
+		checkClusterRef(t, "Binding "+b.Metadata.Name, b.Spec.RabbitmqClusterReference, cluster)
+		s := b.Spec
+		got.binding(bindingDecl{VHost: orDefault(s.Vhost, "/"), Source: s.Source, Destination: s.Destination,
+			DestinationType: s.DestinationType, RoutingKey: s.RoutingKey, Arguments: canonicalArgs(t, s.Arguments)})
+	}
+	if d := systemTopology(t).diff(got); d != nil {
+		t.Errorf("deploy/k8s does not declare events.Topology:\n%s", strings.Join(d, "\n"))
+	}
+}
+
 // The comparison sees every kind of difference: a resource missing, one too many, one
 // declared twice, and a field or an argument changed.
 func TestBrokerTopologyDiff(t *testing.T) {
@@ -265,4 +312,22 @@ func TestBrokerTopologyDiff(t *testing.T) {
 			t.Errorf("%s: not seen", name)
 		}
 	}
+}
+
+// checkClusterRef checks that a topology resource goes to the RabbitmqCluster cluster of these
+// manifests, in their namespace, through the operator's default user.
+func checkClusterRef(t *testing.T, what string, ref topologyClusterRef, cluster string) {
+	t.Helper()
+	if ref.Name != cluster || ref.Namespace != "" || ref.ConnectionSecret != nil {
+		t.Errorf("%s: rabbitmqClusterReference %+v, want name %s alone (the RabbitmqCluster beside it)", what, ref, cluster)
+	}
+}
+
+// orDefault is v, or def when v is empty: the value the API server stores for a field its CRD
+// defaults.
+func orDefault(v, def string) string {
+	if v == "" {
+		return def
+	}
+	return v
 }
