@@ -151,9 +151,10 @@ func (b *brokerTopology) withoutArguments() *brokerTopology {
 	return out
 }
 
-// diff lists how got differs from want, one line per resource, sorted; nil if they are the
-// same.
-func (want *brokerTopology) diff(got *brokerTopology) []string {
+// diff lists how got differs from b, the topology wanted, one line per resource, sorted; nil
+// if they are the same.
+func (b *brokerTopology) diff(got *brokerTopology) []string {
+	want := b
 	var out []string
 	for name, w := range want.exchanges {
 		if g, ok := got.exchanges[name]; !ok {
@@ -179,14 +180,14 @@ func (want *brokerTopology) diff(got *brokerTopology) []string {
 			out = append(out, "queue "+name+" is not in events.Topology")
 		}
 	}
-	for b := range want.bindings {
-		if !got.bindings[b] {
-			out = append(out, fmt.Sprintf("binding %+v is missing", b))
+	for bind := range want.bindings {
+		if !got.bindings[bind] {
+			out = append(out, fmt.Sprintf("binding %+v is missing", bind))
 		}
 	}
-	for b := range got.bindings {
-		if !want.bindings[b] {
-			out = append(out, fmt.Sprintf("binding %+v is not in events.Topology", b))
+	for bind := range got.bindings {
+		if !want.bindings[bind] {
+			out = append(out, fmt.Sprintf("binding %+v is not in events.Topology", bind))
 		}
 	}
 	for _, r := range got.twice {
