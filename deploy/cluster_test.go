@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -135,6 +136,12 @@ func TestComposeClusterNodes(t *testing.T) {
 	}
 	if v := conf["cluster_partition_handling"]; v != "pause_minority" {
 		t.Errorf("%s: cluster_partition_handling = %q, want pause_minority", clusterConf, v)
+	}
+	// The definitions' queues are declared by the first node alone; the others must get
+	// replicas when they join.
+	if conf["quorum_queue.continuous_membership_reconciliation.enabled"] != "true" ||
+		conf["quorum_queue.continuous_membership_reconciliation.target_group_size"] != strconv.Itoa(len(clusterNodes)) {
+		t.Errorf("%s: want quorum_queue.continuous_membership_reconciliation enabled with target_group_size %d", clusterConf, len(clusterNodes))
 	}
 	// The single broker stays alone.
 	for target := range bindMounts(t, service(t, p, "rabbitmq")) {

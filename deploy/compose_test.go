@@ -391,13 +391,13 @@ func TestComposeHostPortsWithEveryProfile(t *testing.T) {
 }
 
 // The images still get updates: RabbitMQ 3.13 images stopped in December 2025, distroless
-// debian12 reached its end of life in September 2026. Each is pinned to a release series,
-// not to latest.
+// debian12 reached its end of life in September 2026. PostgreSQL is pinned to a major
+// version, RabbitMQ to one patch release (see rabbitImageOK), neither to latest.
 func TestComposeImages(t *testing.T) {
 	t.Parallel()
 	p := loadProject(t)
-	if img := service(t, p, "rabbitmq").Image; !regexp.MustCompile(`^rabbitmq:4\.\d+-management$`).MatchString(img) {
-		t.Errorf("rabbitmq image = %q, want rabbitmq:4.<minor>-management", img)
+	if img := service(t, p, "rabbitmq").Image; !rabbitImageOK(img) {
+		t.Errorf("rabbitmq image = %q, want rabbitmq:4.<minor>.<patch>-management, 4.3.1 or later", img)
 	}
 	if img := service(t, p, "postgres").Image; !regexp.MustCompile(`^postgres:\d+-alpine$`).MatchString(img) {
 		t.Errorf("postgres image = %q, want postgres:<major>-alpine", img)
@@ -414,6 +414,34 @@ func TestComposeImages(t *testing.T) {
 	for _, name := range []string{"postgres", "rabbitmq"} {
 		if got, want := service(t, test, name).Image, service(t, p, name).Image; got != want {
 			t.Errorf("deploy/compose.test.yml %s image = %q, want %q as in docker-compose.yml", name, got, want)
+		}
+	}
+}
+
+// rabbitImageOK reports whether img is RabbitMQ's management image pinned to a patch release
+// of 4.3.1 or later. The minor tag (4.3) moves under a deployment; 4.3.0 refuses a passive
+// queue.declare without configure permission, which outboxctl dlq needs with its narrow user.
+func rabbitImageOK(img string) bool {
+	m := regexp.MustCompile(`^rabbitmq:(\d+)\.(\d+)\.(\d+)-management$`).FindStringSubmatch(img)
+	if m == nil {
+		return false
+	}
+	var v [3]int
+	for i := range v {
+		v[i], _ = strconv.Atoi(m[i+1])
+	}
+	return slices.Compare(v[:], []int{4, 3, 1}) >= 0 && v[0] == 4
+}
+
+func TestRabbitImageOK(t *testing.T) {
+	t.Parallel()
+	for img, want := range map[string]bool{
+		"rabbitmq:4.3.6-management": true, "rabbitmq:4.3.1-management": true, "rabbitmq:4.4.0-management": true,
+		"rabbitmq:4.3.0-management": false, "rabbitmq:4.3-management": false, "rabbitmq:4.2.9-management": false,
+		"rabbitmq:4.3.6": false, "rabbitmq:latest": false, "rabbitmq:5.0.0-management": false,
+	} {
+		if got := rabbitImageOK(img); got != want {
+			t.Errorf("rabbitImageOK(%q) = %v, want %v", img, got, want)
 		}
 	}
 }

@@ -64,6 +64,11 @@ type k8sManifests struct {
 	rabbits     []rabbitmqCluster
 	pgClusters  []cnpgCluster
 	databases   []cnpgDatabase
+	exchanges   []topologyExchange
+	queues      []topologyQueue
+	bindings    []topologyBinding
+	rmqUsers    []topologyUser
+	rmqPerms    []topologyPermission
 	kust        kustomization
 }
 
@@ -149,6 +154,84 @@ type cnpgDatabase struct {
 		Name   string `json:"name"`
 		Owner  string `json:"owner"`
 		Ensure string `json:"ensure"`
+	} `json:"spec"`
+}
+
+// The Messaging Topology Operator's resources. A field the CRD defaults (vhost, an exchange's
+// type) is empty here when the manifest leaves it out.
+type topologyClusterRef struct {
+	Name             string `json:"name"`
+	Namespace        string `json:"namespace"`
+	ConnectionSecret *struct {
+		Name string `json:"name"`
+	} `json:"connectionSecret"`
+}
+
+type topologyExchange struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Name                     string             `json:"name"`
+		Vhost                    string             `json:"vhost"`
+		Type                     string             `json:"type"`
+		Durable                  bool               `json:"durable"`
+		AutoDelete               bool               `json:"autoDelete"`
+		Arguments                map[string]any     `json:"arguments"`
+		RabbitmqClusterReference topologyClusterRef `json:"rabbitmqClusterReference"`
+	} `json:"spec"`
+}
+
+type topologyQueue struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Name                     string             `json:"name"`
+		Vhost                    string             `json:"vhost"`
+		Type                     string             `json:"type"`
+		Durable                  *bool              `json:"durable"`
+		AutoDelete               bool               `json:"autoDelete"`
+		DeletionPolicy           string             `json:"deletionPolicy"`
+		Arguments                map[string]any     `json:"arguments"`
+		RabbitmqClusterReference topologyClusterRef `json:"rabbitmqClusterReference"`
+	} `json:"spec"`
+}
+
+type topologyBinding struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Vhost                    string             `json:"vhost"`
+		Source                   string             `json:"source"`
+		Destination              string             `json:"destination"`
+		DestinationType          string             `json:"destinationType"`
+		RoutingKey               string             `json:"routingKey"`
+		Arguments                map[string]any     `json:"arguments"`
+		RabbitmqClusterReference topologyClusterRef `json:"rabbitmqClusterReference"`
+	} `json:"spec"`
+}
+
+type topologyUser struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Tags                    []string `json:"tags"`
+		ImportCredentialsSecret *struct {
+			Name string `json:"name"`
+		} `json:"importCredentialsSecret"`
+		RabbitmqClusterReference topologyClusterRef `json:"rabbitmqClusterReference"`
+	} `json:"spec"`
+}
+
+type topologyPermission struct {
+	Metadata metav1.ObjectMeta `json:"metadata"`
+	Spec     struct {
+		Vhost         string `json:"vhost"`
+		User          string `json:"user"`
+		UserReference *struct {
+			Name string `json:"name"`
+		} `json:"userReference"`
+		Permissions struct {
+			Configure string `json:"configure"`
+			Write     string `json:"write"`
+			Read      string `json:"read"`
+		} `json:"permissions"`
+		RabbitmqClusterReference topologyClusterRef `json:"rabbitmqClusterReference"`
 	} `json:"spec"`
 }
 
@@ -286,10 +369,29 @@ func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
 	case "Database":
 		m.databases = append(m.databases, cnpgDatabase{})
 		into = &m.databases[len(m.databases)-1]
+	case "Exchange":
+		m.exchanges = append(m.exchanges, topologyExchange{})
+		into = &m.exchanges[len(m.exchanges)-1]
+	case "Queue":
+		m.queues = append(m.queues, topologyQueue{})
+		into = &m.queues[len(m.queues)-1]
+	case "Binding":
+		m.bindings = append(m.bindings, topologyBinding{})
+		into = &m.bindings[len(m.bindings)-1]
+	case "User":
+		m.rmqUsers = append(m.rmqUsers, topologyUser{})
+		into = &m.rmqUsers[len(m.rmqUsers)-1]
+	case "Permission":
+		m.rmqPerms = append(m.rmqPerms, topologyPermission{})
+		into = &m.rmqPerms[len(m.rmqPerms)-1]
 	default:
 		return fmt.Errorf("%s: validated, but no test reads it; add it to k8sManifests", what)
 	}
-	return json.Unmarshal(doc, into)
+	// Numbers as written: a queue argument must reach the comparison with events.Topology
+	// unchanged.
+	dec := json.NewDecoder(bytes.NewReader(doc))
+	dec.UseNumber()
+	return dec.Decode(into)
 }
 
 // yamlDocuments splits a YAML file into its documents, as JSON, skipping empty ones (a file
@@ -510,6 +612,13 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Cluster","metadata":{"name":"x"},"spec":{"instances":3,"postgresql":{"synchronous":{"method":"some","number":1}}}}`,
 		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Database","metadata":{"name":"x"},"spec":{"cluster":{"name":"c"},"name":"d","owner":"o","ownr":"o"}}`,
 		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Widget","metadata":{"name":"x"}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Queue","metadata":{"name":"x"},"spec":{"name":"q","argument":{},"rabbitmqClusterReference":{"name":"r"}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Queue","metadata":{"name":"x"},"spec":{"name":"q","deletionPolicy":"keep","rabbitmqClusterReference":{"name":"r"}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Queue","metadata":{"name":"x"},"spec":{"name":"q"}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Exchange","metadata":{"name":"x"},"spec":{"name":"e","durable":"yes","rabbitmqClusterReference":{"name":"r"}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Binding","metadata":{"name":"x"},"spec":{"destinationType":"topic","rabbitmqClusterReference":{"name":"r"}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"User","metadata":{"name":"x"},"spec":{"tags":["admin"],"rabbitmqClusterReference":{"name":"r"}}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Permission","metadata":{"name":"x"},"spec":{"vhost":"/","permission":{},"permissions":{},"rabbitmqClusterReference":{"name":"r"}}}`,
 	}
 	for _, doc := range bad {
 		m := &k8sManifests{configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
@@ -518,10 +627,14 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 			t.Errorf("accepted %s", doc)
 		}
 	}
-	good := `{"apiVersion":"postgresql.cnpg.io/v1","kind":"Database","metadata":{"name":"x"},"spec":{"cluster":{"name":"c"},"name":"d","owner":"o"}}`
-	m := &k8sManifests{}
-	if err := m.add(crds, []byte(good)); err != nil {
-		t.Errorf("refused a valid Database: %v", err)
+	for _, good := range []string{
+		`{"apiVersion":"postgresql.cnpg.io/v1","kind":"Database","metadata":{"name":"x"},"spec":{"cluster":{"name":"c"},"name":"d","owner":"o"}}`,
+		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Queue","metadata":{"name":"x"},"spec":{"name":"q","arguments":{"x-anything":1},"rabbitmqClusterReference":{"name":"r"}}}`,
+	} {
+		m := &k8sManifests{}
+		if err := m.add(crds, []byte(good)); err != nil {
+			t.Errorf("refused %s: %v", good, err)
+		}
 	}
 }
 
@@ -787,7 +900,6 @@ func TestK8sCredentialsAgree(t *testing.T) {
 		t.Fatalf("want one CloudNativePG Cluster and one RabbitmqCluster, have %d and %d", len(m.pgClusters), len(m.rabbits))
 	}
 	pg, rabbit := m.pgClusters[0], m.rabbits[0]
-	rabbitUser, rabbitPass := rabbitDefaultUser(t, m, rabbit)
 
 	for _, a := range apps {
 		t.Run(a.name, func(t *testing.T) {
@@ -852,42 +964,150 @@ func TestK8sCredentialsAgree(t *testing.T) {
 				t.Errorf("pg_hba = %q, want `hostssl %s %s all scram-sha-256` before a `host all …%s… all reject`", hba, a.database, a.role, a.role)
 			}
 
-			// AMQP_URL: the broker's Service, with its default user.
+			// AMQP_URL: the broker's Service, as the service's own RabbitMQ user (the topology
+			// operator's User named after it), with the password that User imports; never as
+			// the cluster's default user.
 			u, err = url.Parse(vars["AMQP_URL"])
 			if err != nil {
 				t.Fatalf("AMQP_URL: %v", err)
 			}
 			pass, _ = u.User.Password()
+			user, userPass := rabbitUser(t, m, a.name)
 			if u.Scheme != "amqp" || u.Hostname() != rabbit.Metadata.Name || u.Port() != "5672" ||
-				u.User.Username() != rabbitUser || pass != rabbitPass {
-				t.Errorf("AMQP_URL = %s, want amqp://%s:<its password>@%s:5672/", platform.Redact(u.String()), rabbitUser, rabbit.Metadata.Name)
+				u.User.Username() != user || pass != userPass || (u.Path != "" && u.Path != "/") {
+				t.Errorf("AMQP_URL = %s, want amqp://%s:<its password>@%s:5672/ (User %s, Secret %s-rabbitmq-user)", platform.Redact(u.String()), user, rabbit.Metadata.Name, a.name, a.name)
+			}
+			defaultUser := rabbitDefaultUserSecret(rabbit)
+			if slices.Contains(secretsReferenced(c), defaultUser) {
+				t.Errorf("the container reads Secret %s, the cluster's default user: each service logs in as its own user", defaultUser)
+			}
+			if s, ok := m.secrets[defaultUser]; ok && secretValue(s, "username") == u.User.Username() {
+				t.Errorf("AMQP_URL logs in as %s, the cluster's default user", u.User.Username())
 			}
 		})
 	}
 }
 
-// rabbitDefaultUser returns the user the RabbitMQ Cluster Operator creates from the
-// externalSecret, checking that its fields agree with each other.
-func rabbitDefaultUser(t *testing.T, m *k8sManifests, r rabbitmqCluster) (user, pass string) {
+// rabbitUser returns the username and password the topology operator's User name imports,
+// checking that the Secret is one the operator reads.
+func rabbitUser(t *testing.T, m *k8sManifests, name string) (user, pass string) {
 	t.Helper()
-	name := r.Spec.SecretBackend.ExternalSecret.Name
-	s, ok := m.secrets[name]
-	if name == "" || !ok {
-		t.Fatalf("RabbitmqCluster %s: secretBackend.externalSecret %q is not a Secret here", r.Metadata.Name, name)
+	i := slices.IndexFunc(m.rmqUsers, func(u topologyUser) bool { return u.Metadata.Name == name })
+	if i < 0 {
+		t.Fatalf("no RabbitMQ User %s", name)
 	}
-	// RabbitMQ reads default_user.conf (the operator mounts that key); username and password
-	// are there for clients, so all must say the same.
-	conf := map[string]string{}
-	for line := range strings.SplitSeq(secretValue(s, "default_user.conf"), "\n") {
-		if k, v, ok := strings.Cut(line, "="); ok {
-			conf[strings.TrimSpace(k)] = strings.TrimSpace(v)
-		}
+	u := m.rmqUsers[i]
+	if u.Spec.ImportCredentialsSecret == nil {
+		t.Fatalf("User %s: no importCredentialsSecret; the operator would generate credentials nothing here knows", name)
 	}
-	user, pass = conf["default_user"], conf["default_pass"]
-	if user == "" || pass == "" || secretValue(s, "username") != user || secretValue(s, "password") != pass {
-		t.Fatalf("Secret %s: default_user.conf (%q) and username/password do not agree", name, user)
+	secret := u.Spec.ImportCredentialsSecret.Name
+	s, ok := m.secrets[secret]
+	if !ok {
+		t.Fatalf("User %s: no Secret %s", name, secret)
+	}
+	// The operator's cache holds only Secrets with this label, and its webhook refuses a User
+	// whose Secret lacks it.
+	if s.Labels["rabbitmq.com/topology-operator"] != "true" {
+		t.Errorf("Secret %s: no label rabbitmq.com/topology-operator: \"true\"; the operator would not read it", secret)
+	}
+	// passwordHash, when present, wins over password: the URL's password would not log in.
+	if _, hashed := s.StringData["passwordHash"]; hashed || len(s.Data["passwordHash"]) > 0 {
+		t.Errorf("Secret %s: passwordHash is set; the URLs hold the password, and the hash would win over it", secret)
+	}
+	user, pass = secretValue(s, "username"), secretValue(s, "password")
+	if user == "" || pass == "" {
+		t.Fatalf("Secret %s: username or password is empty", secret)
 	}
 	return user, pass
+}
+
+// rabbitDefaultUserSecret is the Secret that holds the RabbitmqCluster's default user: the
+// external one it names, or the one the cluster operator generates.
+func rabbitDefaultUserSecret(r rabbitmqCluster) string {
+	if name := r.Spec.SecretBackend.ExternalSecret.Name; name != "" {
+		return name
+	}
+	return r.Metadata.Name + "-default-user"
+}
+
+// secretsReferenced lists the Secrets a container's environment reads.
+func secretsReferenced(c corev1.Container) []string {
+	var names []string
+	for _, from := range c.EnvFrom {
+		if from.SecretRef != nil {
+			names = append(names, from.SecretRef.Name)
+		}
+	}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil {
+			names = append(names, e.ValueFrom.SecretKeyRef.Name)
+		}
+	}
+	return names
+}
+
+// The RabbitMQ users of the Kubernetes base are compose's, each with exactly the permissions
+// deploy/rabbitmq/definitions.json gives it: one per service and outboxctl, management tags
+// for none. Compose's admin, the management UI's user, is the cluster's default user here.
+func TestK8sRabbitMQUsers(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.rabbits) != 1 {
+		t.Fatalf("want one RabbitmqCluster, have %d", len(m.rabbits))
+	}
+	cluster := m.rabbits[0].Metadata.Name
+	want := map[string]defPermission{}
+	for _, p := range readDefinitions(t).Permissions {
+		if p.User != "admin" {
+			want[p.User] = p
+		}
+	}
+
+	usernames := map[string]string{} // User resource name → RabbitMQ username
+	for _, u := range m.rmqUsers {
+		checkClusterRef(t, "User "+u.Metadata.Name, u.Spec.RabbitmqClusterReference, cluster)
+		if len(u.Spec.Tags) != 0 {
+			t.Errorf("User %s: tags %v, want none: it needs no management access", u.Metadata.Name, u.Spec.Tags)
+		}
+		user, _ := rabbitUser(t, m, u.Metadata.Name)
+		if user != u.Metadata.Name {
+			t.Errorf("User %s logs in as %q; name the resource after its user", u.Metadata.Name, user)
+		}
+		usernames[u.Metadata.Name] = user
+	}
+	got := map[string]defPermission{}
+	for _, p := range m.rmqPerms {
+		checkClusterRef(t, "Permission "+p.Metadata.Name, p.Spec.RabbitmqClusterReference, cluster)
+		if p.Spec.UserReference == nil || p.Spec.User != "" {
+			t.Errorf("Permission %s: want userReference alone (the operator then waits for the User)", p.Metadata.Name)
+			continue
+		}
+		user, ok := usernames[p.Spec.UserReference.Name]
+		if !ok {
+			t.Errorf("Permission %s: userReference %s is no User here", p.Metadata.Name, p.Spec.UserReference.Name)
+			continue
+		}
+		if _, dup := got[user]; dup {
+			t.Errorf("user %s has two Permissions", user)
+		}
+		perms := p.Spec.Permissions
+		got[user] = defPermission{User: user, VHost: p.Spec.Vhost, Configure: perms.Configure, Write: perms.Write, Read: perms.Read}
+	}
+	for user, w := range want {
+		if g, ok := got[user]; !ok {
+			t.Errorf("user %s: no User with a Permission, want %+v as in %s", user, w, definitionsFile)
+		} else if g != w {
+			t.Errorf("user %s: Permission %+v, want %+v as in %s", user, g, w, definitionsFile)
+		}
+	}
+	for user := range got {
+		if _, ok := want[user]; !ok {
+			t.Errorf("user %s has a Permission but is no user of %s", user, definitionsFile)
+		}
+	}
+	if len(usernames) != len(got) {
+		t.Errorf("%d Users and %d Permissions, want one Permission per User", len(usernames), len(got))
+	}
 }
 
 // Each pool of every replica, and of the surge pod of a rollout, fits in PostgreSQL's
@@ -965,13 +1185,20 @@ func TestK8sRabbitmqCluster(t *testing.T) {
 	}
 	r := m.rabbits[0]
 	if r.Spec.Replicas == nil || *r.Spec.Replicas != 3 {
-		t.Errorf("replicas = %v, want 3 (a quorum queue keeps working with one node gone)", r.Spec.Replicas)
+		t.Fatalf("replicas = %v, want 3 (a quorum queue keeps working with one node gone)", deref64(r.Spec.Replicas))
 	}
 	if want := service(t, loadProject(t), "rabbitmq").Image; r.Spec.Image != want {
 		t.Errorf("image = %q, want %q, the image docker-compose.yml runs", r.Spec.Image, want)
 	}
-	if !regexp.MustCompile(`(?m)^\s*cluster_partition_handling\s*=\s*pause_minority\s*$`).MatchString(r.Spec.Rabbitmq.AdditionalConfig) {
-		t.Errorf("additionalConfig = %q, want cluster_partition_handling = pause_minority", r.Spec.Rabbitmq.AdditionalConfig)
+	for _, line := range []string{
+		`cluster_partition_handling\s*=\s*pause_minority`,
+		// The topology operator may declare the queues before every node has joined.
+		`quorum_queue\.continuous_membership_reconciliation\.enabled\s*=\s*true`,
+		`quorum_queue\.continuous_membership_reconciliation\.target_group_size\s*=\s*` + strconv.Itoa(int(*r.Spec.Replicas)),
+	} {
+		if !regexp.MustCompile(`(?m)^\s*` + line + `\s*$`).MatchString(r.Spec.Rabbitmq.AdditionalConfig) {
+			t.Errorf("additionalConfig = %q, want a line %s", r.Spec.Rabbitmq.AdditionalConfig, line)
+		}
 	}
 	if res := r.Spec.Resources; res == nil || res.Requests.Memory().IsZero() || res.Limits.Memory().IsZero() || res.Requests.Cpu().IsZero() {
 		t.Errorf("resources = %+v, want CPU and memory requests and a memory limit", res)

@@ -6,10 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/url"
-	"os"
-	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -22,96 +20,71 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// brokerRole is what one service does on the broker, read from its code: the exchange its
-// relay publishes to, and the queue its subscription consumes with its bindings.
+// brokerRole is what one service does on the broker besides declaring events.Topology at
+// start: the exchange its relay publishes to, and the queue it consumes.
 type brokerRole struct {
-	publishes string                      // exchange; "" if the service has no outbox
-	consumes  *messaging.ConsumerTopology // nil if the service consumes nothing
+	publishes string // exchange; "" if the service has no outbox
+	consumes  string // queue; "" if the service consumes nothing
 }
 
-// The names the services' code passes to the platform, and what they stand for.
-var (
-	exchangeConsts = map[string]string{"Exchange": events.Exchange, "InvoicingExchange": events.InvoicingExchange}
-	eventVars      = map[string]messaging.Binding{
-		"OrderPlacedEvent":    {Exchange: events.OrderPlacedEvent.Exchange, RoutingKey: events.OrderPlacedEvent.Type},
-		"OrderCancelledEvent": {Exchange: events.OrderCancelledEvent.Exchange, RoutingKey: events.OrderCancelledEvent.Type},
-		"InvoiceIssuedEvent":  {Exchange: events.InvoiceIssuedEvent.Exchange, RoutingKey: events.InvoiceIssuedEvent.Type},
-	}
-)
+// brokerRoles: each publishing service owns the exchange its events go to (events.Exchange is
+// the order service's), and each consumer's queue is named after it.
+var brokerRoles = map[string]brokerRole{
+	"order":        {publishes: events.Exchange},
+	"invoicing":    {publishes: events.InvoicingExchange, consumes: events.InvoicingQueue},
+	"notification": {consumes: events.NotificationQueue},
+}
 
-// brokerRoles reads each service's broker role from services/NAME: base.Outbox(..., events.X,
-// ...) names the exchange it publishes to; const Consumer its queue; every
-// messaging.Handle(sub, events.XEvent, ...) one binding.
-func brokerRoles(t *testing.T) map[string]brokerRole {
-	t.Helper()
-	outbox := regexp.MustCompile(`\.Outbox\(\s*log,\s*common\.AMQPURL,\s*events\.(\w+),`)
-	consumer := regexp.MustCompile(`const Consumer = "([^"]+)"`)
-	handle := regexp.MustCompile(`messaging\.Handle\(\s*sub,\s*events\.(\w+),`)
-	roles := map[string]brokerRole{}
+// Every service has a role, and every exchange and queue of events.Topology has exactly one
+// owner among them: a new one needs a decision on who may do what with it.
+func TestBrokerRolesCoverTheTopology(t *testing.T) {
+	t.Parallel()
 	for _, a := range apps {
-		src := serviceSources(t, a.name)
-		var r brokerRole
-		if m := outbox.FindStringSubmatch(src); m != nil {
-			ex, ok := exchangeConsts[m[1]]
-			if !ok {
-				t.Fatalf("services/%s publishes to events.%s, which this test does not know: add it to exchangeConsts", a.name, m[1])
-			}
-			r.publishes = ex
+		if _, ok := brokerRoles[a.name]; !ok {
+			t.Errorf("service %s has no broker role", a.name)
 		}
-		if m := consumer.FindStringSubmatch(src); m != nil {
-			topo := &messaging.ConsumerTopology{Queue: m[1]}
-			for _, h := range handle.FindAllStringSubmatch(src, -1) {
-				b, ok := eventVars[h[1]]
-				if !ok {
-					t.Fatalf("services/%s handles events.%s, which this test does not know: add it to eventVars", a.name, h[1])
-				}
-				topo.Bindings = append(topo.Bindings, b)
-			}
-			if len(topo.Bindings) == 0 {
-				t.Fatalf("services/%s consumes %s but handles no event this test can see", a.name, m[1])
-			}
-			r.consumes = topo
-		}
-		if r.publishes == "" && r.consumes == nil {
-			t.Fatalf("services/%s neither publishes nor consumes, as far as this test can see (has its main.go changed?)", a.name)
-		}
-		roles[a.name] = r
 	}
-	return roles
+	owners := func(name string, of func(brokerRole) string) []string {
+		var who []string
+		for svc, r := range brokerRoles {
+			if of(r) == name {
+				who = append(who, svc)
+			}
+		}
+		return who
+	}
+	for _, x := range events.Topology.AllExchanges() {
+		if who := owners(x, func(r brokerRole) string { return r.publishes }); len(who) != 1 {
+			t.Errorf("exchange %s is published to by %v, want exactly one service", x, who)
+		}
+	}
+	for _, q := range events.Topology.Queues {
+		if who := owners(q.Queue, func(r brokerRole) string { return r.consumes }); len(who) != 1 {
+			t.Errorf("queue %s is consumed by %v, want exactly one service", q.Queue, who)
+		}
+	}
+	for svc, r := range brokerRoles {
+		if r.publishes != "" && !slices.Contains(events.Topology.AllExchanges(), r.publishes) {
+			t.Errorf("%s publishes to %s, which is not in events.Topology", svc, r.publishes)
+		}
+		if _, ok := events.Topology.Queue(r.consumes); r.consumes != "" && !ok {
+			t.Errorf("%s consumes %s, which is not in events.Topology", svc, r.consumes)
+		}
+	}
 }
 
-// serviceSources returns the non-test Go files of services/NAME.
-func serviceSources(t *testing.T, svc string) string {
-	t.Helper()
-	files, err := filepath.Glob(filepath.Join(root, "services", svc, "*.go"))
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no Go files in services/%s (%v)", svc, err)
-	}
-	var b strings.Builder
-	for _, f := range files {
-		if strings.HasSuffix(f, "_test.go") {
-			continue
-		}
-		src, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		b.Write(src)
-	}
-	return b.String()
-}
-
-// TestBrokerPermissions applies the permissions of deploy/rabbitmq/definitions.json, exactly
-// as written, to a fresh virtual host of the local broker (as users of their own, with test
-// passwords), then shows that each service can do what its code does there and is refused
-// what belongs to another. It imports the definitions with rabbitmqctl, as the container does
-// at boot, so the file's format is checked by a real broker too.
+// TestBrokerPermissions imports deploy/rabbitmq/definitions.json, exactly as written, into a
+// fresh virtual host of the local broker (its users as users of their own, with test
+// passwords), as the compose broker does at boot: the topology, the users and their
+// permissions. There, each service does what its binary does at start, declaring the whole
+// of events.Topology (the refusals for what it may not configure are accepted, since the
+// definitions declared it), then its work: publishing, consuming, dead-lettering. And each is
+// refused what belongs to another.
 func TestBrokerPermissions(t *testing.T) {
 	t.Parallel()
-	roles := brokerRoles(t)
 	defs := readDefinitions(t)
-	// Beside the file's users, invoicing without write on amq.default: the right its queue's
-	// dead-letter arguments need, shown by its absence.
+	// Beside the file's users, invoicing without write on amq.default: the right its own
+	// dead-lettering needs, shown by its absence.
 	inv, ok := defs.user("invoicing")
 	perm, _ := defs.permissions("invoicing", "/")
 	noDLX := perm
@@ -121,38 +94,45 @@ func TestBrokerPermissions(t *testing.T) {
 	}
 	inv.Name = noDLX.User
 	defs.Users, defs.Permissions = append(defs.Users, inv), append(defs.Permissions, noDLX)
-	users := importForTest(t, defs)
+	users, vhost := importForTest(t, defs)
+	// The broker holds the whole topology once it imported the definitions, before any
+	// service has connected.
+	held := topologyDiff{want: systemTopology(t).withoutArguments()}
+	testenv.Eventually(t, time.Minute, func() bool {
+		held.got = brokerHolds(t, vhost)
+		return held.want.diff(held.got) == nil
+	}, "after importing %s, the broker's topology differs from events.Topology:\n%v", definitionsFile, &held)
 	order, invoicing, notification, outboxctl := users["order"], users["invoicing"], users["notification"], users["outboxctl"]
 	for _, u := range []*brokerUser{order, invoicing, notification, outboxctl} {
 		if u == nil {
 			t.Fatalf("%s lacks one of the users order, invoicing, notification and outboxctl", definitionsFile)
 		}
 	}
-	orders, invoices := roles["order"].publishes, roles["invoicing"].publishes
-	invoicingQueue, notificationQueue := roles["invoicing"].consumes.Queue, roles["notification"].consumes.Queue
-	if orders == "" || invoices == "" || invoicingQueue == "" || notificationQueue == "" {
-		t.Fatalf("the services' roles are not what this test expects: %+v", roles)
-	}
+	orders, invoices := brokerRoles["order"].publishes, brokerRoles["invoicing"].publishes
+	invoicingQueue, notificationQueue := brokerRoles["invoicing"].consumes, brokerRoles["notification"].consumes
+	invoicingTopology, _ := events.Topology.Queue(invoicingQueue)
+	notificationTopology, _ := events.Topology.Queue(notificationQueue)
+	invoicingDLQ := messaging.DeadLetterQueue(invoicingQueue)
 
-	// Before anything exists: a service cannot take another's names.
-	order.refused("declare the queue "+invoicingQueue, declareQueue(invoicingQueue))
+	// At start, every service declares the whole topology, with its own user's rights.
+	for _, a := range apps {
+		users[a.name].mustDeclareTopology()
+	}
+	users[noDLX.User].mustDeclareTopology()
+
+	// What those declarations could not have done: take, change or remove another's
+	// resources. (A refused declaration of an existing resource changes nothing.)
+	order.refused("declare the queue "+invoicingQueue, declareQueue(invoicingTopology))
 	order.refused("declare the exchange "+invoices, declareExchange(invoices))
-	invoicing.refused("declare the queue "+notificationQueue, declareQueue(notificationQueue))
-	outboxctl.refused("declare a queue", declareQueue("outboxctl_scratch"))
-	users[noDLX.User].refused("create its queue, whose dead-letter exchange is the default one", declareConsumer(roles["invoicing"].consumes))
-
-	// What each service's code declares when it connects: the relays' exchanges (their
-	// publishers' Setup), the subscriptions' topologies (exchanges, dead-letter queue, queue
-	// with its dead-letter arguments, bindings).
-	for _, name := range []string{"order", "invoicing", "notification"} {
-		r, u := roles[name], users[name]
-		if r.consumes != nil {
-			u.mustAllow("declare its topology (queue "+r.consumes.Queue+", its dead-letter queue and bindings)", declareConsumer(r.consumes))
-		}
-		if r.publishes != "" {
-			u.mustAllow("declare its exchange "+r.publishes, declareExchange(r.publishes))
-		}
-	}
+	order.refused("delete the queue "+invoicingQueue, deleteQueue(invoicingQueue))
+	order.refused("bind the queue "+invoicingQueue+" to "+orders+" with #", bind(invoicingQueue, orders, "#"))
+	invoicing.refused("declare the queue "+notificationQueue, declareQueue(notificationTopology))
+	invoicing.refused("delete the queue "+notificationQueue, deleteQueue(notificationQueue))
+	invoicing.refused("bind the queue "+notificationQueue+" to "+invoices+" with #", bind(notificationQueue, invoices, "#"))
+	notification.refused("delete the queue "+invoicingDLQ, deleteQueue(invoicingDLQ))
+	notification.refused("bind the queue "+invoicingQueue+" to "+orders+" with #", bind(invoicingQueue, orders, "#"))
+	outboxctl.refused("declare a queue", declareQueue(messaging.ConsumerTopology{Queue: "outboxctl_scratch"}))
+	outboxctl.refused("delete the queue "+invoicingDLQ, deleteQueue(invoicingDLQ))
 
 	// Publishing: each relay to its own exchange, routed to the queues bound to it.
 	order.mustAllow("publish OrderPlaced to "+orders, publish(orders, events.OrderPlacedType))
@@ -166,7 +146,7 @@ func TestBrokerPermissions(t *testing.T) {
 	// Consuming: each its own queue only.
 	order.refused("consume from "+invoicingQueue, consume(invoicingQueue))
 	invoicing.refused("consume from "+notificationQueue, consume(notificationQueue))
-	notification.refused("consume from "+messaging.DeadLetterQueue(invoicingQueue), consume(messaging.DeadLetterQueue(invoicingQueue)))
+	notification.refused("consume from "+invoicingDLQ, consume(invoicingDLQ))
 
 	// Dead-lettering: invoicing rejects the OrderPlaced it got, and the broker moves it to its
 	// dead-letter queue (the queue's own arguments, no permission asked); outboxctl takes it
@@ -181,13 +161,12 @@ func TestBrokerPermissions(t *testing.T) {
 		}
 		return d.Reject(false)
 	})
-	dlq := messaging.DeadLetterQueue(invoicingQueue)
-	outboxctl.mustAllow("read the depth of "+dlq, func(ch *amqp.Channel) error {
-		_, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil)
+	outboxctl.mustAllow("read the depth of "+invoicingDLQ, func(ch *amqp.Channel) error {
+		_, err := ch.QueueDeclarePassive(invoicingDLQ, true, false, false, false, nil)
 		return err
 	})
-	outboxctl.mustAllow("move the dead-lettered message from "+dlq+" back to "+invoicingQueue, func(ch *amqp.Channel) error {
-		d, err := poll(ch, dlq)
+	outboxctl.mustAllow("move the dead-lettered message from "+invoicingDLQ+" back to "+invoicingQueue, func(ch *amqp.Channel) error {
+		d, err := poll(ch, invoicingDLQ)
 		if err != nil {
 			return err
 		}
@@ -203,7 +182,10 @@ func TestBrokerPermissions(t *testing.T) {
 		}
 		return d.Ack(false)
 	})
-	invoicing.mustAllow("publish to its dead-letter queue through the default exchange", publish("", dlq))
+	// The consumer dead-letters a message itself, with its reason, through the default
+	// exchange: that needs write on amq.default.
+	invoicing.mustAllow("publish to its dead-letter queue through the default exchange", publish("", invoicingDLQ))
+	users[noDLX.User].refused("publish to its dead-letter queue through the default exchange", publish("", invoicingDLQ))
 	notification.mustAllow("consume OrderPlaced and InvoiceIssued from "+notificationQueue, func(ch *amqp.Channel) error {
 		got := map[string]bool{}
 		deliveries, err := ch.Consume(notificationQueue, "", false, false, false, false, nil)
@@ -233,13 +215,17 @@ func TestBrokerPermissions(t *testing.T) {
 		_, _, err := ch.Get(invoicingQueue, false)
 		return err
 	})
-	notification.mustAllow("publish to any queue through the default exchange (its queue's dead-lettering needs write on it)", publish("", invoicingQueue))
+	notification.mustAllow("publish to any queue through the default exchange (its dead-lettering needs write on it)", publish("", invoicingQueue))
+	// Last, as it removes the exchange: configure on orders, which lets invoicing declare the
+	// exchange it binds from, lets it delete it too.
+	invoicing.mustAllow("delete the exchange "+orders+" (configure on it lets it declare the exchange it binds from)", deleteExchange(orders))
 }
 
 // brokerUser is one user of the test's virtual host, connected.
 type brokerUser struct {
 	t    *testing.T
 	name string // as in the definitions file
+	url  string // its AMQP URL, to the test's virtual host
 	conn *amqp.Connection
 }
 
@@ -269,39 +255,51 @@ func (u *brokerUser) refused(what string, op func(ch *amqp.Channel) error) {
 	}
 }
 
+// mustDeclareTopology declares events.Topology as the service's binary does at start, on a
+// connection of its own: the declarations its user may not make are refused, and accepted as
+// the deployment's. Its log says which, in the test's output.
+func (u *brokerUser) mustDeclareTopology() {
+	u.t.Helper()
+	conn, err := amqp.Dial(u.url)
+	if err != nil {
+		u.t.Fatalf("%s: connect: %v", u.name, err)
+	}
+	defer func() { _ = conn.Close() }()
+	var log bytes.Buffer
+	err = events.Topology.Declare(conn, slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelDebug})))
+	u.t.Logf("%s declared events.Topology:\n%s", u.name, log.String())
+	if err != nil {
+		u.t.Fatalf("%s cannot declare events.Topology at start, as its binary does: %v", u.name, err)
+	}
+}
+
 func declareExchange(name string) func(*amqp.Channel) error {
 	return func(ch *amqp.Channel) error {
 		return ch.ExchangeDeclare(name, amqp.ExchangeTopic, true, false, false, false, nil)
 	}
 }
 
-// declareConsumer declares q's exchanges, queue, bindings and dead-letter queue, as a
-// consumer's own topology, failing at the first refusal.
-func declareConsumer(q *messaging.ConsumerTopology) func(*amqp.Channel) error {
+func deleteExchange(name string) func(*amqp.Channel) error {
+	return func(ch *amqp.Channel) error { return ch.ExchangeDelete(name, false, false) }
+}
+
+// declareQueue declares q's queue with its arguments, as its consumer does.
+func declareQueue(q messaging.ConsumerTopology) func(*amqp.Channel) error {
 	return func(ch *amqp.Channel) error {
-		for _, b := range q.Bindings {
-			if err := declareExchange(b.Exchange)(ch); err != nil {
-				return err
-			}
-		}
-		if _, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments()); err != nil {
-			return err
-		}
-		for _, b := range q.Bindings {
-			if err := ch.QueueBind(q.Queue, b.RoutingKey, b.Exchange, false, nil); err != nil {
-				return err
-			}
-		}
-		_, err := ch.QueueDeclare(messaging.DeadLetterQueue(q.Queue), true, false, false, false, q.DeadLetterArguments())
+		_, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments())
 		return err
 	}
 }
 
-func declareQueue(name string) func(*amqp.Channel) error {
+func deleteQueue(name string) func(*amqp.Channel) error {
 	return func(ch *amqp.Channel) error {
-		_, err := ch.QueueDeclare(name, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum})
+		_, err := ch.QueueDelete(name, false, false, false)
 		return err
 	}
+}
+
+func bind(queue, exchange, key string) func(*amqp.Channel) error {
+	return func(ch *amqp.Channel) error { return ch.QueueBind(queue, key, exchange, false, nil) }
 }
 
 func consume(queue string) func(*amqp.Channel) error {
@@ -394,15 +392,84 @@ func poll(ch *amqp.Channel, queue string) (amqp.Delivery, error) {
 	}
 }
 
+// brokerHolds is the topology the broker holds in vhost, as rabbitmqctl lists it: every
+// exchange but the built-in ones, every queue, every binding but the default exchange's,
+// without their x-arguments, the queue type among them (rabbitmqctl formats those differently
+// across versions; the owners' own declarations check them, as the broker refuses other ones).
+// The vhost reads as /, the one the test's stands for.
+func brokerHolds(t *testing.T, vhost string) *brokerTopology {
+	t.Helper()
+	b := newBrokerTopology()
+	for _, x := range listBroker(t, "list_exchanges", vhost, "name", "type", "durable", "auto_delete", "internal") {
+		name, _ := x["name"].(string)
+		if name == "" || strings.HasPrefix(name, "amq.") {
+			continue
+		}
+		typ, _ := x["type"].(string)
+		b.exchange(name, exchangeDecl{VHost: "/", Type: typ, Durable: x["durable"] == true, AutoDelete: x["auto_delete"] == true, Internal: x["internal"] == true})
+	}
+	for _, q := range listBroker(t, "list_queues", vhost, "name", "durable", "auto_delete") {
+		name, _ := q["name"].(string)
+		b.queue(name, queueDecl{VHost: "/", Durable: q["durable"] == true, AutoDelete: q["auto_delete"] == true})
+	}
+	for _, bind := range listBroker(t, "list_bindings", vhost, "source_name", "destination_name", "destination_kind", "routing_key") {
+		source, _ := bind["source_name"].(string)
+		if source == "" {
+			continue
+		}
+		dest, _ := bind["destination_name"].(string)
+		kind, _ := bind["destination_kind"].(string)
+		key, _ := bind["routing_key"].(string)
+		b.binding(bindingDecl{VHost: "/", Source: source, Destination: dest, DestinationType: kind, RoutingKey: key})
+	}
+	return b
+}
+
+// listBroker runs one of rabbitmqctl's list commands on vhost and returns its rows.
+func listBroker(t *testing.T, command, vhost string, columns ...string) []map[string]any {
+	t.Helper()
+	args := append([]string{"-q", command, "-p", vhost}, columns...)
+	out, err := testenv.RabbitMQCtlCommand(append(args, "--formatter", "json")...).Output()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %s: %v", strings.Join(args, " "), err)
+	}
+	var rows []map[string]any
+	if err := json.Unmarshal(out, &rows); err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return rows
+}
+
 // importForTest imports defs into the local broker with every name made the test's own: the
 // virtual host / becomes a fresh one, each user NAME becomes NAME_<suffix> with a random
-// password, and the permissions stay as written. It returns the users, connected; the virtual
-// host and the users are deleted when the test ends.
-func importForTest(t *testing.T, defs definitions) map[string]*brokerUser {
+// password, and the topology and permissions stay as written. It returns the users,
+// connected, and the virtual host; the virtual host, with all it holds, and the users are
+// deleted when the test ends.
+func importForTest(t *testing.T, defs definitions) (map[string]*brokerUser, string) {
 	t.Helper()
 	vhost := testenv.UniqueName("perms")
 	suffix := strings.TrimPrefix(vhost, "perms_")
 	test := definitions{VHosts: []defVHost{{Name: vhost}}}
+	inVHost := func(what, name, v string) {
+		if v != "/" {
+			t.Fatalf("%s: %s %s is in virtual host %q; this test maps the virtual host / only", definitionsFile, what, name, v)
+		}
+	}
+	for _, x := range defs.Exchanges {
+		inVHost("exchange", x.Name, x.VHost)
+		x.VHost = vhost
+		test.Exchanges = append(test.Exchanges, x)
+	}
+	for _, q := range defs.Queues {
+		inVHost("queue", q.Name, q.VHost)
+		q.VHost = vhost
+		test.Queues = append(test.Queues, q)
+	}
+	for _, b := range defs.Bindings {
+		inVHost("binding to", b.Destination, b.VHost)
+		b.VHost = vhost
+		test.Bindings = append(test.Bindings, b)
+	}
 	passwords := map[string]string{}
 	for _, u := range defs.Users {
 		passwords[u.Name] = testenv.UniqueName("pw")
@@ -430,9 +497,7 @@ func importForTest(t *testing.T, defs definitions) map[string]*brokerUser {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := testenv.RabbitMQCtlCommand("-q", "import_definitions")
-	cmd.Stdin = bytes.NewReader(raw)
-	if out, err := cmd.CombinedOutput(); err != nil {
+	if out, err := testenv.RabbitMQImportDefinitions(raw); err != nil {
 		t.Fatalf("rabbitmqctl import_definitions (the test's copy of %s): %v\n%s", definitionsFile, err, out)
 	}
 
@@ -450,9 +515,9 @@ func importForTest(t *testing.T, defs definitions) map[string]*brokerUser {
 			t.Fatalf("log in as %s (%s's permissions) to the test's virtual host: %v", name, definitionsFile, err)
 		}
 		t.Cleanup(func() { _ = conn.Close() })
-		users[name] = &brokerUser{t: t, name: name, conn: conn}
+		users[name] = &brokerUser{t: t, name: name, url: u.String(), conn: conn}
 	}
-	return users
+	return users, vhost
 }
 
 func usersToDelete(d definitions) [][]string {

@@ -29,7 +29,40 @@ const (
 type definitions struct {
 	VHosts      []defVHost      `json:"vhosts"`
 	Users       []defUser       `json:"users"`
+	Exchanges   []defExchange   `json:"exchanges"`
+	Queues      []defQueue      `json:"queues"`
+	Bindings    []defBinding    `json:"bindings"`
 	Permissions []defPermission `json:"permissions"`
+}
+
+// The arguments of exchanges, queues and bindings hold their numbers as json.Number, as
+// written (readDefinitions decodes with UseNumber).
+
+type defExchange struct {
+	Name       string         `json:"name"`
+	VHost      string         `json:"vhost"`
+	Type       string         `json:"type"`
+	Durable    bool           `json:"durable"`
+	AutoDelete bool           `json:"auto_delete"`
+	Internal   bool           `json:"internal"`
+	Arguments  map[string]any `json:"arguments"`
+}
+
+type defQueue struct {
+	Name       string         `json:"name"`
+	VHost      string         `json:"vhost"`
+	Durable    bool           `json:"durable"`
+	AutoDelete bool           `json:"auto_delete"`
+	Arguments  map[string]any `json:"arguments"`
+}
+
+type defBinding struct {
+	Source          string         `json:"source"`
+	VHost           string         `json:"vhost"`
+	Destination     string         `json:"destination"`
+	DestinationType string         `json:"destination_type"`
+	RoutingKey      string         `json:"routing_key"`
+	Arguments       map[string]any `json:"arguments"`
 }
 
 type defVHost struct {
@@ -103,6 +136,7 @@ func readDefinitions(t testing.TB) definitions {
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
+	dec.UseNumber()
 	var d definitions
 	if err := dec.Decode(&d); err != nil {
 		t.Fatalf("%s: %v", definitionsFile, err)

@@ -1,6 +1,8 @@
 package testenv
 
 import (
+	"bytes"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -35,6 +37,37 @@ func RabbitMQCtlCommand(args ...string) *exec.Cmd {
 		return exec.Command(custom[0], append(custom[1:], args...)...)
 	}
 	return exec.Command("rabbitmqctl", args...)
+}
+
+// RabbitMQImportDefinitions imports a definitions document into the broker at TEST_AMQP_URL
+// with rabbitmqctl import_definitions (see RabbitMQCtlCommand), returning its output. The
+// document goes on stdin, but for the node of scripts/sidroot.sh (TEST_SIDROOT, its root):
+// that root's rabbitmqctl cannot read stdin under its Erlang (it fails in prim_tty), nor a
+// pipe given as a file, so the document goes in a file in the root's /tmp, removed after.
+func RabbitMQImportDefinitions(defs []byte) ([]byte, error) {
+	root := os.Getenv("TEST_SIDROOT")
+	if root == "" || composeMode() {
+		cmd := RabbitMQCtlCommand("-q", "import_definitions")
+		cmd.Stdin = bytes.NewReader(defs)
+		return cmd.CombinedOutput()
+	}
+	f, err := os.CreateTemp(filepath.Join(root, "tmp"), "definitions-*.json")
+	if err != nil {
+		return nil, fmt.Errorf("a file for the definitions in %s: %w", root, err)
+	}
+	defer func() { _ = os.Remove(f.Name()) }()
+	if _, err := f.Write(defs); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("write %s: %w", f.Name(), err)
+	}
+	if err := f.Close(); err != nil {
+		return nil, fmt.Errorf("write %s: %w", f.Name(), err)
+	}
+	// The root's rabbitmqctl runs as its rabbitmq user.
+	if err := os.Chmod(f.Name(), 0o644); err != nil {
+		return nil, fmt.Errorf("chmod %s: %w", f.Name(), err)
+	}
+	return RabbitMQCtlCommand("-q", "import_definitions", "/tmp/"+filepath.Base(f.Name())).CombinedOutput()
 }
 
 // RabbitMQCtl runs rabbitmqctl (see RabbitMQCtlCommand) and returns its output.

@@ -123,6 +123,12 @@ func (t Topology) AllExchanges() []string {
 // binding, when its queue does: the deployment declared it. log (nil: none) says which, once
 // per declaration. A resource that neither exists nor may be declared is an error.
 //
+// Where the user has no right at all on a refused resource, RabbitMQ from 4.2.6 and 4.3.0 on
+// refuses the passive declaration that would tell whether it exists, whether it does or not
+// (4.2.6 and 4.3.0 want configure, later releases any permission; earlier ones answer anyone).
+// That refusal is accepted too, and logged: whether the resource exists is then the
+// deployment's to guarantee.
+//
 // A dead-letter queue declared by an earlier version makes it return an error wrapping
 // [ErrLegacyDeadLetterQueue], once everything else is declared.
 func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
@@ -205,7 +211,15 @@ func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error)
 	if ch, err = d.channel(); err != nil {
 		return err
 	}
-	if err := exists(ch); err != nil {
+	err = exists(ch)
+	var hidden *amqp.Error
+	switch {
+	case errors.As(err, &hidden) && hidden.Code == amqp.AccessRefused:
+		if d.log != nil {
+			d.log.Debug("not allowed to declare " + what + ", nor to see whether it exists; the deployment must declare it")
+		}
+		return nil
+	case err != nil:
 		return fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, refused)
 	}
 	if d.log != nil {
