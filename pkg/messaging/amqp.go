@@ -1,7 +1,6 @@
 package messaging
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,9 +22,9 @@ const (
 	dialTimeout         = 10 * time.Second
 )
 
-// SplitURLs splits a comma-separated list of broker URLs, one per node of a cluster, all with
+// splitURLs splits a comma-separated list of broker URLs, one per node of a cluster, all with
 // the same vhost. A single URL is a list of one.
-func SplitURLs(list string) []string {
+func splitURLs(list string) []string {
 	var urls []string
 	for u := range strings.SplitSeq(list, ",") {
 		if u = strings.TrimSpace(u); u != "" {
@@ -35,11 +34,11 @@ func SplitURLs(list string) []string {
 	return urls
 }
 
-// dial connects to the first broker of urls (see [SplitURLs]) that answers, trying them in a
+// dial connects to the first broker of urls (see splitURLs) that answers, trying them in a
 // new random order each time: with no preferred node, clients spread over the cluster, and a
 // node that fails is simply passed over, as RabbitMQ's client guidance advises.
 func dial(urls, name string, heartbeat time.Duration) (*amqp.Connection, error) {
-	list := SplitURLs(urls)
+	list := splitURLs(urls)
 	if len(list) == 0 {
 		return nil, errors.New("dial rabbitmq: no broker URL")
 	}
@@ -87,8 +86,11 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 		AppId:        appID,
 		Body:         m.Payload,
 	}
-	if m.CorrelationID != "" || m.TraceParent != "" {
-		p.Headers = make(amqp.Table, 3)
+	if m.CorrelationID != "" || m.TraceParent != "" || len(m.Headers) > 0 {
+		p.Headers = make(amqp.Table, 3+len(m.Headers))
+	}
+	for k, v := range m.Headers {
+		p.Headers[k] = v
 	}
 	if m.CorrelationID != "" {
 		p.CorrelationId = m.CorrelationID
@@ -122,27 +124,37 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	if !json.Valid(d.Body) {
 		return Message{}, Permanent(errors.New("body is not valid JSON"))
 	}
-	corr := d.CorrelationId
-	if v, ok := d.Headers[correlationIDHeader].(string); ok && corr == "" {
-		corr = v
+	m := Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: d.CorrelationId,
+		Exchange: d.Exchange, RoutingKey: d.RoutingKey}
+	for k, v := range d.Headers {
+		s, ok := v.(string)
+		switch {
+		case !ok:
+		case k == traceParentHeader:
+			m.TraceParent = s
+		case k == traceStateHeader:
+			m.TraceState = s
+		case k == correlationIDHeader:
+			if m.CorrelationID == "" {
+				m.CorrelationID = s
+			}
+		default:
+			if m.Headers == nil {
+				m.Headers = make(map[string]string, len(d.Headers))
+			}
+			m.Headers[k] = s
+		}
 	}
-	traceParent, traceState := deliveryTraceContext(d)
-	return Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: corr,
-		TraceParent: traceParent, TraceState: traceState, Exchange: d.Exchange, RoutingKey: d.RoutingKey}, nil
+	return m, nil
 }
 
-// deliveryTraceContext reads the W3C trace context headers of d.
-func deliveryTraceContext(d amqp.Delivery) (parent, state string) {
-	parent, _ = d.Headers[traceParentHeader].(string)
-	state, _ = d.Headers[traceStateHeader].(string)
-	return parent, state
-}
-
-// deliveryTrace is a context of the trace d came with, for the lines about a delivery that
-// never became a Message.
-func deliveryTrace(d amqp.Delivery) context.Context {
-	parent, state := deliveryTraceContext(d)
-	return withTrace(context.Background(), parent, state)
+// deliveryMessage is what can be read of a delivery that never became a Message, for the
+// lines about it: its id, type and trace context as they came.
+func deliveryMessage(d amqp.Delivery) Message {
+	m := Message{Type: d.Type}
+	m.TraceParent, _ = d.Headers[traceParentHeader].(string)
+	m.TraceState, _ = d.Headers[traceStateHeader].(string)
+	return m
 }
 
 // maxEchoed is how much of a field from a bad message an error or a log line repeats.

@@ -50,9 +50,9 @@ func (b Backoff) withDefaults(base, maxDelay time.Duration) Backoff {
 	return b
 }
 
-// Jitter returns a random duration in [d×(1−DefaultJitter), d]: a poll interval that replicas
-// started together do not share.
-func Jitter(d time.Duration) time.Duration { return jitter(d, DefaultJitter) }
+// jittered returns a random duration in [d×(1−DefaultJitter), d]: a poll interval that
+// replicas started together do not share.
+func jittered(d time.Duration) time.Duration { return jitter(d, DefaultJitter) }
 
 // jitter returns a random duration in [d×(1−share), d]; a share of zero means DefaultJitter.
 func jitter(d time.Duration, share float64) time.Duration {

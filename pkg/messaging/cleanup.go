@@ -3,13 +3,13 @@ package messaging
 import (
 	"context"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/binary"
 	"fmt"
 	"time"
 
 	"github.com/google/uuid"
-	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
 // DefaultCleanupBatchSize is how many rows one DELETE of a cleanup removes unless
@@ -45,56 +45,6 @@ const (
 	inboxCleanupLockKey  int64 = 0x696e626f78636c6e
 )
 
-// Each batch is one statement, in a short transaction of its own: it picks up to $n rows older
-// than the cutoff, deletes them by their physical address (ctid, no second index lookup), and
-// returns how many it picked and deleted and where the next batch starts.
-//
-// Every batch starts where the previous one stopped (keyset), never at the front of an index:
-// restarting there would walk again every entry the earlier batches deleted (vacuum hasn't
-// removed them yet; a long transaction anywhere keeps it from doing so) and every old row that
-// stays. With a snapshot held open beside it, a restarting loop took 17 s for 1,000,000
-// rows and its batches grew to 0.5 s; the keyset one took 3 s with no batch over 0.1 s.
-//
-// ARRAY(...) rather than IN (SELECT ...): the planner turns IN into a hash join that scans the
-// whole table for every batch (1.3 s for 10,000 of 1,200,000 rows, against 17 ms). No sort
-// anywhere (the batches run with sorts disabled, see cleanupPlanSQL): a disabled sort still
-// runs, but its prohibitive cost estimate makes PostgreSQL JIT-compile the statement, 0.5 s
-// per batch. Hence max(ARRAY[id]) for the last id, as uuid has no max().
-const (
-	// The outbox walks its primary key in creation order (UUIDv7 ids), between the previous
-	// batch ($1) and the first id of the millisecond after the cutoff ($2): a row sent before
-	// the cutoff was created before it, so no deletable row lies beyond, and the recent rows,
-	// most of the table, are never read. Unsent rows are passed over once per run, not once
-	// per batch. An index on processed_at would find the rows as cheaply, but costs an insert
-	// at every mark (12 % more WAL for the relay's marks) and its size beside every row kept.
-	deleteSentOutboxBatchSQL = `WITH batch AS (
-    SELECT ctid, id FROM outbox_messages
-    WHERE id > $1 AND id < $2 AND processed_at IS NOT NULL AND processed_at < $3
-    ORDER BY id
-    LIMIT $4
-), gone AS (
-    DELETE FROM outbox_messages
-    WHERE ctid = ANY (ARRAY(SELECT ctid FROM batch)) AND processed_at IS NOT NULL AND processed_at < $3
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone), (SELECT (max(ARRAY[id]))[1] FROM batch)`
-
-	// The inbox walks its processed_at index (message ids are whatever the producers chose).
-	// Rows share a processed_at (one transaction's batch), so the next batch starts at the
-	// last one's time, not after it, and passes over the few entries it already deleted.
-	deleteInboxBatchSQL = `WITH batch AS (
-    SELECT ctid, processed_at FROM inbox_messages
-    WHERE processed_at >= $1 AND processed_at < $2
-    ORDER BY processed_at
-    LIMIT $3
-), gone AS (
-    DELETE FROM inbox_messages
-    WHERE ctid = ANY (ARRAY(SELECT ctid FROM batch)) AND processed_at < $2
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone), (SELECT max(processed_at) FROM batch)`
-)
-
 // DeleteSentOutboxMessages deletes the rows sent more than olderThan ago, in batches of
 // [CleanupOptions.BatchSize] rows, each its own transaction, until none is left, and says how
 // many. Unsent rows are never deleted, however old. Only one runner at a time cleans a
@@ -105,11 +55,11 @@ SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM gone), (SELECT max(pr
 // It finds the rows through the primary key, so ids must be UUIDv7 as [NewMessage] makes
 // them: a row whose id is not time-ordered may never be found. A row whose id came from a
 // clock ahead of the database's is found at a later run.
-func DeleteSentOutboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
+func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
 	var after uuid.UUID // the nil UUID, below every id
-	next := func(ctx context.Context, tx *sql.Tx, cutoff time.Time, limit int) (picked, deleted int64, err error) {
+	next := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error) {
 		var last uuid.NullUUID
-		err = tx.QueryRowContext(ctx, deleteSentOutboxBatchSQL, after, uuidV7Bound(cutoff), cutoff, limit).Scan(&picked, &deleted, &last)
+		err = queryRow(ctx, tx, []any{&picked, &deleted, &last}, statements.DeleteSentOutboxBatch, after, uuidV7Bound(cutoff), cutoff, limit)
 		if last.Valid {
 			after = last.UUID
 		}
@@ -122,11 +72,11 @@ func DeleteSentOutboxMessages(ctx context.Context, db *gorm.DB, olderThan time.D
 // many; one runner at a time, like [DeleteSentOutboxMessages]. Keep records longer than any
 // duplicate can arrive (the relay's longest possible retry, the broker's redelivery window): a
 // message whose record is gone would be handled again.
-func DeleteInboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
+func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
 	var after time.Time // year 1, before every record
-	next := func(ctx context.Context, tx *sql.Tx, cutoff time.Time, limit int) (picked, deleted int64, err error) {
+	next := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error) {
 		var last sql.NullTime
-		err = tx.QueryRowContext(ctx, deleteInboxBatchSQL, after, cutoff, limit).Scan(&picked, &deleted, &last)
+		err = queryRow(ctx, tx, []any{&picked, &deleted, &last}, statements.DeleteInboxBatch, after, cutoff, limit)
 		if last.Valid {
 			after = last.Time
 		}
@@ -137,12 +87,12 @@ func DeleteInboxMessages(ctx context.Context, db *gorm.DB, olderThan time.Durati
 
 // cleanupBatch deletes, in tx, the next batch of rows older than cutoff, at most limit, and
 // says how many rows it picked and how many of them it deleted.
-type cleanupBatch func(ctx context.Context, tx *sql.Tx, cutoff time.Time, limit int) (picked, deleted int64, err error)
+type cleanupBatch func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error)
 
 // cleanUp runs the batches of one table's cleanup under the table's lock.
-func cleanUp(ctx context.Context, db *gorm.DB, table string, lockKey int64, olderThan time.Duration, opts CleanupOptions, next cleanupBatch) (CleanupResult, error) {
+func cleanUp(ctx context.Context, db DB, table string, lockKey int64, olderThan time.Duration, opts CleanupOptions, next cleanupBatch) (CleanupResult, error) {
 	var res CleanupResult
-	locked, err := withSessionLock(ctx, db, lockKey, func(conn *sql.Conn) error {
+	locked, err := withSessionLock(ctx, db, lockKey, func(conn Conn) error {
 		return deleteInBatches(ctx, conn, table, olderThan, opts, next, &res)
 	})
 	if err != nil {
@@ -156,13 +106,13 @@ func cleanUp(ctx context.Context, db *gorm.DB, table string, lockKey int64, olde
 // nothing (its rows were changed meanwhile; the next run sees them), adding to res as it goes.
 // The cutoff is the database's clock, the one processed_at was stamped with, read once so
 // the run has an end however fast rows age into it.
-func deleteInBatches(ctx context.Context, conn *sql.Conn, table string, olderThan time.Duration, opts CleanupOptions, next cleanupBatch, res *CleanupResult) error {
+func deleteInBatches(ctx context.Context, conn Conn, table string, olderThan time.Duration, opts CleanupOptions, next cleanupBatch, res *CleanupResult) error {
 	limit := opts.BatchSize
 	if limit <= 0 {
 		limit = DefaultCleanupBatchSize
 	}
 	var cutoff time.Time
-	if err := conn.QueryRowContext(ctx, `SELECT now() - $1 * interval '1 millisecond'`, olderThan.Milliseconds()).Scan(&cutoff); err != nil {
+	if err := queryRow(ctx, conn, []any{&cutoff}, `SELECT now() - $1 * interval '1 millisecond'`, olderThan.Milliseconds()); err != nil {
 		return fmt.Errorf("read cutoff: %w", err)
 	}
 	for {
@@ -182,28 +132,28 @@ func deleteInBatches(ctx context.Context, conn *sql.Conn, table string, olderTha
 	}
 }
 
-// cleanupPlanSQL keeps a batch on its index. Without statistics (a new table, or before
-// autovacuum's first ANALYZE) the planner guesses that few rows match and prefers to fetch
-// every one of them and sort them: at every batch, all the old rows left.
-const cleanupPlanSQL = `SET LOCAL enable_sort = off`
-
 // runBatch runs one batch in a transaction of its own and returns its counts once committed.
 // A cancelled ctx interrupts the batch's statement, which then deletes nothing; but not its
 // commit: interrupted, a commit may have happened or not, and the rows counted would not be
 // the rows deleted.
-func runBatch(ctx context.Context, conn *sql.Conn, cutoff time.Time, limit int, next cleanupBatch) (picked, deleted int64, err error) {
-	tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
+func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next cleanupBatch) (picked, deleted int64, err error) {
+	uncancelled := context.WithoutCancel(ctx)
+	tx, err := conn.Begin(uncancelled)
 	if err != nil {
 		return 0, 0, fmt.Errorf("begin: %w", err)
 	}
-	defer func() { _ = tx.Rollback() }() // after a Commit, a no-op
-	if _, err := tx.ExecContext(ctx, cleanupPlanSQL); err != nil {
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback(uncancelled)
+		}
+	}()
+	if _, err := tx.Exec(ctx, statements.CleanupPlan); err != nil {
 		return 0, 0, fmt.Errorf("plan setting: %w", err)
 	}
 	if picked, deleted, err = next(ctx, tx, cutoff, limit); err != nil {
 		return 0, 0, err
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.Commit(uncancelled); err != nil {
 		return 0, 0, fmt.Errorf("commit: %w", err)
 	}
 	return picked, deleted, nil
@@ -214,36 +164,36 @@ func runBatch(ctx context.Context, conn *sql.Conn, cutoff time.Time, limit int, 
 // to the session, so it is taken, used and released on that one connection, never through the
 // pool, where each statement may run on another connection. A transaction-level lock would
 // last one batch only, and let two runners take turns.
-func withSessionLock(ctx context.Context, db *gorm.DB, key int64, fn func(conn *sql.Conn) error) (bool, error) {
-	sqlDB, err := db.DB()
-	if err != nil {
-		return false, fmt.Errorf("get the connection pool: %w", err)
-	}
-	conn, err := sqlDB.Conn(ctx)
+func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) error) (bool, error) {
+	conn, err := db.Conn(ctx)
 	if err != nil {
 		return false, fmt.Errorf("take a connection: %w", err)
 	}
-	defer conn.Close()
 	var locked bool
-	if err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1)`, key).Scan(&locked); err != nil {
+	if err := queryRow(ctx, conn, []any{&locked}, `SELECT pg_try_advisory_lock($1)`, key); err != nil {
+		conn.Close()
 		return false, fmt.Errorf("take the lock: %w", err)
 	}
 	if !locked {
+		conn.Close()
 		return false, nil
 	}
 	defer unlock(ctx, conn, key)
 	return true, fn(conn)
 }
 
-// unlock releases the session's advisory lock, or, when it cannot, closes the connection: back
-// in the pool, a session still holding the lock would keep every later run out.
-func unlock(ctx context.Context, conn *sql.Conn, key int64) {
+// unlock releases the session's advisory lock and returns the connection to its pool, or,
+// when it cannot release the lock, closes the connection: back in the pool, a session still
+// holding the lock would keep every later run out.
+func unlock(ctx context.Context, conn Conn, key int64) {
 	// The run's ctx may be cancelled already; the lock must be released all the same.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, key); err != nil {
-		_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key); err != nil {
+		conn.Discard()
+		return
 	}
+	conn.Close()
 }
 
 // uuidV7Bound returns the UUID that every UUIDv7 made up to t's millisecond is below, and every

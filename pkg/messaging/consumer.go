@@ -5,133 +5,83 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
-// Handler does a consumer's work for one message. Return nil once the work is committed;
-// mark errors no retry can fix with [Permanent] and dependency outages with [Unavailable].
-type Handler func(ctx context.Context, msg Message) error
+// The path of one delivery, top to bottom:
+//
+//	amqp.Delivery ─► decode: a job (its Message and typed payload), or a dead-letter reason
+//	              ─► process: inbox claim + handlers in one transaction, retried in place
+//	              ─► settle: ack | reject (a counted failure, back to the queue) |
+//	                 hand back (nack: not the message's fault) | dead-letter (confirmed, then ack)
+//
+// A consumer does the first and the last step; the work between is the subscription's.
 
-// BatchHandler does the work of several messages at once, all or nothing: nil means every one
-// is done and committed; an error means none is, and the consumer falls back to handling them
-// one by one with its [Handler].
-type BatchHandler func(ctx context.Context, msgs []Message) error
-
-// ConsumerConfig configures a [Consumer]. URL and Queue are required.
-type ConsumerConfig struct {
-	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
-	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
-	Queue          string // the queue to consume
-	// Topology is declared on every new connection, before consuming (see [Topology.Declare]):
-	// at least the consumer's queue, its bindings and its dead-letter queue.
-	Topology Topology
-	// Concurrency is how many messages are handled in parallel. Default 1.
-	Concurrency int
-	// Prefetch is how many unacknowledged messages the broker sends ahead. Default 2×Concurrency,
-	// or Concurrency×BatchSize when batching.
-	Prefetch int
-	// BatchHandler, if set, handles up to BatchSize deliveries that are waiting at once in one
-	// go (with an [Inbox], one transaction and one commit for all of them).
-	BatchHandler BatchHandler
-	// BatchSize is the most deliveries one BatchHandler call takes. Default 50.
-	BatchSize int
-	// MaxBodyBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
-	MaxBodyBytes int
-	// Retries is how many times a failing message is tried in place before it goes back to
-	// the queue (where the queue's delivery limit is the backstop). Default 3.
-	Retries int
-	// RetryBackoff paces retries in place. Default 100 ms doubling up to 5 s.
-	RetryBackoff Backoff
-	// HandlerTimeout bounds one attempt of the handler. Default 30 s.
-	HandlerTimeout time.Duration
-	// ShutdownGrace is how long handlers in progress may go on after Run's context ends.
-	// Default 5 s.
-	ShutdownGrace time.Duration
-	// Reconnect paces reconnection attempts. Default 100 ms doubling up to 2 s, jittered: a
-	// broker that comes back is found within about 2 s.
-	Reconnect Backoff
-	// DeliveryLimit is the queue's x-delivery-limit (default DefaultDeliveryLimit). A message
-	// still failing on its last delivery is dead-lettered by the consumer itself, with its
-	// reason: the broker's own dead-lettering at the limit would say only "delivery_limit".
-	DeliveryLimit int
-	// Heartbeat is the AMQP heartbeat interval (default 10 s): a silent connection is declared
-	// dead after a few missed beats.
-	Heartbeat time.Duration
-	Logger    *slog.Logger
-	Metrics   *Metrics // optional
+// job is one delivery, decoded: its envelope and its payload, as its handler takes it.
+type job struct {
+	d       amqp.Delivery
+	msg     Message
+	payload any
 }
 
-// Consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
-// delivery is acknowledged only after its handler returned nil (after the commit, with an
-// [Inbox]), moved to the dead-letter queue with its reason when it can never be handled, and
-// otherwise retried: in place with backoff, then through the queue.
-type Consumer struct {
-	cfg     ConsumerConfig
-	handler Handler
-	log     *slog.Logger
-	ready   atomic.Bool
+// work is what a subscription gives its consumer: decode checks a message and decodes its
+// payload (any error is the message's own, and dead-letters it); process does the work of
+// jobs in one transaction, all or nothing.
+type work struct {
+	decode  func(msg Message) (payload any, err error)
+	process func(ctx context.Context, jobs []job) error
+}
+
+// consumerConfig configures a consumer; a [SubscriptionConfig] fills it in.
+type consumerConfig struct {
+	URL, ConnectionName, Queue string
+	Topology                   Topology
+	Concurrency, Prefetch      int
+	BatchSize, MaxBodyBytes    int
+	Retries                    int
+	RetryBackoff, Reconnect    Backoff
+	HandlerTimeout             time.Duration
+	ShutdownGrace              time.Duration
+	DeliveryLimit              int
+	Heartbeat                  time.Duration
+	Logger                     *slog.Logger
+	Metrics                    *Metrics
+	Propagator                 propagation.TextMapPropagator
+}
+
+// consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
+// delivery is acknowledged only after its work committed, moved to the dead-letter queue with
+// its reason when it can never be handled, and otherwise retried: in place with backoff, then
+// through the queue, up to the delivery limit.
+type consumer struct {
+	cfg   consumerConfig
+	work  work
+	log   *slog.Logger
+	ready atomic.Bool
 	// deadLetters publishes on the current session's connection. A session sets it before its
 	// workers start, and they have all stopped before the next session sets it again.
 	deadLetters *deadLetterPublisher
 }
 
-// NewConsumer checks cfg and fills in its defaults.
-func NewConsumer(cfg ConsumerConfig, handler Handler) (*Consumer, error) {
-	if cfg.URL == "" || cfg.Queue == "" || handler == nil {
-		return nil, errors.New("consumer: URL, Queue and a handler are required")
-	}
-	if cfg.Concurrency <= 0 {
-		cfg.Concurrency = 1
-	}
-	if cfg.BatchSize <= 0 {
-		cfg.BatchSize = 50
-	}
-	if cfg.Prefetch <= 0 {
-		cfg.Prefetch = 2 * cfg.Concurrency
-		if cfg.BatchHandler != nil {
-			cfg.Prefetch = cfg.Concurrency * cfg.BatchSize
-		}
-	}
-	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = DefaultMaxMessageBytes
-	}
-	if cfg.Retries <= 0 {
-		cfg.Retries = 3
-	}
-	cfg.RetryBackoff = cfg.RetryBackoff.withDefaults(100*time.Millisecond, 5*time.Second)
-	if cfg.HandlerTimeout <= 0 {
-		cfg.HandlerTimeout = 30 * time.Second
-	}
-	if cfg.ShutdownGrace <= 0 {
-		cfg.ShutdownGrace = 5 * time.Second
-	}
-	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 2*time.Second)
-	if cfg.DeliveryLimit <= 0 {
-		cfg.DeliveryLimit = DefaultDeliveryLimit
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	return &Consumer{cfg: cfg, handler: handler, log: cfg.Logger.With("component", "consumer", "queue", cfg.Queue)}, nil
+func newConsumer(cfg consumerConfig, w work) *consumer {
+	return &consumer{cfg: cfg, work: w, log: cfg.Logger.With("component", "consumer", "queue", cfg.Queue)}
 }
 
-// Ready reports whether the consumer is connected and consuming.
-func (c *Consumer) Ready() bool { return c.ready.Load() }
-
-// Run consumes until ctx ends, reconnecting after every connection loss, and returns nil once
+// run consumes until ctx ends, reconnecting after every connection loss, and returns once
 // in-flight messages are settled.
-func (c *Consumer) Run(ctx context.Context) error {
+func (c *consumer) run(ctx context.Context) {
 	reconnect(ctx, c.cfg.Reconnect, c.log, "consumer disconnected; reconnecting", c.session)
-	return nil
 }
 
 // session runs one connection's life. consumed reports whether it got as far as consuming.
-func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
+func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	conn, err := dial(c.cfg.URL, c.cfg.ConnectionName, c.cfg.Heartbeat)
 	if err != nil {
 		return false, err
@@ -140,7 +90,7 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	// session lasted (an error only means the connection was already gone).
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 	watchConnection(conn, c.log)
-	link, err := c.consume(conn)
+	links, err := c.consume(conn)
 	if err != nil {
 		return false, err
 	}
@@ -149,17 +99,20 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	c.ready.Store(true)
 	defer c.ready.Store(false)
 
-	// session ends with the process (ctx) or with the channel: then no worker keeps retrying a
-	// delivery it could no longer acknowledge.
-	session, endSession := context.WithCancel(ctx)
+	// session ends with the process (ctx) or with any channel: then no worker keeps retrying a
+	// delivery it could no longer acknowledge. At shutdown it ends only once the consumers are
+	// cancelled (see stopAtShutdown).
+	session, endSession := context.WithCancel(context.WithoutCancel(ctx))
+	over := make(chan struct{})
+	defer close(over)
 	defer endSession()
-	closeErr := c.endWithChannel(session, endSession, link.closed)
-	stopConsuming := c.stopAtShutdown(ctx, session, conn, link)
+	closeErr := c.endWithChannels(session, endSession, links)
+	stopConsuming := c.stopAtShutdown(ctx, endSession, over, conn, links)
 	defer stopConsuming()
-	handlerCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
+	workCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
 	defer cancel()
 
-	c.work(session, handlerCtx, link.deliveries)
+	c.workers(session, workCtx, links)
 	if ctx.Err() != nil {
 		return true, nil
 	}
@@ -171,7 +124,9 @@ func (c *Consumer) session(ctx context.Context) (consumed bool, err error) {
 	return true, errors.New("delivery stream ended")
 }
 
-// consumerLink is the channel a session consumes on.
+// consumerLink is one worker's channel: a consumer of the queue of its own, with its own
+// prefetch. A worker alone on its channel may acknowledge a whole batch with one basic.ack
+// (multiple): every delivery up to the batch's last is the batch's, or settled already.
 type consumerLink struct {
 	ch         *amqp.Channel
 	tag        string
@@ -179,28 +134,10 @@ type consumerLink struct {
 	deliveries <-chan amqp.Delivery
 }
 
-// consume opens a channel on conn, declares the topology and starts consuming the queue.
-func (c *Consumer) consume(conn *amqp.Connection) (consumerLink, error) {
-	ch, err := c.declare(conn)
-	if err != nil {
-		return consumerLink{}, err
-	}
-	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
-	// Per-consumer prefetch: a global QoS is refused on quorum queues.
-	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
-		return consumerLink{}, fmt.Errorf("set prefetch: %w", err)
-	}
-	tag := c.cfg.Queue + "-" + uuid.NewString()
-	deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
-	if err != nil {
-		return consumerLink{}, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
-	}
-	return consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}, nil
-}
-
-// declare declares the topology on conn and returns a channel to consume on. A dead-letter
-// queue an earlier version declared is used as it is (see [ErrLegacyDeadLetterQueue]).
-func (c *Consumer) declare(conn *amqp.Connection) (*amqp.Channel, error) {
+// consume declares the topology on conn, then opens a channel per worker and starts consuming
+// the queue on each. A dead-letter queue an earlier version declared is used as it is (see
+// [ErrLegacyDeadLetterQueue]).
+func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 	err := c.cfg.Topology.Declare(conn, c.log)
 	if errors.Is(err, ErrLegacyDeadLetterQueue) {
 		c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
@@ -208,127 +145,327 @@ func (c *Consumer) declare(conn *amqp.Connection) (*amqp.Channel, error) {
 	} else if err != nil {
 		return nil, fmt.Errorf("declare topology: %w", err)
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		return nil, fmt.Errorf("open channel: %w", err)
+	links := make([]consumerLink, c.cfg.Concurrency)
+	for i := range links {
+		ch, err := conn.Channel()
+		if err != nil {
+			return nil, fmt.Errorf("open channel: %w", err)
+		}
+		closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+		// Per-consumer prefetch: a global QoS is refused on quorum queues.
+		if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+			return nil, fmt.Errorf("set prefetch: %w", err)
+		}
+		tag := c.cfg.Queue + "-" + uuid.NewString()
+		deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
+		if err != nil {
+			return nil, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
+		}
+		links[i] = consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}
 	}
-	return ch, nil
+	return links, nil
 }
 
-// endWithChannel marks the consumer not ready and ends the session once the channel closes,
-// and returns where the broker's reason for closing it will be kept (nil for a clean close).
-func (c *Consumer) endWithChannel(session context.Context, endSession context.CancelFunc, closed <-chan *amqp.Error) *atomic.Pointer[amqp.Error] {
+// endWithChannels marks the consumer not ready and ends the session once any of its channels
+// closes, and returns where the broker's reason for closing it will be kept (nil for a clean
+// close). The other channels' consumers are cancelled first: their streams must end too, for
+// the session to reconnect, and the deliveries their workers hand back must not come straight
+// back to them.
+func (c *consumer) endWithChannels(session context.Context, endSession context.CancelFunc, links []consumerLink) *atomic.Pointer[amqp.Error] {
 	closeErr := new(atomic.Pointer[amqp.Error])
-	go func() {
-		select {
-		case err, ok := <-closed:
-			if ok && err != nil {
-				closeErr.Store(err)
+	for _, l := range links {
+		go func() {
+			select {
+			case err, ok := <-l.closed:
+				if ok && err != nil {
+					closeErr.CompareAndSwap(nil, err)
+				}
+				c.ready.Store(false)
+				cancelConsumers(links)
+				endSession()
+			case <-session.Done():
 			}
-			c.ready.Store(false)
-			endSession()
-		case <-session.Done():
-		}
-	}()
+		}()
+	}
 	return closeErr
 }
 
-// stopAtShutdown arranges that, once ctx ends, the flow of new deliveries stops (noWait: the
-// cancel must not wait on a dead connection); the workers settle what they hold, within the
-// grace period. Past it, the connection is closed regardless and the broker requeues whatever
-// is unacknowledged. The returned function disarms it.
-func (c *Consumer) stopAtShutdown(ctx, session context.Context, conn *amqp.Connection, link consumerLink) (stop func() bool) {
+// cancelConsumers stops the flow of new deliveries on every link and ends its delivery stream
+// once what was delivered is taken. noWait: the cancel must not wait on a dead channel or
+// connection, and one that is dead delivers nothing more anyway.
+func cancelConsumers(links []consumerLink) {
+	for _, l := range links {
+		_ = l.ch.Cancel(l.tag, true)
+	}
+}
+
+// stopAtShutdown arranges that, once ctx ends, the flow of new deliveries stops, and only then
+// the session ends: a delivery a worker hands back goes after the cancel of every one of its
+// consumers, so the broker does not deliver it to this consumer again, only for the closing
+// connection to return it once more and count that against it. The workers settle what they
+// hold, within the grace period. Past it, the connection is closed regardless and the broker
+// requeues whatever is unacknowledged. over is closed when the session is over. The returned
+// function disarms it.
+func (c *consumer) stopAtShutdown(ctx context.Context, endSession context.CancelFunc, over <-chan struct{}, conn *amqp.Connection, links []consumerLink) (stop func() bool) {
 	return context.AfterFunc(ctx, func() {
-		_ = link.ch.Cancel(link.tag, true)
+		cancelConsumers(links)
+		endSession()
 		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second)
 		defer t.Stop()
 		select {
 		case <-t.C:
 			_ = conn.CloseDeadline(time.Now())
-		case <-session.Done():
+		case <-over:
 		}
 	})
 }
 
-// work runs Concurrency workers over deliveries and returns once the stream has ended (the
-// consumer was cancelled or the channel closed) and every worker settled what it held.
-func (c *Consumer) work(session, handlerCtx context.Context, deliveries <-chan amqp.Delivery) {
+// workers runs a worker per channel and returns once every delivery stream has ended (the
+// consumer was cancelled or a channel closed) and every worker settled what it held.
+func (c *consumer) workers(session, workCtx context.Context, links []consumerLink) {
 	var wg sync.WaitGroup
-	for range c.cfg.Concurrency {
+	for _, l := range links {
 		wg.Go(func() {
-			for d := range deliveries {
-				if c.cfg.BatchHandler == nil {
-					c.handle(session, handlerCtx, d)
-					continue
-				}
-				c.handleBatch(session, handlerCtx, collect(d, deliveries, c.cfg.BatchSize))
+			for d := range l.deliveries {
+				c.handle(session, workCtx, collect(d, l.deliveries, c.cfg.BatchSize))
 			}
 		})
 	}
 	wg.Wait()
 }
 
-// handle settles one delivery. session ends at shutdown or when the channel is lost; workCtx
-// a grace period after shutdown.
-func (c *Consumer) handle(session, workCtx context.Context, d amqp.Delivery) {
-	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
-	if err != nil {
-		c.deadLetter(session, workCtx, d, d.MessageId, err)
+// collect returns first and whatever else is waiting in deliveries right now, up to limit: a
+// batch never waits for messages that have not arrived.
+func collect(first amqp.Delivery, deliveries <-chan amqp.Delivery, limit int) []amqp.Delivery {
+	batch := []amqp.Delivery{first}
+	for len(batch) < limit {
+		d, ok, waiting := next(deliveries)
+		if !waiting {
+			// The client hands its buffered deliveries over one at a time, from a goroutine of
+			// its own that may not be back at the channel yet: let it run before concluding
+			// that nothing is waiting.
+			runtime.Gosched()
+			d, ok, waiting = next(deliveries)
+		}
+		if !waiting || !ok {
+			return batch
+		}
+		batch = append(batch, d)
+	}
+	return batch
+}
+
+// next receives from deliveries if a delivery (or its end) is there to take, without waiting.
+func next(deliveries <-chan amqp.Delivery) (d amqp.Delivery, ok, waiting bool) {
+	select {
+	case d, ok = <-deliveries:
+		return d, ok, true
+	default:
+		return d, false, false
+	}
+}
+
+// handle takes deliveries from decoding to settling. session ends at shutdown or when the
+// channel is lost; workCtx a grace period after shutdown. Several messages are first tried
+// together, in one transaction; if that fails, each is processed on its own, so one bad
+// message cannot hold up the others.
+func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Delivery) {
+	jobs := make([]job, 0, len(batch))
+	for _, d := range batch {
+		j, err := c.decode(d)
+		if err != nil {
+			c.settle(session, workCtx, j, deadLetter(err))
+			continue
+		}
+		jobs = append(jobs, j)
+	}
+	if len(jobs) > 1 && session.Err() == nil {
+		err := c.attempt(workCtx, jobs)
+		if err == nil {
+			c.ackAll(workCtx, jobs)
+			return
+		}
+		if session.Err() == nil {
+			c.log.Warn("batch failed; processing its messages one by one", "size", len(jobs), "error", err)
+		}
+	}
+	for _, j := range jobs {
+		c.settle(session, workCtx, j, c.process(session, workCtx, j))
+	}
+}
+
+// ackAll acknowledges jobs, a batch whose work committed, with one basic.ack of its last
+// delivery (multiple): on the worker's own channel, every delivery before it is the batch's or
+// settled already. Only now, after the commit, may the broker forget them.
+func (c *consumer) ackAll(workCtx context.Context, jobs []job) {
+	last := jobs[0].d
+	for _, j := range jobs[1:] {
+		if j.d.DeliveryTag > last.DeliveryTag {
+			last = j.d
+		}
+	}
+	if err := last.Ack(true); err != nil {
+		c.log.WarnContext(workCtx, "could not ack a batch; the broker will redeliver it", "size", len(jobs), "error", err)
 		return
 	}
-	// The handler works, and these lines are written, in the trace the message came with.
-	ctx := msg.traced(workCtx)
-	log := c.log.With("message_id", msg.ID, "type", msg.Type)
+	for range jobs {
+		c.cfg.Metrics.recordSettled(c.cfg.Queue, settledAcked)
+	}
+}
+
+// decode is the one place a delivery becomes a job: its envelope (message id, JSON body) and
+// its payload, checked. An error is a reason to dead-letter it: it will never become
+// handleable, however often it is retried.
+func (c *consumer) decode(d amqp.Delivery) (job, error) {
+	j := job{d: d, msg: deliveryMessage(d)}
+	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
+	if err != nil {
+		return j, err
+	}
+	j.msg = msg
+	if j.payload, err = c.work.decode(msg); err != nil {
+		return j, Permanent(err)
+	}
+	return j, nil
+}
+
+// process processes one job, retrying it in place, and says how to settle it: acked once its
+// work committed; dead-lettered on a permanent error or a failure on its last allowed
+// delivery; rejected back to the queue after Retries failures; handed back when the session
+// ends first.
+func (c *consumer) process(session, workCtx context.Context, j job) outcome {
+	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
 	failures, outages := 0, 0
 	for {
 		if session.Err() != nil {
-			// Shutting down or disconnected: hand it back untouched for another consumer. A
-			// nack, which RabbitMQ 4.3 does not count against the message: it did not fail.
-			c.settle(ctx, log, "nack", d.Nack(false, true))
-			return
+			return handedBack
 		}
-		err := c.attempt(ctx, msg)
+		err := c.attempt(workCtx, []job{j})
 		var delay time.Duration
 		switch {
 		case err == nil:
-			// Only now, after the handler committed, may the broker forget the message.
-			if c.settle(ctx, log, "ack", d.Ack(false)) {
-				c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
-			}
-			return
+			return acked
 		case IsPermanent(err):
-			c.deadLetter(session, workCtx, d, msg.ID.String(), err)
-			return
+			return deadLetter(err)
 		case IsUnavailable(err):
 			// Not the message's fault: wait for the dependency without spending its retries.
 			outages++
 			delay = c.cfg.RetryBackoff.Delay(outages)
-			log.WarnContext(ctx, "dependency unavailable; retrying message", "error", err, "retry_in", delay)
+			c.log.WarnContext(ctx, "dependency unavailable; retrying message", "message_id", j.msg.ID, "type", j.msg.Type, "error", err, "retry_in", delay)
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
-				if deliveryCount(d)+1 >= c.cfg.DeliveryLimit {
-					c.deadLetter(session, workCtx, d, msg.ID.String(), fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
-					return
+				if deliveryCount(j.d)+1 >= c.cfg.DeliveryLimit {
+					return deadLetter(fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
 				}
-				log.WarnContext(ctx, "handler failed; returning message to the queue", "error", err, "attempts", failures)
-				// basic.reject, not basic.nack: from RabbitMQ 4.3 on only a reject counts as a
-				// failed delivery, and without the count neither the queue's delivery limit nor
-				// the check above ever fires: the message would come back forever.
-				if c.settle(ctx, log, "reject", d.Reject(true)) {
-					c.cfg.Metrics.recordSettled(c.cfg.Queue, "requeued")
-				}
-				return
+				return rejected(err, failures)
 			}
 			delay = c.cfg.RetryBackoff.Delay(failures)
-			log.WarnContext(ctx, "handler failed; retrying message", "error", err, "attempts", failures, "retry_in", delay)
+			c.log.WarnContext(ctx, "handler failed; retrying message", "message_id", j.msg.ID, "type", j.msg.Type, "error", err, "attempts", failures, "retry_in", delay)
 		}
-		Sleep(session, nil, delay)
+		sleep(session, nil, delay)
 	}
 }
 
-// deliveryCount is how many times the broker delivered d before (quorum queues count it in
-// x-delivery-count).
+// attempt runs the work of jobs once, within the handler timeout.
+func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
+	ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
+	defer cancel()
+	return c.work.process(ctx, jobs)
+}
+
+// outcome says how a delivery is settled.
+type outcome struct {
+	settle   settleKind
+	reason   error // why it is rejected or dead-lettered
+	attempts int   // the failed attempts of a rejected message
+}
+
+type settleKind int
+
+const (
+	settleAck settleKind = iota
+	settleReject
+	settleNack
+	settleDeadLetter
+)
+
+var (
+	acked      = outcome{settle: settleAck}
+	handedBack = outcome{settle: settleNack}
+)
+
+func rejected(reason error, attempts int) outcome {
+	return outcome{settle: settleReject, reason: reason, attempts: attempts}
+}
+
+func deadLetter(reason error) outcome { return outcome{settle: settleDeadLetter, reason: reason} }
+
+// settle is the one place a delivery is settled. Its lines are in the message's trace.
+func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
+	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
+	log := c.log.With("message_id", j.msg.ID, "type", truncate(j.msg.Type))
+	if j.msg.ID == uuid.Nil {
+		log = c.log.With("message_id", truncate(j.d.MessageId), "type", truncate(j.d.Type))
+	}
+	switch o.settle {
+	case settleAck:
+		// Only now, after the work committed, may the broker forget the message.
+		c.confirm(ctx, log, "ack", j.d.Ack(false), settledAcked)
+	case settleReject:
+		log.WarnContext(ctx, "handler failed; returning message to the queue", "error", o.reason, "attempts", o.attempts)
+		// basic.reject, not basic.nack: from RabbitMQ 4.3 on only a reject counts as a failed
+		// delivery, and without the count neither the queue's delivery limit nor the
+		// consumer's own check at its last delivery ever fires: it would come back forever.
+		c.confirm(ctx, log, "reject", j.d.Reject(true), settledRequeued)
+	case settleNack:
+		// Shutting down or disconnected: back to the queue untouched, for another consumer. A
+		// nack, which RabbitMQ 4.3 does not count against the message: it did not fail.
+		c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
+	case settleDeadLetter:
+		c.deadLetter(ctx, session, workCtx, log, j.d, o.reason)
+	}
+}
+
+// confirm logs a failed ack, nack or reject, and counts a settled one as outcome (if any). A
+// settlement fails when the channel closed meanwhile; the broker then redelivers the message,
+// and the inbox recognises it if its work was done.
+func (c *consumer) confirm(ctx context.Context, log *slog.Logger, op string, err error, outcome string) {
+	if err != nil {
+		log.WarnContext(ctx, "could not "+op+" message; the broker will redeliver it", "error", err)
+		return
+	}
+	if outcome != "" {
+		c.cfg.Metrics.recordSettled(c.cfg.Queue, outcome)
+	}
+}
+
+// deadLetter moves d to the dead-letter queue, and the messages behind it carry on. A copy
+// carrying the reason is published there with a confirm, and only then is d acknowledged. Until
+// then d stays unacknowledged: a failed publish is tried again with backoff, and a session that
+// ends first hands d back to the broker. Nothing is lost; a crash between the confirm and the
+// ack leaves a second copy in the dead-letter queue, which a redrive hands to the inbox with the
+// same message id.
+func (c *consumer) deadLetter(ctx, session, workCtx context.Context, log *slog.Logger, d amqp.Delivery, reason error) {
+	for failures := 1; ; failures++ {
+		err := c.deadLetters.publish(workCtx, d, reason)
+		if err == nil {
+			break
+		}
+		if session.Err() != nil {
+			c.confirm(ctx, log, "nack", d.Nack(false, true), "")
+			return
+		}
+		delay := c.cfg.RetryBackoff.Delay(failures)
+		log.WarnContext(ctx, "could not dead-letter message; retrying", "error", err, "reason", reason, "retry_in", delay)
+		sleep(session, nil, delay)
+	}
+	log.ErrorContext(ctx, "message dead-lettered", "dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
+	c.confirm(ctx, log, "ack", d.Ack(false), settledDeadLettered)
+}
+
+// deliveryCount is how many times the broker counted d as failed before (quorum queues count it
+// in x-delivery-count).
 func deliveryCount(d amqp.Delivery) int {
 	switch v := d.Headers[deliveryCountHeader].(type) {
 	case int64:
@@ -339,101 +476,4 @@ func deliveryCount(d amqp.Delivery) int {
 		return v
 	}
 	return 0
-}
-
-// collect returns first and whatever else is waiting in deliveries right now, up to limit: a
-// batch never waits for messages that have not arrived.
-func collect(first amqp.Delivery, deliveries <-chan amqp.Delivery, limit int) []amqp.Delivery {
-	batch := []amqp.Delivery{first}
-	for len(batch) < limit {
-		select {
-		case d, ok := <-deliveries:
-			if !ok {
-				return batch
-			}
-			batch = append(batch, d)
-		default:
-			return batch
-		}
-	}
-	return batch
-}
-
-// handleBatch tries the batch handler once on the decodable deliveries; if it fails, each is
-// handled on its own, with the usual retries, dead-lettering and outage handling.
-func (c *Consumer) handleBatch(session, workCtx context.Context, batch []amqp.Delivery) {
-	msgs := make([]Message, 0, len(batch))
-	good := make([]amqp.Delivery, 0, len(batch))
-	for _, d := range batch {
-		msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
-		if err != nil {
-			c.deadLetter(session, workCtx, d, d.MessageId, err)
-			continue
-		}
-		msgs, good = append(msgs, msg), append(good, d)
-	}
-	if len(good) == 0 {
-		return
-	}
-	if len(good) > 1 && session.Err() == nil {
-		ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
-		err := c.cfg.BatchHandler(ctx, msgs)
-		cancel()
-		if err == nil {
-			for _, d := range good {
-				if c.settle(workCtx, c.log, "ack", d.Ack(false)) {
-					c.cfg.Metrics.recordSettled(c.cfg.Queue, "acked")
-				}
-			}
-			return
-		}
-		c.log.Debug("batch failed; handling its messages one by one", "size", len(good), "error", err)
-	}
-	for _, d := range good {
-		c.handle(session, workCtx, d)
-	}
-}
-
-func (c *Consumer) attempt(ctx context.Context, msg Message) error {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.HandlerTimeout)
-	defer cancel()
-	return c.handler(ctx, msg)
-}
-
-// deadLetter moves d to the dead-letter queue, and the messages behind it carry on. A copy
-// carrying the reason is published there with a confirm, and only then is d acknowledged. Until
-// then d stays unacknowledged: a failed publish is tried again with backoff, and a session that
-// ends first hands d back to the broker. Nothing is lost; a crash between the confirm and the
-// ack leaves a second copy in the dead-letter queue, which a redrive hands to the inbox with the
-// same message id. Its lines are in the message's trace.
-func (c *Consumer) deadLetter(session, workCtx context.Context, d amqp.Delivery, messageID string, reason error) {
-	ctx := deliveryTrace(d)
-	log := c.log.With("message_id", truncate(messageID), "type", truncate(d.Type))
-	for failures := 1; ; failures++ {
-		err := c.deadLetters.publish(workCtx, d, reason)
-		if err == nil {
-			break
-		}
-		if session.Err() != nil {
-			c.settle(ctx, log, "nack", d.Nack(false, true))
-			return
-		}
-		delay := c.cfg.RetryBackoff.Delay(failures)
-		log.WarnContext(ctx, "could not dead-letter message; retrying", "error", err, "reason", reason, "retry_in", delay)
-		Sleep(session, nil, delay)
-	}
-	log.ErrorContext(ctx, "message dead-lettered", "dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
-	if c.settle(ctx, log, "ack", d.Ack(false)) {
-		c.cfg.Metrics.recordSettled(c.cfg.Queue, "dead_lettered")
-	}
-}
-
-// settle logs a failed ack, nack or reject. It happens when the channel closed meanwhile; the
-// broker then redelivers the message, and the inbox recognises it if it was handled.
-func (c *Consumer) settle(ctx context.Context, log *slog.Logger, op string, err error) bool {
-	if err != nil {
-		log.WarnContext(ctx, "could not "+op+" message; the broker will redeliver it", "error", err)
-		return false
-	}
-	return true
 }

@@ -10,7 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The headers a [Consumer] adds to the copy of a message it dead-letters, so that the reason
+// The headers a [Subscription] adds to the copy of a message it dead-letters, so that the reason
 // travels with the message instead of living only in a log line. The broker's own x-death says
 // no more than "rejected".
 const (

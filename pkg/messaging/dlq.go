@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -17,6 +18,9 @@ type DeadLetter struct {
 	// itself (at the queue's delivery limit), the broker's reason from x-death.
 	Reason         string
 	DeadLetteredAt time.Time // zero when unknown
+	ContentType    string
+	Headers        amqp.Table // all of them, those of the dead-lettering too
+	Body           []byte
 }
 
 // DeadLetterConfig names a consumer queue whose dead-letter queue ([DeadLetterQueue]) is to be
@@ -27,7 +31,8 @@ type DeadLetterConfig struct {
 	ConnectionName string // shown by the broker
 }
 
-// ErrDeadLetterNotFound is returned by [RedriveDeadLetters] when no message matched.
+// ErrDeadLetterNotFound is returned by [RedriveDeadLetters] and [DropDeadLetter] when no
+// message matched.
 var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue")
 
 // The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
@@ -38,32 +43,87 @@ var deadLetterHeaders = []string{
 	HeaderDeadLetterReason, HeaderDeadLetteredAt, HeaderOriginalExchange, HeaderOriginalRoutingKey,
 }
 
-// ListDeadLetters returns what waits in the dead-letter queue, in queue order, and leaves it
-// all there in that order. AMQP cannot peek: it takes as many messages as the queue held at the
-// start without acknowledging them, then hands each back, in the order it came. The dead-letter
-// queue has no delivery limit (see [ConsumerTopology.Declare]), so listing costs the messages
-// nothing. Messages another client holds unacknowledged at the time are not listed.
-func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig) ([]DeadLetter, error) {
-	var listed []DeadLetter
-	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
-		held, err := take(ctx, ch, dlq, waiting)
+// ListDeadLetters returns the first limit messages of the dead-letter queue (all, if limit is
+// 0), in queue order, and how many were waiting when it started. It leaves them all there.
+// AMQP cannot peek: it takes the messages without acknowledging them, never more than limit at
+// once, then hands each back, in the order it came. The dead-letter queue has no delivery limit
+// (see [ConsumerTopology.Declare]), so listing costs the messages nothing. Messages another
+// client holds unacknowledged at the time are not listed.
+//
+// A listing of the whole queue leaves it in its order. One of fewer messages than wait may
+// move them back in the queue: a quorum queue puts the messages handed back behind all the
+// others (RabbitMQ 3.x), or behind those handed back before (4.x).
+func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig, limit int) (listed []DeadLetter, waiting int, err error) {
+	err = withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, ready int) error {
+		waiting = ready
+		held, err := take(ctx, ch, dlq, window(ready, limit))
 		defer handBack(ch, dlq, held)
 		for _, d := range held {
 			listed = append(listed, readDeadLetter(d))
 		}
 		return err
 	})
-	return listed, err
+	return listed, waiting, err
 }
 
-// RedriveDeadLetters moves the messages of the dead-letter queue that match (all, if match is
-// nil) back to the consumer queue, through the default exchange, with their properties and
-// message ids unchanged (so the inbox still recognises one already handled) and without the
-// headers of their dead-lettering. Each is acknowledged in the dead-letter queue only once the
-// broker confirmed and routed its copy: a failure leaves it there, and at worst (a crash in
-// between) it is in both queues, which the inbox tells apart. The others stay, in their order.
-// It returns the moved messages; [ErrDeadLetterNotFound] if match was given and none matched.
-func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, match func(DeadLetter) bool) ([]DeadLetter, error) {
+// window is how many of the waiting messages an operation takes, given its limit (0: all).
+func window(waiting, limit int) int {
+	if limit > 0 {
+		return min(waiting, limit)
+	}
+	return waiting
+}
+
+// DeadLetterSelection says which messages of a dead-letter queue [RedriveDeadLetters] and
+// [DropDeadLetter] act on, and lets their caller see those before anything is done to them.
+type DeadLetterSelection struct {
+	// Limit makes it look at the first Limit messages that wait, no more, and hold no more
+	// unacknowledged at once; 0 looks at all of them. A limit that leaves some behind may move
+	// those it looked at back in the queue (see [ListDeadLetters]).
+	Limit int
+	// Match picks, of those, the messages to act on; nil picks them all.
+	Match func(DeadLetter) bool
+	// Confirm, unless nil, is called with the messages picked, in queue order, and how many
+	// waited in the queue, while they are held and before anything is done to them: an error
+	// from it does nothing, hands them all back in order, and is returned. It is not called
+	// when nothing was picked.
+	Confirm func(picked []DeadLetter, waiting int) error
+}
+
+// pick holds the messages sel looks at, and returns them with the indexes of those it picks,
+// confirmed. The held messages are for the caller to hand back.
+func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq string, waiting int) (held []amqp.Delivery, picked []int, err error) {
+	n := waiting
+	if sel.Limit > 0 {
+		n = min(waiting, sel.Limit)
+	}
+	held, err = take(ctx, ch, dlq, n)
+	if err != nil {
+		return held, nil, err
+	}
+	var shown []DeadLetter
+	for i, d := range held {
+		if dl := readDeadLetter(d); sel.Match == nil || sel.Match(dl) {
+			picked, shown = append(picked, i), append(shown, dl)
+		}
+	}
+	if len(picked) > 0 && sel.Confirm != nil {
+		if err := sel.Confirm(shown, waiting); err != nil {
+			return held, nil, err
+		}
+	}
+	return held, picked, nil
+}
+
+// RedriveDeadLetters moves the messages sel picks from the dead-letter queue back to the
+// consumer queue, through the default exchange, with their properties and message ids
+// unchanged (so the inbox still recognises one already handled) and without the headers of
+// their dead-lettering. Each is acknowledged in the dead-letter queue only once the broker
+// confirmed and routed its copy: a failure leaves it there, and at worst (a crash in between)
+// it is in both queues, which the inbox tells apart. The others it looked at are handed back in
+// their order. It returns the moved messages; [ErrDeadLetterNotFound] if sel.Match was given
+// and picked none.
+func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) ([]DeadLetter, error) {
 	var moved []DeadLetter
 	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
 		// The queue must exist: publishing to a missing one would only come back unroutable.
@@ -74,19 +134,24 @@ func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, match func(De
 			return fmt.Errorf("enable publisher confirms: %w", err)
 		}
 		returns := ch.NotifyReturn(make(chan amqp.Return, 1))
-		held, err := take(ctx, ch, dlq, waiting)
-		var kept []amqp.Delivery
+		held, picked, err := sel.pick(ctx, ch, dlq, waiting)
+		kept := held
 		defer func() { handBack(ch, dlq, kept) }()
 		if err != nil {
-			kept = held
 			return err
 		}
+		if sel.Match != nil && len(picked) == 0 {
+			return ErrDeadLetterNotFound
+		}
+		kept = nil
+		next := 0 // of picked
 		for i, d := range held {
-			dl := readDeadLetter(d)
-			if match != nil && !match(dl) {
+			if next == len(picked) || picked[next] != i {
 				kept = append(kept, d)
 				continue
 			}
+			next++
+			dl := readDeadLetter(d)
 			if err := redrive(ctx, ch, returns, cfg.Queue, d); err != nil {
 				kept = append(kept, held[i:]...)
 				return fmt.Errorf("redrive message %s: %w", dl.MessageID, err)
@@ -97,12 +162,55 @@ func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, match func(De
 			}
 			moved = append(moved, dl)
 		}
-		if match != nil && len(moved) == 0 {
-			return ErrDeadLetterNotFound
-		}
 		return nil
 	})
 	return moved, err
+}
+
+// DropDeadLetter removes from the dead-letter queue the first message sel.Match picks (it must
+// be given), for good, and hands the others it looked at back in their order; sel.Confirm sees
+// that one message. Give it no limit unless the queue is too long to hold: a limit that leaves
+// messages behind may move those it looked at back in the queue. It returns the message it
+// removed, or [ErrDeadLetterNotFound].
+func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) (DeadLetter, error) {
+	if sel.Match == nil {
+		return DeadLetter{}, errors.New("drop a dead letter: no match given")
+	}
+	found := false
+	match := sel.Match
+	sel.Match = func(d DeadLetter) bool { // the first only
+		if found || !match(d) {
+			return false
+		}
+		found = true
+		return true
+	}
+	var dropped DeadLetter
+	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
+		held, picked, err := sel.pick(ctx, ch, dlq, waiting)
+		kept := held
+		defer func() { handBack(ch, dlq, kept) }()
+		if err != nil {
+			return err
+		}
+		if len(picked) == 0 {
+			return ErrDeadLetterNotFound
+		}
+		d := held[picked[0]]
+		if err := d.Ack(false); err != nil {
+			return fmt.Errorf("acknowledge message %s: %w", d.MessageId, err)
+		}
+		kept = slices.Delete(slices.Clone(held), picked[0], picked[0]+1)
+		// An acknowledgement has no answer; the broker answers the channel's methods in order,
+		// so the answer to this one says the acknowledgement was taken.
+		if _, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("message %s was acknowledged, but the broker did not answer after it (list %q to see whether it is gone): %w",
+				d.MessageId, dlq, err)
+		}
+		dropped = readDeadLetter(d)
+		return nil
+	})
+	return dropped, err
 }
 
 // withDeadLetterQueue connects, checks that the dead-letter queue exists, and runs fn with a
@@ -131,8 +239,8 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *
 	return fn(ch, dlq, q.Messages)
 }
 
-// take gets up to n messages from queue without acknowledging them: the n that waited when it
-// was counted, not those that came after.
+// take gets up to n messages from queue without acknowledging them: of those that waited when
+// it was counted, not those that came after.
 func take(ctx context.Context, ch *amqp.Channel, queue string, n int) ([]amqp.Delivery, error) {
 	held := make([]amqp.Delivery, 0, n)
 	for len(held) < n {
@@ -154,12 +262,18 @@ func take(ctx context.Context, ch *amqp.Channel, queue string, n int) ([]amqp.De
 // handBackWait bounds how long handBack waits for the broker to count the messages again.
 const handBackWait = 5 * time.Second
 
-// handBack returns the held messages to queue, one by one in the order they came, which keeps
-// them in that order ahead of the rest, then waits until the broker counts them as waiting
-// again. A quorum queue applies the returns after it answered (on RabbitMQ 3.10, a count read
-// right after always fell short), and a listing started then would miss them. If the channel
-// is gone, the broker took them back already.
+// handBack returns the held messages to queue, one by one in the order they came, then waits
+// until the broker counts them as waiting again. A quorum queue applies the returns after it
+// answered (on RabbitMQ 3.10, a count read right after always fell short), and a listing
+// started then would miss them. If the channel is gone, the broker took them back already.
 func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
+	if len(held) == 0 {
+		return
+	}
+	before, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		return
+	}
 	for _, d := range held {
 		if err := d.Nack(false, true); err != nil {
 			return
@@ -167,7 +281,7 @@ func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
 	}
 	for deadline := time.Now().Add(handBackWait); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-		if err != nil || q.Messages >= len(held) {
+		if err != nil || q.Messages >= before.Messages+len(held) {
 			return
 		}
 	}
@@ -226,7 +340,7 @@ func redriveCopy(d amqp.Delivery) amqp.Publishing {
 
 // readDeadLetter reads what a dead-lettered delivery says about itself.
 func readDeadLetter(d amqp.Delivery) DeadLetter {
-	dl := DeadLetter{MessageID: d.MessageId, Type: d.Type}
+	dl := DeadLetter{MessageID: d.MessageId, Type: d.Type, ContentType: d.ContentType, Headers: d.Headers, Body: d.Body}
 	if reason, ok := d.Headers[HeaderDeadLetterReason].(string); ok {
 		dl.Reason = reason
 		if at, ok := d.Headers[HeaderDeadLetteredAt].(string); ok {

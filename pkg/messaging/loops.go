@@ -22,15 +22,15 @@ func reconnect(ctx context.Context, retry Backoff, log *slog.Logger, what string
 		failures++
 		delay := retry.Delay(failures)
 		log.Warn(what, "error", err, "retry_in", delay)
-		if !Sleep(ctx, nil, delay) {
+		if !sleep(ctx, nil, delay) {
 			return
 		}
 	}
 }
 
-// Sleep waits for d, a signal on wake (nil: none) or the end of ctx, and reports whether ctx is
+// sleep waits for d, a signal on wake (nil: none) or the end of ctx, and reports whether ctx is
 // still live: the wait of a worker between rounds that a commit may cut short.
-func Sleep(ctx context.Context, wake <-chan struct{}, d time.Duration) bool {
+func sleep(ctx context.Context, wake <-chan struct{}, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -18,12 +18,13 @@ type Message struct {
 	Payload       json.RawMessage // the event itself, JSON
 	OccurredAt    time.Time
 	CorrelationID string // optional; carried as the AMQP correlation_id and a header
-	// TraceParent and TraceState are the W3C trace context the message belongs to. [Enqueue]
-	// takes them from the span of its transaction's context unless they are set; the relay
-	// sends them as the traceparent and tracestate headers; a consumer reads them back and
-	// continues the trace. Empty when the message was enqueued outside any trace.
+	// TraceParent and TraceState are the W3C trace context the message belongs to, and Headers
+	// its other AMQP headers: what else the trace propagator writes (baggage, B3), and the
+	// caller's own. [Enqueue] fills the trace context from its ctx unless the message has one;
+	// the relay sends them as headers; a consumer reads them back and continues the trace.
 	TraceParent string
 	TraceState  string
+	Headers     map[string]string
 	// Exchange and RoutingKey say where the message is published: an [Event]'s exchange, with
 	// the message's Type as the routing key unless RoutingKey is set. A message enqueued without
 	// an exchange goes to its relay's ([RelayConfig.Exchange]). On the consuming side they tell
@@ -57,9 +58,9 @@ func NewMessage(msgType string, payload any) (Message, error) {
 	return Message{ID: id, Type: msgType, Payload: body, OccurredAt: time.Now().UTC()}, nil
 }
 
-// Decode unmarshals the payload into T. A payload that does not decode can never be handled,
+// decode unmarshals the payload into T. A payload that does not decode can never be handled,
 // so the error is Permanent: the consumer dead-letters the message instead of retrying it.
-func Decode[T any](msg Message) (T, error) {
+func decode[T any](msg Message) (T, error) {
 	var v T
 	if err := json.Unmarshal(msg.Payload, &v); err != nil {
 		return v, Permanent(fmt.Errorf("decode %s payload: %w", msg.Type, err))
@@ -74,7 +75,7 @@ func (e permanentError) Error() string { return e.err.Error() }
 func (e permanentError) Unwrap() error { return e.err }
 
 // Permanent marks err as one that no retry can fix (an undecodable or invalid message). A
-// [Consumer] sends such a message to its dead-letter queue at once and logs the reason.
+// [Subscription] sends such a message to its dead-letter queue at once and logs the reason.
 func Permanent(err error) error {
 	if err == nil {
 		return nil
@@ -94,7 +95,7 @@ type unavailableError struct{ err error }
 func (e unavailableError) Error() string { return e.err.Error() }
 func (e unavailableError) Unwrap() error { return e.err }
 
-// Unavailable marks err as caused by a dependency being down. A [Consumer] keeps retrying such
+// Unavailable marks err as caused by a dependency being down. A [Subscription] keeps retrying such
 // a message with backoff for as long as it takes, without counting the attempts against it,
 // so an outage never pushes good messages into the dead-letter queue.
 func Unavailable(err error) error {

@@ -2,14 +2,13 @@ package messaging
 
 import (
 	"context"
-	"database/sql"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/singleflight"
-	"gorm.io/gorm"
 )
 
 // Metrics holds the package's Prometheus collectors. Give one to the relay, consumers and
@@ -25,47 +24,121 @@ type Metrics struct {
 	eventAge        *prometheus.HistogramVec
 }
 
-// NewMetrics creates the collectors and registers them with reg.
-func NewMetrics(reg prometheus.Registerer) *Metrics {
+// NewMetrics creates the collectors and registers them with reg, each name prefixed with
+// namespace and an underscore unless namespace is "". It fails, registering nothing, when reg
+// has any of them already (a second NewMetrics on one registry, say).
+func NewMetrics(reg prometheus.Registerer, namespace string) (*Metrics, error) {
 	m := &Metrics{
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "outbox_messages_published_total",
-			Help: "Outbox messages the broker confirmed and routed.",
+			Namespace: namespace,
+			Name:      "outbox_messages_published_total",
+			Help:      "Outbox messages the broker confirmed and routed.",
 		}, []string{"type"}),
 		publishFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "outbox_publish_failures_total",
-			Help: "Outbox messages the broker refused (nacked, returned, too large); each is retried with backoff.",
+			Namespace: namespace,
+			Name:      "outbox_publish_failures_total",
+			Help:      "Outbox messages the broker refused (nacked, returned, too large); each is retried with backoff.",
 		}, []string{"type"}),
 		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "consumer_messages_total",
-			Help: "Deliveries settled by consumers, by outcome: acked, dead_lettered, requeued.",
+			Namespace: namespace,
+			Name:      "consumer_messages_total",
+			Help:      "Deliveries settled by consumers, by outcome: acked, dead_lettered, requeued.",
 		}, []string{"queue", "outcome"}),
 		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "inbox_duplicates_total",
-			Help: "Messages an inbox recognised as already handled and skipped.",
+			Namespace: namespace,
+			Name:      "inbox_duplicates_total",
+			Help:      "Messages an inbox recognised as already handled and skipped.",
 		}, []string{"consumer"}),
 		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "outbox_relay_broker_up",
-			Help: "The relay's view of the broker: 1 while it takes messages, 0 during an outage (rows wait, unpenalised).",
+			Namespace: namespace,
+			Name:      "outbox_relay_broker_up",
+			Help:      "The relay's view of the broker: 1 while it takes messages, 0 during an outage (rows wait, unpenalised).",
 		}, []string{"exchange"}),
 		handled: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "consumer_handler_seconds",
-			Help:    "Time handlers took per message, by consumer, type and outcome (ok, error, permanent).",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 9), // 0.5 ms to about 33 s
+			Namespace: namespace,
+			Name:      "consumer_handler_seconds",
+			Help:      "Time handlers took per message, by consumer, type and outcome (ok, error, permanent).",
+			Buckets:   prometheus.ExponentialBuckets(0.0005, 4, 9), // 0.5 ms to about 33 s
 		}, []string{"consumer", "type", "outcome"}),
 		cleanupDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "outbox_cleanup_deleted_total",
-			Help: "Rows the cleanup jobs deleted, by table: outbox_messages (sent rows), inbox_messages (old records).",
+			Namespace: namespace,
+			Name:      "outbox_cleanup_deleted_total",
+			Help:      "Rows the cleanup jobs deleted, by table: outbox_messages (sent rows), inbox_messages (old records).",
 		}, []string{"table"}),
 		eventAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "consumer_event_age_seconds",
+			Namespace: namespace,
+			Name:      "consumer_event_age_seconds",
 			Help: "Seconds from a message's occurred_at (its AMQP timestamp, in whole seconds) to the commit of its work, " +
 				"per handled message; duplicates are not counted.",
 			Buckets: prometheus.ExponentialBuckets(0.25, 2, 16), // 0.25 s to about 2.3 h
 		}, []string{"consumer"}),
 	}
-	reg.MustRegister(m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled, m.cleanupDeleted, m.eventAge)
-	return m
+	return m, registerAll(reg, m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled, m.cleanupDeleted, m.eventAge)
+}
+
+// registerAll registers cs with reg, all or none.
+func registerAll(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	for i, c := range cs {
+		if err := reg.Register(c); err != nil {
+			for _, done := range cs[:i] {
+				reg.Unregister(done)
+			}
+			var dup prometheus.AlreadyRegisteredError
+			if errors.As(err, &dup) {
+				return fmt.Errorf("messaging metrics: registered already: %w", err)
+			}
+			return fmt.Errorf("messaging metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// The outcomes that label consumer_messages_total, as a consumer settles a delivery.
+const (
+	settledAcked        = "acked"
+	settledRequeued     = "requeued"
+	settledDeadLettered = "dead_lettered"
+)
+
+// The outcomes that label consumer_handler_seconds (see outcomeOf).
+const (
+	handlerOK        = "ok"
+	handlerError     = "error"
+	handlerPermanent = "permanent"
+)
+
+// initSubscription exports at zero every series a subscription named name (its queue and its
+// consumer) will count, its handled types' included, before its first event. A labelled series
+// that appeared only at its first increment would start at 1, and rate() and increase() see no
+// increase in a series' first sample: an alert on them would miss the first dead-letter after
+// every start.
+func (m *Metrics) initSubscription(name string, types []string) {
+	if m == nil {
+		return
+	}
+	for _, outcome := range []string{settledAcked, settledRequeued, settledDeadLettered} {
+		m.settled.WithLabelValues(name, outcome)
+	}
+	m.duplicates.WithLabelValues(name)
+	m.eventAge.WithLabelValues(name)
+	for _, t := range types {
+		for _, outcome := range []string{handlerOK, handlerError, handlerPermanent} {
+			m.handled.WithLabelValues(name, t, outcome)
+		}
+	}
+}
+
+// initRelay exports at zero the publish counters of types, for the same reason as
+// initSubscription. (outbox_relay_broker_up, a gauge, is set when the relay first asks for the
+// broker.)
+func (m *Metrics) initRelay(types []string) {
+	if m == nil {
+		return
+	}
+	for _, t := range types {
+		m.published.WithLabelValues(t)
+		m.publishFailures.WithLabelValues(t)
+	}
 }
 
 func (m *Metrics) recordPublished(msgType string) {
@@ -124,20 +197,28 @@ func (m *Metrics) recordCleanupDeleted(table string, n int64) {
 
 // RegisterOutboxStats registers gauges read from outbox_messages at every scrape (see
 // [ReadOutboxStats]): the backlog, its oldest row's age, and the most attempts of any unsent
-// row. Alert when the age keeps growing or the attempts pass a threshold.
-//
-// The query is bounded (statsStatementTimeout, by the server) and shared by scrapes that
-// overlap it. When it fails or times out, that scrape has no outbox gauges, the rest of it is
-// served, outbox_stats_errors_total counts the failure and log (nil: slog.Default()) says why.
-func RegisterOutboxStats(reg prometheus.Registerer, db *gorm.DB, log *slog.Logger) {
+// row, parked rows aside, and how many rows are parked. Alert when the age keeps growing or the
+// attempts pass a threshold; a parked row is an operator's decision, shown apart so that it
+// neither keeps those alerts firing nor drops out of view. A query that fails or
+// takes more than a second drops only these gauges from that scrape, counts itself in
+// outbox_stats_errors_total and logs why; the rest of the scrape is served. Names are prefixed
+// with namespace as in [NewMetrics].
+func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log *slog.Logger) error {
 	if log == nil {
 		log = slog.Default()
 	}
-	reg.MustRegister(&outboxStatsCollector{db: db, log: log, errors: prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "outbox_stats_errors_total",
-		Help: "Backlog queries that failed or timed out; the scrapes they served have no outbox_pending_messages, " +
-			"outbox_oldest_pending_age_seconds or outbox_max_attempts.",
-	})})
+	name := func(n string) string { return prometheus.BuildFQName(namespace, "", n) }
+	return registerAll(reg, &outboxStatsCollector{db: db, log: log,
+		pending: prometheus.NewDesc(name("outbox_pending_messages"), "Outbox messages not yet sent, parked ones aside.", nil, nil),
+		oldest:  prometheus.NewDesc(name("outbox_oldest_pending_age_seconds"), "Age of the oldest unsent outbox message, parked ones aside.", nil, nil),
+		attempt: prometheus.NewDesc(name("outbox_max_attempts"), "Most failed publish attempts of any unsent outbox message, parked ones aside.", nil, nil),
+		parked:  prometheus.NewDesc(name("outbox_parked_messages"), "Outbox messages an operator parked: unsent, and never sent until unparked.", nil, nil),
+		errors: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace,
+			Name:      "outbox_stats_errors_total",
+			Help: "Backlog queries that failed or timed out; the scrapes they served have no outbox_pending_messages, " +
+				"outbox_oldest_pending_age_seconds, outbox_max_attempts or outbox_parked_messages.",
+		})})
 }
 
 // statsStatementTimeout bounds the backlog query, well inside Prometheus's scrape timeout
@@ -147,25 +228,22 @@ const (
 	statsTimeout          = 2 * time.Second
 )
 
-var (
-	pendingDesc = prometheus.NewDesc("outbox_pending_messages", "Outbox messages not yet sent.", nil, nil)
-	oldestDesc  = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest unsent outbox message.", nil, nil)
-	attemptDesc = prometheus.NewDesc("outbox_max_attempts", "Most failed publish attempts of any unsent outbox message.", nil, nil)
-)
-
 type outboxStatsCollector struct {
-	db     *gorm.DB
-	log    *slog.Logger
-	errors prometheus.Counter
+	db                       DB
+	log                      *slog.Logger
+	pending, oldest, attempt *prometheus.Desc
+	parked                   *prometheus.Desc
+	errors                   prometheus.Counter
 	// reading lets overlapping scrapes share one query, so a slow database never has more
 	// than one of them waiting.
 	reading singleflight.Group
 }
 
 func (c *outboxStatsCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- pendingDesc
-	ch <- oldestDesc
-	ch <- attemptDesc
+	ch <- c.pending
+	ch <- c.oldest
+	ch <- c.attempt
+	ch <- c.parked
 	c.errors.Describe(ch)
 }
 
@@ -175,9 +253,10 @@ func (c *outboxStatsCollector) Collect(ch chan<- prometheus.Metric) {
 	v, err, _ := c.reading.Do("stats", func() (any, error) { return c.read() })
 	if err == nil {
 		s := v.(OutboxStats)
-		ch <- prometheus.MustNewConstMetric(pendingDesc, prometheus.GaugeValue, float64(s.Pending))
-		ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, s.OldestPending.Seconds())
-		ch <- prometheus.MustNewConstMetric(attemptDesc, prometheus.GaugeValue, float64(s.MaxAttempts))
+		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(s.Pending))
+		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, s.OldestPending.Seconds())
+		ch <- prometheus.MustNewConstMetric(c.attempt, prometheus.GaugeValue, float64(s.MaxAttempts))
+		ch <- prometheus.MustNewConstMetric(c.parked, prometheus.GaugeValue, float64(s.Parked))
 	}
 	c.errors.Collect(ch)
 }
@@ -186,22 +265,22 @@ func (c *outboxStatsCollector) Collect(ch chan<- prometheus.Metric) {
 // query itself and the connection stays usable. At a context's deadline the driver drops the
 // connection instead, and only a cancel request, sent best effort, stops the server's side,
 // which may go on waiting (for a lock, say) and holding a connection slot.
-func (c *outboxStatsCollector) read() (OutboxStats, error) {
+func (c *outboxStatsCollector) read() (s OutboxStats, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), statsTimeout)
 	defer cancel()
-	var s OutboxStats
-	err := c.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		if err := tx.Exec(fmt.Sprintf("SET LOCAL statement_timeout = %d", statsStatementTimeout.Milliseconds())).Error; err != nil {
-			return fmt.Errorf("set statement_timeout: %w", err)
+	defer func() {
+		if err != nil {
+			c.errors.Inc()
+			c.log.Warn("outbox backlog query failed; the scrape goes without the outbox gauges", "error", err)
 		}
-		var err error
-		s, err = ReadOutboxStats(ctx, tx)
-		return err
-	}, &sql.TxOptions{ReadOnly: true})
+	}()
+	tx, err := c.db.Begin(ctx)
 	if err != nil {
-		c.errors.Inc()
-		c.log.Warn("outbox backlog query failed; the scrape goes without the outbox gauges", "error", err)
-		return OutboxStats{}, err
+		return s, fmt.Errorf("read outbox stats: %w", err)
 	}
-	return s, nil
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // read only: nothing to commit
+	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL statement_timeout = %d", statsStatementTimeout.Milliseconds())); err != nil {
+		return s, fmt.Errorf("set statement_timeout: %w", err)
+	}
+	return ReadOutboxStats(ctx, tx)
 }

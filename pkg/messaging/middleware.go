@@ -6,58 +6,50 @@ import (
 	"log/slog"
 	"runtime/debug"
 	"time"
-
-	"gorm.io/gorm"
 )
 
-// Recover turns a panic in the handler into that message's error: its transaction rolls back,
-// the message is retried like any failure (and dead-lettered at its delivery limit), and the
-// process, with the other messages in flight, lives on. The stack is logged once, here.
-func Recover(log *slog.Logger) Middleware {
-	return func(next HandlerFunc) HandlerFunc {
-		return func(ctx context.Context, tx *gorm.DB, msg Message) (err error) {
+// recoverPanics turns a panic in a handler into that message's error: its transaction rolls
+// back, the message is retried like any failure (and dead-lettered at its delivery limit), and
+// the process, with the other messages in flight, lives on. The stack is logged once, here.
+func recoverPanics[Tx any](log *slog.Logger) Middleware[Tx] {
+	return func(next Handler[Tx, any]) Handler[Tx, any] {
+		return func(ctx context.Context, tx Tx, payload any, msg Message) (err error) {
 			defer func() {
 				if r := recover(); r != nil {
 					err = fmt.Errorf("handler panicked: %v", r)
 					log.ErrorContext(ctx, "handler panicked", "message_id", msg.ID, "type", msg.Type, "panic", r, "stack", string(debug.Stack()))
 				}
 			}()
-			return next(ctx, tx, msg)
+			return next(ctx, tx, payload, msg)
 		}
 	}
 }
 
-// Timeout bounds one message's handling. The transaction's statements run under the same
-// deadline, so a handler stuck in the database is cut off too.
-func Timeout(d time.Duration) Middleware {
-	return func(next HandlerFunc) HandlerFunc {
-		return func(ctx context.Context, tx *gorm.DB, msg Message) error {
-			ctx, cancel := context.WithTimeout(ctx, d)
-			defer cancel()
-			return next(ctx, tx.WithContext(ctx), msg)
-		}
-	}
-}
-
-// Observe logs each message's outcome (at debug level when it succeeds) and counts it, with
+// observe logs each message's outcome (at debug level when it succeeds) and counts it, with
 // its handling time, by consumer, type and outcome.
-func Observe(consumer string, log *slog.Logger, m *Metrics) Middleware {
-	return func(next HandlerFunc) HandlerFunc {
-		return func(ctx context.Context, tx *gorm.DB, msg Message) error {
+func observe[Tx any](consumer string, log *slog.Logger, m *Metrics) Middleware[Tx] {
+	return func(next Handler[Tx, any]) Handler[Tx, any] {
+		return func(ctx context.Context, tx Tx, payload any, msg Message) error {
 			start := time.Now()
-			err := next(ctx, tx, msg)
+			err := next(ctx, tx, payload, msg)
 			took := time.Since(start)
-			outcome := "ok"
-			switch {
-			case err == nil:
+			if err == nil {
 				log.DebugContext(ctx, "message handled", "consumer", consumer, "message_id", msg.ID, "type", msg.Type, "took", took)
-			case IsPermanent(err):
-				outcome = "permanent"
-			default:
-				outcome = "error"
 			}
-			m.recordHandled(consumer, msg.Type, outcome, took)
+			m.recordHandled(consumer, msg.Type, outcomeOf(err), took)
 			return err
 		}
+	}
+}
+
+// outcomeOf is a handler's outcome as the metrics label it: ok, permanent or error.
+func outcomeOf(err error) string {
+	switch {
+	case err == nil:
+		return handlerOK
+	case IsPermanent(err):
+		return handlerPermanent
+	default:
+		return handlerError
 	}
 }

@@ -1,137 +1,186 @@
 package messaging
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
-	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
-	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
-// NotifyChannel is the PostgreSQL channel [Enqueue] notifies and the [Relay] listens on.
-const NotifyChannel = "outbox_messages"
-
-// insertOutboxSQL is followed by one insertOutboxRow per message.
-const (
-	insertOutboxSQL  = `INSERT INTO outbox_messages (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key) VALUES `
-	insertOutboxRow  = "(?, ?, ?, ?, ?, ?, ?, ?, ?)"
-	insertOutboxArgs = 9
-)
-
-// maxInsertRows is the most rows one INSERT may carry: PostgreSQL's wire protocol numbers a
-// statement's parameters with 16 bits.
-const maxInsertRows = 65535 / insertOutboxArgs
-
-// ErrNotInTransaction is returned by [Enqueue] when it is given a *gorm.DB that is not inside
-// a transaction.
+// ErrNotInTransaction is returned by [Enqueue] when it is not given a transaction.
 var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transaction")
 
-// OutboxMessage is one row of outbox_messages: an event waiting to be, or already, published.
-// It is for reading rows; the library's migrations define the table and its column defaults,
-// and only [Enqueue] inserts.
-type OutboxMessage struct {
-	ID            uuid.UUID       `gorm:"type:uuid;primaryKey"`
-	Type          string          `gorm:"not null"`
-	Payload       json.RawMessage `gorm:"type:jsonb;not null"`
-	CorrelationID string          `gorm:"not null"`
-	OccurredAt    time.Time       `gorm:"not null"`
-	ProcessedAt   *time.Time      // set once the broker confirmed the publish
-	Attempts      int             `gorm:"not null"`
-	LastError     *string
-	NextAttemptAt time.Time `gorm:"not null"` // the database's clock decides when a row is due
-	TraceParent   string    `gorm:"not null"` // W3C trace context of the enqueuing span; "" for none
-	TraceState    string    `gorm:"not null"`
-	Exchange      *string   // nil: the relay's exchange
-	RoutingKey    *string   // nil: the type
-}
-
-// TableName pins the table name the migrations create.
-func (OutboxMessage) TableName() string { return "outbox_messages" }
-
-// Message returns the row's envelope.
-func (m OutboxMessage) Message() Message {
-	return Message{ID: m.ID, Type: m.Type, Payload: m.Payload, OccurredAt: m.OccurredAt, CorrelationID: m.CorrelationID,
-		TraceParent: m.TraceParent, TraceState: m.TraceState, Exchange: deref(m.Exchange), RoutingKey: deref(m.RoutingKey)}
-}
-
-func deref(s *string) string {
-	if s == nil {
-		return ""
-	}
-	return *s
-}
-
-// nullIfEmpty stores "" as NULL.
-func nullIfEmpty(s string) *string {
-	if s == "" {
-		return nil
-	}
-	return &s
-}
-
-// Enqueue adds msgs to the outbox inside tx, the caller's open transaction, and notifies the
-// relay that will publish them once tx commits.
+// Enqueue adds msgs to the outbox in tx, the caller's open transaction of driver d, and
+// notifies the relays, which publish them once tx commits.
 //
-// tx must be the same transaction that writes the business data the messages describe
-// (typically the tx of db.Transaction). That is the whole pattern: the data and its events are
-// saved together or not at all, so a crash or a broker outage can never leave one without the
-// other. Given a plain *gorm.DB, Enqueue would commit the messages on their own and bring back
-// the dual-write problem, so it refuses with [ErrNotInTransaction] instead.
+// tx must be the same transaction that writes the business data the messages describe. That
+// is the whole pattern: the data and its events are saved together or not at all, so a crash
+// or a broker outage can never leave one without the other. Outside a transaction Enqueue
+// would commit the messages on their own and bring back the dual write, so a driver whose
+// transaction type can also be a plain handle (GORM's *gorm.DB) refuses it with
+// [ErrNotInTransaction].
 //
-// Each message keeps the trace context of the span in tx's context (db.WithContext(ctx) before
-// the transaction; a consumer's handler gets such a tx), unless it has one of its own: the
-// relay and the consumers continue that trace.
-func Enqueue(tx *gorm.DB, msgs ...Message) error {
-	if _, ok := tx.Statement.ConnPool.(gorm.TxCommitter); !ok {
-		return ErrNotInTransaction
+// A message without a trace context of its own gets ctx's, written by the process's global
+// OpenTelemetry propagator (otel.SetTextMapPropagator): the relay and the consumers continue
+// that trace. A message without an exchange goes to its relay's ([RelayConfig.Exchange]).
+func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) error {
+	ex, err := d.Executor(tx)
+	if err != nil {
+		return err
 	}
 	if len(msgs) == 0 {
 		return nil
 	}
-	for i, m := range msgs {
-		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
-			return fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
-		}
+	rows, err := outboxRows(ctx, msgs, time.Now().UTC())
+	if err != nil {
+		return err
 	}
-	now := time.Now().UTC()
-	traceParent, traceState := traceOf(tx.Statement.Context)
-	for chunk := range slices.Chunk(msgs, maxInsertRows) {
-		if err := insertOutbox(tx, chunk, now, traceParent, traceState); err != nil {
-			return err
-		}
+	if _, err := ex.Exec(ctx, statements.InsertOutbox, rows); err != nil {
+		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
 	}
-	// NOTIFY inside the transaction is delivered only if and when it commits: the relay wakes
-	// exactly when the rows become visible to it.
-	if err := tx.Exec("SELECT pg_notify(?, '')", NotifyChannel).Error; err != nil {
+	// In a handler, the subscription notifies once, before its transaction commits, however
+	// many messages its handlers enqueued.
+	if hooks, ok := ctx.Value(afterCommitKey{}).(*afterCommitHooks); ok {
+		hooks.notify = true
+		return nil
+	}
+	if _, err := ex.Exec(ctx, statements.Notify); err != nil {
 		return fmt.Errorf("outbox: notify relay: %w", err)
 	}
 	return nil
 }
 
-// insertOutbox inserts msgs, at most maxInsertRows of them, in one statement. Messages without
-// an OccurredAt get now, those without a trace context the caller's (traceParent, traceState).
-func insertOutbox(tx *gorm.DB, msgs []Message, now time.Time, traceParent, traceState string) error {
-	values := make([]string, len(msgs))
-	args := make([]any, 0, insertOutboxArgs*len(msgs))
+// outboxRows writes msgs as the JSON array statements.InsertOutbox reads: by hand, without
+// reflection, the payload as it is. Messages without an OccurredAt get now, those without a
+// trace context ctx's.
+func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, error) {
+	var trace traceCarrier
+	injectTrace(ctx, globalPropagator(), &trace)
+	b := make([]byte, 0, 256*len(msgs))
+	b = append(b, '[')
 	for i, m := range msgs {
+		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
+			return "", fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
+		}
 		if m.OccurredAt.IsZero() {
 			m.OccurredAt = now
 		}
 		if m.TraceParent == "" {
-			m.TraceParent, m.TraceState = traceParent, traceState
+			m = m.withTrace(trace)
 		}
-		values[i] = insertOutboxRow
-		args = append(args, m.ID, m.Type, string(m.Payload), m.CorrelationID, m.OccurredAt, m.TraceParent, m.TraceState,
-			nullIfEmpty(m.Exchange), nullIfEmpty(m.RoutingKey))
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, `{"id":"`...)
+		b = append(b, m.ID.String()...)
+		b = append(b, `","type":`...)
+		b = appendJSONString(b, m.Type)
+		b = append(b, `,"payload":`...)
+		b = append(b, m.Payload...)
+		b = append(b, `,"correlation_id":`...)
+		b = appendJSONString(b, m.CorrelationID)
+		b = append(b, `,"occurred_at":"`...)
+		b = m.OccurredAt.UTC().AppendFormat(b, time.RFC3339Nano)
+		b = append(b, `","trace_parent":`...)
+		b = appendJSONString(b, m.TraceParent)
+		b = append(b, `,"trace_state":`...)
+		b = appendJSONString(b, m.TraceState)
+		b = append(b, `,"exchange":`...)
+		b = appendJSONStringOrNull(b, m.Exchange)
+		b = append(b, `,"routing_key":`...)
+		b = appendJSONStringOrNull(b, m.RoutingKey)
+		b = append(b, `,"headers":`...)
+		b = appendJSONObject(b, m.Headers)
+		b = append(b, '}')
 	}
-	// next_attempt_at, processed_at and attempts take their defaults: due now, by the
-	// database's clock.
-	if err := tx.Exec(insertOutboxSQL+strings.Join(values, ", "), args...).Error; err != nil {
-		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
-	}
-	return nil
+	return string(append(b, ']')), nil
 }
+
+// appendJSONString appends s as a JSON string; invalid UTF-8 becomes U+FFFD, as
+// encoding/json writes it.
+func appendJSONString(b []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	b = append(b, '"')
+	for i := 0; i < len(s); {
+		c := s[i]
+		switch {
+		case c == '"' || c == '\\':
+			b = append(b, '\\', c)
+			i++
+		case c < 0x20:
+			b = append(b, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+			i++
+		case c < utf8.RuneSelf:
+			b = append(b, c)
+			i++
+		default:
+			r, size := utf8.DecodeRuneInString(s[i:])
+			if r == utf8.RuneError && size == 1 {
+				b = append(b, `\ufffd`...)
+			} else {
+				b = append(b, s[i:i+size]...)
+			}
+			i += size
+		}
+	}
+	return append(b, '"')
+}
+
+// appendJSONStringOrNull appends s, or null for "".
+func appendJSONStringOrNull(b []byte, s string) []byte {
+	if s == "" {
+		return append(b, "null"...)
+	}
+	return appendJSONString(b, s)
+}
+
+// appendJSONObject appends m as a JSON object of strings, or null when it is empty.
+func appendJSONObject(b []byte, m map[string]string) []byte {
+	if len(m) == 0 {
+		return append(b, "null"...)
+	}
+	b = append(b, '{')
+	first := true
+	for k, v := range m {
+		if !first {
+			b = append(b, ',')
+		}
+		first = false
+		b = appendJSONString(b, k)
+		b = append(b, ':')
+		b = appendJSONString(b, v)
+	}
+	return append(b, '}')
+}
+
+// OutboxMessage is one row of outbox_messages, as the operator's functions read it
+// ([FailingOutboxMessages], [OutboxMessageByID]). The library's migrations define the table;
+// only [Enqueue] inserts.
+type OutboxMessage struct {
+	ID            uuid.UUID
+	Type          string
+	CorrelationID string
+	OccurredAt    time.Time
+	ProcessedAt   *time.Time // set once the broker confirmed the publish
+	Attempts      int
+	LastError     *string
+	NextAttemptAt time.Time  // the database's clock decides when a row is due; zero while parked
+	Exchange      *string    // nil: the relay's exchange
+	RoutingKey    *string    // nil: the type
+	ParkedAt      *time.Time // set while an operator keeps the row from being sent ([ParkOutboxMessage])
+	ParkedReason  *string
+	// Payload is read only by the functions that say so; nil elsewhere.
+	Payload json.RawMessage
+}
+
+// Sent reports whether the broker confirmed the row's publish.
+func (m OutboxMessage) Sent() bool { return m.ProcessedAt != nil }
+
+// Parked reports whether the row is parked: unsent, and never sent until it is unparked.
+func (m OutboxMessage) Parked() bool { return m.ParkedAt != nil }

@@ -54,7 +54,7 @@ type PublisherConfig struct {
 	// calls. Default 1000.
 	MaxInFlight int
 	// MaxMessageBytes: a larger body is refused with [ErrTooLarge] before publishing. Default
-	// [DefaultMaxMessageBytes], what a [Consumer] accepts by default.
+	// [DefaultMaxMessageBytes], what a [Subscription] accepts by default.
 	MaxMessageBytes int
 	// Reconnect paces the dial attempts after failures. Default 100 ms doubling up to 2 s,
 	// jittered: a broker that comes back is found within about 2 s.

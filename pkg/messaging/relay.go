@@ -2,6 +2,7 @@ package messaging
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,45 +11,19 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
+	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
-	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
-// The statements that carry the relay's guarantees, in one place.
+// The defaults of a [RelayConfig].
 const (
-	// The claim must walk the partial index in order and stop after the batch. A planner
-	// without statistics (a new table, a burst before autovacuum's first ANALYZE) guesses that
-	// few rows are unsent and prefers to fetch them all and sort them: at every claim, the
-	// whole backlog. Forbidding the sort for the claim's transaction leaves it the index.
-	claimPlanSQL = `SET LOCAL enable_sort = off`
-
-	// Claim the oldest due rows. FOR UPDATE SKIP LOCKED (inside the batch's transaction) makes
-	// concurrent relays, and the lanes of one relay, take disjoint rows instead of publishing
-	// the same ones.
-	claimSQL = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key
-FROM outbox_messages
-WHERE processed_at IS NULL AND next_attempt_at <= now()
-ORDER BY occurred_at, id
-LIMIT ?
-FOR UPDATE SKIP LOCKED`
-
-	// Only rows the broker confirmed and routed. clock_timestamp(), not now(): now() is when the
-	// transaction began, before the publishing it waited for. The ids travel as one array (see
-	// uuidArray): 500 separate parameters cost the relay more CPU than the rest of the statement.
-	markSentSQL = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id = ANY(?::uuid[])`
-
-	// Never give up on a row: record why it failed and when to try again, counted from now,
-	// not from the start of the transaction. Only the broker's verdict on this one message gets
-	// here; a broker outage is the relay's to wait out, and costs the row nothing.
-	recordFailureSQL = `UPDATE outbox_messages
-SET attempts = attempts + 1,
-    last_error = ?,
-    next_attempt_at = clock_timestamp() + ? * interval '1 millisecond'
-WHERE id = ?
-RETURNING next_attempt_at`
+	DefaultRelayBatchSize = 500
+	DefaultLanes          = 2
+	DefaultPollInterval   = time.Second
+	DefaultMaxBackoff     = 5 * time.Minute
 )
 
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message
@@ -67,21 +42,24 @@ type brokerProbe interface {
 
 // RelayConfig configures a [Relay]. DB, Sender and Exchange are required.
 type RelayConfig struct {
-	DB     *gorm.DB // the service's database, holding outbox_messages
+	DB     DB // the service's database, holding outbox_messages (a driver's DB())
 	Sender Sender
 	// Exchange is where the rows that name no exchange of their own go: those enqueued before
 	// rows recorded it, and messages enqueued without one. Each other row goes to its own.
 	Exchange string
-	// BatchSize is the most rows one transaction claims and publishes. Default 500.
+	// BatchSize is the most rows one transaction claims and publishes. Default
+	// [DefaultRelayBatchSize].
 	BatchSize int
 	// Lanes is how many batches may be in progress at once, each in its own transaction:
-	// while one waits for its confirms, the next is claimed and published. Default 2.
+	// while one waits for its confirms, the next is claimed and published. Default
+	// [DefaultLanes].
 	Lanes int
-	// PollInterval is how often the relay looks for due rows when nothing wakes it. Default
-	// 1 s, jittered.
+	// PollInterval is how often the relay looks for due rows when nothing wakes it (a NOTIFY
+	// from a committed Enqueue, if the driver can receive them). Default
+	// [DefaultPollInterval], jittered.
 	PollInterval time.Duration
 	// Backoff schedules retries of a row the broker refused (nacked, returned, too large):
-	// 2 s, 4 s, 8 s … up to 5 min by default, jittered.
+	// 2 s, 4 s, 8 s … up to [DefaultMaxBackoff] by default, jittered.
 	Backoff Backoff
 	// BrokerRetry paces the relay's checks for the broker during an outage. Default 100 ms
 	// doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's return.
@@ -89,14 +67,22 @@ type RelayConfig struct {
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
 	DisableNotify bool
 	// ShutdownGrace is how long a batch in progress may go on after Run's context ends, so it
-	// can record what the broker confirmed. Default 5 s.
+	// can record what the broker confirmed. Default [DefaultShutdownGrace].
 	ShutdownGrace time.Duration
 	Logger        *slog.Logger
 	Metrics       *Metrics // optional
+	// Types are the event types the relay is expected to publish, if known: their
+	// outbox_messages_published_total and outbox_publish_failures_total are exported at zero
+	// from NewRelay on, so that rate() and increase() count their first message. Another type
+	// appears at its first.
+	Types []string
 	// TracerProvider makes the spans of the publishes, one per message that carries a trace
 	// context, each a child of the span that enqueued it. Default: the global provider (a
 	// no-op unless the process installed one; the trace context is passed on either way).
 	TracerProvider trace.TracerProvider
+	// Propagator reads a row's trace context, and writes the publish span's in its place.
+	// Default: the global one.
+	Propagator propagation.TextMapPropagator
 }
 
 // BatchResult tells what one [Relay.ProcessBatch] did.
@@ -126,22 +112,24 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		return nil, errors.New("relay: DB, Sender and Exchange are required")
 	}
 	if cfg.BatchSize <= 0 {
-		cfg.BatchSize = 500
+		cfg.BatchSize = DefaultRelayBatchSize
 	}
 	if cfg.Lanes <= 0 {
-		cfg.Lanes = 2
+		cfg.Lanes = DefaultLanes
 	}
 	if cfg.PollInterval <= 0 {
-		cfg.PollInterval = time.Second
+		cfg.PollInterval = DefaultPollInterval
 	}
-	cfg.Backoff = cfg.Backoff.withDefaults(2*time.Second, 5*time.Minute)
+	cfg.Backoff = cfg.Backoff.withDefaults(2*time.Second, DefaultMaxBackoff)
 	cfg.BrokerRetry = cfg.BrokerRetry.withDefaults(100*time.Millisecond, 2*time.Second)
 	if cfg.ShutdownGrace <= 0 {
-		cfg.ShutdownGrace = 5 * time.Second
+		cfg.ShutdownGrace = DefaultShutdownGrace
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	cfg.Propagator = propagatorOr(cfg.Propagator)
+	cfg.Metrics.initRelay(cfg.Types)
 	return &Relay{
 		cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
 		tracer: newTracer(cfg.TracerProvider),
@@ -186,7 +174,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			r.awaitBroker(ctx)
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
-			Sleep(ctx, nil, Jitter(r.cfg.PollInterval))
+			sleep(ctx, nil, jittered(r.cfg.PollInterval))
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
@@ -194,7 +182,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			if res.Claimed == r.cfg.BatchSize {
 				wake.signal() // more is waiting: another lane may join
 			} else {
-				Sleep(ctx, wake, Jitter(r.cfg.PollInterval))
+				sleep(ctx, wake, jittered(r.cfg.PollInterval))
 			}
 		}
 	}
@@ -208,25 +196,7 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	defer cancel()
 
 	var s settlement
-	err := r.cfg.DB.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		rows, err := r.claim(tx)
-		if err != nil || len(rows) == 0 {
-			s = settlement{}
-			return err
-		}
-		msgs := make([]Message, len(rows))
-		for i, row := range rows {
-			msgs[i] = row.Message()
-			if row.Exchange == nil { // a row from before rows named their exchange
-				msgs[i].Exchange = r.cfg.Exchange
-			}
-		}
-		spans := r.startPublishSpans(ctx, msgs)
-		verdicts := r.cfg.Sender.Publish(ctx, msgs)
-		endPublishSpans(spans, verdicts)
-		s, err = r.settle(tx, rows, msgs, verdicts)
-		return err
-	})
+	s, err := r.batch(ctx)
 	if err != nil {
 		return BatchResult{Claimed: s.res.Claimed}, err
 	}
@@ -234,29 +204,86 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	return s.res, s.brokerErr
 }
 
-// claim locks the oldest due rows, up to a batch. It scans them by hand: GORM's reflection
-// cost the relay more CPU per row than the claim's own work.
-func (r *Relay) claim(tx *gorm.DB) ([]OutboxMessage, error) {
-	if err := tx.Exec(claimPlanSQL).Error; err != nil {
-		return nil, fmt.Errorf("claim outbox batch: %w", err)
-	}
-	cursor, err := tx.Raw(claimSQL, r.cfg.BatchSize).Rows()
+// batch is ProcessBatch's transaction: claim, publish, settle, commit.
+func (r *Relay) batch(ctx context.Context) (s settlement, err error) {
+	tx, err := r.cfg.DB.Begin(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("claim outbox batch: %w", err)
+		return s, fmt.Errorf("begin outbox batch: %w", err)
+	}
+	committed := false
+	defer func() {
+		if !committed { // an error, or nothing to claim
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	msgs, attempts, err := r.claim(ctx, tx)
+	if err != nil || len(msgs) == 0 {
+		return settlement{}, err
+	}
+	spans := r.startPublishSpans(ctx, msgs)
+	verdicts := r.cfg.Sender.Publish(ctx, msgs)
+	endPublishSpans(spans, verdicts)
+	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
+		return s, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return s, fmt.Errorf("commit outbox batch: %w", err)
+	}
+	committed = true
+	return s, nil
+}
+
+// claim locks the oldest due rows, up to a batch, and returns them as the messages to publish
+// (the rows of earlier versions, which name no exchange, to the relay's) with the failed
+// attempts of each so far.
+func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempts []int, err error) {
+	if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
+		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	cursor, err := tx.Query(ctx, statements.Claim, r.cfg.BatchSize)
+	if err != nil {
+		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	defer cursor.Close()
-	rows := make([]OutboxMessage, 0, r.cfg.BatchSize)
+	msgs, attempts = make([]Message, 0, r.cfg.BatchSize), make([]int, 0, r.cfg.BatchSize)
 	for cursor.Next() {
-		var m OutboxMessage
-		if err := cursor.Scan(&m.ID, &m.Type, &m.Payload, &m.CorrelationID, &m.OccurredAt, &m.Attempts, &m.TraceParent, &m.TraceState, &m.Exchange, &m.RoutingKey); err != nil {
-			return nil, fmt.Errorf("claim outbox batch: %w", err)
+		var m Message
+		var n int
+		var payload []byte
+		var exchange, routingKey, headers *string
+		if err := cursor.Scan(&m.ID, &m.Type, &payload, &m.CorrelationID, &m.OccurredAt, &n, &m.TraceParent, &m.TraceState,
+			&exchange, &routingKey, &headers); err != nil {
+			return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 		}
-		rows = append(rows, m)
+		m.Payload, m.Exchange, m.RoutingKey = payload, r.cfg.Exchange, deref(routingKey)
+		if exchange != nil {
+			m.Exchange = *exchange
+		}
+		if headers != nil {
+			if m.Headers, err = parseHeaders(*headers); err != nil {
+				return nil, nil, fmt.Errorf("claim outbox batch: headers of %s: %w", m.ID, err)
+			}
+		}
+		msgs, attempts = append(msgs, m), append(attempts, n)
 	}
 	if err := cursor.Err(); err != nil {
-		return nil, fmt.Errorf("claim outbox batch: %w", err)
+		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	return rows, nil
+	return msgs, attempts, nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// parseHeaders reads a row's headers, a JSON object of strings.
+func parseHeaders(raw string) (map[string]string, error) {
+	var h map[string]string
+	err := json.Unmarshal([]byte(raw), &h)
+	return h, err
 }
 
 // startPublishSpans starts a producer span for each message that carries a trace context, as
@@ -268,13 +295,13 @@ func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.S
 	var spans []trace.Span
 	for i := range msgs {
 		m := &msgs[i]
-		if m.TraceParent == "" {
+		if m.TraceParent == "" && len(m.Headers) == 0 {
 			continue
 		}
-		parent := m.traced(ctx)
+		parent := m.traced(ctx, r.cfg.Propagator)
 		psc := trace.SpanContextFromContext(parent)
 		if !psc.IsValid() {
-			continue // not a W3C traceparent: sent as it is, for the consumer to ignore
+			continue // no trace context the propagator reads: sent as it is
 		}
 		if spans == nil {
 			spans = make([]trace.Span, len(msgs))
@@ -288,7 +315,7 @@ func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.S
 		// Without a tracer provider the span is the parent itself: the stored context goes on
 		// as it is, with no formatting.
 		if span.SpanContext().SpanID() != psc.SpanID() {
-			m.TraceParent, m.TraceState = traceOf(spanCtx)
+			m.withTraceOf(spanCtx, r.cfg.Propagator)
 		}
 	}
 	return spans
@@ -337,35 +364,51 @@ type failure struct {
 
 // settle records the verdicts in tx: marks what was sent, backs off what the broker refused,
 // and leaves alone what it gave no verdict on.
-func (r *Relay) settle(tx *gorm.DB, rows []OutboxMessage, msgs []Message, verdicts []error) (settlement, error) {
-	s := settlement{res: BatchResult{Claimed: len(rows)}}
-	sent := make([]uuid.UUID, 0, len(rows))
+func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempts []int, verdicts []error) (settlement, error) {
+	s := settlement{res: BatchResult{Claimed: len(msgs)}}
+	sent := make([]uuid.UUID, 0, len(msgs))
 	for i, err := range verdicts {
 		switch {
 		case err == nil:
-			sent = append(sent, rows[i].ID)
-			s.sentTypes = append(s.sentTypes, rows[i].Type)
+			sent = append(sent, msgs[i].ID)
+			s.sentTypes = append(s.sentTypes, msgs[i].Type)
 		case errors.Is(err, ErrBrokerUnavailable):
 			s.res.Unsent++
 			if s.brokerErr == nil {
 				s.brokerErr = err
 			}
 		default:
-			f := failure{msg: msgs[i], attempts: rows[i].Attempts + 1, err: err}
+			f := failure{msg: msgs[i], attempts: attempts[i] + 1, err: err}
 			f.delay = r.cfg.Backoff.Delay(f.attempts)
-			if err := tx.Raw(recordFailureSQL, err.Error(), f.delay.Milliseconds(), f.msg.ID).Scan(&f.nextAttemptAt).Error; err != nil {
-				return s, fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
+			if err := recordFailure(ctx, tx, &f); err != nil {
+				return s, err
 			}
 			s.failures = append(s.failures, f)
 		}
 	}
 	if len(sent) > 0 {
-		if err := tx.Exec(markSentSQL, uuidArray(sent)).Error; err != nil {
+		if _, err := tx.Exec(ctx, statements.MarkSent, uuidArray(sent)); err != nil {
 			return s, fmt.Errorf("mark %d outbox rows sent: %w", len(sent), err)
 		}
 	}
 	s.res.Sent, s.res.Failed = len(sent), len(s.failures)
 	return s, nil
+}
+
+// recordFailure backs f's row off, and reads when it is due again.
+func recordFailure(ctx context.Context, tx Executor, f *failure) error {
+	rows, err := tx.Query(ctx, statements.RecordFailure, f.err.Error(), f.delay.Milliseconds(), f.msg.ID)
+	if err != nil {
+		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, errors.Join(rows.Err(), errors.New("no row")))
+	}
+	if err := rows.Scan(&f.nextAttemptAt); err != nil {
+		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
+	}
+	return rows.Err()
 }
 
 // report logs and counts what a committed batch did. A line about one message carries that
@@ -376,7 +419,7 @@ func (r *Relay) report(ctx context.Context, s settlement) {
 	}
 	for _, f := range s.failures {
 		r.cfg.Metrics.recordPublishFailure(f.msg.Type)
-		r.log.WarnContext(f.msg.traced(ctx), "outbox publish failed",
+		r.log.WarnContext(f.msg.traced(ctx, r.cfg.Propagator), "outbox publish failed",
 			"message_id", f.msg.ID, "type", f.msg.Type, "attempts", f.attempts,
 			"retry_in", f.delay, "next_attempt_at", f.nextAttemptAt.UTC().Format(time.RFC3339Nano), "error", f.err)
 	}
@@ -433,7 +476,7 @@ func (r *Relay) isBrokerDown() bool {
 func (r *Relay) awaitBroker(ctx context.Context) {
 	probe, canProbe := r.cfg.Sender.(brokerProbe)
 	for failures := 1; ; failures++ {
-		if !Sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
+		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
 			return
 		}
 		if probe.Connect(ctx) == nil {
@@ -449,46 +492,49 @@ func (r *Relay) awaitBroker(ctx context.Context) {
 func (r *Relay) listen(ctx context.Context, wake wakeup) {
 	reconnect(ctx, Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}, r.log,
 		"relay lost its LISTEN connection; polling meanwhile",
-		func(ctx context.Context) (bool, error) { return r.listenOnce(ctx, wake) })
+		func(ctx context.Context) (bool, error) {
+			listened, err := r.listenOnce(ctx, wake)
+			if errors.Is(err, ErrNoNotifications) {
+				r.log.Info("the database driver cannot receive notifications; the relay polls", "poll_interval", r.cfg.PollInterval)
+				<-ctx.Done()
+			}
+			return listened, err
+		})
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.
+// A driver that cannot receive notifications ends it for good: the relay polls.
 func (r *Relay) listenOnce(ctx context.Context, wake wakeup) (listened bool, err error) {
-	sqlDB, err := r.cfg.DB.DB()
-	if err != nil {
-		return false, fmt.Errorf("listen: %w", err)
-	}
-	conn, err := sqlDB.Conn(ctx)
+	conn, err := r.cfg.DB.Conn(ctx)
 	if err != nil {
 		return false, fmt.Errorf("listen: take a connection: %w", err)
 	}
-	defer conn.Close()
-	err = conn.Raw(func(driverConn any) error {
-		sc, ok := driverConn.(*stdlib.Conn)
-		if !ok {
-			return fmt.Errorf("listen: need the pgx driver, got %T", driverConn)
+	discard := false
+	defer func() {
+		if discard {
+			conn.Discard()
+		} else {
+			conn.Close()
 		}
-		pc := sc.Conn()
-		if _, err := pc.Exec(ctx, "LISTEN "+pgx.Identifier{NotifyChannel}.Sanitize()); err != nil {
-			return fmt.Errorf("listen: %w", err)
+	}()
+	if _, err := conn.Exec(ctx, statements.Listen); err != nil {
+		return false, fmt.Errorf("listen: %w", err)
+	}
+	// Back in the pool, the connection must not listen on: close it if UNLISTEN fails.
+	defer func() {
+		unlistenCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		if _, err := conn.Exec(unlistenCtx, "UNLISTEN *"); err != nil {
+			discard = true
 		}
-		defer func() {
-			if !pc.IsClosed() {
-				unlistenCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-				defer cancel()
-				_, _ = pc.Exec(unlistenCtx, "UNLISTEN *")
-			}
-		}()
-		listened = true
-		wake.signal() // rows committed while nobody listened
-		for {
-			if _, err := pc.WaitForNotification(ctx); err != nil {
-				return fmt.Errorf("wait for notification: %w", err)
-			}
-			wake.signal()
+	}()
+	wake.signal() // rows committed while nobody listened
+	for {
+		if err := conn.WaitForNotification(ctx); err != nil {
+			return true, fmt.Errorf("wait for notification: %w", err)
 		}
-	})
-	return listened, err
+		wake.signal()
+	}
 }
 
 // wakeup is a token for one idle lane: each NOTIFY starts one batch, not one per lane, and a

@@ -5,11 +5,19 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"runtime/debug"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
-	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
 // Event names one kind of event: the exchange it is published to, and its type, which is also
@@ -39,7 +47,7 @@ func (e Event[T]) Decode(msg Message) (T, error) {
 	if msg.Type != e.Type {
 		return zero, Permanent(fmt.Errorf("message of type %q is not %s", truncate(msg.Type), e.Type))
 	}
-	v, err := Decode[T](msg)
+	v, err := decode[T](msg)
 	if err != nil {
 		return zero, err
 	}
@@ -51,113 +59,248 @@ func (e Event[T]) Decode(msg Message) (T, error) {
 	return v, nil
 }
 
-// HandlerFunc does one message's work inside its inbox transaction: whatever it writes with tx
-// commits together with the record that the message was handled.
-type HandlerFunc func(ctx context.Context, tx *gorm.DB, msg Message) error
+// Handler does one message's work in tx, the transaction that records in the inbox that the
+// message was handled: whatever it writes with tx commits with that record, or not at all. It
+// gets the decoded, checked payload and the envelope it came in. Return nil once done; mark
+// errors no retry can fix with [Permanent] and dependency outages with [Unavailable]. ctx
+// carries the message's trace and the handler's deadline; register work to run after the
+// commit with [AfterCommit].
+type Handler[Tx, T any] func(ctx context.Context, tx Tx, payload T, msg Message) error
 
-// Middleware wraps a HandlerFunc with a concern every message shares (see [Recover],
-// [Timeout], [Observe]).
-type Middleware func(next HandlerFunc) HandlerFunc
+// Middleware wraps every handler of a subscription with a concern messages share. It sees the
+// handler shape with the payload as any: the decoded payload of whatever event it is.
+type Middleware[Tx any] func(next Handler[Tx, any]) Handler[Tx, any]
 
-// SubscriptionConfig configures a [Subscription]. Name, URL and DB are required.
+// The defaults of a [SubscriptionConfig].
+const (
+	DefaultConcurrency    = 8
+	DefaultBatchSize      = 50
+	DefaultRetries        = 3
+	DefaultHandlerTimeout = 30 * time.Second
+	DefaultShutdownGrace  = 5 * time.Second
+	DefaultHeartbeat      = 10 * time.Second
+)
+
+// SubscriptionConfig configures a [Subscription]. Name and URL are required.
 type SubscriptionConfig struct {
 	// Name is the consumer's name: its queue, its inbox records and, with ".dlq", its
 	// dead-letter queue.
 	Name string
-	URL  string   // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
-	DB   *gorm.DB // holds inbox_messages and the consumer's own tables
-	// Concurrency is how many messages, or batches, are handled in parallel; each holds a
-	// database connection. Default 8.
-	Concurrency int
-	// BatchSize is the most waiting messages that share one inbox transaction; 1 turns
-	// batching off. Default 50.
-	BatchSize int
-	// Prefetch is how many unacknowledged deliveries the broker sends ahead. Default
-	// Concurrency × BatchSize.
-	Prefetch int
-	// HandlerTimeout bounds one message's handler. Default 30 s.
-	HandlerTimeout time.Duration
-	// DeliveryLimit is the queue's x-delivery-limit, unless Topology gives the queue one.
-	// Default [DefaultDeliveryLimit].
-	DeliveryLimit int
+	// URL is RabbitMQ's, vhost included; for a cluster, a comma-separated list of them, one per
+	// node, which the subscription tries in a random order at every (re)connect.
+	URL string
 	// Topology, if set, is the whole system's, declared at every (re)connect so that no
 	// consumer's queue is missing when its first event is published (see [Topology]). Its
 	// entry for Name must bind exactly the events the subscription handles. Without one, the
 	// subscription declares its own queue, bound to what it handles.
 	Topology Topology
-	Logger   *slog.Logger
-	Metrics  *Metrics // optional
-	// TracerProvider makes each message's consumer span (see [InboxConfig.TracerProvider]).
-	// Default: the global provider. Either way every handler's context carries the trace its
-	// message came in, before the inbox's claim and after the commit as well, so its log lines
-	// and what it enqueues belong to it.
+	// Concurrency is how many messages, or batches, are handled in parallel, each by a worker
+	// on an AMQP channel of its own; each holds a database connection. Default
+	// [DefaultConcurrency].
+	Concurrency int
+	// BatchSize is the most waiting messages that share one inbox transaction; 1 turns
+	// batching off. Default [DefaultBatchSize].
+	BatchSize int
+	// Prefetch is how many unacknowledged deliveries the broker sends ahead to each worker
+	// (each has a channel of its own). Default 2 × BatchSize: the batch in progress and the
+	// next.
+	Prefetch int
+	// HandlerTimeout bounds one attempt: a transaction, with its handlers and its commit.
+	// Default [DefaultHandlerTimeout].
+	HandlerTimeout time.Duration
+	// Retries is how many times a failing message is tried in place before it goes back to the
+	// queue. Default [DefaultRetries].
+	Retries int
+	// RetryBackoff paces retries in place, and the waits for a database that does not answer.
+	// Default 100 ms doubling up to 5 s, jittered.
+	RetryBackoff Backoff
+	// DeliveryLimit is the queue's x-delivery-limit, unless Topology gives the queue one. A
+	// message still failing on its last delivery is dead-lettered with its reason. Default
+	// [DefaultDeliveryLimit].
+	DeliveryLimit int
+	// MaxMessageBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
+	MaxMessageBytes int
+	// ShutdownGrace is how long messages in progress may go on after Run's context ends.
+	// Default [DefaultShutdownGrace].
+	ShutdownGrace time.Duration
+	// Reconnect paces reconnection attempts. Default 100 ms doubling up to 2 s, jittered: a
+	// broker that comes back is found within about 2 s.
+	Reconnect Backoff
+	// Heartbeat is the AMQP heartbeat interval: a silent connection is declared dead after a
+	// few missed beats. Default [DefaultHeartbeat].
+	Heartbeat time.Duration
+	Logger    *slog.Logger
+	Metrics   *Metrics // optional
+	// TracerProvider makes each message's consumer span, a child of the span that published
+	// it. Default: the global provider. Either way the handler's context carries the message's
+	// trace, read with Propagator (default: the global one).
 	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
 }
 
-// Subscription owns one consumer's queue: the bindings of every event it handles, its inbox,
-// its batching, and a typed handler per event type, behind an ordered middleware chain, from
-// the outside in: logging and metrics ([Observe]), panic recovery ([Recover]), the per-message
-// timeout ([Timeout]), then whatever [Subscription.Use] adds. Each runs inside the message's
-// inbox transaction and its span.
-// A message of a type without a handler is dead-lettered, with the reason logged.
-type Subscription struct {
-	cfg        SubscriptionConfig
-	inbox      *Inbox
-	routes     map[string]HandlerFunc
-	bindings   []Binding
-	middleware []Middleware
-	consumer   *Consumer
-}
-
-// NewSubscription checks cfg and fills in its defaults. Register handlers with [Handle] before
-// [Subscription.Run].
-func NewSubscription(cfg SubscriptionConfig) (*Subscription, error) {
-	if cfg.Name == "" || cfg.URL == "" || cfg.DB == nil {
-		return nil, errors.New("subscription: Name, URL and DB are required")
-	}
+// withDefaults fills in what cfg leaves unset.
+func (cfg SubscriptionConfig) withDefaults() SubscriptionConfig {
 	if cfg.Concurrency <= 0 {
-		cfg.Concurrency = 8
+		cfg.Concurrency = DefaultConcurrency
 	}
 	if cfg.BatchSize <= 0 {
-		cfg.BatchSize = 50
+		cfg.BatchSize = DefaultBatchSize
+	}
+	if cfg.Prefetch <= 0 {
+		cfg.Prefetch = 2 * cfg.BatchSize
 	}
 	if cfg.HandlerTimeout <= 0 {
-		cfg.HandlerTimeout = 30 * time.Second
+		cfg.HandlerTimeout = DefaultHandlerTimeout
+	}
+	if cfg.Retries <= 0 {
+		cfg.Retries = DefaultRetries
+	}
+	cfg.RetryBackoff = cfg.RetryBackoff.withDefaults(100*time.Millisecond, 5*time.Second)
+	if cfg.DeliveryLimit <= 0 {
+		cfg.DeliveryLimit = DefaultDeliveryLimit
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if cfg.ShutdownGrace <= 0 {
+		cfg.ShutdownGrace = DefaultShutdownGrace
+	}
+	cfg.Reconnect = cfg.Reconnect.withDefaults(100*time.Millisecond, 2*time.Second)
+	if cfg.Heartbeat <= 0 {
+		cfg.Heartbeat = DefaultHeartbeat
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	inbox, err := NewInbox(InboxConfig{DB: cfg.DB, Consumer: cfg.Name, Logger: cfg.Logger, Metrics: cfg.Metrics, TracerProvider: cfg.TracerProvider})
-	if err != nil {
-		return nil, err
-	}
-	return &Subscription{cfg: cfg, inbox: inbox, routes: make(map[string]HandlerFunc)}, nil
+	cfg.Propagator = propagatorOr(cfg.Propagator)
+	return cfg
 }
 
-// Handle registers fn for the events ev names, and binds the subscription's queue to them. fn
-// gets the decoded, checked payload and the envelope it came in (its id, for one). A second
-// handler for the same type replaces the first.
-func Handle[T any](s *Subscription, ev Event[T], fn func(ctx context.Context, tx *gorm.DB, payload T, msg Message) error) {
-	if _, ok := s.routes[ev.Type]; !ok {
-		s.bindings = append(s.bindings, ev.Binding())
-	}
-	s.routes[ev.Type] = func(ctx context.Context, tx *gorm.DB, msg Message) error {
-		payload, err := ev.Decode(msg)
-		if err != nil {
-			return err
-		}
-		return fn(ctx, tx, payload, msg)
-	}
+// Subscription is one consumer: its queue, bound to every event it handles, its inbox, and a
+// typed handler per event type behind the middleware. Each message is claimed in the
+// consumer's inbox_messages table in the same transaction as its handler's work, and
+// acknowledged only after that commits: a message that arrives again is recognised and skipped,
+// with one "duplicate" line in the log. Waiting messages share a transaction, up to BatchSize.
+// A message of a type without a handler, or whose payload does not decode or validate, is
+// dead-lettered with its reason.
+type Subscription[Tx any] struct {
+	cfg        SubscriptionConfig
+	driver     Driver[Tx]
+	routes     map[string]route[Tx]
+	bindings   []Binding
+	middleware []Middleware[Tx]
+	chain      Handler[Tx, any]
+	// startMu makes Start happen once, whoever calls it first (Run, a test's deliveries, the
+	// service); consumer is set last, and read by Ready while Run starts.
+	startMu  sync.Mutex
+	consumer atomic.Pointer[consumer]
+	started  atomic.Bool
+	log      *slog.Logger
+	tracer   trace.Tracer
+	// spanName and spanOptions are the same for every message's span: made once.
+	spanName    string
+	spanOptions []trace.SpanStartOption
 }
 
-// Use adds middleware after the built-in chain, in order: the first added runs first.
-func (s *Subscription) Use(mw ...Middleware) { s.middleware = append(s.middleware, mw...) }
+// route is one event's handler, behind its decoder: handle for each message, or batch for
+// all the messages of the event in one transaction.
+type route[Tx any] struct {
+	decode func(Message) (any, error)
+	handle Handler[Tx, any]
+	batch  func(ctx context.Context, tx Tx, items []batchItem) error
+}
+
+// batchItem is one message of a batch route's share of a transaction.
+type batchItem struct {
+	ctx     context.Context
+	payload any
+	msg     Message
+}
+
+// Delivered is one message of a batch: its decoded, checked payload, its envelope, and Ctx,
+// the context of its own span. Log what concerns one message with its Ctx, and enqueue what it
+// causes with it, so both belong to the message's trace.
+type Delivered[T any] struct {
+	Ctx     context.Context
+	Payload T
+	Msg     Message
+}
+
+// BatchHandler does the work of several messages of one event at once, in tx, the
+// transaction that records all of them in the inbox: set-based statements (one INSERT for the
+// batch) instead of round trips per message. ctx is the transaction's: [AfterCommit] works
+// with it, or with any item's Ctx. An error fails the whole batch; the subscription then
+// handles its messages one by one, each as a batch of one, so a single bad message cannot hold
+// up the others.
+type BatchHandler[Tx, T any] func(ctx context.Context, tx Tx, batch []Delivered[T]) error
+
+// NewSubscription returns the subscription of cfg.Name on driver d's database. Register its
+// handlers with [Handle], then [Subscription.Run] it.
+func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscription[Tx], error) {
+	if d == nil || cfg.Name == "" || cfg.URL == "" {
+		return nil, errors.New("subscription: a driver, Name and URL are required")
+	}
+	cfg = cfg.withDefaults()
+	return &Subscription[Tx]{
+		cfg: cfg, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
+		tracer: newTracer(cfg.TracerProvider), spanName: "process " + cfg.Name,
+		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"),
+			semconv.MessagingConsumerGroupName(cfg.Name))},
+	}, nil
+}
+
+// ErrHandlerRegistered is returned by [Handle] for an event type that has a handler already.
+var ErrHandlerRegistered = errors.New("subscription: the event type has a handler already")
+
+// Handle registers fn for the events ev names, and binds the subscription's queue to them. It
+// fails, registering nothing, for a type that has a handler already, or once the subscription
+// has started.
+func Handle[Tx, T any](s *Subscription[Tx], ev Event[T], fn Handler[Tx, T]) error {
+	return s.register(ev.Type, ev.Binding(), func(msg Message) (any, error) { return ev.Decode(msg) }, route[Tx]{
+		handle: func(ctx context.Context, tx Tx, payload any, msg Message) error { return fn(ctx, tx, payload.(T), msg) },
+	})
+}
+
+// HandleBatch registers fn for the events ev names, as [Handle] does, to be given every message
+// of ev that a transaction of the subscription holds (up to [SubscriptionConfig.BatchSize]) at
+// once. It runs inside the built-in logging, metrics and panic recovery, but not the middleware
+// of [Subscription.Use], which wraps one message's handler.
+func HandleBatch[Tx, T any](s *Subscription[Tx], ev Event[T], fn BatchHandler[Tx, T]) error {
+	return s.register(ev.Type, ev.Binding(), func(msg Message) (any, error) { return ev.Decode(msg) }, route[Tx]{
+		batch: func(ctx context.Context, tx Tx, items []batchItem) error {
+			batch := make([]Delivered[T], len(items))
+			for i, it := range items {
+				batch[i] = Delivered[T]{Ctx: it.ctx, Payload: it.payload.(T), Msg: it.msg}
+			}
+			return fn(ctx, tx, batch)
+		},
+	})
+}
+
+// register adds r, the route of msgType, decoding with decode.
+func (s *Subscription[Tx]) register(msgType string, b Binding, decode func(Message) (any, error), r route[Tx]) error {
+	if s.started.Load() {
+		return fmt.Errorf("subscription %s: handle %s: already started", s.cfg.Name, msgType)
+	}
+	if _, ok := s.routes[msgType]; ok {
+		return fmt.Errorf("%w: %s in subscription %s", ErrHandlerRegistered, msgType, s.cfg.Name)
+	}
+	r.decode = decode
+	s.bindings = append(s.bindings, b)
+	s.routes[msgType] = r
+	return nil
+}
+
+// Use adds middleware, in order: the first added runs first, inside the built-in logging,
+// metrics and panic recovery.
+func (s *Subscription[Tx]) Use(mw ...Middleware[Tx]) { s.middleware = append(s.middleware, mw...) }
 
 // Topology is what the subscription declares on the broker: [SubscriptionConfig.Topology],
 // or, without one, its queue bound to the type of every handled event and its dead-letter
 // queue. It fails unless the configured topology's entry for the queue binds exactly the events
 // the subscription handles: a missing binding would lose events, an extra one dead-letter them.
-func (s *Subscription) Topology() (Topology, error) {
+func (s *Subscription[Tx]) Topology() (Topology, error) {
 	own := ConsumerTopology{Queue: s.cfg.Name, Bindings: s.bindings, DeliveryLimit: s.cfg.DeliveryLimit}
 	if len(s.cfg.Topology.Queues) == 0 && len(s.cfg.Topology.Exchanges) == 0 {
 		return Topology{Queues: []ConsumerTopology{own}}, nil
@@ -181,83 +324,298 @@ func (s *Subscription) Topology() (Topology, error) {
 	return s.cfg.Topology, nil
 }
 
-// Ready reports whether the subscription is consuming.
-func (s *Subscription) Ready() bool { return s.consumer != nil && s.consumer.Ready() }
-
-// Start prepares the consumer; call it once, after the handlers are registered and before
-// [Subscription.Run] or [Subscription.Ready] matter.
-func (s *Subscription) Start() error {
-	if len(s.routes) == 0 {
-		return errors.New("subscription: no handler registered")
+// Start checks the subscription and prepares its consumer; [Subscription.Run] calls it if
+// nobody did. Call it once the handlers are registered, to fail early on a topology that does
+// not match them. From then on its metrics export every series it counts (its queue's
+// outcomes, each handled type's handler outcomes), at zero until the first event.
+func (s *Subscription[Tx]) Start() error {
+	s.startMu.Lock()
+	defer s.startMu.Unlock()
+	if s.consumer.Load() != nil {
+		return nil
 	}
-	work := s.chain()
-	var batch BatchHandler
-	if s.cfg.BatchSize > 1 {
-		batch = s.known(s.inbox.BatchHandler(work))
+	if len(s.routes) == 0 {
+		return fmt.Errorf("subscription %s: no handler registered", s.cfg.Name)
 	}
 	topology, err := s.Topology()
 	if err != nil {
 		return err
 	}
-	queue, _ := topology.Queue(s.cfg.Name)
-	s.consumer, err = NewConsumer(ConsumerConfig{
-		URL: s.cfg.URL, ConnectionName: s.cfg.Name, Queue: s.cfg.Name, Topology: topology,
-		Concurrency: s.cfg.Concurrency, Prefetch: s.cfg.Prefetch,
-		BatchHandler: batch, BatchSize: s.cfg.BatchSize,
-		HandlerTimeout: s.cfg.HandlerTimeout, DeliveryLimit: queue.DeliveryLimit,
-		Logger: s.cfg.Logger, Metrics: s.cfg.Metrics,
-	}, s.inbox.Handler(work))
-	return err
-}
-
-// Deliver handles msg as a delivery from the queue would be, through the inbox and the
-// middleware, without a broker: for tests, and for tools that replay a message. duplicate
-// reports that this consumer had handled it already.
-func (s *Subscription) Deliver(ctx context.Context, msg Message) (duplicate bool, err error) {
-	work := s.chain()
-	return s.inbox.Handle(ctx, msg, func(tx *gorm.DB) error { return work(tx.Statement.Context, tx, msg) })
-}
-
-// Run consumes until ctx ends (see [Consumer.Run]). It calls Start if nobody did.
-func (s *Subscription) Run(ctx context.Context) error {
-	if s.consumer == nil {
-		if err := s.Start(); err != nil {
-			return err
-		}
+	limit := s.cfg.DeliveryLimit
+	if q, _ := topology.Queue(s.cfg.Name); q.DeliveryLimit > 0 {
+		limit = q.DeliveryLimit
 	}
-	return s.consumer.Run(ctx)
+	s.started.Store(true)
+	s.chain = s.handlerChain()
+	cfg := s.cfg
+	cfg.Metrics.initSubscription(cfg.Name, slices.Sorted(maps.Keys(s.routes)))
+	s.consumer.Store(newConsumer(consumerConfig{
+		URL: cfg.URL, ConnectionName: cfg.Name, Queue: cfg.Name, Topology: topology,
+		Concurrency: cfg.Concurrency, Prefetch: cfg.Prefetch, BatchSize: cfg.BatchSize, MaxBodyBytes: cfg.MaxMessageBytes,
+		Retries: cfg.Retries, RetryBackoff: cfg.RetryBackoff, Reconnect: cfg.Reconnect,
+		HandlerTimeout: cfg.HandlerTimeout, ShutdownGrace: cfg.ShutdownGrace, DeliveryLimit: limit, Heartbeat: cfg.Heartbeat,
+		Logger: cfg.Logger, Metrics: cfg.Metrics, Propagator: cfg.Propagator,
+	}, work{decode: s.decode, process: func(ctx context.Context, jobs []job) error {
+		_, err := s.process(ctx, jobs)
+		return err
+	}}))
+	return nil
 }
 
-// chain is the route of each message behind the middleware.
-func (s *Subscription) chain() HandlerFunc {
-	var mws []Middleware
-	mws = append(mws, Observe(s.cfg.Name, s.cfg.Logger, s.cfg.Metrics), Recover(s.cfg.Logger), Timeout(s.cfg.HandlerTimeout))
-	mws = append(mws, s.middleware...)
-	h := HandlerFunc(s.route)
+// Run consumes until ctx ends, reconnecting after every connection loss, and returns nil once
+// the messages in progress are settled.
+func (s *Subscription[Tx]) Run(ctx context.Context) error {
+	if err := s.Start(); err != nil {
+		return err
+	}
+	s.consumer.Load().run(ctx)
+	return nil
+}
+
+// Ready reports whether the subscription is consuming.
+func (s *Subscription[Tx]) Ready() bool {
+	c := s.consumer.Load()
+	return c != nil && c.ready.Load()
+}
+
+// handlerChain is each message's way to its handler, behind the middleware: logging and
+// metrics outermost, then panic recovery, then what [Subscription.Use] added.
+func (s *Subscription[Tx]) handlerChain() Handler[Tx, any] {
+	mws := append([]Middleware[Tx]{observe[Tx](s.cfg.Name, s.cfg.Logger, s.cfg.Metrics), recoverPanics[Tx](s.cfg.Logger)}, s.middleware...)
+	h := Handler[Tx, any](func(ctx context.Context, tx Tx, payload any, msg Message) error {
+		return s.routes[msg.Type].handle(ctx, tx, payload, msg)
+	})
 	for i := len(mws) - 1; i >= 0; i-- {
 		h = mws[i](h)
 	}
 	return h
 }
 
-// route hands msg to the handler of its type.
-func (s *Subscription) route(ctx context.Context, tx *gorm.DB, msg Message) error {
-	h, ok := s.routes[msg.Type]
-	if !ok {
-		return Permanent(fmt.Errorf("no handler for message type %q", truncate(msg.Type)))
-	}
-	return h(ctx, tx, msg)
-}
-
-// known fails a batch holding a type without a handler before it opens a transaction; the
-// consumer then handles its messages one by one, and dead-letters that one.
-func (s *Subscription) known(batch BatchHandler) BatchHandler {
-	return func(ctx context.Context, msgs []Message) error {
-		for _, m := range msgs {
-			if _, ok := s.routes[m.Type]; !ok {
-				return Permanent(fmt.Errorf("no handler for message type %q", truncate(m.Type)))
+// runBatch gives items to the batch handler of msgType, behind the built-in panic recovery,
+// logging and metrics (each message counted with the batch's time).
+func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, items []batchItem) (err error) {
+	start := time.Now()
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("batch handler panicked: %v", r)
+			s.cfg.Logger.ErrorContext(ctx, "batch handler panicked", "consumer", s.cfg.Name, "type", msgType, "size", len(items),
+				"panic", r, "stack", string(debug.Stack()))
+		}
+		outcome := outcomeOf(err)
+		for _, it := range items {
+			s.cfg.Metrics.recordHandled(s.cfg.Name, msgType, outcome, time.Since(start))
+			if err == nil {
+				s.cfg.Logger.DebugContext(it.ctx, "message handled", "consumer", s.cfg.Name, "message_id", it.msg.ID, "type", msgType, "batch", len(items))
 			}
 		}
-		return batch(ctx, msgs)
+	}()
+	return s.routes[msgType].batch(ctx, tx, items)
+}
+
+// decode finds msg's route and decodes its payload; an error is the message's own.
+func (s *Subscription[Tx]) decode(msg Message) (any, error) {
+	r, ok := s.routes[msg.Type]
+	if !ok {
+		return nil, fmt.Errorf("no handler for message type %q", truncate(msg.Type))
 	}
+	return r.decode(msg)
+}
+
+// process does the work of jobs in one transaction: it claims them in the inbox, runs the
+// handler of each that was not handled before, and commits, all or nothing. A duplicate runs
+// nothing and is logged once, after the commit. Any failure while the database does not
+// answer is wrapped with [Unavailable]: the outage is not the messages' fault.
+//
+// Each message has its own span, and its handler a context that carries it: one transaction,
+// as many traces as messages. claimed reports which jobs were not duplicates.
+func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []bool, err error) {
+	hooks := &afterCommitHooks{}
+	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
+	spans := make([]msgSpan, len(jobs))
+	for i, j := range jobs {
+		spans[i].ctx, spans[i].span = s.startSpan(ctx, j.msg)
+	}
+	defer func() {
+		for _, m := range spans {
+			endSpan(m.span, err)
+		}
+	}()
+	claimed, err = s.transact(ctx, jobs, spans)
+	if err != nil {
+		if !IsPermanent(err) && !s.databaseAnswers(context.WithoutCancel(ctx)) {
+			err = Unavailable(err)
+		}
+		return nil, err
+	}
+	committed := time.Now()
+	for i, j := range jobs {
+		if !claimed[i] {
+			s.skipped(spans[i].ctx, spans[i].span, j.msg)
+			continue
+		}
+		s.cfg.Metrics.recordEventAge(s.cfg.Name, j.msg, committed)
+	}
+	for _, fn := range hooks.fns {
+		fn()
+	}
+	return claimed, nil
+}
+
+// transact runs the inbox transaction of jobs and reports which of them it claimed.
+func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msgSpan) (claimed []bool, err error) {
+	tx, txe, err := s.driver.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("begin inbox transaction: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			_ = txe.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	if claimed, err = claim(ctx, txe, s.cfg.Name, jobs); err != nil {
+		return nil, err
+	}
+	// Each message to its handler, in order; a batch handler's messages wait, to go to it
+	// together, by event type in the order the types first came.
+	var batchTypes []string
+	batches := map[string][]batchItem{}
+	for i, j := range jobs {
+		if !claimed[i] {
+			continue
+		}
+		if s.routes[j.msg.Type].batch != nil {
+			if _, ok := batches[j.msg.Type]; !ok {
+				batchTypes = append(batchTypes, j.msg.Type)
+			}
+			batches[j.msg.Type] = append(batches[j.msg.Type], batchItem{ctx: spans[i].ctx, payload: j.payload, msg: j.msg})
+			continue
+		}
+		if err := s.chain(spans[i].ctx, tx, j.payload, j.msg); err != nil {
+			if len(jobs) > 1 {
+				err = fmt.Errorf("message %s: %w", j.msg.ID, err)
+			}
+			return nil, err
+		}
+	}
+	for _, t := range batchTypes {
+		if err := s.runBatch(ctx, tx, t, batches[t]); err != nil {
+			return nil, err
+		}
+	}
+	if hooks, _ := ctx.Value(afterCommitKey{}).(*afterCommitHooks); hooks != nil && hooks.notify {
+		if _, err := txe.Exec(ctx, statements.Notify); err != nil {
+			return nil, fmt.Errorf("notify relay: %w", err)
+		}
+	}
+	if err := txe.Commit(ctx); err != nil {
+		return nil, fmt.Errorf("commit inbox transaction: %w", err)
+	}
+	return claimed, nil
+}
+
+// claim records jobs in the inbox in one statement (see statements.ClaimInbox) and reports
+// which it recorded: the others were handled already.
+func claim(ctx context.Context, ex Executor, consumer string, jobs []job) ([]bool, error) {
+	ids := make([]uuid.UUID, len(jobs))
+	for i, j := range jobs {
+		ids[i] = j.msg.ID
+	}
+	rows, err := ex.Query(ctx, statements.ClaimInbox, uuidArray(ids), consumer)
+	if err != nil {
+		return nil, fmt.Errorf("claim %d inbox messages: %w", len(jobs), err)
+	}
+	defer rows.Close()
+	fresh := make(map[uuid.UUID]bool, len(jobs))
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("claim inbox messages: %w", err)
+		}
+		fresh[id] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("claim inbox messages: %w", err)
+	}
+	claimed := make([]bool, len(jobs))
+	for i, j := range jobs {
+		// A message twice in one batch is claimed once: its first copy does the work.
+		claimed[i] = fresh[j.msg.ID]
+		delete(fresh, j.msg.ID)
+	}
+	return claimed, nil
+}
+
+// msgSpan is one message's span and the context that carries it.
+type msgSpan struct {
+	ctx  context.Context
+	span trace.Span
+}
+
+// startSpan starts msg's consumer span, a child of the trace context msg came with, or of
+// ctx's span when it came without one (a new trace when neither has one).
+func (s *Subscription[Tx]) startSpan(ctx context.Context, msg Message) (context.Context, trace.Span) {
+	ctx, span := s.tracer.Start(msg.traced(ctx, s.cfg.Propagator), s.spanName, s.spanOptions...)
+	messageAttributes(span, msg)
+	return ctx, span
+}
+
+// skipped counts and logs a duplicate, in its span.
+func (s *Subscription[Tx]) skipped(ctx context.Context, span trace.Span, msg Message) {
+	s.cfg.Metrics.recordDuplicate(s.cfg.Name)
+	span.AddEvent("duplicate message skipped")
+	s.log.InfoContext(ctx, "duplicate message skipped", "message_id", msg.ID, "type", msg.Type)
+}
+
+// databaseAnswers asks the database directly, on a context of its own: a database that
+// swallows traffic shows up as the handler's deadline passing, and that must not count as the
+// message's fault.
+func (s *Subscription[Tx]) databaseAnswers(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	_, err := s.driver.DB().Exec(ctx, "SELECT 1")
+	return err == nil
+}
+
+// deliver runs msg through the inbox and the handlers as a delivery from the queue would be,
+// without a broker (see messagingtest.Deliver).
+func (s *Subscription[Tx]) deliver(ctx context.Context, msg Message) (duplicate bool, err error) {
+	if err := s.Start(); err != nil {
+		return false, err
+	}
+	payload, err := s.decode(msg)
+	if err != nil {
+		return false, Permanent(err)
+	}
+	claimed, err := s.process(ctx, []job{{msg: msg, payload: payload}})
+	if err != nil {
+		return false, err
+	}
+	return !claimed[0], nil
+}
+
+type afterCommitKey struct{}
+
+// afterCommitHooks is what a handler's transaction owes after its work: the functions to run
+// once it has committed, and whether to notify the relays before it commits (something was
+// enqueued).
+type afterCommitHooks struct {
+	fns    []func()
+	notify bool
+}
+
+// ErrNotInInbox is returned by [AfterCommit] outside a handler.
+var ErrNotInInbox = errors.New("after commit: not in a handler's transaction")
+
+// AfterCommit registers fn to run once the inbox transaction of the handler whose context is
+// ctx has committed: the place to log what the work did, or to start work outside the
+// database, so that neither happens for a transaction that rolls back. Outside a handler it
+// returns [ErrNotInInbox] and drops fn: return that error, and the message is retried instead of
+// losing its hook.
+func AfterCommit(ctx context.Context, fn func()) error {
+	hooks, ok := ctx.Value(afterCommitKey{}).(*afterCommitHooks)
+	if !ok {
+		return ErrNotInInbox
+	}
+	hooks.fns = append(hooks.fns, fn)
+	return nil
 }

@@ -14,7 +14,7 @@ import (
 // DefaultDeliveryLimit is the x-delivery-limit of consumer queues: a backstop that
 // dead-letters a message after this many failed deliveries (a message that crashes its
 // consumer every time, say). RabbitMQ 3.x quorum queues have no limit unless one is set; 4.x
-// has a default of 20. A [Consumer] returns a failed message with basic.reject, which every
+// has a default of 20. A [Subscription] returns a failed message with basic.reject, which every
 // RabbitMQ version counts as a failed delivery (from 4.3 on, a basic.nack does not), and
 // dead-letters by itself, with its reason, a message failing on its last allowed delivery.
 const DefaultDeliveryLimit = 20

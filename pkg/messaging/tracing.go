@@ -10,8 +10,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// A message's trace context travels as W3C Trace Context: in the outbox row's trace_parent and
-// trace_state columns, then in the AMQP headers of the same names as HTTP's.
+// A message's W3C trace context travels in the outbox row's trace_parent and trace_state
+// columns, then in the AMQP headers of the same names as HTTP's; whatever else the propagator
+// writes (baggage, B3) travels in the row's headers, then as AMQP headers of its own.
 const (
 	traceParentHeader = "traceparent"
 	traceStateHeader  = "tracestate"
@@ -19,10 +20,6 @@ const (
 
 // tracerName is the instrumentation scope of the package's spans.
 const tracerName = "github.com/outboxkit/outbox-inbox/pkg/messaging"
-
-// w3c reads and writes trace contexts whatever propagator the process installed globally
-// (none, by default): the wire format is part of the messages' contract, not a setting.
-var w3c propagation.TraceContext
 
 // newTracer returns the package's tracer from tp, or from the global provider when tp is nil.
 // The global one is a no-op until the process installs an SDK, and still passes trace
@@ -34,9 +31,24 @@ func newTracer(tp trace.TracerProvider) trace.Tracer {
 	return tp.Tracer(tracerName)
 }
 
-// traceCarrier holds one message's trace context for the propagator, without a map per
-// message.
-type traceCarrier struct{ parent, state string }
+// globalPropagator is the process's propagator (otel.SetTextMapPropagator); a no-op until one
+// is installed.
+func globalPropagator() propagation.TextMapPropagator { return otel.GetTextMapPropagator() }
+
+// propagatorOr returns p, or the global propagator when p is nil.
+func propagatorOr(p propagation.TextMapPropagator) propagation.TextMapPropagator {
+	if p == nil {
+		return globalPropagator()
+	}
+	return p
+}
+
+// traceCarrier holds one message's trace context for a propagator, without a map for the
+// usual two fields.
+type traceCarrier struct {
+	parent, state string
+	other         map[string]string
+}
 
 func (c *traceCarrier) Get(key string) string {
 	switch key {
@@ -45,7 +57,7 @@ func (c *traceCarrier) Get(key string) string {
 	case traceStateHeader:
 		return c.state
 	}
-	return ""
+	return c.other[key]
 }
 
 func (c *traceCarrier) Set(key, value string) {
@@ -54,35 +66,76 @@ func (c *traceCarrier) Set(key, value string) {
 		c.parent = value
 	case traceStateHeader:
 		c.state = value
+	default:
+		if c.other == nil {
+			c.other = map[string]string{}
+		}
+		c.other[key] = value
 	}
 }
 
-func (c *traceCarrier) Keys() []string { return []string{traceParentHeader, traceStateHeader} }
-
-// traceOf returns the W3C trace context of the span in ctx, or "" when there is none.
-func traceOf(ctx context.Context) (parent, state string) {
-	if !trace.SpanContextFromContext(ctx).IsValid() {
-		return "", ""
+func (c *traceCarrier) Keys() []string {
+	keys := make([]string, 0, 2+len(c.other))
+	if c.parent != "" {
+		keys = append(keys, traceParentHeader)
 	}
-	var c traceCarrier
-	w3c.Inject(ctx, &c)
-	return c.parent, c.state
+	if c.state != "" {
+		keys = append(keys, traceStateHeader)
+	}
+	for k := range c.other {
+		keys = append(keys, k)
+	}
+	return keys
 }
 
-// withTrace returns ctx with the trace context parent and state as its remote parent span;
-// ctx itself when parent is empty or invalid.
-func withTrace(ctx context.Context, parent, state string) context.Context {
-	if parent == "" {
+// injectTrace writes ctx's trace context into c with p.
+func injectTrace(ctx context.Context, p propagation.TextMapPropagator, c *traceCarrier) {
+	p.Inject(ctx, c)
+}
+
+// traced returns ctx carrying the message's trace context, read with p, as the remote parent:
+// the handler's log lines, and whatever it enqueues, then belong to the message's trace.
+func (m Message) traced(ctx context.Context, p propagation.TextMapPropagator) context.Context {
+	if m.TraceParent == "" && len(m.Headers) == 0 {
 		return ctx
 	}
-	return w3c.Extract(ctx, &traceCarrier{parent: parent, state: state})
+	return p.Extract(ctx, &traceCarrier{parent: m.TraceParent, state: m.TraceState, other: m.Headers})
 }
 
-// traced returns ctx carrying the message's trace context, if it has one, as the remote
-// parent: the handler's log lines, and whatever it enqueues, then belong to the message's
-// trace.
-func (m Message) traced(ctx context.Context) context.Context {
-	return withTrace(ctx, m.TraceParent, m.TraceState)
+// WithTrace returns m carrying ctx's trace context, written by the process's global
+// propagator: for messages that one [Enqueue] saves for several causes (a [BatchHandler]'s),
+// each with the context of the message that caused it. [Enqueue] gives a message without a
+// trace context its own ctx's.
+func (m Message) WithTrace(ctx context.Context) Message {
+	m.withTraceOf(ctx, globalPropagator())
+	return m
+}
+
+// withTrace returns m with the trace context c, its other keys added to m's own headers.
+func (m Message) withTrace(c traceCarrier) Message {
+	m.TraceParent, m.TraceState = c.parent, c.state
+	if len(c.other) > 0 {
+		headers := make(map[string]string, len(m.Headers)+len(c.other))
+		for k, v := range m.Headers {
+			headers[k] = v
+		}
+		for k, v := range c.other {
+			headers[k] = v
+		}
+		m.Headers = headers
+	}
+	return m
+}
+
+// withTraceOf sets m's trace context to ctx's, written with p: a relay's publish span becomes
+// the parent of the consumers' spans.
+func (m *Message) withTraceOf(ctx context.Context, p propagation.TextMapPropagator) {
+	c := traceCarrier{other: make(map[string]string, len(m.Headers))}
+	for k, v := range m.Headers {
+		c.other[k] = v
+	}
+	injectTrace(ctx, p, &c)
+	m.TraceParent, m.TraceState, m.Headers = c.parent, c.state, c.other
 }
 
 // endSpan ends span, marking it failed when err is not nil.

@@ -1,0 +1,78 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+)
+
+// The database seam. The library runs each of its statements through these few interfaces,
+// so it works in the transactions of whatever PostgreSQL driver a service already uses. There
+// are adapters for database/sql (package sqldriver, in this module), pgx v5 (module pgxdriver)
+// and GORM (module gormdriver); another driver needs an adapter of its own, and these
+// interfaces are what it implements. Statements use PostgreSQL's $1, $2 … placeholders.
+
+// Driver adapts one PostgreSQL driver. Tx is its transaction type: what [Enqueue] writes into
+// and what handlers receive (pgx.Tx, *sql.Tx, *gorm.DB).
+type Driver[Tx any] interface {
+	// DB is the pool the relay, the subscriptions and the maintenance jobs take their
+	// connections and transactions from.
+	DB() DB
+	// Executor runs statements in tx, the caller's open transaction. It fails with
+	// [ErrNotInTransaction] when tx is not one.
+	Executor(tx Tx) (Executor, error)
+	// Begin opens a READ COMMITTED transaction on the pool for ctx, and returns it as the
+	// driver's own type, for a handler, and as the library's, to commit or roll back.
+	Begin(ctx context.Context) (Tx, TxExecutor, error)
+}
+
+// Executor runs statements: on a pool, a connection or a transaction.
+type Executor interface {
+	// Exec runs a statement and returns how many rows it affected.
+	Exec(ctx context.Context, sql string, args ...any) (rowsAffected int64, err error)
+	// Query runs a statement that returns rows.
+	Query(ctx context.Context, sql string, args ...any) (Rows, error)
+}
+
+// Rows are a query's results, read with Next and Scan, then closed.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+	Close()
+}
+
+// TxExecutor is an Executor in a transaction.
+type TxExecutor interface {
+	Executor
+	Commit(ctx context.Context) error
+	Rollback(ctx context.Context) error
+}
+
+// DB is a pool of connections.
+type DB interface {
+	Executor
+	// Begin opens a READ COMMITTED transaction.
+	Begin(ctx context.Context) (TxExecutor, error)
+	// Conn takes one connection out of the pool for a session of its own (an advisory lock,
+	// LISTEN), until Close or Discard.
+	Conn(ctx context.Context) (Conn, error)
+}
+
+// Conn is one connection taken out of a pool.
+type Conn interface {
+	Executor
+	// Begin opens a READ COMMITTED transaction on this connection.
+	Begin(ctx context.Context) (TxExecutor, error)
+	// WaitForNotification waits for a notification on a channel this connection listens to,
+	// until ctx ends. It returns [ErrNoNotifications] if the driver cannot receive them.
+	WaitForNotification(ctx context.Context) error
+	// Close returns the connection to its pool.
+	Close()
+	// Discard closes the connection for good: a session whose state is unknown (a lock that
+	// could not be released) must not go back to the pool.
+	Discard()
+}
+
+// ErrNoNotifications is returned by [Conn.WaitForNotification] of a driver that cannot receive
+// PostgreSQL notifications; a relay on it polls instead.
+var ErrNoNotifications = errors.New("the database driver cannot receive notifications")

@@ -1,0 +1,45 @@
+// Package messagingtest helps test a service's handlers against its real database, without a
+// broker: deliver a message to a subscription as its queue would, once or twice, and see what
+// the handlers and the inbox did.
+package messagingtest
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/testhook"
+)
+
+// Deliver hands msg to sub as a delivery from its queue would be: decoded and checked, then
+// claimed in the inbox and handled in one transaction, behind the subscription's middleware,
+// with its after-commit hooks run. duplicate reports that sub had handled msg already, and
+// did nothing. Errors are the handler's (or a [messaging.Permanent] one for a message that would
+// be dead-lettered).
+func Deliver[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msg messaging.Message) (duplicate bool, err error) {
+	return testhook.Deliver(ctx, sub, msg)
+}
+
+// DeliverTwice delivers msg to sub twice, as a broker's redelivery would, and fails t unless
+// the first delivery did the work and the second was recognised as a duplicate.
+func DeliverTwice[Tx any](t testing.TB, sub *messaging.Subscription[Tx], msg messaging.Message) {
+	t.Helper()
+	ctx := context.Background()
+	for i, want := range []bool{false, true} {
+		dup, err := Deliver(ctx, sub, msg)
+		if err != nil || dup != want {
+			t.Fatalf("delivery %d of message %s: duplicate=%v, err=%v; want duplicate=%v", i+1, msg.ID, dup, err, want)
+		}
+	}
+}
+
+// Message builds a message of ev with payload, failing t if it cannot.
+func Message[T any](t testing.TB, ev messaging.Event[T], payload T) messaging.Message {
+	t.Helper()
+	msg, err := ev.Message(payload)
+	if err != nil {
+		t.Fatal(fmt.Errorf("message of %s: %w", ev.Type, err))
+	}
+	return msg
+}

@@ -1,0 +1,165 @@
+// Package sqldriver adapts a database/sql pool of a PostgreSQL driver (pgx's stdlib, lib/pq)
+// to the messaging library: handlers get the *sql.Tx of their message, and
+// messaging.Enqueue writes into the caller's *sql.Tx.
+//
+// database/sql gives no access to PostgreSQL notifications, so a relay on this driver finds new
+// rows by polling (messaging.RelayConfig.PollInterval). To wake it at each commit instead, run
+// the relay on the pgxdriver module's pool.
+package sqldriver
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// readCommitted is the isolation of every transaction the library opens, whatever the
+// server's or role's default_transaction_isolation says: the inbox's claim relies on it.
+var readCommitted = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+
+// Driver is the database/sql adapter.
+type Driver struct {
+	db   *sql.DB
+	wait WaitFunc
+}
+
+// WaitFunc waits on c, which listens to a channel, for a notification, until ctx ends:
+// what a PostgreSQL driver offers beyond database/sql (pgx: through c.Raw, the *stdlib.Conn's
+// Conn().WaitForNotification).
+type WaitFunc func(ctx context.Context, c *sql.Conn) error
+
+// New returns the adapter of db.
+func New(db *sql.DB) *Driver { return &Driver{db: db} }
+
+// WithNotifications returns the adapter with a way to receive notifications: a relay on it then
+// wakes at each commit of an Enqueue instead of polling.
+func (d *Driver) WithNotifications(wait WaitFunc) *Driver { return &Driver{db: d.db, wait: wait} }
+
+// DB returns the pool.
+func (d *Driver) DB() messaging.DB { return pool{d.db, d.wait} }
+
+// Executor runs statements in tx.
+func (d *Driver) Executor(tx *sql.Tx) (messaging.Executor, error) {
+	if tx == nil {
+		return nil, messaging.ErrNotInTransaction
+	}
+	return Executor(tx), nil
+}
+
+// Begin opens a READ COMMITTED transaction.
+func (d *Driver) Begin(ctx context.Context) (*sql.Tx, messaging.TxExecutor, error) {
+	tx, err := d.db.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return nil, nil, err
+	}
+	return tx, Tx(tx), nil
+}
+
+// Queryer is what runs database/sql statements: an *sql.DB, *sql.Conn or *sql.Tx, or a
+// wrapper of one (GORM's connection pool).
+type Queryer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+// Executor adapts q.
+func Executor(q Queryer) messaging.Executor { return executor{q} }
+
+type executor struct{ q Queryer }
+
+func (e executor) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	res, err := e.q.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (e executor) Query(ctx context.Context, query string, args ...any) (messaging.Rows, error) {
+	r, err := e.q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return rows{r}, nil
+}
+
+type rows struct{ *sql.Rows }
+
+func (r rows) Close() { _ = r.Rows.Close() }
+
+// Tx adapts a transaction of database/sql, or of anything that commits and rolls back like one.
+func Tx(tx interface {
+	Queryer
+	Commit() error
+	Rollback() error
+}) messaging.TxExecutor {
+	return txExecutor{executor{tx}, tx.Commit, tx.Rollback}
+}
+
+type txExecutor struct {
+	executor
+	commit, rollback func() error
+}
+
+func (t txExecutor) Commit(context.Context) error   { return t.commit() }
+func (t txExecutor) Rollback(context.Context) error { return t.rollback() }
+
+type pool struct {
+	db   *sql.DB
+	wait WaitFunc
+}
+
+func (p pool) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	return executor{p.db}.Exec(ctx, query, args...)
+}
+
+func (p pool) Query(ctx context.Context, query string, args ...any) (messaging.Rows, error) {
+	return executor{p.db}.Query(ctx, query, args...)
+}
+
+func (p pool) Begin(ctx context.Context) (messaging.TxExecutor, error) {
+	tx, err := p.db.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return nil, err
+	}
+	return Tx(tx), nil
+}
+
+func (p pool) Conn(ctx context.Context) (messaging.Conn, error) {
+	c, err := p.db.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return conn{executor{c}, c, p.wait}, nil
+}
+
+type conn struct {
+	executor
+	c    *sql.Conn
+	wait WaitFunc
+}
+
+func (c conn) Begin(ctx context.Context) (messaging.TxExecutor, error) {
+	tx, err := c.c.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return nil, err
+	}
+	return Tx(tx), nil
+}
+
+func (c conn) WaitForNotification(ctx context.Context) error {
+	if c.wait == nil {
+		return messaging.ErrNoNotifications
+	}
+	return c.wait(ctx, c.c)
+}
+
+func (c conn) Close() { _ = c.c.Close() }
+
+// Discard makes database/sql close the connection instead of pooling it.
+func (c conn) Discard() {
+	_ = c.c.Raw(func(any) error { return driver.ErrBadConn })
+	_ = c.c.Close()
+}

@@ -1,0 +1,210 @@
+package test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+)
+
+// planNode is the part of EXPLAIN (FORMAT JSON) the claim's checks read.
+type planNode struct {
+	NodeType  string     `json:"Node Type"`
+	IndexName string     `json:"Index Name"`
+	HitBlocks int        `json:"Shared Hit Blocks"`
+	ReadBlock int        `json:"Shared Read Blocks"`
+	Plans     []planNode `json:"Plans"`
+}
+
+func (n planNode) buffers() int { return n.HitBlocks + n.ReadBlock }
+
+func (n planNode) find(nodeType string) *planNode {
+	if n.NodeType == nodeType {
+		return &n
+	}
+	for _, c := range n.Plans {
+		if f := c.find(nodeType); f != nil {
+			return f
+		}
+	}
+	return nil
+}
+
+// explainClaim runs the relay's claim under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
+// is rolled back. Guarded, the settings the relay makes for its claims (statements.ClaimPlan)
+// come first in that transaction.
+func explainClaim(t *testing.T, db *gorm.DB, guarded bool) planNode {
+	t.Helper()
+	return explainRolledBack(t, db, func(ctx context.Context, tx *sql.Tx) (string, error) {
+		if guarded {
+			if _, err := tx.ExecContext(ctx, statements.ClaimPlan); err != nil {
+				return "", err
+			}
+		}
+		var out string
+		err := tx.QueryRowContext(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+statements.Claim, 500).Scan(&out)
+		return out, err
+	})
+}
+
+// explainRolledBack runs explain, which returns an EXPLAIN (FORMAT JSON) result, in a
+// transaction that is rolled back, and returns the plan's root.
+func explainRolledBack(t *testing.T, db *gorm.DB, explain func(ctx context.Context, tx *sql.Tx) (string, error)) planNode {
+	t.Helper()
+	sqlDB, err := db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tx, err := sqlDB.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	out, err := explain(ctx, tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var plans []struct{ Plan planNode }
+	if err := json.Unmarshal([]byte(out), &plans); err != nil || len(plans) != 1 {
+		t.Fatalf("parse plan %s: %v", out, err)
+	}
+	return plans[0].Plan
+}
+
+// A table the planner has no statistics for (a new deployment whose first minutes bring a
+// burst) must not make the claim fetch and sort the whole backlog: it walks the partial index in
+// order and reads the batch, whatever autovacuum did or did not do.
+func TestClaimReadsTheBatchNotTheBacklogWithoutStatistics(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	db.MigrateLibrary(t)
+	for _, q := range []string{
+		`ALTER TABLE outbox_messages SET (autovacuum_enabled = off)`,
+		`INSERT INTO outbox_messages (id, type, payload, occurred_at)
+		 SELECT gen_random_uuid(), 'OrderPlaced',
+		        jsonb_build_object('order_id', gen_random_uuid(), 'customer_id', 'c-42', 'total_cents', g),
+		        now() - (100000 - g) * interval '1 millisecond'
+		 FROM generate_series(1, 100000) g`,
+	} {
+		if err := db.DB.Exec(q).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM pg_stats WHERE tablename = 'outbox_messages'"); n != 0 {
+		t.Fatalf("the table has statistics (%d columns): the test needs a table never analyzed", n)
+	}
+	tableBlocks := testenv.Count(t, db.DB, "SELECT pg_relation_size('outbox_messages') / current_setting('block_size')::int")
+
+	unguarded := explainClaim(t, db.DB, false)
+	t.Logf("claim without the plan setting: sort=%v, %d buffers (the table has %d blocks)",
+		unguarded.find("Sort") != nil, unguarded.buffers(), tableBlocks)
+
+	// The scan is what reads; locking then touches each claimed row once more (twice on a page
+	// that vacuum marked all-visible: the lock clears the mark).
+	plan := explainClaim(t, db.DB, true)
+	scan := plan.find("Index Scan")
+	if plan.find("Sort") != nil || scan == nil || scan.IndexName != "outbox_messages_unprocessed_idx" {
+		t.Fatalf("claim plan sorts or does not walk the partial index: %+v", plan)
+	}
+	// 500 rows of about 200 bytes fill some 15 heap blocks; a few index blocks lead to them.
+	const batchBlocks = 60
+	if b := scan.buffers(); b > batchBlocks {
+		t.Fatalf("the claim's scan read %d buffers for a batch of 500 out of %d blocks: more than the batch", b, tableBlocks)
+	}
+	t.Logf("claim with the plan setting: index scan of %d buffers, %d with the row locks", scan.buffers(), plan.buffers())
+
+	// A long drain between vacuums: the sent rows leave dead entries at the head of the
+	// partial index, which every claim steps over until vacuum removes them.
+	if err := db.DB.Exec(`UPDATE outbox_messages SET processed_at = now()
+		WHERE id IN (SELECT id FROM outbox_messages ORDER BY occurred_at, id LIMIT 50000)`).Error; err != nil {
+		t.Fatal(err)
+	}
+	first, second := explainClaim(t, db.DB, true), explainClaim(t, db.DB, true)
+	if first.find("Sort") != nil || second.find("Sort") != nil {
+		t.Fatal("the claim sorts after the drain")
+	}
+	t.Logf("after 50,000 rows sent without a vacuum: the first claim's scan reads %d buffers, the next %d (the first marks the dead entries)",
+		first.find("Index Scan").buffers(), second.find("Index Scan").buffers())
+	if err := db.DB.Exec("VACUUM outbox_messages").Error; err != nil {
+		t.Fatal(err)
+	}
+	vacuumed := explainClaim(t, db.DB, true).find("Index Scan")
+	if vacuumed == nil || vacuumed.buffers() > batchBlocks {
+		t.Fatalf("after vacuum the claim's scan is %+v", vacuumed)
+	}
+	t.Logf("after VACUUM: the scan reads %d buffers", vacuumed.buffers())
+}
+
+// The marking finds its rows by primary key however much the table grew since its plan was
+// cached: a generic plan made while the table was nearly empty (what a prepared statement gets
+// after its first executions) scans it whole, and keeps scanning as it grows until an ANALYZE.
+// The relay's plan setting, first in each batch's transaction, rules that out.
+func TestMarkSentFindsItsRowsByKeyWhateverPlanWasCached(t *testing.T) {
+	t.Parallel()
+	for _, guarded := range []bool{false, true} {
+		t.Run(fmt.Sprintf("guarded=%t", guarded), func(t *testing.T) { markSentPlanAfterGrowth(t, guarded) })
+	}
+}
+
+// markSentPlanAfterGrowth caches the marking's generic plan on an empty table, fills the table,
+// and looks at the plan the marking then runs with.
+func markSentPlanAfterGrowth(t *testing.T, guarded bool) {
+	t.Helper()
+	db := testenv.NewDatabase(t)
+	db.MigrateLibrary(t)
+	must(t, db.DB.Exec(`ALTER TABLE outbox_messages SET (autovacuum_enabled = off)`).Error)
+	sqlDB, err := db.DB.DB()
+	must(t, err)
+	ctx := context.Background()
+	conn, err := sqlDB.Conn(ctx)
+	must(t, err)
+	exec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := conn.ExecContext(ctx, q, args...); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	// In a transaction of the relay's shape: its plan setting (if guarded), then the
+	// marking.
+	inBatch := func(stmt string) {
+		t.Helper()
+		exec("BEGIN")
+		if guarded {
+			exec(statements.ClaimPlan)
+		}
+		exec(stmt)
+		exec("COMMIT")
+	}
+	exec("SET plan_cache_mode = force_generic_plan")
+	exec("PREPARE mark(uuid[]) AS " + strings.Replace(statements.MarkSent, "$1::uuid[]", "$1", 1))
+	inBatch("EXECUTE mark('{}')") // the plan, cached on the empty table
+	exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at)
+		SELECT gen_random_uuid(), 'OrderPlaced', '{}', now() FROM generate_series(1, 20000)`)
+	var id string
+	must(t, conn.QueryRowContext(ctx, "SELECT id FROM outbox_messages LIMIT 1").Scan(&id))
+	exec("BEGIN")
+	if guarded {
+		exec(statements.ClaimPlan)
+	}
+	var out string
+	must(t, conn.QueryRowContext(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE mark(ARRAY['"+id+"']::uuid[])").Scan(&out))
+	exec("ROLLBACK")
+	_ = conn.Close()
+	var plans []struct{ Plan planNode }
+	must(t, json.Unmarshal([]byte(out), &plans))
+	seq := plans[0].Plan.find("Seq Scan") != nil
+	switch {
+	case guarded && seq:
+		t.Fatalf("with the relay's plan setting the marking scans the table: %s", out)
+	case !guarded:
+		t.Logf("without the plan setting, the marking's cached plan scans the table: %v", seq)
+	}
+}

@@ -1,0 +1,320 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// deadLetters takes every message out of queue's dead-letter queue.
+func deadLetters(t *testing.T, ch *amqp.Channel, queue string) []amqp.Delivery {
+	t.Helper()
+	return testenv.Drain(t, ch, messaging.DeadLetterQueue(queue), 100*time.Millisecond)
+}
+
+// wantReason fails unless d came to the dead-letter queue from the consumer, with a reason
+// containing part and the time it was dead-lettered.
+func wantReason(t *testing.T, d amqp.Delivery, part string) {
+	t.Helper()
+	reason, _ := d.Headers[messaging.HeaderDeadLetterReason].(string)
+	if !strings.Contains(reason, part) {
+		t.Errorf("message %q: dead-letter reason %q does not contain %q", d.MessageId, reason, part)
+	}
+	at, _ := d.Headers[messaging.HeaderDeadLetteredAt].(string)
+	if when, err := time.Parse(time.RFC3339Nano, at); err != nil || time.Since(when) > time.Minute || time.Until(when) > time.Second {
+		t.Errorf("message %q: dead-lettered at %q, want a time within the last minute", d.MessageId, at)
+	}
+}
+
+// reasonsByID maps the message ids of deliveries to their dead-letter reasons.
+func reasonsByID(deliveries []amqp.Delivery) map[string]string {
+	out := make(map[string]string, len(deliveries))
+	for _, d := range deliveries {
+		out[d.MessageId], _ = d.Headers[messaging.HeaderDeadLetterReason].(string)
+	}
+	return out
+}
+
+// The copy in the dead-letter queue is the message as it came, id and properties unchanged,
+// plus where it came from and why it can never be handled; it came by publish, not by the
+// broker's dead-lettering (no x-death).
+func TestConsumerDeadLetterCarriesTheMessageAndItsReason(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	occurred := time.Now().Add(-time.Hour).Truncate(time.Second)
+	sent := amqp.Publishing{
+		MessageId: uuid.NewString(), Type: eventType, ContentType: "application/json", AppId: "order",
+		CorrelationId: "corr-1", Timestamp: occurred, DeliveryMode: amqp.Persistent,
+		Headers: amqp.Table{"correlation_id": "corr-1", "tenant": "acme"},
+		Body:    []byte(`{"n":1}`), // no order_id: doWork says no retry can help
+	}
+	b.publishRaw(t, sent)
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 },
+		"message not dead-lettered")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 {
+		t.Fatalf("%d messages in the dead-letter queue, want 1", len(got))
+	}
+	d := got[0]
+	wantReason(t, d, "payload has no order_id")
+	if d.MessageId != sent.MessageId || d.Type != sent.Type || string(d.Body) != string(sent.Body) || d.ContentType != sent.ContentType ||
+		d.AppId != sent.AppId || d.CorrelationId != sent.CorrelationId || !d.Timestamp.Equal(occurred) || d.DeliveryMode != amqp.Persistent {
+		t.Errorf("dead letter %+v differs from what was published %+v", d, sent)
+	}
+	if d.Headers["tenant"] != "acme" || d.Headers[messaging.HeaderOriginalExchange] != b.exchange || d.Headers[messaging.HeaderOriginalRoutingKey] != eventType {
+		t.Errorf("headers %v: want the original ones plus exchange %q and routing key %q", d.Headers, b.exchange, eventType)
+	}
+	if _, ok := d.Headers["x-death"]; ok {
+		t.Errorf("x-death %v: the broker dead-lettered it, not the consumer", d.Headers["x-death"])
+	}
+	// The consumer logs and counts it once the broker confirmed the copy, which the queue may
+	// show a moment before.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return hasMetric(t, b.registry, `consumer_messages_total{outcome="dead_lettered",queue="`+b.queue+`"} 1`)
+	}, "not counted as dead-lettered")
+	if lines := b.logs.Lines("level=ERROR", "message dead-lettered", "message_id="+sent.MessageId, "reason="); len(lines) != 1 {
+		t.Errorf("want one dead-letter line with the reason, got %q", b.logs.Lines("message dead-lettered"))
+	}
+}
+
+// While the dead-letter queue cannot take a message (here it is gone: the publish comes back
+// unroutable), the message is not acknowledged: a consumer that stops hands it back to the
+// queue, and once the dead-letter queue is back the message lands there, once.
+func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(c, b.orderPlaced(), workFunc))
+	stop := start(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	// Gone after the subscription declared it: it stays gone until the next connection.
+	dlq := messaging.DeadLetterQueue(b.queue)
+	if _, err := b.ch.QueueDelete(dlq, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	poison := amqp.Publishing{MessageId: uuid.NewString(), ContentType: "application/json", Body: []byte("<xml/>")}
+	b.publishRaw(t, poison)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("could not dead-letter message", poison.MessageId, "unroutable")) >= 3
+	}, "the consumer did not report the dead-letter queue refusing the message")
+	if err := stop(); err != nil {
+		t.Fatalf("Run returned %v", err)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
+		"the stopped consumer did not hand the message back to the queue")
+	if n, _ := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"queue": b.queue, "outcome": "dead_lettered"}); n != 0 {
+		t.Fatalf("counted %v times as dead-lettered while no dead-letter queue took it", n)
+	}
+
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil) // its connection declares the dead-letter queue again
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not dead-lettered")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 || got[0].MessageId != poison.MessageId {
+		t.Fatalf("dead-letter queue held %d messages, want the poison message once", len(got))
+	}
+	wantReason(t, got[0], "body is not valid JSON")
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("queue still holds %d", n)
+	}
+}
+
+// A dead-letter queue an earlier version declared, without x-delivery-limit, cannot be declared
+// again with it: the consumer says so, and uses it as it is.
+func TestConsumerUsesADeadLetterQueueDeclaredWithoutALimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	if _, err := b.ch.QueueDelete(dlq, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.ch.QueueDeclare(dlq, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.topology.Declare(testenv.Connection(t), nil); !errors.Is(err, messaging.ErrLegacyDeadLetterQueue) {
+		t.Fatalf("Declare = %v, want ErrLegacyDeadLetterQueue", err)
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	if n := len(b.logs.Lines("level=WARN", "default delivery limit", "dead_letter_queue="+dlq)); n != 1 {
+		t.Fatalf("%d warnings about the dead-letter queue's limit, want 1", n)
+	}
+	poison := amqp.Publishing{MessageId: uuid.NewString(), Type: eventType, ContentType: "application/json", Body: []byte(`{"n":1}`)}
+	b.publishRaw(t, poison)
+	good := newMessage(t, 2)
+	b.publishRaw(t, publishing(good))
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 && b.workDone(t) == 1 },
+		"want the poison message dead-lettered and the good one handled")
+	got := deadLetters(t, b.ch, b.queue)
+	wantReason(t, got[0], "payload has no order_id")
+}
+
+// The dead-letter queue has no delivery limit: a message handed back more often than RabbitMQ
+// 4.x's default limit (20) stays. With x-delivery-limit -1 (unlimited on 4.x) RabbitMQ 3.x
+// drops it the first time.
+func TestDeadLetterQueueHasNoDeliveryLimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	if err := b.ch.PublishWithContext(context.Background(), "", dlq, true, false, amqp.Publishing{MessageId: "kept", Body: []byte("{}")}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not in the dead-letter queue")
+	for i := range 25 {
+		d, ok, err := b.ch.Get(dlq, false)
+		if err != nil || !ok {
+			t.Fatalf("get %d: ok=%v err=%v: the message is gone", i+1, ok, err)
+		}
+		if err := d.Nack(false, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := deadLetters(t, b.ch, b.queue); len(got) != 1 || got[0].MessageId != "kept" {
+		t.Fatalf("after 25 deliveries the dead-letter queue holds %d messages, want the one", len(got))
+	}
+}
+
+// wantDeadLetteredAtOnce fails unless the message id, dead-lettered by now with the reason in
+// reasons, got there as the design promises for a permanent error: the handler ran it ran
+// times, want (once on its own, and once for each failed batch that held it); nothing retried it
+// in place or returned it to the queue, so it had one delivery; and its copy carries reason,
+// the handler's own.
+func wantDeadLetteredAtOnce(t *testing.T, b *testBundle, id string, ran, want int, reasons map[string]string, reason string) {
+	t.Helper()
+	if ran != want {
+		t.Errorf("message %s: the handler ran it %d times before it was dead-lettered, want %d: a permanent error was retried", id, ran, want)
+	}
+	if lines := b.logs.Lines("message_id="+id, "retrying message"); len(lines) != 0 {
+		t.Errorf("message %s: a permanent error was retried in place: %q", id, lines)
+	}
+	if lines := b.logs.Lines("message_id="+id, "returning message to the queue"); len(lines) != 0 {
+		t.Errorf("message %s: a permanent error was returned to the queue for another delivery: %q", id, lines)
+	}
+	if r, ok := reasons[id]; !ok || r != reason {
+		t.Errorf("message %s: dead-letter reason %q (in the queue: %v), want the handler's own %q", id, r, ok, reason)
+	}
+}
+
+// wantNothingRequeued fails if the consumer of queue returned any message to it.
+func wantNothingRequeued(t *testing.T, b *testBundle, queue string) {
+	t.Helper()
+	if n, _ := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"outcome": "requeued", "queue": queue}); n != 0 {
+		t.Errorf("metrics count %v requeues on %s: a message had more than one delivery", n, queue)
+	}
+}
+
+// A handler's permanent error dead-letters its message on the first try, with batching off:
+// no retry in place, no return to the queue, no waiting for the delivery limit, and the
+// handler's reason as it was. (The delivery limit here is small so that a consumer that did
+// retry it would still dead-letter it within seconds, and the counts would say how often it
+// ran.)
+func TestConsumerDeadLettersAPermanentErrorOnTheFirstTry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	msg := newMessage(t, 1)
+	const reason = "order belongs to no customer"
+	var attempts atomic.Int32
+	refuse := func(_ context.Context, tx *gorm.DB, p payload, m messaging.Message) error {
+		if m.ID == msg.ID {
+			attempts.Add(1)
+			return messaging.Permanent(errors.New(reason))
+		}
+		return doWork(tx, p, m)
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, refuse, func(c *messaging.SubscriptionConfig) { c.BatchSize, c.DeliveryLimit = 1, 3 })
+	b.publishRaw(t, publishing(msg))
+	id := msg.ID.String()
+	testenv.Eventually(t, 20*time.Second, func() bool { return len(b.logs.Lines("message dead-lettered", "message_id="+id)) > 0 },
+		"the message was not dead-lettered")
+	wantDeadLetteredAtOnce(t, b, id, int(attempts.Load()), 1, reasonsByID(deadLetters(t, b.ch, b.queue)), reason)
+	wantNothingRequeued(t, b, b.queue)
+}
+
+// A batch that holds a message with a permanent error, on a subscription's default path: the
+// batch fails once, on that message; its messages are then handled one by one, and the refused
+// one runs once on its own and goes to the dead-letter queue with its handler's reason, while
+// the others are done, each once. The messages wait in the queue before the subscription starts,
+// so they come as a batch; the first one's handler holds its transaction until the broker has
+// sent every other message, so that, should the first batch not hold the refused message, the
+// next one takes it with the rest.
+func TestSubscriptionBatchWithAPermanentErrorDeadLettersItOnItsFirstTryAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	const n, reason = 7, "order belongs to no customer"
+	msgs := make([]messaging.Message, n)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+	}
+	first, bad := msgs[0], msgs[n/2]
+	queue := testenv.Channel(t) // the handler's own, to look at the queue
+	var attempts atomic.Int32
+	work := func(_ context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		switch msg.ID {
+		case bad.ID:
+			attempts.Add(1)
+			return messaging.Permanent(errors.New(reason))
+		case first.ID:
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+				if q, err := queue.QueueDeclarePassive(b.queue, true, false, false, false, nil); err != nil || q.Messages == 0 {
+					break
+				}
+			}
+		}
+		return doWork(tx, p, msg)
+	}
+	for _, m := range msgs {
+		b.publishRaw(t, publishing(m))
+	}
+	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Concurrency: 1, DeliveryLimit: 3, Logger: b.log, Metrics: b.metrics,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(s, b.orderPlaced(), work))
+	stop := start(t, s.Run)
+	id := bad.ID.String()
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return b.workDone(t) == n-1 && len(b.logs.Lines("message dead-lettered", "message_id="+id)) > 0
+	}, "want the other %d messages handled and the refused one dead-lettered", n-1)
+	// Whatever was not settled goes back to the queue with the connection.
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+
+	if lines := b.logs.Lines("batch failed; processing its messages one by one"); len(lines) != 1 || !strings.Contains(lines[0], id) {
+		t.Fatalf("want the batch to fail once, on the refused message %s, got %q", id, lines)
+	}
+	dead := deadLetters(t, b.ch, b.queue)
+	if len(dead) != 1 {
+		t.Errorf("dead-letter queue held %d messages, want the refused one alone", len(dead))
+	}
+	wantDeadLetteredAtOnce(t, b, id, int(attempts.Load()), 2, reasonsByID(dead), reason)
+	wantNothingRequeued(t, b, b.queue)
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Errorf("%d messages were worked twice", d)
+	}
+	if depth := testenv.QueueDepth(t, b.ch, b.queue); depth != 0 {
+		t.Errorf("%d messages back in the queue, want every one settled", depth)
+	}
+}

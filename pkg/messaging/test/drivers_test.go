@@ -1,0 +1,351 @@
+package test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/sqldriver"
+)
+
+// driverPool is the size of the pool a conformance test opens for its driver: the relay's two
+// lanes and its LISTEN, the subscription's two workers, and the test's own transaction.
+const driverPool = 6
+
+// driverCase is one driver under the conformance test, with what the test does in the
+// driver's own transactions: what a service does with them.
+type driverCase[Tx any] struct {
+	drv messaging.Driver[Tx]
+	// begin, commit and rollback are the service's own transaction, around Enqueue.
+	begin    func(ctx context.Context) (Tx, error)
+	commit   func(ctx context.Context, tx Tx) error
+	rollback func(ctx context.Context, tx Tx) error
+	// notATransaction is a Tx that is not in a transaction: Enqueue must refuse it.
+	notATransaction Tx
+	// work writes message id's row of driver_work in tx, the handler's transaction.
+	work func(ctx context.Context, tx Tx, id uuid.UUID) error
+	// notifies says whether a relay on the driver wakes on NOTIFY; if not, it must say that it
+	// polls.
+	notifies bool
+}
+
+// The conformance of each driver: the library's migrations; Enqueue in the caller's
+// transaction, and only there; a relay on the driver's pool that publishes to a real queue, and
+// wakes on NOTIFY if the driver can receive them; a subscription whose handler writes with the
+// driver's own transaction type, skips a redelivered duplicate and runs AfterCommit hooks only
+// once committed; the operator's functions and the cleanups; and every connection back in the
+// pool at the end.
+
+func TestPgxDriver(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	testenv.Draw(t, driverPool)
+	cfg, err := pgxpool.ParseConfig(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = driverPool
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testDriver(t, d, func() { pool.Close() }, driverCase[pgx.Tx]{
+		drv:      pgxdriver.New(pool),
+		begin:    func(ctx context.Context) (pgx.Tx, error) { return pool.Begin(ctx) },
+		commit:   func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
+		rollback: func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+		work: func(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
+			_, err := tx.Exec(ctx, "INSERT INTO driver_work (message_id) VALUES ($1)", id)
+			return err
+		},
+		notifies: true,
+	})
+}
+
+func TestSQLDriver(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	db := openSQL(t, d.URL)
+	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db), db, false))
+}
+
+// The database/sql adapter receives notifications when given the driver's way to wait for
+// them: pgx's, here.
+func TestSQLDriverWithNotifications(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	db := openSQL(t, d.URL)
+	wait := func(ctx context.Context, c *sql.Conn) error {
+		return c.Raw(func(driverConn any) error {
+			_, err := driverConn.(*stdlib.Conn).Conn().WaitForNotification(ctx)
+			return err
+		})
+	}
+	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db).WithNotifications(wait), db, true))
+}
+
+func TestGormDriver(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	drv := d.Driver(t)
+	testDriver(t, d, nil, driverCase[*gorm.DB]{
+		drv: drv,
+		begin: func(ctx context.Context) (*gorm.DB, error) {
+			tx := d.DB.WithContext(ctx).Begin()
+			return tx, tx.Error
+		},
+		commit:          func(_ context.Context, tx *gorm.DB) error { return tx.Commit().Error },
+		rollback:        func(_ context.Context, tx *gorm.DB) error { return tx.Rollback().Error },
+		notATransaction: d.DB, // a plain handle: Enqueue on it would commit the messages on their own
+		work: func(_ context.Context, tx *gorm.DB, id uuid.UUID) error {
+			return tx.Exec("INSERT INTO driver_work (message_id) VALUES (?)", id).Error
+		},
+		notifies: true,
+	})
+}
+
+// openSQL opens a database/sql pool on url through pgx's stdlib driver.
+func openSQL(t *testing.T, url string) *sql.DB {
+	t.Helper()
+	testenv.Draw(t, driverPool)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(driverPool)
+	return db
+}
+
+func sqlCase(drv *sqldriver.Driver, db *sql.DB, notifies bool) driverCase[*sql.Tx] {
+	return driverCase[*sql.Tx]{
+		drv:      drv,
+		begin:    func(ctx context.Context) (*sql.Tx, error) { return db.BeginTx(ctx, nil) },
+		commit:   func(_ context.Context, tx *sql.Tx) error { return tx.Commit() },
+		rollback: func(_ context.Context, tx *sql.Tx) error { return tx.Rollback() },
+		work: func(ctx context.Context, tx *sql.Tx, id uuid.UUID) error {
+			_, err := tx.ExecContext(ctx, "INSERT INTO driver_work (message_id) VALUES ($1)", id)
+			return err
+		},
+		notifies: notifies,
+	}
+}
+
+// hookRun is what an AfterCommit hook saw.
+type hookRun struct {
+	id      uuid.UUID
+	attempt int  // of the handler, from 1
+	visible bool // the attempt's row, read from outside its transaction
+}
+
+// testDriver runs the conformance test of c on database d; closePool, if not nil, closes the
+// driver's pool, which must not wait for a connection the library kept.
+func testDriver[Tx any](t *testing.T, d *testenv.Database, closePool func(), c driverCase[Tx]) {
+	ctx := context.Background()
+	log, logs := testenv.NewLogger(t)
+	for range 2 { // the second time, nothing to do
+		must(t, messaging.MigrateOutbox(ctx, c.drv.DB()))
+		must(t, messaging.MigrateInbox(ctx, c.drv.DB()))
+	}
+	for _, table := range []string{"outbox_messages", "inbox_messages"} {
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_tables WHERE tablename = ?", table); n != 1 {
+			t.Fatalf("no table %s after the migrations", table)
+		}
+	}
+	must(t, d.DB.Exec("CREATE TABLE driver_work (message_id uuid PRIMARY KEY)").Error)
+
+	exchange, queue := testenv.UniqueName("orders"), testenv.UniqueName("invoicing")
+	testenv.CleanupBroker(t, []string{queue, messaging.DeadLetterQueue(queue)}, []string{exchange})
+	event := messaging.Event[payload]{Exchange: exchange, Type: eventType}
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue, Bindings: []messaging.Binding{event.Binding()}}}}
+	message := func(n int) messaging.Message {
+		m, err := event.Message(payload{OrderID: uuid.New(), N: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	rows := func(id uuid.UUID) int64 {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ?", id)
+	}
+
+	// Enqueue writes in the caller's transaction: gone with its rollback, there with its commit.
+	enqueue := func(m messaging.Message, commit bool) {
+		t.Helper()
+		tx, err := c.begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		must(t, messaging.Enqueue(ctx, c.drv, tx, m))
+		if n := rows(m.ID); n != 0 {
+			t.Fatalf("the enqueued row is visible outside its transaction before the commit")
+		}
+		if commit {
+			must(t, c.commit(ctx, tx))
+		} else {
+			must(t, c.rollback(ctx, tx))
+		}
+	}
+	rolledBack, first := message(0), message(1)
+	enqueue(rolledBack, false)
+	if n := rows(rolledBack.ID); n != 0 {
+		t.Fatal("a rolled-back transaction left its outbox row")
+	}
+	if err := messaging.Enqueue(ctx, c.drv, c.notATransaction, message(-1)); !errors.Is(err, messaging.ErrNotInTransaction) {
+		t.Fatalf("Enqueue outside a transaction = %v, want ErrNotInTransaction", err)
+	}
+	enqueue(first, true)
+	if n := rows(first.ID); n != 1 {
+		t.Fatal("a committed transaction has no outbox row")
+	}
+
+	// The relay on the driver's pool publishes to a real queue. With notifications it waits for
+	// them (the poll is an hour away); without, it says it polls, and does.
+	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(), Topology: topology, Logger: log})
+	t.Cleanup(pub.Close)
+	poll := time.Hour
+	if !c.notifies {
+		poll = 200 * time.Millisecond
+	}
+	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: c.drv.DB(), Sender: pub, Exchange: exchange, PollInterval: poll, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopRelay := start(t, relay.Run)
+	sent := func(id uuid.UUID) bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND processed_at IS NOT NULL", id) == 1
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return sent(first.ID) }, "the relay did not send the first row")
+	if c.notifies {
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			return testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", d.Name) == 1
+		}, "the relay is not listening")
+	} else {
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			return len(logs.Lines("level=INFO", "cannot receive notifications; the relay polls")) == 1
+		}, "the relay did not say that it polls")
+	}
+	second := message(2)
+	enqueue(second, true)
+	woken := time.Now()
+	testenv.Eventually(t, 5*time.Second, func() bool { return sent(second.ID) }, "the relay did not send a row committed while it waited")
+	t.Logf("a row committed while the relay waited was sent %s later (notifications: %v)", time.Since(woken).Round(time.Millisecond), c.notifies)
+
+	// The subscription's handler writes with the driver's own transaction; its hooks run once
+	// that committed, and never for an attempt that failed.
+	sub, err := messaging.NewSubscription(c.drv, messaging.SubscriptionConfig{
+		Name: queue, URL: testenv.AMQPURL(), Topology: topology, Concurrency: 2, Logger: log,
+		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	attempts := map[uuid.UUID]int{}
+	hooks := make(chan hookRun, 10)
+	must(t, messaging.Handle(sub, event, func(ctx context.Context, tx Tx, p payload, msg messaging.Message) error {
+		mu.Lock()
+		attempts[msg.ID]++
+		attempt := attempts[msg.ID]
+		mu.Unlock()
+		if err := c.work(ctx, tx, msg.ID); err != nil {
+			return err
+		}
+		if err := messaging.AfterCommit(ctx, func() {
+			var n int64
+			err := d.DB.Raw("SELECT count(*) FROM driver_work WHERE message_id = ?", msg.ID).Scan(&n).Error
+			hooks <- hookRun{id: msg.ID, attempt: attempt, visible: err == nil && n == 1}
+		}); err != nil {
+			return err
+		}
+		if msg.ID == first.ID && attempt == 1 {
+			return fmt.Errorf("the first attempt at message %d fails", p.N)
+		}
+		return nil
+	}))
+	stopSub := start(t, sub.Run)
+	worked := func() int64 { return testenv.Count(t, d.DB, "SELECT count(*) FROM driver_work") }
+	testenv.Eventually(t, 10*time.Second, func() bool { return worked() == 2 }, "the subscription did not handle both messages")
+
+	// A redelivery of the second message is recognised, and skipped.
+	if errs := pub.Publish(ctx, []messaging.Message{second}); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(logs.Lines("duplicate message skipped", "consumer="+queue, "message_id="+second.ID.String())) == 1
+	}, "the redelivered message was not skipped as a duplicate")
+	if n := worked(); n != 2 {
+		t.Fatalf("%d rows of work for 2 messages, one of them delivered twice", n)
+	}
+	if n := len(logs.Lines("duplicate message skipped")); n != 1 {
+		t.Fatalf("%d duplicate lines, want 1", n)
+	}
+
+	// The operator's functions read and write through the driver's pool: a row the broker
+	// refused is listed with its reason, counted in the backlog and made due again.
+	refused := message(3)
+	refused.RoutingKey = "NobodyListens"
+	enqueue(refused, true)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND attempts > 0", refused.ID) == 1
+	}, "the relay did not record the broker's refusal")
+	failing, err := messaging.FailingOutboxMessages(ctx, c.drv.DB(), 10)
+	if err != nil || len(failing) != 1 || failing[0].ID != refused.ID || failing[0].LastError == nil ||
+		!strings.Contains(*failing[0].LastError, "unroutable") || failing[0].RoutingKey == nil || *failing[0].RoutingKey != "NobodyListens" {
+		t.Fatalf("failing rows = %+v, %v; want the refused one, unroutable", failing, err)
+	}
+	if stats, err := messaging.ReadOutboxStats(ctx, c.drv.DB()); err != nil || stats.Pending != 1 || stats.MaxAttempts < 1 {
+		t.Fatalf("outbox stats = %+v, %v; want the refused row pending", stats, err)
+	}
+	must(t, messaging.RetryOutboxMessage(ctx, c.drv.DB(), refused.ID))
+	if err := messaging.RetryOutboxMessage(ctx, c.drv.DB(), uuid.New()); !errors.Is(err, messaging.ErrNoUnsentMessage) {
+		t.Fatalf("retry of an unknown row = %v, want ErrNoUnsentMessage", err)
+	}
+	must(t, stopSub())
+	must(t, stopRelay())
+	// The cleanups take their lock on a connection of the pool: the two rows sent, and the two
+	// inbox records, go; the refused row stays.
+	for name, cleanup := range map[string]func(context.Context, messaging.DB, time.Duration, messaging.CleanupOptions) (messaging.CleanupResult, error){
+		"outbox": messaging.DeleteSentOutboxMessages, "inbox": messaging.DeleteInboxMessages,
+	} {
+		if res, err := cleanup(ctx, c.drv.DB(), 0, messaging.CleanupOptions{}); err != nil || res.Deleted != 2 {
+			t.Errorf("%s cleanup = %+v, %v; want 2 rows deleted", name, res, err)
+		}
+	}
+	close(hooks)
+	ran := map[uuid.UUID][]hookRun{}
+	for h := range hooks {
+		ran[h.id] = append(ran[h.id], h)
+	}
+	for m, wantAttempt := range map[uuid.UUID]int{first.ID: 2, second.ID: 1} {
+		if hs := ran[m]; len(hs) != 1 || hs[0].attempt != wantAttempt || !hs[0].visible {
+			t.Errorf("message %s: hooks ran %+v; want once, after attempt %d committed, its row visible", m, hs, wantAttempt)
+		}
+	}
+
+	if closePool != nil {
+		closed := make(chan struct{})
+		go func() { closePool(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Fatal("closing the driver's pool waits for a connection the library has not given back")
+		}
+	}
+}

@@ -1,0 +1,197 @@
+package test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// The consumer's database session is killed in the middle of its transaction: nothing may be
+// acknowledged, and the retry does the work exactly once.
+func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, 1) // an admin connection
+	b.createWorkTable(t)
+	var attempts atomic.Int32
+	inTx := make(chan int, 1)
+	release := make(chan struct{})
+	work := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		if err := doWork(tx, p, msg); err != nil {
+			return err
+		}
+		if attempts.Add(1) == 1 {
+			var pid int
+			if err := tx.Raw("SELECT pg_backend_pid()").Scan(&pid).Error; err != nil {
+				return err
+			}
+			inTx <- pid
+			<-release
+		}
+		return nil
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, work, nil)
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+
+	pid := <-inTx
+	// The work's transaction is open: the delivery must not be acknowledged yet. (The broker
+	// refreshes its queue statistics every few seconds, hence the wait.)
+	testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == 1 },
+		"the delivery is not unacknowledged while its work's transaction is open: acked before its commit")
+	admin := testenv.OpenPool(t, testenv.DatabaseURL(), 1)
+	var killed bool
+	if err := admin.Raw("SELECT pg_terminate_backend(?)", pid).Scan(&killed).Error; err != nil || !killed {
+		t.Fatalf("terminate backend %d: %v %v", pid, killed, err)
+	}
+	close(release)
+
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return b.workDone(t) == 1 && testenv.QueueDepth(t, b.ch, b.queue) == 0
+	}, "message not handled after its session was killed")
+	if a := attempts.Load(); a < 2 {
+		t.Fatalf("handler ran %d times; the killed attempt must have been retried", a)
+	}
+	if n := len(b.logs.Lines("retrying message", msg.ID.String())); n == 0 {
+		t.Fatal("the failed attempt was not logged as retried")
+	}
+	acked := `consumer_messages_total{outcome="acked",queue="` + b.queue + `"} 1`
+	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "the message was not acknowledged once")
+}
+
+// The queue is deleted under a running consumer: the broker cancels it, and it declares its
+// topology again and carries on.
+func TestConsumerRedeclaresItsQueueAfterItIsDeleted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	b.publishRaw(t, publishing(newMessage(t, 1)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "first message not handled")
+
+	if _, err := b.ch.QueueDelete(b.queue, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("consumer started")) >= 2 && c.Ready() },
+		"consumer did not come back after its queue was deleted")
+	b.publishRaw(t, publishing(newMessage(t, 2)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 2 }, "message after the redeclare not handled")
+}
+
+// Connections reset in the middle of a batch and a slow link: the relay loses nothing and
+// publishes everything (at least once) without help.
+func TestRelayThroughResetsAndLatency(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	r := b.relay(t, b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen)), func(c *messaging.RelayConfig) {
+		c.Backoff = messaging.Backoff{Base: 100 * time.Millisecond, Max: 500 * time.Millisecond}
+		c.PollInterval = 100 * time.Millisecond
+	})
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","attributes":{"latency":50,"jitter":20}}`)); err != nil {
+		t.Fatal(err)
+	}
+	// Every connection is reset 300 ms after it opens: batches break half-way, again and again.
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"reset","type":"reset_peer","stream":"upstream","attributes":{"timeout":300}}`)); err != nil {
+		t.Fatal(err)
+	}
+	ids := b.enqueue(t, 3000)
+	run(t, r.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("broker unavailable; relay paused")) > 0 },
+		"no batch broke on the resets")
+	if err := proxy.Toxics.RemoveToxic(context.Background(), "reset"); err != nil {
+		t.Fatal(err)
+	}
+	b.waitAllSent(t, 60*time.Second)
+	b.wantNoRowCharged(t)
+	missing, dups, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
+	t.Logf("through resets and 50 ms latency: %d missing, %d duplicates (absorbed by inboxes), %d unexpected", missing, dups, unexpected)
+	if missing+unexpected > 0 {
+		t.Fatalf("%d missing, %d unexpected", missing, unexpected)
+	}
+}
+
+// A half-open broker connection (traffic silently dropped) is detected by heartbeats in
+// bounded time: the consumer reconnects by itself once the network heals.
+func TestConsumerDetectsAHalfOpenConnectionByHeartbeat(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	c := b.consumer(t, testenv.AMQPURLVia(t, proxy.Listen), b.drv, workFunc, func(c *messaging.SubscriptionConfig) { c.Heartbeat = time.Second })
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"blackhole","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	testenv.Eventually(t, 15*time.Second, func() bool { return !c.Ready() }, "the silent connection was not detected")
+	t.Logf("half-open connection detected after %s (heartbeat 1 s)", time.Since(start).Round(100*time.Millisecond))
+	if err := proxy.Toxics.RemoveToxic(context.Background(), "blackhole"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 15*time.Second, c.Ready, "consumer did not reconnect")
+	b.publishRaw(t, publishing(newMessage(t, 1)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "message after the reconnect not handled")
+}
+
+// unacked is how many of queue's deliveries (on the default vhost) are not acknowledged yet: a
+// passive declare counts only the ready ones.
+func unacked(t *testing.T, queue string) int {
+	t.Helper()
+	out := testenv.RabbitMQCtl(t, "list_queues", "-q", "-p", "/", "--no-table-headers", "name", "messages_unacknowledged")
+	for line := range strings.SplitSeq(out, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == queue {
+			n, err := strconv.Atoi(f[1])
+			if err != nil {
+				t.Fatalf("list_queues: %q: %v", line, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("list_queues has no queue %s", queue)
+	return 0
+}
+
+// A channel the broker closes under one of the consumer's workers (a channel error) ends the
+// whole session: the other workers' consumers are cancelled, so their deliveries are not handed
+// back to them over and over, and the consumer reconnects and handles what comes next.
+func TestConsumerReconnectsWhenOneOfItsChannelsCloses(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	closeAConsumerChannel(t, b.queue)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("consumer disconnected; reconnecting", "PRECONDITION_FAILED")) > 0
+	}, "the closed channel did not end the session")
+	testenv.Eventually(t, 10*time.Second, c.Ready, "the consumer did not reconnect after one of its channels closed")
+	const n = 20
+	for i := range n {
+		b.publishRaw(t, publishing(newMessage(t, i)))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == n }, "messages after the channel's close not handled")
+}
+
+// closeAConsumerChannel makes the broker close one of the channels consuming queue (on the
+// default vhost), as it closes a channel after a channel error: it acknowledges, on that
+// channel's behalf, a delivery tag the channel never had, as the connection hands a client's
+// method to its channel. RabbitMQ 3.x lists a consumer as a tuple, 4.x as a property list.
+func closeAConsumerChannel(t *testing.T, queue string) {
+	t.Helper()
+	out := testenv.RabbitMQCtl(t, "eval", fmt.Sprintf(`
+Field = fun(C, Key, _) when is_list(C) -> proplists:get_value(Key, C); (C, _, Pos) -> element(Pos, C) end,
+case [Field(C, channel_pid, 2) || C <- rabbit_amqqueue:consumers_all(<<"/">>), element(4, Field(C, queue_name, 1)) =:= <<%q>>] of
+  [Ch | _] -> gen_server2:cast(Ch, {method, {'basic.ack', 999999, false}, none, noflow}), closed;
+  [] -> no_consumer
+end.`, queue))
+	if strings.TrimSpace(out) != "closed" {
+		t.Fatalf("no channel consumes %s: %s", queue, out)
+	}
+}

@@ -1,0 +1,210 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+)
+
+func TestEnqueueCommitsAndRollsBackWithBusinessData(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := b.db.DB
+	if err := db.Exec("CREATE TABLE orders (id uuid PRIMARY KEY)").Error; err != nil {
+		t.Fatal(err)
+	}
+	placeOrder := func(fail bool) error {
+		return db.Transaction(func(tx *gorm.DB) error {
+			msg := newMessage(t, 0)
+			if err := tx.Exec("INSERT INTO orders (id) VALUES (?)", msg.ID).Error; err != nil {
+				return err
+			}
+			if err := messaging.Enqueue(context.Background(), b.drv, tx, msg); err != nil {
+				return err
+			}
+			if fail {
+				return errors.New("business rule failed after enqueue")
+			}
+			return nil
+		})
+	}
+
+	if err := placeOrder(false); err != nil {
+		t.Fatal(err)
+	}
+	if err := placeOrder(true); err == nil {
+		t.Fatal("want the failing transaction's error")
+	}
+
+	if n := testenv.Count(t, db, "SELECT count(*) FROM orders"); n != 1 {
+		t.Errorf("orders = %d, want 1 (the rolled-back one must not exist)", n)
+	}
+	if n := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); n != 1 {
+		t.Errorf("outbox rows = %d, want 1 (the rolled-back one must not exist)", n)
+	}
+	if n := testenv.Count(t, db, `SELECT count(*) FROM outbox_messages o JOIN orders ON orders.id = o.id
+		WHERE o.type = 'OrderPlaced' AND o.processed_at IS NULL AND o.attempts = 0 AND o.next_attempt_at <= now()`); n != 1 {
+		t.Errorf("committed outbox row is not a due, unsent OrderPlaced row with the order's id")
+	}
+}
+
+// One Enqueue of more messages than a statement with a parameter per value could carry
+// (PostgreSQL takes at most 65,535): every row is written, in the caller's transaction, and a
+// rollback leaves none.
+func TestEnqueueTakesMoreMessagesThanOneStatementCarries(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := b.db.DB
+	const n = 30_000
+	batch := func() ([]messaging.Message, []uuid.UUID) {
+		msgs, ids := make([]messaging.Message, n), make([]uuid.UUID, n)
+		for i := range msgs {
+			msgs[i] = newMessage(t, i)
+			ids[i] = msgs[i].ID
+		}
+		return msgs, ids
+	}
+
+	rolledBack, _ := batch()
+	err := db.Transaction(func(tx *gorm.DB) error {
+		if err := messaging.Enqueue(context.Background(), b.drv, tx, rolledBack...); err != nil {
+			t.Fatalf("enqueue %d messages: %v", n, err)
+		}
+		return errors.New("roll back")
+	})
+	if err == nil {
+		t.Fatal("want the rolled-back transaction's error")
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); got != 0 {
+		t.Fatalf("after a rollback: %d outbox rows, want 0", got)
+	}
+
+	committed, ids := batch()
+	if err := db.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, committed...) }); err != nil {
+		t.Fatalf("enqueue %d messages: %v", n, err)
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); got != n {
+		t.Fatalf("%d outbox rows, want %d", got, n)
+	}
+	if got := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages WHERE id IN ?", ids); got != n {
+		t.Fatalf("%d of the %d enqueued ids found", got, n)
+	}
+	if got := testenv.Count(t, db, "SELECT count(DISTINCT (payload->>'n')::int) FROM outbox_messages"); got != n {
+		t.Fatalf("%d distinct payloads, want %d", got, n)
+	}
+}
+
+func TestEnqueueRefusesToRunOutsideATransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	err := messaging.Enqueue(context.Background(), b.drv, b.db.DB, newMessage(t, 0)) // a plain handle, not a transaction
+	if !errors.Is(err, messaging.ErrNotInTransaction) {
+		t.Fatalf("Enqueue outside a transaction = %v, want ErrNotInTransaction", err)
+	}
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); n != 0 {
+		t.Fatalf("outbox rows = %d, want 0", n)
+	}
+}
+
+func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	bad := []messaging.Message{
+		{Type: eventType, Payload: []byte(`{}`)},
+		{ID: newMessage(t, 0).ID, Type: eventType, Payload: []byte(`not json`)},
+		{ID: newMessage(t, 0).ID, Payload: []byte(`{}`)},
+	}
+	for _, m := range bad {
+		err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, m) })
+		if err == nil {
+			t.Errorf("Enqueue(%+v) succeeded, want an error", m)
+		}
+	}
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); n != 0 {
+		t.Fatalf("outbox rows = %d, want 0", n)
+	}
+}
+
+func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, 1) // a LISTEN connection of the test's own
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, b.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "LISTEN "+statements.NotifyChannel); err != nil {
+		t.Fatal(err)
+	}
+
+	// A rolled-back enqueue notifies nobody; the committed one right after it does, so the
+	// first notification to arrive must come from a transaction that wrote a row.
+	_ = b.db.DB.Transaction(func(tx *gorm.DB) error {
+		if err := messaging.Enqueue(context.Background(), b.drv, tx, newMessage(t, 0)); err != nil {
+			t.Fatal(err)
+		}
+		return errors.New("roll back")
+	})
+	b.enqueue(t, 1)
+
+	n, err := conn.WaitForNotification(ctx)
+	if err != nil {
+		t.Fatalf("no notification after commit: %v", err)
+	}
+	if n.Channel != statements.NotifyChannel {
+		t.Fatalf("notification on %q, want %q", n.Channel, statements.NotifyChannel)
+	}
+	if rows := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); rows != 1 {
+		t.Fatalf("outbox rows = %d, want 1", rows)
+	}
+}
+
+func TestMigrationsAreIdempotentAndSafeConcurrently(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	pool := db.Driver(t).DB()
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 4 {
+		wg.Go(func() {
+			errs <- messaging.MigrateOutbox(context.Background(), pool)
+			errs <- messaging.MigrateInbox(context.Background(), pool)
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	versions, err := fs.Glob(messaging.Schema, "schema/outbox/*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM messaging_outbox_schema WHERE version_id > 0"); n != int64(len(versions)) {
+		t.Errorf("%d outbox migrations recorded, want each of the %d once", n, len(versions))
+	}
+	// The partial index that keeps the relay's claim cheap however many sent rows pile up.
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_indexes WHERE tablename = 'outbox_messages'
+		AND indexdef LIKE '%WHERE (processed_at IS NULL)%'`); n != 1 {
+		t.Errorf("partial index on unprocessed outbox rows: found %d, want 1", n)
+	}
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_constraint WHERE conrelid = 'inbox_messages'::regclass
+		AND contype = 'p' AND array_length(conkey, 1) = 2`); n != 1 {
+		t.Errorf("inbox_messages needs a primary key on (message_id, consumer)")
+	}
+}

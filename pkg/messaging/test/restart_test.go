@@ -1,0 +1,167 @@
+package test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// These tests stop or restart the real RabbitMQ and PostgreSQL, which would break every other
+// test running at the same time. scripts/test.sh runs them alone, after the main suite, with
+// TEST_SERVER_RESTARTS=1.
+func requireServerRestarts(t *testing.T) {
+	t.Helper()
+	if os.Getenv("TEST_SERVER_RESTARTS") != "1" {
+		t.Skip("restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone (scripts/test.sh does)")
+	}
+}
+
+func TestServerRestartBrokerStopAppThenStartApp(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("start_app") })
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
+
+	ids := b.enqueue(t, 5)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 5 }, "first messages not handled")
+
+	testenv.RabbitMQCtl(t, "stop_app")
+	testenv.Eventually(t, 20*time.Second, func() bool { return !c.Ready() }, "consumer did not notice the broker stop")
+	ids = append(ids, b.enqueue(t, 20)...) // orders keep coming while the broker is down
+	testenv.RabbitMQCtl(t, "start_app")
+	testenv.RabbitMQCtl(t, "await_startup")
+
+	testenv.Eventually(t, 60*time.Second, func() bool { return b.workDone(t) == int64(len(ids)) && b.unprocessed(t) == 0 },
+		"not everything was handled after the broker came back")
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
+}
+
+// PostgreSQL restarted while the relay and a consumer are busy: both recover by themselves,
+// the relay's LISTEN comes back (a row committed afterwards is sent without waiting for the
+// poll), nothing is lost, done twice or dead-lettered.
+func TestServerRestartPostgreSQLRestart(t *testing.T) {
+	requireServerRestarts(t)
+	cluster := testenv.PostgreSQLCluster(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour }).Run)
+	listening := func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}
+	testenv.Eventually(t, 10*time.Second, listening, "relay is not listening")
+	started := func() time.Time {
+		var at time.Time
+		if err := b.db.DB.Raw("SELECT pg_postmaster_start_time()").Scan(&at).Error; err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
+	before := started()
+
+	// Under load: rows keep coming while the server restarts.
+	var ids []uuid.UUID
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			msg := newMessage(t, len(ids))
+			if b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, msg) }) == nil {
+				ids = append(ids, msg.ID)
+			}
+			time.Sleep(20 * time.Millisecond) // the pace of incoming rows, not a synchronisation
+		}
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 5 }, "no work done before the restart")
+	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput()
+	if err != nil {
+		close(stop)
+		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool { return b.db.DB.Exec("SELECT 1").Error == nil }, "PostgreSQL did not come back")
+	if after := started(); !after.After(before) {
+		t.Fatalf("the server at TEST_DATABASE_URL did not restart: started at %s, and still at %s", before, after)
+	}
+	testenv.Eventually(t, 30*time.Second, listening, "the relay did not LISTEN again after the restart")
+	// The traffic goes on until work done after the restart shows it is handled again.
+	resumed := b.workDone(t)
+	testenv.Eventually(t, 30*time.Second, func() bool { return b.workDone(t) > resumed }, "no work done after the restart")
+	close(stop)
+	<-done
+
+	// With the poll an hour away, only a NOTIFY on the new connection can send this one soon.
+	ids = append(ids, b.enqueue(t, 1)...)
+	testenv.Eventually(t, 60*time.Second, func() bool { return b.workDone(t) == int64(len(ids)) && b.unprocessed(t) == 0 },
+		"not everything was handled after PostgreSQL restarted")
+	if d := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT message_id FROM work_items GROUP BY message_id HAVING count(*) > 1) d"); d != 0 {
+		t.Fatalf("%d messages were worked twice", d)
+	}
+	if !c.Ready() {
+		t.Fatal("consumer not ready after the database restart")
+	}
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)); n != 0 {
+		t.Fatalf("dead-letter queue holds %d", n)
+	}
+	t.Logf("%d rows across a PostgreSQL restart (start time %s → %s), all handled once", len(ids), before.Format(time.RFC3339), started().Format(time.RFC3339))
+}
+
+// A memory alarm blocks every publisher of the broker. The relay learns it from the broker's
+// connection.blocked, and pauses: no transaction stays open and no row stays locked through the
+// alarm (the 15 s confirm timeout is not waited out), no row is charged, and everything goes out
+// once the alarm clears.
+func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("set_vm_memory_high_watermark", previous) })
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
+	ids := b.enqueue(t, 5)
+	b.waitAllSent(t, 10*time.Second)
+
+	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", "0")
+	ids = append(ids, b.enqueue(t, 10)...)
+	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("rabbitmq blocked the connection")) > 0 },
+		"the publisher was not told it is blocked")
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(b.logs.Lines("broker unavailable; relay paused", "blocked")) == 1 },
+		"the relay did not pause on the blocked connection")
+	// Watch the relay through the alarm for longer than the confirm timeout: it holds nothing.
+	for end := time.Now().Add(16 * time.Second); time.Now().Before(end); {
+		if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND state LIKE 'idle in transaction%'", b.db.Name); n != 0 {
+			t.Fatalf("%d transactions held open during the alarm", n)
+		}
+		if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM (SELECT id FROM outbox_messages WHERE processed_at IS NULL FOR UPDATE SKIP LOCKED) free"); n != 10 {
+			t.Fatalf("%d of the 10 waiting rows are free to claim during the alarm: the others are locked", n)
+		}
+		time.Sleep(200 * time.Millisecond) // sampling pace
+	}
+	b.wantNoRowCharged(t)
+
+	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", previous)
+	b.waitAllSent(t, 30*time.Second)
+	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
+	if missing+unexpected > 0 {
+		t.Fatalf("after the alarm: %d missing, %d unexpected", missing, unexpected)
+	}
+	if lines := b.logs.Lines("broker available again; relay resumed", "rows_waiting=10"); len(lines) != 1 {
+		t.Fatalf("want one line for the end of the alarm with 10 rows waiting, got %q", b.logs.Lines("broker available again"))
+	}
+}

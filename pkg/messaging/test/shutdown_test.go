@@ -1,0 +1,271 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+)
+
+// start runs fn in the background; stop cancels it and returns what it returned, failing t
+// if that takes over 10 s.
+func start(t *testing.T, fn func(ctx context.Context) error) (stop func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- fn(ctx) }()
+	t.Cleanup(cancel)
+	return func() error {
+		cancel()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(10 * time.Second):
+			t.Fatal("did not stop within 10 s of cancellation")
+			return nil
+		}
+	}
+}
+
+// heldPublish holds the first Publish until released, after saying it has begun.
+type heldPublish struct {
+	messaging.Sender
+	begun, release chan struct{}
+	once           sync.Once
+}
+
+func (h *heldPublish) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	h.once.Do(func() {
+		close(h.begun)
+		<-h.release
+	})
+	return h.Sender.Publish(ctx, msgs)
+}
+
+// A batch in flight at shutdown is published and marked within the grace period, not
+// abandoned to be sent again by the next relay.
+func TestRelayFinishesTheBatchInFlightAtShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	held := &heldPublish{Sender: b.publisher(t, testenv.AMQPURL()), begun: make(chan struct{}), release: make(chan struct{})}
+	r := b.relay(t, held, func(c *messaging.RelayConfig) { c.Lanes, c.ShutdownGrace = 1, 5*time.Second })
+	ids := b.enqueue(t, 5)
+	stop := start(t, r.Run)
+	<-held.begun
+
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	select {
+	case err := <-stopped:
+		t.Fatalf("Run returned (%v) with a batch still publishing", err)
+	case <-time.After(300 * time.Millisecond): // the shutdown is under way and must wait
+	}
+	close(held.release)
+	if err := <-stopped; err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if n := b.unprocessed(t); n != 0 {
+		t.Fatalf("%d of the 5 rows in flight at shutdown are unsent, want 0: the batch was abandoned", n)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
+
+// A message whose handler runs at shutdown is committed and acknowledged within the grace
+// period: not requeued to be handled again.
+func TestConsumerFinishesTheMessageInFlightAtShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	begun, release := make(chan struct{}), make(chan struct{})
+	work := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		close(begun)
+		<-release
+		return doWork(tx, p, msg)
+	}
+	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+		ShutdownGrace: 5 * time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(c, b.orderPlaced(), work))
+	stop := start(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	msg := newMessage(t, 1)
+	b.publishRaw(t, publishing(msg))
+	<-begun
+
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	select {
+	case err := <-stopped:
+		t.Fatalf("Run returned (%v) with a handler still running", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	close(release)
+	if err := <-stopped; err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if w := b.workDone(t); w != 1 {
+		t.Fatalf("work done %d times, want the 1 in flight at shutdown", w)
+	}
+	// Acknowledged: with its consumer gone, nothing is left to redeliver.
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("%d messages back in the queue after shutdown, want 0: the finished work was not acknowledged", n)
+	}
+}
+
+// Two batches holding the same messages in opposite orders claim them in id order, so the
+// second waits for the first instead of deadlocking with it. A batch's messages are claimed in
+// one statement (statements.ClaimInbox), row after row: a trigger that pauses before each row
+// makes the two claims interleave, as a busy database may, for as long as it takes each to hold
+// one row and want the other's.
+func TestOverlappingBatchesDoNotDeadlock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, q := range []string{
+		`CREATE FUNCTION pause() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$`,
+		`CREATE TRIGGER pause BEFORE INSERT ON inbox_messages FOR EACH ROW EXECUTE FUNCTION pause()`,
+	} {
+		if err := b.db.DB.Exec(q).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	m1, m2 := newMessage(t, 1), newMessage(t, 2)
+	claim := func(ids ...uuid.UUID) (claimed int, err error) {
+		ctx := context.Background()
+		tx, err := b.drv.DB().Begin(ctx)
+		if err != nil {
+			return 0, err
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		list := make([]string, len(ids))
+		for i, id := range ids {
+			list[i] = id.String()
+		}
+		rows, err := tx.Query(ctx, statements.ClaimInbox, "{"+strings.Join(list, ",")+"}", b.queue)
+		if err != nil {
+			return 0, err
+		}
+		for rows.Next() {
+			claimed++
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return 0, err
+		}
+		return claimed, tx.Commit(ctx)
+	}
+	var wg sync.WaitGroup
+	errs, claimed := make([]error, 2), make([]int, 2)
+	wg.Go(func() { claimed[0], errs[0] = claim(m1.ID, m2.ID) })
+	wg.Go(func() { claimed[1], errs[1] = claim(m2.ID, m1.ID) })
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatalf("overlapping batches: %v", err)
+	}
+	if claimed[0]+claimed[1] != 2 {
+		t.Fatalf("the batches claimed %d and %d messages, want each of the 2 claimed once", claimed[0], claimed[1])
+	}
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM inbox_messages"); n != 2 {
+		t.Fatalf("%d inbox records, want 2", n)
+	}
+}
+
+// timesDelivered is a quorum queue's count of d's earlier deliveries that it holds against it.
+func timesDelivered(d amqp.Delivery) int64 {
+	n, _ := d.Headers["x-delivery-count"].(int64)
+	return n
+}
+
+// Messages that their consumer still holds at shutdown, waiting out a dependency, are handed
+// back as not failed: a nack, not a reject, and only once every consumer of the subscription is
+// cancelled, so that the broker neither delivers them to it again nor gets them back a second
+// time from the closing connection, and charges them no more than any other hand-back. RabbitMQ
+// 4.3 counts only rejects towards the delivery limit; the test compares the consumer's
+// hand-back with a plain nack, which each broker counts its own way. Each worker holds one
+// message (prefetch 1), so that every worker's hand-back races the cancels.
+func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	away := func(context.Context, *gorm.DB, payload, messaging.Message) error {
+		return messaging.Unavailable(errors.New("database away"))
+	}
+	const workers = 8
+	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+		Concurrency: workers, Prefetch: 1, RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(c, b.orderPlaced(), away))
+	stop := start(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	ids := make([]string, workers)
+	for i := range ids {
+		msg := newMessage(t, i)
+		ids[i] = msg.ID.String()
+		b.publishRaw(t, publishing(msg))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		for _, id := range ids {
+			if len(b.logs.Lines("dependency unavailable", id)) == 0 {
+				return false
+			}
+		}
+		return true
+	}, "not every worker started waiting out the dependency")
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if lines := b.logs.Lines("could not nack"); len(lines) != 0 {
+		t.Fatalf("a hand-back failed, so the broker took the message back by itself: %q", lines)
+	}
+
+	// takeAll gets every message back from the queue, by id.
+	takeAll := func() map[string]amqp.Delivery {
+		t.Helper()
+		got := make(map[string]amqp.Delivery, workers)
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			d, ok, err := b.ch.Get(b.queue, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok {
+				got[d.MessageId] = d
+			}
+			return len(got) == workers
+		}, "the messages are not all back in the queue")
+		return got
+	}
+	afterShutdown := takeAll()
+	for _, d := range afterShutdown {
+		if err := d.Nack(false, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	afterNack := takeAll()
+	for _, d := range afterNack {
+		if err := d.Ack(false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, id := range ids {
+		byConsumer, byNack := timesDelivered(afterShutdown[id]), timesDelivered(afterNack[id])-timesDelivered(afterShutdown[id])
+		if byConsumer != byNack {
+			t.Errorf("message %s: the hand-back at shutdown added %d to its delivery count, a nack adds %d: it was charged as a failure", id, byConsumer, byNack)
+		}
+	}
+}

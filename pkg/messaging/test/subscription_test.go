@@ -1,0 +1,385 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
+)
+
+// Two events on one queue, from two exchanges, as the subscription tests use them.
+type (
+	placed struct {
+		OrderID uuid.UUID `json:"order_id"`
+		N       int       `json:"n"`
+	}
+	cancelled struct {
+		OrderID uuid.UUID `json:"order_id"`
+	}
+)
+
+type subscriptionBundle struct {
+	*testBundle
+	other   string // a second exchange
+	name    string // the subscription's consumer and queue
+	placed  messaging.Event[placed]
+	cancels messaging.Event[cancelled]
+}
+
+func setupSubscription(t *testing.T) *subscriptionBundle {
+	t.Helper()
+	b := &subscriptionBundle{testBundle: setup(t), other: testenv.UniqueName("invoicing"), name: testenv.UniqueName("sub")}
+	testenv.CleanupBroker(t, []string{b.name, messaging.DeadLetterQueue(b.name)}, []string{b.other})
+	b.placed = messaging.Event[placed]{Exchange: b.exchange, Type: "Placed", Validate: func(p placed) error {
+		if p.OrderID == uuid.Nil {
+			return errors.New("no order_id")
+		}
+		return nil
+	}}
+	b.cancels = messaging.Event[cancelled]{Exchange: b.other, Type: "Cancelled"}
+	if err := b.db.DB.Exec("CREATE TABLE handled (message_id uuid NOT NULL, type text NOT NULL, txid bigint NOT NULL)").Error; err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (b *subscriptionBundle) subscription(t *testing.T, tweak func(*messaging.SubscriptionConfig)) *messaging.Subscription[*gorm.DB] {
+	t.Helper()
+	cfg := messaging.SubscriptionConfig{Name: b.name, URL: testenv.AMQPURL(), Concurrency: 2, Logger: b.log, Metrics: b.metrics}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	s, err := messaging.NewSubscription(b.drv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// record is a handler's work: one row per message, with the transaction it ran in.
+func record(tx *gorm.DB, msg messaging.Message) error {
+	return tx.Exec("INSERT INTO handled (message_id, type, txid) VALUES (?, ?, txid_current())", msg.ID, msg.Type).Error
+}
+
+func (b *subscriptionBundle) publish(t *testing.T, exchange string, msg messaging.Message) {
+	t.Helper()
+	if err := b.ch.PublishWithContext(context.Background(), exchange, msg.Type, true, false, publishing(msg)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (b *subscriptionBundle) handled(t *testing.T, query string) int64 {
+	t.Helper()
+	return testenv.Count(t, b.db.DB, query)
+}
+
+// One queue carries two event types from two exchanges, each to its typed handler, in batches
+// that share one transaction; a redelivered message is worked once.
+func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	var mu sync.Mutex
+	got := map[string]int{}
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		mu.Lock()
+		got["placed"]++
+		mu.Unlock()
+		return record(tx, msg)
+	}))
+	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, c cancelled, msg messaging.Message) error {
+		mu.Lock()
+		got["cancelled"]++
+		mu.Unlock()
+		return record(tx, msg)
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	// The messages wait before the subscription starts, so batches form.
+	const n = 200
+	var first messaging.Message
+	for i := range n {
+		p, err := b.placed.Message(placed{OrderID: uuid.New(), N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := b.cancels.Message(cancelled{OrderID: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.publish(t, b.exchange, p)
+		b.publish(t, b.other, c)
+		if i == 0 {
+			first = p
+		}
+	}
+	b.publish(t, b.exchange, first) // a redelivery
+	run(t, s.Run)
+
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return b.handled(t, "SELECT count(*) FROM handled") == 2*n && testenv.QueueDepth(t, ch, b.name) == 0
+	}, "not every message was handled")
+	if dup := b.handled(t, "SELECT count(*) FROM (SELECT message_id FROM handled GROUP BY message_id HAVING count(*) > 1) d"); dup != 0 {
+		t.Fatalf("%d messages were worked twice", dup)
+	}
+	if b.handled(t, "SELECT count(*) FROM handled WHERE type = 'Placed'") != n || b.handled(t, "SELECT count(*) FROM handled WHERE type = 'Cancelled'") != n {
+		t.Fatal("a type went to the wrong handler")
+	}
+	biggest := b.handled(t, "SELECT coalesce(max(c), 0) FROM (SELECT count(*) c FROM handled GROUP BY txid) t")
+	if biggest < 2 {
+		t.Fatalf("every message had a transaction of its own: no batch formed")
+	}
+	t.Logf("largest batch: %d messages in one transaction", biggest)
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered", n)
+	}
+	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
+}
+
+// A type nobody handles, and a payload its event's checks refuse, go to the dead-letter queue
+// with their reason logged; the messages around them are handled.
+func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	// Routed to the queue by hand: the subscription binds only what it handles.
+	if err := ch.QueueBind(b.name, "Refunded", b.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	unknown, err := messaging.NewMessage("Refunded", map[string]string{"order_id": uuid.NewString()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	invalid, err := messaging.NewMessage("Placed", map[string]int{"n": 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []messaging.Message{unknown, invalid, good} {
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	// Each is logged once the broker confirmed its copy, which the queue may show a moment before.
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1 &&
+			len(b.logs.Lines("message dead-lettered")) >= 2
+	}, "want the unknown and the invalid message dead-lettered and the good one handled")
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `no handler for message type \"Refunded\"`); len(lines) != 1 {
+		t.Errorf("want the unknown type dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
+	}
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+invalid.ID.String(), "invalid Placed: no order_id"); len(lines) != 1 {
+		t.Errorf("want the invalid payload dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
+	}
+	reasons := reasonsByID(deadLetters(t, ch, b.name))
+	if r := reasons[unknown.ID.String()]; !strings.Contains(r, `no handler for message type "Refunded"`) {
+		t.Errorf("the unknown type's dead-letter reason is %q", r)
+	}
+	if r := reasons[invalid.ID.String()]; !strings.Contains(r, "invalid Placed: no order_id") {
+		t.Errorf("the invalid payload's dead-letter reason is %q", r)
+	}
+}
+
+// A handler that panics fails that message only: its transaction rolls back, the process and
+// the other messages carry on, and the message is dead-lettered at its delivery limit.
+func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.DeliveryLimit = 2 })
+	var bomb uuid.UUID
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		if err := record(tx, msg); err != nil {
+			return err
+		}
+		if p.OrderID == bomb {
+			panic("boom")
+		}
+		return nil
+	}))
+	bomb = uuid.New()
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	for i := range 10 {
+		order := uuid.New()
+		if i == 4 {
+			order = bomb
+		}
+		m, err := b.placed.Message(placed{OrderID: order, N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 && b.handled(t, "SELECT count(*) FROM handled") == 9
+	}, "want 9 messages handled and the panicking one dead-lettered")
+	if lines := b.logs.Lines("level=ERROR", `msg="handler panicked"`, "panic=boom", "stack="); len(lines) == 0 {
+		t.Error("the panic was not logged with its stack")
+	}
+	if n, _ := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "outcome": "error", "type": "Placed"}); n == 0 {
+		t.Error("the panic was not counted as an error")
+	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue held %d messages, want the panicking one", len(got))
+	}
+	wantReason(t, got[0], "failed on each of 2 deliveries, last: handler panicked: boom")
+}
+
+// The per-message timeout cuts off a handler stuck in the database.
+func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.HandlerTimeout = 500 * time.Millisecond; c.DeliveryLimit = 2 })
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return tx.Exec("SELECT pg_sleep(30)").Error
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	m, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, b.exchange, m)
+	run(t, s.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
+		"the stuck message was not given up on")
+	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String(), "deadline exceeded"); len(lines) == 0 {
+		t.Errorf("want the handler's failures logged as cut off by the timeout: %q", b.logs.Lines("handler failed"))
+	}
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 || got[0].MessageId != m.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the stuck one", len(got))
+	}
+	wantReason(t, got[0], "deadline exceeded")
+}
+
+// A subscription given the system's topology starts only if that topology binds its queue to
+// exactly the events it handles: a missing binding would lose events, an extra one
+// dead-letter them. Start says which.
+func TestSubscriptionRefusesATopologyThatDoesNotMatchItsHandlers(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	both := []messaging.Binding{b.placed.Binding(), b.cancels.Binding()}
+	for _, c := range []struct {
+		name     string
+		bindings []messaging.Binding
+		want     string
+	}{
+		{"matching", both, ""},
+		{"missing a binding", both[:1], "does not bind queue"},
+		{"an unhandled binding", append(both, messaging.Binding{Exchange: b.other, RoutingKey: "Refunded"}), "has no handler for"},
+	} {
+		s := b.subscription(t, func(cfg *messaging.SubscriptionConfig) {
+			cfg.Topology = messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: b.name, Bindings: c.bindings}}}
+		})
+		must(t, messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error { return nil }))
+		must(t, messaging.Handle(s, b.cancels, func(context.Context, *gorm.DB, cancelled, messaging.Message) error { return nil }))
+		err := s.Start()
+		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%s: Start = %v, want %q", c.name, err, c.want)
+		}
+	}
+}
+
+// One handler per event type: a second registration for a type is refused, and changes
+// nothing.
+func TestSubscriptionRefusesASecondHandlerForAType(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	var second bool
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	err := messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error {
+		second = true
+		return nil
+	})
+	if !errors.Is(err, messaging.ErrHandlerRegistered) {
+		t.Fatalf("a second handler for %s: %v, want ErrHandlerRegistered", b.placed.Type, err)
+	}
+	topology, err := s.Topology()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q, _ := topology.Queue(b.name); len(q.Bindings) != 1 {
+		t.Fatalf("the queue is bound %d times, want once: the refused handler added a binding", len(q.Bindings))
+	}
+	msg, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dup, err := messagingtest.Deliver(context.Background(), s, msg); err != nil || dup {
+		t.Fatalf("Deliver = %v, %v", dup, err)
+	}
+	if second || b.handled(t, "SELECT count(*) FROM handled") != 1 {
+		t.Fatal("the message did not go to the first handler alone")
+	}
+}
+
+// A permanent error dead-letters its message on the first try on the path a subscription takes
+// by default, with batching: a batch it fails is handled message by message, and there it is
+// handled once and dead-lettered, with the handler's reason as it was.
+func TestSubscriptionDeadLettersAPermanentErrorOnTheFirstTry(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.DeliveryLimit = 3 })
+	const reason = "order belongs to no customer"
+	refused := make(map[uuid.UUID]*atomic.Int32)
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		if n, ok := refused[msg.ID]; ok {
+			n.Add(1)
+			return messaging.Permanent(errors.New(reason))
+		}
+		return record(tx, msg)
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	// The messages wait before the subscription starts, so batches form around the refused ones.
+	const n, every = 200, 20
+	var bad []messaging.Message
+	for i := range n {
+		m, err := b.placed.Message(placed{OrderID: uuid.New(), N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%every == every/2 {
+			bad = append(bad, m)
+			refused[m.ID] = new(atomic.Int32)
+		}
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return b.handled(t, "SELECT count(*) FROM handled") == int64(n-len(bad)) && len(b.logs.Lines("message dead-lettered")) >= len(bad)
+	}, "want the good messages handled and the refused ones dead-lettered")
+	reasons := reasonsByID(deadLetters(t, ch, b.name))
+	inBatches := 0
+	for _, m := range bad {
+		id := m.ID.String()
+		batches := len(b.logs.Lines("batch failed; processing its messages one by one", id))
+		inBatches += batches
+		wantDeadLetteredAtOnce(t, b.testBundle, id, int(refused[m.ID].Load()), batches+1, reasons, reason)
+	}
+	wantNothingRequeued(t, b.testBundle, b.name)
+	t.Logf("%d of the %d refused messages were tried in a failed batch first", inBatches, len(bad))
+}
