@@ -3,29 +3,50 @@ package platform
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"io/fs"
 	"log/slog"
 
+	"github.com/go-chi/chi/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"gorm.io/gorm"
 
+	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/migrate"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 )
 
 // Migration brings one part of a service's schema up to date.
-type Migration func(ctx context.Context, db *sql.DB) error
+type Migration func(ctx context.Context, db *gorm.DB) error
 
 // Migrations applies the goose files in dir of fsys, recording them in versionTable.
 func Migrations(fsys fs.FS, dir, versionTable string) Migration {
-	return func(ctx context.Context, db *sql.DB) error {
+	return func(ctx context.Context, db *gorm.DB) error {
 		sub, err := fs.Sub(fsys, dir)
 		if err != nil {
 			return err
 		}
-		return migrate.Up(ctx, db, sub, versionTable)
+		sqlDB, err := db.DB()
+		if err != nil {
+			return err
+		}
+		return migrate.Up(ctx, sqlDB, sub, versionTable)
+	}
+}
+
+// Library is one of the messaging library's migrations (messaging.MigrateOutbox,
+// messaging.MigrateInbox).
+func Library(m func(ctx context.Context, db messaging.DB) error) Migration {
+	return func(ctx context.Context, db *gorm.DB) error {
+		d, err := gormdriver.New(db)
+		if err != nil {
+			return err
+		}
+		return m(ctx, d.DB())
 	}
 }
 
@@ -33,10 +54,21 @@ func Migrations(fsys fs.FS, dir, versionTable string) Migration {
 // readiness check of that database, and a metrics registry with the process collectors and the
 // messaging metrics.
 type Base struct {
-	// DB is the pool of DB_MAX_CONNS less ReadinessConns connections.
-	DB       *gorm.DB
-	Registry *prometheus.Registry
-	Metrics  *messaging.Metrics
+	// DB is the requests' pool (what Pools leaves them), and Driver the same pool for the
+	// messaging library: what requests enqueue, they enqueue in its transactions.
+	DB     *gorm.DB
+	Driver *gormdriver.Driver
+	// Work is the consumers' and the sender's pool (Pools.Work), WorkDriver the same for the
+	// library; nil in a service that consumes nothing.
+	Work       *gorm.DB
+	WorkDriver *gormdriver.Driver
+	// Background is the relay's and the cleanups' pool (Pools.Background), on pgx.
+	Background messaging.DB
+	background *pgxpool.Pool
+	// Admission bounds the API requests at work at once (HTTP_MAX_IN_FLIGHT); run it.
+	Admission *Admission
+	Registry  *prometheus.Registry
+	Metrics   *messaging.Metrics
 	// DatabaseReady pings the database over a connection of its own (OpenReadinessDB).
 	DatabaseReady ReadyFunc
 	readinessDB   *sql.DB
@@ -45,64 +77,112 @@ type Base struct {
 	alreadyDone *prometheus.CounterVec
 	tracing     *sdktrace.TracerProvider
 	log         *slog.Logger
+	pprofAddr   string
 }
 
+// Profiler serves Go's profiler where PPROF_ADDR says, if it does (see Profiler).
+func (b *Base) Profiler() Worker { return Profiler(b.log, b.pprofAddr) }
+
 // AlreadyDone returns the counter of the consumer's messages that found their work done
-// already by another message (consumer_already_done_total).
+// already by another message (consumer_already_done_total), exported at zero from now on so
+// that rate() and increase() count the first one.
 func (b *Base) AlreadyDone(consumer string) func() {
 	return b.alreadyDone.WithLabelValues(consumer).Inc
 }
 
 // Start installs the service's tracer provider (see startTracing), opens the service's
-// database (a pool and the readiness check's connection, DB_MAX_CONNS in all), applies
-// migrations in order (before anything serves, so no pooled statement sees a changing
-// schema) and prepares the metrics.
-func Start(ctx context.Context, log *slog.Logger, service string, c Common, migrations ...Migration) (*Base, error) {
+// database (the pools of pools, the readiness check's connection, and the requests' pool,
+// DB_MAX_CONNS in all), applies migrations in order (before anything serves, so no pooled
+// statement sees a changing schema) and prepares the metrics.
+func Start(ctx context.Context, log *slog.Logger, service string, c Common, pools Pools, migrations ...Migration) (b *Base, err error) {
 	tp, err := startTracing(ctx, log, service, c.OTLPEndpoint != "")
 	if err != nil {
 		return nil, err
 	}
-	db, err := OpenDB(ctx, log, service, c.DatabaseURL, c.DBMaxConns-ReadinessConns)
-	if err != nil {
+	b = &Base{tracing: tp, log: log, pprofAddr: c.PprofAddr}
+	if pools.Requests(c) < MinRequestConns {
 		stopTracing(log, tp)
+		return nil, fmt.Errorf("DB_MAX_CONNS: %d leaves requests %d connections, fewer than %d", c.DBMaxConns, pools.Requests(c), MinRequestConns)
+	}
+	defer func() {
+		if err != nil {
+			b.Close()
+		}
+	}()
+	if b.DB, err = OpenDB(ctx, log, service, c.DatabaseURL, pools.Requests(c)); err != nil {
 		return nil, err
 	}
-	sqlDB, err := db.DB()
-	if err != nil {
-		stopTracing(log, tp)
+	if b.Driver, err = gormdriver.New(b.DB); err != nil {
 		return nil, err
 	}
 	for _, m := range migrations {
-		if err := m(ctx, sqlDB); err != nil {
-			_ = sqlDB.Close()
-			stopTracing(log, tp)
+		if err := m(ctx, b.DB); err != nil {
 			return nil, err
 		}
 	}
-	readinessDB, err := OpenReadinessDB(service, c.DatabaseURL)
-	if err != nil {
-		_ = sqlDB.Close()
-		stopTracing(log, tp)
+	if pools.Work > 0 {
+		if b.Work, err = OpenDB(ctx, log, service+"-work", c.DatabaseURL, pools.Work); err != nil {
+			return nil, err
+		}
+		if b.WorkDriver, err = gormdriver.New(b.Work); err != nil {
+			return nil, err
+		}
+	}
+	if pools.Background > 0 {
+		if b.background, err = OpenBackground(ctx, service, c.DatabaseURL, pools.Background); err != nil {
+			return nil, err
+		}
+		b.Background = pgxdriver.New(b.background).DB()
+	}
+	if b.readinessDB, err = OpenReadinessDB(service, c.DatabaseURL); err != nil {
 		return nil, err
 	}
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	alreadyDone := prometheus.NewCounterVec(prometheus.CounterOpts{
+	b.DatabaseReady = DatabaseReady(b.readinessDB)
+	if err := b.metrics(); err != nil {
+		return nil, err
+	}
+	inFlight := c.MaxInFlight
+	if inFlight == 0 {
+		inFlight = pools.Requests(c)
+	}
+	if b.Admission, err = NewAdmission(log, b.Registry, inFlight); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// API is where a service's own routes go: behind admission control, beside the operational
+// endpoints that NewRouter serves.
+func (b *Base) API(router chi.Router) chi.Router { return router.With(b.Admission.Middleware) }
+
+// metrics prepares the registry: the process's collectors, the library's metrics, and the
+// count of work found done already.
+func (b *Base) metrics() error {
+	b.Registry = prometheus.NewRegistry()
+	b.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	b.alreadyDone = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "consumer_already_done_total",
 		Help: "Messages whose work was already done by another message (same business key): a sign of duplicate messages upstream.",
 	}, []string{"consumer"})
-	reg.MustRegister(alreadyDone)
-	return &Base{
-		DB: db, Registry: reg, Metrics: messaging.NewMetrics(reg),
-		DatabaseReady: DatabaseReady(readinessDB), readinessDB: readinessDB,
-		alreadyDone: alreadyDone, tracing: tp, log: log,
-	}, nil
+	b.Registry.MustRegister(b.alreadyDone)
+	var err error
+	b.Metrics, err = messaging.NewMetrics(b.Registry, "")
+	return err
 }
 
-// Close exports the spans still waiting and closes the database pool and the readiness
-// check's connection.
+// Close exports the spans still waiting and closes the database pools and the readiness
+// check's connection: whatever of them Start opened.
 func (b *Base) Close() {
 	stopTracing(b.log, b.tracing)
-	CloseDB(b.DB)
-	_ = b.readinessDB.Close()
+	for _, db := range []*gorm.DB{b.DB, b.Work} {
+		if db != nil {
+			CloseDB(db)
+		}
+	}
+	if b.background != nil {
+		b.background.Close()
+	}
+	if b.readinessDB != nil {
+		_ = b.readinessDB.Close()
+	}
 }

@@ -10,8 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // Env reads configuration from environment variables and collects every problem, each naming
@@ -101,7 +99,7 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		e.fail(name, "required")
 		return ""
 	}
-	urls := messaging.SplitURLs(v)
+	urls := splitURLs(v)
 	if len(urls) == 0 {
 		e.fail(name, "not a valid URL")
 		return ""
@@ -189,9 +187,21 @@ func Redact(rawURL string) string {
 	return u.Redacted()
 }
 
+// splitURLs splits a comma-separated list of URLs, one per node of a cluster; a single URL is a
+// list of one.
+func splitURLs(list string) []string {
+	var urls []string
+	for u := range strings.SplitSeq(list, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
+}
+
 // RedactList redacts each URL of a comma-separated list.
 func RedactList(list string) string {
-	urls := messaging.SplitURLs(list)
+	urls := splitURLs(list)
 	for i, u := range urls {
 		urls[i] = Redact(u)
 	}
@@ -218,27 +228,33 @@ func (e *Env) Check(ok bool, names, problem string) {
 	}
 }
 
-// Common is the configuration every service reads (README, Configuration).
+// Common is the configuration every service reads.
 type Common struct {
 	DatabaseURL string
 	AMQPURL     string
 	HTTPAddr    string
 	LogFormat   string
 	LogLevel    string
-	// DBMaxConns is every database connection the process opens: the readiness check's
-	// (ReadinessConns) and the pool's.
+	// DBMaxConns is every database connection the process opens, shared out between its
+	// parts' pools (see Pools).
 	DBMaxConns int
 	// OTLPEndpoint is OTEL_EXPORTER_OTLP_ENDPOINT: spans are exported there, and nowhere when
 	// it is unset.
 	OTLPEndpoint string
+	// PprofAddr is PPROF_ADDR: where Go's profiler (/debug/pprof/) is served, on a listener of
+	// its own; unset (the default), nowhere.
+	PprofAddr string
+	// MaxInFlight is HTTP_MAX_IN_FLIGHT: how many API requests may be at work at once (see
+	// Admission); 0, the default, means as many as the requests' pool has connections.
+	MaxInFlight int
 }
 
 // DefaultDBMaxConns is how many database connections a service opens unless DB_MAX_CONNS
-// says: its pool and its readiness check's connection.
+// says, all its pools together.
 const DefaultDBMaxConns = 20
 
-// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS and
-// OTEL_EXPORTER_OTLP_ENDPOINT.
+// ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS,
+// OTEL_EXPORTER_OTLP_ENDPOINT, PPROF_ADDR and HTTP_MAX_IN_FLIGHT.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
@@ -246,10 +262,12 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		HTTPAddr:    env.Addr("HTTP_ADDR", defaultAddr),
 		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
-		// At least 4: a relay holds one connection for LISTEN and one for its batch while it
-		// publishes, requests must still find one, and the readiness check has its own.
+		// 4 is the least any service can run on; Pools.Check works out what the settings
+		// given need.
 		DBMaxConns:   env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
 		OTLPEndpoint: readOTLPEndpoint(env),
+		PprofAddr:    env.Addr("PPROF_ADDR", ""),
+		MaxInFlight:  env.Int("HTTP_MAX_IN_FLIGHT", 0, 1, 100_000),
 	}
 }
 
@@ -258,6 +276,6 @@ func (c Common) LogAttrs() []any {
 	return []any{
 		"database_url", Redact(c.DatabaseURL), "amqp_url", RedactList(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
-		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint),
+		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint), "pprof_addr", c.PprofAddr, "http_max_in_flight", c.MaxInFlight,
 	}
 }

@@ -20,7 +20,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		"CONSUMER_PREFETCH":    "2",
 	})
 	c := ReadCommon(env, ":8080")
-	ReadConsumerSettings(env, c)
+	ReadConsumerSettings(env)
 	if n := env.Int("N", 1, 1, 10); n != 7 {
 		t.Errorf("N = %d, want 7", n)
 	}
@@ -33,7 +33,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		t.Fatal("want errors")
 	}
 	msg := err.Error()
-	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_CONCURRENCY", "B: must be true or false"} {
+	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE", "B: must be true or false"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q lacks %q", msg, want)
 		}
@@ -77,5 +77,29 @@ func TestAMQPURLTakesOneURLPerNode(t *testing.T) {
 		if err := env.Err(); err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "hunter2") {
 			t.Errorf("AMQP_URL=%q: %v, want %q and no password", value, err, want)
 		}
+	}
+}
+
+// DB_MAX_CONNS is checked against everything the parts hold together, and the error says what
+// each part needs.
+func TestPoolsAreCheckedTogether(t *testing.T) {
+	t.Parallel()
+	env := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/", "DB_MAX_CONNS": "12",
+		"CONSUMER_CONCURRENCY": "6", "OUTBOX_LANES": "2"})
+	c := ReadCommon(env, ":8080")
+	relaying, consuming := ReadRelaySettings(env), ReadConsumerSettings(env)
+	p := PoolsOf(&relaying, &consuming, 0)
+	p.Check(env, c)
+	err := env.Err()
+	if err == nil || !strings.Contains(err.Error(), "DB_MAX_CONNS: 12 is too few: the readiness check 1, the relay (OUTBOX_LANES + 2) 4, the cleanups 2, the consumer (CONSUMER_CONCURRENCY + 1) 7 and requests at least 2 need 16") {
+		t.Fatalf("error %v, want the sum of every part named", err)
+	}
+	if got := p.Requests(Common{DBMaxConns: 20}); got != 20-1-4-2-7 {
+		t.Fatalf("requests get %d of 20, want what the parts leave", got)
+	}
+	fine := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"})
+	PoolsOf(&relaying, &consuming, 0).Check(fine, ReadCommon(fine, ":8080"))
+	if err := fine.Err(); err != nil {
+		t.Fatalf("the defaults do not fit the default DB_MAX_CONNS: %v", err)
 	}
 }

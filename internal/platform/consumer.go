@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -15,22 +16,21 @@ import (
 type ConsumerSettings struct {
 	Concurrency    int           // CONSUMER_CONCURRENCY: parallel handlers, default 8
 	BatchSize      int           // CONSUMER_BATCH_SIZE: messages per transaction at most, default 50 (1: none)
-	Prefetch       int           // CONSUMER_PREFETCH: unacked deliveries, default concurrency × batch size
+	Prefetch       int           // CONSUMER_PREFETCH: unacked deliveries per handler, default 2 × batch size
 	InboxRetention time.Duration // INBOX_RETENTION: how long inbox records are kept, default 30 days
 }
 
 // ReadConsumerSettings reads ConsumerSettings. Every parallel handler holds a database
 // connection for its transaction, so DB_MAX_CONNS must have room for them, for requests and
 // for the readiness check's own connection.
-func ReadConsumerSettings(env *Env, c Common) ConsumerSettings {
+func ReadConsumerSettings(env *Env) ConsumerSettings {
 	var s ConsumerSettings
 	// 8 handlers drained a backlog about 1.5× faster than 4 on two cores (scripts/bench.sh),
 	// and leave room in the default pool of 20 and in PostgreSQL's default 100 connections.
-	s.Concurrency = env.Int("CONSUMER_CONCURRENCY", 8, 1, 256)
-	s.BatchSize = env.Int("CONSUMER_BATCH_SIZE", 50, 1, 1000)
-	s.Prefetch = env.Int("CONSUMER_PREFETCH", max(2, s.BatchSize)*s.Concurrency, 1, 65535)
-	env.Check(s.Prefetch >= s.Concurrency, "CONSUMER_PREFETCH", "must be at least CONSUMER_CONCURRENCY, or handlers sit idle")
-	env.Check(c.DBMaxConns >= s.Concurrency+2, "CONSUMER_CONCURRENCY", "needs DB_MAX_CONNS of at least CONSUMER_CONCURRENCY + 2")
+	s.Concurrency = env.Int("CONSUMER_CONCURRENCY", messaging.DefaultConcurrency, 1, 256)
+	s.BatchSize = env.Int("CONSUMER_BATCH_SIZE", messaging.DefaultBatchSize, 1, 1000)
+	s.Prefetch = env.Int("CONSUMER_PREFETCH", 2*s.BatchSize, 1, 65535)
+	env.Check(s.Prefetch >= s.BatchSize, "CONSUMER_PREFETCH", "must be at least CONSUMER_BATCH_SIZE, or no batch fills")
 	// Records must outlive any duplicate: the relay's retries and the broker's redeliveries
 	// arrive within minutes or hours, so a day is the floor.
 	s.InboxRetention = env.Duration("INBOX_RETENTION", 30*24*time.Hour, 24*time.Hour, 10*365*24*time.Hour)
@@ -47,12 +47,15 @@ func (b *Base) InboxCleanup(log *slog.Logger, retention time.Duration) Worker {
 	return b.cleanup(log, "inbox records", retention, messaging.DeleteInboxMessages)
 }
 
+// Subscription is a subscription of the services: on GORM, its handlers get a *gorm.DB.
+type Subscription = messaging.Subscription[*gorm.DB]
+
 // Subscription returns the subscription of the consumer name (also its queue's), on the
 // base's database, configured by s, declaring topology, the whole system's. Register its
 // handlers, then run it.
-func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology messaging.Topology, s ConsumerSettings) (*messaging.Subscription, error) {
-	return messaging.NewSubscription(messaging.SubscriptionConfig{
-		Name: name, URL: amqpURL, DB: b.DB, Topology: topology,
+func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology messaging.Topology, s ConsumerSettings) (*Subscription, error) {
+	return messaging.NewSubscription(b.WorkDriver, messaging.SubscriptionConfig{
+		Name: name, URL: amqpURL, Topology: topology,
 		Concurrency: s.Concurrency, BatchSize: s.BatchSize, Prefetch: s.Prefetch,
 		Logger: log, Metrics: b.Metrics,
 	})
@@ -60,7 +63,7 @@ func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology mes
 
 // ConsumerReady is the readiness of a consumer service: its database and its broker
 // connection both work.
-func (b *Base) ConsumerReady(sub *messaging.Subscription) ReadyFunc {
+func (b *Base) ConsumerReady(sub *Subscription) ReadyFunc {
 	return func(ctx context.Context) error {
 		if err := b.DatabaseReady(ctx); err != nil {
 			return err
@@ -76,15 +79,15 @@ func (b *Base) ConsumerReady(sub *messaging.Subscription) ReadyFunc {
 // the inbox cleanup and workers, and an HTTP server on addr that is ready while the database
 // and the broker both work and serves GET path, the records of type T by order (see
 // ListByOrder).
-func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, path string, sub *messaging.Subscription, s ConsumerSettings, workers ...Worker) error {
+func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, path string, sub *Subscription, s ConsumerSettings, workers ...Worker) error {
 	if err := sub.Start(); err != nil {
 		return err
 	}
 	router := NewRouter(log, b.Registry, b.ConsumerReady(sub))
-	router.Get(path, ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error) {
+	b.API(router).Get(path, ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error) {
 		return ListRecent[T](ctx, b.DB, orderID, limit)
 	}))
-	workers = append(workers, sub.Run, b.InboxCleanup(log, s.InboxRetention))
+	workers = append(workers, sub.Run, b.InboxCleanup(log, s.InboxRetention), b.Profiler(), b.Admission.Run)
 	if err := Serve(ctx, log, NewServer(addr, router), workers...); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}

@@ -34,9 +34,8 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}
-	// One pool for HTTP handlers, the relay's transactions (held open while publishing) and
-	// its LISTEN connection: sized so the relay cannot starve the handlers. Readiness checks
-	// have a connection of their own (OpenReadinessDB).
+	// A pool of maxConns for one part (requests, or the consumers' and the sender's work; see
+	// Pools), which no other part's load can take.
 	sqlDB.SetMaxOpenConns(maxConns)
 	sqlDB.SetMaxIdleConns(maxConns)
 	sqlDB.SetConnMaxLifetime(30 * time.Minute)

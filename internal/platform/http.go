@@ -138,7 +138,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 		return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			start := time.Now()
 			// Named once routed (describeServerSpan): the method alone is the client's to choose.
-			ctx, span := tracer.Start(w3c.Extract(req.Context(), propagation.HeaderCarrier(req.Header)), "HTTP", serverSpan)
+			ctx, span := tracer.Start(otel.GetTextMapPropagator().Extract(req.Context(), propagation.HeaderCarrier(req.Header)), "HTTP", serverSpan)
 			defer span.End()
 			req = req.WithContext(ctx)
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
@@ -178,10 +178,6 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 
 // tracerName is the instrumentation scope of the platform's spans.
 const tracerName = "github.com/outboxkit/outbox-inbox/internal/platform"
-
-// w3c reads the traceparent and tracestate headers, the W3C Trace Context that the API's
-// contract names, whatever propagator is installed globally.
-var w3c propagation.TraceContext
 
 var serverSpan = trace.WithSpanKind(trace.SpanKindServer)
 

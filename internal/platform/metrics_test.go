@@ -36,12 +36,12 @@ func statsErrorCount(t *testing.T, body string) float64 {
 // rather than left waiting, overlapping scrapes share one query, and the gauges come back
 // with the table.
 func TestMetricsOutliveAStuckBacklogQuery(t *testing.T) {
-	const conns = 4
+	const conns = 7                 // the readiness check, the relay's lane, LISTEN and gauges, the cleanup, requests 2
 	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
 	d := testenv.NewDatabaseWithPool(t, 2)
-	b, logs := startBase(t, d, conns, messaging.MigrateOutbox)
-	outbox, err := b.Outbox(b.log, testenv.AMQPURL(), "unused", "svc", messaging.Topology{},
-		RelaySettings{BatchSize: 10, Lanes: 1, PollInterval: time.Second, MaxBackoff: time.Minute, Retention: time.Hour})
+	relaying := RelaySettings{BatchSize: 10, Lanes: 1, PollInterval: time.Second, MaxBackoff: time.Minute, Retention: time.Hour}
+	b, logs := startBase(t, d, conns, PoolsOf(&relaying, nil, 0), Library(messaging.MigrateOutbox))
+	outbox, err := b.Outbox(b.log, testenv.AMQPURL(), "unused", "svc", messaging.Topology{}, relaying)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,14 +5,12 @@ import (
 	"log/slog"
 	"time"
 
-	"gorm.io/gorm"
-
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // cleanupFunc deletes what of a table is older than a retention (messaging's
 // DeleteSentOutboxMessages, DeleteInboxMessages).
-type cleanupFunc func(ctx context.Context, db *gorm.DB, olderThan time.Duration, opts messaging.CleanupOptions) (messaging.CleanupResult, error)
+type cleanupFunc func(ctx context.Context, db messaging.DB, olderThan time.Duration, opts messaging.CleanupOptions) (messaging.CleanupResult, error)
 
 // cleanup is the hourly job that deletes what of the base's database is older than retention,
 // counted in the base's metrics, and says how many, as what. Every replica runs it; the one
@@ -20,7 +18,7 @@ type cleanupFunc func(ctx context.Context, db *gorm.DB, olderThan time.Duration,
 func (b *Base) cleanup(log *slog.Logger, what string, retention time.Duration, del cleanupFunc) Worker {
 	return Periodic(log, what+" cleanup", time.Hour, func(ctx context.Context) error {
 		start := time.Now()
-		res, err := del(ctx, b.DB, retention, messaging.CleanupOptions{Metrics: b.Metrics})
+		res, err := del(ctx, b.Background, retention, messaging.CleanupOptions{Metrics: b.Metrics})
 		switch {
 		case res.Skipped:
 			log.Debug(what+" cleanup skipped: another replica is running it", "older_than", retention)

@@ -17,12 +17,13 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// startBase starts a service base named svc on d with DB_MAX_CONNS conns, closed when t
+// startBase starts a service base named svc on d with DB_MAX_CONNS conns, shared out as pools
+// says, closed when t
 // ends. Tests that call it cannot run in parallel: Start installs the global tracer provider.
-func startBase(t *testing.T, d *testenv.Database, conns int, migrations ...Migration) (*Base, *testenv.Logs) {
+func startBase(t *testing.T, d *testenv.Database, conns int, pools Pools, migrations ...Migration) (*Base, *testenv.Logs) {
 	t.Helper()
 	log, logs := testenv.NewLogger(t)
-	b, err := Start(context.Background(), log, "svc", Common{DatabaseURL: d.URL, DBMaxConns: conns}, migrations...)
+	b, err := Start(context.Background(), log, "svc", Common{DatabaseURL: d.URL, DBMaxConns: conns}, pools, migrations...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +83,7 @@ func TestReadinessIgnoresASaturatedPool(t *testing.T) {
 	const conns = 4
 	testenv.Connections(t, 2+conns) // the database's creation, the test's handle, the service
 	d := testenv.NewDatabaseWithPool(t, 1)
-	b, _ := startBase(t, d, conns)
+	b, _ := startBase(t, d, conns, Pools{})
 	srv := httptest.NewServer(NewRouter(b.log, b.Registry, b.DatabaseReady))
 	t.Cleanup(srv.Close)
 
@@ -116,7 +117,7 @@ func TestReadinessAnswersAProblemWhileTheDatabaseIsDown(t *testing.T) {
 	const conns = 4
 	testenv.Connections(t, 3+conns) // the database's creation, the test's handle, an admin one, the service
 	d := testenv.NewDatabaseWithPool(t, 1)
-	b, logs := startBase(t, d, conns)
+	b, logs := startBase(t, d, conns, Pools{})
 	srv := httptest.NewServer(NewRouter(b.log, b.Registry, b.DatabaseReady))
 	t.Cleanup(srv.Close)
 	if r := get(t, srv.URL+"/readyz"); r.status != http.StatusOK {

@@ -2,6 +2,7 @@ package platform
 
 import (
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -18,15 +19,12 @@ type RelaySettings struct {
 }
 
 // ReadRelaySettings reads RelaySettings.
-func ReadRelaySettings(env *Env, c Common) RelaySettings {
+func ReadRelaySettings(env *Env) RelaySettings {
 	var s RelaySettings
-	s.BatchSize = env.Int("OUTBOX_BATCH_SIZE", 500, 1, 1000)
-	s.Lanes = env.Int("OUTBOX_LANES", 2, 1, 16)
-	// Each lane holds a connection for its batch's transaction, the relay one for LISTEN, the
-	// readiness check one of its own, and requests still need one.
-	env.Check(c.DBMaxConns >= s.Lanes+3, "OUTBOX_LANES", "needs DB_MAX_CONNS of at least OUTBOX_LANES + 3")
-	s.PollInterval = env.Duration("OUTBOX_POLL_INTERVAL", time.Second, 10*time.Millisecond, time.Hour)
-	s.MaxBackoff = env.Duration("OUTBOX_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
+	s.BatchSize = env.Int("OUTBOX_BATCH_SIZE", messaging.DefaultRelayBatchSize, 1, 1000)
+	s.Lanes = env.Int("OUTBOX_LANES", messaging.DefaultLanes, 1, 16)
+	s.PollInterval = env.Duration("OUTBOX_POLL_INTERVAL", messaging.DefaultPollInterval, 10*time.Millisecond, time.Hour)
+	s.MaxBackoff = env.Duration("OUTBOX_MAX_BACKOFF", messaging.DefaultMaxBackoff, 2*time.Second, 24*time.Hour)
 	s.Notify = env.Bool("OUTBOX_NOTIFY", true)
 	s.Retention = env.Duration("OUTBOX_RETENTION", 7*24*time.Hour, time.Minute, 365*24*time.Hour)
 	return s
@@ -50,15 +48,17 @@ type Outbox struct {
 // that name none of their own. Its publisher declares topology, the whole system's, before its
 // first publish. The outbox's gauges join the base's metrics.
 func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topology messaging.Topology, s RelaySettings) (*Outbox, error) {
-	messaging.RegisterOutboxStats(b.Registry, b.DB, log)
+	if err := messaging.RegisterOutboxStats(b.Registry, "", b.Background, log); err != nil {
+		return nil, err
+	}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{
 		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID, Topology: topology, Logger: log,
 	})
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
-		DB: b.DB, Sender: pub, Exchange: exchange,
+		DB: b.Background, Sender: pub, Exchange: exchange,
 		BatchSize: s.BatchSize, Lanes: s.Lanes, PollInterval: s.PollInterval, DisableNotify: !s.Notify,
 		Backoff: messaging.Backoff{Base: 2 * time.Second, Max: s.MaxBackoff},
-		Logger:  log, Metrics: b.Metrics,
+		Logger:  log, Metrics: b.Metrics, Types: routedFrom(topology, exchange),
 	})
 	if err != nil {
 		pub.Close()
@@ -70,4 +70,18 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topolog
 // outboxCleanup is the hourly job deleting sent outbox rows older than the retention.
 func (b *Base) outboxCleanup(log *slog.Logger, retention time.Duration) Worker {
 	return b.cleanup(log, "sent outbox messages", retention, messaging.DeleteSentOutboxMessages)
+}
+
+// routedFrom lists the routing keys topology binds from exchange, once each: the event types
+// a relay to that exchange can deliver, whose counters it exports from the start.
+func routedFrom(topology messaging.Topology, exchange string) []string {
+	var types []string
+	for _, q := range topology.Queues {
+		for _, b := range q.Bindings {
+			if b.Exchange == exchange && !slices.Contains(types, b.RoutingKey) {
+				types = append(types, b.RoutingKey)
+			}
+		}
+	}
+	return types
 }

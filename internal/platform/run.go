@@ -21,10 +21,11 @@ import (
 // to record); HardStop is what makes the 10 s of the contract hold whatever they do.
 const ShutdownTimeout = 8 * time.Second
 
-// HardStop is how long after a signal the process exits, whatever is still running: the
-// contract gives a stop 10 s (README, Configuration), and this leaves a margin. What it cuts
-// off was not acknowledged, so the broker delivers it again, or not marked, so it is sent again:
-// abandoned safely, like the grace periods' leftovers.
+// HardStop is how long after a signal the process exits, whatever is still running: a service
+// must exit within 10 s of it (the tests require it, and Kubernetes' grace period counts on
+// it), and this leaves a margin. What it cuts off was not acknowledged, so the broker delivers
+// it again, or not marked, so it is sent again: abandoned safely, like the grace periods'
+// leftovers.
 const HardStop = 9 * time.Second
 
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run

@@ -66,6 +66,7 @@ type Service struct {
 	err   error
 	// alreadyDone carries consumer_already_done_total over the process's restarts.
 	alreadyDone float64
+	discardLogs bool
 }
 
 // alreadyDoneMetric counts a consumer's messages whose work another message had done already.
@@ -114,6 +115,10 @@ type Options struct {
 	// Held names the kinds of service ("notification", say) that Start prepares but does not
 	// start: the test starts them later, with Service.Start.
 	Held []string
+	// DiscardLogs drops the services' log lines instead of keeping them for the test
+	// (benchmarks: under load they would fill memory), and leaves LOG_LEVEL at its default,
+	// so that a benchmark measures what users run; otherwise the services log at debug level.
+	DiscardLogs bool
 }
 
 // checkPool is the pool of each of the test's own handles on the services' databases.
@@ -159,8 +164,12 @@ func Start(t *testing.T, opts Options) *System {
 	s.Mail = testenv.NewSMTPServer(t)
 	s.Mail.Start()
 
+	common := []string{"AMQP_URL=" + viaProxy}
+	if !opts.DiscardLogs {
+		common = append(common, "LOG_LEVEL=debug")
+	}
 	env := func(name string, extra ...string) []string {
-		return append(append([]string{"AMQP_URL=" + viaProxy, "LOG_LEVEL=debug"}, opts.Env[name]...), extra...)
+		return append(append(slices.Clone(common), opts.Env[name]...), extra...)
 	}
 	envs := map[string][]string{"invoicing": env("invoicing"), "notification": env("notification", "SMTP_ADDR="+s.Mail.Addr), "order": env("order")}
 	// Every connection the system can open, reserved at once: the services' pools and the
@@ -179,6 +188,7 @@ func Start(t *testing.T, opts Options) *System {
 	for _, name := range []string{"order", "invoicing", "notification"} {
 		for range replicas[name] {
 			svc := newService(t, opts.BinDir, name, dbs[name], envs[name])
+			svc.discardLogs = opts.DiscardLogs
 			if !slices.Contains(opts.Held, name) {
 				svc.Start(t)
 			}
@@ -226,6 +236,9 @@ func (s *Service) Start(t *testing.T) {
 	s.cmd = exec.Command(s.bin)
 	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.DB.URL, "HTTP_ADDR=" + strings.TrimPrefix(s.URL, "http://")}, s.env...)...)
 	s.cmd.Stdout, s.cmd.Stderr = s.Logs, s.Logs
+	if s.discardLogs {
+		s.cmd.Stdout, s.cmd.Stderr = io.Discard, io.Discard
+	}
 	if err := s.cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", s.Name, err)
 	}
@@ -240,8 +253,8 @@ func (s *Service) Start(t *testing.T) {
 	}, "%s not ready", s.Name)
 }
 
-// Stop sends SIGTERM and requires a clean exit within 10 s (README, Configuration). It returns how
-// long the exit took.
+// Stop sends SIGTERM and requires a clean exit within 10 s, what every service promises
+// (platform.HardStop). It returns how long the exit took.
 func (s *Service) Stop(t *testing.T) time.Duration {
 	t.Helper()
 	return s.Terminate(t)()
@@ -329,8 +342,8 @@ func (s *Service) Metric(t *testing.T, name string) float64 {
 	return v
 }
 
-// Counter is Metric for a counter with labels: it has no sample until its first increment,
-// which reads as 0.
+// Counter is Metric for a counter with labels that the service may not export (yet): a label
+// value it has not counted reads as 0.
 func (s *Service) Counter(t *testing.T, name string) float64 {
 	t.Helper()
 	v, _ := s.sample(t, name)
@@ -807,6 +820,28 @@ func (s *System) Load(t *testing.T, n, workers int) (ids []uuid.UUID, cancelled 
 	return ids, int(cancels.Load())
 }
 
+// CPUTime is the CPU time the process has used so far, user and system: /proc's clock ticks,
+// which Linux counts at 100 a second.
+func (s *Service) CPUTime(t *testing.T) time.Duration {
+	t.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", s.cmd.Process.Pid))
+	if err != nil {
+		t.Fatalf("read %s's stat: %v", s.Name, err)
+	}
+	// The fields after the command name, which is in parentheses and may hold spaces:
+	// utime and stime are the 12th and 13th of them.
+	f := strings.Fields(string(raw[bytes.LastIndexByte(raw, ')')+1:]))
+	var ticks int64
+	for _, v := range f[11:13] {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			t.Fatalf("%s's stat: %v", s.Name, err)
+		}
+		ticks += n
+	}
+	return time.Duration(ticks) * 10 * time.Millisecond
+}
+
 // PeakRSS is the process's peak resident set size so far (VmHWM), in bytes.
 func (s *Service) PeakRSS(t *testing.T) int64 {
 	t.Helper()
@@ -917,6 +952,9 @@ func (tr *Traffic) WaitFor(t *testing.T, n int64) {
 	target := tr.placed.Load() + n
 	testenv.Eventually(t, 60*time.Second, func() bool { return tr.placed.Load() >= target }, "orders are not flowing")
 }
+
+// Placed is how many orders have been accepted so far.
+func (tr *Traffic) Placed() int64 { return tr.placed.Load() }
 
 // Stop ends the traffic and returns the ids of the accepted orders, how many cancellations
 // were answered 200, and the count of 5xx answers. Any other answer fails t.

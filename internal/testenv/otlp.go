@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"sync"
 	"testing"
+	"time"
 
 	collector "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
@@ -20,6 +21,7 @@ type Span struct {
 	Kind                    string // "server", "producer", "consumer", "client", "internal"
 	TraceID, SpanID, Parent string // hex; Parent is "" for a root span
 	Error                   bool   // the span's status is an error
+	Start, End              time.Time
 }
 
 // OTLPReceiver is a real OTLP/HTTP receiver on loopback (protobuf, as the Go exporter sends
@@ -82,6 +84,7 @@ func (r *OTLPReceiver) export(w http.ResponseWriter, req *http.Request) {
 					TraceID: hex.EncodeToString(s.GetTraceId()), SpanID: hex.EncodeToString(s.GetSpanId()),
 					Parent: hex.EncodeToString(s.GetParentSpanId()),
 					Error:  s.GetStatus().GetCode() == tracepb.Status_STATUS_CODE_ERROR,
+					Start:  time.Unix(0, int64(s.GetStartTimeUnixNano())), End: time.Unix(0, int64(s.GetEndTimeUnixNano())),
 				})
 			}
 		}
@@ -111,6 +114,13 @@ func (r *OTLPReceiver) Posts() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.posts
+}
+
+// Spans returns every span received so far.
+func (r *OTLPReceiver) Spans() []Span {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Span(nil), r.spans...)
 }
 
 // Trace returns the spans received so far of trace traceID (hex).

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/mail"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/emersion/go-smtp"
@@ -25,6 +26,11 @@ type SMTPServer struct {
 	srv  *smtp.Server
 	mu   sync.Mutex
 	mail []Mail
+	// refused are the recipients whose RCPT TO the server refuses.
+	refused map[string]bool
+	// sessions counts the SMTP sessions (client connections) ever opened, open those not
+	// closed yet.
+	sessions, open atomic.Int64
 }
 
 // NewSMTPServer reserves a loopback address; Start begins serving on it, Stop ends it (so
@@ -48,7 +54,11 @@ func (s *SMTPServer) Start() {
 	if err != nil {
 		s.t.Fatalf("listen on %s: %v", s.Addr, err)
 	}
-	srv := smtp.NewServer(smtp.BackendFunc(func(*smtp.Conn) (smtp.Session, error) { return &smtpSession{server: s}, nil }))
+	srv := smtp.NewServer(smtp.BackendFunc(func(*smtp.Conn) (smtp.Session, error) {
+		s.sessions.Add(1)
+		s.open.Add(1)
+		return &smtpSession{server: s}, nil
+	}))
 	srv.Domain = "localhost"
 	srv.AllowInsecureAuth = true
 	s.mu.Lock()
@@ -75,18 +85,48 @@ func (s *SMTPServer) Mail() []Mail {
 	return append([]Mail(nil), s.mail...)
 }
 
+// Refuse makes the server refuse recipient at RCPT TO, permanently (550).
+func (s *SMTPServer) Refuse(recipient string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.refused == nil {
+		s.refused = map[string]bool{}
+	}
+	s.refused[recipient] = true
+}
+
+// Sessions is how many SMTP sessions (client connections) the server has had.
+func (s *SMTPServer) Sessions() int { return int(s.sessions.Load()) }
+
+// OpenSessions is how many SMTP sessions are open now: those not yet closed by either side.
+func (s *SMTPServer) OpenSessions() int { return int(s.open.Load()) }
+
 type smtpSession struct {
 	server   *SMTPServer
 	from, to string
 }
 
-func (x *smtpSession) Reset()        {}
-func (x *smtpSession) Logout() error { return nil }
+// Reset is RSET, or the end of a message: the next one starts from nothing.
+func (x *smtpSession) Reset() { x.from, x.to = "", "" }
+
+// Logout is the end of the session, whoever closed it.
+func (x *smtpSession) Logout() error {
+	x.server.open.Add(-1)
+	return nil
+}
+
 func (x *smtpSession) Mail(from string, _ *smtp.MailOptions) error {
 	x.from = from
 	return nil
 }
+
 func (x *smtpSession) Rcpt(to string, _ *smtp.RcptOptions) error {
+	x.server.mu.Lock()
+	refused := x.server.refused[to]
+	x.server.mu.Unlock()
+	if refused {
+		return &smtp.SMTPError{Code: 550, EnhancedCode: smtp.EnhancedCode{5, 1, 1}, Message: "mailbox unavailable"}
+	}
 	x.to = to
 	return nil
 }

@@ -6,7 +6,6 @@ package testenv
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"fmt"
 	"log/slog"
 	"net/url"
@@ -26,6 +25,9 @@ import (
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // DatabaseURL is the administrative PostgreSQL URL tests create their databases with.
@@ -101,18 +103,36 @@ func NewDatabaseWithPool(t testing.TB, pool int) *Database {
 	return d
 }
 
-// Migrate applies migrations to the database, in order.
-func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *sql.DB) error) {
+// Migrate applies migrations to the database, in order: a service's (platform.Migrations),
+// or the library's (platform.Library(messaging.MigrateOutbox)).
+func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *gorm.DB) error) {
 	t.Helper()
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
 	for _, m := range migrations {
-		if err := m(context.Background(), sqlDB); err != nil {
+		if err := m(context.Background(), d.DB); err != nil {
 			t.Fatalf("migrate %s: %v", d.Name, err)
 		}
 	}
+}
+
+// MigrateLibrary applies the messaging library's migrations: outbox_messages and
+// inbox_messages.
+func (d *Database) MigrateLibrary(t testing.TB) {
+	t.Helper()
+	for _, m := range []func(context.Context, messaging.DB) error{messaging.MigrateOutbox, messaging.MigrateInbox} {
+		if err := m(context.Background(), d.Driver(t).DB()); err != nil {
+			t.Fatalf("migrate %s: %v", d.Name, err)
+		}
+	}
+}
+
+// Driver is the messaging library's adapter of the database's GORM handle.
+func (d *Database) Driver(t testing.TB) *gormdriver.Driver {
+	t.Helper()
+	drv, err := gormdriver.New(d.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return drv
 }
 
 // OpenPool opens a quiet GORM handle on url with at most size connections, drawn from t's

@@ -134,7 +134,7 @@ func (r *run) report(w io.Writer, allow string, want int) bool {
 	if len(bad) > 0 {
 		ok = false
 		slices.Sort(bad)
-		fmt.Fprintf(w, "tests skipped for a reason not on the allowed list (README, Testing):\n%s\n", strings.Join(bad, "\n"))
+		fmt.Fprintf(w, "tests skipped for a reason not on the allowed list (docs/testing.md, Skips):\n%s\n", strings.Join(bad, "\n"))
 	}
 	if ran < want {
 		ok = false

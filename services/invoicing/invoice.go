@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"embed"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -12,7 +14,9 @@ import (
 	"gorm.io/gorm/clause"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 //go:embed migrations/*.sql
@@ -50,42 +54,58 @@ func (Invoice) TableName() string { return "invoices" }
 // check-then-insert, so no interleaving can issue an invoice for a cancelled order.
 type invoicer struct {
 	log         *slog.Logger
+	driver      *gormdriver.Driver
 	alreadyDone func() // counts a message whose invoice another message made already
 }
 
-// subscribe registers the invoicer's handlers.
-func (h invoicer) subscribe(sub *messaging.Subscription) {
-	messaging.Handle(sub, events.OrderPlacedEvent, h.placed)
-	messaging.Handle(sub, events.OrderCancelledEvent, h.cancelled)
+// subscribe registers the invoicer's handlers. OrderPlaced, the bulk of the traffic, is
+// handled a batch at a time: one INSERT for the batch's invoices, one Enqueue for their
+// InvoiceIssued events.
+func (h invoicer) subscribe(sub *platform.Subscription) error {
+	return errors.Join(
+		messaging.HandleBatch(sub, events.OrderPlacedEvent, h.placed),
+		messaging.Handle(sub, events.OrderCancelledEvent, h.cancelled))
 }
 
-// placed issues the order's invoice, unless the order is already known: cancelled first (its
+// placed issues each order's invoice, unless the order is already known: cancelled first (its
 // void row stays void, and only learns the amount), or invoiced by another message.
-func (h invoicer) placed(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced, msg messaging.Message) error {
-	inv, err := newInvoice(ev.OrderID, ev.CustomerID, ev.TotalCents, StatusIssued, msg)
+func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[events.OrderPlaced]) error {
+	invoices := make([]Invoice, len(batch))
+	for i, d := range batch {
+		var err error
+		if invoices[i], err = newInvoice(d.Payload.OrderID, d.Payload.CustomerID, d.Payload.TotalCents, StatusIssued, d.Msg); err != nil {
+			return err
+		}
+	}
+	inserted, err := insertNew(tx, invoices)
 	if err != nil {
 		return err
 	}
-	inserted, err := insertOnce(tx, &inv)
-	if err != nil {
-		return err
+	issued := make([]messaging.Message, 0, len(batch))
+	for i, d := range batch {
+		inv := invoices[i]
+		if !inserted[inv.ID] {
+			if err := h.alreadyKnown(d.Ctx, tx, d.Payload); err != nil {
+				return err
+			}
+			continue
+		}
+		msg, err := events.InvoiceIssuedEvent.Message(events.InvoiceIssued{
+			InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
+		})
+		if err != nil {
+			return err
+		}
+		msg.OccurredAt, msg.CorrelationID = inv.CreatedAt, d.Msg.CorrelationID
+		issued = append(issued, msg.WithTrace(d.Ctx))
+		err = messaging.AfterCommit(d.Ctx, func() {
+			h.log.InfoContext(d.Ctx, "invoice issued", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", d.Msg.ID)
+		})
+		if err != nil {
+			return err
+		}
 	}
-	if !inserted {
-		return h.alreadyKnown(ctx, tx, ev)
-	}
-	issued, err := events.InvoiceIssuedEvent.Message(events.InvoiceIssued{
-		InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
-	})
-	if err != nil {
-		return err
-	}
-	issued.OccurredAt, issued.CorrelationID = inv.CreatedAt, msg.CorrelationID
-	if err := messaging.Enqueue(tx, issued); err != nil {
-		return err
-	}
-	return messaging.AfterCommit(tx, func() {
-		h.log.InfoContext(ctx, "invoice issued", "invoice_id", inv.ID, "order_id", inv.OrderID, "amount_cents", inv.AmountCents, "message_id", msg.ID)
-	})
+	return messaging.Enqueue(ctx, h.driver, tx, issued...)
 }
 
 // alreadyKnown handles an OrderPlaced whose order has its invoice row already.
@@ -95,7 +115,7 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
 	}
 	if existing.Status == StatusIssued {
-		return messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(ctx, func() {
 			h.alreadyDone()
 			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
 		})
@@ -103,7 +123,7 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	if err := tx.Model(&existing).Update("amount_cents", ev.TotalCents).Error; err != nil {
 		return fmt.Errorf("record the amount of void invoice %s: %w", existing.ID, err)
 	}
-	return messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(ctx, func() {
 		h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
 	})
 }
@@ -121,7 +141,7 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		return err
 	}
 	if remembered {
-		return messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(ctx, func() {
 			h.log.InfoContext(ctx, "cancellation remembered before its order", "order_id", ev.OrderID, "invoice_id", inv.ID, "message_id", msg.ID)
 		})
 	}
@@ -133,12 +153,12 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	}
 	if res.RowsAffected == 0 {
 		// Void already: another message cancelled the order.
-		return messaging.AfterCommit(tx, func() {
+		return messaging.AfterCommit(ctx, func() {
 			h.alreadyDone()
 			h.log.WarnContext(ctx, "order already cancelled by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
 		})
 	}
-	return messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(ctx, func() {
 		h.log.InfoContext(ctx, "invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
 	})
 }
@@ -150,6 +170,36 @@ func newInvoice(orderID uuid.UUID, customerID string, amount int64, status strin
 	}
 	return Invoice{ID: id, OrderID: orderID, CustomerID: customerID, AmountCents: amount, Status: status,
 		MessageID: msg.ID, CreatedAt: time.Now().UTC()}, nil
+}
+
+// insertNewSQL inserts the invoices of a JSON array, in order_id order, skipping those whose
+// order has one already, and returns the ids of those it inserted. A concurrent insert for the
+// same order waits for the other transaction, then skips; the order keeps two batches' inserts
+// from waiting for each other in a circle. A cancellation in the same transaction, handled
+// before the batch, can still cross another batch's insert: PostgreSQL then aborts one of the
+// two, and the consumer retries its messages one by one.
+const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
+SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at
+FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, amount_cents bigint, status text, message_id uuid, created_at timestamptz)
+ORDER BY order_id
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id`
+
+// insertNew inserts the invoices whose order has none, in one statement, and reports which.
+func insertNew(tx *gorm.DB, invoices []Invoice) (map[uuid.UUID]bool, error) {
+	doc, err := json.Marshal(invoices)
+	if err != nil {
+		return nil, fmt.Errorf("insert %d invoices: %w", len(invoices), err)
+	}
+	var ids []uuid.UUID
+	if err := tx.Raw(insertNewSQL, string(doc)).Scan(&ids).Error; err != nil {
+		return nil, fmt.Errorf("insert %d invoices: %w", len(invoices), err)
+	}
+	inserted := make(map[uuid.UUID]bool, len(ids))
+	for _, id := range ids {
+		inserted[id] = true
+	}
+	return inserted, nil
 }
 
 // insertOnce inserts the order's invoice row unless the order has one; a concurrent insert for

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -19,28 +20,30 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
 type testBundle struct {
 	db          *gorm.DB
-	sub         *messaging.Subscription
+	sub         *platform.Subscription
 	logs        *testenv.Logs
 	alreadyDone *atomic.Int64
 }
 
-func setup(t *testing.T, mw ...messaging.Middleware) *testBundle {
+func setup(t *testing.T) *testBundle {
 	t.Helper()
 	d := testenv.NewDatabase(t)
-	d.Migrate(t, messaging.MigrateInbox, messaging.MigrateOutbox, platform.Migrations(migrations, "migrations", "invoicing_schema"))
+	d.Migrate(t, platform.Library(messaging.MigrateInbox), platform.Library(messaging.MigrateOutbox), platform.Migrations(migrations, "migrations", "invoicing_schema"))
 	log, logs := testenv.NewLogger(t)
 	// Deliver needs no broker: the URL is never dialled.
-	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Logger: log})
+	sub, err := messaging.NewSubscription(d.Driver(t), messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", Topology: events.Topology, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
 	var alreadyDone atomic.Int64
-	invoicer{log: log, alreadyDone: func() { alreadyDone.Add(1) }}.subscribe(sub)
-	sub.Use(mw...)
+	if err := (invoicer{log: log, driver: d.Driver(t), alreadyDone: func() { alreadyDone.Add(1) }}).subscribe(sub); err != nil {
+		t.Fatal(err)
+	}
 	return &testBundle{db: d.DB, sub: sub, logs: logs, alreadyDone: &alreadyDone}
 }
 
@@ -67,7 +70,7 @@ func orderCancelled(t *testing.T, orderID uuid.UUID) messaging.Message {
 
 func (b *testBundle) deliver(t *testing.T, msg messaging.Message) (bool, error) {
 	t.Helper()
-	return b.sub.Deliver(context.Background(), msg)
+	return messagingtest.Deliver(context.Background(), b.sub, msg)
 }
 
 // invoiceOf returns the order's invoice and how many InvoiceIssued its outbox holds for it.
@@ -225,19 +228,43 @@ func TestCancellationVoidsTheIssuedInvoice(t *testing.T) {
 	}
 }
 
-// holdOpen keeps the transaction of the first message of type msgType open after its work, until
-// release is closed: another transaction can then run into it.
-func holdOpen(msgType string, held chan<- struct{}, release <-chan struct{}) messaging.Middleware {
-	var once sync.Once
-	return func(next messaging.HandlerFunc) messaging.HandlerFunc {
-		return func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
-			err := next(ctx, tx, msg)
-			if msg.Type == msgType {
-				once.Do(func() { close(held); <-release })
-			}
-			return err
+// gateInvoiceInserts makes each insert into invoices wait, once its row is written, until
+// release: a trigger waits on an advisory lock the test holds, so the inserting transaction
+// stays open with its row, and another can run into it. held reports whether one waits there.
+func gateInvoiceInserts(t *testing.T, db *gorm.DB) (held func() bool, release func()) {
+	t.Helper()
+	const key = 4242
+	err := db.Exec(`CREATE FUNCTION gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_lock_shared(` + fmt.Sprint(key) + `);
+    PERFORM pg_advisory_unlock_shared(` + fmt.Sprint(key) + `);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gate AFTER INSERT ON invoices FOR EACH ROW EXECUTE FUNCTION gate()`).Error
+	if err != nil {
+		t.Fatal(err)
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := sqlDB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	if _, err := conn.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	held = func() bool {
+		return testenv.Count(t, db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'") == 1
+	}
+	release = func() {
+		if _, err := conn.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", key); err != nil {
+			t.Error(err)
 		}
 	}
+	return held, release
 }
 
 // The placement and the cancellation of one order handled at the same moment, each in its own
@@ -247,8 +274,8 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 	t.Parallel()
 	testenv.Connections(t, 3*testenv.DefaultConnections) // three databases, one after another
 	for _, first := range []string{events.OrderPlacedType, events.OrderCancelledType} {
-		held, release := make(chan struct{}), make(chan struct{})
-		b := setup(t, holdOpen(first, held, release))
+		b := setup(t)
+		held, release := gateInvoiceInserts(t, b.db)
 		orderID := uuid.New()
 		msgs := map[string]messaging.Message{events.OrderPlacedType: orderPlaced(t, orderID, 500), events.OrderCancelledType: orderCancelled(t, orderID)}
 		second := events.OrderCancelledType
@@ -258,12 +285,12 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 		var wg sync.WaitGroup
 		errs := make(chan error, 2)
 		wg.Go(func() { _, err := b.deliver(t, msgs[first]); errs <- err })
-		<-held // the first one's invoice row is written, not committed
+		testenv.Eventually(t, 10*time.Second, held, "the %s did not write its invoice row", first) // written, not committed
 		wg.Go(func() { _, err := b.deliver(t, msgs[second]); errs <- err })
 		testenv.Eventually(t, 10*time.Second, func() bool {
 			return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'") == 1
 		}, "the %s did not wait for the %s's transaction", second, first)
-		close(release)
+		release()
 		wg.Wait()
 		close(errs)
 		for err := range errs {

@@ -19,16 +19,18 @@ func main() { platform.Main("invoicing", run) }
 
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8081")
-	settings := platform.ReadConsumerSettings(env, common)
-	relaying := platform.ReadRelaySettings(env, common)
+	settings := platform.ReadConsumerSettings(env)
+	relaying := platform.ReadRelaySettings(env)
+	pools := platform.PoolsOf(&relaying, &settings, 0)
+	pools.Check(env, common)
 	if err := env.Err(); err != nil {
 		return err
 	}
 	log := platform.NewLogger(os.Stderr, "invoicing", common.LogFormat, common.LogLevel)
 	log.Info("starting", append(append(common.LogAttrs(), settings.LogAttrs()...), relaying.LogAttrs()...)...)
 
-	base, err := platform.Start(ctx, log, "invoicing", common,
-		messaging.MigrateInbox, messaging.MigrateOutbox, platform.Migrations(migrations, "migrations", "invoicing_schema"))
+	base, err := platform.Start(ctx, log, "invoicing", common, pools,
+		platform.Library(messaging.MigrateInbox), platform.Library(messaging.MigrateOutbox), platform.Migrations(migrations, "migrations", "invoicing_schema"))
 	if err != nil {
 		return err
 	}
@@ -43,6 +45,8 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err != nil {
 		return err
 	}
-	invoicer{log: log, alreadyDone: base.AlreadyDone(Consumer)}.subscribe(sub)
+	if err := (invoicer{log: log, driver: base.WorkDriver, alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
+		return err
+	}
 	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings, outbox.Relay.Run, outbox.Cleanup)
 }

@@ -22,7 +22,7 @@ func main() { platform.Main("notification", run) }
 
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8082")
-	settings := platform.ReadConsumerSettings(env, common)
+	settings := platform.ReadConsumerSettings(env)
 	smtpAddr := env.Addr("SMTP_ADDR", "")
 	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
 	_, fromErr := mail.ParseAddress(smtpFrom)
@@ -31,15 +31,22 @@ func run(ctx context.Context, env *platform.Env) error {
 	_, domainErr := mail.ParseAddress("x@" + domain)
 	env.Check(domainErr == nil && !strings.ContainsAny(domain, "@<> "), "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name")
 	maxBackoff := env.Duration("NOTIFY_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
+	// The deliveries hold no database connection: the sender uses one for all of them, whatever
+	// NOTIFY_CONCURRENCY is. Nor do they hold an SMTP connection while their outcome is
+	// recorded, so more of them than SMTP_MAX_CONNS keep the connections busy.
+	concurrency := env.Int("NOTIFY_CONCURRENCY", DefaultConcurrency, 1, 1000)
+	smtpConns := env.Int("SMTP_MAX_CONNS", DefaultSMTPConns, 1, 100)
+	pools := platform.PoolsOf(nil, &settings, 1)
+	pools.Check(env, common)
 	if err := env.Err(); err != nil {
 		return err
 	}
 	log := platform.NewLogger(os.Stderr, "notification", common.LogFormat, common.LogLevel)
 	log.Info("starting", append(append(common.LogAttrs(), settings.LogAttrs()...),
-		"smtp_addr", smtpAddr, "smtp_from", smtpFrom, "notify_recipient_domain", domain, "notify_max_backoff", maxBackoff)...)
+		"smtp_addr", smtpAddr, "smtp_from", smtpFrom, "notify_recipient_domain", domain, "notify_max_backoff", maxBackoff, "notify_concurrency", concurrency, "smtp_max_conns", smtpConns)...)
 
-	base, err := platform.Start(ctx, log, "notification", common,
-		messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "notification_schema"))
+	base, err := platform.Start(ctx, log, "notification", common, pools,
+		platform.Library(messaging.MigrateInbox), platform.Migrations(migrations, "migrations", "notification_schema"))
 	if err != nil {
 		return err
 	}
@@ -47,14 +54,18 @@ func run(ctx context.Context, env *platform.Env) error {
 
 	var deliverer Deliverer = logDeliverer{log: log}
 	if smtpAddr != "" {
-		deliverer = smtpDeliverer{addr: smtpAddr, from: smtpFrom}
+		mailer := newSMTPDeliverer(smtpAddr, smtpFrom, smtpConns)
+		defer mailer.Close()
+		deliverer = mailer
 	}
-	send := newSender(base.DB, deliverer, maxBackoff, log)
+	send := newSender(base.Work, deliverer, concurrency, maxBackoff, log)
 
 	sub, err := base.Subscription(log, Consumer, common.AMQPURL, events.Topology, settings)
 	if err != nil {
 		return err
 	}
-	notifier{log: log, domain: domain, recorded: send.Wake, alreadyDone: base.AlreadyDone(Consumer)}.subscribe(sub)
+	if err := (notifier{log: log, domain: domain, wake: send.Wake, alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
+		return err
+	}
 	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings, send.Run)
 }

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"embed"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/mail"
@@ -12,9 +14,9 @@ import (
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
 	"gorm.io/gorm"
-	"gorm.io/gorm/clause"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
@@ -118,41 +120,51 @@ func recipient(customerID, domain string) string {
 // notifier turns events into pending notifications. Its handlers run inside the inbox's
 // transaction and only record; sending is the sender's job, after the commit.
 type notifier struct {
-	log      *slog.Logger
-	domain   string
-	recorded func() // called after a new notification committed: wakes the sender
+	log    *slog.Logger
+	domain string
+	wake   func() // called after a new notification committed: wakes the sender
 	// alreadyDone, if set, counts a message whose notification another message recorded already.
 	alreadyDone func()
 }
 
-// subscribe registers a handler per event the notifier turns into a notification; the
-// subscription's queue is bound to each.
-func (h notifier) subscribe(sub *messaging.Subscription) {
-	messaging.Handle(sub, events.OrderPlacedEvent, h.orderPlaced)
-	messaging.Handle(sub, events.InvoiceIssuedEvent, h.invoiceIssued)
-	messaging.Handle(sub, events.OrderCancelledEvent, h.orderCancelled)
+// subscribe registers a batch handler per event the notifier turns into a notification; the
+// subscription's queue is bound to each. A batch's notifications are recorded with one INSERT.
+func (h notifier) subscribe(sub *platform.Subscription) error {
+	return errors.Join(
+		messaging.HandleBatch(sub, events.OrderPlacedEvent, recordAll(h, confirmation)),
+		messaging.HandleBatch(sub, events.InvoiceIssuedEvent, recordAll(h, invoiceNotice)),
+		messaging.HandleBatch(sub, events.OrderCancelledEvent, recordAll(h, cancellation)))
 }
 
-func (h notifier) orderPlaced(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced, msg messaging.Message) error {
-	return h.record(ctx, tx, msg, confirmation(ev))
+// recordAll records, for each message of a batch, the notification build makes of its event.
+func recordAll[T any](h notifier, build func(T) Notification) messaging.BatchHandler[*gorm.DB, T] {
+	return func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[T]) error {
+		ns := make([]Notification, len(batch))
+		for i, d := range batch {
+			var err error
+			if ns[i], err = h.prepare(d.Ctx, d.Msg, build(d.Payload)); err != nil {
+				return err
+			}
+		}
+		inserted, err := insertNew(tx, ns)
+		if err != nil {
+			return err
+		}
+		for i, d := range batch {
+			if err := h.recorded(d.Ctx, ns[i], d.Msg, inserted[ns[i].ID]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 }
 
-func (h notifier) invoiceIssued(ctx context.Context, tx *gorm.DB, ev events.InvoiceIssued, msg messaging.Message) error {
-	return h.record(ctx, tx, msg, invoiceNotice(ev))
-}
-
-func (h notifier) orderCancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
-	return h.record(ctx, tx, msg, cancellation(ev))
-}
-
-// record inserts n as pending, unless its order already has a notification of its kind: a
-// redelivery never gets here (the inbox skips it), so that is another message about the same
-// order and kind, and the customer must not hear about it twice. n keeps ctx's trace context
-// for its delivery.
-func (h notifier) record(ctx context.Context, tx *gorm.DB, msg messaging.Message, n Notification) error {
+// prepare completes n as a pending notification about msg, which keeps ctx's trace context for
+// its delivery.
+func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notification) (Notification, error) {
 	id, err := uuid.NewV7()
 	if err != nil {
-		return fmt.Errorf("notification id: %w", err)
+		return n, fmt.Errorf("notification id: %w", err)
 	}
 	now := time.Now().UTC()
 	n.ID, n.MessageID, n.Recipient = id, msg.ID, recipient(n.CustomerID, h.domain)
@@ -160,12 +172,69 @@ func (h notifier) record(ctx context.Context, tx *gorm.DB, msg messaging.Message
 	carrier := propagation.MapCarrier{}
 	w3c.Inject(ctx, carrier)
 	n.TraceParent, n.TraceState = carrier.Get("traceparent"), carrier.Get("tracestate")
-	res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "order_id"}, {Name: "kind"}}, DoNothing: true}).Create(&n)
-	if res.Error != nil {
-		return fmt.Errorf("insert %s notification for order %s: %w", n.Kind, n.OrderID, res.Error)
+	return n, nil
+}
+
+// insertNewSQL inserts the notifications of a JSON array, in (order_id, kind) order, skipping
+// those whose order has one of their kind already, and returns the ids of those it inserted.
+// A concurrent insert of the same order and kind waits for the other transaction, then skips;
+// the order keeps two batches holding the same ones from waiting for each other in a circle.
+const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,
+    next_attempt_at, message_id, created_at, trace_parent, trace_state)
+SELECT id, order_id, customer_id, kind, recipient, subject, body, status, next_attempt_at, message_id, created_at, trace_parent, trace_state
+FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, kind text, recipient text, subject text,
+    body text, status text, next_attempt_at timestamptz, message_id uuid, created_at timestamptz, trace_parent text, trace_state text)
+ORDER BY order_id, kind
+ON CONFLICT (order_id, kind) DO NOTHING
+RETURNING id`
+
+// notificationRow is a notification as insertNewSQL reads it: every column it writes.
+type notificationRow struct {
+	ID            uuid.UUID `json:"id"`
+	OrderID       uuid.UUID `json:"order_id"`
+	CustomerID    string    `json:"customer_id"`
+	Kind          string    `json:"kind"`
+	Recipient     string    `json:"recipient"`
+	Subject       string    `json:"subject"`
+	Body          string    `json:"body"`
+	Status        string    `json:"status"`
+	NextAttemptAt time.Time `json:"next_attempt_at"`
+	MessageID     uuid.UUID `json:"message_id"`
+	CreatedAt     time.Time `json:"created_at"`
+	TraceParent   string    `json:"trace_parent"`
+	TraceState    string    `json:"trace_state"`
+}
+
+// insertNew inserts the notifications whose order has none of their kind, in one statement,
+// and reports which. A redelivery never gets here (the inbox skips it), so one skipped is
+// another message about the same order and kind, and the customer must not hear about it twice.
+func insertNew(tx *gorm.DB, ns []Notification) (map[uuid.UUID]bool, error) {
+	rows := make([]notificationRow, len(ns))
+	for i, n := range ns {
+		rows[i] = notificationRow{ID: n.ID, OrderID: n.OrderID, CustomerID: n.CustomerID, Kind: n.Kind, Recipient: n.Recipient,
+			Subject: n.Subject, Body: n.Body, Status: n.Status, NextAttemptAt: n.NextAttemptAt, MessageID: n.MessageID,
+			CreatedAt: n.CreatedAt, TraceParent: n.TraceParent, TraceState: n.TraceState}
 	}
-	if res.RowsAffected == 0 {
-		return messaging.AfterCommit(tx, func() {
+	doc, err := json.Marshal(rows)
+	if err != nil {
+		return nil, fmt.Errorf("insert %d notifications: %w", len(ns), err)
+	}
+	var ids []uuid.UUID
+	if err := tx.Raw(insertNewSQL, string(doc)).Scan(&ids).Error; err != nil {
+		return nil, fmt.Errorf("insert %d notifications: %w", len(ns), err)
+	}
+	inserted := make(map[uuid.UUID]bool, len(ids))
+	for _, id := range ids {
+		inserted[id] = true
+	}
+	return inserted, nil
+}
+
+// recorded says, once the transaction commits, what became of msg's notification n: recorded
+// (and the sender woken), or not, its order having one of its kind already.
+func (h notifier) recorded(ctx context.Context, n Notification, msg messaging.Message, inserted bool) error {
+	if !inserted {
+		return messaging.AfterCommit(ctx, func() {
 			if h.alreadyDone != nil {
 				h.alreadyDone()
 			}
@@ -173,10 +242,10 @@ func (h notifier) record(ctx context.Context, tx *gorm.DB, msg messaging.Message
 				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		})
 	}
-	return messaging.AfterCommit(tx, func() {
+	return messaging.AfterCommit(ctx, func() {
 		h.log.InfoContext(ctx, "notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
-		if h.recorded != nil {
-			h.recorded()
+		if h.wake != nil {
+			h.wake()
 		}
 	})
 }

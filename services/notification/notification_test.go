@@ -16,15 +16,16 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/migrate"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
 type testBundle struct {
 	db    *gorm.DB
-	sub   *messaging.Subscription
+	sub   *platform.Subscription
 	logs  *testenv.Logs
 	smtp  *testenv.SMTPServer
 	send  *sender
@@ -34,17 +35,21 @@ type testBundle struct {
 func setup(t *testing.T) *testBundle {
 	t.Helper()
 	d := testenv.NewDatabase(t)
-	d.Migrate(t, messaging.MigrateInbox, platform.Migrations(migrations, "migrations", "notification_schema"))
+	d.Migrate(t, platform.Library(messaging.MigrateInbox), platform.Migrations(migrations, "migrations", "notification_schema"))
 	log, logs := testenv.NewLogger(t)
 	// Deliver needs no broker: the URL is never dialled.
-	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: d.DB, Topology: events.Topology, Logger: log})
+	sub, err := messaging.NewSubscription(d.Driver(t), messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", Topology: events.Topology, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
 	b := &testBundle{db: d.DB, sub: sub, logs: logs, smtp: testenv.NewSMTPServer(t)}
-	b.send = newSender(d.DB, smtpDeliverer{addr: b.smtp.Addr, from: "orders@shop.example"}, 10*time.Second, log)
+	mailer := newSMTPDeliverer(b.smtp.Addr, "orders@shop.example", DefaultSMTPConns)
+	t.Cleanup(mailer.Close)
+	b.send = newSender(d.DB, mailer, DefaultConcurrency, 10*time.Second, log)
 	b.send.backoff.Base = 200 * time.Millisecond
-	notifier{log: log, domain: "customers.example", recorded: func() { b.wakes.Add(1); b.send.Wake() }}.subscribe(sub)
+	if err := (notifier{log: log, domain: "customers.example", wake: func() { b.wakes.Add(1); b.send.Wake() }}).subscribe(sub); err != nil {
+		t.Fatal(err)
+	}
 	return b
 }
 
@@ -83,7 +88,7 @@ func orderCancelled(t *testing.T, orderID uuid.UUID, customer string) messaging.
 // whether the inbox skipped it as a duplicate.
 func (b *testBundle) deliver(t *testing.T, msg messaging.Message) (duplicate bool) {
 	t.Helper()
-	duplicate, err := b.sub.Deliver(context.Background(), msg)
+	duplicate, err := messagingtest.Deliver(context.Background(), b.sub, msg)
 	if err != nil {
 		t.Fatalf("deliver %s %s: %v", msg.Type, msg.ID, err)
 	}
@@ -279,7 +284,7 @@ func TestInvalidInvoiceIssuedIsPermanentAndWritesNothing(t *testing.T) {
 		"negative amount": message(t, events.InvoiceIssuedEvent, negative),
 		"wrong shape":     wrongShape,
 	} {
-		if _, err := b.sub.Deliver(context.Background(), msg); !messaging.IsPermanent(err) {
+		if _, err := messagingtest.Deliver(context.Background(), b.sub, msg); !messaging.IsPermanent(err) {
 			t.Errorf("%s: err = %v, want a permanent error", name, err)
 		}
 	}
@@ -407,7 +412,9 @@ func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
 			t.Cleanup(func() { _ = conn.Close() }) // held open, never answered
 		}
 	}()
-	b.send.deliverer = smtpDeliverer{addr: ln.Addr().String(), from: "orders@shop.example"}
+	stalled := newSMTPDeliverer(ln.Addr().String(), "orders@shop.example", 1)
+	t.Cleanup(stalled.Close)
+	b.send.deliverer = stalled
 	b.send.deliver = 300 * time.Millisecond
 	b.deliver(t, orderPlaced(t, uuid.New(), "c-1"))
 

@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -43,14 +45,23 @@ func newSenderEnv(t *testing.T) *senderEnv {
 	return e
 }
 
-// mailer is the real deliverer, to the test's mail server.
-func (e *senderEnv) mailer() Deliverer {
-	return smtpDeliverer{addr: e.smtp.Addr, from: "orders@shop.example"}
+// mailer is the real deliverer, to the test's mail server, with a pool of its own.
+func (e *senderEnv) mailer(t *testing.T) *smtpDeliverer {
+	t.Helper()
+	m := newSMTPDeliverer(e.smtp.Addr, "orders@shop.example", DefaultSMTPConns)
+	t.Cleanup(m.Close)
+	return m
 }
 
 // sender builds a sender on a pool of its own, with budgets short enough for a test: its
-// lease is deliver+mark+grace = 2 s.
+// lease is deliver+mark+grace = 2 s. Its concurrency is the default.
 func (e *senderEnv) sender(t *testing.T, name string, d Deliverer) *sender {
+	t.Helper()
+	return e.senderOn(t, name, d, senderPool, nil)
+}
+
+// senderOn is sender on a pool of size connections, each with the run-time parameters params.
+func (e *senderEnv) senderOn(t *testing.T, name string, d Deliverer, size int, params map[string]string) *sender {
 	t.Helper()
 	u, err := url.Parse(e.db.URL)
 	if err != nil {
@@ -58,9 +69,12 @@ func (e *senderEnv) sender(t *testing.T, name string, d Deliverer) *sender {
 	}
 	q := u.Query()
 	q.Set("application_name", name)
+	for k, v := range params {
+		q.Set(k, v)
+	}
 	u.RawQuery = q.Encode()
-	db := testenv.OpenPool(t, u.String(), senderPool)
-	s := newSender(db, d, time.Second, e.log.With("sender", name))
+	db := testenv.OpenPool(t, u.String(), size)
+	s := newSender(db, d, DefaultConcurrency, time.Second, e.log.With("sender", name))
 	s.deliver, s.mark, s.grace, s.poll = 500*time.Millisecond, time.Second, 500*time.Millisecond, 50*time.Millisecond
 	s.backoff.Base = 100 * time.Millisecond
 	return s
@@ -169,6 +183,19 @@ func (o outcome) String() string {
 	return "nothing delivered"
 }
 
+// deliverOne leases the oldest due notification and delivers it as Run does, reporting whether
+// it was sent: one delivery, under the test's control.
+func (s *sender) deliverOne(ctx context.Context) (delivered bool, err error) {
+	if ctx.Err() != nil {
+		return false, nil // shutting down: take nothing new
+	}
+	rows, err := s.lease(1)
+	if err != nil || len(rows) == 0 {
+		return false, err
+	}
+	return s.deliverLeased(ctx, rows[0])
+}
+
 // start runs one deliverOne of s in the background.
 func start(s *sender) <-chan outcome {
 	done := make(chan outcome, 1)
@@ -240,9 +267,9 @@ func TestExpiredLeaseChangesNothing(t *testing.T) {
 			t.Parallel()
 			e := newSenderEnv(t)
 			id := e.pending(t)
-			first := newStalled(e.mailer(), true, tc.fail)
+			first := newStalled(e.mailer(t), true, tc.fail)
 			a := e.sender(t, "sender-a", first)
-			second := newStalled(e.mailer(), true, nil)
+			second := newStalled(e.mailer(t), true, nil)
 			b := e.sender(t, "sender-b", second)
 			if tc.bFirst {
 				close(second.release) // the second sender does not stall
@@ -308,9 +335,9 @@ func TestStuckDeliveryIsTakenOverAndRepeatsTheMessageID(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	id := e.pending(t)
-	stuck := newStalled(e.mailer(), false, nil)
+	stuck := newStalled(e.mailer(t), false, nil)
 	a := e.sender(t, "sender-a", stuck)
-	b := e.sender(t, "sender-b", e.mailer())
+	b := e.sender(t, "sender-b", e.mailer(t))
 
 	aDone := start(a)
 	wait(t, stuck.entered, "the first delivery")
@@ -363,7 +390,7 @@ func TestCrashBetweenSendAndMarkSendsAgainWithTheSameMessageID(t *testing.T) {
 	e := newSenderEnv(t)
 	id := e.pending(t)
 	a := e.sender(t, "sender-a", nil)
-	a.deliverer = diesAfterSend{inner: e.mailer(), db: a.db}
+	a.deliverer = diesAfterSend{inner: e.mailer(t), db: a.db}
 	a.mark = 300 * time.Millisecond // the dead sender gives up on marking sooner
 
 	if delivered, err := a.deliverOne(context.Background()); delivered || err == nil || !strings.Contains(err.Error(), "delivered again") {
@@ -376,7 +403,7 @@ func TestCrashBetweenSendAndMarkSendsAgainWithTheSameMessageID(t *testing.T) {
 		t.Fatalf("%d e-mails before the restart, want 1", n)
 	}
 
-	b := e.sender(t, "sender-b", e.mailer())
+	b := e.sender(t, "sender-b", e.mailer(t))
 	if o := await(t, takeOver(t, b, id)); !o.delivered || o.err != nil {
 		t.Fatalf("new sender: %v, want delivered", o)
 	}
@@ -433,18 +460,10 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	id := e.pending(t)
-	away := &awayAfterSend{t: t, inner: e.mailer(), admin: admin(t), dbName: e.db.Name, away: 700 * time.Millisecond, back: make(chan backAt, 1)}
+	away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: 700 * time.Millisecond, back: make(chan backAt, 1)}
 	t.Cleanup(func() { _ = away.admin.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
 	a := e.sender(t, "sender-a", away)
 	a.mark = 4 * time.Second
-	var failedMarks atomic.Int32
-	if err := a.db.Callback().Raw().After("gorm:raw").Register("test:failed_marks", func(tx *gorm.DB) {
-		if tx.Error != nil && strings.HasPrefix(tx.Statement.SQL.String(), "UPDATE notifications SET status = 'sent'") {
-			failedMarks.Add(1)
-		}
-	}); err != nil {
-		t.Fatal(err)
-	}
 
 	if delivered, err := a.deliverOne(context.Background()); !delivered || err != nil {
 		t.Fatalf("deliverOne = %v, %v; want delivered and marked once the database is back", delivered, err)
@@ -452,7 +471,7 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	if n := away.killed.Load(); n < 1 {
 		t.Fatalf("killed %d of the sender's sessions, want its pool's", n)
 	}
-	if n := failedMarks.Load(); n < 1 {
+	if n := len(e.logs.Lines("recording notification outcomes failed; retrying")); n < 1 {
 		t.Fatalf("%d failed marks, want the mark to have failed while the database was away", n)
 	}
 	back := <-away.back
@@ -492,7 +511,7 @@ func TestDeliveryFinishingDuringShutdownIsMarkedSent(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	id := e.pending(t)
-	held := heldOpen{inner: e.mailer(), entered: make(chan struct{}), release: make(chan struct{})}
+	held := heldOpen{inner: e.mailer(t), entered: make(chan struct{}), release: make(chan struct{})}
 	s := e.sender(t, "sender-a", held)
 	s.deliver, s.grace = 10*time.Second, time.Second
 
@@ -546,21 +565,25 @@ func (d *slow) Deliver(ctx context.Context, n Notification) error {
 	return nil
 }
 
-// Two senders compete for the same notifications on one slow mail server: while a lease holds,
-// nobody else takes the notification, so each is e-mailed once.
+// Two senders compete for the same notifications on one slow mail server, each with deliveries
+// in parallel: while a lease holds, nobody else takes the notification, so each is e-mailed
+// once.
 func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
-	const notifications = 10
+	const notifications = 20
 	ids := make([]uuid.UUID, notifications)
 	for i := range ids {
 		ids[i] = e.pending(t)
 	}
-	a, b := &slow{inner: e.mailer(), delay: 200 * time.Millisecond}, &slow{inner: e.mailer(), delay: 200 * time.Millisecond}
+	a, b := &slow{inner: e.mailer(t), delay: 200 * time.Millisecond}, &slow{inner: e.mailer(t), delay: 200 * time.Millisecond}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	for name, d := range map[string]*slow{"sender-a": a, "sender-b": b} {
 		s := e.sender(t, name, d)
+		// Few enough that neither sender leases every notification at once (the deliveries
+		// and as many leased in waiting).
+		s.concurrency = 3
 		wg.Go(func() { _ = s.Run(ctx) })
 	}
 	testenv.Eventually(t, 30*time.Second, func() bool {
@@ -583,5 +606,403 @@ func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 	}
 	if len(byMessageID) != notifications {
 		t.Errorf("%d distinct Message-IDs e-mailed, want %d", len(byMessageID), notifications)
+	}
+}
+
+// overlapping counts how many deliveries are in progress at once, at most, each taking delay
+// before handing over to inner.
+type overlapping struct {
+	inner      Deliverer
+	delay      time.Duration
+	mu         sync.Mutex
+	now, most  int
+	deliveries int
+}
+
+func (d *overlapping) Deliver(ctx context.Context, n Notification) error {
+	d.mu.Lock()
+	d.now++
+	d.most = max(d.most, d.now)
+	d.deliveries++
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		d.now--
+		d.mu.Unlock()
+	}()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d.delay):
+	}
+	return d.inner.Deliver(ctx, n)
+}
+
+// statementsAtOnce registers callbacks on db that count its statements in progress, and
+// returns the most there were at once.
+func statementsAtOnce(t *testing.T, db *gorm.DB) func() int {
+	t.Helper()
+	var mu sync.Mutex
+	now, most := 0, 0
+	begin := func(*gorm.DB) {
+		mu.Lock()
+		defer mu.Unlock()
+		now++
+		most = max(most, now)
+	}
+	end := func(*gorm.DB) {
+		mu.Lock()
+		defer mu.Unlock()
+		now--
+	}
+	for _, err := range []error{
+		db.Callback().Row().Before("gorm:row").Register("test:begin_row", begin),
+		db.Callback().Row().After("gorm:row").Register("test:end_row", end),
+		db.Callback().Raw().Before("gorm:raw").Register("test:begin_raw", begin),
+		db.Callback().Raw().After("gorm:raw").Register("test:end_raw", end),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return most
+	}
+}
+
+// Deliveries run concurrently, up to the sender's concurrency, and each notification is still
+// e-mailed once; while they run, the sender's statements (leases and records, for all of them)
+// run one at a time, on one database connection.
+func TestConcurrentDeliveriesShareOneDatabaseConnection(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const notifications = 40
+	ids := make([]uuid.UUID, notifications)
+	for i := range ids {
+		ids[i] = e.pending(t)
+	}
+	d := &overlapping{inner: e.mailer(t), delay: 50 * time.Millisecond}
+	s := e.sender(t, "sender-a", d)
+	s.concurrency = 8
+	most := statementsAtOnce(t, s.db)
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'") == notifications
+	}, "not all %d notifications were sent", notifications)
+	cancel()
+	if err := <-ran; err != nil {
+		t.Fatal(err)
+	}
+
+	if d.most != s.concurrency {
+		t.Errorf("at most %d deliveries at once, want the concurrency, %d", d.most, s.concurrency)
+	}
+	if n := most(); n != 1 {
+		t.Errorf("at most %d of the sender's statements at once, want 1", n)
+	}
+	byMessageID := map[string]int{}
+	for _, m := range e.smtp.Mail() {
+		byMessageID[m.MessageID]++
+	}
+	for _, id := range ids {
+		if n := byMessageID["<"+id.String()+"@"+MessageIDDomain+">"]; n != 1 {
+			t.Errorf("notification %s e-mailed %d times, want once", id, n)
+		}
+	}
+	if d.deliveries != notifications {
+		t.Errorf("%d deliveries, want %d", d.deliveries, notifications)
+	}
+}
+
+// held is a delivery that goes on until the test releases it, then sends for real; it respects
+// ctx, as a Deliverer must. entered receives one value per delivery that began.
+type held struct {
+	inner   Deliverer
+	entered chan uuid.UUID
+	release chan struct{}
+}
+
+func (d held) Deliver(ctx context.Context, n Notification) error {
+	d.entered <- n.ID
+	select {
+	case <-d.release:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return d.inner.Deliver(ctx, n)
+}
+
+// Shutdown with deliveries in progress and more notifications leased in waiting: those in
+// progress finish within the grace and are marked sent, those waiting are given back unsent,
+// due again at once with no attempt counted, and the rest were never leased. One e-mail per
+// delivery that began, none repeated.
+func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const notifications = 6
+	for range notifications {
+		e.pending(t)
+	}
+	d := held{inner: e.mailer(t), entered: make(chan uuid.UUID, notifications), release: make(chan struct{})}
+	s := e.sender(t, "sender-a", d)
+	s.concurrency = 2
+	s.deliver, s.grace = 10*time.Second, 2*time.Second
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	inProgress := map[uuid.UUID]bool{}
+	for range s.concurrency {
+		select {
+		case id := <-d.entered:
+			inProgress[id] = true
+		case <-time.After(15 * time.Second):
+			t.Fatal("the deliveries did not begin")
+		}
+	}
+	// The two deliveries are under way; two more notifications are leased, waiting for them.
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE next_attempt_at > now()") == 4
+	}, "not four notifications leased")
+	cancel()
+	time.AfterFunc(s.grace/2, func() { close(d.release) })
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Fatalf("Run = %v, want nil", err)
+		}
+	case <-time.After(s.grace + s.mark + 5*time.Second):
+		t.Fatal("Run did not return after shutdown")
+	}
+
+	var rows []Notification
+	if err := e.db.DB.Find(&rows).Error; err != nil {
+		t.Fatal(err)
+	}
+	sent := 0
+	for _, n := range rows {
+		switch {
+		case inProgress[n.ID]:
+			if n.Status != StatusSent || n.Attempts != 0 {
+				t.Errorf("notification in progress at shutdown: %+v, want sent", n)
+			}
+			sent++
+		case n.Status != StatusPending || n.Attempts != 0 || n.LastError != nil || n.NextAttemptAt.After(time.Now()):
+			t.Errorf("notification not begun at shutdown: %+v, want pending, due now, no attempt", n)
+		}
+	}
+	if sent != s.concurrency {
+		t.Errorf("%d of the notifications in progress sent, want %d", sent, s.concurrency)
+	}
+	if n := len(d.entered); n != 0 {
+		t.Errorf("%d deliveries began after the shutdown", n)
+	}
+	if n := len(e.smtp.Mail()); n != s.concurrency {
+		t.Errorf("%d e-mails, want %d", n, s.concurrency)
+	}
+}
+
+// leaseGateKey is the advisory lock that holds a sender inside its lease (see holdLeases).
+const leaseGateKey = 7302
+
+// holdLeases makes every later update of the test database's notifications wait, inside its
+// statement and holding the row, until the returned release is called (it is also called at
+// cleanup). The gate is an advisory lock held on a connection of its own, which a trigger
+// waits for.
+func (e *senderEnv) holdLeases(t *testing.T) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	sqlDB, err := e.db.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate, err := sqlDB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_lock($1)", leaseGateKey); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", leaseGateKey); err != nil {
+				t.Error(err)
+			}
+			_ = gate.Close()
+		})
+	}
+	t.Cleanup(release)
+	for _, stmt := range []string{
+		`CREATE FUNCTION wait_at_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_advisory_lock_shared(` + strconv.Itoa(leaseGateKey) + `);
+	PERFORM pg_advisory_unlock_shared(` + strconv.Itoa(leaseGateKey) + `);
+	RETURN NEW;
+END $$`,
+		"CREATE TRIGGER gate BEFORE UPDATE ON notifications FOR EACH ROW EXECUTE FUNCTION wait_at_gate()",
+	} {
+		if err := e.db.DB.Exec(stmt).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	return release
+}
+
+// lockWaits lists the statements of the sender name (its connections' application_name) that
+// wait for a lock.
+func (e *senderEnv) lockWaits(t *testing.T, name string) []string {
+	t.Helper()
+	var queries []string
+	if err := e.db.DB.Raw("SELECT query FROM pg_stat_activity WHERE application_name = ? AND wait_event_type = 'Lock'", name).
+		Scan(&queries).Error; err != nil {
+		t.Fatal(err)
+	}
+	return queries
+}
+
+// A sender skips a notification that another sender is leasing, instead of waiting for it and
+// leasing it again: the first is held inside its lease's update, holding the row, and the
+// second, started then, must find nothing to do.
+func TestSecondSenderSkipsANotificationBeingLeased(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	release := e.holdLeases(t)
+	a := e.sender(t, "sender-a", e.mailer(t))
+	b := e.sender(t, "sender-b", e.mailer(t))
+	b.mark = 10 * time.Second // the budget of its claim: a claim that waits is seen waiting, not cut short
+	aDone := start(a)
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
+		"the first sender did not reach its lease's update")
+	bDone := start(b)
+	var got *outcome
+	var waits []string
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		select {
+		case o := <-bDone:
+			got = &o
+			return true
+		default:
+		}
+		waits = e.lockWaits(t, "sender-b")
+		return len(waits) > 0
+	}, "the second sender neither returned nor waited")
+	if got == nil {
+		t.Errorf("the second sender waits at %q for the notification the first is leasing, instead of skipping it", waits)
+	} else if got.delivered || got.err != nil {
+		t.Errorf("second sender: %+v, want nothing delivered and no error", *got)
+	}
+	release()
+	if o := await(t, aDone); !o.delivered || o.err != nil {
+		t.Fatalf("first sender: %+v, want delivered", o)
+	}
+	if got == nil {
+		await(t, bDone)
+	}
+	if n := e.mails(t, id); n != 1 {
+		t.Fatalf("notification e-mailed %d times, want once", n)
+	}
+}
+
+// A sent notification is never taken again, however long ago its last lease ran out.
+func TestSentNotificationIsNeverTakenAgain(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	if o := await(t, start(s)); !o.delivered || o.err != nil {
+		t.Fatalf("first round: %+v, want delivered", o)
+	}
+	if err := e.db.DB.Exec("UPDATE notifications SET next_attempt_at = now() - interval '1 hour' WHERE id = ?", id).Error; err != nil {
+		t.Fatal(err)
+	}
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Errorf("second round: %+v, want nothing taken: the notification was sent", o)
+	}
+	if n := e.mails(t, id); n != 1 {
+		t.Fatalf("notification e-mailed %d times, want once", n)
+	}
+	if r := e.row(t, id); r.Status != StatusSent {
+		t.Fatalf("status %q, want %q", r.Status, StatusSent)
+	}
+}
+
+// notStarted never gets as far as a mail server, as a delivery out of time waiting for a
+// connection.
+type notStarted struct{}
+
+func (notStarted) Deliver(context.Context, Notification) error {
+	return fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, context.DeadlineExceeded)
+}
+
+// A notification whose delivery never started is released, not charged: no attempt counted, no
+// error recorded, due again at once.
+func TestNotificationNotStartedIsReleasedUncharged(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	s := e.sender(t, "sender-a", notStarted{})
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Fatalf("%+v, want nothing delivered and no error", o)
+	}
+	r := e.row(t, id)
+	if r.Status != StatusPending || r.Attempts != 0 || r.LastError != nil {
+		t.Fatalf("status %q, attempts %d, last error %v; want pending, 0, none", r.Status, r.Attempts, r.LastError)
+	}
+	if r.NextAttemptAt.After(time.Now().Add(time.Second)) {
+		t.Fatalf("due at %s, want now: nothing was tried, so no backoff", r.NextAttemptAt)
+	}
+}
+
+// The sender's statements find their rows through their indexes, by key, however much the
+// table grew since their plans were cached: on a connection that caches a generic plan at once (what a
+// prepared statement gets after its first executions), a first round plans them on a nearly
+// empty table; after 20,000 more notifications, and no ANALYZE, the next round must not scan
+// the table.
+func TestSenderFindsItsRowsByIndexWhateverPlanWasCached(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(e.db.DB.Exec("ALTER TABLE notifications SET (autovacuum_enabled = off)").Error)
+	s := e.senderOn(t, "sender-a", e.mailer(t), 1, map[string]string{"plan_cache_mode": "force_generic_plan"})
+	e.pending(t)
+	if o := await(t, start(s)); !o.delivered || o.err != nil {
+		t.Fatalf("first round: %+v, want delivered", o)
+	}
+	must(e.db.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status, next_attempt_at, message_id, created_at, sent_at)
+		SELECT gen_random_uuid(), gen_random_uuid(), 'c', 'order_confirmation', 'c@customers.example', 's', 'b', 'sent', now(), gen_random_uuid(), now(), now()
+		FROM generate_series(1, 20000)`).Error)
+	type tableStats struct{ SeqTupRead, IdxTupFetch, NTupUpd int64 }
+	stats := func() (st tableStats) {
+		t.Helper()
+		must(e.db.DB.Raw("SELECT seq_tup_read, idx_tup_fetch, n_tup_upd FROM pg_stat_user_tables WHERE relname = 'notifications'").Scan(&st).Error)
+		return st
+	}
+	before := stats()
+	e.pending(t)
+	if o := await(t, start(s)); !o.delivered || o.err != nil {
+		t.Fatalf("second round: %+v, want delivered", o)
+	}
+	// The sender's session reports its counters when idle, within seconds; its two updates
+	// (the lease, the mark) show when they are in.
+	var after tableStats
+	testenv.Eventually(t, 20*time.Second, func() bool { after = stats(); return after.NTupUpd >= before.NTupUpd+2 },
+		"the sender's statistics were not reported")
+	if read := after.SeqTupRead - before.SeqTupRead; read > 1000 {
+		t.Fatalf("the second round read %d rows by sequential scan of a table of %d: a cached plan scans it whole", read, 20002)
+	}
+	if read := after.IdxTupFetch - before.IdxTupFetch; read > 1000 {
+		t.Fatalf("the second round fetched %d rows through an index, of a table of %d: a cached plan walks a whole index", read, 20002)
 	}
 }

@@ -14,6 +14,8 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
 // The notification keeps the trace of the message that recorded it; its delivery, later and
@@ -27,17 +29,23 @@ func TestDeliveryContinuesTheTraceThatRecordedTheNotification(t *testing.T) {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	logs := &testenv.Logs{}
 	log := platform.NewLogger(logs, "notification", "text", "debug")
-	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", DB: b.db, Logger: log, TracerProvider: tp})
+	drv, err := gormdriver.New(b.db)
 	if err != nil {
 		t.Fatal(err)
 	}
-	send := newSender(b.db, smtpDeliverer{addr: b.smtp.Addr, from: "orders@shop.example"}, 10*time.Second, log)
+	sub, err := messaging.NewSubscription(drv, messaging.SubscriptionConfig{Name: Consumer, URL: "amqp://unused", Logger: log, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	send := newSender(b.db, b.send.deliverer, DefaultConcurrency, 10*time.Second, log)
 	send.tracer = tp.Tracer("test")
-	notifier{log: log, domain: "customers.example"}.subscribe(sub)
+	if err := (notifier{log: log, domain: "customers.example"}).subscribe(sub); err != nil {
+		t.Fatal(err)
+	}
 
 	ctx, upstream := tp.Tracer("test").Start(context.Background(), "publish invoicing")
 	orderID := uuid.New()
-	if _, err := sub.Deliver(ctx, invoiceIssued(t, orderID, "c-7")); err != nil {
+	if _, err := messagingtest.Deliver(ctx, sub, invoiceIssued(t, orderID, "c-7")); err != nil {
 		t.Fatal(err)
 	}
 	upstream.End()

@@ -1,17 +1,19 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
-	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 func (b *testBundle) cancel(t *testing.T, id, body, contentType string) (*http.Response, []byte) {
@@ -82,11 +84,7 @@ func TestCancelWritesTheStatusAndOneEvent(t *testing.T) {
 	if n := b.cancellations(t); n != 1 {
 		t.Fatalf("%d OrderCancelled events, want 1", n)
 	}
-	var row messaging.OutboxMessage
-	if err := b.db.Take(&row, "type = ?", events.OrderCancelledType).Error; err != nil {
-		t.Fatal(err)
-	}
-	ev, err := events.OrderCancelledEvent.Decode(row.Message())
+	ev, err := events.OrderCancelledEvent.Decode(outboxRowOf(t, b.db, events.OrderCancelledType).message())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,5 +163,108 @@ func TestConcurrentCancelsWriteOneEvent(t *testing.T) {
 	wg.Wait()
 	if n := b.cancellations(t); n != 1 {
 		t.Fatalf("%d OrderCancelled events from 10 concurrent cancels, want 1", n)
+	}
+}
+
+// gateKey is the advisory lock that holds a transaction at its outbox insert (see
+// holdOutboxInserts).
+const gateKey = 7301
+
+// holdOutboxInserts makes every later insert into the test database's outbox_messages wait,
+// inside its transaction, until the returned release is called (it is also called at cleanup).
+// The gate is an advisory lock held on a connection of its own, which a trigger waits for.
+func (b *testBundle) holdOutboxInserts(t *testing.T) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	sqlDB, err := b.db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate, err := sqlDB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_lock($1)", gateKey); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", gateKey); err != nil {
+				t.Error(err)
+			}
+			_ = gate.Close()
+		})
+	}
+	t.Cleanup(release)
+	for _, stmt := range []string{
+		`CREATE FUNCTION wait_at_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_advisory_lock_shared(` + strconv.Itoa(gateKey) + `);
+	PERFORM pg_advisory_unlock_shared(` + strconv.Itoa(gateKey) + `);
+	RETURN NEW;
+END $$`,
+		"CREATE TRIGGER gate BEFORE INSERT ON outbox_messages FOR EACH ROW EXECUTE FUNCTION wait_at_gate()",
+	} {
+		if err := b.db.Exec(stmt).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	return release
+}
+
+// lockWaits lists the statements of the test database that wait for a lock other than the
+// gate's advisory lock.
+func (b *testBundle) lockWaits(t *testing.T) []string {
+	t.Helper()
+	var queries []string
+	if err := b.db.Raw(`SELECT query FROM pg_stat_activity
+WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event <> 'advisory'`).Scan(&queries).Error; err != nil {
+		t.Fatal(err)
+	}
+	return queries
+}
+
+// Two cancels of one order at once: the first is held inside its transaction after it read
+// and updated the order (at its outbox insert), and the second, started then, must wait for
+// it at its locking read, not read "placed" and go on to cancel the order a second time.
+func TestSecondCancelWaitsForTheFirstAtItsLockingRead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	release := b.holdOutboxInserts(t)
+	type result struct {
+		changed bool
+		err     error
+	}
+	cancel := func(reason string) <-chan result {
+		done := make(chan result, 1)
+		go func() {
+			_, changed, err := b.store.Cancel(context.Background(), o.ID, CancelOrder{Reason: reason})
+			done <- result{changed, err}
+		}()
+		return done
+	}
+	first := cancel("first")
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'advisory'") == 1
+	}, "the first cancel did not reach its outbox insert")
+	second := cancel("second")
+	var waits []string
+	testenv.Eventually(t, 10*time.Second, func() bool { waits = b.lockWaits(t); return len(waits) > 0 },
+		"the second cancel did not wait for the first")
+	if len(waits) != 1 || !strings.Contains(waits[0], "FOR UPDATE") {
+		t.Errorf("the second cancel waits at %q, want its locking read (SELECT ... FOR UPDATE): it read the order without locking its row", waits)
+	}
+	release()
+	r1, r2 := <-first, <-second
+	if r1.err != nil || r2.err != nil {
+		t.Fatalf("cancels returned %v and %v", r1.err, r2.err)
+	}
+	if !r1.changed || r2.changed {
+		t.Errorf("changed: first %v, second %v; want true, false", r1.changed, r2.changed)
+	}
+	if n := b.cancellations(t); n != 1 {
+		t.Fatalf("%d OrderCancelled events from two overlapping cancels, want 1", n)
 	}
 }

@@ -16,15 +16,17 @@ func main() { platform.Main("order", run) }
 
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8080")
-	relaying := platform.ReadRelaySettings(env, common)
+	relaying := platform.ReadRelaySettings(env)
+	pools := platform.PoolsOf(&relaying, nil, 0)
+	pools.Check(env, common)
 	if err := env.Err(); err != nil {
 		return err
 	}
 	log := platform.NewLogger(os.Stderr, "order", common.LogFormat, common.LogLevel)
 	log.Info("starting", append(common.LogAttrs(), relaying.LogAttrs()...)...)
 
-	base, err := platform.Start(ctx, log, "order", common,
-		messaging.MigrateOutbox, platform.Migrations(migrations, "migrations", "order_schema"))
+	base, err := platform.Start(ctx, log, "order", common, pools,
+		platform.Library(messaging.MigrateOutbox), platform.Migrations(migrations, "migrations", "order_schema"))
 	if err != nil {
 		return err
 	}
@@ -38,14 +40,14 @@ func run(ctx context.Context, env *platform.Env) error {
 	// Ready while the database works, whatever the broker does: taking orders while the
 	// broker is down is what the outbox is for.
 	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
-	(&api{store: &Store{db: base.DB}, log: log}).routes(router)
+	(&api{store: &Store{db: base.DB, driver: base.Driver}, log: log}).routes(base.API(router))
 
 	// Connect now, so bad credentials show at start and the exchange exists before the first
 	// order; if the broker is down, the relay keeps trying.
 	if err := outbox.Publisher.Connect(ctx); err != nil {
 		log.Warn("RabbitMQ not reachable at start; orders are taken and relayed once it is", "error", err)
 	}
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), outbox.Relay.Run, outbox.Cleanup); err != nil {
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), outbox.Relay.Run, outbox.Cleanup, base.Profiler(), base.Admission.Run); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil

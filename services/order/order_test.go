@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
@@ -26,6 +25,7 @@ import (
 
 type testBundle struct {
 	db        *gorm.DB
+	store     *Store // the API's
 	readiness *sql.DB
 	srv       *httptest.Server
 }
@@ -34,17 +34,7 @@ func setup(t *testing.T) *testBundle {
 	t.Helper()
 	testenv.Connections(t, testenv.DefaultConnections+platform.ReadinessConns)
 	d := testenv.NewDatabase(t)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if err := messaging.MigrateOutbox(ctx, sqlDB); err != nil {
-		t.Fatal(err)
-	}
-	if err := platform.Migrations(migrations, "migrations", "order_schema")(ctx, sqlDB); err != nil {
-		t.Fatal(err)
-	}
+	d.Migrate(t, platform.Library(messaging.MigrateOutbox), platform.Migrations(migrations, "migrations", "order_schema"))
 	testenv.Draw(t, platform.ReadinessConns)
 	readiness, err := platform.OpenReadinessDB("order", d.URL)
 	if err != nil {
@@ -53,10 +43,34 @@ func setup(t *testing.T) *testBundle {
 	t.Cleanup(func() { _ = readiness.Close() })
 	log, _ := testenv.NewLogger(t)
 	router := platform.NewRouter(log, prometheus.NewRegistry(), platform.DatabaseReady(readiness))
-	(&api{store: &Store{db: d.DB}, log: log}).routes(router)
+	store := &Store{db: d.DB, driver: d.Driver(t)}
+	(&api{store: store, log: log}).routes(router)
 	srv := httptest.NewServer(router)
 	t.Cleanup(srv.Close)
-	return &testBundle{db: d.DB, readiness: readiness, srv: srv}
+	return &testBundle{db: d.DB, store: store, readiness: readiness, srv: srv}
+}
+
+// outboxRow is a row of outbox_messages, as these tests read it.
+type outboxRow struct {
+	ID            uuid.UUID
+	Type          string
+	Payload       json.RawMessage
+	CorrelationID string
+	ProcessedAt   *time.Time
+}
+
+func (r outboxRow) message() messaging.Message {
+	return messaging.Message{ID: r.ID, Type: r.Type, Payload: r.Payload, CorrelationID: r.CorrelationID}
+}
+
+// outboxRowOf reads the one outbox row of type msgType.
+func outboxRowOf(t *testing.T, db *gorm.DB, msgType string) outboxRow {
+	t.Helper()
+	var row outboxRow
+	if err := db.Table("outbox_messages").Take(&row, "type = ?", msgType).Error; err != nil {
+		t.Fatal(err)
+	}
+	return row
 }
 
 const validBody = `{"customer_id": "c-42", "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}, {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 99}]}`
@@ -120,11 +134,8 @@ func TestPlaceOrderSavesOrderLinesAndEventTogether(t *testing.T) {
 	if c := b.counts(t); c != [3]int64{1, 2, 1} {
 		t.Fatalf("orders, lines, outbox = %v, want [1 2 1]", c)
 	}
-	var row messaging.OutboxMessage
-	if err := b.db.Take(&row).Error; err != nil {
-		t.Fatal(err)
-	}
-	ev, err := events.DecodeOrderPlaced(row.Message())
+	row := outboxRowOf(t, b.db, events.OrderPlacedType)
+	ev, err := events.DecodeOrderPlaced(row.message())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // Migrations are the order database's own tables; outbox_messages comes from pkg/messaging.
@@ -54,7 +55,10 @@ func (lineRow) TableName() string { return "order_lines" }
 
 // Store keeps orders. Placing one writes the order, its lines and its OrderPlaced outbox
 // message in one transaction: no broker call, so no dual write.
-type Store struct{ db *gorm.DB }
+type Store struct {
+	db     *gorm.DB
+	driver *gormdriver.Driver
+}
 
 // Place saves a new order from cmd, or, when key was used before with the same command,
 // returns that first order with replayed=true and writes nothing.
@@ -104,7 +108,7 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 			return err
 		}
 		msg.OccurredAt, msg.CorrelationID = order.CreatedAt, order.ID.String()
-		return messaging.Enqueue(tx, msg)
+		return messaging.Enqueue(ctx, s.driver, tx, msg)
 	})
 	if err != nil {
 		return Order{}, false, err
@@ -140,7 +144,7 @@ func (s *Store) Cancel(ctx context.Context, id uuid.UUID, cmd CancelOrder) (orde
 			return err
 		}
 		msg.OccurredAt, msg.CorrelationID = *order.CancelledAt, order.ID.String()
-		return messaging.Enqueue(tx, msg)
+		return messaging.Enqueue(ctx, s.driver, tx, msg)
 	})
 	if err != nil {
 		return Order{}, false, err

@@ -1,0 +1,57 @@
+package platform
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// Requests that hold every connection of their pool leave the relay its own: an event
+// committed meanwhile is still published, and the process holds no more than DB_MAX_CONNS.
+func TestRelayKeepsItsConnectionsWhenRequestsSaturateTheirs(t *testing.T) {
+	relaying := RelaySettings{BatchSize: 10, Lanes: 2, PollInterval: 50 * time.Millisecond, MaxBackoff: time.Minute, Retention: time.Hour}
+	pools := PoolsOf(&relaying, nil, 0)
+	conns := ReadinessConns + pools.Background + pools.Work + MinRequestConns
+	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
+	d := testenv.NewDatabaseWithPool(t, 2)
+	b, _ := startBase(t, d, conns, pools, Library(messaging.MigrateOutbox))
+	exchange, queue := testenv.UniqueName("orders"), testenv.UniqueName("invoicing")
+	testenv.CleanupBroker(t, []string{queue, messaging.DeadLetterQueue(queue)}, []string{exchange})
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue, Bindings: []messaging.Binding{{Exchange: exchange, RoutingKey: "Placed"}}}}}
+	outbox, err := b.Outbox(b.log, testenv.AMQPURL(), exchange, "svc", topology, relaying)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(outbox.Publisher.Close)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- outbox.Relay.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	for range pools.Requests(Common{DBMaxConns: conns}) {
+		tx := b.DB.Begin()
+		if err := tx.Exec("SELECT 1").Error; err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tx.Rollback() })
+	}
+	waitCtx, stop := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer stop()
+	if err := b.DB.WithContext(waitCtx).Exec("SELECT 1").Error; !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a query on the requests' saturated pool: %v, want it to wait out its deadline", err)
+	}
+	// An event committed by another client of the database.
+	if err := d.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (gen_random_uuid(), 'Placed', '{}', now())`).Error; err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL") == 1
+	}, "the relay did not publish the event while requests held every connection of theirs")
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND application_name LIKE 'svc%'", d.Name); n > int64(conns) {
+		t.Fatalf("the service has %d connections, more than DB_MAX_CONNS = %d", n, conns)
+	}
+}

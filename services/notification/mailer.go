@@ -1,0 +1,284 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/smtp"
+	"strings"
+	"sync"
+	"time"
+)
+
+// logDeliverer "delivers" to the log, when no mail server is configured.
+type logDeliverer struct{ log *slog.Logger }
+
+func (d logDeliverer) Deliver(ctx context.Context, n Notification) error {
+	d.log.InfoContext(ctx, "notification delivered to the log (no SMTP_ADDR set)", "notification_id", n.ID, "order_id", n.OrderID,
+		"recipient", n.Recipient, "subject", n.Subject)
+	return nil
+}
+
+// DefaultSMTPConns is how many connections a sender opens to the SMTP server at most, unless
+// SMTP_MAX_CONNS says.
+const DefaultSMTPConns = 8
+
+// smtpIdleTimeout is how long an SMTP connection may wait unused before it is closed: well
+// below the 5 minutes RFC 5321 asks servers to wait for a command, and not so long that a
+// quiet sender holds the server's connections for nothing.
+const smtpIdleTimeout = 30 * time.Second
+
+// smtpDeliverer sends e-mail through a plain SMTP relay (Mailpit in docker compose), over a
+// pool of connections kept open between deliveries, cap(inUse) of them at most: a delivery
+// takes an idle one, or dials one if none idles, and gives it back after a message the server
+// accepted. A connection that failed in any way is closed, never used again; one unused for
+// idleTimeout is closed.
+type smtpDeliverer struct {
+	addr, from  string
+	idleTimeout time.Duration
+	// inUse holds a token per delivery using a connection: at most cap(inUse) at once. A
+	// connection is dialled only when none idles, so no more are ever open.
+	inUse chan struct{}
+
+	mu     sync.Mutex
+	idle   []*smtpConn // the most recently used last
+	sweep  *time.Timer // closes what idled too long; nil when nothing idles
+	closed bool
+}
+
+// smtpConn is one connection to the server, past its greeting and HELO.
+type smtpConn struct {
+	conn      net.Conn
+	client    *smtp.Client
+	idleSince time.Time
+	broken    bool // a conversation on it failed or was cut short: it is closed, never reused
+}
+
+func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {
+	return &smtpDeliverer{addr: addr, from: from, idleTimeout: smtpIdleTimeout, inUse: make(chan struct{}, maxConns)}
+}
+
+// errNotStarted marks a delivery that ran out of time before any SMTP conversation began, still
+// waiting for a connection: not the notification's failure, and nothing was sent.
+var errNotStarted = errors.New("no SMTP conversation began")
+
+// Deliver sends one e-mail whose Message-ID is derived from the notification id, so the
+// receiving side can drop a repeat.
+func (d *smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("smtp: %w: %w", errNotStarted, err)
+	}
+	select {
+	case d.inUse <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, ctx.Err())
+	}
+	defer func() { <-d.inUse }()
+	// The select may have taken the token as the deadline passed: an RSET then would fail
+	// and close a healthy idle connection for nothing.
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("smtp: %w: %w", errNotStarted, err)
+	}
+	c, err := d.get(ctx)
+	if err != nil {
+		return err
+	}
+	// The server accepted the message if send says so, even if the connection broke just after.
+	err = c.send(ctx, d.from, n)
+	if c.broken {
+		c.close()
+	} else {
+		d.put(c)
+	}
+	return err
+}
+
+// get returns an idle connection that still answers, or a new one. A reused connection starts
+// with RSET: it clears whatever the last session left, and an idle connection the server (or
+// the network) dropped fails here, before any message is entrusted to it, so it is replaced
+// rather than failing the delivery.
+func (d *smtpDeliverer) get(ctx context.Context) (*smtpConn, error) {
+	for {
+		c := d.popIdle()
+		if c == nil {
+			return d.dial(ctx)
+		}
+		err := c.during(ctx, c.client.Reset)
+		if !c.broken {
+			return c, nil
+		}
+		c.close()
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("smtp rset: %w", errors.Join(err, ctx.Err()))
+		}
+	}
+}
+
+// popIdle takes the most recently used idle connection, closing those that idled too long.
+func (d *smtpDeliverer) popIdle() *smtpConn {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for len(d.idle) > 0 {
+		c := d.idle[len(d.idle)-1]
+		d.idle = d.idle[:len(d.idle)-1]
+		if time.Since(c.idleSince) < d.idleTimeout {
+			return c
+		}
+		go c.quit()
+	}
+	return nil
+}
+
+// put gives a connection back after a message the server accepted: it waits for the next,
+// unless the deliverer is closed.
+func (d *smtpDeliverer) put(c *smtpConn) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		go c.quit()
+		return
+	}
+	c.idleSince = time.Now()
+	d.idle = append(d.idle, c)
+	if d.sweep == nil {
+		d.sweep = time.AfterFunc(d.idleTimeout, d.closeIdled)
+	}
+}
+
+// closeIdled closes the connections idle for idleTimeout, and comes back for the others.
+func (d *smtpDeliverer) closeIdled() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.sweep = nil
+	if d.closed {
+		return
+	}
+	kept := d.idle[:0]
+	for _, c := range d.idle {
+		if time.Since(c.idleSince) >= d.idleTimeout {
+			go c.quit()
+			continue
+		}
+		kept = append(kept, c)
+	}
+	clear(d.idle[len(kept):])
+	d.idle = kept
+	if len(d.idle) > 0 {
+		// The oldest is first: it is the next to run out.
+		d.sweep = time.AfterFunc(d.idleTimeout-time.Since(d.idle[0].idleSince), d.closeIdled)
+	}
+}
+
+// Close says QUIT to the idle connections and closes those in use when they come back.
+func (d *smtpDeliverer) Close() {
+	d.mu.Lock()
+	d.closed = true
+	if d.sweep != nil {
+		d.sweep.Stop()
+		d.sweep = nil
+	}
+	idle := d.idle
+	d.idle = nil
+	d.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, c := range idle {
+		wg.Go(c.quit)
+	}
+	wg.Wait()
+}
+
+// dial opens a connection and says HELO.
+func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
+	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", d.addr)
+	if err != nil {
+		return nil, fmt.Errorf("smtp dial %s: %w", d.addr, err)
+	}
+	c := &smtpConn{conn: conn}
+	host, _, _ := net.SplitHostPort(d.addr)
+	err = c.during(ctx, func() error {
+		client, err := smtp.NewClient(conn, host)
+		if err != nil {
+			return fmt.Errorf("smtp greeting: %w", err)
+		}
+		c.client = client
+		if err := client.Hello("notification"); err != nil {
+			return fmt.Errorf("smtp hello: %w", err)
+		}
+		return nil
+	})
+	if c.broken {
+		c.close()
+		return nil, errors.Join(err, ctx.Err())
+	}
+	return c, nil
+}
+
+// during runs fn, a conversation on the connection, within ctx: its deadline, and its
+// cancellation (shutdown past its grace), which must interrupt a stalled server too. A
+// connection whose conversation ctx cut short is broken, whatever fn returned.
+func (c *smtpConn) during(ctx context.Context, fn func() error) error {
+	deadline, _ := ctx.Deadline() // the zero time, none, if ctx has none
+	if err := c.conn.SetDeadline(deadline); err != nil {
+		c.broken = true
+		return fmt.Errorf("smtp: %w", err)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = c.conn.SetDeadline(time.Now()) })
+	err := fn()
+	if !stop() || err != nil {
+		c.broken = true
+	}
+	return err
+}
+
+// send sends one message in the session.
+func (c *smtpConn) send(ctx context.Context, from string, n Notification) error {
+	return c.during(ctx, func() error {
+		if err := c.client.Mail(from); err != nil {
+			return fmt.Errorf("smtp mail from: %w", err)
+		}
+		if err := c.client.Rcpt(n.Recipient); err != nil {
+			return fmt.Errorf("smtp rcpt to: %w", err)
+		}
+		w, err := c.client.Data()
+		if err != nil {
+			return fmt.Errorf("smtp data: %w", err)
+		}
+		if _, err := w.Write(composeEmail(from, n)); err != nil {
+			return fmt.Errorf("smtp write: %w", err)
+		}
+		if err := w.Close(); err != nil {
+			return fmt.Errorf("smtp end of data: %w", err)
+		}
+		return nil
+	})
+}
+
+// quit ends a session politely, within a second: the server accepted every message sent on
+// it already, whatever QUIT says.
+func (c *smtpConn) quit() {
+	_ = c.conn.SetDeadline(time.Now().Add(time.Second))
+	_ = c.client.Quit()
+	c.close()
+}
+
+// close drops the connection.
+func (c *smtpConn) close() { _ = c.conn.Close() }
+
+// MessageIDDomain qualifies e-mail Message-IDs: <notification-id@MessageIDDomain>.
+const MessageIDDomain = "notification.outbox-inbox"
+
+func composeEmail(from string, n Notification) []byte {
+	var b strings.Builder
+	fmt.Fprintf(&b, "From: %s\r\n", from)
+	fmt.Fprintf(&b, "To: %s\r\n", n.Recipient)
+	fmt.Fprintf(&b, "Subject: %s\r\n", n.Subject)
+	fmt.Fprintf(&b, "Message-ID: <%s@%s>\r\n", n.ID, MessageIDDomain)
+	fmt.Fprintf(&b, "X-Notification-ID: %s\r\n", n.ID)
+	fmt.Fprintf(&b, "X-Order-ID: %s\r\n", n.OrderID)
+	fmt.Fprintf(&b, "Date: %s\r\n", time.Now().UTC().Format(time.RFC1123Z))
+	b.WriteString("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n")
+	b.WriteString(n.Body)
+	return []byte(b.String())
+}

@@ -1,0 +1,26 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
+)
+
+// A bad sender setting stops the service before it connects to anything, with an error naming
+// the variable.
+func TestBadSenderSettingsAreNamed(t *testing.T) {
+	t.Parallel()
+	for _, value := range []string{"0", "1001", "many"} {
+		err := run(context.Background(), platform.EnvFrom(map[string]string{
+			// Nothing listens there: the service must stop before it tries.
+			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
+			"NOTIFY_CONCURRENCY": value, "SMTP_MAX_CONNS": "0",
+		}))
+		if err == nil || !strings.Contains(err.Error(), "NOTIFY_CONCURRENCY: must be an integer from 1 to 1000") ||
+			!strings.Contains(err.Error(), "SMTP_MAX_CONNS: must be an integer from 1 to 100") {
+			t.Errorf("NOTIFY_CONCURRENCY=%s SMTP_MAX_CONNS=0: err = %v, want both named with their ranges", value, err)
+		}
+	}
+}
