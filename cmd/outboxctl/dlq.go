@@ -4,88 +4,413 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"text/tabwriter"
-	"time"
+	"strings"
 
 	"github.com/google/uuid"
+	"github.com/spf13/cobra"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// dlqList prints what waits in QUEUE.dlq, in queue order, and leaves it there.
-func dlqList(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlags("dlq list")
-	amqpFlag := fs.String("amqp", "", "")
-	pos, err := parse(fs, args, "QUEUE")
-	if err != nil {
-		return err
-	}
-	cfg, err := deadLetterConfig(*amqpFlag, pos[0])
-	if err != nil {
-		return err
-	}
-	listed, err := messaging.ListDeadLetters(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	dlq := messaging.DeadLetterQueue(cfg.Queue)
-	if len(listed) == 0 {
-		fmt.Fprintf(stdout, "%s is empty\n", dlq)
-		return nil
-	}
-	fmt.Fprintf(stdout, "%d messages in %s, in queue order:\n", len(listed), dlq)
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "MESSAGE ID\tTYPE\tDEAD-LETTERED AT\tREASON")
-	for _, d := range listed {
-		at := "-"
-		if !d.DeadLetteredAt.IsZero() {
-			at = d.DeadLetteredAt.UTC().Format(time.RFC3339)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", printable(d.MessageID, 64), printable(d.Type, 64), at, printable(d.Reason, 300))
-	}
-	return tw.Flush()
+// defaultDLQLimit is how many messages of a dead-letter queue dlq list looks at, and holds
+// unacknowledged at once, unless told otherwise.
+const defaultDLQLimit = 100
+
+func (c *cli) dlqCommand() *cobra.Command {
+	return group("dlq", "list, redrive or drop the messages of a consumer's dead-letter queue",
+		c.dlqListCommand(), c.dlqRedriveCommand(), c.dlqDropCommand())
 }
 
-// dlqRedrive moves messages from QUEUE.dlq back to QUEUE: all, or those --id names.
-func dlqRedrive(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlags("dlq redrive")
-	amqpFlag := fs.String("amqp", "", "")
-	idFlag := fs.String("id", "", "")
-	pos, err := parse(fs, args, "QUEUE")
+// dlqFilter picks messages of a dead-letter queue; its zero value picks them all.
+type dlqFilter struct {
+	id     uuid.UUID // parsed, not compared as text: an id written in capitals is the same id
+	typ    string
+	reason string // a part of the reason, in any case
+}
+
+func (f dlqFilter) any() bool { return f.id != uuid.Nil || f.typ != "" || f.reason != "" }
+
+func (f dlqFilter) match(d messaging.DeadLetter) bool {
+	if f.id != uuid.Nil {
+		if got, err := uuid.Parse(d.MessageID); err != nil || got != f.id {
+			return false
+		}
+	}
+	return (f.typ == "" || d.Type == f.typ) && (f.reason == "" || strings.Contains(strings.ToLower(d.Reason), strings.ToLower(f.reason)))
+}
+
+func (f dlqFilter) pick(ds []messaging.DeadLetter) []messaging.DeadLetter {
+	var out []messaging.DeadLetter
+	for _, d := range ds {
+		if f.match(d) {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// String says what f picks, for messages.
+func (f dlqFilter) String() string {
+	var parts []string
+	if f.id != uuid.Nil {
+		parts = append(parts, "with id "+f.id.String())
+	}
+	if f.typ != "" {
+		parts = append(parts, fmt.Sprintf("of type %q", printable(f.typ, 64)))
+	}
+	if f.reason != "" {
+		parts = append(parts, fmt.Sprintf("whose reason has %q", printable(f.reason, 64)))
+	}
+	return strings.Join(parts, " and ")
+}
+
+// flags says what f picks as the flags that asked for it.
+func (f dlqFilter) flags() string {
+	var parts []string
+	if f.typ != "" {
+		parts = append(parts, fmt.Sprintf("--type %q", printable(f.typ, 64)))
+	}
+	if f.reason != "" {
+		parts = append(parts, fmt.Sprintf("--reason %q", printable(f.reason, 64)))
+	}
+	return strings.Join(parts, " ")
+}
+
+// dlqResult is what dlq list and dlq redrive print in -o json.
+type dlqResult struct {
+	DryRun          *bool        `json:"dry_run,omitempty"` // dlq redrive only
+	Queue           string       `json:"queue"`
+	DeadLetterQueue string       `json:"dead_letter_queue"`
+	Waiting         int          `json:"waiting"`  // messages ready in the dead-letter queue at the start
+	Examined        int          `json:"examined"` // the first ones, up to --limit, that it looked at
+	Count           int          `json:"count"`    // messages listed, or redriven
+	Messages        []deadLetter `json:"messages"`
+}
+
+// dlqDropResult is what dlq drop prints in -o json.
+type dlqDropResult struct {
+	DryRun          bool       `json:"dry_run"`
+	Queue           string     `json:"queue"`
+	DeadLetterQueue string     `json:"dead_letter_queue"`
+	Message         deadLetter `json:"message"` // with its headers and body
+}
+
+func (c *cli) dlqListCommand() *cobra.Command {
+	var amqpFlag, typeFlag, reason string
+	var limit int
+	var showBody, showHeaders bool
+	cmd := &cobra.Command{
+		Use:   "list QUEUE",
+		Short: "what waits in QUEUE.dlq: message id, type, when and why",
+		Long: `list shows the first --limit messages of QUEUE's dead-letter queue, QUEUE.dlq, in queue order:
+each one's message id, type, when and why it was dead-lettered (the consumer's reason header,
+or, for a message the broker dead-lettered at the delivery limit, delivery_limit from x-death),
+and with --show-headers and --show-body its headers and body. --type and --reason show only
+those of the first --limit that match.
+
+AMQP cannot peek: it takes those messages unacknowledged (never more than --limit at once) and
+hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery limit
+to spend. When --limit took the whole queue, its order is unchanged; when more messages wait
+beyond, those shown may move back in the queue (a quorum queue puts messages handed back
+behind the others on RabbitMQ 3.x, behind those handed back before on 4.x), so the next
+listing may start further on. Messages another client holds at that moment are not shown.`,
+		Example: `  outboxctl dlq list invoicing
+  outboxctl dlq list invoicing --type OrderPlaced --reason "price list" --show-body
+  outboxctl dlq list invoicing --limit 1000 -o json`,
+		Args: exactArgs("QUEUE"),
+		RunE: action(func(ctx context.Context, args []string) error {
+			if limit < 0 {
+				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
+			}
+			return c.dlqList(ctx, amqpFlag, args[0], limit, dlqFilter{typ: typeFlag, reason: reason}, showHeaders, showBody)
+		}),
+	}
+	amqpFlags(cmd, &amqpFlag)
+	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().StringVar(&typeFlag, "type", "", "show the messages of this type only")
+	cmd.Flags().StringVar(&reason, "reason", "", "show the messages whose reason has this text only, in any case")
+	cmd.Flags().BoolVar(&showBody, "show-body", false, "show each message's body")
+	cmd.Flags().BoolVar(&showHeaders, "show-headers", false, "show each message's headers")
+	return cmd
+}
+
+func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f dlqFilter, showHeaders, showBody bool) error {
+	cfg, err := deadLetterConfig(amqpFlag, queue)
 	if err != nil {
 		return err
 	}
-	var match func(messaging.DeadLetter) bool
-	if *idFlag != "" {
-		id, err := uuid.Parse(*idFlag)
-		if err != nil {
-			return usageError{fmt.Sprintf("--id %q is not a UUID", printable(*idFlag, 64))}
-		}
-		// Parsed, not compared as text: an id written in capitals is the same id.
-		match = func(d messaging.DeadLetter) bool {
-			got, err := uuid.Parse(d.MessageID)
-			return err == nil && got == id
-		}
-	}
-	cfg, err := deadLetterConfig(*amqpFlag, pos[0])
+	listed, waiting, err := messaging.ListDeadLetters(ctx, cfg, limit)
 	if err != nil {
 		return err
 	}
-	moved, err := messaging.RedriveDeadLetters(ctx, cfg, match)
-	// What moved before a failure moved: say so either way.
-	for _, d := range moved {
-		fmt.Fprintf(stdout, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
+	shown := f.pick(listed)
+	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	if c.json() {
+		return writeJSON(c.out, dlqResult{Queue: queue, DeadLetterQueue: dlq, Waiting: waiting, Examined: len(listed),
+			Count: len(shown), Messages: toDeadLetters(shown, showHeaders, showBody)})
+	}
+	if waiting == 0 {
+		fmt.Fprintf(c.out, "%s is empty\n", dlq)
+		return nil
+	}
+	fmt.Fprintln(c.out, listSummary(dlq, len(shown), len(listed), waiting, f))
+	if len(shown) == 0 {
+		return nil
+	}
+	if !showHeaders && !showBody {
+		return printDeadLetters(c.out, shown)
+	}
+	for _, d := range shown {
+		printDeadLetter(c.out, d, showHeaders, showBody)
+	}
+	return nil
+}
+
+// scope says which messages of the dead-letter queue a command looked at: all that waited, or
+// the first examined.
+func scope(dlq string, examined, waiting int) string {
+	if examined < waiting {
+		return fmt.Sprintf("the first %d of the %d messages in %s (--limit)", examined, waiting, dlq)
+	}
+	return fmt.Sprintf("the %d messages in %s", waiting, dlq)
+}
+
+// listSummary heads dlq list's table: which messages it shows.
+func listSummary(dlq string, shown, examined, waiting int, f dlqFilter) string {
+	switch {
+	case f.any():
+		return fmt.Sprintf("%d of %s match %s, in queue order:", shown, scope(dlq, examined, waiting), f.flags())
+	case examined < waiting:
+		return scope(dlq, examined, waiting) + ", in queue order:"
+	}
+	return fmt.Sprintf("%d messages in %s, in queue order:", waiting, dlq)
+}
+
+func (c *cli) dlqRedriveCommand() *cobra.Command {
+	var amqpFlag, idFlag, typeFlag, reason string
+	var limit int
+	var dryRun, yes bool
+	cmd := &cobra.Command{
+		Use:   "redrive QUEUE",
+		Short: "move messages from QUEUE.dlq back to QUEUE, their ids unchanged",
+		Long: `redrive moves messages from QUEUE's dead-letter queue back to QUEUE: all of them, or those that
+match --id, or --type and --reason; of the first --limit only, if given. They keep their
+properties and message ids, so the inbox still recognises any already handled; the headers of
+the dead-lettering (x-death, the reason, the delivery count) are dropped, so each is handled
+like a new delivery. Each is acknowledged in the dead-letter queue only after the broker
+confirmed its copy; the others are handed back in their order.
+
+It takes the messages it looks at unacknowledged (all that wait, or the first --limit), picks
+those it would move, and moves exactly those: with --dry-run it only lists them. When more
+than one would move it asks on a terminal first, holding them meanwhile, and without one
+refuses unless given --yes. A --limit that leaves messages behind may move those it looked at
+and kept back in the queue (see dlq list --help).
+
+Exit status 3: --id, --type or --reason match no message (of the first --limit).`,
+		Example: `  outboxctl dlq redrive invoicing --dry-run
+  outboxctl dlq redrive invoicing --reason "price list" --yes
+  outboxctl dlq redrive notification --id 01a22da8-7b60-74ff-a842-0e78a2a15d84`,
+		Args: exactArgs("QUEUE"),
+		RunE: action(func(ctx context.Context, args []string) error {
+			f := dlqFilter{typ: typeFlag, reason: reason}
+			if idFlag != "" {
+				var err error
+				if f.id, err = parseID(idFlag); err != nil {
+					return err
+				}
+			}
+			if limit < 0 {
+				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
+			}
+			return c.dlqRedrive(ctx, amqpFlag, args[0], limit, f, dryRun, yes)
+		}),
+	}
+	amqpFlags(cmd, &amqpFlag)
+	cmd.Flags().StringVar(&idFlag, "id", "", "move the message with this id only")
+	cmd.Flags().StringVar(&typeFlag, "type", "", "move the messages of this type only")
+	cmd.Flags().StringVar(&reason, "reason", "", "move the messages whose reason has this text only, in any case")
+	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and change nothing")
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before moving more than one message")
+	cmd.MarkFlagsMutuallyExclusive("id", "type")
+	cmd.MarkFlagsMutuallyExclusive("id", "reason")
+	return cmd
+}
+
+// errDryRun makes a library action that holds what it would act on hand it all back.
+var errDryRun = errors.New("dry run")
+
+func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int, f dlqFilter, dryRun, yes bool) error {
+	cfg, err := deadLetterConfig(amqpFlag, queue)
+	if err != nil {
+		return err
 	}
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	result := dlqResult{DryRun: &dryRun, Queue: queue, DeadLetterQueue: dlq}
+	var picked []messaging.DeadLetter
+	sel := messaging.DeadLetterSelection{Limit: limit, Confirm: func(p []messaging.DeadLetter, waiting int) error {
+		picked, result.Waiting, result.Examined = p, waiting, window(waiting, limit)
+		if dryRun {
+			return errDryRun
+		}
+		if len(p) < 2 {
+			return nil
+		}
+		if !yes && c.interactive {
+			fmt.Fprintf(c.err, "%d of %s, in queue order:\n", len(p), scope(dlq, result.Examined, waiting))
+			if err := printDeadLetters(c.err, p); err != nil {
+				return err
+			}
+		}
+		return c.confirm(ctx, yes, fmt.Sprintf("move these %d messages from %s back to %s", len(p), dlq, queue))
+	}}
+	if f.any() {
+		sel.Match = f.match
+	}
+	// The messages are held while the question waits for its answer: what is confirmed is
+	// what moves.
+	moved, err := messaging.RedriveDeadLetters(ctx, cfg, sel)
 	switch {
+	case errors.Is(err, errDryRun):
+		result.Count, result.Messages = len(picked), toDeadLetters(picked, false, false)
+		if c.json() {
+			return writeJSON(c.out, result)
+		}
+		fmt.Fprintf(c.out, "would move %d of %s to %s (dry run: nothing moved), in queue order:\n", len(picked), scope(dlq, result.Examined, result.Waiting), queue)
+		return printDeadLetters(c.out, picked)
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
-		return fmt.Errorf("no message with id %s in %s", *idFlag, dlq)
+		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
+	}
+	// What moved before a failure moved: say so either way.
+	result.Count, result.Messages = len(moved), toDeadLetters(moved, false, false)
+	if c.json() {
+		if werr := writeJSON(c.out, result); werr != nil && err == nil {
+			err = werr
+		}
+		return err
+	}
+	if len(picked) == 0 && err == nil {
+		fmt.Fprintf(c.out, "%s is empty: nothing to move\n", dlq)
+		return nil
+	}
+	for _, d := range moved {
+		fmt.Fprintf(c.out, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(c.out, "moved %d messages from %s to %s\n", len(moved), dlq, queue)
+	if beyond := result.Waiting - result.Examined; beyond > 0 {
+		fmt.Fprintf(c.out, "%d more messages wait beyond the first %d (--limit)\n", beyond, result.Examined)
+	}
+	return nil
+}
+
+// window is how many of waiting messages a limit looks at (0: all).
+func window(waiting, limit int) int {
+	if limit > 0 {
+		return min(waiting, limit)
+	}
+	return waiting
+}
+
+// dlqScope says where a search with limit looked, for a message that found nothing.
+func dlqScope(dlq string, limit int) string {
+	if limit > 0 {
+		return fmt.Sprintf("%s (of the first %d messages, --limit)", dlq, limit)
+	}
+	return dlq
+}
+
+func (c *cli) dlqDropCommand() *cobra.Command {
+	var amqpFlag, idFlag string
+	var dryRun, yes bool
+	cmd := &cobra.Command{
+		Use:   "drop QUEUE --id UUID",
+		Short: "remove one message from QUEUE.dlq for good",
+		Long: `drop removes the message with --id from QUEUE's dead-letter queue, for good, and leaves the
+others there in their order: for a message no consumer must ever handle (a producer's bug),
+where rabbitmqctl purge_queue would drop them all. The output shows the message with its
+headers and body, as the last record of it. If two copies share the id, the first goes. It
+takes the whole queue unacknowledged meanwhile, as a listing of it all does, so that the others
+keep their order. It asks on a terminal first, and without one refuses unless given --yes.
+
+Exit status 3: no message in QUEUE.dlq has the id.`,
+		Example: `  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --dry-run
+  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --yes -o json > dropped.json`,
+		Args: exactArgs("QUEUE"),
+		RunE: action(func(ctx context.Context, args []string) error {
+			id, err := parseID(idFlag)
+			if err != nil {
+				return err
+			}
+			return c.dlqDrop(ctx, amqpFlag, args[0], dlqFilter{id: id}, dryRun, yes)
+		}),
+	}
+	amqpFlags(cmd, &amqpFlag)
+	idFlagFor(cmd, &idFlag, "the message to drop")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before dropping")
+	return cmd
+}
+
+func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, f dlqFilter, dryRun, yes bool) error {
+	cfg, err := deadLetterConfig(amqpFlag, queue)
+	if err != nil {
+		return err
+	}
+	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	var found messaging.DeadLetter
+	// The whole queue is held, so that the others keep their order, and while the question
+	// waits for its answer: what is confirmed is what goes.
+	dropped, err := messaging.DropDeadLetter(ctx, cfg, messaging.DeadLetterSelection{Match: f.match, Confirm: func(p []messaging.DeadLetter, _ int) error {
+		found = p[0]
+		if dryRun {
+			return errDryRun
+		}
+		if !yes && c.interactive {
+			printDeadLetter(c.err, found, true, true)
+		}
+		return c.confirm(ctx, yes, fmt.Sprintf("drop message %s from %s for good", f.id, dlq))
+	}})
+	switch {
+	case errors.Is(err, errDryRun):
+		return c.printDropped(queue, dlq, found, true)
+	case errors.Is(err, messaging.ErrDeadLetterNotFound):
+		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlq)
 	case err != nil:
 		return err
 	}
-	fmt.Fprintf(stdout, "moved %d messages from %s to %s\n", len(moved), dlq, cfg.Queue)
+	return c.printDropped(queue, dlq, dropped, false)
+}
+
+// printDropped prints the message dlq drop dropped, or would drop, in full.
+func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, dryRun bool) error {
+	if c.json() {
+		return writeJSON(c.out, dlqDropResult{DryRun: dryRun, Queue: queue, DeadLetterQueue: dlq, Message: toDeadLetter(d, true, true)})
+	}
+	if dryRun {
+		fmt.Fprintf(c.out, "would drop from %s (dry run: nothing changed):\n", dlq)
+	} else {
+		fmt.Fprintf(c.out, "dropped from %s, for good:\n", dlq)
+	}
+	printDeadLetter(c.out, d, true, true)
 	return nil
+}
+
+// exactArgs wants one argument per name, and says which are missing or too many.
+func exactArgs(names ...string) cobra.PositionalArgs {
+	return func(_ *cobra.Command, args []string) error {
+		if len(args) != len(names) {
+			return usageError{fmt.Sprintf("want %s, got %d arguments", strings.Join(names, " "), len(args))}
+		}
+		return nil
+	}
+}
+
+// amqpFlags adds --amqp to cmd.
+func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
+	cmd.Flags().StringVar(amqpFlag, "amqp", "", "RabbitMQ URL, or a comma-separated list of one per node (default $AMQP_URL)")
 }
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -14,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -100,12 +102,18 @@ func deadLettered(t *testing.T) (queue string, ch *amqp.Channel, ids []string) {
 		t.Fatal(err)
 	}
 	ch = testenv.Channel(t)
-	refuse := func(_ context.Context, msg messaging.Message) error {
+	db := testenv.NewDatabase(t)
+	db.MigrateLibrary(t)
+	log, _ := testenv.NewLogger(t)
+	// One message at a time, so that they are dead-lettered in the order they came.
+	c, err := messaging.NewSubscription(db.Driver(t), messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(), Topology: topology, Logger: log, Concurrency: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refuse := func(_ context.Context, _ *gorm.DB, _ json.RawMessage, msg messaging.Message) error {
 		return messaging.Permanent(fmt.Errorf("cannot invoice order of message %s", msg.ID))
 	}
-	log, _ := testenv.NewLogger(t)
-	c, err := messaging.NewConsumer(messaging.ConsumerConfig{URL: testenv.AMQPURL(), Queue: queue, Topology: topology, DeliveryLimit: 2, Logger: log}, refuse)
-	if err != nil {
+	if err := messaging.Handle(c, messaging.Event[json.RawMessage]{Exchange: exchange, Type: "OrderPlaced"}, refuse); err != nil {
 		t.Fatal(err)
 	}
 	stop := background(t, c.Run)
@@ -124,11 +132,43 @@ func deadLettered(t *testing.T) (queue string, ch *amqp.Channel, ids []string) {
 	// Handed back more often than the limit of 2 allows, the broker dead-letters it itself.
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		if d, ok, err := ch.Get(queue, false); err == nil && ok {
-			_ = d.Nack(false, true)
+			_ = d.Reject(true) // RabbitMQ 4.3 counts rejects towards the limit, not nacks
 		}
 		return testenv.QueueDepth(t, ch, dlq) == 6
 	}, "the broker did not dead-letter the message over the delivery limit")
 	return queue, ch, ids
+}
+
+// deadMessage is a message as a consumer dead-letters it: of type msgType, with its reason.
+func deadMessage(msgType, reason string) amqp.Publishing {
+	id := uuid.NewString()
+	return amqp.Publishing{MessageId: id, Type: msgType, ContentType: "application/json", Body: []byte(`{"id":"` + id + `"}`),
+		Headers: amqp.Table{messaging.HeaderDeadLetterReason: reason, messaging.HeaderDeadLetteredAt: time.Now().UTC().Format(time.RFC3339Nano)}}
+}
+
+// fillDLQ declares a fresh consumer queue and its dead-letter queue, puts msgs in the
+// dead-letter queue, in order, and returns the queue's name and the messages' ids.
+func fillDLQ(t *testing.T, msgs ...amqp.Publishing) (queue string, ids []string) {
+	t.Helper()
+	_, queue = brokerNames(t)
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue}}}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	ch := testenv.Channel(t)
+	dlq := messaging.DeadLetterQueue(queue)
+	for _, m := range msgs {
+		publishTo(t, ch, "", dlq, m)
+		ids = append(ids, m.MessageId)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == len(msgs) }, "the dead-letter queue did not fill")
+	return queue, ids
+}
+
+// inDLQ lists the whole dead-letter queue of queue through outboxctl: the ids, in order.
+func inDLQ(t *testing.T, queue string) []string {
+	t.Helper()
+	return ids2(okJSON[dlqResult](t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL()).Messages)
 }
 
 // Listing takes nothing away and changes no order: twice, with the flags before and after the
@@ -157,6 +197,12 @@ func TestDlqListLosesAndReordersNothing(t *testing.T) {
 			t.Errorf("listing lacks %q:\n%s", want, first)
 		}
 	}
+	res := okJSON[dlqResult](t, "dlq", "list", queue, "--amqp", testenv.AMQPURL())
+	if res.DryRun != nil || res.Queue != queue || res.DeadLetterQueue != messaging.DeadLetterQueue(queue) || res.Waiting != 6 || res.Examined != 6 ||
+		res.Count != 6 || res.Messages[5].MessageID != ids[5] || !strings.HasPrefix(res.Messages[5].Reason, "delivery_limit") ||
+		res.Messages[0].DeadLetteredAt == nil || res.Messages[0].Headers != nil || res.Messages[0].Body != nil {
+		t.Errorf("dlq list -o json: %+v", res)
+	}
 	drained := testenv.Drain(t, ch, messaging.DeadLetterQueue(queue), 200*time.Millisecond)
 	if got := deliveryIDs(drained); !slices.Equal(got, ids) {
 		t.Fatalf("after listing, the dead-letter queue holds %q, want %q", got, ids)
@@ -164,9 +210,91 @@ func TestDlqListLosesAndReordersNothing(t *testing.T) {
 	if out := ok(t, "dlq", "list", queue, "--amqp", testenv.AMQPURL()); !strings.Contains(out, "is empty") {
 		t.Errorf("listing an empty dead-letter queue: %q", out)
 	}
-	code, _, stderr := ctl(t, "dlq", "list", "no_such_queue", "--amqp", testenv.AMQPURL())
-	if code != 1 || !strings.Contains(stderr, `"no_such_queue.dlq"`) {
-		t.Errorf("listing a missing queue: exit %d, %q; want 1 naming it", code, stderr)
+	wantExit(t, exitFailure, []string{"dlq", "list", "no_such_queue", "--amqp", testenv.AMQPURL()}, `"no_such_queue.dlq"`)
+	// After --, a name that looks like a flag is the queue's.
+	wantExit(t, exitFailure, []string{"dlq", "list", "--amqp", testenv.AMQPURL(), "--", "-odd-name"}, `"-odd-name.dlq"`)
+}
+
+// --limit N lists the first N messages and takes no others: only those come back redelivered,
+// and none is lost.
+func TestDlqListTakesNoMoreThanTheLimit(t *testing.T) {
+	t.Parallel()
+	var msgs []amqp.Publishing
+	for range 6 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "cannot invoice"))
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	dlq := messaging.DeadLetterQueue(queue)
+	out := ok(t, "dlq", "list", queue, "--limit", "2", "--amqp", testenv.AMQPURL())
+	if got := listed(t, out); !slices.Equal(got, ids[:2]) || !strings.Contains(out, "the first 2 of the 6 messages in "+dlq+" (--limit)") {
+		t.Errorf("dlq list --limit 2 listed %q:\n%s", got, out)
+	}
+	// The messages handed back may have moved behind the others (RabbitMQ 3.x): the next
+	// listing takes the first 2 of the queue as it is now.
+	res := okJSON[dlqResult](t, "dlq", "list", "--limit=2", queue, "--amqp", testenv.AMQPURL())
+	if res.Waiting != 6 || res.Examined != 2 || res.Count != 2 {
+		t.Errorf("dlq list --limit 2 -o json: %+v", res)
+	}
+	taken := []string{ids[0], ids[1], res.Messages[0].MessageID, res.Messages[1].MessageID}
+	drained := testenv.Drain(t, testenv.Channel(t), dlq, 200*time.Millisecond)
+	if got := deliveryIDs(drained); !sameSet(got, ids) {
+		t.Fatalf("the dead-letter queue holds %q, want %q", got, ids)
+	}
+	for _, d := range drained {
+		if d.Redelivered != slices.Contains(taken, d.MessageId) {
+			t.Errorf("message %s: redelivered=%v; only those listed (%q) were to be taken", d.MessageId, d.Redelivered, taken)
+		}
+	}
+}
+
+// sameSet reports whether a and b hold the same ids, in any order.
+func sameSet(a, b []string) bool {
+	return slices.Equal(slices.Sorted(slices.Values(a)), slices.Sorted(slices.Values(b)))
+}
+
+// --type and --reason pick what is shown; --show-headers and --show-body show the rest of each
+// message, safe for a terminal in a table and whole in -o json.
+func TestDlqListFiltersAndShowsBodiesAndHeaders(t *testing.T) {
+	t.Parallel()
+	a1, b, a2 := deadMessage("OrderPlaced", "the Price List is missing"), deadMessage("OrderCancelled", "no such order"), deadMessage("OrderPlaced", "no such customer")
+	a2.Body = []byte("line one\nline two \x1b[31mred\x1b[0m")
+	binary := deadMessage("OrderPlaced", "undecodable")
+	binary.Body, binary.ContentType = []byte{0xff, 0xfe, 0x00, 0x01}, "application/octet-stream"
+	queue, ids := fillDLQ(t, a1, b, a2, binary)
+	amqpURL := testenv.AMQPURL()
+
+	if got := listed(t, ok(t, "dlq", "list", queue, "--type", "OrderPlaced", "--amqp", amqpURL)); !slices.Equal(got, []string{ids[0], ids[2], ids[3]}) {
+		t.Errorf("--type OrderPlaced listed %q", got)
+	}
+	out := ok(t, "dlq", "list", queue, "--type", "OrderPlaced", "--reason", "PRICE LIST", "--amqp", amqpURL)
+	if got := listed(t, out); !slices.Equal(got, ids[:1]) || !strings.Contains(out, `1 of the 4 messages in `+messaging.DeadLetterQueue(queue)+` match --type "OrderPlaced" --reason "PRICE LIST", in queue order:`) {
+		t.Errorf("--type and --reason listed %q:\n%s", got, out)
+	}
+	if out := ok(t, "dlq", "list", queue, "--type", "Nothing", "--amqp", amqpURL); !strings.Contains(out, "0 of the 4 messages") || len(listed(t, out)) != 0 {
+		t.Errorf("a filter that matches nothing: %q", out)
+	}
+
+	out = ok(t, "dlq", "list", queue, "--show-body", "--show-headers", "--amqp", amqpURL)
+	for _, want := range []string{
+		"message " + ids[0], `{"id":"` + ids[0] + `"}`, messaging.HeaderDeadLetterReason + ": the Price List is missing",
+		"body (application/json, 30 bytes):\n    line one\n    line two ?[31mred?[0m",
+		"body (application/octet-stream, 4 bytes):\n    base64: //4AAQ==",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("--show-body --show-headers lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "\x1b") {
+		t.Errorf("a body's escape sequence reached the terminal:\n%q", out)
+	}
+	res := okJSON[dlqResult](t, "dlq", "list", queue, "--show-body", "--show-headers", "--amqp", amqpURL)
+	if len(res.Messages) != 4 || deref(res.Messages[2].Body) != string(a2.Body) || deref(res.Messages[3].BodyBase64) != "//4AAQ==" ||
+		res.Messages[3].Body != nil || res.Messages[0].Headers[messaging.HeaderDeadLetterReason] != "the Price List is missing" ||
+		res.Messages[3].ContentType != "application/octet-stream" {
+		t.Errorf("dlq list --show-body --show-headers -o json: %+v", res)
+	}
+	if got := inDLQ(t, queue); !slices.Equal(got, ids) {
+		t.Errorf("after the listings the dead-letter queue holds %q, want %q", got, ids)
 	}
 }
 
@@ -203,14 +331,150 @@ func TestDlqRedriveRestoresTheMessage(t *testing.T) {
 	}
 }
 
+// --dry-run lists what would move and moves nothing; --type, --reason and --limit pick what
+// moves; without a terminal more than one message needs --yes; at a terminal, a yes.
+func TestDlqRedriveDryRunFiltersLimitAndConfirmation(t *testing.T) {
+	t.Parallel()
+	msgs := []amqp.Publishing{
+		deadMessage("OrderPlaced", "the price list is missing"), deadMessage("OrderCancelled", "no such order"),
+		deadMessage("OrderPlaced", "the price list is missing"), deadMessage("OrderPlaced", "no such customer"),
+		deadMessage("OrderPlaced", "the price list is missing"), deadMessage("OrderCancelled", "the price list is missing"),
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	ch := testenv.Channel(t)
+	reasons := map[string]string{}
+	types := map[string]string{}
+	for _, m := range msgs {
+		reasons[m.MessageId], types[m.MessageId] = m.Headers[messaging.HeaderDeadLetterReason].(string), m.Type
+	}
+	// pick returns those of ids whose reason has "price", and of type msgType unless it is "".
+	pick := func(ids []string, msgType string) []string {
+		return slices.DeleteFunc(slices.Clone(ids), func(id string) bool {
+			return !strings.Contains(reasons[id], "price") || (msgType != "" && types[id] != msgType)
+		})
+	}
+	noneMoved := func(what string, want []string) {
+		t.Helper()
+		if got := inDLQ(t, queue); !slices.Equal(got, want) {
+			t.Fatalf("after %s the dead-letter queue holds %q, want %q", what, got, want)
+		}
+		if n := testenv.QueueDepth(t, ch, queue); n != 0 {
+			t.Fatalf("after %s %d messages are in %s", what, n, queue)
+		}
+	}
+
+	out := ok(t, "dlq", "redrive", queue, "--dry-run", "--amqp", amqpURL)
+	if got := listed(t, out); !slices.Equal(got, ids) || !strings.Contains(out, "would move 6 of the 6 messages in "+dlq+" to "+queue+" (dry run") {
+		t.Errorf("redrive --dry-run listed %q:\n%s", got, out)
+	}
+	noneMoved("a dry run", ids)
+	dry := okJSON[dlqResult](t, "dlq", "redrive", queue, "--reason", "PRICE", "--type", "OrderPlaced", "--limit", "3", "--dry-run", "--amqp", amqpURL)
+	if want := pick(ids[:3], "OrderPlaced"); dry.DryRun == nil || !*dry.DryRun || dry.Waiting != 6 || dry.Examined != 3 || dry.Count != len(want) ||
+		!slices.Equal(ids2(dry.Messages), want) {
+		t.Errorf("redrive --dry-run -o json: %+v; want %q of the first 3", dry, want)
+	}
+	// Handed back, the 3 taken may have moved behind the others: the order is the queue's now.
+	order := inDLQ(t, queue)
+	if !sameSet(order, ids) {
+		t.Fatalf("after a dry run of --limit 3 the dead-letter queue holds %q, want %q in any order", order, ids)
+	}
+	noneMoved("a dry run", order)
+
+	wantExit(t, exitNoMatch, []string{"dlq", "redrive", queue, "--type", "Nothing", "--yes", "--amqp", amqpURL}, `no message of type "Nothing" in `+dlq)
+	wantExit(t, exitNoMatch, []string{"dlq", "redrive", queue, "--reason", "no such order", "--limit", "1", "--yes", "--amqp", amqpURL},
+		"in "+dlq+" (of the first 1 messages, --limit)")
+	noneMoved("no match", inDLQ(t, queue))
+	order = inDLQ(t, queue)
+	wantExit(t, exitNotConfirmed, []string{"dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL},
+		"move these 4 messages from "+dlq+" back to "+queue, "no terminal to ask on", "--yes")
+	if code, _, stderr := ctlAt(t, &terminal{"no\n"}, "dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL); code != exitNotConfirmed ||
+		!strings.Contains(stderr, ids[4]) || !strings.Contains(stderr, "? [y/N]") {
+		t.Errorf("redrive declined at a terminal: exit %d, %q", code, stderr)
+	}
+	noneMoved("refusals", order)
+
+	// Of the first 3 looked at, those whose reason matches move; then, asked and confirmed,
+	// the other such.
+	first := pick(order[:3], "")
+	res := okJSON[dlqResult](t, "dlq", "redrive", queue, "--reason", "price", "--limit", "3", "--yes", "--amqp", amqpURL)
+	if res.DryRun == nil || *res.DryRun || !slices.Equal(ids2(res.Messages), first) || res.Count != len(first) {
+		t.Errorf("redrive --reason --limit 3 -o json: %+v; want %q", res, first)
+	}
+	rest := pick(inDLQ(t, queue), "")
+	code, stdout, stderr := ctlAt(t, &terminal{"y\n"}, "dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL)
+	if code != 0 || !strings.Contains(stdout, fmt.Sprintf("moved %d messages from %s to %s", len(rest), dlq, queue)) {
+		t.Errorf("redrive confirmed at a terminal: exit %d, %q %q", code, stdout, stderr)
+	}
+	if got, want := drainIDs(t, queue), append(slices.Clone(first), rest...); !slices.Equal(got, want) {
+		t.Errorf("the queue got %q, want %q", got, want)
+	}
+	if got := inDLQ(t, queue); !sameSet(got, []string{ids[1], ids[3]}) {
+		t.Errorf("the dead-letter queue holds %q, want the two others", got)
+	}
+}
+
+// ids2 returns the message ids of ds.
+func ids2(ds []deadLetter) []string {
+	ids := make([]string, len(ds))
+	for i, d := range ds {
+		ids[i] = d.MessageID
+	}
+	return ids
+}
+
+// drop removes exactly the message named, and hands the others back in order; it asks first,
+// refuses without a terminal unless given --yes, and shows the message whole.
+func TestDlqDropRemovesExactlyOne(t *testing.T) {
+	t.Parallel()
+	msgs := []amqp.Publishing{deadMessage("OrderPlaced", "a producer's bug"), deadMessage("OrderPlaced", "a producer's bug"),
+		deadMessage("OrderCancelled", "a producer's bug"), deadMessage("OrderPlaced", "a producer's bug")}
+	queue, ids := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+
+	out := ok(t, "dlq", "drop", queue, "--id", ids[2], "--dry-run", "--amqp", amqpURL)
+	if !strings.Contains(out, "would drop from "+dlq) || !strings.Contains(out, `{"id":"`+ids[2]+`"}`) || !strings.Contains(out, messaging.HeaderDeadLetterReason) {
+		t.Errorf("drop --dry-run said %q", out)
+	}
+	dry := decode[dlqDropResult](t, ok(t, "dlq", "drop", "-o", "json", queue, "--id", ids[2], "--dry-run", "--amqp", amqpURL))
+	if !dry.DryRun || dry.Message.MessageID != ids[2] || dry.Message.Type != "OrderCancelled" || deref(dry.Message.Body) != `{"id":"`+ids[2]+`"}` ||
+		dry.Message.Headers[messaging.HeaderDeadLetterReason] != "a producer's bug" {
+		t.Errorf("drop --dry-run -o json: %+v", dry)
+	}
+	wantExit(t, exitNotConfirmed, []string{"dlq", "drop", queue, "--id", ids[2], "--amqp", amqpURL}, "drop message "+ids[2]+" from "+dlq+" for good", "--yes")
+	if code, _, stderr := ctlAt(t, &terminal{"\n"}, "dlq", "drop", queue, "--id", ids[2], "--amqp", amqpURL); code != exitNotConfirmed || !strings.Contains(stderr, `{"id":"`+ids[2]+`"}`) {
+		t.Errorf("drop declined at a terminal: exit %d, %q; want 4 after showing the message", code, stderr)
+	}
+	unknown := uuid.NewString()
+	wantExit(t, exitNoMatch, []string{"dlq", "drop", queue, "--id", unknown, "--yes", "--amqp", amqpURL}, "no message with id "+unknown+" in "+dlq)
+	wantExit(t, exitNoMatch, []string{"dlq", "drop", queue, "--id", unknown, "--dry-run", "--amqp", amqpURL}, "no message with id "+unknown+" in "+dlq)
+	if got := inDLQ(t, queue); !slices.Equal(got, ids) {
+		t.Fatalf("after dry runs and refusals the dead-letter queue holds %q, want %q", got, ids)
+	}
+
+	got := decode[dlqDropResult](t, ok(t, "dlq", "drop", queue, "--id", strings.ToUpper(ids[2]), "--yes", "-o", "json", "--amqp", amqpURL))
+	if got.DryRun || got.Message.MessageID != ids[2] || deref(got.Message.Body) != `{"id":"`+ids[2]+`"}` {
+		t.Errorf("drop -o json: %+v", got)
+	}
+	code, stdout, stderr := ctlAt(t, &terminal{"y\n"}, "dlq", "drop", queue, "--id", ids[0], "--amqp", amqpURL)
+	if code != 0 || !strings.Contains(stdout, "dropped from "+dlq+", for good:\nmessage "+ids[0]) {
+		t.Errorf("drop confirmed at a terminal: exit %d, %q %q", code, stdout, stderr)
+	}
+	drained := testenv.Drain(t, testenv.Channel(t), dlq, 200*time.Millisecond)
+	if got := deliveryIDs(drained); !slices.Equal(got, []string{ids[1], ids[3]}) {
+		t.Fatalf("the dead-letter queue holds %q, want the two others in order", got)
+	}
+}
+
 // Redrive end to end, into a running subscription: a message whose inbox record exists is
 // skipped as a duplicate, the others are handled once; --id moves one and leaves the rest in
-// order; an id not there is an error that names it and moves nothing.
+// order; an id not there is an error that names it and moves nothing. inbox show tells which
+// were handled, and when.
 func TestDlqRedriveIntoASubscription(t *testing.T) {
 	t.Parallel()
 	exchange, queue := brokerNames(t)
 	db := testenv.NewDatabase(t)
-	db.Migrate(t, messaging.MigrateInbox)
+	db.Migrate(t, platform.Library(messaging.MigrateInbox))
 	if err := db.DB.Exec("CREATE TABLE handled (message_id uuid NOT NULL)").Error; err != nil {
 		t.Fatal(err)
 	}
@@ -222,13 +486,16 @@ func TestDlqRedriveIntoASubscription(t *testing.T) {
 		return nil
 	}}
 	log, logs := testenv.NewLogger(t)
-	sub, err := messaging.NewSubscription(messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(), DB: db.DB, Concurrency: 2, Logger: log})
+	sub, err := messaging.NewSubscription(db.Driver(t), messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(), Concurrency: 2, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
-	messaging.Handle(sub, event, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+	err = messaging.Handle(sub, event, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
 		return tx.Exec("INSERT INTO handled (message_id) VALUES (?)", msg.ID).Error
 	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	topology, err := sub.Topology()
 	if err != nil {
 		t.Fatal(err)
@@ -271,6 +538,15 @@ func TestDlqRedriveIntoASubscription(t *testing.T) {
 	}
 	order := inDLQ()
 
+	// The inbox: A was handled by this consumer, B was not.
+	if out := ok(t, "inbox", "show", "--id", a.ID.String(), "--consumer", queue, "--db", db.URL); !strings.Contains(out, "message "+a.ID.String()+" was handled by "+queue+" at ") {
+		t.Errorf("inbox show of A said %q", out)
+	}
+	code, stdout, _ := ctl(t, "inbox", "show", "--id", b.ID.String(), "--consumer", queue, "--db", db.URL)
+	if code != exitNoMatch || !strings.Contains(stdout, "no record of message "+b.ID.String()+" by consumer "+queue) {
+		t.Errorf("inbox show of B before its redrive: exit %d, %q; want 3, not handled", code, stdout)
+	}
+
 	refusing.Store(false) // the price list is fixed
 	out := ok(t, "dlq", "redrive", queue, "--id", b.ID.String(), "--amqp", testenv.AMQPURL())
 	if !strings.Contains(out, "redriven "+b.ID.String()+" Placed") {
@@ -280,17 +556,22 @@ func TestDlqRedriveIntoASubscription(t *testing.T) {
 	if got, want := inDLQ(), slices.DeleteFunc(slices.Clone(order), func(id string) bool { return id == b.ID.String() }); !slices.Equal(got, want) {
 		t.Fatalf("after redriving B the dead-letter queue holds %q, want %q", got, want)
 	}
+	shown := okJSON[inboxResult](t, "inbox", "show", "--id", b.ID.String(), "--db", db.URL)
+	if !shown.Handled || len(shown.Records) != 1 || shown.Records[0].Consumer != queue || time.Since(shown.Records[0].ProcessedAt) > time.Minute {
+		t.Errorf("inbox show -o json of B after its redrive: %+v", shown)
+	}
 
 	unknown := uuid.NewString()
-	code, _, stderr := ctl(t, "dlq", "redrive", queue, "--id", unknown, "--amqp", testenv.AMQPURL())
-	if code != 1 || !strings.Contains(stderr, "no message with id "+unknown+" in "+dlq) {
-		t.Errorf("redrive of an unknown id: exit %d, %q; want 1 naming it", code, stderr)
-	}
+	wantExit(t, exitNoMatch, []string{"dlq", "redrive", queue, "--id", unknown, "--amqp", testenv.AMQPURL()}, "no message with id "+unknown+" in "+dlq)
 	if got := len(inDLQ()); got != 2 {
 		t.Fatalf("a failed redrive left %d messages, want 2", got)
 	}
 
-	out = ok(t, "dlq", "redrive", "--amqp", testenv.AMQPURL(), queue)
+	wantExit(t, exitNotConfirmed, []string{"dlq", "redrive", "--amqp", testenv.AMQPURL(), queue}, "--yes")
+	if got := len(inDLQ()); got != 2 {
+		t.Fatalf("a refused redrive left %d messages, want 2", got)
+	}
+	out = ok(t, "dlq", "redrive", "--amqp", testenv.AMQPURL(), queue, "--yes")
 	if !strings.Contains(out, "moved 2 messages from "+dlq+" to "+queue) {
 		t.Errorf("redrive said %q", out)
 	}

@@ -1,23 +1,38 @@
-// Command outboxctl is the operator's tool for the outbox of a service's database and for the
-// dead-letter queues of its consumers (README, "When something goes wrong").
+// Command outboxctl is the operator's tool for a service's outbox and inbox (in its database)
+// and for the dead-letter queues of its consumers (on the broker).
 //
 // Usage:
 //
 //	outboxctl status [--db URL]
-//	outboxctl retry [--id UUID] [--db URL]
-//	outboxctl dlq list QUEUE [--amqp URL]
-//	outboxctl dlq redrive QUEUE [--id UUID] [--amqp URL]
+//	outboxctl retry [--id UUID | --type TYPE] [--limit N] [--dry-run] [--yes] [--db URL]
+//	outboxctl outbox park --id UUID [--reason TEXT] [--dry-run] [--db URL]
+//	outboxctl outbox unpark --id UUID [--dry-run] [--db URL]
+//	outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]
+//	outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
+//	outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
+//	outboxctl dlq redrive QUEUE [--id UUID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
+//	outboxctl dlq drop QUEUE --id UUID [--dry-run] [--yes] [--amqp URL]
+//	outboxctl version
 //
-// --db defaults to DATABASE_URL and --amqp to AMQP_URL, so in a service's container it needs
-// neither. Flags may come before or after QUEUE. It exits 0 on success, 1 on a failure and 2
-// on a mistake in the command line, with one line on stderr that says why; no URL it prints
-// shows a password.
+// Every command takes -o json for output a script reads, and --help. --db defaults to
+// DATABASE_URL and --amqp to AMQP_URL, so in a service's container it needs neither; flags may
+// come before or after QUEUE. A command that changes anything shows what it would do with
+// --dry-run, and changes nothing then. One that would act on more than one item, or delete a
+// message, asks first on a terminal, and without one refuses unless given --yes. No URL it
+// prints shows a password.
+//
+// Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line; 3 nothing
+// matched (no such row or message, or not in a state the command acts on; inbox show: no
+// record); 4 not confirmed, so nothing was changed. A failure is one line on stderr.
+//
+// The command line is cobra's: the subcommand tree, the help of each command, flags wherever
+// they stand, as in the river CLI.
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/url"
@@ -28,116 +43,262 @@ import (
 	"syscall"
 	"unicode"
 
-	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/mattn/go-isatty"
+	"github.com/spf13/cobra"
 )
 
-const usage = `usage:
-  outboxctl status [--db URL]                          unsent outbox rows, the oldest one's age, the most attempts, the latest errors
-  outboxctl retry [--id UUID] [--db URL]               make the failed outbox rows, or the one, due now
-  outboxctl dlq list QUEUE [--amqp URL]                what waits in QUEUE.dlq: message id, type, why
-  outboxctl dlq redrive QUEUE [--id UUID] [--amqp URL] move messages from QUEUE.dlq back to QUEUE, their ids unchanged
---db defaults to $DATABASE_URL and --amqp to $AMQP_URL; flags may come before or after QUEUE.
+// The exit statuses.
+const (
+	exitOK           = 0
+	exitFailure      = 1
+	exitUsage        = 2
+	exitNoMatch      = 3
+	exitNotConfirmed = 4
+)
+
+// synopsis is every command, as the root's help shows them (and the package comment).
+const synopsis = `  outboxctl status [--db URL]
+  outboxctl retry [--id UUID | --type TYPE] [--limit N] [--dry-run] [--yes] [--db URL]
+  outboxctl outbox park --id UUID [--reason TEXT] [--dry-run] [--db URL]
+  outboxctl outbox unpark --id UUID [--dry-run] [--db URL]
+  outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]
+  outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
+  outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
+  outboxctl dlq redrive QUEUE [--id UUID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
+  outboxctl dlq drop QUEUE --id UUID [--dry-run] [--yes] [--amqp URL]
+  outboxctl version`
+
+const exitStatusHelp = `Exit status:
+  0  done
+  1  failed: the database or the broker did not answer, or refused
+  2  a mistake in the command line
+  3  nothing matched: no such row or message, or not in a state the command acts on
+     (inbox show: no record of the message)
+  4  not confirmed: declined at the prompt, or no terminal to ask on and no --yes; nothing changed`
+
+// usageTemplate is cobra's, but for the root it lists every command with its flags, and ends
+// with the exit statuses; a command that holds others shows no line of its own.
+const usageTemplate = `Usage:{{if not .HasAvailableSubCommands}}
+  {{.UseLine}}{{else if .HasParent}}
+  {{.CommandPath}} COMMAND{{else}}
+` + synopsis + `{{end}}{{if .HasExample}}
+
+Examples:
+{{.Example}}{{end}}{{if and .HasAvailableSubCommands .HasParent}}
+
+Commands:{{range .Commands}}{{if .IsAvailableCommand}}
+  {{rpad .Name .NamePadding }} {{.Short}}{{end}}{{end}}{{end}}{{if .HasAvailableLocalFlags}}
+
+Flags:
+{{.LocalFlags.FlagUsages | trimTrailingWhitespaces}}{{end}}{{if .HasAvailableInheritedFlags}}
+
+Global Flags:
+{{.InheritedFlags.FlagUsages | trimTrailingWhitespaces}}{{end}}{{if not .HasParent}}
+
+` + exitStatusHelp + `{{end}}{{if .HasAvailableSubCommands}}
+
+Use "{{.CommandPath}} COMMAND --help" for more about a command.{{end}}
 `
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := run(ctx, os.Args[1:], streams{
+		in: os.Stdin, out: os.Stdout, err: os.Stderr,
+		// The question goes to stderr and the answer comes from stdin: both must be a person's.
+		interactive: isTerminal(os.Stdin) && isTerminal(os.Stderr),
+	})
 	stop()
 	os.Exit(code)
 }
 
-// command is one subcommand: it reads its own flags and arguments from args.
-type command func(ctx context.Context, args []string, stdout io.Writer) error
+func isTerminal(f *os.File) bool {
+	return isatty.IsTerminal(f.Fd()) || isatty.IsCygwinTerminal(f.Fd())
+}
+
+// streams are where a run reads and writes, and whether a person is there to answer.
+type streams struct {
+	in          io.Reader
+	out, err    io.Writer
+	interactive bool
+}
 
 // usageError is a mistake in the command line.
 type usageError struct{ msg string }
 
 func (e usageError) Error() string { return e.msg }
 
-// run runs the command named by args and returns the process's exit status.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	name, cmd, rest, err := lookup(args)
+// Errors that choose their exit status; a command wraps them with what it was about.
+var (
+	errNoMatch      = errors.New("nothing matched")
+	errNotConfirmed = errors.New("not confirmed")
+)
+
+// answered is a command's way of exiting with code after it printed its answer, with nothing to
+// add on stderr (inbox show: no record).
+type answered struct{ code int }
+
+func (a answered) Error() string { return fmt.Sprintf("exit status %d", a.code) }
+
+// commandError carries what a command's own code returned. The others come from the command
+// line's parsing: flags, arguments, unknown commands.
+type commandError struct{ err error }
+
+func (e commandError) Error() string { return e.err.Error() }
+func (e commandError) Unwrap() error { return e.err }
+
+// run runs the command args names and returns the process's exit status.
+func run(ctx context.Context, args []string, s streams) int {
+	root := newRoot(s)
+	root.SetArgs(append([]string{}, args...)) // never nil: cobra would read os.Args
+	cmd, err := root.ExecuteContextC(ctx)
 	if err == nil {
-		err = cmd(ctx, rest, stdout)
+		return exitOK
 	}
-	var usageErr usageError
+	name := "outboxctl"
+	if cmd != nil {
+		name = cmd.CommandPath()
+	}
+	code := exitCode(err)
+	var a answered
 	switch {
-	case err == nil:
-		return 0
-	case errors.Is(err, flag.ErrHelp):
-		fmt.Fprint(stdout, usage)
-		return 0
-	case errors.As(err, &usageErr):
-		fmt.Fprintf(stderr, "outboxctl%s: %s\n%s", name, hideSecrets(err.Error(), args), usage)
-		return 2
+	case errors.As(err, &a):
+	case code == exitUsage:
+		fmt.Fprintf(s.err, "%s: %s\n", name, hideSecrets(err.Error(), args))
+		if cmd != nil {
+			fmt.Fprintf(s.err, "\n%s", cmd.UsageString())
+		}
 	default:
 		// One line, whatever the error holds (pgx errors span several).
-		fmt.Fprintf(stderr, "outboxctl%s: %s\n", name, strings.Join(strings.Fields(hideSecrets(err.Error(), args)), " "))
-		return 1
+		fmt.Fprintf(s.err, "%s: %s\n", name, strings.Join(strings.Fields(hideSecrets(err.Error(), args)), " "))
 	}
+	return code
 }
 
-// lookup finds the command args name, and returns its name (with a leading space, for
-// messages) and its arguments.
-func lookup(args []string) (name string, cmd command, rest []string, err error) {
-	if len(args) == 0 {
-		return "", nil, nil, usageError{"no command given"}
+// exitCode is the exit status err stands for.
+func exitCode(err error) int {
+	var cmdErr commandError
+	var usage usageError
+	var a answered
+	switch {
+	case !errors.As(err, &cmdErr), errors.As(err, &usage):
+		return exitUsage
+	case errors.As(err, &a):
+		return a.code
+	case errors.Is(err, errNotConfirmed):
+		return exitNotConfirmed
+	case isNoMatch(err):
+		return exitNoMatch
 	}
-	switch args[0] {
-	case "status":
-		return " status", status, args[1:], nil
-	case "retry":
-		return " retry", retry, args[1:], nil
-	case "dlq":
-		if len(args) > 1 && args[1] == "list" {
-			return " dlq list", dlqList, args[2:], nil
-		}
-		if len(args) > 1 && args[1] == "redrive" {
-			return " dlq redrive", dlqRedrive, args[2:], nil
-		}
-		return " dlq", nil, nil, usageError{"dlq needs list or redrive"}
-	case "help", "-h", "-help", "--help":
-		return "", nil, nil, flag.ErrHelp
-	}
-	return "", nil, nil, usageError{fmt.Sprintf("unknown command %q", args[0])}
+	return exitFailure
 }
 
-// newFlags returns an empty flag set for the command name; run reports its errors.
-func newFlags(name string) *flag.FlagSet {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	return fs
-}
-
-// parse parses args with fs wherever the flags stand, before or after the positional
-// arguments, and returns those, of which it wants exactly positional. The flag package alone
-// stops at the first argument that is not a flag.
-func parse(fs *flag.FlagSet, args []string, positional ...string) ([]string, error) {
-	var got []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			if errors.Is(err, flag.ErrHelp) {
-				return nil, err
+// newRoot builds the command tree, writing to s.
+func newRoot(s streams) *cobra.Command {
+	var format string
+	root := &cobra.Command{
+		Use:   "outboxctl",
+		Short: "the operator's tool for the outbox, the inbox and the dead-letter queues",
+		Long: `outboxctl is the operator's tool for a service's outbox and inbox (in its database, --db or
+DATABASE_URL) and for the dead-letter queues of its consumers (on the broker, --amqp or
+AMQP_URL). Every command takes -o json. A command that changes anything shows what it would do
+with --dry-run and changes nothing then; one that would act on more than one item, or delete a
+message, asks first on a terminal, and without one refuses unless given --yes. Flags may come
+before or after QUEUE. No URL it prints shows a password.`,
+		Version:       readVersion().String(),
+		SilenceErrors: true,
+		SilenceUsage:  true,
+		// Without a command it is a mistake, not a request for help.
+		Args: cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usageError{"no command given"}
 			}
-			return nil, usageError{err.Error()}
-		}
-		rest := fs.Args()
-		if len(rest) == 0 {
-			break
-		}
-		if len(rest) < len(args) && args[len(args)-len(rest)-1] == "--" { // all after -- is positional
-			got = append(got, rest...)
-			break
-		}
-		got, args = append(got, rest[0]), rest[1:]
+			return usageError{fmt.Sprintf("unknown command %q", args[0])}
+		},
+		PersistentPreRunE: func(*cobra.Command, []string) error {
+			if format != "table" && format != "json" {
+				return usageError{fmt.Sprintf("-o %q: want table or json", printable(format, 32))}
+			}
+			return nil
+		},
 	}
-	if len(got) != len(positional) {
-		if len(positional) == 0 {
-			return nil, usageError{fmt.Sprintf("unexpected argument %q", got[0])}
+	root.SetVersionTemplate("outboxctl {{.Version}}\n")
+	root.SetUsageTemplate(usageTemplate)
+	root.PersistentFlags().StringVarP(&format, "output", "o", "table", "output format: table or json")
+	root.SetIn(s.in)
+	root.SetOut(s.out)
+	root.SetErr(s.err)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err.Error()} })
+	root.CompletionOptions.DisableDefaultCmd = true
+	c := &cli{streams: s, format: &format}
+	root.AddCommand(c.statusCommand(), c.retryCommand(), c.outboxCommand(), c.inboxCommand(), c.dlqCommand(), c.versionCommand())
+	return root
+}
+
+// cli is what every command shares: the streams and the output format.
+type cli struct {
+	streams
+	format *string
+}
+
+func (c *cli) json() bool { return *c.format == "json" }
+
+// action makes fn a command's RunE; what it returns is the command's (see commandError).
+func action(fn func(ctx context.Context, args []string) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		if err := fn(cmd.Context(), args); err != nil {
+			return commandError{err}
 		}
-		return nil, usageError{fmt.Sprintf("want %s, got %d arguments", strings.Join(positional, " "), len(got))}
+		return nil
 	}
-	return got, nil
+}
+
+// group is a command that only holds others: alone, or with an unknown name, it is a mistake.
+func group(use, short string, children ...*cobra.Command) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var names []string
+			for _, c := range cmd.Commands() {
+				names = append(names, c.Name())
+			}
+			if len(args) == 0 {
+				return usageError{fmt.Sprintf("%s needs a command: %s", use, strings.Join(names, ", "))}
+			}
+			return usageError{fmt.Sprintf("unknown command %q for %s: want %s", printable(args[0], 64), use, strings.Join(names, ", "))}
+		},
+	}
+	cmd.AddCommand(children...)
+	return cmd
+}
+
+// confirm returns nil if the action may go on: --yes was given, or the person at the terminal
+// answered yes to question. Without a terminal it refuses, with errNotConfirmed.
+func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
+	if yes {
+		return nil
+	}
+	if !c.interactive {
+		return fmt.Errorf("%w: %s: there is no terminal to ask on; check with --dry-run, then give --yes", errNotConfirmed, question)
+	}
+	fmt.Fprintf(c.err, "%s? [y/N] ", question)
+	answer := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(c.in).ReadString('\n')
+		answer <- line
+	}()
+	select {
+	case <-ctx.Done():
+		fmt.Fprintln(c.err)
+		return ctx.Err()
+	case line := <-answer:
+		if a := strings.ToLower(strings.TrimSpace(line)); a == "y" || a == "yes" {
+			return nil
+		}
+		return fmt.Errorf("%w: %s: declined", errNotConfirmed, question)
+	}
 }
 
 // urlFrom returns the flag's value, or else the environment variable's. A missing or
@@ -152,7 +313,7 @@ func urlFrom(flagName, value, variable string, schemes ...string) (string, error
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
 	// A broker's may list one URL per node of a cluster, as AMQP_URL does.
-	for _, one := range messaging.SplitURLs(value) {
+	for _, one := range splitURLs(value) {
 		if u, err := url.Parse(one); err != nil || u.Host == "" || !slices.Contains(schemes, u.Scheme) {
 			return "", usageError{fmt.Sprintf("%s is not a URL, or a comma-separated list of URLs, with scheme %s", source, strings.Join(schemes, " or "))}
 		}
@@ -169,7 +330,7 @@ func hideSecrets(msg string, args []string) string {
 			values = append(values, v)
 		}
 		for _, v := range values {
-			for _, one := range messaging.SplitURLs(v) {
+			for _, one := range splitURLs(v) {
 				for _, secret := range passwords(one) {
 					msg = strings.ReplaceAll(msg, secret, "xxxxx")
 				}
@@ -216,4 +377,15 @@ func printable(s string, limit int) string {
 		return "-"
 	}
 	return s
+}
+
+// splitURLs splits a comma-separated list of URLs, one per node of a cluster.
+func splitURLs(list string) []string {
+	var urls []string
+	for u := range strings.SplitSeq(list, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
 }

@@ -3,28 +3,44 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
-	"flag"
+	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// ctl runs outboxctl in-process with args and returns its exit status and output.
+// ctl runs outboxctl in-process with args, with no terminal, and returns its exit status and
+// output.
 func ctl(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	return ctlAt(t, nil, args...)
+}
+
+// terminal is a person at a terminal who types answer.
+type terminal struct{ answer string }
+
+// ctlAt runs outboxctl as ctl does, at term if it is not nil.
+func ctlAt(t *testing.T, term *terminal, args ...string) (code int, stdout, stderr string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var out, errOut bytes.Buffer
-	code = run(ctx, args, &out, &errOut)
+	s := streams{in: strings.NewReader(""), out: &out, err: &errOut}
+	if term != nil {
+		s.in, s.interactive = strings.NewReader(term.answer), true
+	}
+	code = run(ctx, args, s)
 	return code, out.String(), errOut.String()
 }
 
@@ -38,44 +54,50 @@ func ok(t *testing.T, args ...string) string {
 	return stdout
 }
 
+// okJSON runs outboxctl with -o json, fails the test unless it exits 0, and decodes what it
+// printed into a new T.
+func okJSON[T any](t *testing.T, args ...string) T {
+	t.Helper()
+	return decode[T](t, ok(t, append(args, "-o", "json")...))
+}
+
+// decode decodes out, all of it, into a new T; unknown fields fail it.
+func decode[T any](t *testing.T, out string) T {
+	t.Helper()
+	var v T
+	dec := json.NewDecoder(strings.NewReader(out))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil {
+		t.Fatalf("decode %T: %v\n%s", v, err, out)
+	}
+	if dec.More() {
+		t.Fatalf("more than one JSON value:\n%s", out)
+	}
+	return v
+}
+
+// wantExit runs outboxctl and fails the test unless it exits code with stderr holding each of
+// want; it returns stdout.
+func wantExit(t *testing.T, code int, args []string, want ...string) string {
+	t.Helper()
+	got, stdout, stderr := ctl(t, args...)
+	if got != code {
+		t.Errorf("outboxctl %s: exit %d, want %d; stderr %q", strings.Join(args, " "), got, code, stderr)
+	}
+	for _, w := range want {
+		if !strings.Contains(stderr, w) {
+			t.Errorf("outboxctl %s: stderr %q lacks %q", strings.Join(args, " "), stderr, w)
+		}
+	}
+	return stdout
+}
+
 // outboxDB is a fresh database with the outbox table.
 func outboxDB(t *testing.T) *testenv.Database {
 	t.Helper()
 	d := testenv.NewDatabase(t)
-	d.Migrate(t, messaging.MigrateOutbox)
+	d.Migrate(t, platform.Library(messaging.MigrateOutbox))
 	return d
-}
-
-// Flags may come before or after the positional arguments; -- ends the flags.
-func TestParseTakesFlagsWhereverTheyStand(t *testing.T) {
-	t.Parallel()
-	for _, args := range [][]string{
-		{"invoicing", "--amqp", "A", "--id", "I"},
-		{"--amqp", "A", "invoicing", "--id", "I"},
-		{"--amqp=A", "--id=I", "invoicing"},
-		{"--id", "I", "--amqp", "A", "--", "invoicing"},
-	} {
-		fs := newFlags("test")
-		amqpURL, id := fs.String("amqp", "", ""), fs.String("id", "", "")
-		pos, err := parse(fs, args, "QUEUE")
-		if err != nil || !slices.Equal(pos, []string{"invoicing"}) || *amqpURL != "A" || *id != "I" {
-			t.Errorf("parse(%q) = %q, %v with amqp=%q id=%q; want [invoicing], amqp A, id I", args, pos, err, *amqpURL, *id)
-		}
-	}
-	fs := newFlags("test")
-	if pos, err := parse(fs, []string{"--", "-odd-name"}, "QUEUE"); err != nil || !slices.Equal(pos, []string{"-odd-name"}) {
-		t.Errorf("after --: %q, %v; want the name as it is", pos, err)
-	}
-	var usageErr usageError
-	if _, err := parse(newFlags("test"), []string{"a", "b"}, "QUEUE"); !errors.As(err, &usageErr) {
-		t.Errorf("two arguments for one: %v, want a usage error", err)
-	}
-	if _, err := parse(newFlags("test"), []string{"--nope"}); !errors.As(err, &usageErr) {
-		t.Errorf("an unknown flag: %v, want a usage error", err)
-	}
-	if _, err := parse(newFlags("test"), []string{"-h"}); !errors.Is(err, flag.ErrHelp) {
-		t.Errorf("-h: %v, want flag.ErrHelp", err)
-	}
 }
 
 // Without --db or --amqp, and with the variable unset, each command says which variable.
@@ -83,20 +105,24 @@ func TestParseTakesFlagsWhereverTheyStand(t *testing.T) {
 func TestAMissingURLNamesItsVariable(t *testing.T) {
 	t.Setenv("DATABASE_URL", "")
 	t.Setenv("AMQP_URL", "")
+	id := uuid.NewString()
 	for _, tc := range []struct {
 		args     []string
 		variable string
 	}{
 		{[]string{"status"}, "DATABASE_URL"},
 		{[]string{"retry"}, "DATABASE_URL"},
-		{[]string{"retry", "--id", uuid.NewString()}, "DATABASE_URL"},
+		{[]string{"retry", "--id", id}, "DATABASE_URL"},
+		{[]string{"outbox", "park", "--id", id}, "DATABASE_URL"},
+		{[]string{"outbox", "unpark", "--id", id}, "DATABASE_URL"},
+		{[]string{"outbox", "drop", "--id", id}, "DATABASE_URL"},
+		{[]string{"inbox", "show", "--id", id}, "DATABASE_URL"},
 		{[]string{"dlq", "list", "invoicing"}, "AMQP_URL"},
 		{[]string{"dlq", "redrive", "invoicing"}, "AMQP_URL"},
+		{[]string{"dlq", "drop", "invoicing", "--id", id}, "AMQP_URL"},
 	} {
-		code, _, stderr := ctl(t, tc.args...)
-		if code == 0 || !strings.Contains(stderr, tc.variable) || !strings.Contains(stderr, "--"+map[string]string{"DATABASE_URL": "db", "AMQP_URL": "amqp"}[tc.variable]) {
-			t.Errorf("outboxctl %s: exit %d, stderr %q; want non-zero naming %s and its flag", strings.Join(tc.args, " "), code, stderr, tc.variable)
-		}
+		flagName := map[string]string{"DATABASE_URL": "--db", "AMQP_URL": "--amqp"}[tc.variable]
+		wantExit(t, 2, tc.args, tc.variable, flagName)
 	}
 	// The variable is enough when it is set.
 	d := outboxDB(t)
@@ -106,25 +132,107 @@ func TestAMissingURLNamesItsVariable(t *testing.T) {
 
 func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 	t.Parallel()
+	db, amqpURL, id := "postgres://127.0.0.1/x", testenv.AMQPURL(), uuid.NewString()
 	for _, args := range [][]string{
 		{},
 		{"frobnicate"},
 		{"dlq"},
 		{"dlq", "peek", "invoicing"},
+		{"outbox"},
+		{"outbox", "bury", "--id", id},
 		{"dlq", "list"},
-		{"dlq", "list", "a", "b", "--amqp", testenv.AMQPURL()},
-		{"status", "extra", "--db", "postgres://127.0.0.1/x"},
-		{"retry", "--id", "not-a-uuid", "--db", "postgres://127.0.0.1/x"},
-		{"dlq", "redrive", "invoicing", "--id", "42", "--amqp", testenv.AMQPURL()},
+		{"dlq", "list", "a", "b", "--amqp", amqpURL},
+		{"status", "extra", "--db", db},
+		{"status", "--db", db, "-o", "yaml"},
+		{"status", "--nope"},
+		{"retry", "--id", "not-a-uuid", "--db", db},
+		{"retry", "--id", id, "--type", "OrderPlaced", "--db", db},
+		{"retry", "--limit", "-1", "--db", db},
+		{"retry", "--limit", "many", "--db", db},
+		{"outbox", "park", "--db", db},
+		{"outbox", "drop", "--id", "42", "--db", db},
+		{"inbox", "show", "--db", db},
+		{"dlq", "redrive", "invoicing", "--id", "42", "--amqp", amqpURL},
+		{"dlq", "redrive", "invoicing", "--id", id, "--reason", "x", "--amqp", amqpURL},
+		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
+		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
+		{"version", "extra"},
 	} {
-		code, _, stderr := ctl(t, args...)
-		if code != 2 || !strings.Contains(stderr, "usage:") {
-			t.Errorf("outboxctl %q: exit %d, stderr %q; want 2 with the usage", args, code, stderr)
+		code, stdout, stderr := ctl(t, args...)
+		if code != 2 || !strings.Contains(stderr, "Usage:") || stdout != "" {
+			t.Errorf("outboxctl %q: exit %d, stdout %q, stderr %q; want 2 with the usage on stderr", args, code, stdout, stderr)
 		}
 	}
-	if code, stdout, _ := ctl(t, "--help"); code != 0 || !strings.Contains(stdout, "dlq redrive QUEUE") {
-		t.Errorf("--help: exit %d, %q", code, stdout)
+}
+
+// --help, of outboxctl and of each command, and the help command, print that command's help
+// on stdout and exit 0; the root's lists every command with its flags.
+func TestHelpOfEachCommand(t *testing.T) {
+	t.Parallel()
+	root := ok(t, "--help")
+	for _, want := range append(strings.Split(synopsis, "\n"), "Exit status:", "3  nothing matched", "4  not confirmed") {
+		if !strings.Contains(root, want) {
+			t.Errorf("outboxctl --help lacks %q:\n%s", want, root)
+		}
+	}
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"status", "--help"}, []string{"outboxctl status [flags]", "--db string", "parked"}},
+		{[]string{"retry", "-h"}, []string{"outboxctl retry [flags]", "--dry-run", "--yes", "--limit int", "--type string", "Exit status 3"}},
+		{[]string{"outbox", "--help"}, []string{"outboxctl outbox COMMAND", "park", "unpark", "drop"}},
+		{[]string{"outbox", "park", "--help"}, []string{"outboxctl outbox park --id UUID [flags]", "--reason string", "outbox_parked_messages"}},
+		{[]string{"outbox", "unpark", "--help"}, []string{"outboxctl outbox unpark --id UUID [flags]"}},
+		{[]string{"outbox", "drop", "--help"}, []string{"outboxctl outbox drop --id UUID [flags]", "--yes", "payload"}},
+		{[]string{"inbox", "show", "--help"}, []string{"outboxctl inbox show --id UUID [flags]", "--consumer string", "status 3"}},
+		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default 100)"}},
+		{[]string{"dlq", "redrive", "invoicing", "--help"}, []string{"outboxctl dlq redrive QUEUE [flags]", "--reason string", "--dry-run"}},
+		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE --id UUID [flags]", "purge_queue"}},
+		{[]string{"version", "--help"}, []string{"outboxctl version [flags]", "-buildvcs"}},
+	} {
+		out := ok(t, tc.args...)
+		for _, want := range append(tc.want, "-o, --output string") {
+			if !strings.Contains(out, want) {
+				t.Errorf("outboxctl %s lacks %q:\n%s", strings.Join(tc.args, " "), want, out)
+			}
+		}
+		if strings.Contains(out, "outboxctl dlq redrive QUEUE [--id") {
+			t.Errorf("outboxctl %s prints the global usage:\n%s", strings.Join(tc.args, " "), out)
+		}
+	}
+}
+
+// The package comment shows the commands as the help does.
+func TestPackageCommentListsEveryCommand(t *testing.T) {
+	t.Parallel()
+	src, err := os.ReadFile("main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var documented []string
+	for line := range strings.SplitSeq(string(src), "\n") {
+		if rest, ok := strings.CutPrefix(line, "//\toutboxctl "); ok {
+			documented = append(documented, "  outboxctl "+rest)
+		}
+	}
+	if got := strings.Join(documented, "\n"); got != synopsis {
+		t.Errorf("the package comment lists\n%s\nthe help\n%s", got, synopsis)
+	}
+}
+
+func TestVersion(t *testing.T) {
+	t.Parallel()
+	want := regexp.MustCompile(`^outboxctl \S+( \(revision [0-9a-f]+(, modified)?\))? go1\.\d+\S*\n$`)
+	for _, args := range [][]string{{"--version"}, {"-v"}, {"version"}} {
+		if out := ok(t, args...); !want.MatchString(out) {
+			t.Errorf("outboxctl %s printed %q", args[0], out)
+		}
+	}
+	v := okJSON[buildVersion](t, "version")
+	if v.Version == "" || !strings.HasPrefix(v.Go, "go1.") {
+		t.Errorf("version -o json: %+v", v)
 	}
 }
 
@@ -138,30 +246,50 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 	if !strings.Contains(withPassword, secret) {
 		t.Fatalf("test URL %q has no password", withPassword)
 	}
+	id := uuid.NewString()
 	runs := [][]string{
 		{"status", "--db", withPassword},
+		{"status", "--db", withPassword, "-o", "json"},
 		{"status", "--db", "postgres://postgres:" + secret + "@127.0.0.1:1/x?sslmode=disable"},
 		{"retry", "--db=postgres://postgres@127.0.0.1:1/x?password=" + secret},
+		{"outbox", "drop", "--id", id, "--db", withPassword, "--yes"},
+		{"inbox", "show", "--id", id, "--db", withPassword},
 		{"dlq", "list", "invoicing", "--amqp", strings.Replace(testenv.AMQPURL(), "guest:guest", "guest:"+secret, 1)},
 		{"dlq", "redrive", "invoicing", "--amqp", "amqp://guest:" + secret + "@127.0.0.1:1/"},
+		{"dlq", "drop", "invoicing", "--id", id, "--amqp", "amqp://guest:" + secret + "@127.0.0.1:1/"},
 	}
 	for _, args := range runs {
-		code, stdout, stderr := ctl(t, args...)
+		_, stdout, stderr := ctl(t, args...)
 		if strings.Contains(stdout+stderr, secret) {
-			t.Errorf("outboxctl %s printed the password: %q %q", args[0], stdout, stderr)
+			t.Errorf("outboxctl %s printed the password: %q %q", strings.Join(args[:2], " "), stdout, stderr)
 		}
-		if args[1] == "--db" && args[2] == withPassword && (code != 0 || !strings.Contains(stdout, "postgres:xxxxx@")) {
-			t.Errorf("status with a password: exit %d, %q; want it to work and show the URL masked", code, stdout+stderr)
-		}
+	}
+	if out := ok(t, "status", "--db", withPassword); !strings.Contains(out, "postgres:xxxxx@") {
+		t.Errorf("status with a password: %q; want the URL masked", out)
+	}
+	if s := okJSON[statusResult](t, "status", "--db", withPassword); !strings.Contains(s.Database, "postgres:xxxxx@") {
+		t.Errorf("status -o json with a password: database %q; want the URL masked", s.Database)
 	}
 }
 
-// The built binary exits 0 on success and non-zero on failure, saying why.
-func TestBinaryExitStatus(t *testing.T) {
+// The built binary: its exit statuses, its version, and, with no terminal on stdin, a refusal
+// to act on more than one row without --yes.
+func TestBinary(t *testing.T) {
 	t.Parallel()
 	bin := filepath.Join(t.TempDir(), "outboxctl")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+	// The VCS stamp when the checkout allows it (the test machines' GOFLAGS turn it off).
+	if out, err := exec.Command("go", "build", "-buildvcs=auto", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	exitOf := func(err error) int {
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			return exit.ExitCode()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return 0
 	}
 	d := outboxDB(t)
 	if out, err := exec.Command(bin, "status", "--db", d.URL).CombinedOutput(); err != nil || !strings.Contains(string(out), "unsent rows:") {
@@ -169,8 +297,43 @@ func TestBinaryExitStatus(t *testing.T) {
 	}
 	id := uuid.NewString()
 	out, err := exec.Command(bin, "retry", "--db", d.URL, "--id", id).CombinedOutput()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(string(out), id) {
-		t.Fatalf("retry of an unknown id: %v, %q; want exit 1 naming the id", err, out)
+	if exitOf(err) != exitNoMatch || !strings.Contains(string(out), id) {
+		t.Errorf("retry of an unknown id: %v, %q; want exit 3 naming the id", err, out)
 	}
+	out, err = exec.Command(bin, "status", "--db").CombinedOutput()
+	if exitOf(err) != exitUsage || !strings.Contains(string(out), "Usage:") {
+		t.Errorf("a flag without its value: %v, %q; want exit 2 with the usage", err, out)
+	}
+
+	// stdin is /dev/null: no terminal to ask on.
+	ids := enqueue(t, d.DB, 2)
+	fail(t, d.DB, ids[0], 3, "message nacked by the broker")
+	fail(t, d.DB, ids[1], 3, "message nacked by the broker")
+	before := outboxState(t, d)
+	out, err = exec.Command(bin, "retry", "--db", d.URL).CombinedOutput()
+	if exitOf(err) != exitNotConfirmed || !strings.Contains(string(out), "no terminal to ask on") || !strings.Contains(string(out), "--yes") {
+		t.Errorf("retry of 2 rows without a terminal: %v, %q; want exit 4 asking for --yes", err, out)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Errorf("a refused retry changed the outbox:\n%s\n%s", before, after)
+	}
+
+	// --version says what the go command recorded: the revision, where it stamped one (not in
+	// a git worktree, whose .git is a file).
+	version, err := exec.Command(bin, "--version").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := exec.Command("go", "version", "-m", bin).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stamped := regexp.MustCompile(`vcs\.revision=([0-9a-f]+)`).FindSubmatch(info)
+	switch {
+	case len(stamped) == 2 && !strings.Contains(string(version), "(revision "+string(stamped[1])):
+		t.Errorf("--version %q lacks the revision the build recorded, %s", version, stamped[1])
+	case stamped == nil && strings.Contains(string(version), "revision"):
+		t.Errorf("--version %q shows a revision the build did not record", version)
+	}
+	t.Logf("--version: %s", version)
 }

@@ -2,53 +2,99 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"io"
 	"net/url"
-	"text/tabwriter"
 	"time"
 
 	"github.com/google/uuid"
-	"gorm.io/driver/postgres"
-	"gorm.io/gorm"
-	"gorm.io/gorm/logger"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 )
 
-// latestErrors is how many failing rows status shows.
-const latestErrors = 10
+// latestShown is how many failing rows, and how many parked rows, status shows.
+const latestShown = 10
 
 // dbTimeout bounds each command's work in the database: an operator waiting on a database that
-// does not answer learns it, instead of waiting forever.
+// does not answer learns it, instead of waiting forever. A confirmation prompt is outside it.
 const dbTimeout = 30 * time.Second
 
-// status prints the state of the outbox: what alerts on it are about.
-func status(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlags("status")
-	dbFlag := fs.String("db", "", "")
-	if _, err := parse(fs, args); err != nil {
-		return err
+// isNoMatch reports whether err says that nothing matched: exit status 3.
+func isNoMatch(err error) bool {
+	for _, target := range []error{errNoMatch, messaging.ErrNoOutboxMessage, messaging.ErrNoUnsentMessage,
+		messaging.ErrOutboxMessageParked, messaging.ErrOutboxMessageNotParked, messaging.ErrDeadLetterNotFound} {
+		if errors.Is(err, target) {
+			return true
+		}
 	}
-	dbURL, db, err := openDB(ctx, *dbFlag)
+	return false
+}
+
+// statusResult is what status prints in -o json.
+type statusResult struct {
+	Database            string      `json:"database"` // its password masked
+	Unsent              int64       `json:"unsent"`   // parked rows aside
+	OldestUnsentSeconds float64     `json:"oldest_unsent_age_seconds"`
+	MaxAttempts         int64       `json:"max_attempts"`
+	Parked              int64       `json:"parked"`
+	LatestErrors        []outboxRow `json:"latest_errors"`
+	LatestParked        []outboxRow `json:"latest_parked"`
+}
+
+func (c *cli) statusCommand() *cobra.Command {
+	var dbFlag string
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "the outbox: unsent and parked rows, the oldest one's age, the most attempts, the latest errors",
+		Long: `status shows what the outbox alerts are about: how many rows are unsent, the age of the oldest,
+the highest attempt count (parked rows aside: an operator set them apart), how many rows are
+parked, then the latest errors (up to 10 unsent rows the broker refused, latest next attempt
+first: the table keeps no time of failure, and each next attempt is a backoff after one) and
+the latest parked rows (up to 10). It changes nothing.`,
+		Example: `  outboxctl status
+  outboxctl status --db 'postgres://postgres@127.0.0.1:5432/order_db' -o json`,
+		Args: cobra.NoArgs,
+		RunE: action(func(ctx context.Context, _ []string) error {
+			return c.status(ctx, dbFlag)
+		}),
+	}
+	dbFlags(cmd, &dbFlag)
+	return cmd
+}
+
+func (c *cli) status(ctx context.Context, dbFlag string) error {
+	dbURL, db, done, err := openDB(ctx, dbFlag)
 	if err != nil {
 		return err
 	}
-	defer platform.CloseDB(db)
+	defer done()
 	ctx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	stats, err := messaging.ReadOutboxStats(ctx, db)
 	if err != nil {
 		return err
 	}
-	failing, err := messaging.FailingOutboxMessages(ctx, db, latestErrors)
+	failing, err := messaging.FailingOutboxMessages(ctx, db, latestShown)
 	if err != nil {
 		return err
 	}
+	parked, err := messaging.ParkedOutboxMessages(ctx, db, latestShown)
+	if err != nil {
+		return err
+	}
+	if c.json() {
+		return writeJSON(c.out, statusResult{
+			Database: platform.Redact(dbURL), Unsent: stats.Pending, OldestUnsentSeconds: stats.OldestPending.Seconds(),
+			MaxAttempts: stats.MaxAttempts, Parked: stats.Parked, LatestErrors: toOutboxRows(failing), LatestParked: toOutboxRows(parked),
+		})
+	}
 
-	fmt.Fprintf(stdout, "outbox in %s\n", platform.Redact(dbURL))
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(c.out, "outbox in %s\n", platform.Redact(dbURL))
+	tw := newTable(c.out)
 	oldest := "none"
 	if stats.Pending > 0 {
 		oldest = stats.OldestPending.Round(time.Second).String()
@@ -56,102 +102,417 @@ func status(ctx context.Context, args []string, stdout io.Writer) error {
 	fmt.Fprintf(tw, "unsent rows:\t%d\n", stats.Pending)
 	fmt.Fprintf(tw, "oldest unsent row:\t%s\n", oldest)
 	fmt.Fprintf(tw, "highest attempt count:\t%d\n", stats.MaxAttempts)
+	fmt.Fprintf(tw, "parked rows:\t%d\n", stats.Parked)
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	if len(failing) == 0 {
-		fmt.Fprintln(stdout, "no unsent row has failed")
-		return nil
-	}
-	fmt.Fprintf(stdout, "\nlatest errors (%d unsent rows that failed, latest next attempt first):\n", len(failing))
-	tw = tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "MESSAGE ID\tTYPE\tATTEMPTS\tNEXT ATTEMPT\tLAST ERROR")
-	now := time.Now()
-	for _, m := range failing {
-		lastError := ""
-		if m.LastError != nil {
-			lastError = *m.LastError
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", m.ID, printable(m.Type, 64), m.Attempts, nextAttempt(m.NextAttemptAt, now), printable(lastError, 200))
-	}
-	return tw.Flush()
-}
-
-// nextAttempt says when a row is tried next, in UTC and from now.
-func nextAttempt(at, now time.Time) string {
-	when := at.UTC().Format(time.RFC3339)
-	if wait := at.Sub(now); wait > 0 {
-		return fmt.Sprintf("%s (in %s)", when, wait.Round(time.Second))
-	}
-	return when + " (due)"
-}
-
-// retry makes failed rows due now, all of them or the one --id names.
-func retry(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlags("retry")
-	dbFlag := fs.String("db", "", "")
-	idFlag := fs.String("id", "", "")
-	if _, err := parse(fs, args); err != nil {
-		return err
-	}
-	var id uuid.UUID
-	if *idFlag != "" {
-		var err error
-		if id, err = uuid.Parse(*idFlag); err != nil {
-			return usageError{fmt.Sprintf("--id %q is not a UUID", printable(*idFlag, 64))}
-		}
-	}
-	_, db, err := openDB(ctx, *dbFlag)
-	if err != nil {
-		return err
-	}
-	defer platform.CloseDB(db)
-	ctx, cancel := context.WithTimeout(ctx, dbTimeout)
-	defer cancel()
-	if id != uuid.Nil {
-		if err := messaging.RetryOutboxMessage(ctx, db, id); err != nil {
+		fmt.Fprintln(c.out, "no unsent row has failed")
+	} else {
+		fmt.Fprintf(c.out, "\nlatest errors (%d unsent rows that failed, latest next attempt first):\n", len(failing))
+		if err := printOutboxRows(c.out, failing); err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "outbox row %s is due now; the relay sends it next\n", id)
-		return nil
 	}
-	n, err := messaging.RetryOutboxMessages(ctx, db)
-	if err != nil {
-		return err
+	if len(parked) > 0 {
+		fmt.Fprintf(c.out, "\nparked rows (%d of %d, latest parked first; outboxctl outbox unpark or drop):\n", len(parked), stats.Parked)
+		return printOutboxRows(c.out, parked)
 	}
-	fmt.Fprintf(stdout, "%d failed outbox rows were waiting for their next attempt; they are due now\n", n)
 	return nil
 }
 
-// openDB connects to the database --db or DATABASE_URL names, and returns its URL too.
-func openDB(ctx context.Context, flagValue string) (string, *gorm.DB, error) {
+func (c *cli) retryCommand() *cobra.Command {
+	var dbFlag, idFlag, typeFlag string
+	var limit int
+	var dryRun, yes bool
+	cmd := &cobra.Command{
+		Use:   "retry",
+		Short: "make failed outbox rows that wait out a backoff due now",
+		Long: `retry makes the unsent rows that wait out a backoff (the broker refused them) due now: all of
+them, those of --type, or the one row --id names, and wakes the relays, which send them at once.
+Each row keeps its attempts and last error: they are its history, a row that fails again backs
+off from where it was, and outbox_max_attempts counts it until it is sent. Parked rows are left
+alone (outboxctl outbox unpark sends one).
+
+It lists the rows first, and retries exactly those. With --dry-run it only lists them. When
+more than one row would be retried it asks on a terminal, and without one refuses unless
+given --yes.
+
+Exit status 3: --id names no unsent row, or a parked one; or --type matches no waiting row.`,
+		Example: `  outboxctl retry --dry-run
+  outboxctl retry --type InvoiceIssued --limit 100 --yes
+  outboxctl retry --id 01a22da8-7b60-74ff-a842-0e78a2a15d84`,
+		Args: cobra.NoArgs,
+		RunE: action(func(ctx context.Context, _ []string) error {
+			if idFlag != "" {
+				id, err := parseID(idFlag)
+				if err != nil {
+					return err
+				}
+				return c.retryOne(ctx, dbFlag, id, dryRun)
+			}
+			if limit < 0 {
+				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
+			}
+			return c.retryListed(ctx, dbFlag, messaging.OutboxFilter{Type: typeFlag, Limit: limit}, dryRun, yes)
+		}),
+	}
+	dbFlags(cmd, &dbFlag)
+	cmd.Flags().StringVar(&idFlag, "id", "", "retry this row only (an unsent row, not parked)")
+	cmd.Flags().StringVar(&typeFlag, "type", "", "retry rows of this message type only")
+	cmd.Flags().IntVar(&limit, "limit", 0, "retry at most this many rows, the oldest first (0: all)")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the rows it would retry, and change nothing")
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before retrying more than one row")
+	cmd.MarkFlagsMutuallyExclusive("id", "type")
+	cmd.MarkFlagsMutuallyExclusive("id", "limit")
+	return cmd
+}
+
+// retryOne makes row id due now.
+func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun bool) error {
+	_, db, done, err := openDB(ctx, dbFlag)
+	if err != nil {
+		return err
+	}
+	defer done()
+	ctx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	row, err := unsentRow(ctx, db, id)
+	if err != nil {
+		return err
+	}
+	if row.Parked() {
+		return fmt.Errorf("%w: %s: unpark it to send it (outboxctl outbox unpark --id %s)", messaging.ErrOutboxMessageParked, id, id)
+	}
+	if !dryRun {
+		if err := messaging.RetryOutboxMessage(ctx, db, id); err != nil {
+			return err
+		}
+		if row, err = messaging.OutboxMessageByID(ctx, db, id); err != nil {
+			return err
+		}
+		row.Payload = nil
+	}
+	if c.json() {
+		return writeJSON(c.out, outboxRowsResult{DryRun: dryRun, Count: 1, Rows: []outboxRow{toOutboxRow(row)}})
+	}
+	if dryRun {
+		fmt.Fprintf(c.out, "would make %s due now (dry run: nothing changed)\n", describeRow(row))
+		return nil
+	}
+	fmt.Fprintf(c.out, "outbox row %s is due now; the relay sends it next\n", id)
+	return nil
+}
+
+// retryListed lists the rows of f that wait out a backoff, has them confirmed, and retries
+// those.
+func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.OutboxFilter, dryRun, yes bool) error {
+	_, db, done, err := openDB(ctx, dbFlag)
+	if err != nil {
+		return err
+	}
+	defer done()
+	listCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := messaging.WaitingOutboxMessages(listCtx, db, f)
+	if err != nil {
+		return err
+	}
+	if len(rows) == 0 && f.Type != "" {
+		return fmt.Errorf("%w: no unsent row of type %q waits out a backoff", errNoMatch, printable(f.Type, 64))
+	}
+	if dryRun {
+		if c.json() {
+			return writeJSON(c.out, outboxRowsResult{DryRun: true, Count: len(rows), Rows: toOutboxRows(rows)})
+		}
+		fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(rows))
+		if len(rows) == 0 {
+			return nil
+		}
+		return printOutboxRows(c.out, rows)
+	}
+	if len(rows) > 1 && !yes && c.interactive {
+		if err := printOutboxRows(c.err, rows); err != nil {
+			return err
+		}
+	}
+	if len(rows) > 1 {
+		if err := c.confirm(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(rows))); err != nil {
+			return err
+		}
+	}
+	ids := make([]uuid.UUID, len(rows))
+	for i, r := range rows {
+		ids[i] = r.ID
+	}
+	retryCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	retried, err := messaging.RetryListedOutboxMessages(retryCtx, db, ids)
+	if err != nil {
+		return err
+	}
+	if len(retried) < len(rows) {
+		fmt.Fprintf(c.err, "%d of the %d rows listed were sent, parked or made due meanwhile, and left as they were\n", len(rows)-len(retried), len(rows))
+	}
+	if c.json() {
+		return writeJSON(c.out, outboxRowsResult{Count: len(retried), Rows: toOutboxRows(retried)})
+	}
+	fmt.Fprintf(c.out, "%d failed outbox rows were waiting for their next attempt; they are due now\n", len(retried))
+	if len(retried) == 0 {
+		return nil
+	}
+	return printOutboxRows(c.out, retried)
+}
+
+func (c *cli) outboxCommand() *cobra.Command {
+	return group("outbox", "set aside, send again or drop one outbox row the broker will never accept",
+		c.parkCommand(), c.unparkCommand(), c.dropRowCommand())
+}
+
+func (c *cli) parkCommand() *cobra.Command {
+	var dbFlag, idFlag, reason string
+	var dryRun bool
+	cmd := &cobra.Command{
+		Use:   "park --id UUID",
+		Short: "keep one unsent outbox row from being sent, until it is unparked",
+		Long: `park sets aside an unsent outbox row the broker will never accept (a message over its size
+limit, an exchange that is gone for good), which would otherwise be retried every backoff
+forever. No relay sends it until outboxctl outbox unpark; it keeps its place, attempts and last
+error. It no longer counts in outbox_pending_messages, outbox_oldest_pending_age_seconds and
+outbox_max_attempts, but in outbox_parked_messages, and status lists it. A row a relay is
+publishing at that moment is parked once the broker's verdict is in, or found sent.
+
+Exit status 3: no unsent row has the id, or it is parked already.`,
+		Example: `  outboxctl outbox park --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --reason "over the broker's max message size"`,
+		Args:    cobra.NoArgs,
+		RunE: action(func(ctx context.Context, _ []string) error {
+			return c.changeRow(ctx, dbFlag, idFlag, dryRun, false, rowAction{
+				verb: "park",
+				check: func(m messaging.OutboxMessage) error {
+					if m.Parked() {
+						return messaging.ErrOutboxMessageParked
+					}
+					return nil
+				},
+				do: func(ctx context.Context, db messaging.DB, id uuid.UUID) (messaging.OutboxMessage, error) {
+					return messaging.ParkOutboxMessage(ctx, db, id, reason)
+				},
+				done: func(row messaging.OutboxMessage) string {
+					return fmt.Sprintf("parked %s: no relay sends it until outboxctl outbox unpark --id %s", describeRow(row), row.ID)
+				},
+			})
+		}),
+	}
+	dbFlags(cmd, &dbFlag)
+	idFlagFor(cmd, &idFlag, "the row to park")
+	cmd.Flags().StringVar(&reason, "reason", "", "why, kept with the row and shown by status")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the row it would park, and change nothing")
+	return cmd
+}
+
+func (c *cli) unparkCommand() *cobra.Command {
+	var dbFlag, idFlag string
+	var dryRun bool
+	cmd := &cobra.Command{
+		Use:   "unpark --id UUID",
+		Short: "make one parked outbox row due now",
+		Long: `unpark makes a parked outbox row due now, and wakes the relays, which send it at once. It keeps
+its attempts and last error.
+
+Exit status 3: no unsent row has the id, or it is not parked.`,
+		Example: `  outboxctl outbox unpark --id 01a22da8-7b60-74ff-a842-0e78a2a15d84`,
+		Args:    cobra.NoArgs,
+		RunE: action(func(ctx context.Context, _ []string) error {
+			return c.changeRow(ctx, dbFlag, idFlag, dryRun, false, rowAction{
+				verb: "unpark",
+				check: func(m messaging.OutboxMessage) error {
+					if !m.Parked() {
+						return messaging.ErrOutboxMessageNotParked
+					}
+					return nil
+				},
+				do: messaging.UnparkOutboxMessage,
+				done: func(row messaging.OutboxMessage) string {
+					return fmt.Sprintf("unparked %s: it is due now, and the relay sends it next", describeRow(row))
+				},
+			})
+		}),
+	}
+	dbFlags(cmd, &dbFlag)
+	idFlagFor(cmd, &idFlag, "the row to unpark")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the row it would unpark, and change nothing")
+	return cmd
+}
+
+func (c *cli) dropRowCommand() *cobra.Command {
+	var dbFlag, idFlag string
+	var dryRun, yes bool
+	cmd := &cobra.Command{
+		Use:   "drop --id UUID",
+		Short: "delete one unsent outbox row: its event is never published",
+		Long: `drop deletes an unsent outbox row, parked or not: its event is never published, and no consumer
+ever learns of it. Only for a message no one must receive (a producer's bug); the output shows
+the row with its payload, as the last record of it. It asks on a terminal first, and without
+one refuses unless given --yes. A row a relay is publishing at that moment is dropped once the
+broker's verdict is in, or found sent.
+
+Exit status 3: no unsent row has the id.`,
+		Example: `  outboxctl outbox drop --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --dry-run
+  outboxctl outbox drop --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --yes -o json > dropped.json`,
+		Args: cobra.NoArgs,
+		RunE: action(func(ctx context.Context, _ []string) error {
+			return c.changeRow(ctx, dbFlag, idFlag, dryRun, true, rowAction{
+				verb:    "drop",
+				confirm: yes,
+				do:      messaging.DropOutboxMessage,
+				done: func(row messaging.OutboxMessage) string {
+					return fmt.Sprintf("dropped %s: its event will never be published", describeRow(row))
+				},
+			})
+		}),
+	}
+	dbFlags(cmd, &dbFlag)
+	idFlagFor(cmd, &idFlag, "the row to drop")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the row it would drop, and change nothing")
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before dropping")
+	return cmd
+}
+
+// rowAction is what outbox park, unpark and drop do to their row.
+type rowAction struct {
+	verb    string
+	check   func(messaging.OutboxMessage) error // refuses a row the action is not for, beyond being unsent
+	do      func(ctx context.Context, db messaging.DB, id uuid.UUID) (messaging.OutboxMessage, error)
+	done    func(messaging.OutboxMessage) string // says what was done to the row
+	confirm bool                                 // --yes
+}
+
+// changeRow reads the row idFlag names, checks that act applies to it, and, unless dryRun,
+// asks if ask says so and acts. A deletion shows the row's payload.
+func (c *cli) changeRow(ctx context.Context, dbFlag, idFlag string, dryRun, ask bool, act rowAction) error {
+	id, err := parseID(idFlag)
+	if err != nil {
+		return err
+	}
+	_, db, done, err := openDB(ctx, dbFlag)
+	if err != nil {
+		return err
+	}
+	defer done()
+	readCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	row, err := unsentRow(readCtx, db, id)
+	if err != nil {
+		return err
+	}
+	if act.check != nil {
+		if err := act.check(row); err != nil {
+			return fmt.Errorf("%w: %s", err, id)
+		}
+	}
+	if !ask {
+		row.Payload = nil
+	}
+	if dryRun {
+		return c.printRowResult(row, true, fmt.Sprintf("would %s %s (dry run: nothing changed)", act.verb, describeRow(row)))
+	}
+	if ask {
+		if !act.confirm && c.interactive {
+			fmt.Fprintf(c.err, "%s\npayload: %s\n", describeRow(row), printable(string(row.Payload), 2000))
+		}
+		if err := c.confirm(ctx, act.confirm, fmt.Sprintf("%s outbox row %s for good", act.verb, id)); err != nil {
+			return err
+		}
+	}
+	actCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	changed, err := act.do(actCtx, db, id)
+	if err != nil {
+		return err
+	}
+	if !ask {
+		changed.Payload = nil
+	}
+	return c.printRowResult(changed, false, act.done(changed))
+}
+
+// printRowResult prints one row's result: in -o json the row, or else the sentence and, if the
+// row has one, the payload.
+func (c *cli) printRowResult(row messaging.OutboxMessage, dryRun bool, sentence string) error {
+	if c.json() {
+		return writeJSON(c.out, outboxRowResult{DryRun: dryRun, Row: toOutboxRow(row)})
+	}
+	fmt.Fprintln(c.out, sentence)
+	if row.Payload != nil {
+		fmt.Fprintf(c.out, "payload: %s\n", printable(string(row.Payload), 1<<20))
+	}
+	return nil
+}
+
+// unsentRow reads row id, or says that no unsent row has it.
+func unsentRow(ctx context.Context, db messaging.Executor, id uuid.UUID) (messaging.OutboxMessage, error) {
+	row, err := messaging.OutboxMessageByID(ctx, db, id)
+	switch {
+	case errors.Is(err, messaging.ErrNoOutboxMessage):
+		return row, fmt.Errorf("%w: %s", messaging.ErrNoUnsentMessage, id)
+	case err != nil:
+		return row, err
+	case row.Sent():
+		return row, fmt.Errorf("%w: %s (it was sent at %s)", messaging.ErrNoUnsentMessage, id, when(*row.ProcessedAt))
+	}
+	return row, nil
+}
+
+// parseID reads --id.
+func parseID(value string) (uuid.UUID, error) {
+	id, err := uuid.Parse(value)
+	if err != nil {
+		return uuid.Nil, usageError{fmt.Sprintf("--id %q is not a UUID", printable(value, 64))}
+	}
+	return id, nil
+}
+
+// dbFlags adds --db to cmd.
+func dbFlags(cmd *cobra.Command, dbFlag *string) {
+	cmd.Flags().StringVar(dbFlag, "db", "", "PostgreSQL URL of the service's database (default $DATABASE_URL)")
+}
+
+// idFlagFor adds the required --id to cmd.
+func idFlagFor(cmd *cobra.Command, idFlag *string, usage string) {
+	cmd.Flags().StringVar(idFlag, "id", "", usage+" (required)")
+	_ = cmd.MarkFlagRequired("id") // the flag was just added
+}
+
+// openDB connects to the database --db or DATABASE_URL names, and returns its URL, the
+// library's handle on it, and what closes it.
+func openDB(ctx context.Context, flagValue string) (string, messaging.DB, func(), error) {
 	rawURL, err := urlFrom("db", flagValue, "DATABASE_URL", "postgres", "postgresql")
 	if err != nil {
-		return "", nil, err
+		return "", nil, nil, err
 	}
 	dsn, err := url.Parse(rawURL)
 	if err != nil {
-		return "", nil, err
+		return "", nil, nil, err
 	}
 	q := dsn.Query()
 	if q.Get("application_name") == "" {
 		q.Set("application_name", "outboxctl") // how its sessions show in pg_stat_activity
 	}
 	dsn.RawQuery = q.Encode()
-	db, err := gorm.Open(postgres.Open(dsn.String()), &gorm.Config{Logger: logger.Discard, DisableAutomaticPing: true})
+	cfg, err := pgxpool.ParseConfig(dsn.String())
 	if err != nil {
-		return "", nil, fmt.Errorf("open database: %w", err)
+		return "", nil, nil, fmt.Errorf("open database: %w", err)
 	}
-	sqlDB, err := db.DB()
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return "", nil, fmt.Errorf("open database: %w", err)
+		return "", nil, nil, fmt.Errorf("open database: %w", err)
 	}
-	sqlDB.SetMaxOpenConns(2)
 	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if err := sqlDB.PingContext(pingCtx); err != nil {
-		_ = sqlDB.Close()
-		return "", nil, fmt.Errorf("connect to the database: %w", err)
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return "", nil, nil, fmt.Errorf("connect to the database: %w", err)
 	}
-	return rawURL, db, nil
+	return rawURL, pgxdriver.New(pool).DB(), pool.Close, nil
 }

@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -13,20 +16,31 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
-// enqueue commits n messages to the outbox and returns their ids.
+// enqueue commits n messages to the outbox, one after the other, and returns their ids.
 func enqueue(t *testing.T, db *gorm.DB, n int) []uuid.UUID {
 	t.Helper()
+	return enqueueType(t, db, "OrderPlaced", n)
+}
+
+// enqueueType is enqueue with messages of type msgType.
+func enqueueType(t *testing.T, db *gorm.DB, msgType string, n int) []uuid.UUID {
+	t.Helper()
 	ids := make([]uuid.UUID, n)
-	err := db.Transaction(func(tx *gorm.DB) error {
+	drv, err := gormdriver.New(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = db.Transaction(func(tx *gorm.DB) error {
 		for i := range ids {
-			m, err := messaging.NewMessage("OrderPlaced", map[string]int{"n": i})
+			m, err := messaging.NewMessage(msgType, map[string]int{"n": i})
 			if err != nil {
 				return err
 			}
 			ids[i] = m.ID
-			if err := messaging.Enqueue(tx, m); err != nil {
+			if err := messaging.Enqueue(context.Background(), drv, tx, m); err != nil {
 				return err
 			}
 		}
@@ -38,13 +52,19 @@ func enqueue(t *testing.T, db *gorm.DB, n int) []uuid.UUID {
 	return ids
 }
 
+// execSQL runs a statement on db, or fails the test.
+func execSQL(t *testing.T, db *gorm.DB, query string, args ...any) {
+	t.Helper()
+	if err := db.Exec(query, args...).Error; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // fail makes row id look as the relay leaves a row the broker refused, due in an hour.
 func fail(t *testing.T, db *gorm.DB, id uuid.UUID, attempts int, lastError string) {
 	t.Helper()
-	if err := db.Exec(`UPDATE outbox_messages SET attempts = ?, last_error = ?, next_attempt_at = now() + interval '1 hour' WHERE id = ?`,
-		attempts, lastError, id).Error; err != nil {
-		t.Fatal(err)
-	}
+	execSQL(t, db, `UPDATE outbox_messages SET attempts = ?, last_error = ?, next_attempt_at = now() + interval '1 hour' WHERE id = ?`,
+		attempts, lastError, id)
 }
 
 // due reports whether row id is due now, and its attempts and last error.
@@ -58,37 +78,71 @@ func due(t *testing.T, db *gorm.DB, id uuid.UUID) (isDue bool, attempts int, las
 	if err := db.Raw(`SELECT next_attempt_at <= now() AS due, attempts, last_error FROM outbox_messages WHERE id = ?`, id).Scan(&row).Error; err != nil {
 		t.Fatal(err)
 	}
-	if row.LastError != nil {
-		lastError = *row.LastError
-	}
-	return row.Due, row.Attempts, lastError
+	return row.Due, row.Attempts, deref(row.LastError)
 }
 
-func TestStatusShowsTheBacklogItsAgeAttemptsAndErrors(t *testing.T) {
+// outboxState is every row of the outbox as text, all its columns: what a dry run, or a
+// refusal, must leave as it was.
+func outboxState(t *testing.T, d *testenv.Database) string {
+	t.Helper()
+	var rows []string
+	if err := d.DB.Raw(`SELECT (o.*)::text FROM outbox_messages o ORDER BY id`).Scan(&rows).Error; err != nil {
+		t.Fatal(err)
+	}
+	return strings.Join(rows, "\n")
+}
+
+// parked reads whether row id is parked, its reason, and whether it is never due.
+func parked(t *testing.T, db *gorm.DB, id uuid.UUID) (isParked bool, reason string, neverDue bool) {
+	t.Helper()
+	var row struct {
+		Parked   bool
+		Reason   *string
+		NeverDue bool
+	}
+	if err := db.Raw(`SELECT parked_at IS NOT NULL AS parked, parked_reason AS reason, next_attempt_at = 'infinity' AS never_due
+		FROM outbox_messages WHERE id = ?`, id).Scan(&row).Error; err != nil {
+		t.Fatal(err)
+	}
+	return row.Parked, deref(row.Reason), row.NeverDue
+}
+
+func rowIDs(rows []outboxRow) []uuid.UUID {
+	ids := make([]uuid.UUID, len(rows))
+	for i, r := range rows {
+		ids[i] = r.ID
+	}
+	return ids
+}
+
+func TestStatusShowsTheBacklogItsAgeAttemptsErrorsAndParkedRows(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
 	out := ok(t, "status", "--db", d.URL)
-	for _, want := range []string{"unsent rows:            0", "oldest unsent row:      none", "highest attempt count:  0", "no unsent row has failed"} {
+	for _, want := range []string{"unsent rows:            0", "oldest unsent row:      none", "highest attempt count:  0",
+		"parked rows:            0", "no unsent row has failed"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("empty outbox: status lacks %q:\n%s", want, out)
 		}
 	}
 
-	ids := enqueue(t, d.DB, 4)
-	if err := d.DB.Exec(`UPDATE outbox_messages SET occurred_at = now() - interval '10 minutes' WHERE id = ?`, ids[0]).Error; err != nil {
-		t.Fatal(err)
-	}
-	if err := d.DB.Exec(`UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[3]).Error; err != nil {
-		t.Fatal(err)
-	}
+	ids := enqueue(t, d.DB, 5)
+	execSQL(t, d.DB, `UPDATE outbox_messages SET occurred_at = now() - interval '10 minutes' WHERE id = ?`, ids[0])
+	execSQL(t, d.DB, `UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[3])
 	fail(t, d.DB, ids[1], 7, "message unroutable: exchange \"orders\" routing key \"OrderPlaced\": 312 NO_ROUTE")
 	fail(t, d.DB, ids[2], 2, "message nacked by the broker\n(second line)")
+	// Parked, older and with more attempts than any other: it counts apart.
+	execSQL(t, d.DB, `UPDATE outbox_messages SET occurred_at = now() - interval '1 day' WHERE id = ?`, ids[4])
+	fail(t, d.DB, ids[4], 40, "message too large")
+	ok(t, "outbox", "park", "--id", ids[4].String(), "--reason", "over the broker's max message size", "--db", d.URL)
+
 	out = ok(t, "status", "--db", d.URL)
 	for _, want := range []string{
-		"unsent rows:            3", "oldest unsent row:      10m", "highest attempt count:  7",
+		"unsent rows:            3", "oldest unsent row:      10m", "highest attempt count:  7", "parked rows:            1",
 		"latest errors (2 unsent rows that failed",
 		ids[1].String(), `message unroutable: exchange "orders" routing key "OrderPlaced": 312 NO_ROUTE`,
 		ids[2].String(), "message nacked by the broker (second line)",
+		"parked rows (1 of 1", ids[4].String(), "over the broker's max message size", "message too large",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status lacks %q:\n%s", want, out)
@@ -97,19 +151,40 @@ func TestStatusShowsTheBacklogItsAgeAttemptsAndErrors(t *testing.T) {
 	if !regexp.MustCompile(ids[1].String() + `\s+OrderPlaced\s+7\s+\S+ \(in (59m\d+s|1h0m0s)\)`).MatchString(out) {
 		t.Errorf("status does not show the row's type, attempts and next attempt:\n%s", out)
 	}
+	if !regexp.MustCompile(ids[4].String() + `\s+OrderPlaced\s+40\s+parked since \S+: over the broker's max message size\s+message too large`).MatchString(out) {
+		t.Errorf("status does not show the parked row with its reason:\n%s", out)
+	}
 	if strings.Contains(out, ids[0].String()) || strings.Contains(out, ids[3].String()) {
 		t.Errorf("status lists a row that has not failed:\n%s", out)
+	}
+
+	s := okJSON[statusResult](t, "status", "--db", d.URL)
+	if s.Unsent != 3 || s.Parked != 1 || s.MaxAttempts != 7 || s.OldestUnsentSeconds < 590 || s.OldestUnsentSeconds > 900 {
+		t.Errorf("status -o json: %+v; want 3 unsent, 1 parked, 7 attempts, 10 minutes", s)
+	}
+	if got := rowIDs(s.LatestErrors); len(got) != 2 || !slices.Contains(got, ids[1]) || !slices.Contains(got, ids[2]) {
+		t.Errorf("status -o json: latest errors %v, want rows 1 and 2", got)
+	}
+	if len(s.LatestParked) != 1 || s.LatestParked[0].ID != ids[4] || deref(s.LatestParked[0].ParkedReason) != "over the broker's max message size" ||
+		s.LatestParked[0].NextAttemptAt != nil || s.LatestParked[0].ParkedAt == nil || s.LatestParked[0].Attempts != 40 {
+		t.Errorf("status -o json: parked %+v, want row 4 with its reason, no next attempt", s.LatestParked)
 	}
 }
 
 // retry makes every failed row due now, keeps each row's attempts and last error, and wakes
-// the relays at once.
+// the relays at once; without a terminal it needs --yes for more than one row.
 func TestRetryMakesEveryFailedRowDueAndWakesTheRelay(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
 	ids := enqueue(t, d.DB, 3)
 	fail(t, d.DB, ids[0], 3, "message nacked by the broker")
 	fail(t, d.DB, ids[1], 9, "message unroutable")
+
+	before := outboxState(t, d)
+	wantExit(t, exitNotConfirmed, []string{"retry", "--db", d.URL}, "make these 2 outbox rows due now", "--yes")
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a refused retry changed the outbox:\n%s\n%s", before, after)
+	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -118,11 +193,11 @@ func TestRetryMakesEveryFailedRowDueAndWakesTheRelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer listener.Close(context.Background())
-	if _, err := listener.Exec(ctx, "LISTEN "+messaging.NotifyChannel); err != nil {
+	if _, err := listener.Exec(ctx, "LISTEN outbox_messages"); err != nil { // the library's channel
 		t.Fatal(err)
 	}
 
-	if out := ok(t, "retry", "--db", d.URL); !strings.Contains(out, "2 failed outbox rows were waiting") {
+	if out := ok(t, "retry", "--db", d.URL, "--yes"); !strings.Contains(out, "2 failed outbox rows were waiting") {
 		t.Errorf("retry said %q, want 2 rows", out)
 	}
 	if _, err := listener.WaitForNotification(ctx); err != nil {
@@ -141,16 +216,95 @@ func TestRetryMakesEveryFailedRowDueAndWakesTheRelay(t *testing.T) {
 	}
 }
 
-// retry --id makes that row due and leaves the others; an id that names no unsent row is an
-// error that names it.
+// --dry-run lists the rows retry would make due, --type and --limit pick the oldest of a type,
+// and what was listed is what is retried; a parked row is never among them.
+func TestRetryDryRunTypeAndLimit(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	placed := enqueueType(t, d.DB, "OrderPlaced", 3)
+	issued := enqueueType(t, d.DB, "InvoiceIssued", 1)
+	for _, id := range append(slices.Clone(placed), issued...) {
+		fail(t, d.DB, id, 2, "message nacked by the broker")
+	}
+	ok(t, "outbox", "park", "--id", placed[0].String(), "--db", d.URL)
+	before := outboxState(t, d)
+
+	dry := okJSON[outboxRowsResult](t, "retry", "--dry-run", "--db", d.URL)
+	if !dry.DryRun || dry.Count != 3 || !slices.Equal(rowIDs(dry.Rows), []uuid.UUID{placed[1], placed[2], issued[0]}) {
+		t.Errorf("retry --dry-run -o json: %+v; want rows 1, 2 and the InvoiceIssued, oldest first, the parked one aside", dry)
+	}
+	out := ok(t, "retry", "--dry-run", "--db", d.URL, "--type", "OrderPlaced", "--limit", "1")
+	if !strings.Contains(out, "would make 1 failed outbox rows due now (dry run") || !strings.Contains(out, placed[1].String()) ||
+		strings.Contains(out, placed[2].String()) {
+		t.Errorf("retry --dry-run --type --limit 1 said %q; want row 1 only", out)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a dry run changed the outbox:\n%s\n%s", before, after)
+	}
+
+	got := okJSON[outboxRowsResult](t, "retry", "--type", "OrderPlaced", "--limit", "1", "--db", d.URL)
+	if got.DryRun || got.Count != 1 || got.Rows[0].ID != placed[1] || got.Rows[0].NextAttemptAt == nil || got.Rows[0].NextAttemptAt.After(time.Now()) {
+		t.Errorf("retry --type --limit 1 -o json: %+v; want row 1, due now", got)
+	}
+	for id, want := range map[uuid.UUID]bool{placed[0]: false, placed[1]: true, placed[2]: false, issued[0]: false} {
+		if isDue, _, _ := due(t, d.DB, id); isDue != want {
+			t.Errorf("row %s due=%v, want %v", id, isDue, want)
+		}
+	}
+	if isParked, _, neverDue := parked(t, d.DB, placed[0]); !isParked || !neverDue {
+		t.Error("retry touched the parked row")
+	}
+	wantExit(t, exitNoMatch, []string{"retry", "--type", "NoSuchType", "--db", d.URL, "--yes"}, `no unsent row of type "NoSuchType"`)
+}
+
+// At a terminal, retry asks before it acts on more than one row, and does nothing unless the
+// answer is yes.
+func TestRetryAsksAtATerminal(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 2)
+	fail(t, d.DB, ids[0], 1, "message nacked by the broker")
+	fail(t, d.DB, ids[1], 1, "message nacked by the broker")
+	before := outboxState(t, d)
+	for _, answer := range []string{"n\n", "\n", ""} {
+		code, stdout, stderr := ctlAt(t, &terminal{answer}, "retry", "--db", d.URL)
+		if code != exitNotConfirmed || !strings.Contains(stderr, "make these 2 outbox rows due now? [y/N]") ||
+			!strings.Contains(stderr, ids[0].String()) || stdout != "" {
+			t.Errorf("retry answered %q: exit %d, stdout %q, stderr %q; want 4 after listing the rows and asking", answer, code, stdout, stderr)
+		}
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a declined retry changed the outbox:\n%s\n%s", before, after)
+	}
+	code, stdout, stderr := ctlAt(t, &terminal{"yes\n"}, "retry", "--db", d.URL)
+	if code != 0 || !strings.Contains(stdout, "2 failed outbox rows were waiting") {
+		t.Fatalf("retry answered yes: exit %d, %q %q", code, stdout, stderr)
+	}
+	for _, id := range ids {
+		if isDue, _, _ := due(t, d.DB, id); !isDue {
+			t.Errorf("row %s is not due after a confirmed retry", id)
+		}
+	}
+}
+
+// retry --id makes that row due and leaves the others; an id that names no unsent row, or a
+// parked one, is an error that names it.
 func TestRetryOneRowByID(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
-	ids := enqueue(t, d.DB, 3)
+	ids := enqueue(t, d.DB, 4)
 	fail(t, d.DB, ids[0], 4, "message nacked by the broker")
 	fail(t, d.DB, ids[1], 4, "message nacked by the broker")
-	if err := d.DB.Exec(`UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[2]).Error; err != nil {
-		t.Fatal(err)
+	execSQL(t, d.DB, `UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[2])
+	ok(t, "outbox", "park", "--id", ids[3].String(), "--db", d.URL)
+
+	before := outboxState(t, d)
+	dry := okJSON[outboxRowsResult](t, "retry", "--id", ids[0].String(), "--dry-run", "--db", d.URL)
+	if !dry.DryRun || dry.Count != 1 || dry.Rows[0].ID != ids[0] || dry.Rows[0].Attempts != 4 {
+		t.Errorf("retry --id --dry-run -o json: %+v", dry)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a dry run changed the outbox:\n%s\n%s", before, after)
 	}
 
 	if out := ok(t, "retry", "--id", ids[0].String(), "--db", d.URL); !strings.Contains(out, ids[0].String()+" is due now") {
@@ -163,12 +317,164 @@ func TestRetryOneRowByID(t *testing.T) {
 		t.Error("retry --id made another row due too")
 	}
 	for _, id := range []string{uuid.NewString(), ids[2].String()} { // unknown, and sent already
-		code, _, stderr := ctl(t, "retry", "--db", d.URL, "--id", id)
-		if code != 1 || !strings.Contains(stderr, "no unsent outbox row has this id: "+id) {
-			t.Errorf("retry --id %s: exit %d, stderr %q; want 1 naming the id", id, code, stderr)
+		for _, dryRun := range []string{"--dry-run=false", "--dry-run"} {
+			wantExit(t, exitNoMatch, []string{"retry", "--db", d.URL, "--id", id, dryRun}, "no unsent outbox row has this id: "+id)
 		}
 	}
-	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL AND next_attempt_at <= now()"); n != 1 {
-		t.Errorf("%d unsent rows are due, want the one named", n)
+	wantExit(t, exitNoMatch, []string{"retry", "--db", d.URL, "--id", ids[3].String()}, "parked", "outbox unpark --id "+ids[3].String())
+	if isParked, _, neverDue := parked(t, d.DB, ids[3]); !isParked || !neverDue {
+		t.Error("retry --id unparked a parked row")
 	}
+}
+
+// park keeps a row from the relay: it stays unsent while the relay sends the rows around it,
+// then unpark sends it; --dry-run changes nothing; a parked row can be parked no more, nor a
+// sent one at all.
+func TestParkKeepsARowFromTheRelayUntilUnparked(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	exchange, queue := brokerNames(t)
+	topology := messaging.Topology{Exchanges: []string{exchange}, Queues: []messaging.ConsumerTopology{
+		{Queue: queue, Bindings: []messaging.Binding{{Exchange: exchange, RoutingKey: "OrderPlaced"}}}}}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	first := enqueue(t, d.DB, 2) // the oldest rows: the head of every claim
+	fail(t, d.DB, first[0], 12, "message too large")
+	id := first[0].String()
+
+	before := outboxState(t, d)
+	dry := okJSON[outboxRowResult](t, "outbox", "park", "--id", id, "--reason", "too large", "--dry-run", "--db", d.URL)
+	if !dry.DryRun || dry.Row.ID != first[0] || dry.Row.ParkedAt != nil || dry.Row.Payload != nil {
+		t.Errorf("park --dry-run -o json: %+v; want the row as it is", dry)
+	}
+	if out := ok(t, "outbox", "park", "--id", id, "--dry-run", "--db", d.URL); !strings.Contains(out, "would park outbox row "+id) {
+		t.Errorf("park --dry-run said %q", out)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a dry run changed the outbox:\n%s\n%s", before, after)
+	}
+
+	got := okJSON[outboxRowResult](t, "outbox", "park", "--id", id, "--reason", "too large", "--db", d.URL)
+	if got.DryRun || got.Row.ParkedAt == nil || deref(got.Row.ParkedReason) != "too large" || got.Row.NextAttemptAt != nil || got.Row.Attempts != 12 {
+		t.Errorf("park -o json: %+v; want the row parked, with its reason and attempts", got)
+	}
+	if isParked, reason, neverDue := parked(t, d.DB, first[0]); !isParked || reason != "too large" || !neverDue {
+		t.Fatalf("after park: parked=%v reason=%q never due=%v", isParked, reason, neverDue)
+	}
+	wantExit(t, exitNoMatch, []string{"outbox", "park", "--id", id, "--db", d.URL}, "the outbox row is parked: "+id)
+
+	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(), Topology: messaging.Topology{Exchanges: []string{exchange}}})
+	t.Cleanup(pub.Close)
+	log, _ := testenv.NewLogger(t)
+	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.Driver(t).DB(), Sender: pub, Exchange: exchange, Logger: log, PollInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	background(t, relay.Run)
+	sent := func(id uuid.UUID) bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND processed_at IS NOT NULL", id) == 1
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return sent(first[1]) }, "the row after the parked one was not sent")
+	later := enqueue(t, d.DB, 1) // another claim, after the first
+	testenv.Eventually(t, 10*time.Second, func() bool { return sent(later[0]) }, "a later row was not sent")
+	if sent(first[0]) {
+		t.Fatal("the relay sent the parked row")
+	}
+	wantExit(t, exitNoMatch, []string{"outbox", "park", "--id", first[1].String(), "--db", d.URL}, "no unsent outbox row has this id: "+first[1].String(), "it was sent at")
+
+	wantExit(t, exitNoMatch, []string{"outbox", "unpark", "--id", later[0].String(), "--db", d.URL}, "no unsent outbox row")
+	out := ok(t, "outbox", "unpark", "--id", id, "--db", d.URL)
+	if !strings.Contains(out, "unparked outbox row "+id) || !strings.Contains(out, "12 attempts") {
+		t.Errorf("unpark said %q", out)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return sent(first[0]) }, "the unparked row was not sent")
+	if isParked, _, neverDue := parked(t, d.DB, first[0]); isParked || neverDue {
+		t.Errorf("after unpark: parked=%v never due=%v", isParked, neverDue)
+	}
+	if got := drainIDs(t, queue); !slices.Equal(got, []string{first[1].String(), later[0].String(), id}) {
+		t.Errorf("the queue got %q, want the parked row last", got)
+	}
+}
+
+// unpark --dry-run changes nothing, and unpark of a row that is not parked is refused.
+func TestUnparkDryRunAndRefusal(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 2)
+	ok(t, "outbox", "park", "--id", ids[0].String(), "--db", d.URL)
+	before := outboxState(t, d)
+	dry := okJSON[outboxRowResult](t, "outbox", "unpark", "--id", ids[0].String(), "--dry-run", "--db", d.URL)
+	if !dry.DryRun || dry.Row.ParkedAt == nil {
+		t.Errorf("unpark --dry-run -o json: %+v; want the row as it is, parked", dry)
+	}
+	wantExit(t, exitNoMatch, []string{"outbox", "unpark", "--id", ids[1].String(), "--db", d.URL}, "the outbox row is not parked: "+ids[1].String())
+	wantExit(t, exitNoMatch, []string{"outbox", "unpark", "--id", ids[1].String(), "--dry-run", "--db", d.URL}, "the outbox row is not parked: "+ids[1].String())
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a dry run or a refusal changed the outbox:\n%s\n%s", before, after)
+	}
+	got := okJSON[outboxRowResult](t, "outbox", "unpark", "--id", ids[0].String(), "--db", d.URL)
+	if got.Row.ParkedAt != nil || got.Row.NextAttemptAt == nil || got.Row.NextAttemptAt.After(time.Now()) {
+		t.Errorf("unpark -o json: %+v; want the row due now", got)
+	}
+}
+
+// drop deletes one unsent row, parked or not, and shows its payload; it asks first, and
+// without a terminal refuses unless given --yes; --dry-run changes nothing.
+func TestDropDeletesOneUnsentRow(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 3)
+	execSQL(t, d.DB, `UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[2])
+	ok(t, "outbox", "park", "--id", ids[1].String(), "--db", d.URL)
+	id := ids[0].String()
+
+	before := outboxState(t, d)
+	out := ok(t, "outbox", "drop", "--id", id, "--dry-run", "--db", d.URL)
+	if !strings.Contains(out, "would drop outbox row "+id) || !strings.Contains(out, `payload: {"n": 0}`) {
+		t.Errorf("drop --dry-run said %q", out)
+	}
+	dry := okJSON[outboxRowResult](t, "outbox", "drop", "--id", id, "--dry-run", "--db", d.URL)
+	if !dry.DryRun || dry.Row.ID != ids[0] || compact(t, dry.Row.Payload) != `{"n":0}` {
+		t.Errorf("drop --dry-run -o json: %+v", dry)
+	}
+	wantExit(t, exitNotConfirmed, []string{"outbox", "drop", "--id", id, "--db", d.URL}, "drop outbox row "+id+" for good", "--yes")
+	if code, _, stderr := ctlAt(t, &terminal{"n\n"}, "outbox", "drop", "--id", id, "--db", d.URL); code != exitNotConfirmed ||
+		!strings.Contains(stderr, `payload: {"n": 0}`) || !strings.Contains(stderr, "for good? [y/N]") {
+		t.Errorf("drop declined at a terminal: exit %d, %q; want 4 after showing the payload", code, stderr)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("a dry run or a refused drop changed the outbox:\n%s\n%s", before, after)
+	}
+
+	got := okJSON[outboxRowResult](t, "outbox", "drop", "--id", id, "--yes", "--db", d.URL)
+	if got.DryRun || got.Row.ID != ids[0] || compact(t, got.Row.Payload) != `{"n":0}` {
+		t.Errorf("drop -o json: %+v; want the row with its payload", got)
+	}
+	if code, stdout, stderr := ctlAt(t, &terminal{"y\n"}, "outbox", "drop", "--id", ids[1].String(), "--db", d.URL); code != 0 ||
+		!strings.Contains(stdout, "dropped outbox row "+ids[1].String()) || !strings.Contains(stdout, `payload: {"n": 1}`) {
+		t.Errorf("drop of the parked row, confirmed: exit %d, %q %q", code, stdout, stderr)
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages"); n != 1 {
+		t.Errorf("%d rows left, want the sent one", n)
+	}
+	for _, gone := range []string{id, ids[2].String()} { // dropped already, and sent
+		wantExit(t, exitNoMatch, []string{"outbox", "drop", "--id", gone, "--yes", "--db", d.URL}, "no unsent outbox row has this id: "+gone)
+	}
+}
+
+// drainIDs takes what waits in queue and returns the message ids in order.
+func drainIDs(t *testing.T, queue string) []string {
+	t.Helper()
+	return deliveryIDs(testenv.Drain(t, testenv.Channel(t), queue, 200*time.Millisecond))
+}
+
+// compact is raw without its spaces.
+func compact(t *testing.T, raw json.RawMessage) string {
+	t.Helper()
+	var b bytes.Buffer
+	if err := json.Compact(&b, raw); err != nil {
+		t.Fatalf("%q: %v", raw, err)
+	}
+	return b.String()
 }

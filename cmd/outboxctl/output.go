@@ -1,0 +1,244 @@
+package main
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// writeJSON writes v as indented JSON, HTML characters as they are.
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	return enc.Encode(v)
+}
+
+// newTable starts a table; Flush prints it.
+func newTable(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0) }
+
+// utc returns t in UTC, nil for nil: what -o json shows.
+func utc(t *time.Time) *time.Time {
+	if t == nil {
+		return nil
+	}
+	u := t.UTC()
+	return &u
+}
+
+// when prints a time for a table, in UTC.
+func when(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format(time.RFC3339)
+}
+
+// outboxRow is an outbox row in -o json.
+type outboxRow struct {
+	ID            uuid.UUID  `json:"id"`
+	Type          string     `json:"type"`
+	CorrelationID string     `json:"correlation_id"`
+	OccurredAt    time.Time  `json:"occurred_at"`
+	ProcessedAt   *time.Time `json:"processed_at"`
+	Attempts      int        `json:"attempts"`
+	LastError     *string    `json:"last_error"`
+	NextAttemptAt *time.Time `json:"next_attempt_at"` // null while parked
+	Exchange      *string    `json:"exchange"`        // null: the relay's
+	RoutingKey    *string    `json:"routing_key"`     // null: the type
+	ParkedAt      *time.Time `json:"parked_at"`
+	ParkedReason  *string    `json:"parked_reason"`
+	// Payload only where a command says so: outbox drop, and its dry run.
+	Payload json.RawMessage `json:"payload,omitempty"`
+}
+
+func toOutboxRow(m messaging.OutboxMessage) outboxRow {
+	r := outboxRow{
+		ID: m.ID, Type: m.Type, CorrelationID: m.CorrelationID, OccurredAt: m.OccurredAt.UTC(), ProcessedAt: utc(m.ProcessedAt),
+		Attempts: m.Attempts, LastError: m.LastError, Exchange: m.Exchange, RoutingKey: m.RoutingKey,
+		ParkedAt: utc(m.ParkedAt), ParkedReason: m.ParkedReason, Payload: m.Payload,
+	}
+	if !m.NextAttemptAt.IsZero() {
+		r.NextAttemptAt = utc(&m.NextAttemptAt)
+	}
+	return r
+}
+
+func toOutboxRows(ms []messaging.OutboxMessage) []outboxRow {
+	rows := make([]outboxRow, len(ms))
+	for i, m := range ms {
+		rows[i] = toOutboxRow(m)
+	}
+	return rows
+}
+
+// outboxRowsResult is what retry prints in -o json.
+type outboxRowsResult struct {
+	DryRun bool        `json:"dry_run"`
+	Count  int         `json:"count"`
+	Rows   []outboxRow `json:"rows"`
+}
+
+// outboxRowResult is what the outbox commands print in -o json.
+type outboxRowResult struct {
+	DryRun bool      `json:"dry_run"`
+	Row    outboxRow `json:"row"`
+}
+
+// printOutboxRows prints rows as a table of what an operator decides on: id, type, attempts,
+// the next attempt (or since when the row is parked, and why), the last error.
+func printOutboxRows(w io.Writer, rows []messaging.OutboxMessage) error {
+	tw := newTable(w)
+	fmt.Fprintln(tw, "MESSAGE ID\tTYPE\tATTEMPTS\tNEXT ATTEMPT\tLAST ERROR")
+	now := time.Now()
+	for _, m := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", m.ID, printable(m.Type, 64), m.Attempts, nextAttempt(m, now), printable(deref(m.LastError), 200))
+	}
+	return tw.Flush()
+}
+
+// describeRow says in one line what an operator needs to know of one row.
+func describeRow(m messaging.OutboxMessage) string {
+	s := fmt.Sprintf("outbox row %s (%s, occurred %s, %d attempts", m.ID, printable(m.Type, 64), when(m.OccurredAt), m.Attempts)
+	if m.LastError != nil {
+		s += ", last error: " + printable(*m.LastError, 200)
+	}
+	return s + ")"
+}
+
+// nextAttempt says when a row is tried next, in UTC and from now; for a parked row, since when
+// it is parked, and why.
+func nextAttempt(m messaging.OutboxMessage, now time.Time) string {
+	if m.Parked() {
+		s := "parked since " + when(*m.ParkedAt)
+		if m.ParkedReason != nil {
+			s += ": " + printable(*m.ParkedReason, 100)
+		}
+		return s
+	}
+	at := m.NextAttemptAt.UTC().Format(time.RFC3339)
+	if wait := m.NextAttemptAt.Sub(now); wait > 0 {
+		return fmt.Sprintf("%s (in %s)", at, wait.Round(time.Second))
+	}
+	return at + " (due)"
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// deadLetter is a dead-lettered message in -o json.
+type deadLetter struct {
+	MessageID      string         `json:"message_id"`
+	Type           string         `json:"type"`
+	Reason         string         `json:"reason"`
+	DeadLetteredAt *time.Time     `json:"dead_lettered_at"` // null when unknown
+	ContentType    string         `json:"content_type"`
+	Headers        map[string]any `json:"headers,omitempty"`     // with --show-headers, and for dlq drop
+	Body           *string        `json:"body,omitempty"`        // the body when it is UTF-8 text (--show-body, dlq drop)
+	BodyBase64     *string        `json:"body_base64,omitempty"` // or else the body in base64
+}
+
+// toDeadLetter is d for -o json, with its headers and body if asked for.
+func toDeadLetter(d messaging.DeadLetter, headers, body bool) deadLetter {
+	out := deadLetter{MessageID: d.MessageID, Type: d.Type, Reason: d.Reason, ContentType: d.ContentType}
+	if !d.DeadLetteredAt.IsZero() {
+		out.DeadLetteredAt = utc(&d.DeadLetteredAt)
+	}
+	if headers {
+		out.Headers = map[string]any(d.Headers)
+		if out.Headers == nil {
+			out.Headers = map[string]any{}
+		}
+	}
+	if body {
+		if utf8.Valid(d.Body) {
+			s := string(d.Body)
+			out.Body = &s
+		} else {
+			s := base64.StdEncoding.EncodeToString(d.Body)
+			out.BodyBase64 = &s
+		}
+	}
+	return out
+}
+
+func toDeadLetters(ds []messaging.DeadLetter, headers, body bool) []deadLetter {
+	out := make([]deadLetter, len(ds))
+	for i, d := range ds {
+		out[i] = toDeadLetter(d, headers, body)
+	}
+	return out
+}
+
+// printDeadLetters prints a table of messages: id, type, when and why dead-lettered.
+func printDeadLetters(w io.Writer, ds []messaging.DeadLetter) error {
+	tw := newTable(w)
+	fmt.Fprintln(tw, "MESSAGE ID\tTYPE\tDEAD-LETTERED AT\tREASON")
+	for _, d := range ds {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", printable(d.MessageID, 64), printable(d.Type, 64), when(d.DeadLetteredAt), printable(d.Reason, 300))
+	}
+	return tw.Flush()
+}
+
+// maxBodyShown bounds a body in a table; -o json shows it whole.
+const maxBodyShown = 4096
+
+// printDeadLetter prints one message in full, as a block: what the table shows, then its
+// headers and body if asked for.
+func printDeadLetter(w io.Writer, d messaging.DeadLetter, headers, body bool) {
+	fmt.Fprintf(w, "message %s\n", printable(d.MessageID, 64))
+	fmt.Fprintf(w, "  type:              %s\n", printable(d.Type, 64))
+	fmt.Fprintf(w, "  dead-lettered at:  %s\n", when(d.DeadLetteredAt))
+	fmt.Fprintf(w, "  reason:            %s\n", printable(d.Reason, 2000))
+	if headers {
+		fmt.Fprintln(w, "  headers:")
+		for _, k := range slices.Sorted(maps.Keys(d.Headers)) {
+			fmt.Fprintf(w, "    %s: %s\n", printable(k, 100), printable(fmt.Sprint(d.Headers[k]), 2000))
+		}
+	}
+	if body {
+		fmt.Fprintf(w, "  body (%s, %d bytes):\n", printable(d.ContentType, 100), len(d.Body))
+		fmt.Fprintln(w, indent(showBody(d.Body), "    "))
+	}
+}
+
+// showBody is a body made safe for a terminal: UTF-8 text with its line breaks and tabs and no
+// other control characters, anything else in base64; cut at maxBodyShown bytes.
+func showBody(b []byte) string {
+	s, prefix := string(b), ""
+	if !utf8.Valid(b) {
+		s, prefix = base64.StdEncoding.EncodeToString(b), "base64: "
+	}
+	cut := ""
+	if len(s) > maxBodyShown {
+		shown := strings.ToValidUTF8(s[:maxBodyShown], "")
+		s, cut = shown, fmt.Sprintf("\n… %d more bytes (-o json shows them all)", len(s)-len(shown))
+	}
+	return prefix + strings.Map(func(r rune) rune {
+		if r == '\n' || r == '\t' || !unicode.IsControl(r) {
+			return r
+		}
+		return '?'
+	}, s) + cut
+}
+
+// indent puts prefix before every line of s.
+func indent(s, prefix string) string {
+	return prefix + strings.ReplaceAll(s, "\n", "\n"+prefix)
+}
