@@ -7,11 +7,15 @@
 FROM golang:1.26-bookworm AS build
 WORKDIR /src
 
-# Static binaries: the runtime image has no libc.
-ENV CGO_ENABLED=0
+# Static binaries: the runtime image has no libc. The root module's replace directives point at
+# the library's modules in this tree; the development workspace (go.work) is not needed.
+ENV CGO_ENABLED=0 GOWORK=off
 
-# Dependencies first, in their own layer: it is rebuilt only when go.mod or go.sum change.
+# Dependencies first, in their own layer: it is rebuilt only when a go.mod or go.sum changes.
 COPY go.mod go.sum ./
+COPY pkg/messaging/go.mod pkg/messaging/go.sum ./pkg/messaging/
+COPY pkg/messaging/gormdriver/go.mod pkg/messaging/gormdriver/go.sum ./pkg/messaging/gormdriver/
+COPY pkg/messaging/pgxdriver/go.mod pkg/messaging/pgxdriver/go.sum ./pkg/messaging/pgxdriver/
 RUN go mod download
 
 COPY . .

@@ -54,9 +54,14 @@ type ruleTests struct {
 	} `yaml:"tests"`
 }
 
-// Every alert names metrics that exist, has a severity and the two annotations, a case where
-// it fires and one where it stays quiet in alerts_test.yml (promtool runs them), and a line
-// in the README's Alerts section.
+// runbookURL is where an alert's runbook_url leads: the repository's docs/operations.md, whose
+// Runbook section has an entry, a heading named after the alert, for each.
+const runbookURL = "https://github.com/outboxkit/outbox-inbox/blob/main/docs/operations.md"
+
+// Every alert names metrics that exist, has a severity, a summary, a description and a
+// runbook_url that leads to its runbook entry, a case where it fires and one where it stays
+// quiet in alerts_test.yml (promtool runs them), and a row in the Alerts table of
+// docs/operations.md.
 func TestAlertRules(t *testing.T) {
 	t.Parallel()
 	var rules alertRules
@@ -76,12 +81,17 @@ func TestAlertRules(t *testing.T) {
 			}
 		}
 	}
-	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	operations := filepath.Join(root, "docs", "operations.md")
+	doc, err := os.ReadFile(operations)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, _ := strings.Cut(string(readme), "\n## Alerts\n")
+	_, section, _ := strings.Cut(string(doc), "\n## Alerts\n")
 	section, _, _ = strings.Cut(section, "\n## ")
+	runbook, err := anchors(operations)
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	known := knownMetrics(t)
 	var names, exprs []string
@@ -115,7 +125,12 @@ func TestAlertRules(t *testing.T) {
 				t.Errorf("alert %s: alerts_test.yml has a case where it fires: %v, where it stays quiet: %v; want both", r.Alert, fires[r.Alert], quiet[r.Alert])
 			}
 			if !strings.Contains(section, "`"+r.Alert+"`") {
-				t.Errorf("alert %s is not described in the README's Alerts section", r.Alert)
+				t.Errorf("alert %s is not described in the Alerts section of docs/operations.md", r.Alert)
+			}
+			if want := runbookURL + "#" + headingSlug(r.Alert); r.Annotations["runbook_url"] != want {
+				t.Errorf("alert %s: runbook_url %q, want %q", r.Alert, r.Annotations["runbook_url"], want)
+			} else if !runbook[headingSlug(r.Alert)] {
+				t.Errorf("alert %s: docs/operations.md has no runbook entry (a heading %q) for its runbook_url", r.Alert, r.Alert)
 			}
 		}
 	}
@@ -127,7 +142,7 @@ func TestAlertRules(t *testing.T) {
 	// (scripts/test.sh checks alerts.yml with promtool itself; here the expressions alone,
 	// so that go test ./deploy/ catches a typo too.)
 	defer checkWithPromtool(t, "alerts", exprs)
-	// The alerts the README's production checklist promises.
+	// The signals the production checklist of docs/operations.md promises an alert on.
 	for _, m := range []string{
 		"outbox_oldest_pending_age_seconds", "outbox_max_attempts", "outbox_publish_failures_total",
 		"outbox_relay_broker_up", "consumer_messages_total", "rabbitmq_detailed_queue_messages",
@@ -152,7 +167,8 @@ var rabbitmqMetrics = []string{
 func knownMetrics(t *testing.T) map[string]bool {
 	t.Helper()
 	opts := regexp.MustCompile(`(?s)prometheus\.New(Counter|Gauge|Histogram|Summary)(?:Vec)?\(\s*prometheus\.(?:Counter|Gauge|Histogram|Summary)Opts\{[^}]*?\bName:\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
-	desc := regexp.MustCompile(`prometheus\.NewDesc\(\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
+	// A descriptor's name may be wrapped in a call that adds a namespace (name("...")).
+	desc := regexp.MustCompile(`prometheus\.NewDesc\(\s*(?:\w+\(\s*)?"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
 	known := map[string]bool{"up": true}
 	add := func(kind, name string) {
 		known[name] = true
@@ -212,7 +228,7 @@ func checkWithPromtool(t *testing.T, what string, exprs []string) {
 		}
 	}
 	if promtool == "" {
-		t.Skipf("promtool is not installed, so the %s's queries were not parsed (scripts/test.sh installs it; README, Testing)", what)
+		t.Skipf("promtool is not installed, so the %s's queries were not parsed (scripts/test.sh installs it)", what)
 	}
 	type rule struct {
 		Record string `json:"record"`

@@ -20,8 +20,6 @@ import (
 
 	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
-
-	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // root is the repository root, seen from this package's directory.
@@ -281,7 +279,7 @@ func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs
 	// on the virtual host / where its permissions are.
 	amqpURL, _ := env(s, "AMQP_URL")
 	var hosts []string
-	for _, raw := range messaging.SplitURLs(amqpURL) {
+	for _, raw := range strings.Split(amqpURL, ",") {
 		u, err := url.Parse(raw)
 		if err != nil {
 			t.Errorf("AMQP_URL entry %q: %v", raw, err)

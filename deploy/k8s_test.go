@@ -45,12 +45,12 @@ import (
 var k8sDir = filepath.Join(root, "deploy", "k8s")
 
 // measuredPeakRSS is the highest VmHWM the three services reached under load (order, 25,012
-// kB: the table in deploy/k8s/order.yaml and README "Kubernetes"). Memory requests must be at
-// least twice that; measure again when the services change much.
+// kB: the table at the top of deploy/k8s/order.yaml). Memory requests must be at least twice
+// that; measure again when the services change much.
 const measuredPeakRSS = 25012 * 1024
 
-// shutdownContract is how long a service may take to exit after SIGTERM (README,
-// Configuration; platform.HardStop enforces it from inside).
+// shutdownContract is how long a service may take to exit after SIGTERM (platform.HardStop
+// enforces it from inside).
 const shutdownContract = 10
 
 // The kinds the manifests may hold. Anything else fails the decoding test, so a new kind
@@ -299,7 +299,7 @@ func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
 		return fmt.Errorf("%s %s has no metadata.name", head.APIVersion, head.Kind)
 	}
 	if head.Metadata.Namespace != "" {
-		// The base applies into whatever namespace it is given (README "Kubernetes").
+		// The base applies into whatever namespace kustomize or kubectl gives it.
 		return fmt.Errorf("%s %s names namespace %q; leave it to kustomization or kubectl", head.Kind, head.Metadata.Name, head.Metadata.Namespace)
 	}
 	what := head.APIVersion + " " + head.Kind
@@ -862,12 +862,21 @@ func TestK8sServiceConfiguration(t *testing.T) {
 			}
 			env := platform.EnvFrom(vars)
 			common := platform.ReadCommon(env, ":1")
+			var relaying *platform.RelaySettings
+			var consuming *platform.ConsumerSettings
 			if bytes.Contains(src, []byte("platform.ReadRelaySettings(")) {
-				platform.ReadRelaySettings(env, common)
+				s := platform.ReadRelaySettings(env)
+				relaying = &s
 			}
 			if bytes.Contains(src, []byte("platform.ReadConsumerSettings(")) {
-				platform.ReadConsumerSettings(env, common)
+				s := platform.ReadConsumerSettings(env)
+				consuming = &s
 			}
+			senders := 0
+			if a.name == "notification" {
+				senders = 1 // its main.go's PoolsOf
+			}
+			platform.PoolsOf(relaying, consuming, senders).Check(env, common)
 			if err := env.Err(); err != nil {
 				t.Errorf("the service would refuse to start: %v", err)
 			}

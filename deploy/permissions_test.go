@@ -209,8 +209,8 @@ func TestBrokerPermissions(t *testing.T) {
 
 	// What the file allows beyond each service's needs, because RabbitMQ's permissions are
 	// regular expressions over names and cannot tell a queue from an exchange, and because
-	// the default exchange reaches every queue (README, "RabbitMQ users and permissions").
-	// These pass today; if one fails, the permissions got tighter: update the README too.
+	// the default exchange reaches every queue. These pass today; if one fails, the permissions
+	// got tighter: update docs/deployment.md too, which lists what they still allow.
 	notification.mustAllow("read the queue "+invoicingQueue+" (the name of an exchange it binds from)", func(ch *amqp.Channel) error {
 		_, _, err := ch.Get(invoicingQueue, false)
 		return err

@@ -235,11 +235,11 @@ func TestComposeRabbitMQUsers(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("%s users = %v, want %v", definitionsFile, got, want)
 	}
-	// The local demo's passwords are the user names, as the PostgreSQL roles' are; the README
-	// gives the UI's and outboxctl's.
+	// The local demo's passwords are the user names, as the PostgreSQL roles' are: people log
+	// in with them (the UI as admin/admin, outboxctl as outboxctl), as the docs tell them to.
 	for _, name := range []string{"admin", "outboxctl"} {
 		if u, ok := defs.user(name); ok && !u.passwordIs(name) {
-			t.Errorf("user %s: its password is not %q, as README says", name, name)
+			t.Errorf("user %s: its password is not %q, as docs/deployment.md says", name, name)
 		}
 	}
 	for _, p := range defs.Permissions {
