@@ -61,10 +61,11 @@ func postLatencyDuringCleanup(t *testing.T, r *report, binDir string) {
 	}
 	done := make(chan outcome, 1)
 	cleaned := make(chan struct{})
+	orderDB := sys.Order.DB.Driver(t).DB()
 	go func() {
 		defer close(cleaned)
 		start := time.Now()
-		res, err := messaging.DeleteSentOutboxMessages(context.Background(), db, 7*24*time.Hour, messaging.CleanupOptions{})
+		res, err := messaging.DeleteSentOutboxMessages(context.Background(), orderDB, 7*24*time.Hour, messaging.CleanupOptions{})
 		done <- outcome{res, err, time.Since(start)}
 	}()
 	during, errs := postSteadily(sys.Order.URL, cleanupPostRate, cleaned)

@@ -5,7 +5,6 @@ package bench
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"io"
 	"net/http"
@@ -20,9 +19,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
 
-	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/systest"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -93,9 +92,14 @@ func TestPerformance(t *testing.T) {
 	if os.Getenv("BENCH") != "1" {
 		t.Skip("the benchmark suite takes minutes; run scripts/bench.sh (BENCH=1)")
 	}
-	binDir := t.TempDir()
-	if err := systest.Build(binDir, false); err != nil {
-		t.Fatal(err)
+	// BENCH_BINARIES measures the binaries in that directory instead of this checkout's:
+	// another revision's, built by scripts/bench-compare.sh.
+	binDir := os.Getenv("BENCH_BINARIES")
+	if binDir == "" {
+		binDir = t.TempDir()
+		if err := systest.Build(binDir, false); err != nil {
+			t.Fatal(err)
+		}
 	}
 	var r report
 	// A missed target fails the test, after the table, so scripts/bench.sh exits non-zero.
@@ -121,31 +125,72 @@ func TestPerformance(t *testing.T) {
 	phase("cleanup", func(t *testing.T) { postLatencyDuringCleanup(t, &r, binDir) })
 	phase("latency-notify", func(t *testing.T) { endToEndLatency(t, &r, binDir, true) })
 	phase("latency-poll", func(t *testing.T) { endToEndLatency(t, &r, binDir, false) })
-	var oneByOne float64
-	phase("consumer-baseline", func(t *testing.T) {
-		oneByOne = consumerThroughput(t, nil, binDir, 0, "CONSUMER_BATCH_SIZE=1", consumerPrefetch)
-	})
-	phase("consumer", func(t *testing.T) { consumerThroughput(t, &r, binDir, oneByOne, consumerPrefetch) })
+	phase("overload", func(t *testing.T) { overload(t, &r, binDir) })
+	phase("consumer", func(t *testing.T) { consumerVsDatabase(t, &r, binDir) })
+	phase("sender", func(t *testing.T) { senderThroughput(t, &r, binDir) })
 }
 
-// consumerPrefetch is the batched consumer's default prefetch (CONSUMER_BATCH_SIZE 50 ×
-// CONSUMER_CONCURRENCY 8), set in both consumer runs: the one-per-transaction default (2 × 8)
-// would make the comparison measure the prefetch instead of the batching.
-const consumerPrefetch = "CONSUMER_PREFETCH=400"
-
 func rate(n int, d time.Duration) float64 { return float64(n) / d.Seconds() }
+
+// stages reads where an order's way to its invoice spends its time from the spans the services
+// exported: the POST's own span, from its end to its event's publish span (the relay waking
+// and claiming), the publish (its confirm), from the publish's start to the invoicing
+// consumer's span (the broker's routing and delivery), and that span (the inbox transaction).
+func stages(t *testing.T, r *report, spans *testenv.OTLPReceiver) {
+	t.Helper()
+	type trace struct{ request, publish, process *testenv.Span }
+	traces := map[string]*trace{}
+	all := spans.Spans()
+	for i := range all {
+		s := &all[i]
+		tr := traces[s.TraceID]
+		if tr == nil {
+			tr = &trace{}
+			traces[s.TraceID] = tr
+		}
+		switch {
+		case s.Service == "order" && s.Kind == "server" && s.Name == "POST /orders":
+			tr.request = s
+		case s.Service == "order" && s.Kind == "producer":
+			tr.publish = s
+		case s.Service == "invoicing" && s.Kind == "consumer":
+			tr.process = s
+		}
+	}
+	var request, toPublish, publish, toConsumer, process []time.Duration
+	for _, tr := range traces {
+		if tr.request == nil || tr.publish == nil || tr.process == nil {
+			continue
+		}
+		request = append(request, tr.request.End.Sub(tr.request.Start))
+		toPublish = append(toPublish, tr.publish.Start.Sub(tr.request.End))
+		publish = append(publish, tr.publish.End.Sub(tr.publish.Start))
+		toConsumer = append(toConsumer, tr.process.Start.Sub(tr.publish.Start))
+		process = append(process, tr.process.End.Sub(tr.process.Start))
+	}
+	for _, st := range []struct {
+		name string
+		d    []time.Duration
+	}{
+		{"POST /orders (its server span)", request}, {"commit → publish starts (NOTIFY, the relay's claim)", toPublish},
+		{"publish, until the broker's confirm", publish}, {"publish starts → the consumer's span starts (routing, delivery)", toConsumer},
+		{"the consumer's inbox transaction", process},
+	} {
+		slices.Sort(st.d)
+		r.add("   stage: "+st.name+fmt.Sprintf(" (%d traces)", len(st.d)), fmt.Sprintf("p50 %s, p99 %s", ms(percentile(st.d, .5)), ms(percentile(st.d, .99))), "", "", "", true)
+	}
+}
 
 // databaseCeiling (B2): the order service's own transaction (order + line + outbox row +
 // NOTIFY), issued directly with pgx from 8 connections for 10 s.
 func databaseCeiling(t *testing.T, r *report) float64 {
 	t.Helper()
 	db := testenv.NewDatabase(t)
-	db.Migrate(t, messaging.MigrateOutbox, func(ctx context.Context, sqlDB *sql.DB) error {
-		_, err := sqlDB.ExecContext(ctx, `CREATE TABLE orders (id uuid PRIMARY KEY, customer_id text NOT NULL, total_cents bigint NOT NULL,
+	db.Migrate(t, platform.Library(messaging.MigrateOutbox), func(ctx context.Context, gdb *gorm.DB) error {
+		return gdb.WithContext(ctx).Exec(`CREATE TABLE orders (id uuid PRIMARY KEY, customer_id text NOT NULL, total_cents bigint NOT NULL,
 			created_at timestamptz NOT NULL, idempotency_key text UNIQUE, request_hash text);
 			CREATE TABLE order_lines (order_id uuid NOT NULL REFERENCES orders (id), line_no int NOT NULL, sku text NOT NULL,
-			quantity bigint NOT NULL, unit_price_cents bigint NOT NULL, PRIMARY KEY (order_id, line_no))`)
-		return err
+			quantity bigint NOT NULL, unit_price_cents bigint NOT NULL, PRIMARY KEY (order_id, line_no))`).Error
 	})
 	pool, err := pgxpool.New(context.Background(), db.URL+"&pool_max_conns=8")
 	if err != nil {
@@ -248,14 +293,23 @@ func postThroughput(t *testing.T, r *report, binDir string, b2 float64) {
 	r.add("   order service peak RSS during the POST load", fmt.Sprintf("%.1f MiB", float64(rss)/(1<<20)), "", "", "≤ 64 MiB", rss <= 64<<20)
 }
 
-// endToEndLatency: a steady 200 orders/s for 20 s, open loop (a request starts every 5 ms
+// endToEndLatency: a steady 200 orders/s for a minute, open loop (a request starts every 5 ms
 // whatever the previous ones do); latency from the order's created_at to its invoice's
-// created_at, both stamped by the services from this machine's one clock.
+// created_at, both stamped by the services from this machine's one clock. The services run
+// with their defaults, and, with notify, with their spans exported (to a receiver in this
+// process), as a user who traces runs them; without, with LISTEN/NOTIFY off, for comparison.
 func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 	t.Helper()
-	env := map[string][]string{"order": {"LOG_LEVEL=warn", fmt.Sprintf("OUTBOX_NOTIFY=%t", notify)}, "invoicing": {"LOG_LEVEL=warn"}, "notification": {"LOG_LEVEL=warn"}}
-	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, Env: env})
-	const perSecond, duration = 200, 20 * time.Second
+	env := map[string][]string{"order": {fmt.Sprintf("OUTBOX_NOTIFY=%t", notify)}}
+	var spans *testenv.OTLPReceiver
+	if notify {
+		spans = testenv.NewOTLPReceiver(t)
+		for _, name := range []string{"order", "invoicing", "notification"} {
+			env[name] = append(env[name], "OTEL_EXPORTER_OTLP_ENDPOINT="+spans.URL)
+		}
+	}
+	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, DiscardLogs: true, Env: env})
+	const perSecond, duration = 200, time.Minute
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}
 	var errs atomic.Int64
 	var wg sync.WaitGroup
@@ -308,88 +362,25 @@ func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 		lat = append(lat, at[o.ID].Sub(o.CreatedAt))
 	}
 	slices.Sort(lat)
-	mode := "LISTEN/NOTIFY"
+	mode := "LISTEN/NOTIFY, spans exported"
 	if !notify {
 		mode = "polling only (1 s)"
 	}
 	p50, p99 := percentile(lat, .5), percentile(lat, .99)
-	ok := errs.Load() == 0 && (!notify || (p50 <= 15*time.Millisecond && p99 <= 100*time.Millisecond))
-	target := "p50 ≤ 15 ms, p99 ≤ 100 ms"
+	ok := errs.Load() == 0 && (!notify || (p50 <= 5*time.Millisecond && p99 <= 25*time.Millisecond))
+	target := "p50 ≤ 5 ms, p99 ≤ 25 ms"
 	if !notify {
 		target = "(comparison)"
 	}
-	r.add(fmt.Sprintf("order → invoice latency at %d/s for 20 s, %s (%d orders, %d errors)", perSecond, mode, sent, errs.Load()),
+	r.add(fmt.Sprintf("order → invoice latency at %d/s for %s, %s (%d orders, %d errors)", perSecond, duration, mode, sent, errs.Load()),
 		fmt.Sprintf("p50 %s, p99 %s", p50.Round(100*time.Microsecond), p99.Round(100*time.Microsecond)), "", "", target, ok)
 	if notify {
+		stages(t, r, spans)
 		for _, s := range []*systest.Service{sys.Order, sys.Invoicing, sys.Notification} {
 			rss := s.PeakRSS(t)
 			r.add(fmt.Sprintf("   %s service peak RSS during the latency run", s.Name), fmt.Sprintf("%.1f MiB", float64(rss)/(1<<20)), "", "", "≤ 64 MiB", rss <= 64<<20)
 		}
 	}
-}
-
-// consumerThroughput: 20,000 OrderPlaced messages wait in the invoicing queue, then 2,000
-// duplicates of some of them, sent after all the originals so that they land in other batches.
-// Only the invoicing service runs. The rate is taken from the first to the last invoice's
-// created_at, so the process start is not counted. With r nil it only returns the rate: the
-// baseline run, one message per transaction (CONSUMER_BATCH_SIZE=1), with the same prefetch.
-// The target is only that batching is not slower: with the same prefetch, eight handlers
-// committing one message each already share WAL flushes, and batching gained 0.87-1.22 of that
-// in runs on this machine.
-func consumerThroughput(t *testing.T, r *report, binDir string, baseline float64, env ...string) float64 {
-	t.Helper()
-	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, Env: map[string][]string{"invoicing": append([]string{"LOG_LEVEL=warn"}, env...)}})
-	// Only invoicing runs: the other services would compete for the two cores (notification
-	// would consume the same messages from its own queue).
-	sys.Invoicing.Stop(t)
-	sys.Notification.Stop(t)
-	sys.Order.Stop(t)
-	ch := sys.Channel(t)
-	if err := ch.Confirm(false); err != nil {
-		t.Fatal(err)
-	}
-	const n = 20_000
-	var confirms []*amqp.DeferredConfirmation
-	publish := func(m messaging.Message) {
-		dc, err := ch.PublishWithDeferredConfirmWithContext(context.Background(), events.Exchange, events.OrderPlacedType, true, false,
-			amqp.Publishing{DeliveryMode: amqp.Persistent, ContentType: "application/json", MessageId: m.ID.String(), Type: m.Type, Body: m.Payload})
-		if err != nil {
-			t.Fatal(err)
-		}
-		confirms = append(confirms, dc)
-	}
-	msgs := make([]messaging.Message, n)
-	for i := range msgs {
-		msgs[i] = orderPlaced(t)
-		publish(msgs[i])
-	}
-	for i := 0; i < n; i += 10 {
-		publish(msgs[i]) // a duplicate
-	}
-	for _, dc := range confirms {
-		if !dc.Wait() {
-			t.Fatal("nack")
-		}
-	}
-	sys.Invoicing.Start(t)
-	testenv.Eventually(t, 5*time.Minute, func() bool {
-		return testenv.Count(t, sys.Invoicing.DB.DB, "SELECT count(*) FROM invoices") == n
-	}, "not all %d invoices were created", n)
-	var span float64
-	if err := sys.Invoicing.DB.DB.Raw("SELECT extract(epoch FROM max(created_at) - min(created_at)) FROM invoices").Scan(&span).Error; err != nil {
-		t.Fatal(err)
-	}
-	perSec := float64(n) / span
-	testenv.Eventually(t, time.Minute, func() bool {
-		return testenv.QueueDepth(t, ch, "invoicing") == 0
-	}, "duplicates still waiting")
-	redundant := len(sys.Invoicing.Logs.Lines("already invoiced by another message"))
-	if r != nil {
-		r.add(fmt.Sprintf("invoicing drains 20,000 waiting messages + 2,000 duplicates, batches of 50, prefetch 400 (%d worked twice)", redundant),
-			fmt.Sprintf("%.0f msg/s", perSec), fmt.Sprintf("%.0f msg/s one per transaction, prefetch 400", baseline),
-			fmt.Sprintf("%.2f", perSec/baseline), "≥ 1.00", perSec/baseline >= 1.00 && redundant == 0)
-	}
-	return perSec
 }
 
 func drainBody(resp *http.Response) {

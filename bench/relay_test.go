@@ -14,9 +14,11 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/systest"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // consumerQueues are the quorum queues the consumer services bind to the orders exchange.
@@ -229,12 +231,16 @@ func drainBacklog(t *testing.T, sys *systest.System, n int) backlogDrain {
 // fillOutbox commits n unsent OrderPlaced rows in transactions of 1,000.
 func fillOutbox(t *testing.T, db *gorm.DB, n int) {
 	t.Helper()
+	drv, err := gormdriver.New(db)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for done := 0; done < n; {
 		batch := make([]messaging.Message, 0, 1000)
 		for ; len(batch) < cap(batch) && done < n; done++ {
 			batch = append(batch, orderPlaced(t))
 		}
-		if err := db.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(tx, batch...) }); err != nil {
+		if err := db.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), drv, tx, batch...) }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -290,7 +296,7 @@ type drainSetup struct {
 func newDrainSetup(t *testing.T) *drainSetup {
 	t.Helper()
 	d := &drainSetup{db: testenv.NewDatabase(t), exchange: testenv.UniqueName("bench"), queue: testenv.UniqueName("bench")}
-	d.db.Migrate(t, messaging.MigrateOutbox)
+	d.db.Migrate(t, platform.Library(messaging.MigrateOutbox))
 	testenv.CleanupBroker(t, []string{d.queue, d.queue + ".dlq"}, []string{d.exchange})
 	d.ch = testenv.Channel(t)
 	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{
@@ -329,7 +335,7 @@ func (d *drainSetup) drain(t *testing.T, relays int) (float64, int) {
 		pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(),
 			Topology: messaging.Topology{Exchanges: []string{d.exchange}}})
 		t.Cleanup(pub.Close)
-		relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.db.DB, Sender: pub, Exchange: d.exchange, PollInterval: 10 * time.Millisecond})
+		relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.db.Driver(t).DB(), Sender: pub, Exchange: d.exchange, PollInterval: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}

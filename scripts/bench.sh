@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The performance figures, each next to a baseline measured in the same run (this machine is
 # shared and noisy: the ratio is the figure that counts). Prints one table at the end.
-# Needs the local PostgreSQL and RabbitMQ (TEST_DATABASE_URL / TEST_AMQP_URL) and about 4 minutes.
+# Runs against the RabbitMQ compose ships (scripts/sidroot.sh starts it afresh, and stops it at
+# the end) and the local PostgreSQL (TEST_DATABASE_URL). Takes about 10 minutes; BENCH_PHASES (a regexp of phase names:
+# relay, post, latency-notify, overload, consumer, sender, ...) runs some of them.
 # Exits non-zero when a figure misses its target (the test fails after printing the table) or
 # the test fails otherwise: with pipefail the pipeline's status is go test's, and grep's own (1
 # when it prints nothing) is left out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BENCH=1 go test -count=1 -run '^TestPerformance$' -v -timeout 40m ./bench/ 2>&1 |
+sidroot_env=$(scripts/sidroot.sh start)
+eval "$sidroot_env"
+trap 'scripts/sidroot.sh stop' EXIT
+BENCH=1 go test -count=1 -run "^TestPerformance\$/${BENCH_PHASES:-.}" -v -timeout 60m ./bench/ 2>&1 |
   { grep -vE '^ *(=== RUN|--- PASS|PASS$|ok )' || true; }

@@ -1,0 +1,157 @@
+package bench
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/systest"
+)
+
+// outcome is one POST /orders: how long it took and what it got.
+type outcome struct {
+	took   time.Duration
+	status int // 0: no answer (a transport error)
+}
+
+// outcomes collects what requests got, from many goroutines.
+type outcomes struct {
+	mu  sync.Mutex
+	all []outcome
+}
+
+func (o *outcomes) add(x outcome) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.all = append(o.all, x)
+}
+
+// split returns the latencies of the requests answered status, sorted, and how many there
+// were of every other answer.
+func (o *outcomes) split(status int) (sorted []time.Duration, others int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, x := range o.all {
+		if x.status == status {
+			sorted = append(sorted, x.took)
+		} else {
+			others++
+		}
+	}
+	slices.Sort(sorted)
+	return sorted, others
+}
+
+// post sends one order and records what it got.
+func post(client *http.Client, url string, into *outcomes) {
+	t0 := time.Now()
+	resp, err := client.Post(url+"/orders", "application/json", strings.NewReader(orderBody))
+	if err != nil {
+		into.add(outcome{took: time.Since(t0)})
+		return
+	}
+	drainBody(resp)
+	into.add(outcome{took: time.Since(t0), status: resp.StatusCode})
+}
+
+// openLoop starts a POST /orders every 1/perSecond, whatever the earlier ones are doing, for
+// d: the arrival rate stays what it is when the service slows down, as real clients' does.
+// It returns what the requests got and the rate it really offered.
+func openLoop(url string, perSecond int, d time.Duration) (*outcomes, float64) {
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}, Timeout: 30 * time.Second}
+	var got outcomes
+	var wg sync.WaitGroup
+	interval := time.Second / time.Duration(perSecond)
+	start := time.Now()
+	sent := 0
+	// A request is due every interval from the start: a late tick sends what is due at once,
+	// so the offered rate holds even when a tick is missed.
+	for time.Since(start) < d {
+		due := int(time.Since(start)/interval) + 1
+		for ; sent < due; sent++ {
+			wg.Go(func() { post(client, url, &got) })
+		}
+		time.Sleep(interval)
+	}
+	offered := rate(sent, time.Since(start))
+	wg.Wait()
+	return &got, offered
+}
+
+// saturationClients keep the order service busy without being shed much: about as many as its
+// requests' pool has connections (HTTP_MAX_IN_FLIGHT's default). Clients that are shed come
+// back at once, and would measure how fast 503s are answered instead.
+const saturationClients = 16
+
+// saturation measures the whole system's rate of accepted orders: closed loop, clients
+// keep-alive clients posting as fast as they are answered for d. Everything runs (order,
+// invoicing, notification), with their defaults, as users run it.
+func saturation(t *testing.T, sys *systest.System, clients int, d time.Duration) (perSecond float64, got *outcomes) {
+	t.Helper()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}, Timeout: 30 * time.Second}
+	got = &outcomes{}
+	deadline := time.Now().Add(d)
+	start := time.Now()
+	var accepted atomic.Int64
+	var wg sync.WaitGroup
+	for range clients {
+		wg.Go(func() {
+			for time.Now().Before(deadline) {
+				var one outcomes
+				post(client, sys.Order.URL, &one)
+				got.add(one.all[0])
+				if one.all[0].status == http.StatusCreated {
+					accepted.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return rate(int(accepted.Load()), time.Since(start)), got
+}
+
+// overload: the saturation rate first (closed loop), then twice that offered open loop. The
+// accepted requests must keep their latency (p99 ≤ 100 ms), and the excess must be shed fast
+// (a 503 within 50 ms), not at a deadline; nothing is lost either way.
+func overload(t *testing.T, r *report, binDir string) {
+	t.Helper()
+	var env map[string][]string
+	if v := os.Getenv("BENCH_MAX_IN_FLIGHT"); v != "" {
+		env = map[string][]string{"order": {"HTTP_MAX_IN_FLIGHT=" + v}}
+	}
+	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, DiscardLogs: true, Env: env})
+	sat, closed := saturation(t, sys, saturationClients, 15*time.Second)
+	closedOK, closedOther := closed.split(http.StatusCreated)
+	r.add(fmt.Sprintf("saturation: POST /orders, %d clients closed loop, 15 s, all three services (%d other answers)", saturationClients, closedOther),
+		fmt.Sprintf("%.0f orders/s", sat), "", "", "", true)
+	r.add("   accepted latency p50 / p99 at saturation", fmt.Sprintf("%s / %s", ms(percentile(closedOK, .5)), ms(percentile(closedOK, .99))), "", "", "", true)
+
+	target := int(2 * sat)
+	got, offered := openLoop(sys.Order.URL, target, 30*time.Second)
+	accepted, _ := got.split(http.StatusCreated)
+	shed, _ := got.split(http.StatusServiceUnavailable)
+	total := len(got.all)
+	other := total - len(accepted) - len(shed)
+	p99 := percentile(accepted, .99)
+	r.add(fmt.Sprintf("overload: %d orders/s offered open loop (2 × saturation; %.0f/s reached), 30 s: accepted p50 / p99", target, offered),
+		fmt.Sprintf("%s / %s", ms(percentile(accepted, .5)), ms(p99)), "", "", "p99 ≤ 100 ms", p99 <= 100*time.Millisecond && other == 0)
+	shedP99 := percentile(shed, .99)
+	r.add(fmt.Sprintf("   shed (503): share of %d requests, p99 (%d other answers)", total, other),
+		fmt.Sprintf("%.0f %%, p99 %s", 100*float64(len(shed))/float64(max(total, 1)), ms(shedP99)), "", "", "p99 ≤ 50 ms",
+		shedP99 <= 50*time.Millisecond && other == 0)
+	r.add("   accepted during the overload", fmt.Sprintf("%.0f orders/s", rate(len(accepted), 30*time.Second)),
+		fmt.Sprintf("%.0f orders/s at saturation", sat), fmt.Sprintf("%.2f", rate(len(accepted), 30*time.Second)/sat), "", true)
+	// Nothing accepted is lost, and every accepted order is invoiced once.
+	if os.Getenv("BENCH_SKIP_SETTLE") == "" {
+		sys.WaitExactlyOnce(t, int64(len(closedOK)+len(accepted)), 10*time.Minute)
+	}
+}
+
+// ms rounds d for the table.
+func ms(d time.Duration) string { return d.Round(100 * time.Microsecond).String() }

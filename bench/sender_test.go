@@ -1,0 +1,193 @@
+package bench
+
+import (
+	"fmt"
+	"net/smtp"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/systest"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// senderConns is the notification sender's default NOTIFY_CONCURRENCY: the deliveries it runs
+// at once, each on an SMTP connection of its own. The ceiling uses as many connections.
+const senderConns = 8
+
+// senderBacklog is how many pending notifications the sender drains, and how many e-mails
+// each ceiling sends.
+const senderBacklog = 20_000
+
+// notificationMessageID is the Message-ID domain of the notification service's e-mails; the
+// ceiling's e-mails have another.
+const notificationMessageID = "@notification.outbox-inbox>"
+
+// senderThroughput: the notification binary, with its defaults, drains a backlog of pending
+// notifications into the test SMTP server, next to that server's ceiling measured in the same
+// run: a plain client sending as many e-mails over as many reused connections, right before and
+// right after the drain, as fast as it can. Only the notification service runs.
+func senderThroughput(t *testing.T, r *report, binDir string) {
+	t.Helper()
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "NOTIFY_") || strings.HasPrefix(kv, "SMTP_MAX_CONNS=") {
+			t.Fatalf("%s is set: the sender must run with its defaults", kv)
+		}
+	}
+	quiet := []string{"LOG_LEVEL=warn"}
+	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true,
+		Env: map[string][]string{"order": quiet, "invoicing": quiet, "notification": quiet}})
+	// The notification service ran once to create its schema; the others would compete for the
+	// two cores.
+	sys.Order.Stop(t)
+	sys.Invoicing.Stop(t)
+	sys.Notification.Stop(t)
+	fillNotifications(t, sys.Notification.DB, senderBacklog)
+
+	before := smtpCeiling(t, sys.Mail.Addr, senderBacklog, senderConns)
+	sessions := sys.Mail.Sessions()
+	start := time.Now()
+	sys.Notification.Start(t)
+	// Polled with the cheapest question, which stops at the first pending row: counting the
+	// table every 20 ms would take the database's time from the sender.
+	testenv.Eventually(t, 5*time.Minute, func() bool {
+		return testenv.Count(t, sys.Notification.DB.DB, "SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = 'pending' LIMIT 1) p") == 0
+	}, "not all %d notifications were sent", senderBacklog)
+	if n := testenv.Count(t, sys.Notification.DB.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'"); n != senderBacklog {
+		t.Fatalf("%d notifications sent, want %d", n, senderBacklog)
+	}
+	var span struct{ First, Last time.Time }
+	if err := sys.Notification.DB.DB.Raw("SELECT min(sent_at) AS first, max(sent_at) AS last FROM notifications").Scan(&span).Error; err != nil {
+		t.Fatal(err)
+	}
+	sys.Notification.Stop(t)
+	conns := sys.Mail.Sessions() - sessions
+	after := smtpCeiling(t, sys.Mail.Addr, senderBacklog, senderConns)
+
+	mails, repeats := notificationMails(sys.Mail)
+	ceiling := (before + after) / 2
+	perSec := rate(senderBacklog-1, span.Last.Sub(span.First))
+	r.add(fmt.Sprintf("SMTP ceiling: test SMTP server, a plain client, %d e-mails over %d reused connections (RSET, MAIL, RCPT, DATA), no DB",
+		senderBacklog, senderConns), fmt.Sprintf("%.0f mail/s", ceiling), fmt.Sprintf("before %.0f, after the drain %.0f", before, after), "1.00", "", true)
+	r.add(fmt.Sprintf("sender: notification binary, defaults, drains %d pending notifications (%d e-mails, %d repeated, over %d connections; first sent %.2f s after start)",
+		senderBacklog, mails, repeats, conns, span.First.Sub(start).Seconds()),
+		fmt.Sprintf("%.0f mail/s", perSec), "ceiling", fmt.Sprintf("%.2f", perSec/ceiling), "≥ 0.50",
+		perSec/ceiling >= 0.50 && mails == senderBacklog && repeats == 0 && conns <= senderConns)
+}
+
+// notificationBody is an order confirmation's body as the service writes it.
+func notificationBody(orderID uuid.UUID) string {
+	return fmt.Sprintf("Thank you for your order %s.\r\n\r\n  2 × SKU-1 at 12.50\r\n\r\nTotal: 25.00\r\n", orderID)
+}
+
+// fillNotifications commits n pending order confirmations, due now, as the notification
+// service's handlers record them.
+func fillNotifications(t *testing.T, db *testenv.Database, n int) {
+	t.Helper()
+	orderID := uuid.New() // one body for all: its size is what counts
+	if err := db.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, message_id, created_at, next_attempt_at)
+SELECT `+testenv.UUIDv7SQL("now()", "i")+`, gen_random_uuid(), 'c-42', 'order_confirmation', 'c-42@customers.example',
+    'Your order ' || gen_random_uuid(), ?, gen_random_uuid(), now() + i * interval '1 microsecond', now()
+FROM generate_series(1, ?) AS i`, notificationBody(orderID), n).Error; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// smtpCeiling sends n e-mails like the sender's to addr over conns connections, each kept open
+// for all its e-mails with RSET between them, as the sender does, and returns the rate. The
+// e-mails are built before the clock starts, so it measures the server.
+func smtpCeiling(t *testing.T, addr string, n, conns int) float64 {
+	t.Helper()
+	msgs := make([][]byte, n)
+	for i := range msgs {
+		msgs[i] = ceilingEmail()
+	}
+	var next atomic.Int64
+	errs := make(chan error, conns)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range conns {
+		wg.Go(func() {
+			c, err := smtp.Dial(addr)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			for i := next.Add(1) - 1; i < int64(n); i = next.Add(1) - 1 {
+				if err := sendOne(c, msgs[i]); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- c.Quit()
+		})
+	}
+	wg.Wait()
+	took := time.Since(start)
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("ceiling: %v", err)
+		}
+	}
+	return rate(n, took)
+}
+
+// sendOne sends one e-mail in a session.
+func sendOne(c *smtp.Client, msg []byte) error {
+	if err := c.Reset(); err != nil {
+		return err
+	}
+	if err := c.Mail("orders@shop.example"); err != nil {
+		return err
+	}
+	if err := c.Rcpt("c-42@customers.example"); err != nil {
+		return err
+	}
+	w, err := c.Data()
+	if err != nil {
+		return err
+	}
+	if _, err := w.Write(msg); err != nil {
+		return err
+	}
+	return w.Close()
+}
+
+// ceilingEmail is an e-mail with the headers and body of the sender's, and a Message-ID of the
+// ceiling's own.
+func ceilingEmail() []byte {
+	id, orderID := uuid.New(), uuid.New()
+	var b strings.Builder
+	b.WriteString("From: orders@shop.example\r\nTo: c-42@customers.example\r\n")
+	fmt.Fprintf(&b, "Subject: Your order %s\r\n", orderID)
+	fmt.Fprintf(&b, "Message-ID: <%s@ceiling.bench>\r\n", id)
+	fmt.Fprintf(&b, "X-Notification-ID: %s\r\nX-Order-ID: %s\r\n", id, orderID)
+	fmt.Fprintf(&b, "Date: %s\r\n", time.Now().UTC().Format(time.RFC1123Z))
+	b.WriteString("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n")
+	b.WriteString(notificationBody(orderID))
+	return []byte(b.String())
+}
+
+// notificationMails counts the e-mails the notification service sent to srv, and how many of
+// them repeated a Message-ID.
+func notificationMails(srv *testenv.SMTPServer) (mails, repeats int) {
+	seen := map[string]bool{}
+	for _, m := range srv.Mail() {
+		if !strings.HasSuffix(m.MessageID, notificationMessageID) {
+			continue
+		}
+		mails++
+		if seen[m.MessageID] {
+			repeats++
+		}
+		seen[m.MessageID] = true
+	}
+	return mails, repeats
+}

@@ -1,0 +1,392 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/internal/systest"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// ageOfBacklog is how long the backlog of the consumers' outage waits before they come back:
+// every event in it is then older than ConsumerEventAgeHigh's 60 s, and past the 64 s bucket
+// bound of consumer_event_age_seconds, so its 95th percentile reads above 60 whatever the
+// interpolation.
+const ageOfBacklog = 70 * time.Second
+
+// The alerts of deploy/prometheus/alerts.yml, evaluated by a real Prometheus on the real
+// services' metrics and the test broker's, each made to fire by a real fault and to resolve by
+// its fix, and none firing while orders flow without a fault. The rules' durations are
+// compressed (see timeCompression); their metric names and thresholds are the deployed ones, so
+// a rule that reads a metric no service exports, or a threshold the fault does not cross, fails
+// here. The Grafana dashboard's queries are evaluated on the same Prometheus under load.
+func TestAlertsOnRealFaults(t *testing.T) {
+	if os.Getenv("TEST_SIDROOT") == "" {
+		t.Skip("needs a real Prometheus: set TEST_SIDROOT (eval \"$(scripts/sidroot.sh env)\"), whose Debian unstable root has Prometheus 3.5")
+	}
+	t.Parallel()
+	r := &faultRun{outboxctl: buildOutboxctl(t)}
+	// The order relay retries a refused row every 2 s at most, so its attempts climb past
+	// OutboxPoisonRows's 10 in about half a minute. Each consumer has 2 handlers, and the
+	// connections its parts need besides.
+	r.s = startSystem(t, systest.Options{Env: map[string][]string{
+		"order":        {"OUTBOX_MAX_BACKOFF=2s", "OUTBOX_POLL_INTERVAL=250ms"},
+		"invoicing":    {"DB_MAX_CONNS=12", "CONSUMER_CONCURRENCY=2"},
+		"notification": {"DB_MAX_CONNS=8", "CONSUMER_CONCURRENCY=2"},
+	}})
+	r.prom = startPrometheus(t, r.s)
+	r.watch = r.prom.watch(t)
+	r.ch = r.s.Channel(t)
+	t.Cleanup(func() {
+		t.Logf("alerts on real faults (rule durations ÷ %d, scrape and evaluation every %s):\n%s",
+			timeCompression, promInterval, strings.Join(r.report, "\n"))
+	})
+
+	traffic := r.quiet(t)
+	killed, down := r.killConsumers(t, traffic)
+	lastOrder := r.cutBroker(t)
+	r.poisonRow(t)
+	r.restartConsumers(t, killed, lastOrder, down)
+	r.poisonMessage(t)
+
+	// How close the scrapes came to their timeout (the interval): a slow one reads as a target
+	// down.
+	for _, d := range r.prom.query(t, fmt.Sprintf("max_over_time(scrape_duration_seconds[%ds])", int(time.Since(r.started).Seconds()))) {
+		r.note("slowest scrape of %s: %.3f s", d.Metric["job"], d.Value)
+	}
+}
+
+// faultRun is one system under a live Prometheus, and what its faults did when.
+type faultRun struct {
+	s         *systest.System
+	prom      *livePrometheus
+	watch     *alertWatch
+	ch        *amqp.Channel // the test's own, straight to the broker
+	outboxctl func() string
+	started   time.Time
+	report    []string // printed at the end, failed or not
+}
+
+func (r *faultRun) note(format string, args ...any) {
+	r.report = append(r.report, fmt.Sprintf(format, args...))
+}
+
+// since is at − from to the millisecond: how long after a fault, or its fix, an alert's moment
+// came.
+func since(from, at time.Time) time.Duration { return at.Sub(from).Round(time.Millisecond) }
+
+// quiet requires, under steady orders without a fault, every target up, every rule evaluated
+// without error, every panel of the dashboard with data, and no alert firing. It returns the
+// traffic, still running.
+func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
+	t.Helper()
+	r.started = time.Now()
+	var up []sample
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		up = r.prom.query(t, "up")
+		return len(up) == 6 && !slices.ContainsFunc(up, func(s sample) bool { return s.Value != 1 })
+	}, "not every target is up: %v", lazy(func() string { return fmt.Sprint(up) }))
+	r.prom.checkRulesHealthy(t)
+	traffic := r.s.StartTraffic(2)
+	traffic.WaitFor(t, 50)
+	quiet := time.Now()
+	checkDashboard(t, r.prom)
+	traffic.WaitFor(t, 100)
+	for time.Since(quiet) < 15*time.Second { // a window of observation, not a wait for anything
+		time.Sleep(100 * time.Millisecond)
+	}
+	if fired := r.watch.firedBetween(r.started, time.Now()); len(fired) != 0 {
+		t.Fatalf("alerts fired while orders flowed without a fault: %v", fired)
+	}
+	r.prom.checkRulesHealthy(t)
+	r.note("quiet: no alert fired in %s of steady orders (%d placed); pending meanwhile: %v",
+		time.Since(r.started).Round(time.Second), traffic.Placed(), r.watch.pendingSeen())
+	return traffic
+}
+
+// killConsumers SIGKILLs both consumers while traffic goes on: ServiceDown fires for each.
+// They stay down while 400 more orders fill their queues, and the traffic stops.
+func (r *faultRun) killConsumers(t *testing.T, traffic *systest.Traffic) (killed time.Time, down map[string]*episode) {
+	t.Helper()
+	killed = time.Now()
+	r.s.Invoicing.Kill(t)
+	r.s.Notification.Kill(t)
+	down = map[string]*episode{}
+	for _, job := range []string{"invoicing", "notification"} {
+		down[job] = r.watch.firing(t, 30*time.Second, killed, "ServiceDown", map[string]string{"job": job})
+		r.note("ServiceDown{job=%s}: fired %s after the SIGKILL", job, since(killed, down[job].Fired))
+	}
+	traffic.WaitFor(t, 400)
+	if _, _, serverErrors := traffic.Stop(t); serverErrors != 0 {
+		t.Errorf("%d orders got a 5xx while the consumers were down", serverErrors)
+	}
+	return killed, down
+}
+
+// cutBroker stops the broker's proxy while orders come: the order relay sees it gone and
+// BrokerUnavailable fires; it resolves once the broker is back. It returns when the last order
+// was placed.
+func (r *faultRun) cutBroker(t *testing.T) (lastOrder time.Time) {
+	t.Helper()
+	cut := time.Now()
+	r.s.Broker.Stop()
+	var unavailable *episode
+	testenv.Eventually(t, time.Minute, func() bool {
+		r.s.PlaceOrder(t, "during-broker-outage")
+		lastOrder = time.Now()
+		time.Sleep(250 * time.Millisecond) // pacing: four orders a second
+		unavailable = r.watch.find("BrokerUnavailable", map[string]string{"job": "order", "exchange": "orders"}, cut)
+		return unavailable != nil
+	}, "BrokerUnavailable did not fire for the order relay")
+	back := time.Now()
+	if err := r.s.Broker.Start(); err != nil {
+		t.Fatal(err)
+	}
+	resolved := r.watch.resolved(t, 30*time.Second, unavailable)
+	r.note("BrokerUnavailable{job=order}: fired %s after the broker was cut off; resolved %s after it was back",
+		since(cut, unavailable.Fired), since(back, resolved))
+	return lastOrder
+}
+
+// poisonRow enqueues an outbox row the broker refuses (no queue is bound to its type): its
+// attempts climb past 10 and OutboxPoisonRows fires. The runbook's fix, a queue bound to it and
+// outboxctl retry, resolves it.
+func (r *faultRun) poisonRow(t *testing.T) {
+	t.Helper()
+	row := enqueueUnroutable(t, r.s)
+	enqueued := time.Now()
+	poison := r.watch.firing(t, 2*time.Minute, enqueued, "OutboxPoisonRows", map[string]string{"job": "order"})
+	if _, err := r.ch.QueueDeclare("unroutable-fix", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.ch.QueueBind("unroutable-fix", row.Type, "orders", false, nil); err != nil {
+		t.Fatal(err)
+	}
+	fixed := time.Now()
+	runOutboxctl(t, r.outboxctl, "retry", "--id", row.ID.String(), "--yes", "--db", r.s.Order.DB.URL)
+	resolved := r.watch.resolved(t, 30*time.Second, poison)
+	r.note("OutboxPoisonRows{job=order}: fired %s after the unroutable row was enqueued; resolved %s after a queue was bound and outboxctl retry",
+		since(enqueued, poison.Fired), since(fixed, resolved))
+}
+
+// restartConsumers brings the consumers back once their backlog is over a minute old, with one
+// handler each, so that it takes a while to drain: ServiceDown resolves, ConsumerEventAgeHigh
+// fires while they work it off and resolves once the old events are out of its window.
+func (r *faultRun) restartConsumers(t *testing.T, killed, lastOrder time.Time, down map[string]*episode) {
+	t.Helper()
+	time.Sleep(time.Until(lastOrder.Add(ageOfBacklog))) // the backlog ages: real seconds
+	restarted := time.Now()
+	for _, c := range []*systest.Service{r.s.Invoicing, r.s.Notification} {
+		c.SetEnv("CONSUMER_CONCURRENCY=1", "CONSUMER_BATCH_SIZE=1", "CONSUMER_PREFETCH=1")
+		c.Start(t)
+	}
+	for _, job := range []string{"invoicing", "notification"} {
+		r.note("ServiceDown{job=%s}: resolved %s after the restart", job, since(restarted, r.watch.resolved(t, 30*time.Second, down[job])))
+	}
+	var aged *episode
+	var drained time.Duration
+	ageHigh := map[string]string{"job": "invoicing", "consumer": "invoicing"}
+	testenv.Eventually(t, 3*time.Minute, func() bool {
+		if drained == 0 && testenv.QueueDepth(t, r.ch, "invoicing") == 0 {
+			drained = time.Since(restarted)
+		}
+		if aged == nil {
+			aged = r.watch.find("ConsumerEventAgeHigh", ageHigh, restarted)
+		}
+		return aged != nil && drained != 0
+	}, "ConsumerEventAgeHigh %v fired: %v; the invoicing backlog drained after: %v", ageHigh,
+		lazy(func() string { return fmt.Sprint(aged != nil) }), lazy(func() string { return drained.String() }))
+	resolved := r.watch.resolved(t, time.Minute, aged)
+	r.note("ConsumerEventAgeHigh{job=invoicing}: fired %s after the SIGKILL (%s after the restart; backlog drained in %s); resolved %s after the restart",
+		since(killed, aged.Fired), since(restarted, aged.Fired), drained.Round(time.Millisecond), since(restarted, resolved))
+}
+
+// poisonMessage publishes an undecodable message into the invoicing queue, the first dead-letter
+// since that consumer started (the zero series exported at its start let increase() see it):
+// ConsumerDeadLettering and DeadLetterQueueNotEmpty fire. A good order that the consumer fails
+// on at every delivery (its database refuses the invoice) joins it there. The fix: the database
+// takes invoices again, the poison message is dropped and the order redriven, and handled: the
+// dead-letter queue ends empty, and both alerts resolve.
+func (r *faultRun) poisonMessage(t *testing.T) {
+	t.Helper()
+	deadLettered := `consumer_messages_total{job="invoicing",queue="invoicing",outcome="dead_lettered"}`
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(r.prom.query(t, deadLettered+" == 0")) == 1 },
+		"Prometheus has no %s = 0 since the consumer's restart: without the zero series, increase() misses its first dead-letter", deadLettered)
+	poison := uuid.NewString()
+	poisoned := time.Now()
+	if err := r.ch.PublishWithContext(context.Background(), "", "invoicing", false, false, amqp.Publishing{
+		MessageId: poison, Type: "OrderPlaced", ContentType: "application/json", Body: []byte("not json"),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	deadLetters := r.watch.firing(t, 30*time.Second, poisoned, "ConsumerDeadLettering", map[string]string{"job": "invoicing", "queue": "invoicing"})
+	dlq := r.watch.firing(t, 30*time.Second, poisoned, "DeadLetterQueueNotEmpty", map[string]string{"queue": "invoicing.dlq", "vhost": r.s.VHost})
+	r.note("ConsumerDeadLettering{job=invoicing}: fired %s after the first poison message since the consumer started", since(poisoned, deadLetters.Fired))
+	r.note("DeadLetterQueueNotEmpty{queue=invoicing.dlq}: fired %s after it", since(poisoned, dlq.Fired))
+
+	refuseInvoices(t, r.s.Invoicing.DB.DB, "blocked-customer")
+	blocked := r.s.PlaceOrder(t, "blocked-customer")
+	testenv.Eventually(t, 2*time.Minute, func() bool { return testenv.QueueDepth(t, r.ch, "invoicing.dlq") == 2 },
+		"the order the database refuses was not dead-lettered")
+	lastDeadLetter := time.Now()
+
+	allowInvoices(t, r.s.Invoicing.DB.DB)
+	runOutboxctl(t, r.outboxctl, "dlq", "drop", "invoicing", "--id", poison, "--yes", "--amqp", r.s.AMQPURL)
+	runOutboxctl(t, r.outboxctl, "dlq", "redrive", "invoicing", "--yes", "--amqp", r.s.AMQPURL)
+	redriven := time.Now()
+	resolved := r.watch.resolved(t, 30*time.Second, dlq)
+	r.note("DeadLetterQueueNotEmpty{queue=invoicing.dlq}: resolved %s after outboxctl dlq drop (the poison message) and dlq redrive (the order, handled now)",
+		since(redriven, resolved))
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		var invoices []struct{ Status string }
+		r.s.Invoicing.GetJSON(t, "/invoices?order_id="+blocked.String(), &invoices)
+		return len(invoices) == 1 && invoices[0].Status == "issued"
+	}, "the redriven order %s has no invoice", blocked)
+	if n := testenv.QueueDepth(t, r.ch, "invoicing.dlq"); n != 0 {
+		t.Errorf("invoicing.dlq holds %d messages after the fix, want 0", n)
+	}
+	resolved = r.watch.resolved(t, time.Minute, deadLetters)
+	r.note("ConsumerDeadLettering{job=invoicing}: resolved %s after the last dead-letter (its window)", since(lastDeadLetter, resolved))
+}
+
+// checkDashboard evaluates every query of the Grafana dashboard on p, $__rate_interval being
+// what Grafana makes of it for p's scrape interval (4 of them), and requires each to return
+// data: at least one series with a value.
+func checkDashboard(t *testing.T, p *livePrometheus) {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("..", "deploy", "grafana", "dashboards", "outbox-inbox.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	type panel struct {
+		Title   string `json:"title"`
+		Targets []struct {
+			Expr string `json:"expr"`
+		} `json:"targets"`
+		Panels []json.RawMessage `json:"panels"`
+	}
+	var queries []string
+	var walk func([]json.RawMessage)
+	walk = func(raws []json.RawMessage) {
+		for _, r := range raws {
+			var p panel
+			if err := json.Unmarshal(r, &p); err != nil {
+				t.Fatal(err)
+			}
+			for _, q := range p.Targets {
+				queries = append(queries, p.Title+": "+q.Expr)
+			}
+			walk(p.Panels)
+		}
+	}
+	var dashboard struct {
+		Panels []json.RawMessage `json:"panels"`
+	}
+	if err := json.Unmarshal(raw, &dashboard); err != nil {
+		t.Fatal(err)
+	}
+	walk(dashboard.Panels)
+	rate := (4 * promInterval).String()
+	empty := 0
+	// A rate needs two samples in its window: give the fresh load a few scrapes first.
+	time.Sleep(4 * promInterval)
+	for _, q := range queries {
+		title, expr, _ := strings.Cut(q, ": ")
+		if !hasValue(p.query(t, strings.ReplaceAll(expr, "$__rate_interval", rate))) {
+			t.Errorf("dashboard panel %q: %s returns no data under load", title, expr)
+			empty++
+		}
+	}
+	t.Logf("dashboard: %d of %d queries return data under load ($__rate_interval = %s)", len(queries)-empty, len(queries), rate)
+}
+
+// buildOutboxctl builds cmd/outboxctl in the background; the returned function waits for it
+// and returns its path.
+func buildOutboxctl(t *testing.T) func() string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "outboxctl")
+	done := make(chan error, 1)
+	go func() {
+		out, err := exec.Command("go", "build", "-o", bin, "github.com/outboxkit/outbox-inbox/cmd/outboxctl").CombinedOutput()
+		if err != nil {
+			err = fmt.Errorf("%w\n%s", err, out)
+		}
+		done <- err
+	}()
+	var err error
+	var waited bool
+	return func() string {
+		if !waited {
+			err, waited = <-done, true
+		}
+		if err != nil {
+			t.Fatalf("build outboxctl: %v", err)
+		}
+		return bin
+	}
+}
+
+// runOutboxctl runs outboxctl with args, without a terminal, and requires it to succeed.
+func runOutboxctl(t *testing.T, bin func() string, args ...string) {
+	t.Helper()
+	cmd := exec.Command(bin(), args...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("outboxctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	t.Logf("outboxctl %s:\n%s", args[0]+" "+args[1], out)
+}
+
+// enqueueUnroutable commits a row to the order service's outbox whose type no queue is bound
+// to: the broker returns it at every attempt.
+func enqueueUnroutable(t *testing.T, s *systest.System) messaging.Message {
+	t.Helper()
+	msg, err := messaging.NewMessage("NobodyBindsThis", map[string]string{"note": "a type no queue is bound to"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg.Exchange = "orders"
+	drv := s.Order.DB.Driver(t)
+	if err := s.Order.DB.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), drv, tx, msg) }); err != nil {
+		t.Fatal(err)
+	}
+	return msg
+}
+
+// refuseInvoices makes the invoicing database refuse the invoices of customer: a dependency
+// that fails at every delivery, until allowInvoices.
+func refuseInvoices(t *testing.T, db *gorm.DB, customer string) {
+	t.Helper()
+	for _, stmt := range []string{
+		fmt.Sprintf(`CREATE FUNCTION refuse_invoice() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN
+				IF NEW.customer_id = '%s' THEN RAISE EXCEPTION 'invoices of %s refused (a test fault)'; END IF;
+				RETURN NEW;
+			END $$`, customer, customer),
+		"CREATE TRIGGER refuse_invoice BEFORE INSERT ON invoices FOR EACH ROW EXECUTE FUNCTION refuse_invoice()",
+	} {
+		if err := db.Exec(stmt).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func allowInvoices(t *testing.T, db *gorm.DB) {
+	t.Helper()
+	if err := db.Exec("DROP TRIGGER refuse_invoice ON invoices").Error; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,525 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"math"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.yaml.in/yaml/v4"
+
+	"github.com/outboxkit/outbox-inbox/internal/systest"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// The live Prometheus's clock. Production scrapes and evaluates every 15 s; here every second,
+// and every duration of the rules (each alert's for: and each range window) is divided by
+// timeCompression: 1m becomes 3s, 5m 15s, 10m 30s. Nothing else of a rule changes: its metric
+// names, labels, comparisons and thresholds are the ones of deploy/prometheus/alerts.yml. The
+// thresholds on ages (OutboxBacklogAge's 300 s, ConsumerEventAgeHigh's 60 s) are real seconds,
+// so the faults that trip them still take that long.
+const (
+	promInterval    = time.Second
+	timeCompression = 20
+)
+
+// rangeWindow is a range selector's duration in an expression: [10m].
+var rangeWindow = regexp.MustCompile(`\[(\d+(?:ms|[smhdwy]))\]`)
+
+// compress divides a Prometheus duration by timeCompression, in seconds, or milliseconds where
+// that leaves a fraction.
+func compress(t *testing.T, d string) string {
+	t.Helper()
+	parsed, err := time.ParseDuration(d)
+	if err != nil || parsed%timeCompression != 0 {
+		t.Fatalf("rule duration %q: want a Go-parsable duration divisible by %d (%v)", d, timeCompression, err)
+	}
+	c := parsed / timeCompression
+	if c%time.Second != 0 {
+		return fmt.Sprintf("%dms", c.Milliseconds())
+	}
+	return fmt.Sprintf("%ds", c/time.Second)
+}
+
+// compressedRules writes into dir a copy of deploy/prometheus/alerts.yml with every for: and
+// range window divided by timeCompression, and returns its path and the alerts it defines.
+func compressedRules(t *testing.T, dir string) (path string, alerts []string) {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("..", "deploy", "prometheus", "alerts.yml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file struct {
+		Groups []struct {
+			Name  string           `yaml:"name"`
+			Rules []map[string]any `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	if err := yaml.Unmarshal(raw, &file); err != nil {
+		t.Fatalf("deploy/prometheus/alerts.yml: %v", err)
+	}
+	for _, g := range file.Groups {
+		for _, r := range g.Rules {
+			if f, ok := r["for"].(string); ok {
+				r["for"] = compress(t, f)
+			}
+			expr, _ := r["expr"].(string)
+			r["expr"] = rangeWindow.ReplaceAllStringFunc(expr, func(w string) string {
+				return "[" + compress(t, strings.Trim(w, "[]")) + "]"
+			})
+			if name, ok := r["alert"].(string); ok {
+				alerts = append(alerts, name)
+				after, _ := r["for"].(string)
+				t.Logf("rule %s, time-compressed: %s (for: %q)", name, strings.Join(strings.Fields(r["expr"].(string)), " "), after)
+			}
+		}
+	}
+	out, err := yaml.Marshal(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path = filepath.Join(dir, "alerts.yml")
+	if err := os.WriteFile(path, out, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path, alerts
+}
+
+// livePrometheus is a real Prometheus server scraping one system, with the project's rules.
+type livePrometheus struct {
+	URL    string
+	Alerts []string // the alerts its rules define
+	log    string   // its output
+}
+
+// startPrometheus runs the Prometheus of the Debian unstable root that scripts/sidroot.sh
+// provisions (TEST_SIDROOT; its binary needs only libc) on a free port, with a data directory
+// of its own, until the test ends. Its configuration is deploy/prometheus/prometheus.yml with
+// each job's target replaced by the system's (the services, and the test broker's
+// rabbitmq_prometheus endpoint, TEST_RABBITMQ_PROMETHEUS_URL), the queue depths limited to the
+// system's vhost, and the clock of promInterval and compressedRules.
+func startPrometheus(t *testing.T, s *systest.System) *livePrometheus {
+	t.Helper()
+	bin := filepath.Join(os.Getenv("TEST_SIDROOT"), "usr", "bin", "prometheus")
+	if _, err := os.Stat(bin); err != nil {
+		t.Fatalf("TEST_SIDROOT has no Prometheus (scripts/sidroot.sh provision installs it): %v", err)
+	}
+	plugin, err := url.Parse(os.Getenv("TEST_RABBITMQ_PROMETHEUS_URL"))
+	if err != nil || plugin.Host == "" {
+		t.Fatalf("TEST_RABBITMQ_PROMETHEUS_URL=%q: want the test broker's rabbitmq_prometheus URL (scripts/sidroot.sh env)", os.Getenv("TEST_RABBITMQ_PROMETHEUS_URL"))
+	}
+	dir := t.TempDir()
+	rules, alerts := compressedRules(t, dir)
+	addr := freePort(t)
+	host := func(svc *systest.Service) string { return strings.TrimPrefix(svc.URL, "http://") }
+	targets := map[string]string{
+		"order": host(s.Order), "invoicing": host(s.Invoicing), "notification": host(s.Notification),
+		"rabbitmq": plugin.Host, "rabbitmq-queues": plugin.Host, "prometheus": addr,
+	}
+
+	raw, err := os.ReadFile(filepath.Join("..", "deploy", "prometheus", "prometheus.yml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg map[string]any
+	if err := yaml.Unmarshal(raw, &cfg); err != nil {
+		t.Fatalf("deploy/prometheus/prometheus.yml: %v", err)
+	}
+	every := promInterval.String()
+	cfg["global"] = map[string]any{"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every}
+	cfg["rule_files"] = []string{rules}
+	jobs, _ := cfg["scrape_configs"].([]any)
+	for _, j := range jobs {
+		job := j.(map[string]any)
+		name, _ := job["job_name"].(string)
+		target, ok := targets[name]
+		if !ok {
+			t.Fatalf("deploy/prometheus/prometheus.yml scrapes job %q, which this test has no target for", name)
+		}
+		delete(targets, name)
+		job["static_configs"] = []any{map[string]any{"targets": []string{target}}}
+		if name == "rabbitmq-queues" {
+			// Only the system's queues: other tests' dead-letter queues are not its faults.
+			params, _ := job["params"].(map[string]any)
+			if params == nil {
+				t.Fatal("deploy/prometheus/prometheus.yml: job rabbitmq-queues has no params")
+			}
+			params["vhost"] = []string{s.VHost}
+		}
+	}
+	if len(targets) != 0 {
+		t.Fatalf("deploy/prometheus/prometheus.yml has no job %v", slices.Sorted(maps.Keys(targets)))
+	}
+	out, err := yaml.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := filepath.Join(dir, "prometheus.yml")
+	if err := os.WriteFile(config, out, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	p := &livePrometheus{URL: "http://" + addr, Alerts: alerts, log: filepath.Join(dir, "prometheus.log")}
+	logFile, err := os.Create(p.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "--config.file="+config, "--storage.tsdb.path="+filepath.Join(dir, "data"),
+		"--web.listen-address="+addr, "--log.level=warn")
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", bin, err)
+	}
+	done := make(chan struct{})
+	var exitErr error
+	go func() { exitErr = cmd.Wait(); logFile.Close(); close(done) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+			if exitErr != nil {
+				t.Errorf("Prometheus exited with %v after SIGTERM", exitErr)
+			}
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+			t.Errorf("Prometheus did not stop within 10 s of SIGTERM")
+		}
+		if t.Failed() {
+			if log, err := os.ReadFile(p.log); err == nil {
+				t.Logf("Prometheus's output:\n%s", log)
+			}
+		}
+	})
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		select {
+		case <-done:
+			log, _ := os.ReadFile(p.log)
+			t.Fatalf("Prometheus exited while starting: %v\n%s", exitErr, log)
+		default:
+		}
+		resp, err := http.Get(p.URL + "/-/ready")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, "Prometheus not ready at %s", p.URL)
+	return p
+}
+
+// lazy formats as what its function returns when the message is printed: a failure message
+// then shows the state at the failure, not at the call.
+type lazy func() string
+
+func (l lazy) String() string { return l() }
+
+// freePort returns a loopback address nothing listens on at the moment.
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// api GETs Prometheus's HTTP API at path with query and decodes its data into v.
+func (p *livePrometheus) api(t *testing.T, path string, query url.Values, v any) {
+	t.Helper()
+	resp, err := http.Get(p.URL + path + "?" + query.Encode())
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	var envelope struct {
+		Status string          `json:"status"`
+		Data   json.RawMessage `json:"data"`
+		Error  string          `json:"error"`
+	}
+	if err := json.Unmarshal(body, &envelope); err != nil || envelope.Status != "success" {
+		t.Fatalf("GET %s?%s = %d %s", path, query.Encode(), resp.StatusCode, body)
+	}
+	if err := json.Unmarshal(envelope.Data, v); err != nil {
+		t.Fatalf("GET %s: %v: %s", path, err, envelope.Data)
+	}
+}
+
+// sample is one series of an instant vector.
+type sample struct {
+	Metric map[string]string
+	Value  float64
+}
+
+// query evaluates expr now (/api/v1/query) and returns its instant vector.
+func (p *livePrometheus) query(t *testing.T, expr string) []sample {
+	t.Helper()
+	var data struct {
+		ResultType string `json:"resultType"`
+		Result     []struct {
+			Metric map[string]string `json:"metric"`
+			Value  [2]any            `json:"value"`
+		} `json:"result"`
+	}
+	p.api(t, "/api/v1/query", url.Values{"query": {expr}}, &data)
+	if data.ResultType != "vector" {
+		t.Fatalf("query %s: result type %q, want vector", expr, data.ResultType)
+	}
+	out := make([]sample, len(data.Result))
+	for i, r := range data.Result {
+		s, _ := r.Value[1].(string)
+		v, err := strconv.ParseFloat(s, 64)
+		if err != nil {
+			t.Fatalf("query %s: value %v: %v", expr, r.Value, err)
+		}
+		out[i] = sample{Metric: r.Metric, Value: v}
+	}
+	return out
+}
+
+// hasValue reports whether any sample is a number, not NaN (what histogram_quantile gives
+// when nothing was observed).
+func hasValue(samples []sample) bool {
+	return slices.ContainsFunc(samples, func(s sample) bool { return !math.IsNaN(s.Value) })
+}
+
+// activeAlert is an alert of /api/v1/alerts: pending or firing.
+type activeAlert struct {
+	Labels map[string]string `json:"labels"`
+	State  string            `json:"state"`
+}
+
+// checkRulesHealthy requires every alert of the rules to be loaded and evaluated without
+// error.
+func (p *livePrometheus) checkRulesHealthy(t *testing.T) {
+	t.Helper()
+	var data struct {
+		Groups []struct {
+			Rules []struct {
+				Name      string `json:"name"`
+				Health    string `json:"health"`
+				LastError string `json:"lastError"`
+			} `json:"rules"`
+		} `json:"groups"`
+	}
+	p.api(t, "/api/v1/rules", url.Values{"type": {"alert"}}, &data)
+	var loaded []string
+	for _, g := range data.Groups {
+		for _, r := range g.Rules {
+			loaded = append(loaded, r.Name)
+			if r.Health != "ok" {
+				t.Errorf("alert %s: health %q: %s", r.Name, r.Health, r.LastError)
+			}
+		}
+	}
+	if !slices.Equal(slices.Sorted(slices.Values(loaded)), slices.Sorted(slices.Values(p.Alerts))) {
+		t.Fatalf("Prometheus evaluates the alerts %v, want those of alerts.yml %v", loaded, p.Alerts)
+	}
+}
+
+// episode is one alert, by its labels, from the moment it was seen firing to the moment it was
+// seen gone (zero while it still fires).
+type episode struct {
+	Name            string
+	Labels          map[string]string
+	Fired, Resolved time.Time
+}
+
+// alertWatch polls /api/v1/alerts in the background, every 100 ms, and records each firing
+// alert's episodes, so that a test can wait for an alert while other faults go on.
+type alertWatch struct {
+	mu       sync.Mutex
+	episodes []*episode
+	pending  map[string]bool // alerts seen pending, by key
+	failure  string          // why polling stopped, if it did
+}
+
+func alertKey(name string, labels map[string]string) string {
+	keys := slices.Sorted(maps.Keys(labels))
+	var b strings.Builder
+	b.WriteString(name)
+	for _, k := range keys {
+		fmt.Fprintf(&b, ",%s=%q", k, labels[k])
+	}
+	return b.String()
+}
+
+// watch starts an alertWatch on p until the test ends.
+func (p *livePrometheus) watch(t *testing.T) *alertWatch {
+	w := &alertWatch{pending: map[string]bool{}}
+	stop := make(chan struct{})
+	stopped := make(chan struct{})
+	t.Cleanup(func() { close(stop); <-stopped })
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			alerts, err := fetchAlerts(p.URL)
+			now := time.Now()
+			w.mu.Lock()
+			if err != nil {
+				w.failure = err.Error()
+				w.mu.Unlock()
+				continue
+			}
+			w.record(now, alerts)
+			w.mu.Unlock()
+		}
+	}()
+	return w
+}
+
+// fetchAlerts is alerts for a goroutine that may not fail the test.
+func fetchAlerts(base string) ([]activeAlert, error) {
+	resp, err := http.Get(base + "/api/v1/alerts")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var body struct {
+		Status string `json:"status"`
+		Data   struct {
+			Alerts []activeAlert `json:"alerts"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&body); err != nil {
+		return nil, fmt.Errorf("GET /api/v1/alerts: %d: %w", resp.StatusCode, err)
+	}
+	if body.Status != "success" {
+		return nil, fmt.Errorf("GET /api/v1/alerts: %d, status %q", resp.StatusCode, body.Status)
+	}
+	return body.Data.Alerts, nil
+}
+
+// record notes at now which episodes started and which ended. The caller holds w.mu.
+func (w *alertWatch) record(now time.Time, alerts []activeAlert) {
+	firing := map[string]*episode{}
+	for _, a := range alerts {
+		e := &episode{Name: a.Labels["alertname"], Labels: maps.Clone(a.Labels), Fired: now}
+		delete(e.Labels, "alertname")
+		key := alertKey(e.Name, e.Labels)
+		switch a.State {
+		case "firing":
+			firing[key] = e
+		case "pending":
+			w.pending[key] = true
+		}
+	}
+	open := map[string]bool{}
+	for _, e := range w.episodes {
+		key := alertKey(e.Name, e.Labels)
+		if e.Resolved.IsZero() {
+			if _, still := firing[key]; still {
+				open[key] = true
+			} else {
+				e.Resolved = now
+			}
+		}
+	}
+	for key, e := range firing {
+		if !open[key] {
+			w.episodes = append(w.episodes, e)
+		}
+	}
+}
+
+// matches reports whether e is alert name with every label of want.
+func (e *episode) matches(name string, want map[string]string) bool {
+	if e.Name != name {
+		return false
+	}
+	for k, v := range want {
+		if e.Labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// find returns the first episode of alert name, with the labels of want, that started firing
+// after since; nil if none has yet.
+func (w *alertWatch) find(name string, want map[string]string, since time.Time) *episode {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, e := range w.episodes {
+		if e.matches(name, want) && !e.Fired.Before(since) {
+			return e
+		}
+	}
+	return nil
+}
+
+// firing waits until alert name, with the labels of want, starts firing after since, and
+// returns that episode.
+func (w *alertWatch) firing(t *testing.T, timeout time.Duration, since time.Time, name string, want map[string]string) *episode {
+	t.Helper()
+	var found *episode
+	testenv.Eventually(t, timeout, func() bool {
+		found = w.find(name, want, since)
+		return found != nil
+	}, "alert %s %v did not fire (polling: %s)", name, want, lazy(w.lastFailure))
+	return found
+}
+
+// resolved waits until e has resolved and returns when.
+func (w *alertWatch) resolved(t *testing.T, timeout time.Duration, e *episode) time.Time {
+	t.Helper()
+	var at time.Time
+	testenv.Eventually(t, timeout, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		at = e.Resolved
+		return !at.IsZero()
+	}, "alert %s %v still fires (polling: %s)", e.Name, e.Labels, lazy(w.lastFailure))
+	return at
+}
+
+// firedBetween lists the alerts that started firing between from and to.
+func (w *alertWatch) firedBetween(from, to time.Time) []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []string
+	for _, e := range w.episodes {
+		if !e.Fired.Before(from) && !e.Fired.After(to) {
+			out = append(out, alertKey(e.Name, e.Labels))
+		}
+	}
+	return out
+}
+
+// pendingSeen lists the alerts seen pending so far, whether they fired then or not.
+func (w *alertWatch) pendingSeen() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Sorted(maps.Keys(w.pending))
+}
+
+func (w *alertWatch) lastFailure() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.failure == "" {
+		return "ok"
+	}
+	return w.failure
+}

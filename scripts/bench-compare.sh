@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Measures another revision's binaries and this checkout's in one run, phase by phase, with
+# this checkout's benchmark, each against the broker compose ships:
+#   scripts/bench-compare.sh REV [PHASE_REGEXP]
+# e.g. scripts/bench-compare.sh 5a2f3e5 '^(consumer|overload)$'. REV's binaries are built in a
+# temporary git worktree. A phase the older binaries cannot run (a variable they do not know, a
+# metric they do not export) fails in its own table; the exit status is that of this checkout's run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev=${1:?usage: scripts/bench-compare.sh REV [PHASE_REGEXP]}
+phases=${2:-.}
+sidroot_env=$(scripts/sidroot.sh start)
+eval "$sidroot_env"
+work=$(mktemp -d)
+trap 'scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+git worktree add --detach "$work/src" "$rev" >/dev/null
+mkdir "$work/bin"
+for svc in order invoicing notification; do
+  (cd "$work/src" && GOWORK=off go build -o "$work/bin/$svc" "./services/$svc")
+done
+run() {
+  BENCH=1 go test -count=1 -run "^TestPerformance\$/$phases" -v -timeout 60m ./bench/ 2>&1 |
+    { grep -vE '^ *(=== RUN|--- PASS|PASS$|ok )' || true; }
+}
+echo "## before: $(git rev-parse --short "$rev")"
+BENCH_BINARIES="$work/bin" run || true
+echo "## after: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
+run
