@@ -30,7 +30,12 @@ func TestRelayKeepsItsConnectionsWhenRequestsSaturateTheirs(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- outbox.Relay.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("relay: %v", err)
+		}
+	})
 
 	for range pools.Requests(Common{DBMaxConns: conns}) {
 		tx := b.DB.Begin()
