@@ -108,8 +108,11 @@ if ! "$lint" version 2>/dev/null | grep -q "version $GOLANGCI_LINT_VERSION "; th
   say "installing golangci-lint v$GOLANGCI_LINT_VERSION"
   go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$GOLANGCI_LINT_VERSION"
 fi
-say "golangci-lint"
-"$lint" run ./...
+say "golangci-lint (every module of go.work)"
+# Each module is linted from its own directory: ./... stops at a module's boundary.
+for module in $(go list -m -f '{{.Dir}}'); do
+  (cd "$module" && "$lint" run ./...)
+done
 
 # promtool, pinned to the Prometheus release the observability profile runs: Prometheus
 # 3.16.0 is Go module version 0.316.0 (deploy/observability_test.go holds docker-compose.yml's

@@ -121,7 +121,7 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 	}
 	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
 		"the stopped consumer did not hand the message back to the queue")
-	if n, _ := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"queue": b.queue, "outcome": "dead_lettered"}); n != 0 {
+	if n := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"queue": b.queue, "outcome": "dead_lettered"}); n != 0 {
 		t.Fatalf("counted %v times as dead-lettered while no dead-letter queue took it", n)
 	}
 
@@ -216,7 +216,7 @@ func wantDeadLetteredAtOnce(t *testing.T, b *testBundle, id string, ran, want in
 // wantNothingRequeued fails if the consumer of queue returned any message to it.
 func wantNothingRequeued(t *testing.T, b *testBundle, queue string) {
 	t.Helper()
-	if n, _ := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"outcome": "requeued", "queue": queue}); n != 0 {
+	if n := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"outcome": "requeued", "queue": queue}); n != 0 {
 		t.Errorf("metrics count %v requeues on %s: a message had more than one delivery", n, queue)
 	}
 }

@@ -51,8 +51,8 @@ func TestMetricsExportEverySeriesAtZeroFromTheStart(t *testing.T) {
 }
 
 // metricValue is the value of the counter, or the count of the histogram, named name whose
-// labels include labels; found reports whether there is one.
-func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) (v float64, found bool) {
+// labels include labels, or 0 when there is none.
+func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
 	t.Helper()
 	families, err := reg.Gather()
 	if err != nil {
@@ -74,10 +74,10 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 				}
 			}
 			if h := m.GetHistogram(); h != nil {
-				return float64(h.GetSampleCount()), true
+				return float64(h.GetSampleCount())
 			}
-			return m.GetCounter().GetValue(), true
+			return m.GetCounter().GetValue()
 		}
 	}
-	return 0, false
+	return 0
 }

@@ -234,7 +234,7 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	if lines := b.logs.Lines("level=ERROR", `msg="handler panicked"`, "panic=boom", "stack="); len(lines) == 0 {
 		t.Error("the panic was not logged with its stack")
 	}
-	if n, _ := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "outcome": "error", "type": "Placed"}); n == 0 {
+	if n := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "outcome": "error", "type": "Placed"}); n == 0 {
 		t.Error("the panic was not counted as an error")
 	}
 	got := deadLetters(t, ch, b.name)

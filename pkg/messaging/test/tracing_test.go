@@ -99,7 +99,7 @@ func storedTrace(t *testing.T, db *gorm.DB, id uuid.UUID) string {
 
 // spy declares a queue that takes a copy of exchange's messages with routingKey, to read their
 // headers while the subscription consumes its own copies.
-func spy(t *testing.T, ch *amqp.Channel, exchange, routingKey string) string {
+func spy(t *testing.T, exchange, routingKey string) string {
 	t.Helper()
 	q := testenv.UniqueName("spy")
 	testenv.CleanupBroker(t, []string{q, messaging.DeadLetterQueue(q)}, nil)
@@ -155,7 +155,7 @@ func TestTraceFollowsAMessageFromEnqueueToTheConsumersOwnOutbox(t *testing.T) {
 	}))
 	ch := testenv.Channel(t)
 	declareSubscription(t, s)
-	headers := spy(t, ch, b.exchange, b.placed.Type)
+	headers := spy(t, b.exchange, b.placed.Type)
 
 	ctx, request := tr.tp.Tracer("test").Start(context.Background(), "request")
 	msg, err := b.placed.Message(placed{OrderID: uuid.New()})
@@ -330,7 +330,7 @@ func TestTraceContextPassesThroughWithoutATracerProvider(t *testing.T) {
 	}))
 	ch := testenv.Channel(t)
 	declareSubscription(t, s)
-	headers := spy(t, ch, b.exchange, b.placed.Type)
+	headers := spy(t, b.exchange, b.placed.Type)
 
 	msg, err := b.placed.Message(placed{OrderID: uuid.New()})
 	if err != nil {
@@ -408,7 +408,7 @@ func TestBaggageTravelsWithTheMessage(t *testing.T) {
 	}))
 	ch := testenv.Channel(t)
 	declareSubscription(t, s)
-	headers := spy(t, ch, b.exchange, b.placed.Type)
+	headers := spy(t, b.exchange, b.placed.Type)
 
 	msg, err := b.placed.Message(placed{OrderID: uuid.New()})
 	if err != nil {
