@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -481,6 +482,42 @@ func expire(outcomes []*deliveryOutcome, err error) []*deliveryOutcome {
 // transact records outcomes and takes the leases r asks for, in one transaction within the
 // latest of their budgets. It returns the ids of the rows the outcomes changed, and the rows
 // leased.
+// scanIDs reads the ids recordOutcomesSQL returns. It and scanLeased read rows by hand: they
+// run for every batch of outcomes and leases, where GORM's reflective scan cost the sender more
+// CPU than the rest of reading the rows.
+func scanIDs(rows *sql.Rows, err error) ([]uuid.UUID, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var ids []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		ids = append(ids, id)
+	}
+	return ids, rows.Err()
+}
+
+// scanLeased reads the notifications leasePendingSQL leased.
+func scanLeased(rows *sql.Rows, err error) ([]pendingRow, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var leased []pendingRow
+	for rows.Next() {
+		var p pendingRow
+		if err := rows.Scan(&p.ID, &p.OrderID, &p.Recipient, &p.Subject, &p.Body, &p.Attempts, &p.LeasedUntil, &p.TraceParent, &p.TraceState); err != nil {
+			return nil, err
+		}
+		leased = append(leased, p)
+	}
+	return leased, rows.Err()
+}
+
 func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uuid.UUID]bool, []pendingRow, error) {
 	var deadline time.Time
 	if r != nil {
@@ -509,12 +546,13 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 			if err != nil {
 				return err
 			}
-			if err := tx.Raw(recordOutcomesSQL, string(doc)).Scan(&changedIDs).Error; err != nil {
+			if changedIDs, err = scanIDs(tx.Raw(recordOutcomesSQL, string(doc)).Rows()); err != nil {
 				return fmt.Errorf("record %d outcomes: %w", len(rows), err)
 			}
 		}
 		if r != nil {
-			if err := tx.Raw(leasePendingSQL, r.limit, s.leaseFor().Milliseconds()).Scan(&leased).Error; err != nil {
+			var err error
+			if leased, err = scanLeased(tx.Raw(leasePendingSQL, r.limit, s.leaseFor().Milliseconds()).Rows()); err != nil {
 				return fmt.Errorf("lease %d: %w", r.limit, err)
 			}
 		}
