@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"net/url"
 	"os"
 	"strings"
@@ -386,4 +387,52 @@ func CloseConnectionsNamed(t testing.TB, name string) int {
 		n++
 	}
 	return n
+}
+
+// HoldAt makes every later row event of db that when names ("BEFORE INSERT ON outbox_messages")
+// wait, inside its statement and its transaction, until the returned release is called (it is
+// also called at cleanup): a test's way to hold a transaction at one point while another runs
+// against it. The gate is an advisory lock, held on a connection of its own, that a trigger
+// waits for. Its key is random: advisory locks are the whole server's, and other tests'
+// databases live there too.
+func HoldAt(t *testing.T, db *gorm.DB, when string) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	sqlDB, err := db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate, err := sqlDB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := rand.Int64N(1 << 62)
+	if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", key); err != nil {
+				t.Error(err)
+			}
+			_ = gate.Close()
+		})
+	}
+	t.Cleanup(release)
+	name := fmt.Sprintf("wait_at_gate_%d", key)
+	for _, stmt := range []string{
+		fmt.Sprintf(`CREATE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_advisory_lock_shared(%d);
+	PERFORM pg_advisory_unlock_shared(%d);
+	RETURN NEW;
+END $$`, name, key, key),
+		fmt.Sprintf("CREATE TRIGGER %s %s FOR EACH ROW EXECUTE FUNCTION %s()", name, when, name),
+	} {
+		if err := db.Exec(stmt).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	return release
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -229,40 +228,13 @@ func TestCancellationVoidsTheIssuedInvoice(t *testing.T) {
 }
 
 // gateInvoiceInserts makes each insert into invoices wait, once its row is written, until
-// release: a trigger waits on an advisory lock the test holds, so the inserting transaction
-// stays open with its row, and another can run into it. held reports whether one waits there.
+// release, so the inserting transaction stays open with its row, and another can run into it.
+// held reports whether one waits there.
 func gateInvoiceInserts(t *testing.T, db *gorm.DB) (held func() bool, release func()) {
 	t.Helper()
-	const key = 4242
-	err := db.Exec(`CREATE FUNCTION gate() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_advisory_lock_shared(` + fmt.Sprint(key) + `);
-    PERFORM pg_advisory_unlock_shared(` + fmt.Sprint(key) + `);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER gate AFTER INSERT ON invoices FOR EACH ROW EXECUTE FUNCTION gate()`).Error
-	if err != nil {
-		t.Fatal(err)
-	}
-	sqlDB, err := db.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := sqlDB.Conn(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	if _, err := conn.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", key); err != nil {
-		t.Fatal(err)
-	}
+	release = testenv.HoldAt(t, db, "AFTER INSERT ON invoices")
 	held = func() bool {
 		return testenv.Count(t, db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'") == 1
-	}
-	release = func() {
-		if _, err := conn.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", key); err != nil {
-			t.Error(err)
-		}
 	}
 	return held, release
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -807,51 +806,12 @@ func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing
 	}
 }
 
-// leaseGateKey is the advisory lock that holds a sender inside its lease (see holdLeases).
-const leaseGateKey = 7302
-
 // holdLeases makes every later update of the test database's notifications wait, inside its
 // statement and holding the row, until the returned release is called (it is also called at
-// cleanup). The gate is an advisory lock held on a connection of its own, which a trigger
-// waits for.
+// cleanup).
 func (e *senderEnv) holdLeases(t *testing.T) (release func()) {
 	t.Helper()
-	ctx := context.Background()
-	sqlDB, err := e.db.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	gate, err := sqlDB.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_lock($1)", leaseGateKey); err != nil {
-		t.Fatal(err)
-	}
-	var once sync.Once
-	release = func() {
-		once.Do(func() {
-			if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", leaseGateKey); err != nil {
-				t.Error(err)
-			}
-			_ = gate.Close()
-		})
-	}
-	t.Cleanup(release)
-	for _, stmt := range []string{
-		`CREATE FUNCTION wait_at_gate() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-	PERFORM pg_advisory_lock_shared(` + strconv.Itoa(leaseGateKey) + `);
-	PERFORM pg_advisory_unlock_shared(` + strconv.Itoa(leaseGateKey) + `);
-	RETURN NEW;
-END $$`,
-		"CREATE TRIGGER gate BEFORE UPDATE ON notifications FOR EACH ROW EXECUTE FUNCTION wait_at_gate()",
-	} {
-		if err := e.db.DB.Exec(stmt).Error; err != nil {
-			t.Fatal(err)
-		}
-	}
-	return release
+	return testenv.HoldAt(t, e.db.DB, "BEFORE UPDATE ON notifications")
 }
 
 // lockWaits lists the statements of the sender name (its connections' application_name) that

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -166,51 +165,11 @@ func TestConcurrentCancelsWriteOneEvent(t *testing.T) {
 	}
 }
 
-// gateKey is the advisory lock that holds a transaction at its outbox insert (see
-// holdOutboxInserts).
-const gateKey = 7301
-
 // holdOutboxInserts makes every later insert into the test database's outbox_messages wait,
 // inside its transaction, until the returned release is called (it is also called at cleanup).
-// The gate is an advisory lock held on a connection of its own, which a trigger waits for.
 func (b *testBundle) holdOutboxInserts(t *testing.T) (release func()) {
 	t.Helper()
-	ctx := context.Background()
-	sqlDB, err := b.db.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	gate, err := sqlDB.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_lock($1)", gateKey); err != nil {
-		t.Fatal(err)
-	}
-	var once sync.Once
-	release = func() {
-		once.Do(func() {
-			if _, err := gate.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", gateKey); err != nil {
-				t.Error(err)
-			}
-			_ = gate.Close()
-		})
-	}
-	t.Cleanup(release)
-	for _, stmt := range []string{
-		`CREATE FUNCTION wait_at_gate() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-	PERFORM pg_advisory_lock_shared(` + strconv.Itoa(gateKey) + `);
-	PERFORM pg_advisory_unlock_shared(` + strconv.Itoa(gateKey) + `);
-	RETURN NEW;
-END $$`,
-		"CREATE TRIGGER gate BEFORE INSERT ON outbox_messages FOR EACH ROW EXECUTE FUNCTION wait_at_gate()",
-	} {
-		if err := b.db.Exec(stmt).Error; err != nil {
-			t.Fatal(err)
-		}
-	}
-	return release
+	return testenv.HoldAt(t, b.db, "BEFORE INSERT ON outbox_messages")
 }
 
 // lockWaits lists the statements of the test database that wait for a lock other than the
