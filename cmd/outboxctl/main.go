@@ -45,6 +45,8 @@ import (
 
 	"github.com/mattn/go-isatty"
 	"github.com/spf13/cobra"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
 
 // The exit statuses.
@@ -313,7 +315,7 @@ func urlFrom(flagName, value, variable string, schemes ...string) (string, error
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
 	// A broker's may list one URL per node of a cluster, as AMQP_URL does.
-	for _, one := range splitURLs(value) {
+	for _, one := range platform.SplitURLs(value) {
 		if u, err := url.Parse(one); err != nil || u.Host == "" || !slices.Contains(schemes, u.Scheme) {
 			return "", usageError{fmt.Sprintf("%s is not a URL, or a comma-separated list of URLs, with scheme %s", source, strings.Join(schemes, " or "))}
 		}
@@ -330,7 +332,7 @@ func hideSecrets(msg string, args []string) string {
 			values = append(values, v)
 		}
 		for _, v := range values {
-			for _, one := range splitURLs(v) {
+			for _, one := range platform.SplitURLs(v) {
 				for _, secret := range passwords(one) {
 					msg = strings.ReplaceAll(msg, secret, "xxxxx")
 				}
@@ -377,15 +379,4 @@ func printable(s string, limit int) string {
 		return "-"
 	}
 	return s
-}
-
-// splitURLs splits a comma-separated list of URLs, one per node of a cluster.
-func splitURLs(list string) []string {
-	var urls []string
-	for u := range strings.SplitSeq(list, ",") {
-		if u = strings.TrimSpace(u); u != "" {
-			urls = append(urls, u)
-		}
-	}
-	return urls
 }

@@ -99,7 +99,7 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		e.fail(name, "required")
 		return ""
 	}
-	urls := splitURLs(v)
+	urls := SplitURLs(v)
 	if len(urls) == 0 {
 		e.fail(name, "not a valid URL")
 		return ""
@@ -187,9 +187,9 @@ func Redact(rawURL string) string {
 	return u.Redacted()
 }
 
-// splitURLs splits a comma-separated list of URLs, one per node of a cluster; a single URL is a
+// SplitURLs splits a comma-separated list of URLs, one per node of a cluster; a single URL is a
 // list of one.
-func splitURLs(list string) []string {
+func SplitURLs(list string) []string {
 	var urls []string
 	for u := range strings.SplitSeq(list, ",") {
 		if u = strings.TrimSpace(u); u != "" {
@@ -201,7 +201,7 @@ func splitURLs(list string) []string {
 
 // RedactList redacts each URL of a comma-separated list.
 func RedactList(list string) string {
-	urls := splitURLs(list)
+	urls := SplitURLs(list)
 	for i, u := range urls {
 		urls[i] = Redact(u)
 	}
