@@ -6,7 +6,6 @@ import (
 	"io"
 	"maps"
 	"math"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -125,7 +124,7 @@ func startPrometheus(t *testing.T, s *systest.System) *livePrometheus {
 	}
 	dir := t.TempDir()
 	rules, alerts := compressedRules(t, dir)
-	addr := freePort(t)
+	addr := systest.FreeAddr(t)
 	host := func(svc *systest.Service) string { return strings.TrimPrefix(svc.URL, "http://") }
 	targets := map[string]string{
 		"order": host(s.Order), "invoicing": host(s.Invoicing), "notification": host(s.Notification),
@@ -228,17 +227,6 @@ func startPrometheus(t *testing.T, s *systest.System) *livePrometheus {
 type lazy func() string
 
 func (l lazy) String() string { return l() }
-
-// freePort returns a loopback address nothing listens on at the moment.
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
 
 // api GETs Prometheus's HTTP API at path with query and decodes its data into v.
 func (p *livePrometheus) api(t *testing.T, path string, query url.Values, v any) {

@@ -204,7 +204,7 @@ func newService(t *testing.T, binDir, name string, db *testenv.Database, env []s
 	t.Helper()
 	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env, conns: dbConns(t, env)}
 	close(s.done) // not running
-	s.URL = "http://" + freeAddr(t)
+	s.URL = "http://" + FreeAddr(t)
 	_, s.Logs = testenv.NewLogger(t)
 	t.Cleanup(func() { s.Stop(t) })
 	return s
@@ -295,7 +295,8 @@ func (s *Service) waitExit(t *testing.T, start time.Time) time.Duration {
 	return time.Since(start)
 }
 
-func freeAddr(t *testing.T) string {
+// FreeAddr returns a loopback address nothing listens on at the moment.
+func FreeAddr(t *testing.T) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -217,8 +217,8 @@ func await(t *testing.T, done <-chan outcome) outcome {
 	}
 }
 
-// wait waits for ch to close, with a deadline.
-func wait(t *testing.T, ch <-chan struct{}, what string) {
+// wait waits for a value from ch, or its close, with a deadline.
+func wait[T any](t *testing.T, ch <-chan T, what string) {
 	t.Helper()
 	select {
 	case <-ch:
@@ -486,43 +486,25 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	}
 }
 
-// heldOpen is a delivery that goes on until the test releases it, then sends for real; it
-// respects ctx, as a Deliverer must.
-type heldOpen struct {
-	inner   Deliverer
-	entered chan struct{}
-	release chan struct{}
-}
-
-func (d heldOpen) Deliver(ctx context.Context, n Notification) error {
-	close(d.entered)
-	select {
-	case <-d.release:
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	return d.inner.Deliver(ctx, n)
-}
-
 // Shutdown while a delivery is in progress: it finishes within the grace, is marked sent,
 // and Run returns nil — a clean shutdown never repeats an e-mail.
 func TestDeliveryFinishingDuringShutdownIsMarkedSent(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	id := e.pending(t)
-	held := heldOpen{inner: e.mailer(t), entered: make(chan struct{}), release: make(chan struct{})}
-	s := e.sender(t, "sender-a", held)
+	d := held{inner: e.mailer(t), entered: make(chan uuid.UUID, 1), release: make(chan struct{})}
+	s := e.sender(t, "sender-a", d)
 	s.deliver, s.grace = 10*time.Second, time.Second
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ran := make(chan error, 1)
 	go func() { ran <- s.Run(ctx) }()
-	wait(t, held.entered, "the delivery")
+	wait(t, d.entered, "the delivery")
 	cancel()
 	// Released half-way through the grace: late enough that a delivery cancelled at shutdown,
 	// not at the end of the grace, would already have failed.
-	time.AfterFunc(s.grace/2, func() { close(held.release) })
+	time.AfterFunc(s.grace/2, func() { close(d.release) })
 
 	select {
 	case err := <-ran:
