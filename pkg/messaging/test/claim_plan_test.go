@@ -25,6 +25,15 @@ type planNode struct {
 
 func (n planNode) buffers() int { return n.HitBlocks + n.ReadBlock }
 
+// nodes lists the plan's node types, with the index of each index scan.
+func (n planNode) nodes() []string {
+	out := []string{n.NodeType + " " + n.IndexName}
+	for _, c := range n.Plans {
+		out = append(out, c.nodes()...)
+	}
+	return out
+}
+
 func (n planNode) find(nodeType string) *planNode {
 	if n.NodeType == nodeType {
 		return &n

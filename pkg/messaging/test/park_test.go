@@ -203,22 +203,6 @@ func TestParkedRowIsSetApart(t *testing.T) {
 // second is the error of a two-value call.
 func second[T any](_ T, err error) error { return err }
 
-// planShape is what the claim's plan check reads of EXPLAIN (FORMAT JSON).
-type planShape struct {
-	NodeType  string      `json:"Node Type"`
-	IndexName string      `json:"Index Name"`
-	Plans     []planShape `json:"Plans"`
-}
-
-// nodes lists the plan's node types, with the index of each index scan.
-func (p planShape) nodes() []string {
-	out := []string{p.NodeType + " " + p.IndexName}
-	for _, c := range p.Plans {
-		out = append(out, c.nodes()...)
-	}
-	return out
-}
-
 // Parked rows at the head of the backlog leave the claim's plan as it was: a walk of the
 // partial index in order, with no sort, on a table the planner has no statistics for.
 func TestClaimPlanWithParkedRows(t *testing.T) {
@@ -229,33 +213,9 @@ func TestClaimPlanWithParkedRows(t *testing.T) {
 		SELECT gen_random_uuid(), 'OrderPlaced', '{}', now() - (100000 - g) * interval '1 millisecond',
 		       CASE WHEN g <= 1000 THEN now() END, CASE WHEN g <= 1000 THEN 'infinity'::timestamptz ELSE now() END
 		FROM generate_series(1, 100000) g`)
-	ctx := context.Background()
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
-		t.Fatal(err)
-	}
-	rows, err := tx.Query(ctx, "EXPLAIN (FORMAT JSON) "+statements.Claim, 500)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out string
-	for rows.Next() {
-		if err := rows.Scan(&out); err != nil {
-			t.Fatal(err)
-		}
-	}
-	rows.Close()
-	var plans []struct{ Plan planShape }
-	if err := json.Unmarshal([]byte(out), &plans); err != nil || len(plans) != 1 {
-		t.Fatalf("parse plan %s: %v", out, err)
-	}
-	nodes := strings.Join(plans[0].Plan.nodes(), ", ")
-	if strings.Contains(nodes, "Sort") || !strings.Contains(nodes, "Index Scan outbox_messages_unprocessed_idx") {
-		t.Fatalf("the claim's plan with parked rows: %s; want the partial index walked, no sort", nodes)
+	plan := explainClaim(t, d.DB, true)
+	if ix := plan.find("Index Scan"); plan.find("Sort") != nil || ix == nil || ix.IndexName != "outbox_messages_unprocessed_idx" {
+		t.Fatalf("the claim's plan with parked rows: %s; want the partial index walked, no sort", strings.Join(plan.nodes(), ", "))
 	}
 	if n := testenv.Count(t, d.DB, `SELECT count(*) FROM outbox_messages WHERE parked_at IS NOT NULL`); n != 1000 {
 		t.Fatalf("%d rows parked, want 1000", n)
