@@ -301,13 +301,19 @@ func checkDashboard(t *testing.T, p *livePrometheus) {
 	walk(dashboard.Panels)
 	rate := (4 * promInterval).String()
 	empty := 0
-	// A rate needs two samples in its window: give the fresh load a few scrapes first.
-	time.Sleep(4 * promInterval)
+	// A rate needs two samples in its window, which a fresh load has only after a few scrapes:
+	// each query is asked again until it answers, or the shared deadline passes.
+	deadline := time.Now().Add(15 * promInterval)
 	for _, q := range queries {
 		title, expr, _ := strings.Cut(q, ": ")
-		if !hasValue(p.query(t, strings.ReplaceAll(expr, "$__rate_interval", rate))) {
-			t.Errorf("dashboard panel %q: %s returns no data under load", title, expr)
-			empty++
+		expr = strings.ReplaceAll(expr, "$__rate_interval", rate)
+		for !hasValue(p.query(t, expr)) {
+			if time.Now().After(deadline) {
+				t.Errorf("dashboard panel %q: %s returns no data under load", title, expr)
+				empty++
+				break
+			}
+			time.Sleep(promInterval / 4) // the poll's interval
 		}
 	}
 	t.Logf("dashboard: %d of %d queries return data under load ($__rate_interval = %s)", len(queries)-empty, len(queries), rate)
