@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -156,4 +159,117 @@ func TestDeliveryOutOfTimeBeforeAConnectionIsNotStarted(t *testing.T) {
 	if n, mails := srv.Sessions(), len(srv.Mail()); n != 1 || mails != 2 {
 		t.Fatalf("%d SMTP sessions and %d e-mails, want 1 and 2: the idle connection reused", n, mails)
 	}
+}
+
+// A server that pipelines (RFC 2920) gets a reused connection's RSET, MAIL, RCPT and DATA in one
+// write; one that does not gets each command after the reply to the one before. Both receive
+// every e-mail. A proxy between the two records what the deliverer writes, and can hide the
+// server's PIPELINING.
+func TestCommandsArePipelinedOnlyWhereTheServerSaysSo(t *testing.T) {
+	t.Parallel()
+	for _, pipelining := range []bool{true, false} {
+		t.Run(fmt.Sprintf("pipelining=%v", pipelining), func(t *testing.T) {
+			t.Parallel()
+			srv := testenv.NewSMTPServer(t)
+			srv.Start()
+			proxy := newSMTPRecorder(t, srv.Addr, !pipelining)
+			d := newSMTPDeliverer(proxy.addr, "orders@shop.example", 1)
+			t.Cleanup(d.Close)
+			for range 3 {
+				if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if n := len(srv.Mail()); n != 3 {
+				t.Fatalf("%d e-mails, want 3", n)
+			}
+			together := 0
+			for _, w := range proxy.writes() {
+				if strings.Contains(w, "MAIL FROM") && strings.Contains(w, "RCPT TO") {
+					together++
+				}
+				if pipelining && strings.HasPrefix(w, "RSET") && !strings.HasSuffix(w, "RSET\r\nMAIL FROM:<orders@shop.example> BODY=8BITMIME\r\nRCPT TO:<c-1@customers.example>\r\nDATA\r\n") {
+					t.Errorf("a reused connection's commands went as %q, want RSET, MAIL, RCPT and DATA in one write", w)
+				}
+			}
+			switch {
+			case pipelining && together != 3:
+				t.Fatalf("%d of 3 e-mails had MAIL and RCPT in one write, want 3: %q", together, proxy.writes())
+			case !pipelining && together != 0:
+				t.Fatalf("%d e-mails had MAIL and RCPT in one write to a server that does not pipeline, want 0", together)
+			}
+		})
+	}
+}
+
+// smtpRecorder forwards one SMTP connection at a time to a server, keeping each read of the
+// client's side as one write; hide renames the server's PIPELINING.
+type smtpRecorder struct {
+	addr string
+	mu   sync.Mutex
+	seen []string
+}
+
+func newSMTPRecorder(t *testing.T, server string, hide bool) *smtpRecorder {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	r := &smtpRecorder{addr: ln.Addr().String()}
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			upstream, err := net.Dial("tcp", server)
+			if err != nil {
+				_ = client.Close()
+				return
+			}
+			go func() {
+				defer func() { _ = client.Close() }()
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := upstream.Read(buf)
+					if err != nil {
+						return
+					}
+					out := buf[:n]
+					if hide {
+						out = bytes.ReplaceAll(out, []byte("PIPELINING"), []byte("XPIPELINIX"))
+					}
+					if _, err := client.Write(out); err != nil {
+						return
+					}
+				}
+			}()
+			go func() {
+				defer func() { _ = upstream.Close() }()
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := client.Read(buf)
+					if err != nil {
+						return
+					}
+					r.mu.Lock()
+					r.seen = append(r.seen, string(buf[:n]))
+					r.mu.Unlock()
+					if _, err := upstream.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return r
+}
+
+// writes is what the client wrote so far, a read at a time.
+func (r *smtpRecorder) writes() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.seen...)
 }

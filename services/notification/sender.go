@@ -479,9 +479,6 @@ func expire(outcomes []*deliveryOutcome, err error) []*deliveryOutcome {
 	return live
 }
 
-// transact records outcomes and takes the leases r asks for, in one transaction within the
-// latest of their budgets. It returns the ids of the rows the outcomes changed, and the rows
-// leased.
 // scanIDs reads the ids recordOutcomesSQL returns. It and scanLeased read rows by hand: they
 // run for every batch of outcomes and leases, where GORM's reflective scan cost the sender more
 // CPU than the rest of reading the rows.
@@ -518,6 +515,9 @@ func scanLeased(rows *sql.Rows, err error) ([]pendingRow, error) {
 	return leased, rows.Err()
 }
 
+// transact records outcomes and takes the leases r asks for, in one transaction within the
+// latest of their budgets. It returns the ids of the rows the outcomes changed, and the rows
+// leased.
 func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uuid.UUID]bool, []pendingRow, error) {
 	var deadline time.Time
 	if r != nil {
