@@ -54,11 +54,12 @@ type smtpConn struct {
 	client *smtp.Client
 	// pipelining: the server takes a message's commands in one write (RFC 2920, PIPELINING),
 	// so a message costs two round trips instead of five. eightBit: it takes 8-bit bodies
-	// (8BITMIME), which the e-mails declare.
-	pipelining, eightBit bool
-	used                 bool // a message went over it already: the next begins with RSET
-	idleSince            time.Time
-	broken               bool // a conversation on it failed or was cut short: it is closed, never reused
+	// (8BITMIME), which the e-mails declare. utf8: it takes UTF-8 addresses (SMTPUTF8, RFC
+	// 6531), which a customer's may be.
+	pipelining, eightBit, utf8 bool
+	used                       bool // a message went over it already: the next begins with RSET
+	idleSince                  time.Time
+	broken                     bool // a conversation on it failed or was cut short: it is closed, never reused
 }
 
 func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {
@@ -189,7 +190,7 @@ func (d *smtpDeliverer) Close() {
 	wg.Wait()
 }
 
-// dial opens a connection and says HELO.
+// dial opens a connection and says EHLO (HELO, to a server that refuses it).
 func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", d.addr)
 	if err != nil {
@@ -209,6 +210,7 @@ func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
 		// Hello said EHLO; its reply listed the extensions.
 		c.pipelining, _ = client.Extension("PIPELINING")
 		c.eightBit, _ = client.Extension("8BITMIME")
+		c.utf8, _ = client.Extension("SMTPUTF8")
 		return nil
 	})
 	if c.broken {
@@ -247,16 +249,19 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 	if strings.ContainsAny(from+n.Recipient, "\r\n<>") {
 		return fmt.Errorf("smtp: address %q or %q is not a plain mailbox", from, n.Recipient)
 	}
-	body := ""
+	params := ""
 	if c.eightBit {
-		body = " BODY=8BITMIME"
+		params += " BODY=8BITMIME"
+	}
+	if c.utf8 {
+		params += " SMTPUTF8"
 	}
 	cmds := make([]smtpCommand, 0, 4)
 	if c.used {
 		cmds = append(cmds, smtpCommand{"RSET", 250, "rset"})
 	}
 	cmds = append(cmds,
-		smtpCommand{"MAIL FROM:<" + from + ">" + body, 250, "mail from"},
+		smtpCommand{"MAIL FROM:<" + from + ">" + params, 250, "mail from"},
 		smtpCommand{"RCPT TO:<" + n.Recipient + ">", 25, "rcpt to"},
 		smtpCommand{"DATA", 354, "data"})
 	c.used = true
@@ -287,7 +292,11 @@ type smtpCommand struct {
 
 // converse sends cmds and reads their replies: all in one write where the server pipelines,
 // else one after another. Every reply sent for is read, so the conversation stays in step; the
-// first failure is returned. A failed opening RSET is errStale.
+// first failure is returned. A group that opens with RSET and fails there, writing it (the
+// server reset the idle connection) or at its reply (closed it), is errStale: nothing of the
+// message counts before the server's 250 to RSET. A server that refused MAIL or RCPT yet
+// answered DATA with 354 waits for a message; the connection is closed instead, which ends
+// it unaccepted.
 func (c *smtpConn) converse(cmds []smtpCommand) error {
 	t := c.client.Text
 	for len(cmds) > 0 {
@@ -296,23 +305,24 @@ func (c *smtpConn) converse(cmds []smtpCommand) error {
 			group = cmds
 		}
 		cmds = cmds[len(group):]
+		failed := func(cmd smtpCommand, err error) error {
+			if cmd.name == "rset" {
+				return fmt.Errorf("smtp rset: %w: %w", errStale, err)
+			}
+			return fmt.Errorf("smtp %s: %w", cmd.name, err)
+		}
 		for _, cmd := range group {
 			if _, err := t.W.WriteString(cmd.line + "\r\n"); err != nil {
-				return fmt.Errorf("smtp %s: %w", cmd.name, err)
+				return failed(group[0], err)
 			}
 		}
 		if err := t.W.Flush(); err != nil {
-			return fmt.Errorf("smtp %s: %w", group[0].name, err)
+			return failed(group[0], err)
 		}
 		var first error
 		for _, cmd := range group {
-			_, _, err := t.ReadResponse(cmd.expect)
-			switch {
-			case err == nil || first != nil:
-			case cmd.name == "rset":
-				first = fmt.Errorf("smtp rset: %w: %w", errStale, err)
-			default:
-				first = fmt.Errorf("smtp %s: %w", cmd.name, err)
+			if _, _, err := t.ReadResponse(cmd.expect); err != nil && first == nil {
+				first = failed(cmd, err)
 			}
 		}
 		if first != nil {

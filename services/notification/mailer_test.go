@@ -170,11 +170,7 @@ func TestCommandsArePipelinedOnlyWhereTheServerSaysSo(t *testing.T) {
 	for _, pipelining := range []bool{true, false} {
 		t.Run(fmt.Sprintf("pipelining=%v", pipelining), func(t *testing.T) {
 			t.Parallel()
-			srv := testenv.NewSMTPServer(t)
-			srv.Start()
-			proxy := newSMTPRecorder(t, srv.Addr, !pipelining)
-			d := newSMTPDeliverer(proxy.addr, "orders@shop.example", 1)
-			t.Cleanup(d.Close)
+			srv, proxy, d := proxiedMailServer(t, pipelining)
 			for range 3 {
 				if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
 					t.Fatal(err)
@@ -202,12 +198,62 @@ func TestCommandsArePipelinedOnlyWhereTheServerSaysSo(t *testing.T) {
 	}
 }
 
-// smtpRecorder forwards one SMTP connection at a time to a server, keeping each read of the
-// client's side as one write; hide renames the server's PIPELINING.
+// An idle connection the server reset, rather than closed, fails at the write of its RSET,
+// before any message goes on it, and is replaced too, whether the server pipelines or not.
+func TestIdleConnectionTheServerResetIsReplaced(t *testing.T) {
+	t.Parallel()
+	for _, pipelining := range []bool{true, false} {
+		t.Run(fmt.Sprintf("pipelining=%v", pipelining), func(t *testing.T) {
+			t.Parallel()
+			srv, proxy, d := proxiedMailServer(t, pipelining)
+			if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+				t.Fatal(err)
+			}
+			proxy.reset(t)
+			if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+				t.Fatalf("delivery after the server reset the idle connection: %v, want it on a new one", err)
+			}
+			if n := len(srv.Mail()); n != 2 {
+				t.Fatalf("%d e-mails, want 2", n)
+			}
+		})
+	}
+}
+
+// proxiedMailServer is a running test mail server behind a recording proxy that offers
+// PIPELINING or hides it, and a deliverer of one connection to the proxy.
+func proxiedMailServer(t *testing.T, pipelining bool) (*testenv.SMTPServer, *smtpRecorder, *smtpDeliverer) {
+	t.Helper()
+	srv := testenv.NewSMTPServer(t)
+	srv.Start()
+	proxy := newSMTPRecorder(t, srv.Addr, !pipelining)
+	d := newSMTPDeliverer(proxy.addr, "orders@shop.example", 1)
+	t.Cleanup(d.Close)
+	return srv, proxy, d
+}
+
+// smtpRecorder forwards SMTP connections to a server, keeping each read of the client's side
+// as one write; hide renames the server's PIPELINING.
 type smtpRecorder struct {
-	addr string
-	mu   sync.Mutex
-	seen []string
+	addr    string
+	mu      sync.Mutex
+	seen    []string
+	clients []*net.TCPConn
+}
+
+// reset drops every client connection with a TCP reset, as a server or a firewall may drop an
+// idle one.
+func (r *smtpRecorder) reset(t *testing.T) {
+	t.Helper()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, c := range r.clients {
+		if err := c.SetLinger(0); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.Close()
+	}
+	r.clients = nil
 }
 
 func newSMTPRecorder(t *testing.T, server string, hide bool) *smtpRecorder {
@@ -224,6 +270,9 @@ func newSMTPRecorder(t *testing.T, server string, hide bool) *smtpRecorder {
 			if err != nil {
 				return
 			}
+			r.mu.Lock()
+			r.clients = append(r.clients, client.(*net.TCPConn))
+			r.mu.Unlock()
 			upstream, err := net.Dial("tcp", server)
 			if err != nil {
 				_ = client.Close()
