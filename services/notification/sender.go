@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -96,8 +97,8 @@ const DefaultConcurrency = 64
 // with backoff until they succeed. Up to concurrency deliveries run at once, each under a lease
 // of its own, and each is marked as soon as it is done: a crash between delivering and marking
 // repeats the e-mails in flight (concurrency of them at most), never one marked already, and a
-// database that is briefly away when the mark is due is waited for rather than causing a
-// repeat. As many more notifications wait leased, so that a free delivery starts at once.
+// database that is away when the mark is due is waited for, while the lease lasts, rather than
+// causing a repeat. As many more notifications wait leased, so that a free delivery starts at once.
 //
 // Deliveries hold no database connection. The sender uses one, for all of them: each
 // transaction on it records every outcome that waits and takes the leases the deliveries need
@@ -111,14 +112,18 @@ type sender struct {
 	deliver     time.Duration // one delivery at most, counted from its lease
 	mark        time.Duration // recording an outcome at most, retries included; taking leases too
 	grace       time.Duration // how long a delivery in progress may go on after shutdown
-	log         *slog.Logger
-	wake        chan struct{}
-	tracer      trace.Tracer
-	line        line
+	// stopBy is when recording must give up once Run was told to stop (UnixNano; 0 while it
+	// runs): a clean shutdown stays within the grace and one recording budget even while the
+	// database is away.
+	stopBy atomic.Int64
+	log    *slog.Logger
+	wake   chan struct{}
+	tracer trace.Tracer
+	line   line
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
-// recording its outcome gets its own budget.
+// recording its outcome gets its own budget (mark), even while the database is away.
 func newSender(db *gorm.DB, d Deliverer, concurrency int, maxBackoff time.Duration, log *slog.Logger) *sender {
 	s := &sender{
 		db: db, deliverer: d, concurrency: concurrency,
@@ -145,6 +150,8 @@ func (s *sender) Wake() {
 // those leased but not started are released, due again at once; and Run returns once all that
 // is recorded. A clean shutdown never repeats an e-mail.
 func (s *sender) Run(ctx context.Context) error {
+	stopping := context.AfterFunc(ctx, func() { s.stopBy.Store(time.Now().Add(s.grace + s.mark).UnixNano()) })
+	defer stopping()
 	waiting := make(chan pendingRow, s.concurrency)
 	room := make(chan struct{}, s.concurrency) // a token per leased notification waiting
 	var workers sync.WaitGroup
@@ -333,10 +340,15 @@ func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context
 
 // record records o in the next transaction and reports whether that changed its row: false if
 // the lease had run out, which is right, the notification belonging to another sender now. A
-// database that is away is waited for, within the recording budget: once an e-mail went out,
-// recording that is worth waiting for.
+// database that is away is waited for as long as the lease keeps other senders away, less its
+// grace: once an e-mail went out, recording that is worth waiting for, and giving up sends it
+// again. It is never less than the recording budget (mark) itself, even for a delivery that
+// overran its own.
 func (s *sender) record(o *deliveryOutcome) (changed bool, err error) {
-	o.deadline, o.done = time.Now().Add(s.mark), make(chan recordResult, 1)
+	o.deadline, o.done = o.row.leasedAt.Add(s.deliver+s.mark), make(chan recordResult, 1)
+	if least := time.Now().Add(s.mark); o.deadline.Before(least) {
+		o.deadline = least
+	}
 	s.line.add(o, nil)
 	r := <-o.done
 	return r.changed, r.err
@@ -348,7 +360,7 @@ type deliveryOutcome struct {
 	sent     bool
 	failure  string        // why the delivery failed; "" if it was sent, or released unstarted
 	retryIn  time.Duration // when it is due again, if not sent
-	deadline time.Time     // the end of the recording budget
+	deadline time.Time     // when recording gives up, unless shutdown comes first (see stopBy)
 	done     chan recordResult
 }
 
@@ -440,7 +452,7 @@ func (s *sender) flush() {
 			return
 		}
 		if lastErr != nil {
-			if outcomes = expire(outcomes, lastErr); len(outcomes) == 0 && r == nil {
+			if outcomes = s.expire(outcomes, lastErr); len(outcomes) == 0 && r == nil {
 				continue
 			}
 		}
@@ -461,16 +473,23 @@ func (s *sender) flush() {
 			s.log.Warn("recording notification outcomes failed; retrying", "outcomes", len(outcomes), "attempt", attempt, "error", err)
 		}
 		s.line.putBack(outcomes)
-		time.Sleep(retry.Delay(attempt))
+		// Not past the first budget to end: its outcome is answered when it ends, not later.
+		pause := retry.Delay(attempt)
+		for _, o := range outcomes {
+			pause = min(pause, time.Until(o.deadline))
+		}
+		time.Sleep(pause)
 	}
 }
 
 // expire answers the outcomes whose recording budget is spent with err, and returns the rest.
-func expire(outcomes []*deliveryOutcome, err error) []*deliveryOutcome {
+// Once Run was told to stop, every budget ends by stopBy.
+func (s *sender) expire(outcomes []*deliveryOutcome, err error) []*deliveryOutcome {
 	now := time.Now()
+	stopBy := s.stopBy.Load()
 	live := outcomes[:0]
 	for _, o := range outcomes {
-		if now.After(o.deadline) {
+		if now.After(o.deadline) || stopBy != 0 && now.UnixNano() > stopBy {
 			o.done <- recordResult{err: err}
 			continue
 		}
@@ -516,7 +535,7 @@ func scanLeased(rows *sql.Rows, err error) ([]pendingRow, error) {
 }
 
 // transact records outcomes and takes the leases r asks for, in one transaction within the
-// latest of their budgets. It returns the ids of the rows the outcomes changed, and the rows
+// latest of their deadlines and one recording budget. It returns the ids of the rows the outcomes changed, and the rows
 // leased.
 func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uuid.UUID]bool, []pendingRow, error) {
 	var deadline time.Time
@@ -532,6 +551,11 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 		if o.deadline.After(deadline) {
 			deadline = o.deadline
 		}
+	}
+	// One attempt gets one recording budget at most: a database that hangs is tried again,
+	// with backoff, while the outcomes' own deadlines last.
+	if attempt := time.Now().Add(s.mark); attempt.Before(deadline) {
+		deadline = attempt
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()

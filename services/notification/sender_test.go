@@ -453,36 +453,84 @@ WHERE datname = ? AND application_name = 'sender-a'`, d.dbName))
 	return nil
 }
 
-// The database is away when the mark is due: the sender retries the mark within its budget
-// and the notification ends sent, with one e-mail.
+// The database is away when the mark is due: the sender retries the mark, and the
+// notification ends sent, with one e-mail. Away for less than one recording budget, or for
+// several, a restart's worth: it keeps trying while its lease keeps other senders away, rather
+// than giving up and sending the e-mail again once the lease ran out.
 func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
+	t.Parallel()
+	for name, tc := range map[string]struct{ away, deliver, mark time.Duration }{
+		"within one budget":                  {away: 700 * time.Millisecond, deliver: 500 * time.Millisecond, mark: 4 * time.Second},
+		"for five budgets, within the lease": {away: 1500 * time.Millisecond, deliver: 3 * time.Second, mark: 300 * time.Millisecond},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			id := e.pending(t)
+			away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: tc.away, back: make(chan backAt, 1)}
+			t.Cleanup(func() { _ = away.admin.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
+			a := e.sender(t, "sender-a", away)
+			a.deliver, a.mark = tc.deliver, tc.mark
+
+			if delivered, err := a.deliverOne(context.Background()); !delivered || err != nil {
+				t.Fatalf("deliverOne = %v, %v; want delivered and marked once the database is back", delivered, err)
+			}
+			if n := away.killed.Load(); n < 1 {
+				t.Fatalf("killed %d of the sender's sessions, want its pool's", n)
+			}
+			if n := len(e.logs.Lines("recording notification outcomes failed; retrying")); n < 1 {
+				t.Fatalf("%d failed marks, want the mark to have failed while the database was away", n)
+			}
+			back := <-away.back
+			if back.err != nil {
+				t.Fatal(back.err)
+			}
+			got := e.row(t, id)
+			if got.Status != StatusSent || got.SentAt == nil || got.SentAt.Before(back.at) || got.Attempts != 0 {
+				t.Fatalf("row = %+v, want sent after the database came back at %v", got, back.at)
+			}
+			if n := e.mails(t, id); n != 1 {
+				t.Fatalf("%d e-mails, want 1", n)
+			}
+		})
+	}
+}
+
+// Shutdown while the database is away: recording gives up within the grace and one recording
+// budget, however long the lease would let it wait, so the process stops in time. The
+// notification stays pending under its lease.
+func TestShutdownDoesNotWaitForAnAbsentDatabase(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	id := e.pending(t)
-	away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: 700 * time.Millisecond, back: make(chan backAt, 1)}
+	away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: 8 * time.Second, back: make(chan backAt, 1)}
 	t.Cleanup(func() { _ = away.admin.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
-	a := e.sender(t, "sender-a", away)
-	a.mark = 4 * time.Second
+	s := e.sender(t, "sender-a", away)
+	s.deliver, s.mark, s.grace = 20*time.Second, 300*time.Millisecond, 300*time.Millisecond
 
-	if delivered, err := a.deliverOne(context.Background()); !delivered || err != nil {
-		t.Fatalf("deliverOne = %v, %v; want delivered and marked once the database is back", delivered, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	testenv.Eventually(t, 10*time.Second, func() bool { return away.killed.Load() > 0 }, "the e-mail was never sent")
+	cancel()
+	stopped := time.Now()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Fatalf("Run = %v, want nil", err)
+		}
+	case <-time.After(s.grace + s.mark + 3*time.Second):
+		t.Fatal("Run waited for the database at shutdown, beyond the grace and one recording budget")
 	}
-	if n := away.killed.Load(); n < 1 {
-		t.Fatalf("killed %d of the sender's sessions, want its pool's", n)
+	if took := time.Since(stopped); took > s.grace+s.mark+time.Second {
+		t.Fatalf("Run returned %v after shutdown, want within the grace and one recording budget (%v)", took, s.grace+s.mark)
 	}
-	if n := len(e.logs.Lines("recording notification outcomes failed; retrying")); n < 1 {
-		t.Fatalf("%d failed marks, want the mark to have failed while the database was away", n)
+	if err := (<-away.back).err; err != nil {
+		t.Fatal(err)
 	}
-	back := <-away.back
-	if back.err != nil {
-		t.Fatal(back.err)
-	}
-	got := e.row(t, id)
-	if got.Status != StatusSent || got.SentAt == nil || got.SentAt.Before(back.at) || got.Attempts != 0 {
-		t.Fatalf("row = %+v, want sent after the database came back at %v", got, back.at)
-	}
-	if n := e.mails(t, id); n != 1 {
-		t.Fatalf("%d e-mails, want 1", n)
+	if got := e.row(t, id); got.Status != StatusPending || !got.NextAttemptAt.After(time.Now()) {
+		t.Fatalf("row = %+v, want pending under its lease", got)
 	}
 }
 
