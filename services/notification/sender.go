@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -110,12 +111,12 @@ type sender struct {
 	concurrency int
 	poll        time.Duration
 	deliver     time.Duration // one delivery at most, counted from its lease
-	mark        time.Duration // recording an outcome at most, retries included; taking leases too
+	mark        time.Duration // one attempt to record and lease at most; the least a recording waits
 	grace       time.Duration // how long a delivery in progress may go on after shutdown
-	// stopBy is when recording must give up once Run was told to stop (UnixNano; 0 while it
-	// runs): a clean shutdown stays within the grace and one recording budget even while the
-	// database is away.
-	stopBy atomic.Int64
+	// stopBy is when recording must give up once Run was told to stop (nil while it runs): a
+	// clean shutdown stays within the grace and one recording budget even while the database
+	// is away or hangs.
+	stopBy atomic.Pointer[time.Time]
 	log    *slog.Logger
 	wake   chan struct{}
 	tracer trace.Tracer
@@ -150,7 +151,11 @@ func (s *sender) Wake() {
 // those leased but not started are released, due again at once; and Run returns once all that
 // is recorded. A clean shutdown never repeats an e-mail.
 func (s *sender) Run(ctx context.Context) error {
-	stopping := context.AfterFunc(ctx, func() { s.stopBy.Store(time.Now().Add(s.grace + s.mark).UnixNano()) })
+	s.stopBy.Store(nil)
+	stopping := context.AfterFunc(ctx, func() {
+		by := time.Now().Add(s.grace + s.mark)
+		s.stopBy.Store(&by)
+	})
 	defer stopping()
 	waiting := make(chan pendingRow, s.concurrency)
 	room := make(chan struct{}, s.concurrency) // a token per leased notification waiting
@@ -300,7 +305,7 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	o := &deliveryOutcome{row: row, sent: failure == nil}
 	if failure != nil {
 		span.SetStatus(codes.Error, failure.Error())
-		o.failure, o.retryIn = failure.Error(), s.backoff.Delay(row.Attempts+1)
+		o.failure, o.retryIn = storable(failure.Error()), s.backoff.Delay(row.Attempts+1)
 	}
 	changed, err := s.record(o)
 	switch {
@@ -316,6 +321,13 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		s.log.InfoContext(ctx, "notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	}
 	return failure == nil, nil
+}
+
+// storable is an error text as a jsonb string can hold it: a mail server's reply may carry a
+// NUL byte or invalid UTF-8, which PostgreSQL refuses, failing the transaction of every outcome
+// recorded with it.
+func storable(text string) string {
+	return strings.ToValidUTF8(strings.ReplaceAll(text, "\x00", ""), "\uFFFD")
 }
 
 // release gives back a leased notification that was never started (at shutdown, or out of time
@@ -340,14 +352,13 @@ func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context
 
 // record records o in the next transaction and reports whether that changed its row: false if
 // the lease had run out, which is right, the notification belonging to another sender now. A
-// database that is away is waited for as long as the lease keeps other senders away, less its
-// grace: once an e-mail went out, recording that is worth waiting for, and giving up sends it
-// again. It is never less than the recording budget (mark) itself, even for a delivery that
-// overran its own.
+// database that is away is waited for, within one recording budget (mark); for an e-mail that
+// went out, as long as the lease keeps other senders away, less its grace: giving up on that
+// sends it again, where giving up on a failure or a release only delays the next attempt.
 func (s *sender) record(o *deliveryOutcome) (changed bool, err error) {
-	o.deadline, o.done = o.row.leasedAt.Add(s.deliver+s.mark), make(chan recordResult, 1)
-	if least := time.Now().Add(s.mark); o.deadline.Before(least) {
-		o.deadline = least
+	o.deadline, o.done = time.Now().Add(s.mark), make(chan recordResult, 1)
+	if lease := o.row.leasedAt.Add(s.deliver + s.mark); o.sent && lease.After(o.deadline) {
+		o.deadline = lease
 	}
 	s.line.add(o, nil)
 	r := <-o.done
@@ -360,7 +371,7 @@ type deliveryOutcome struct {
 	sent     bool
 	failure  string        // why the delivery failed; "" if it was sent, or released unstarted
 	retryIn  time.Duration // when it is due again, if not sent
-	deadline time.Time     // when recording gives up, unless shutdown comes first (see stopBy)
+	deadline time.Time     // when recording gives up, unless shutdown comes first (see until)
 	done     chan recordResult
 }
 
@@ -451,7 +462,7 @@ func (s *sender) flush() {
 		if len(outcomes) == 0 && r == nil {
 			return
 		}
-		if lastErr != nil {
+		if lastErr != nil || s.stopBy.Load() != nil {
 			if outcomes = s.expire(outcomes, lastErr); len(outcomes) == 0 && r == nil {
 				continue
 			}
@@ -476,26 +487,40 @@ func (s *sender) flush() {
 		// Not past the first budget to end: its outcome is answered when it ends, not later.
 		pause := retry.Delay(attempt)
 		for _, o := range outcomes {
-			pause = min(pause, time.Until(o.deadline))
+			pause = min(pause, time.Until(s.until(o)))
 		}
 		time.Sleep(pause)
 	}
 }
 
-// expire answers the outcomes whose recording budget is spent with err, and returns the rest.
-// Once Run was told to stop, every budget ends by stopBy.
+// errStopped answers an outcome whose recording budget ended with the shutdown's.
+var errStopped = errors.New("recording budget spent at shutdown")
+
+// expire answers the outcomes whose recording budget is spent with err (errStopped if none),
+// and returns the rest.
 func (s *sender) expire(outcomes []*deliveryOutcome, err error) []*deliveryOutcome {
+	if err == nil {
+		err = errStopped
+	}
 	now := time.Now()
-	stopBy := s.stopBy.Load()
 	live := outcomes[:0]
 	for _, o := range outcomes {
-		if now.After(o.deadline) || stopBy != 0 && now.UnixNano() > stopBy {
+		if now.After(s.until(o)) {
 			o.done <- recordResult{err: err}
 			continue
 		}
 		live = append(live, o)
 	}
 	return live
+}
+
+// until is when recording o gives up: its deadline, or the shutdown's (stopBy) if that comes
+// first.
+func (s *sender) until(o *deliveryOutcome) time.Time {
+	if by := s.stopBy.Load(); by != nil && by.Before(o.deadline) {
+		return *by
+	}
+	return o.deadline
 }
 
 // scanIDs reads the ids recordOutcomesSQL returns. It and scanLeased read rows by hand: they
@@ -534,9 +559,9 @@ func scanLeased(rows *sql.Rows, err error) ([]pendingRow, error) {
 	return leased, rows.Err()
 }
 
-// transact records outcomes and takes the leases r asks for, in one transaction within the
-// latest of their deadlines and one recording budget. It returns the ids of the rows the outcomes changed, and the rows
-// leased.
+// transact records outcomes and takes the leases r asks for, in one transaction that ends by
+// the earlier of their latest deadline and one recording budget from now. It returns the ids of
+// the rows the outcomes changed, and the rows leased.
 func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uuid.UUID]bool, []pendingRow, error) {
 	var deadline time.Time
 	if r != nil {
@@ -548,14 +573,17 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 		if o.failure != "" {
 			rows[i].Failure = &o.failure
 		}
-		if o.deadline.After(deadline) {
-			deadline = o.deadline
+		if until := s.until(o); until.After(deadline) {
+			deadline = until
 		}
 	}
 	// One attempt gets one recording budget at most: a database that hangs is tried again,
-	// with backoff, while the outcomes' own deadlines last.
+	// with backoff, while the outcomes' own deadlines last. Nothing runs past the shutdown's.
 	if attempt := time.Now().Add(s.mark); attempt.Before(deadline) {
 		deadline = attempt
+	}
+	if by := s.stopBy.Load(); by != nil && by.Before(deadline) {
+		deadline = *by
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()

@@ -461,7 +461,7 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	t.Parallel()
 	for name, tc := range map[string]struct{ away, deliver, mark time.Duration }{
 		"within one budget":                  {away: 700 * time.Millisecond, deliver: 500 * time.Millisecond, mark: 4 * time.Second},
-		"for five budgets, within the lease": {away: 1500 * time.Millisecond, deliver: 3 * time.Second, mark: 300 * time.Millisecond},
+		"for five budgets, within the lease": {away: 1500 * time.Millisecond, deliver: 5 * time.Second, mark: 300 * time.Millisecond},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -496,42 +496,95 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	}
 }
 
-// Shutdown while the database is away: recording gives up within the grace and one recording
-// budget, however long the lease would let it wait, so the process stops in time. The
-// notification stays pending under its lease.
+// Shutdown while the database is away, or hangs (the row stays locked): recording gives up
+// within the grace and one recording budget, however long the lease would let it wait, so the
+// process stops in time. The notification stays pending under its lease.
 func TestShutdownDoesNotWaitForAnAbsentDatabase(t *testing.T) {
 	t.Parallel()
-	e := newSenderEnv(t)
-	id := e.pending(t)
-	away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: 8 * time.Second, back: make(chan backAt, 1)}
-	t.Cleanup(func() { _ = away.admin.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
-	s := e.sender(t, "sender-a", away)
-	s.deliver, s.mark, s.grace = 20*time.Second, 300*time.Millisecond, 300*time.Millisecond
+	for _, hangs := range []bool{false, true} {
+		t.Run(fmt.Sprintf("hangs=%v", hangs), func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			id := e.pending(t)
+			var d Deliverer
+			var sent func() bool
+			var restore func() error
+			if hangs {
+				l := &locksAfterSend{inner: e.mailer(t), db: e.db.DB}
+				d, sent, restore = l, func() bool { return l.locked.Load() }, l.release
+				t.Cleanup(func() { _ = l.release() })
+			} else {
+				away := &awayAfterSend{t: t, inner: e.mailer(t), admin: admin(t), dbName: e.db.Name, away: 3 * time.Second, back: make(chan backAt, 1)}
+				t.Cleanup(func() { _ = away.admin.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
+				d, sent, restore = away, func() bool { return away.killed.Load() > 0 }, func() error { return (<-away.back).err }
+			}
+			s := e.sender(t, "sender-a", d)
+			// A budget long enough that an attempt begun before the shutdown's cap, and not cut
+			// by it, would show.
+			s.deliver, s.mark, s.grace = 20*time.Second, time.Second, 300*time.Millisecond
 
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ran := make(chan error, 1)
-	go func() { ran <- s.Run(ctx) }()
-	testenv.Eventually(t, 10*time.Second, func() bool { return away.killed.Load() > 0 }, "the e-mail was never sent")
-	cancel()
-	stopped := time.Now()
-	select {
-	case err := <-ran:
-		if err != nil {
-			t.Fatalf("Run = %v, want nil", err)
-		}
-	case <-time.After(s.grace + s.mark + 3*time.Second):
-		t.Fatal("Run waited for the database at shutdown, beyond the grace and one recording budget")
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ran := make(chan error, 1)
+			go func() { ran <- s.Run(ctx) }()
+			testenv.Eventually(t, 10*time.Second, sent, "the e-mail was never sent")
+			cancel()
+			stopped := time.Now()
+			select {
+			case err := <-ran:
+				if err != nil {
+					t.Fatalf("Run = %v, want nil", err)
+				}
+			case <-time.After(s.grace + s.mark + 5*time.Second):
+				t.Fatal("Run waited for the database at shutdown, beyond the grace and one recording budget")
+			}
+			if took := time.Since(stopped); took > s.grace+s.mark+500*time.Millisecond {
+				t.Fatalf("Run returned %v after shutdown, want within the grace and one recording budget (%v)", took, s.grace+s.mark)
+			}
+			if err := restore(); err != nil {
+				t.Fatal(err)
+			}
+			if got := e.row(t, id); got.Status != StatusPending || !got.NextAttemptAt.After(time.Now()) {
+				t.Fatalf("row = %+v, want pending under its lease", got)
+			}
+		})
 	}
-	if took := time.Since(stopped); took > s.grace+s.mark+time.Second {
-		t.Fatalf("Run returned %v after shutdown, want within the grace and one recording budget (%v)", took, s.grace+s.mark)
+}
+
+// locksAfterSend sends, then locks the notification's row in a transaction of its own until
+// release, so that recording its outcome hangs: a database that answers nothing.
+type locksAfterSend struct {
+	inner  Deliverer
+	db     *gorm.DB
+	mu     sync.Mutex
+	tx     *gorm.DB
+	locked atomic.Bool
+}
+
+func (d *locksAfterSend) Deliver(ctx context.Context, n Notification) error {
+	if err := d.inner.Deliver(ctx, n); err != nil {
+		return err
 	}
-	if err := (<-away.back).err; err != nil {
-		t.Fatal(err)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.tx = d.db.Begin()
+	if err := d.tx.Exec("SELECT 1 FROM notifications WHERE id = ? FOR UPDATE", n.ID).Error; err != nil {
+		return err
 	}
-	if got := e.row(t, id); got.Status != StatusPending || !got.NextAttemptAt.After(time.Now()) {
-		t.Fatalf("row = %+v, want pending under its lease", got)
+	d.locked.Store(true)
+	return nil
+}
+
+// release ends the lock's transaction.
+func (d *locksAfterSend) release() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.tx == nil {
+		return nil
 	}
+	err := d.tx.Rollback().Error
+	d.tx = nil
+	return err
 }
 
 // Shutdown while a delivery is in progress: it finishes within the grace, is marked sent,
@@ -947,6 +1000,31 @@ func TestNotificationNotStartedIsReleasedUncharged(t *testing.T) {
 	}
 	if r.NextAttemptAt.After(time.Now().Add(time.Second)) {
 		t.Fatalf("due at %s, want now: nothing was tried, so no backoff", r.NextAttemptAt)
+	}
+}
+
+// refusesOddly fails every delivery with a reply jsonb cannot hold as it is: a NUL byte and
+// invalid UTF-8.
+type refusesOddly struct{}
+
+func (refusesOddly) Deliver(context.Context, Notification) error {
+	return errors.New("smtp rcpt to: 550 no such user\x00 \xff")
+}
+
+// A failure whose text the database cannot store as it is (a server's reply with a NUL byte)
+// is still recorded, cleaned: one attempt, due again after its backoff, and the recording of
+// other outcomes is not held up retrying it.
+func TestFailureWithAnUnstorableReplyIsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	s := e.sender(t, "sender-a", refusesOddly{})
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Fatalf("%+v, want the failure recorded", o)
+	}
+	r := e.row(t, id)
+	if r.Status != StatusPending || r.Attempts != 1 || r.LastError == nil || *r.LastError != "smtp rcpt to: 550 no such user \uFFFD" {
+		t.Fatalf("status %q, attempts %d, last error %v; want pending, 1, the reply cleaned", r.Status, r.Attempts, r.LastError)
 	}
 }
 
