@@ -57,9 +57,10 @@ type smtpConn struct {
 	// (8BITMIME), which the e-mails declare. utf8: it takes UTF-8 addresses (SMTPUTF8, RFC
 	// 6531), which a customer's may be.
 	pipelining, eightBit, utf8 bool
-	used                       bool // a message went over it already: the next begins with RSET
-	idleSince                  time.Time
-	broken                     bool // a conversation on it failed or was cut short: it is closed, never reused
+	// used: a message went over it already, so the next begins with RSET. broken: a
+	// conversation on it failed or was cut short, so it is closed, never reused.
+	used, broken bool
+	idleSince    time.Time
 }
 
 func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {

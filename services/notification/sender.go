@@ -99,7 +99,8 @@ const DefaultConcurrency = 64
 // of its own, and each is marked as soon as it is done: a crash between delivering and marking
 // repeats the e-mails in flight (concurrency of them at most), never one marked already, and a
 // database that is away when the mark is due is waited for, while the lease lasts, rather than
-// causing a repeat. As many more notifications wait leased, so that a free delivery starts at once.
+// causing a repeat. As many more notifications wait leased, so that a free delivery starts at
+// once.
 //
 // Deliveries hold no database connection. The sender uses one, for all of them: each
 // transaction on it records every outcome that waits and takes the leases the deliveries need
