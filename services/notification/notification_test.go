@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/fstest"
@@ -112,17 +113,22 @@ func (b *testBundle) kinds(t *testing.T, orderID uuid.UUID) map[string]Notificat
 	return byKind
 }
 
-func (b *testBundle) run(t *testing.T) {
+// run runs the sender until the test ends, or until the function it returns is called: Run
+// must be stopped before a test leases by hand (deliverOne), which only Run may do while it
+// runs.
+func (b *testBundle) run(t *testing.T) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- b.send.Run(ctx) }()
-	t.Cleanup(func() {
+	stop = sync.OnceFunc(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
 	})
+	t.Cleanup(stop)
+	return stop
 }
 
 // An order that gets all three events gets one e-mail of each kind, each with its
@@ -131,7 +137,7 @@ func TestOneNotificationPerKindDeliveredByMailOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.smtp.Start()
-	b.run(t)
+	stopSender := b.run(t)
 	orderID := uuid.New()
 	invoice := invoiceIssued(t, orderID, "c-42")
 	for _, msg := range []messaging.Message{orderPlaced(t, orderID, "c-42"), invoice, orderCancelled(t, orderID, "c-42")} {
@@ -173,6 +179,7 @@ func TestOneNotificationPerKindDeliveredByMailOnce(t *testing.T) {
 		}
 	}
 	// Nothing is left to send: another pass claims nothing and sends nothing.
+	stopSender()
 	if delivered, err := b.send.deliverOne(context.Background()); err != nil || delivered {
 		t.Fatalf("another pass delivered %v (%v), want nothing", delivered, err)
 	}
