@@ -59,7 +59,9 @@ RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_a
 	// join alone is not (a plan that hashes the outcomes would read the whole key). "status <>
 	// 'sent'" is "status = 'pending'" (the only other status) written so that the planner cannot
 	// use the partial index of pending rows, which it would scan whole when it underestimates
-	// them (a backlog not yet analyzed).
+	// them (a backlog not yet analyzed). A sent outcome whose row is sent under the same lease
+	// already counts as recorded: an earlier attempt committed it, and its answer was lost (a
+	// commit that timed out on the client after the server had done it).
 	recordOutcomesSQL = `WITH outcome AS (
     SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, sent boolean, failure text, retry_ms bigint)),
 sent AS (
@@ -74,8 +76,11 @@ returned AS (
         next_attempt_at = clock_timestamp() + o.retry_ms * interval '1 millisecond'
     FROM outcome o
     WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND NOT o.sent AND n.id = o.id AND n.status <> 'sent' AND n.next_attempt_at = o.leased_until
-    RETURNING n.id)
-SELECT id FROM sent UNION ALL SELECT id FROM returned`
+    RETURNING n.id),
+recorded AS (
+    SELECT n.id FROM notifications n JOIN outcome o ON n.id = o.id
+    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND o.sent AND n.status = 'sent' AND n.next_attempt_at = o.leased_until)
+SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM recorded`
 )
 
 // Deliverer hands a notification to the outside world. The notification id goes with it as

@@ -1074,3 +1074,25 @@ func TestSenderFindsItsRowsByIndexWhateverPlanWasCached(t *testing.T) {
 		t.Fatalf("the second round fetched %d rows through an index, of a table of %d: a cached plan walks a whole index", read, 20002)
 	}
 }
+
+// A mark tried again after its commit's answer was lost (the server committed, the client's
+// deadline passed first) finds the row sent under its own lease: recorded, not a lease that
+// ran out, and nothing changes the second time.
+func TestMarkTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	rows, err := s.lease(1)
+	if err != nil || len(rows) != 1 || rows[0].ID != id {
+		t.Fatalf("lease = %+v, %v; want the notification %s", rows, err, id)
+	}
+	if changed, err := s.record(&deliveryOutcome{row: rows[0], sent: true}); !changed || err != nil {
+		t.Fatalf("first mark = %v, %v; want recorded", changed, err)
+	}
+	marked := e.row(t, id)
+	if changed, err := s.record(&deliveryOutcome{row: rows[0], sent: true}); !changed || err != nil {
+		t.Fatalf("the mark again = %v, %v; want it recognised as recorded", changed, err)
+	}
+	sameRow(t, "after the mark was tried again", e.row(t, id), marked)
+}
