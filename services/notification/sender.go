@@ -259,9 +259,10 @@ type pendingRow struct {
 // outcome, and the grace of a shutdown in between.
 func (s *sender) leaseFor() time.Duration { return s.deliver + s.mark + s.grace }
 
-// lease leases up to limit due notifications, oldest first, in the next transaction. Only one
-// lease may be asked for at a time (Run's). It is not cut short by shutdown, only by its own
-// budget: a lease taken and never reported would keep its notification waiting for nothing.
+// lease leases up to limit due notifications, oldest first, in the next transaction free to
+// (one lease a transaction; Run asks for one at a time). It is not cut short by shutdown, only
+// by its own budget: a lease taken and never reported would keep its notification waiting for
+// nothing.
 func (s *sender) lease(limit int) ([]pendingRow, error) {
 	r := &leaseRequest{limit: limit, deadline: time.Now().Add(s.mark), done: make(chan leaseResult, 1)}
 	s.line.add(nil, r)
@@ -408,15 +409,15 @@ type leaseResult struct {
 }
 
 // line is the sender's one database connection, shared as a database shares a commit: what
-// waits when a transaction starts (every outcome to record, and the lease request, of which
-// there is one at most) goes into it, so nothing waits for more than the transaction in
-// progress, and one commit serves many notifications. A flush runs the transactions while
-// anything waits.
+// waits when a transaction starts (every outcome to record, and the first lease request) goes
+// into it, so nothing waits for more than the transaction in progress, and one commit serves
+// many notifications. Run asks for one lease at a time; a request made beside it waits its turn
+// rather than replacing Run's. A flush runs the transactions while anything waits.
 type line struct {
 	flush    func() // the sender's
 	mu       sync.Mutex
 	outcomes []*deliveryOutcome
-	lease    *leaseRequest
+	leases   []*leaseRequest
 	running  bool
 }
 
@@ -429,7 +430,7 @@ func (l *line) add(o *deliveryOutcome, r *leaseRequest) {
 		l.outcomes = append(l.outcomes, o)
 	}
 	if r != nil {
-		l.lease = r
+		l.leases = append(l.leases, r)
 	}
 	if !l.running {
 		l.running = true
@@ -441,8 +442,13 @@ func (l *line) add(o *deliveryOutcome, r *leaseRequest) {
 func (l *line) take() ([]*deliveryOutcome, *leaseRequest) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	outcomes, r := l.outcomes, l.lease
-	l.outcomes, l.lease = nil, nil
+	outcomes := l.outcomes
+	l.outcomes = nil
+	var r *leaseRequest
+	if len(l.leases) > 0 {
+		r = l.leases[0]
+		l.leases = l.leases[1:]
+	}
 	if len(outcomes) == 0 && r == nil {
 		l.running = false
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/url"
 	"strings"
 	"sync"
@@ -1095,4 +1096,53 @@ func TestMarkTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
 		t.Fatalf("the mark again = %v, %v; want it recognised as recorded", changed, err)
 	}
 	sameRow(t, "after the mark was tried again", e.row(t, id), marked)
+}
+
+// Lease requests made while a transaction runs each get their answer, in turn: one made beside
+// Run's (a test's deliverOne, say) never replaces it, which would leave its caller waiting for
+// ever.
+func TestLeaseRequestsMadeTogetherAreEachAnswered(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	ids := map[uuid.UUID]bool{e.pending(t): true, e.pending(t): true}
+	release := e.holdLeases(t)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	s.mark = 10 * time.Second // the budget of each lease: the held one is seen waiting, not cut short
+	type answer struct {
+		rows []pendingRow
+		err  error
+	}
+	answers := make(chan answer, 3)
+	lease := func() {
+		rows, err := s.lease(1)
+		answers <- answer{rows, err}
+	}
+	go lease()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
+		"the first lease did not reach its update")
+	go lease()
+	go lease()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		s.line.mu.Lock()
+		defer s.line.mu.Unlock()
+		return len(s.line.leases) == 2
+	}, "the two later requests are not both waiting")
+	release()
+	leased := map[uuid.UUID]bool{}
+	for range 3 {
+		select {
+		case a := <-answers:
+			if a.err != nil {
+				t.Fatalf("lease: %v", a.err)
+			}
+			for _, r := range a.rows {
+				leased[r.ID] = true
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a lease request was never answered")
+		}
+	}
+	if !maps.Equal(leased, ids) {
+		t.Fatalf("leased %v, want both pending notifications %v", leased, ids)
+	}
 }
