@@ -66,6 +66,38 @@ func TestDeliveriesShareABoundedPoolOfConnections(t *testing.T) {
 	}
 }
 
+// Deliveries one after another keep to one connection, however many the deliverer may open: a
+// connection is opened only when no open one is free.
+func TestDeliveriesOneAfterAnotherKeepToOneConnection(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 3)
+	for range 5 {
+		if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, mails := srv.Sessions(), len(srv.Mail()); n != 1 || mails != 5 {
+		t.Fatalf("%d SMTP sessions and %d e-mails, want 1 and 5", n, mails)
+	}
+}
+
+// A delivery after Close, or waiting for a connection when it comes, is not started: nothing
+// was tried, so the sender releases the notification rather than counting a failed attempt.
+func TestDeliveryAfterCloseIsNotStarted(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	if err := deliverNow(d, mailTo("c-1@customers.example")); !errors.Is(err, errNotStarted) {
+		t.Fatalf("delivery after Close: err = %v, want errNotStarted", err)
+	}
+	if n := len(srv.Mail()); n != 1 {
+		t.Fatalf("%d e-mails, want only the one before Close", n)
+	}
+}
+
 // A connection on which a delivery failed is closed, never used again: the next delivery gets
 // a new one, and the failed one's session ends.
 func TestConnectionOfAFailedDeliveryIsNotReused(t *testing.T) {
