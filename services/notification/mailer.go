@@ -32,29 +32,34 @@ const smtpIdleTimeout = 30 * time.Second
 
 // smtpDeliverer sends e-mail through a plain SMTP relay (Mailpit in docker compose), over at
 // most maxConns connections kept open between deliveries. Each connection has a goroutine of
-// its own (a pump) that takes the next delivery the moment it has finished the last, straight
-// from the delivery waiting longest: the connection does not idle while deliveries wait.
-// (Handed from one delivery's goroutine to the next, it idled between e-mails for about 40 % of
-// the time an e-mail took.) A pump is started only when more deliveries wait than pumps are
-// free, so no more connections are open than deliveries needed at once. A connection that
-// failed in any way is closed, never used again; one unused for idleTimeout is closed, and its
-// pump dials anew for its next delivery.
+// its own (a pump) that takes the next waiting delivery the moment it has finished the last:
+// the connection does not idle while deliveries wait. (Handed from one delivery's goroutine to
+// the next, it idled between e-mails for about 40 % of the time an e-mail took.) A delivery
+// that finds no delivery waiting ahead of it goes to the pump freed most recently, whose
+// connection is the likeliest to be open; the others stay unused, and close once idle for
+// idleTimeout. A pump is started only when none is free, so no more connections are open than
+// deliveries needed at once. A connection that failed in any way is closed, never used again;
+// a pump whose connection was closed dials anew for its next delivery.
 type smtpDeliverer struct {
 	addr, from  string
 	idleTimeout time.Duration
 	maxConns    int
-	jobs        chan *smtpJob // to a free pump; unbuffered, so a delivery is taken only by one
 	closing     chan struct{} // closed by Close
 
-	mu sync.Mutex
-	// pumps started, those free to take a delivery, and the deliveries on their way to one: a
-	// pump is started when more deliveries wait than pumps are free.
-	pumps, free, waiting int
-	closed               bool
-	pumpsStopped         sync.WaitGroup
+	mu      sync.Mutex
+	free    []*smtpPump // the most recently freed last
+	waiting []*smtpJob  // for a pump, the oldest first
+	pumps   int
+	closed  bool
+	stopped sync.WaitGroup // the pumps
 }
 
-// smtpJob is one delivery handed to a pump, and where its outcome goes.
+// smtpPump is one connection's goroutine; a delivery is handed to it in next.
+type smtpPump struct {
+	next chan *smtpJob // one at most: a pump is handed a delivery only while free
+}
+
+// smtpJob is one delivery on its way to a pump, and where its outcome goes.
 type smtpJob struct {
 	ctx  context.Context
 	n    Notification
@@ -77,13 +82,17 @@ type smtpConn struct {
 }
 
 func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {
-	return &smtpDeliverer{addr: addr, from: from, idleTimeout: smtpIdleTimeout, maxConns: maxConns,
-		jobs: make(chan *smtpJob), closing: make(chan struct{})}
+	return &smtpDeliverer{addr: addr, from: from, idleTimeout: smtpIdleTimeout, maxConns: max(maxConns, 1),
+		closing: make(chan struct{})}
 }
 
 // errNotStarted marks a delivery that ran out of time before any SMTP conversation began, still
 // waiting for a connection: not the notification's failure, and nothing was sent.
 var errNotStarted = errors.New("no SMTP conversation began")
+
+// errClosed is why a delivery after Close, or waiting for a connection when it came, was not
+// started.
+var errClosed = errors.New("the deliverer is closed")
 
 // Deliver sends one e-mail whose Message-ID is derived from the notification id, so the
 // receiving side can drop a repeat.
@@ -91,71 +100,92 @@ func (d *smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
-	if !d.await(+1) {
-		return fmt.Errorf("smtp: %w: the deliverer is closed", errNotStarted)
-	}
 	job := &smtpJob{ctx: ctx, n: n, done: make(chan error, 1)}
-	select {
-	case d.jobs <- job:
-		d.await(-1)
-	case <-ctx.Done():
-		d.await(-1)
-		return fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, ctx.Err())
-	case <-d.closing:
-		d.await(-1)
-		return fmt.Errorf("smtp: %w: the deliverer is closed", errNotStarted)
+	if err := d.hand(job); err != nil {
+		return err
 	}
-	// The pump answers once the conversation ends, which ctx bounds.
-	return <-job.done
+	select {
+	case err := <-job.done:
+		return err
+	case <-ctx.Done():
+		if d.withdraw(job) {
+			return fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, ctx.Err())
+		}
+		// A pump has it: its conversation ends with ctx, and the pump answers then.
+		return <-job.done
+	}
 }
 
-// await counts a delivery on its way to a pump (+1), starting a pump if more wait than pumps
-// are free and fewer than maxConns run, or one that got there or gave up (-1). It reports false
-// once the deliverer is closed.
-func (d *smtpDeliverer) await(delta int) bool {
+// hand gives job to the pump freed most recently, or to a new one while fewer than maxConns
+// run, or else queues it for the first pump to finish.
+func (d *smtpDeliverer) hand(job *smtpJob) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.waiting += delta
-	if delta < 0 {
-		return true
-	}
-	if d.closed {
-		d.waiting--
-		return false
-	}
-	if d.waiting > d.free && d.pumps < max(d.maxConns, 1) {
+	switch {
+	case d.closed:
+		return fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
+	case len(d.free) > 0:
+		p := d.free[len(d.free)-1]
+		d.free = d.free[:len(d.free)-1]
+		p.next <- job
+	case d.pumps < d.maxConns:
 		d.pumps++
-		d.free++
-		d.pumpsStopped.Add(1)
-		go d.pump()
+		p := &smtpPump{next: make(chan *smtpJob, 1)}
+		p.next <- job
+		d.stopped.Add(1)
+		go d.pump(p)
+	default:
+		d.waiting = append(d.waiting, job)
 	}
-	return true
+	return nil
 }
 
-// pump is one connection's life: it delivers what it is handed, one after another, closes its
-// connection after idleTimeout without a delivery, and says QUIT at Close.
-func (d *smtpDeliverer) pump() {
-	defer d.pumpsStopped.Done()
+// withdraw takes job out of the queue, if no pump has taken it yet, and says whether it did.
+func (d *smtpDeliverer) withdraw(job *smtpJob) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for i, j := range d.waiting {
+		if j == job {
+			d.waiting = append(d.waiting[:i], d.waiting[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// pump is one connection's life: it delivers what it is handed, then each delivery waiting,
+// oldest first; it closes its connection after idleTimeout without a delivery, and says QUIT
+// at Close.
+func (d *smtpDeliverer) pump(p *smtpPump) {
+	defer d.stopped.Done()
 	var c *smtpConn
 	idle := time.NewTimer(d.idleTimeout)
 	defer idle.Stop()
 	for {
 		select {
-		case job := <-d.jobs:
-			d.setFree(-1)
-			var err error
-			c, err = d.deliver(c, job)
+		case job := <-p.next:
+			for job != nil {
+				var err error
+				c, err = d.deliver(c, job)
+				next := d.nextFor(p)
+				// Answered once the pump is free or busy with the next: a caller that delivers
+				// again at once finds this pump rather than starting another.
+				job.done <- err
+				job = next
+			}
 			idle.Reset(d.idleTimeout)
-			// Free before the answer: a caller that delivers again at once finds this pump
-			// rather than starting another.
-			d.setFree(+1)
-			job.done <- err
 		case <-idle.C:
 			if c != nil {
-				c.quit()
+				go c.quit()
 				c = nil
 			}
 		case <-d.closing:
+			// A delivery handed over just before Close is not started.
+			select {
+			case job := <-p.next:
+				job.done <- fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
+			default:
+			}
 			if c != nil {
 				c.quit()
 			}
@@ -164,11 +194,20 @@ func (d *smtpDeliverer) pump() {
 	}
 }
 
-// setFree counts a pump that took a delivery (-1) or is free again (+1).
-func (d *smtpDeliverer) setFree(delta int) {
+// nextFor returns the oldest waiting delivery for p, or, if none waits, puts p back among the
+// free pumps and returns nil.
+func (d *smtpDeliverer) nextFor(p *smtpPump) *smtpJob {
 	d.mu.Lock()
-	d.free += delta
-	d.mu.Unlock()
+	defer d.mu.Unlock()
+	if len(d.waiting) > 0 {
+		job := d.waiting[0]
+		d.waiting = d.waiting[1:]
+		return job
+	}
+	if !d.closed {
+		d.free = append(d.free, p)
+	}
+	return nil
 }
 
 // deliver sends job's e-mail on c, or on a new connection if c is nil, idled too long or turns
@@ -180,7 +219,7 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
 	if c != nil && time.Since(c.idleSince) >= d.idleTimeout {
-		c.quit()
+		go c.quit()
 		c = nil
 	}
 	for {
@@ -208,8 +247,9 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 	}
 }
 
-// Close says QUIT to the idle connections, and to those in use once their delivery is done.
-// It waits for the idle ones' QUIT, not for deliveries in progress.
+// Close says QUIT to the idle connections, and to those in use once their delivery is done;
+// deliveries waiting for a connection are not started. It waits two seconds at most: an idle
+// connection's QUIT takes one at most, and a delivery in progress has its own deadline.
 func (d *smtpDeliverer) Close() {
 	d.mu.Lock()
 	if d.closed {
@@ -218,13 +258,16 @@ func (d *smtpDeliverer) Close() {
 	}
 	d.closed = true
 	close(d.closing)
+	for _, job := range d.waiting {
+		job.done <- fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, errClosed)
+	}
+	d.waiting = nil
 	d.mu.Unlock()
 	stopped := make(chan struct{})
 	go func() {
-		d.pumpsStopped.Wait()
+		d.stopped.Wait()
 		close(stopped)
 	}()
-	// QUIT is given a second; a delivery in progress has a deadline of its own.
 	t := time.NewTimer(2 * time.Second)
 	defer t.Stop()
 	select {

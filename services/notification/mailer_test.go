@@ -28,6 +28,41 @@ func deliverNow(d *smtpDeliverer, n Notification) error {
 	return d.Deliver(ctx, n)
 }
 
+// silentMailServer is the address of a server that accepts connections, holds them open and
+// never says anything, not even its greeting.
+func silentMailServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = conn.Close() })
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// burst delivers n e-mails through d from n goroutines at once.
+func burst(t *testing.T, d *smtpDeliverer, n int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+}
+
 // mailServer is a running test mail server and a deliverer to it of at most conns connections.
 func mailServer(t *testing.T, conns int) (*testenv.SMTPServer, *smtpDeliverer) {
 	t.Helper()
@@ -43,15 +78,7 @@ func mailServer(t *testing.T, conns int) (*testenv.SMTPServer, *smtpDeliverer) {
 func TestDeliveriesShareABoundedPoolOfConnections(t *testing.T) {
 	t.Parallel()
 	srv, d := mailServer(t, 3)
-	var wg sync.WaitGroup
-	for range 30 {
-		wg.Go(func() {
-			if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
-				t.Error(err)
-			}
-		})
-	}
-	wg.Wait()
+	burst(t, d, 30)
 	if n := len(srv.Mail()); n != 30 {
 		t.Fatalf("%d e-mails, want 30", n)
 	}
@@ -81,8 +108,28 @@ func TestDeliveriesOneAfterAnotherKeepToOneConnection(t *testing.T) {
 	}
 }
 
-// A delivery after Close, or waiting for a connection when it comes, is not started: nothing
-// was tried, so the sender releases the notification rather than counting a failed attempt.
+// After a burst, deliveries one after another go to the connection used last: the others are
+// left unused and close at their idle timeout, instead of each being kept open by every third
+// delivery.
+func TestDeliveriesAfterABurstKeepToTheConnectionUsedLast(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 3)
+	d.idleTimeout = 300 * time.Millisecond
+	burst(t, d, 30)
+	sessions := srv.Sessions()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+			t.Fatal(err)
+		}
+		return srv.OpenSessions() == 1
+	}, "deliveries one after another kept %d connections open", srv.OpenSessions())
+	if n := srv.Sessions(); n != sessions {
+		t.Fatalf("%d SMTP sessions after the burst's %d: deliveries one after another opened new ones", n, sessions)
+	}
+}
+
+// A delivery after Close is not started: nothing was tried, so the sender releases the
+// notification rather than counting a failed attempt.
 func TestDeliveryAfterCloseIsNotStarted(t *testing.T) {
 	t.Parallel()
 	srv, d := mailServer(t, 1)
@@ -95,6 +142,42 @@ func TestDeliveryAfterCloseIsNotStarted(t *testing.T) {
 	}
 	if n := len(srv.Mail()); n != 1 {
 		t.Fatalf("%d e-mails, want only the one before Close", n)
+	}
+}
+
+// A delivery waiting for a connection when Close comes is not started, and learns so at once,
+// while the delivery that holds the only connection is still stalled.
+func TestDeliveryWaitingAtCloseIsNotStarted(t *testing.T) {
+	t.Parallel()
+	d := newSMTPDeliverer(silentMailServer(t), "orders@shop.example", 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stalled := make(chan error, 1)
+	go func() { stalled <- d.Deliver(ctx, mailTo("c-1@customers.example")) }()
+	waiting := make(chan error, 1)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		return d.pumps == 1
+	}, "the first delivery did not take the connection")
+	go func() { waiting <- d.Deliver(ctx, mailTo("c-2@customers.example")) }()
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		return len(d.waiting) == 1
+	}, "the second delivery is not waiting for the connection")
+	d.Close()
+	select {
+	case err := <-waiting:
+		if !errors.Is(err, errNotStarted) || !errors.Is(err, errClosed) {
+			t.Fatalf("the waiting delivery: err = %v, want errNotStarted, closed", err)
+		}
+	case <-time.After(time.Second):
+		t.Fatal("the waiting delivery was not answered at Close")
+	}
+	cancel()
+	if err := <-stalled; err == nil || errors.Is(err, errNotStarted) {
+		t.Fatalf("the stalled delivery: err = %v, want its failure", err)
 	}
 }
 

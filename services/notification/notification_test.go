@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"io/fs"
-	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -114,8 +113,8 @@ func (b *testBundle) kinds(t *testing.T, orderID uuid.UUID) map[string]Notificat
 }
 
 // run runs the sender until the test ends, or until the function it returns is called: Run
-// must be stopped before a test leases by hand (deliverOne), which only Run may do while it
-// runs.
+// must be stopped before a test's own pass (deliverOne) that must find nothing left, so that
+// Run cannot be leasing at the same time.
 func (b *testBundle) run(t *testing.T) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -405,21 +404,7 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			t.Cleanup(func() { _ = conn.Close() }) // held open, never answered
-		}
-	}()
-	stalled := newSMTPDeliverer(ln.Addr().String(), "orders@shop.example", 1)
+	stalled := newSMTPDeliverer(silentMailServer(t), "orders@shop.example", 1)
 	t.Cleanup(stalled.Close)
 	b.send.deliverer = stalled
 	b.send.deliver = 300 * time.Millisecond

@@ -54,9 +54,10 @@ RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_a
 	// sent, due again after retry_ms, with an attempt and its error counted if it failed (one
 	// released unstarted at shutdown has none). Each update is fenced by the notification's
 	// lease: a sender whose lease ran out (it was too slow, and another took the notification
-	// over) changes nothing. The ids of the rows it changed come back. The rows are found by
-	// primary key, from the array of the outcomes' ids: a condition on the key itself, which a
-	// join alone is not (a plan that hashes the outcomes would read the whole key). "status <>
+	// over) changes nothing. The ids of the rows that hold their outcome come back. The rows
+	// are found by primary key, from the array of the outcomes' ids: a condition on the key
+	// itself, which a join alone is not (a plan that hashes the outcomes would read the whole
+	// key). "status <>
 	// 'sent'" is "status = 'pending'" (the only other status) written so that the planner cannot
 	// use the partial index of pending rows, which it would scan whole when it underestimates
 	// them (a backlog not yet analyzed). A sent outcome whose row is sent under the same lease
@@ -358,8 +359,9 @@ func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context
 	return ctx, span
 }
 
-// record records o in the next transaction and reports whether that changed its row: false if
-// the lease had run out, which is right, the notification belonging to another sender now. A
+// record records o in the next transaction and reports whether its row holds it (for a sent
+// e-mail, also when an earlier attempt whose answer was lost recorded it): false if the lease
+// had run out, which is right, the notification belonging to another sender now. A
 // database that is away is waited for, within one recording budget (mark); for an e-mail that
 // went out, as long as the lease keeps other senders away, less its grace: giving up on that
 // sends it again, where giving up on a failure or a release only delays the next attempt.
