@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/smtp"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -86,8 +87,9 @@ func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {
 		closing: make(chan struct{})}
 }
 
-// errNotStarted marks a delivery that ran out of time before any SMTP conversation began, still
-// waiting for a connection: not the notification's failure, and nothing was sent.
+// errNotStarted marks a delivery for which no SMTP conversation began: out of time while it
+// waited for a connection, or the deliverer closed. Not the notification's failure, and nothing
+// was sent.
 var errNotStarted = errors.New("no SMTP conversation began")
 
 // errClosed is why a delivery after Close, or waiting for a connection when it came, was not
@@ -111,7 +113,8 @@ func (d *smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 		if d.withdraw(job) {
 			return fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, ctx.Err())
 		}
-		// A pump has it: its conversation ends with ctx, and the pump answers then.
+		// A pump has it, or Close answered it: a conversation ends with ctx, and the pump
+		// answers then.
 		return <-job.done
 	}
 }
@@ -146,7 +149,7 @@ func (d *smtpDeliverer) withdraw(job *smtpJob) bool {
 	defer d.mu.Unlock()
 	for i, j := range d.waiting {
 		if j == job {
-			d.waiting = append(d.waiting[:i], d.waiting[i+1:]...)
+			d.waiting = slices.Delete(d.waiting, i, i+1)
 			return true
 		}
 	}
@@ -175,12 +178,15 @@ func (d *smtpDeliverer) pump(p *smtpPump) {
 			}
 			idle.Reset(d.idleTimeout)
 		case <-idle.C:
+			// QUIT before the next delivery can dial: never more than maxConns open. A
+			// delivery handed over meanwhile waits a second at most.
 			if c != nil {
-				go c.quit()
+				c.quit()
 				c = nil
 			}
 		case <-d.closing:
-			// A delivery handed over just before Close is not started.
+			// A delivery handed over as Close came, and not taken yet, is not started (one
+			// taken already went ahead).
 			select {
 			case job := <-p.next:
 				job.done <- fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
@@ -201,6 +207,7 @@ func (d *smtpDeliverer) nextFor(p *smtpPump) *smtpJob {
 	defer d.mu.Unlock()
 	if len(d.waiting) > 0 {
 		job := d.waiting[0]
+		d.waiting[0] = nil
 		d.waiting = d.waiting[1:]
 		return job
 	}
@@ -219,7 +226,7 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
 	if c != nil && time.Since(c.idleSince) >= d.idleTimeout {
-		go c.quit()
+		c.close() // at once, without QUIT: the delivery is not kept waiting for it
 		c = nil
 	}
 	for {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,24 +30,53 @@ func deliverNow(d *smtpDeliverer, n Notification) error {
 }
 
 // silentMailServer is the address of a server that accepts connections, holds them open and
-// never says anything, not even its greeting.
-func silentMailServer(t *testing.T) string {
+// never says anything, not even its greeting; accepted counts the connections.
+func silentMailServer(t *testing.T) (addr string, accepted *atomic.Int64) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ln.Close() })
+	accepted = new(atomic.Int64)
 	go func() {
 		for {
 			conn, err := ln.Accept()
 			if err != nil {
 				return
 			}
+			accepted.Add(1)
 			t.Cleanup(func() { _ = conn.Close() })
 		}
 	}()
-	return ln.Addr().String()
+	return ln.Addr().String(), accepted
+}
+
+// stalledDeliverer is a deliverer of one connection, to a silent server, and a delivery that
+// holds that connection, stalled in its greeting until the test ends.
+func stalledDeliverer(t *testing.T) *smtpDeliverer {
+	t.Helper()
+	addr, accepted := silentMailServer(t)
+	d := newSMTPDeliverer(addr, "orders@shop.example", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	stalled := make(chan error, 1)
+	go func() { stalled <- d.Deliver(ctx, mailTo("c-1@customers.example")) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-stalled; err == nil || errors.Is(err, errNotStarted) {
+			t.Errorf("the stalled delivery: err = %v, want its failure", err)
+		}
+		d.Close()
+	})
+	testenv.Eventually(t, 5*time.Second, func() bool { return accepted.Load() == 1 }, "the first delivery did not connect")
+	return d
+}
+
+// waitingDeliveries is how many deliveries wait for a connection.
+func waitingDeliveries(d *smtpDeliverer) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.waiting)
 }
 
 // burst delivers n e-mails through d from n goroutines at once.
@@ -149,35 +179,45 @@ func TestDeliveryAfterCloseIsNotStarted(t *testing.T) {
 // while the delivery that holds the only connection is still stalled.
 func TestDeliveryWaitingAtCloseIsNotStarted(t *testing.T) {
 	t.Parallel()
-	d := newSMTPDeliverer(silentMailServer(t), "orders@shop.example", 1)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	stalled := make(chan error, 1)
-	go func() { stalled <- d.Deliver(ctx, mailTo("c-1@customers.example")) }()
+	d := stalledDeliverer(t)
 	waiting := make(chan error, 1)
-	testenv.Eventually(t, 5*time.Second, func() bool {
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		return d.pumps == 1
-	}, "the first delivery did not take the connection")
-	go func() { waiting <- d.Deliver(ctx, mailTo("c-2@customers.example")) }()
-	testenv.Eventually(t, 5*time.Second, func() bool {
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		return len(d.waiting) == 1
-	}, "the second delivery is not waiting for the connection")
-	d.Close()
+	go func() { waiting <- deliverNow(d, mailTo("c-2@customers.example")) }()
+	testenv.Eventually(t, 5*time.Second, func() bool { return waitingDeliveries(d) == 1 },
+		"the second delivery is not waiting for the connection")
+	closing := time.Now()
+	go d.Close()
 	select {
 	case err := <-waiting:
 		if !errors.Is(err, errNotStarted) || !errors.Is(err, errClosed) {
 			t.Fatalf("the waiting delivery: err = %v, want errNotStarted, closed", err)
 		}
-	case <-time.After(time.Second):
+		if took := time.Since(closing); took > 500*time.Millisecond {
+			t.Fatalf("the waiting delivery was answered %v after Close began, want at once", took)
+		}
+	case <-time.After(5 * time.Second):
 		t.Fatal("the waiting delivery was not answered at Close")
 	}
-	cancel()
-	if err := <-stalled; err == nil || errors.Is(err, errNotStarted) {
-		t.Fatalf("the stalled delivery: err = %v, want its failure", err)
+}
+
+// A delivery whose budget runs out while it waits for a connection is not started, and leaves
+// the queue.
+func TestDeliveryOutOfTimeWhileWaitingIsNotStarted(t *testing.T) {
+	t.Parallel()
+	d := stalledDeliverer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	answer := make(chan error, 1)
+	go func() { answer <- d.Deliver(ctx, mailTo("c-2@customers.example")) }()
+	select {
+	case err := <-answer:
+		if !errors.Is(err, errNotStarted) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("delivery out of time while waiting: err = %v, want errNotStarted, deadline exceeded", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the delivery out of time while waiting was never answered")
+	}
+	if n := waitingDeliveries(d); n != 0 {
+		t.Fatalf("%d deliveries still waiting, want none", n)
 	}
 }
 
@@ -256,7 +296,8 @@ func TestCloseEndsTheIdleSessions(t *testing.T) {
 }
 
 // A delivery out of time before it has a connection is not started: its error says so, and the
-// idle connection it would have taken stays healthy for the next delivery.
+// idle connection it would have taken stays healthy for the next delivery. Out of time when it
+// asks, and when the connection's goroutine takes it (handed over as its budget ran out).
 func TestDeliveryOutOfTimeBeforeAConnectionIsNotStarted(t *testing.T) {
 	t.Parallel()
 	srv, d := mailServer(t, 1)
@@ -267,6 +308,13 @@ func TestDeliveryOutOfTimeBeforeAConnectionIsNotStarted(t *testing.T) {
 	cancel()
 	if err := d.Deliver(ctx, mailTo("c-1@customers.example")); !errors.Is(err, errNotStarted) {
 		t.Fatalf("delivery with its budget spent: err = %v, want errNotStarted", err)
+	}
+	job := &smtpJob{ctx: ctx, n: mailTo("c-1@customers.example"), done: make(chan error, 1)}
+	if err := d.hand(job); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-job.done; !errors.Is(err, errNotStarted) {
+		t.Fatalf("delivery handed over with its budget spent: err = %v, want errNotStarted", err)
 	}
 	if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
 		t.Fatal(err)

@@ -404,7 +404,8 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	stalled := newSMTPDeliverer(silentMailServer(t), "orders@shop.example", 1)
+	addr, _ := silentMailServer(t)
+	stalled := newSMTPDeliverer(addr, "orders@shop.example", 1)
 	t.Cleanup(stalled.Close)
 	b.send.deliverer = stalled
 	b.send.deliver = 300 * time.Millisecond
