@@ -57,7 +57,12 @@ type run struct {
 	output  map[test][]string // each test's output lines; a package's own under name ""
 	results map[test]string   // pass, fail or skip
 	order   []test            // tests and packages, as they ended
+	started []test            // tests, as they started
 }
+
+// crashLines is how much of a package's own output is shown when it failed without a failing
+// test (a timeout's panic, with the tests still running, comes first).
+const crashLines = 40
 
 func read(in io.Reader) (*run, error) {
 	r := &run{output: map[test][]string{}, results: map[test]string{}}
@@ -76,6 +81,8 @@ func read(in io.Reader) (*run, error) {
 			fmt.Print(e.Output) // why a package did not build
 		case "output":
 			r.output[key] = append(r.output[key], e.Output)
+		case "run":
+			r.started = append(r.started, key)
 		case "pass", "fail", "skip":
 			r.results[key] = e.Action
 			r.order = append(r.order, key)
@@ -84,12 +91,44 @@ func read(in io.Reader) (*run, error) {
 	return r, sc.Err()
 }
 
+// crash prints what tells why pkg failed when none of its tests did: the start of its own
+// output (a timeout's panic names the tests still running), and the tests that started and
+// never ended, with the end of their output.
+func (r *run) crash(w io.Writer, pkg string) {
+	fmt.Fprintf(w, "--- %s failed without a failing test (a timeout or a crash); its output:\n", pkg)
+	shown := 0
+	for _, l := range r.output[test{pkg, ""}] {
+		if shown == crashLines {
+			fmt.Fprintln(w, "    …")
+			break
+		}
+		fmt.Fprint(w, "    ", l)
+		shown++
+	}
+	for _, k := range r.started {
+		if _, ended := r.results[k]; k.pkg != pkg || ended {
+			continue
+		}
+		fmt.Fprintf(w, "--- NO RESULT: %s (%s), the end of its output:\n", k.name, k.pkg)
+		out := r.output[k]
+		for _, l := range out[max(0, len(out)-crashLines):] {
+			fmt.Fprint(w, "    ", l)
+		}
+	}
+}
+
 // report prints the results and tells whether they pass.
 func (r *run) report(w io.Writer, allow string, want int) bool {
 	allowed := regexp.MustCompile(allow)
 	ok := true
 	passed, failed, ran := 0, 0, 0
 	var skips, bad []string
+	failedTests := map[string]bool{} // packages with a failed test
+	for k, res := range r.results {
+		if k.name != "" && res == "fail" {
+			failedTests[k.pkg] = true
+		}
+	}
 	for _, k := range r.order {
 		res := r.results[k]
 		if k.name == "" {
@@ -101,6 +140,9 @@ func (r *run) report(w io.Writer, allow string, want int) bool {
 			}
 			if res == "fail" {
 				ok = false
+				if !failedTests[k.pkg] {
+					r.crash(w, k.pkg)
+				}
 			}
 			continue
 		}
