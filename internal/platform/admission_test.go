@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,6 +32,7 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	defer cancel()
 	go func() { _ = a.Run(ctx) }()
 	release := make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
 	entered := make(chan struct{}, 10)
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		entered <- struct{}{}
@@ -38,6 +40,8 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})))
 	defer srv.Close()
+	// Before Close, which waits for the held requests: a failure must not turn into a hang.
+	defer releaseAll()
 	held := make(chan int, 2)
 	for range 2 {
 		go func() {
@@ -69,8 +73,11 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 		if retry < 1 || retry > 3 {
 			t.Fatalf("Retry-After %q, want 1 to 3 s", resp.Header.Get("Retry-After"))
 		}
-		if took > 50*time.Millisecond {
-			t.Fatalf("shed after %s, want within 50 ms", took)
+		// At once: within the admission's wait and the round trip, not after the held
+		// requests. The margin is for -race on two busy cores (50 ms failed there once); the
+		// 50 ms target is the benchmark's shed p99 (scripts/bench.sh).
+		if took > AdmissionWait+240*time.Millisecond {
+			t.Fatalf("shed after %s, want within %s", took, AdmissionWait+240*time.Millisecond)
 		}
 	}
 	if n := testutil.ToFloat64(a.count); n != 5 {
@@ -99,7 +106,7 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 		t.Fatalf("held request: %d", code)
 	}
 	<-entered
-	close(release)
+	releaseAll()
 	if code := <-done; code != http.StatusCreated {
 		t.Fatalf("the request that waited for a place: %d, want 201", code)
 	}
