@@ -5,7 +5,9 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -20,31 +22,68 @@ const AdmissionWait = 10 * time.Millisecond
 // a line per request would add to the load.
 const shedLogInterval = 10 * time.Second
 
-// Admission bounds the requests at work at once: a request that finds all limit places taken
-// waits up to AdmissionWait for one, and is otherwise answered 503 at once, with a
-// Retry-After of one to three seconds, drawn at random so that clients come back spread out.
-// The admitted ones keep their latency, because the database never has more of them than it
-// has connections for; without it, every request queues for a connection and all of them
-// slow down together, until they fail at their deadline. Sheds are counted in
+// admissionWindow is how often the limit is reconsidered, from the requests that finished in
+// it: long enough to hold a score of requests at the rates where a limit matters, short enough
+// to follow a change of load within a second.
+const admissionWindow = 100 * time.Millisecond
+
+// windowSamples bounds the latencies a window keeps; past it, the first ones stand for all.
+const windowSamples = 1024
+
+// DefaultLatencyTarget is the admitted requests' p90 that the limit is lowered to hold, unless
+// HTTP_LATENCY_TARGET says.
+const DefaultLatencyTarget = 25 * time.Millisecond
+
+// Admission bounds the requests at work at once: a request that finds every place taken waits
+// up to AdmissionWait for one, and is otherwise answered 503 at once, with a Retry-After of one
+// to three seconds, drawn at random so that clients come back spread out. Sheds are counted in
 // http_requests_shed_total and logged once per interval while they last.
+//
+// The places number at most max, and fewer while the admitted requests are slow: every
+// admissionWindow, when the p90 of the requests that finished in it exceeds the target, the
+// limit is scaled by target/p90 (halved at most, never below one place); otherwise it grows by
+// one. A fixed limit cannot do this. On a machine whose cores the requests share with the
+// relay, the broker and the consumers of the orders already accepted, each admitted request
+// waits for a core, and a latency of about limit/throughput (Little's law) holds only for a
+// limit small enough; on a bigger machine the same small limit would waste it. Scaling by the
+// ratio lands near the limit that keeps the target in one step, and growing by one finds the
+// room again when the load eases.
 type Admission struct {
-	places   chan struct{}
-	limit    int
+	max    int
+	target time.Duration // 0: the limit stays max
+
+	mu          sync.Mutex
+	limit       float64
+	inUse       int
+	waiting     []chan struct{} // first come, first given a place
+	limitSet    time.Time       // when limit last changed
+	window      []time.Duration
+	windowStart time.Time
+
 	shed     atomic.Int64
 	count    prometheus.Counter
 	log      *slog.Logger
 	interval time.Duration // of the shed lines
 }
 
-// NewAdmission returns an admission control of limit places, whose sheds are counted in reg.
-func NewAdmission(log *slog.Logger, reg prometheus.Registerer, limit int) (*Admission, error) {
-	a := &Admission{places: make(chan struct{}, limit), limit: limit, log: log, interval: shedLogInterval,
+// NewAdmission returns an admission control of at most most places, lowered to hold the
+// admitted requests' p90 to target (0: never lowered), whose sheds and limit are reported in
+// reg.
+func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target time.Duration) (*Admission, error) {
+	a := &Admission{max: most, target: target, limit: float64(most), windowStart: time.Now(),
+		window: make([]time.Duration, 0, windowSamples), log: log, interval: shedLogInterval,
 		count: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "http_requests_shed_total",
-			Help: "Requests answered 503 at once because as many as HTTP_MAX_IN_FLIGHT were at work already.",
+			Help: "Requests answered 503 at once because every place of admission control was taken.",
 		})}
-	if err := reg.Register(a.count); err != nil {
-		return nil, err
+	limit := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "http_admission_limit",
+		Help: "API requests admitted at once now: HTTP_MAX_IN_FLIGHT, lowered while the admitted requests' p90 exceeds HTTP_LATENCY_TARGET.",
+	}, func() float64 { return float64(a.Places()) })
+	for _, c := range []prometheus.Collector{a.count, limit} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
 	}
 	return a, nil
 }
@@ -52,6 +91,7 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, limit int) (*Admi
 // Middleware admits or sheds each request.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived := time.Now()
 		if !a.enter(r.Context()) {
 			if r.Context().Err() != nil {
 				return // the client went away while it waited: nobody to answer, nothing shed
@@ -62,28 +102,95 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 			WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
 			return
 		}
-		defer func() { <-a.places }()
+		defer a.leave(arrived)
 		next.ServeHTTP(w, r)
 	})
 }
 
-// enter takes a place, waiting up to AdmissionWait for one.
+// Places is how many requests are admitted at once now.
+func (a *Admission) Places() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.places()
+}
+
+func (a *Admission) places() int { return max(1, int(a.limit)) }
+
+// enter takes a place, waiting up to AdmissionWait for one behind those already waiting.
 func (a *Admission) enter(ctx context.Context) bool {
-	select {
-	case a.places <- struct{}{}:
+	a.mu.Lock()
+	if len(a.waiting) == 0 && a.inUse < a.places() {
+		a.inUse++
+		a.mu.Unlock()
 		return true
-	default:
 	}
+	given := make(chan struct{})
+	a.waiting = append(a.waiting, given)
+	a.mu.Unlock()
 	t := time.NewTimer(AdmissionWait)
 	defer t.Stop()
 	select {
-	case a.places <- struct{}{}:
+	case <-given:
 		return true
 	case <-t.C:
-		return false
 	case <-ctx.Done():
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if i := slices.Index(a.waiting, given); i >= 0 {
+		a.waiting = slices.Delete(a.waiting, i, i+1)
 		return false
 	}
+	return true // given a place as its wait ended: it is this request's now
+}
+
+// leave gives back the place of a request that arrived when given, learns from its latency,
+// and gives the places free now to the requests waiting longest.
+func (a *Admission) leave(arrived time.Time) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.inUse--
+	if a.target > 0 {
+		a.observe(arrived, time.Since(arrived))
+	}
+	for len(a.waiting) > 0 && a.inUse < a.places() {
+		close(a.waiting[0])
+		a.waiting = a.waiting[1:]
+		a.inUse++
+	}
+}
+
+// observe adds a latency to the window and, once the window has run its time, sets the limit
+// from its p90 and starts the next. Only requests that arrived under the limit now count: the
+// ones admitted under a larger limit before it would cut it again for a queue it has already
+// cut, down to a single place.
+func (a *Admission) observe(arrived time.Time, took time.Duration) {
+	if arrived.Before(a.limitSet) {
+		return
+	}
+	if len(a.window) < windowSamples {
+		a.window = append(a.window, took)
+	}
+	now := time.Now()
+	if now.Sub(a.windowStart) < admissionWindow {
+		return
+	}
+	slices.Sort(a.window)
+	if next := nextLimit(a.limit, a.max, a.target, a.window[(len(a.window)-1)*9/10]); next != a.limit {
+		a.limit, a.limitSet = next, now
+	}
+	a.window = a.window[:0]
+	a.windowStart = now
+}
+
+// nextLimit is the limit after a window whose admitted requests had p90 latency: scaled down by
+// target/p90 when that is over target, at most halved and never below one; otherwise one more,
+// up to most.
+func nextLimit(limit float64, most int, target, p90 time.Duration) float64 {
+	if p90 > target {
+		return max(1, limit*max(0.5, float64(target)/float64(p90)))
+	}
+	return min(float64(most), limit+1)
 }
 
 // Run logs, once per interval, how many requests were shed in it, until ctx ends.
@@ -96,7 +203,7 @@ func (a *Admission) Run(ctx context.Context) error {
 			return nil
 		case <-tick.C:
 			if n := a.shed.Swap(0); n > 0 {
-				a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "max_in_flight", a.limit)
+				a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max)
 			}
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,7 +24,7 @@ import (
 func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	t.Parallel()
 	log, logs := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 2)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 2, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,4 +111,167 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	if code := <-done; code != http.StatusCreated {
 		t.Fatalf("the request that waited for a place: %d, want 201", code)
 	}
+}
+
+// The limit is scaled by target/p90 after a slow window, at most halved and never below one
+// place; after a window within the target it grows by one, up to the most.
+func TestNextLimit(t *testing.T) {
+	t.Parallel()
+	ms := time.Millisecond
+	for _, c := range []struct {
+		limit     float64
+		p90       time.Duration
+		want      float64
+		situation string
+	}{
+		{16, 100 * ms, 8, "twice the target: halved"},
+		{16, 80 * ms, 10, "over the target: scaled by target/p90"},
+		{16, 400 * ms, 8, "far over the target: halved, no more"},
+		{1.5, 400 * ms, 1, "never below one place"},
+		{8, 50 * ms, 9, "at the target: one more"},
+		{8, 3 * ms, 9, "far under the target: one more, no more"},
+		{16, 10 * ms, 16, "never above the most"},
+	} {
+		if got := nextLimit(c.limit, 16, 50*ms, c.p90); got != c.want {
+			t.Errorf("%s: nextLimit(%v, p90 %s) = %v, want %v", c.situation, c.limit, c.p90, got, c.want)
+		}
+	}
+}
+
+// A limit is judged by the requests admitted under it: the slow ones still finishing from
+// before a cut do not cut it again.
+func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 32, 25*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	finish := func(arrived time.Time) int {
+		a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
+		a.observe(arrived, 200*time.Millisecond)
+		return a.places()
+	}
+	before := time.Now()
+	if n := finish(before); n != 16 {
+		t.Fatalf("after a window at p90 200 ms: %d places, want 16 (halved)", n)
+	}
+	if n := finish(before); n != 16 {
+		t.Fatalf("a request admitted before the cut: %d places, want 16 still", n)
+	}
+	if n := finish(time.Now()); n != 8 {
+		t.Fatalf("a request admitted after the cut, as slow: %d places, want 8", n)
+	}
+}
+
+// A service that does one request at a time, 5 ms each, has a latency of 5 ms per request
+// admitted before it: with 32 places, 160 ms. Under more clients than places, admission lowers
+// its places until the admitted requests' p90 is near the target, sheds the rest at once, and
+// gives the places back when the load is gone.
+func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
+	t.Parallel()
+	const most, target, service = 32, 25 * time.Millisecond, 5 * time.Millisecond
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	a, err := NewAdmission(log, reg, most, target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var one sync.Mutex
+	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		one.Lock()
+		time.Sleep(service) // the work, done one request at a time
+		one.Unlock()
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+	post := func() (int, time.Duration) {
+		start := time.Now()
+		resp, err := client.Post(srv.URL, "application/json", strings.NewReader("{}"))
+		if err != nil {
+			t.Error(err)
+			return 0, 0
+		}
+		resp.Body.Close()
+		return resp.StatusCode, time.Since(start)
+	}
+
+	// 48 clients in a closed loop for 3 s; the last 1.5 s are measured, once the limit has
+	// had time to settle.
+	var mu sync.Mutex
+	var admitted, shed []time.Duration
+	fewest := most
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 48 {
+		wg.Go(func() {
+			for time.Since(start) < 3*time.Second {
+				code, took := post()
+				settled := time.Since(start) > 1500*time.Millisecond
+				mu.Lock()
+				switch {
+				case code == http.StatusCreated && settled:
+					admitted = append(admitted, took)
+				case code == http.StatusServiceUnavailable:
+					shed = append(shed, took)
+				}
+				fewest = min(fewest, a.Places())
+				mu.Unlock()
+				if code != http.StatusCreated {
+					time.Sleep(10 * time.Millisecond) // a shed client comes back a little later
+				}
+			}
+		})
+	}
+	wg.Wait()
+	admittedP90 := p90(admitted)
+	t.Logf("%d admitted in the last 1.5 s, p90 %s (target %s); %d shed, p90 %s; fewest places %d of %d",
+		len(admitted), admittedP90, target, len(shed), p90(shed), fewest, most)
+	if len(admitted) < 100 {
+		t.Fatalf("%d requests admitted in 1.5 s, want the service kept busy (about 300)", len(admitted))
+	}
+	if admittedP90 > 2*target {
+		t.Fatalf("admitted p90 %s, want near the %s target (at most %s); %d places would hold %s", admittedP90, target, 2*target, most, most*service)
+	}
+	if len(shed) == 0 || p90(shed) > AdmissionWait+100*time.Millisecond {
+		t.Fatalf("%d shed, p90 %s: want the excess shed within the admission's wait", len(shed), p90(shed))
+	}
+	if n := gauge(t, reg, "http_admission_limit"); n >= most || n != float64(a.Places()) {
+		t.Fatalf("http_admission_limit %v at the end of the load, want the places now (%d), fewer than %d", n, a.Places(), most)
+	}
+
+	// One request at a time, each well within the target: the places come back.
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		if code, _ := post(); code != http.StatusCreated {
+			t.Fatalf("a lone request: %d, want 201", code)
+		}
+		return a.Places() == most
+	}, "the places did not come back once the load was gone")
+}
+
+// p90 is the 90th percentile of ds (0 when there are none).
+func p90(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[(len(s)-1)*9/10]
+}
+
+// gauge is the value of the gauge name in reg.
+func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name && len(f.GetMetric()) == 1 {
+			return f.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatalf("no gauge %s", name)
+	return 0
 }

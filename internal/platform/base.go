@@ -65,7 +65,8 @@ type Base struct {
 	// Background is the relay's and the cleanups' pool (Pools.Background), on pgx.
 	Background messaging.DB
 	background *pgxpool.Pool
-	// Admission bounds the API requests at work at once (HTTP_MAX_IN_FLIGHT); run it.
+	// Admission bounds the API requests at work at once (HTTP_MAX_IN_FLIGHT, lowered to hold
+	// HTTP_LATENCY_TARGET); run it.
 	Admission *Admission
 	Registry  *prometheus.Registry
 	Metrics   *messaging.Metrics
@@ -145,7 +146,7 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 	if inFlight == 0 {
 		inFlight = pools.Requests(c)
 	}
-	if b.Admission, err = NewAdmission(log, b.Registry, inFlight); err != nil {
+	if b.Admission, err = NewAdmission(log, b.Registry, inFlight, c.LatencyTarget); err != nil {
 		return nil, err
 	}
 	return b, nil

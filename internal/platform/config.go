@@ -247,6 +247,9 @@ type Common struct {
 	// MaxInFlight is HTTP_MAX_IN_FLIGHT: how many API requests may be at work at once (see
 	// Admission); 0, the default, means as many as the requests' pool has connections.
 	MaxInFlight int
+	// LatencyTarget is HTTP_LATENCY_TARGET: the admitted requests' p90 that admission control
+	// lowers its limit to hold (see Admission); 0 keeps the limit at MaxInFlight.
+	LatencyTarget time.Duration
 }
 
 // DefaultDBMaxConns is how many database connections a service opens unless DB_MAX_CONNS
@@ -254,7 +257,7 @@ type Common struct {
 const DefaultDBMaxConns = 20
 
 // ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS,
-// OTEL_EXPORTER_OTLP_ENDPOINT, PPROF_ADDR and HTTP_MAX_IN_FLIGHT.
+// OTEL_EXPORTER_OTLP_ENDPOINT, PPROF_ADDR, HTTP_MAX_IN_FLIGHT and HTTP_LATENCY_TARGET.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
@@ -264,10 +267,11 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
 		// 4 is the least any service can run on; Pools.Check works out what the settings
 		// given need.
-		DBMaxConns:   env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
-		OTLPEndpoint: readOTLPEndpoint(env),
-		PprofAddr:    env.Addr("PPROF_ADDR", ""),
-		MaxInFlight:  env.Int("HTTP_MAX_IN_FLIGHT", 0, 1, 100_000),
+		DBMaxConns:    env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
+		OTLPEndpoint:  readOTLPEndpoint(env),
+		PprofAddr:     env.Addr("PPROF_ADDR", ""),
+		MaxInFlight:   env.Int("HTTP_MAX_IN_FLIGHT", 0, 1, 100_000),
+		LatencyTarget: env.Duration("HTTP_LATENCY_TARGET", DefaultLatencyTarget, 0, time.Minute),
 	}
 }
 
@@ -277,5 +281,6 @@ func (c Common) LogAttrs() []any {
 		"database_url", Redact(c.DatabaseURL), "amqp_url", RedactList(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
 		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint), "pprof_addr", c.PprofAddr, "http_max_in_flight", c.MaxInFlight,
+		"http_latency_target", c.LatencyTarget,
 	}
 }

@@ -18,6 +18,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		"HTTP_ADDR":            "8080",
 		"CONSUMER_CONCURRENCY": "8",
 		"CONSUMER_PREFETCH":    "2",
+		"HTTP_LATENCY_TARGET":  "-5ms",
 	})
 	c := ReadCommon(env, ":8080")
 	ReadConsumerSettings(env)
@@ -33,7 +34,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		t.Fatal("want errors")
 	}
 	msg := err.Error()
-	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE", "B: must be true or false"} {
+	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE", "B: must be true or false", "HTTP_LATENCY_TARGET: must be a duration such as 1s or 5m, from 0s to 1m0s"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q lacks %q", msg, want)
 		}
