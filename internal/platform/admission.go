@@ -23,16 +23,17 @@ const AdmissionWait = 10 * time.Millisecond
 const shedLogInterval = 10 * time.Second
 
 // admissionWindow is how often the limit is reconsidered, from the requests that finished in
-// it: long enough to hold a score of requests at the rates where a limit matters, short enough
-// to follow a change of load within a second.
-const admissionWindow = 100 * time.Millisecond
+// it: long enough to hold a hundred requests at the rates where a limit matters, so that its
+// p99 is not one request's, short enough to follow a change of load within seconds.
+const admissionWindow = 500 * time.Millisecond
 
 // windowSamples bounds the latencies a window keeps; past it, the first ones stand for all.
 const windowSamples = 1024
 
-// DefaultLatencyTarget is the admitted requests' p90 that the limit is lowered to hold, unless
-// HTTP_LATENCY_TARGET says.
-const DefaultLatencyTarget = 25 * time.Millisecond
+// DefaultLatencyTarget is the admitted requests' p99 that the limit is lowered to hold, unless
+// HTTP_LATENCY_TARGET says: about six times an order's p99 on an idle machine (8 ms), so that
+// the limit moves only once requests queue for the cores or the database.
+const DefaultLatencyTarget = 50 * time.Millisecond
 
 // Admission bounds the requests at work at once: a request that finds every place taken waits
 // up to AdmissionWait for one, and is otherwise answered 503 at once, with a Retry-After of one
@@ -40,14 +41,13 @@ const DefaultLatencyTarget = 25 * time.Millisecond
 // http_requests_shed_total and logged once per interval while they last.
 //
 // The places number at most max, and fewer while the admitted requests are slow: every
-// admissionWindow, when the p90 of the requests that finished in it exceeds the target, the
-// limit is scaled by target/p90 (halved at most, never below one place); otherwise it grows by
-// one. A fixed limit cannot do this. On a machine whose cores the requests share with the
-// relay, the broker and the consumers of the orders already accepted, each admitted request
-// waits for a core, and a latency of about limit/throughput (Little's law) holds only for a
-// limit small enough; on a bigger machine the same small limit would waste it. Scaling by the
-// ratio lands near the limit that keeps the target in one step, and growing by one finds the
-// room again when the load eases.
+// admissionWindow, when the p99 of the requests that finished in it exceeds the target, the
+// limit is scaled by target/p99 (halved at most, never below one place); otherwise it grows by
+// one. A fixed limit cannot hold a latency: where the requests share the cores with the relay,
+// the broker and the consumers of the orders already accepted, only a limit small enough keeps
+// them fast, and on a bigger machine that limit would waste it. Latency grows with the requests
+// at work at once (Little's law), so scaling by the ratio lands near the limit that holds the
+// target in one step; growing by one finds the room again when the load eases.
 type Admission struct {
 	max    int
 	target time.Duration // 0: the limit stays max
@@ -67,7 +67,7 @@ type Admission struct {
 }
 
 // NewAdmission returns an admission control of at most most places, lowered to hold the
-// admitted requests' p90 to target (0: never lowered), whose sheds and limit are reported in
+// admitted requests' p99 to target (0: never lowered), whose sheds and limit are reported in
 // reg.
 func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target time.Duration) (*Admission, error) {
 	a := &Admission{max: most, target: target, limit: float64(most), windowStart: time.Now(),
@@ -78,7 +78,7 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 		})}
 	limit := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "http_admission_limit",
-		Help: "API requests admitted at once now: HTTP_MAX_IN_FLIGHT, lowered while the admitted requests' p90 exceeds HTTP_LATENCY_TARGET.",
+		Help: "API requests admitted at once now: HTTP_MAX_IN_FLIGHT, lowered while the admitted requests' p99 exceeds HTTP_LATENCY_TARGET.",
 	}, func() float64 { return float64(a.Places()) })
 	for _, c := range []prometheus.Collector{a.count, limit} {
 		if err := reg.Register(c); err != nil {
@@ -161,7 +161,7 @@ func (a *Admission) leave(arrived time.Time) {
 }
 
 // observe adds a latency to the window and, once the window has run its time, sets the limit
-// from its p90 and starts the next. Only requests that arrived under the limit now count: the
+// from its p99 and starts the next. Only requests that arrived under the limit now count: the
 // ones admitted under a larger limit before it would cut it again for a queue it has already
 // cut, down to a single place.
 func (a *Admission) observe(arrived time.Time, took time.Duration) {
@@ -176,19 +176,19 @@ func (a *Admission) observe(arrived time.Time, took time.Duration) {
 		return
 	}
 	slices.Sort(a.window)
-	if next := nextLimit(a.limit, a.max, a.target, a.window[(len(a.window)-1)*9/10]); next != a.limit {
+	if next := nextLimit(a.limit, a.max, a.target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
 		a.limit, a.limitSet = next, now
 	}
 	a.window = a.window[:0]
 	a.windowStart = now
 }
 
-// nextLimit is the limit after a window whose admitted requests had p90 latency: scaled down by
-// target/p90 when that is over target, at most halved and never below one; otherwise one more,
+// nextLimit is the limit after a window whose admitted requests had p99 latency: scaled down by
+// target/p99 when that is over target, at most halved and never below one; otherwise one more,
 // up to most.
-func nextLimit(limit float64, most int, target, p90 time.Duration) float64 {
-	if p90 > target {
-		return max(1, limit*max(0.5, float64(target)/float64(p90)))
+func nextLimit(limit float64, most int, target, p99 time.Duration) float64 {
+	if p99 > target {
+		return max(1, limit*max(0.5, float64(target)/float64(p99)))
 	}
 	return min(float64(most), limit+1)
 }

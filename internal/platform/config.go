@@ -247,7 +247,7 @@ type Common struct {
 	// MaxInFlight is HTTP_MAX_IN_FLIGHT: how many API requests may be at work at once (see
 	// Admission); 0, the default, means as many as the requests' pool has connections.
 	MaxInFlight int
-	// LatencyTarget is HTTP_LATENCY_TARGET: the admitted requests' p90 that admission control
+	// LatencyTarget is HTTP_LATENCY_TARGET: the admitted requests' p99 that admission control
 	// lowers its limit to hold (see Admission); 0 keeps the limit at MaxInFlight.
 	LatencyTarget time.Duration
 }
