@@ -273,6 +273,9 @@ func postThroughput(t *testing.T, r *report, binDir string, b2 float64) {
 				drainBody(resp)
 				if resp.StatusCode != http.StatusCreated {
 					errs.Add(1)
+					if resp.StatusCode == http.StatusServiceUnavailable {
+						time.Sleep(shedPause) // as the saturation clients do (see shedPause)
+					}
 					continue
 				}
 				mine = append(mine, time.Since(t0))

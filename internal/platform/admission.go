@@ -30,6 +30,10 @@ const admissionWindow = 500 * time.Millisecond
 // windowSamples bounds the latencies a window keeps; past it, the first ones stand for all.
 const windowSamples = 1024
 
+// minWindowSamples is the fewest requests a window judges the limit by: the p99 of fewer would
+// be the slowest one's. At lower rates a window lasts until that many have finished.
+const minWindowSamples = 20
+
 // DefaultLatencyTarget is the admitted requests' p99 that the limit is lowered to hold, unless
 // HTTP_LATENCY_TARGET says: about six times an order's p99 on an idle machine (8 ms), so that
 // the limit moves only once requests queue for the cores or the database.
@@ -42,8 +46,9 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 //
 // The places number at most max, and fewer while the admitted requests are slow: every
 // admissionWindow, when the p99 of the requests that finished in it exceeds the target, the
-// limit is scaled by target/p99 (halved at most, never below one place); otherwise it grows by
-// one. A fixed limit cannot hold a latency: where the requests share the cores with the relay,
+// most places in use in it are scaled by target/p99 (halved at most, never below one place);
+// otherwise the limit grows by one. A request's latency runs from its admission to its
+// response, so the wait for a place, which a lower limit lengthens, does not count. A fixed limit cannot hold a latency: where the requests share the cores with the relay,
 // the broker and the consumers of the orders already accepted, only a limit small enough keeps
 // them fast, and on a bigger machine that limit would waste it. Latency grows with the requests
 // at work at once (Little's law), so scaling by the ratio lands near the limit that holds the
@@ -59,6 +64,7 @@ type Admission struct {
 	limitSet    time.Time       // when limit last changed
 	window      []time.Duration
 	windowStart time.Time
+	peak        int // the most places in use since windowStart
 
 	shed     atomic.Int64
 	count    prometheus.Counter
@@ -91,7 +97,6 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 // Middleware admits or sheds each request.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		arrived := time.Now()
 		if !a.enter(r.Context()) {
 			if r.Context().Err() != nil {
 				return // the client went away while it waited: nobody to answer, nothing shed
@@ -102,7 +107,7 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 			WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
 			return
 		}
-		defer a.leave(arrived)
+		defer a.leave(time.Now())
 		next.ServeHTTP(w, r)
 	})
 }
@@ -120,7 +125,7 @@ func (a *Admission) places() int { return max(1, int(a.limit)) }
 func (a *Admission) enter(ctx context.Context) bool {
 	a.mu.Lock()
 	if len(a.waiting) == 0 && a.inUse < a.places() {
-		a.inUse++
+		a.take()
 		a.mu.Unlock()
 		return true
 	}
@@ -144,51 +149,59 @@ func (a *Admission) enter(ctx context.Context) bool {
 	return true // given a place as its wait ended: it is this request's now
 }
 
-// leave gives back the place of a request that arrived when given, learns from its latency,
-// and gives the places free now to the requests waiting longest.
-func (a *Admission) leave(arrived time.Time) {
+// take counts a place taken. The caller holds a.mu.
+func (a *Admission) take() {
+	a.inUse++
+	a.peak = max(a.peak, a.inUse)
+}
+
+// leave gives back the place of a request admitted when given, learns from its latency, and
+// gives the places free now to the requests waiting longest.
+func (a *Admission) leave(admitted time.Time) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.inUse--
 	if a.target > 0 {
-		a.observe(arrived, time.Since(arrived))
+		a.observe(admitted, time.Since(admitted))
 	}
 	for len(a.waiting) > 0 && a.inUse < a.places() {
 		close(a.waiting[0])
 		a.waiting = a.waiting[1:]
-		a.inUse++
+		a.take()
 	}
 }
 
-// observe adds a latency to the window and, once the window has run its time, sets the limit
-// from its p99 and starts the next. Only requests that arrived under the limit now count: the
-// ones admitted under a larger limit before it would cut it again for a queue it has already
-// cut, down to a single place.
-func (a *Admission) observe(arrived time.Time, took time.Duration) {
-	if arrived.Before(a.limitSet) {
+// observe adds a latency to the window and, once the window has run its time and holds enough
+// requests, sets the limit from its p99 and starts the next. Only requests admitted under the
+// limit now count: the ones admitted under a larger limit before it would cut it again for a
+// queue it has already cut, down to a single place.
+func (a *Admission) observe(admitted time.Time, took time.Duration) {
+	if admitted.Before(a.limitSet) {
 		return
 	}
 	if len(a.window) < windowSamples {
 		a.window = append(a.window, took)
 	}
 	now := time.Now()
-	if now.Sub(a.windowStart) < admissionWindow {
+	if now.Sub(a.windowStart) < admissionWindow || len(a.window) < minWindowSamples {
 		return
 	}
 	slices.Sort(a.window)
-	if next := nextLimit(a.limit, a.max, a.target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
+	if next := nextLimit(a.limit, a.peak, a.max, a.target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
 		a.limit, a.limitSet = next, now
 	}
 	a.window = a.window[:0]
 	a.windowStart = now
+	a.peak = a.inUse
 }
 
-// nextLimit is the limit after a window whose admitted requests had p99 latency: scaled down by
-// target/p99 when that is over target, at most halved and never below one; otherwise one more,
-// up to most.
-func nextLimit(limit float64, most int, target, p99 time.Duration) float64 {
+// nextLimit is the limit after a window whose admitted requests had p99 latency with at most
+// peak of them at work at once: the places in use scaled down by target/p99 when that is over
+// target (a limit above them held nobody back), at most halved and never below one; otherwise
+// one more, up to most.
+func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64 {
 	if p99 > target {
-		return max(1, limit*max(0.5, float64(target)/float64(p99)))
+		return max(1, min(limit, float64(peak))*max(0.5, float64(target)/float64(p99)))
 	}
 	return min(float64(most), limit+1)
 }

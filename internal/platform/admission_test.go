@@ -29,9 +29,6 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.interval = 200 * time.Millisecond
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() { _ = a.Run(ctx) }()
 	release := make(chan struct{})
 	releaseAll := sync.OnceFunc(func() { close(release) })
 	entered := make(chan struct{}, 10)
@@ -84,6 +81,11 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	if n := testutil.ToFloat64(a.count); n != 5 {
 		t.Fatalf("http_requests_shed_total = %v, want 5", n)
 	}
+	// Started after the sheds, so that all five fall in its first interval however slowly
+	// busy cores answered them.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = a.Run(ctx) }()
 	testenv.Eventually(t, 5*time.Second, func() bool { return len(logs.Lines("at capacity: requests shed", "shed=5")) == 1 },
 		"the sheds were not logged as one line")
 	time.Sleep(3 * a.interval) // intervals without a shed: they must log nothing
@@ -113,33 +115,35 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	}
 }
 
-// The limit is scaled by target/p99 after a slow window, at most halved and never below one
-// place; after a window within the target it grows by one, up to the most.
+// The places in use are scaled by target/p99 after a slow window, at most halved and never below
+// one place; after a window within the target the limit grows by one, up to the most.
 func TestNextLimit(t *testing.T) {
 	t.Parallel()
 	ms := time.Millisecond
 	for _, c := range []struct {
 		limit     float64
+		peak      int
 		p99       time.Duration
 		want      float64
 		situation string
 	}{
-		{16, 100 * ms, 8, "twice the target: halved"},
-		{16, 80 * ms, 10, "over the target: scaled by target/p99"},
-		{16, 400 * ms, 8, "far over the target: halved, no more"},
-		{1.5, 400 * ms, 1, "never below one place"},
-		{8, 50 * ms, 9, "at the target: one more"},
-		{8, 3 * ms, 9, "far under the target: one more, no more"},
-		{16, 10 * ms, 16, "never above the most"},
+		{16, 16, 100 * ms, 8, "twice the target: halved"},
+		{16, 16, 80 * ms, 10, "over the target: scaled by target/p99"},
+		{16, 16, 400 * ms, 8, "far over the target: halved, no more"},
+		{16, 6, 80 * ms, 3.75, "over the target with fewer in use: those in use are scaled"},
+		{1.5, 1, 400 * ms, 1, "never below one place"},
+		{8, 8, 50 * ms, 9, "at the target: one more"},
+		{8, 2, 3 * ms, 9, "far under the target: one more, no more"},
+		{16, 16, 10 * ms, 16, "never above the most"},
 	} {
-		if got := nextLimit(c.limit, 16, 50*ms, c.p99); got != c.want {
-			t.Errorf("%s: nextLimit(%v, p99 %s) = %v, want %v", c.situation, c.limit, c.p99, got, c.want)
+		if got := nextLimit(c.limit, c.peak, 16, 50*ms, c.p99); got != c.want {
+			t.Errorf("%s: nextLimit(%v, peak %d, p99 %s) = %v, want %v", c.situation, c.limit, c.peak, c.p99, got, c.want)
 		}
 	}
 }
 
-// A limit is judged by the requests admitted under it: the slow ones still finishing from
-// before a cut do not cut it again.
+// A limit is judged by enough requests admitted under it: a window of a few slow ones changes
+// nothing, and the slow ones still finishing from before a cut do not cut it again.
 func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	t.Parallel()
 	log, _ := testenv.NewLogger(t)
@@ -147,11 +151,23 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	finish := func(arrived time.Time) int {
+	a.peak = 32
+	finish := func(admitted time.Time) int {
 		a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
-		a.observe(arrived, 200*time.Millisecond)
+		for range minWindowSamples {
+			a.observe(admitted, 200*time.Millisecond)
+		}
+		a.peak = 32
 		return a.places()
 	}
+	a.windowStart = time.Now().Add(-admissionWindow)
+	for range minWindowSamples - 1 {
+		a.observe(time.Now(), time.Second)
+	}
+	if n := a.places(); n != 32 {
+		t.Fatalf("after a window of %d slow requests: %d places, want 32: too few to judge by", minWindowSamples-1, n)
+	}
+	a.window = a.window[:0]
 	before := time.Now()
 	if n := finish(before); n != 16 {
 		t.Fatalf("after a window at p99 200 ms: %d places, want 16 (halved)", n)
@@ -193,8 +209,10 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 	if len(adaptive.admitted) < 150 {
 		t.Fatalf("%d requests admitted in 2 s, want the service kept busy (about 400)", len(adaptive.admitted))
 	}
-	if pct(adaptive.admitted, 99) > pct(baseline.admitted, 99)/2 {
-		t.Fatalf("admitted p99 %s, want under half the fixed limit's %s: near the %s target", pct(adaptive.admitted, 99), pct(baseline.admitted, 99), target)
+	// Alone, about a third of the fixed limit's; on cores busy with other tests, both wait for
+	// them, and the ratio rises towards a half. Without adaptation it is one.
+	if pct(adaptive.admitted, 99) > pct(baseline.admitted, 99)*2/3 {
+		t.Fatalf("admitted p99 %s, want at most two thirds of the fixed limit's %s: near the %s target", pct(adaptive.admitted, 99), pct(baseline.admitted, 99), target)
 	}
 	// At once: within the admission's wait, with the margin of TestAdmissionShedsTheExcessAtOnce.
 	if len(adaptive.shed) == 0 || pct(adaptive.shed, 90) > AdmissionWait+240*time.Millisecond {
@@ -203,13 +221,23 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 	if n := gauge(t, reg, "http_admission_limit"); n >= most || n != float64(a.Places()) {
 		t.Fatalf("http_admission_limit %v at the end of the load, want the places now (%d), fewer than %d", n, a.Places(), most)
 	}
+	for _, ad := range []*Admission{a, fixed} {
+		ad.mu.Lock()
+		inUse, waiting := ad.inUse, len(ad.waiting)
+		ad.mu.Unlock()
+		if inUse != 0 || waiting != 0 {
+			t.Fatalf("after the load: %d places in use, %d requests waiting; want every place given back", inUse, waiting)
+		}
+	}
 
 	// One request at a time, each well within the target: the places come back.
 	srv, client := oneAtATime(a)
 	defer srv.Close()
-	testenv.Eventually(t, 20*time.Second, func() bool {
-		if code, _ := postTo(t, client, srv.URL); code != http.StatusCreated {
-			t.Fatalf("a lone request: %d, want 201", code)
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		for range minWindowSamples {
+			if code, _ := postTo(t, client, srv.URL); code != http.StatusCreated {
+				t.Fatalf("a lone request: %d, want 201", code)
+			}
 		}
 		return a.Places() == most
 	}, "the places did not come back once the load was gone")
