@@ -45,13 +45,16 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // http_requests_shed_total and logged once per interval while they last.
 //
 // The places number at most max, and fewer while the admitted requests are slow: every
-// admissionWindow, when the p99 of the requests that finished in it exceeds the target, the
-// most places in use in it are scaled by target/p99 (halved at most, never below one place);
-// otherwise the limit grows by one. A request's latency runs from its admission to its
-// response, so the wait for a place, which a lower limit lengthens, does not count. A fixed limit cannot hold a latency: where the requests share the cores with the relay,
-// the broker and the consumers of the orders already accepted, only a limit small enough keeps
-// them fast, and on a bigger machine that limit would waste it. Latency grows with the requests
-// at work at once (Little's law), so scaling by the ratio lands near the limit that holds the
+// admissionWindow, when the p99 of the requests admitted under the current limit that finished
+// in it exceeds the target, the most places in use in it are scaled by target/p99 (halved at
+// most, never below one place); otherwise the limit grows by one. A request's latency runs from
+// its admission to its response, so the wait for a place, which a lower limit lengthens, does
+// not count.
+//
+// A fixed limit cannot hold a latency: where the requests share the cores with the relay, the
+// broker and the consumers of the orders already accepted, only a limit small enough keeps them
+// fast, and on a bigger machine that limit would waste it. Latency grows with the requests at
+// work at once (Little's law), so scaling by the ratio lands near the limit that holds the
 // target in one step; growing by one finds the room again when the load eases.
 type Admission struct {
 	max    int
