@@ -206,8 +206,10 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 	t.Logf("admitted in the last 2 s: %d, p99 %s (target %s), against %d, p99 %s with a fixed limit; shed %d, p90 %s; %d places of %d at the end",
 		len(adaptive.admitted), pct(adaptive.admitted, 99), target, len(baseline.admitted), pct(baseline.admitted, 99),
 		len(adaptive.shed), pct(adaptive.shed, 90), a.Places(), most)
-	if len(adaptive.admitted) < 150 {
-		t.Fatalf("%d requests admitted in 2 s, want the service kept busy (about 400)", len(adaptive.admitted))
+	// Kept busy: about as many admitted as with the fixed limit (0.84-0.99 measured, alone and
+	// beside the whole suite), which busy cores slow down as much.
+	if len(adaptive.admitted) < len(baseline.admitted)/2 {
+		t.Fatalf("%d requests admitted in 2 s, want at least half the fixed limit's %d: the service kept busy", len(adaptive.admitted), len(baseline.admitted))
 	}
 	// Alone, about a third of the fixed limit's; on cores busy with other tests, both wait for
 	// them, and the ratio rises towards a half. Without adaptation it is one.
