@@ -148,8 +148,8 @@ func overload(t *testing.T, r *report, binDir string) {
 	r.add(fmt.Sprintf("overload: %d orders/s offered open loop (2 × saturation; %.0f/s reached), 30 s: accepted p50 / p99", target, offered),
 		fmt.Sprintf("%s / %s", ms(percentile(accepted, .5)), ms(p99)), "", "", "p99 ≤ 100 ms", p99 <= 100*time.Millisecond && other == 0)
 	shedP99 := percentile(shed, .99)
-	r.add(fmt.Sprintf("   shed (503): share of %d requests, p99 (%d other answers)", total, other),
-		fmt.Sprintf("%.0f %%, p99 %s", 100*float64(len(shed))/float64(max(total, 1)), ms(shedP99)), "", "", "p99 ≤ 50 ms",
+	r.add(fmt.Sprintf("   shed (503): share of %d requests, p50 / p99 (%d other answers)", total, other),
+		fmt.Sprintf("%.0f %%, %s / %s", 100*float64(len(shed))/float64(max(total, 1)), ms(percentile(shed, .5)), ms(shedP99)), "", "", "p99 ≤ 50 ms",
 		shedP99 <= 50*time.Millisecond && other == 0)
 	r.add("   accepted during the overload", fmt.Sprintf("%.0f orders/s", rate(len(accepted), 30*time.Second)),
 		fmt.Sprintf("%.0f orders/s at saturation", sat), fmt.Sprintf("%.2f", rate(len(accepted), 30*time.Second)/sat), "", true)

@@ -18,6 +18,10 @@ import (
 // to ride out a burst, short enough that a shed request learns at once to come back later.
 const AdmissionWait = 10 * time.Millisecond
 
+// latencyWeight is the weight of each request's latency in the running mean that tells how
+// fast places free up: about the last twenty requests count.
+const latencyWeight = 0.05
+
 // shedLogInterval is how often shedding is logged, as one line with the count: under overload
 // a line per request would add to the load.
 const shedLogInterval = 10 * time.Second
@@ -51,6 +55,11 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count.
 //
+// A request does not wait at all when the requests already waiting are at least twice the
+// places expected to free up in AdmissionWait (the places over the admitted requests' mean
+// latency): it would almost surely be shed at the end of the wait, and waiting only delays its
+// answer and holds its connection.
+//
 // A fixed limit cannot hold a latency: where the requests share the cores with the relay, the
 // broker and the consumers of the orders already accepted, only a limit small enough keeps them
 // fast, and on a bigger machine that limit would waste it. Latency grows with the requests at
@@ -67,7 +76,8 @@ type Admission struct {
 	limitSet    time.Time       // when limit last changed
 	window      []time.Duration
 	windowStart time.Time
-	peak        int // the most places in use since windowStart
+	peak        int           // the most places in use since windowStart
+	mean        time.Duration // a running mean of the latencies, 0 until one request is done
 
 	shed     atomic.Int64
 	count    prometheus.Counter
@@ -132,6 +142,10 @@ func (a *Admission) enter(ctx context.Context) bool {
 		a.mu.Unlock()
 		return true
 	}
+	if waitsInVain(len(a.waiting), a.places(), a.mean) {
+		a.mu.Unlock()
+		return false
+	}
 	given := make(chan struct{})
 	a.waiting = append(a.waiting, given)
 	a.mu.Unlock()
@@ -164,8 +178,10 @@ func (a *Admission) leave(admitted time.Time) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.inUse--
+	took := time.Since(admitted)
+	a.mean = runningMean(a.mean, took)
 	if a.target > 0 {
-		a.observe(admitted, time.Since(admitted))
+		a.observe(admitted, took)
 	}
 	for len(a.waiting) > 0 && a.inUse < a.places() {
 		close(a.waiting[0])
@@ -207,6 +223,26 @@ func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64
 		return max(1, min(limit, float64(peak))*max(0.5, float64(target)/float64(p99)))
 	}
 	return min(float64(most), limit+1)
+}
+
+// waitsInVain reports whether a request with ahead requests waiting before it would wait out
+// AdmissionWait in vain, with places places freeing up every mean: ahead is at least twice the
+// places expected to free in the wait (departures that many above their expected number are
+// rare), and at least one. A mean of 0, before any request is done, knows nothing: all wait.
+func waitsInVain(ahead, places int, mean time.Duration) bool {
+	if mean <= 0 {
+		return false
+	}
+	frees := float64(places) * float64(AdmissionWait) / float64(mean)
+	return float64(ahead) >= max(1, 2*frees)
+}
+
+// runningMean adds a latency to the mean, the first one standing for all.
+func runningMean(mean, took time.Duration) time.Duration {
+	if mean == 0 {
+		return took
+	}
+	return mean + time.Duration(latencyWeight*float64(took-mean))
 }
 
 // Run logs, once per interval, how many requests were shed in it, until ctx ends.

@@ -115,6 +115,73 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	}
 }
 
+// A request waits for a place only while the requests waiting before it can be given theirs
+// within the wait: it stops at twice the places expected to free up in it, and at one.
+func TestWaitsInVain(t *testing.T) {
+	t.Parallel()
+	ms := time.Millisecond
+	for _, c := range []struct {
+		ahead, places int
+		mean          time.Duration
+		want          bool
+		situation     string
+	}{
+		{0, 1, 100 * ms, false, "the first to wait always waits"},
+		{1, 1, 100 * ms, true, "one place, free every 100 ms: the second waits in vain"},
+		{15, 16, 20 * ms, false, "16 places of 20 ms free 8 in the wait: fewer than 16 ahead wait"},
+		{16, 16, 20 * ms, true, "twice the places that free in the wait"},
+		{1000, 16, 0, false, "before any request is done nothing is known: all wait"},
+	} {
+		if got := waitsInVain(c.ahead, c.places, c.mean); got != c.want {
+			t.Errorf("%s: waitsInVain(%d ahead, %d places, mean %s) = %v, want %v", c.situation, c.ahead, c.places, c.mean, got, c.want)
+		}
+	}
+}
+
+// Behind a request that already waits for the one place, which frees every 100 ms, a request is
+// shed without waiting; with nobody before it, it waits for the place.
+func TestAdmissionShedsBehindAQueueWithoutWaiting(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for range 2 {
+		if !a.enter(ctx) {
+			t.Fatal("the free place was not given")
+		}
+		a.leave(time.Now().Add(-100 * time.Millisecond))
+	}
+	if !a.enter(ctx) {
+		t.Fatal("the free place was not given")
+	}
+	a.mu.Lock()
+	a.waiting = append(a.waiting, make(chan struct{})) // a request waiting for it already
+	a.mu.Unlock()
+	start := time.Now()
+	for range 100 {
+		if a.enter(ctx) {
+			t.Fatal("admitted with the one place taken")
+		}
+	}
+	// Waiting, they would take 100 × AdmissionWait; without, microseconds each.
+	if took := time.Since(start); took > 50*AdmissionWait {
+		t.Fatalf("100 requests behind the queue took %s to shed: they waited", took)
+	}
+	a.mu.Lock()
+	a.waiting = a.waiting[:0]
+	a.mu.Unlock()
+	start = time.Now()
+	if a.enter(ctx) {
+		t.Fatal("admitted with the one place taken")
+	}
+	if took := time.Since(start); took < AdmissionWait {
+		t.Fatalf("the first to wait was shed after %s, want after the wait (%s)", took, AdmissionWait)
+	}
+}
+
 // The places in use are scaled by target/p99 after a slow window, at most halved and never below
 // one place; after a window within the target the limit grows by one, up to the most.
 func TestNextLimit(t *testing.T) {
