@@ -22,6 +22,10 @@ const AdmissionWait = 10 * time.Millisecond
 // fast places free up: about the last twenty requests count.
 const latencyWeight = 0.05
 
+// latencyCap bounds one request's latency in the running mean, as a multiple of the mean: one
+// request held to its deadline would otherwise make places look scarce for the next sixty.
+const latencyCap = 4
+
 // shedLogInterval is how often shedding is logged, as one line with the count: under overload
 // a line per request would add to the load.
 const shedLogInterval = 10 * time.Second
@@ -57,8 +61,9 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
-// latency): it would almost surely be shed at the end of the wait, and waiting only delays its
-// answer and holds its connection.
+// latency): those places go to the requests ahead of it first, so it would be shed at the end
+// of the wait about as often as served, and a place it got would be one a request ahead of it
+// no longer needed. As many are admitted either way; the shed ones learn it 10 ms sooner.
 //
 // A fixed limit cannot hold a latency: where the requests share the cores with the relay, the
 // broker and the consumers of the orders already accepted, only a limit small enough keeps them
@@ -134,7 +139,8 @@ func (a *Admission) Places() int {
 
 func (a *Admission) places() int { return max(1, int(a.limit)) }
 
-// enter takes a place, waiting up to AdmissionWait for one behind those already waiting.
+// enter takes a place, waiting up to AdmissionWait for one behind those already waiting, unless
+// so many wait already that the wait would be in vain.
 func (a *Admission) enter(ctx context.Context) bool {
 	a.mu.Lock()
 	if len(a.waiting) == 0 && a.inUse < a.places() {
@@ -225,24 +231,25 @@ func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64
 	return min(float64(most), limit+1)
 }
 
-// waitsInVain reports whether a request with ahead requests waiting before it would wait out
-// AdmissionWait in vain, with places places freeing up every mean: ahead is at least twice the
-// places expected to free in the wait (departures that many above their expected number are
-// rare), and at least one. A mean of 0, before any request is done, knows nothing: all wait.
+// waitsInVain reports whether a request with ahead requests waiting before it should not wait,
+// with places places freeing up every mean: ahead is at least twice the places expected to
+// free in AdmissionWait. The first to wait always waits; a mean of 0, before any request is
+// done, knows nothing: all wait.
 func waitsInVain(ahead, places int, mean time.Duration) bool {
 	if mean <= 0 {
 		return false
 	}
 	frees := float64(places) * float64(AdmissionWait) / float64(mean)
-	return float64(ahead) >= max(1, 2*frees)
+	return float64(ahead) >= 2*frees
 }
 
-// runningMean adds a latency to the mean, the first one standing for all.
+// runningMean adds a latency, at most latencyCap times the mean, to the mean; the first one
+// stands for all.
 func runningMean(mean, took time.Duration) time.Duration {
 	if mean == 0 {
 		return took
 	}
-	return mean + time.Duration(latencyWeight*float64(took-mean))
+	return mean + time.Duration(latencyWeight*float64(min(took, latencyCap*mean)-mean))
 }
 
 // Run logs, once per interval, how many requests were shed in it, until ctx ends.

@@ -138,6 +138,26 @@ func TestWaitsInVain(t *testing.T) {
 	}
 }
 
+// The mean follows the latencies a twentieth at a time, and one request held to its deadline
+// moves it no more than one four times the mean.
+func TestRunningMean(t *testing.T) {
+	t.Parallel()
+	ms := time.Millisecond
+	for _, c := range []struct {
+		mean, took, want time.Duration
+		situation        string
+	}{
+		{0, 30 * ms, 30 * ms, "the first latency stands for all"},
+		{100 * ms, 0, 95 * ms, "a fast request: a twentieth of the way down"},
+		{100 * ms, 200 * ms, 105 * ms, "a slow request: a twentieth of the way up"},
+		{10 * ms, 5 * time.Second, 11500 * time.Microsecond, "a request held 5 s counts as 40 ms"},
+	} {
+		if got := runningMean(c.mean, c.took); got != c.want {
+			t.Errorf("%s: runningMean(%s, %s) = %s, want %s", c.situation, c.mean, c.took, got, c.want)
+		}
+	}
+}
+
 // Behind a request that already waits for the one place, which frees every 100 ms, a request is
 // shed without waiting; with nobody before it, it waits for the place.
 func TestAdmissionShedsBehindAQueueWithoutWaiting(t *testing.T) {
