@@ -25,17 +25,18 @@ import (
 const consumerBatch = messaging.DefaultBatchSize
 
 // consumerCeilingScript is the invoicing consumer's work for consumerBatch messages, written
-// raw, set-based, as pgbench runs it: claim the batch's inbox rows, write its invoices and its
-// InvoiceIssued outbox rows, notify once. Ids are time-ordered, as the services make them.
+// raw, set-based, as pgbench runs it: claim the batch's inbox rows, write its invoices, and its
+// InvoiceIssued outbox rows with the NOTIFY in the same statement, as messaging.Enqueue does.
+// Ids are time-ordered, as the services make them.
 func consumerCeilingScript() string {
 	v7 := testenv.UUIDv7SQL("clock_timestamp()", "(random() * 1e15)::bigint")
 	return fmt.Sprintf(`BEGIN;
 INSERT INTO inbox_messages (message_id, consumer, processed_at) SELECT %[1]s, 'invoicing', now() FROM generate_series(1, %[2]d);
 INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
   SELECT %[1]s, %[1]s, 'c-42', 2500, 'issued', %[1]s, now() FROM generate_series(1, %[2]d);
-INSERT INTO outbox_messages (id, type, payload, occurred_at, exchange)
-  SELECT %[1]s, 'InvoiceIssued', '{"customer_id":"c-42","amount_cents":2500}', now(), 'invoicing' FROM generate_series(1, %[2]d);
-SELECT pg_notify('outbox_messages', '');
+WITH inserted AS (INSERT INTO outbox_messages (id, type, payload, occurred_at, exchange)
+  SELECT %[1]s, 'InvoiceIssued', '{"customer_id":"c-42","amount_cents":2500}', now(), 'invoicing' FROM generate_series(1, %[2]d))
+  SELECT pg_notify('outbox_messages', '');
 COMMIT;
 `, v7, consumerBatch)
 }

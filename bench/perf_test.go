@@ -215,11 +215,10 @@ func databaseCeiling(t *testing.T, r *report) float64 {
 					if _, err := tx.Exec(ctx, `INSERT INTO order_lines VALUES ($1, 1, 'SKU-1', 2, 1250)`, id); err != nil {
 						return err
 					}
-					if _, err := tx.Exec(ctx, `INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES ($1, 'OrderPlaced', $2, now())`,
-						msgID, `{"order_id":"`+id.String()+`"}`); err != nil {
-						return err
-					}
-					_, err := tx.Exec(ctx, `SELECT pg_notify('outbox_messages', '')`)
+					// The row and the NOTIFY in one statement, as messaging.Enqueue writes them.
+					_, err := tx.Exec(ctx, `WITH inserted AS (INSERT INTO outbox_messages (id, type, payload, occurred_at)
+						VALUES ($1, 'OrderPlaced', $2, now())) SELECT pg_notify('outbox_messages', '')`,
+						msgID, `{"order_id":"`+id.String()+`"}`)
 					return err
 				})
 				if err == nil {

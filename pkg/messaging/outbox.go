@@ -44,15 +44,6 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 	if _, err := ex.Exec(ctx, statements.InsertOutbox, rows); err != nil {
 		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
 	}
-	// In a handler, the subscription notifies once, before its transaction commits, however
-	// many messages its handlers enqueued.
-	if hooks, ok := ctx.Value(afterCommitKey{}).(*afterCommitHooks); ok {
-		hooks.notify = true
-		return nil
-	}
-	if _, err := ex.Exec(ctx, statements.Notify); err != nil {
-		return fmt.Errorf("outbox: notify relay: %w", err)
-	}
 	return nil
 }
 

@@ -502,11 +502,6 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			return nil, err
 		}
 	}
-	if hooks, _ := ctx.Value(afterCommitKey{}).(*afterCommitHooks); hooks != nil && hooks.notify {
-		if _, err := txe.Exec(ctx, statements.Notify); err != nil {
-			return nil, fmt.Errorf("notify relay: %w", err)
-		}
-	}
 	if err := txe.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("commit inbox transaction: %w", err)
 	}
@@ -596,11 +591,9 @@ func (s *Subscription[Tx]) deliver(ctx context.Context, msg Message) (duplicate 
 type afterCommitKey struct{}
 
 // afterCommitHooks is what a handler's transaction owes after its work: the functions to run
-// once it has committed, and whether to notify the relays before it commits (something was
-// enqueued).
+// once it has committed.
 type afterCommitHooks struct {
-	fns    []func()
-	notify bool
+	fns []func()
 }
 
 // ErrNotInInbox is returned by [AfterCommit] outside a handler.

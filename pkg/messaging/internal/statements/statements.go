@@ -11,18 +11,22 @@ const NotifyChannel = "outbox_messages"
 
 // The outbox.
 const (
-	// InsertOutbox adds the rows of one JSON array ($1) of objects with the keys below, in one
-	// statement. next_attempt_at, processed_at and attempts take their defaults: due now, by the
-	// database's clock.
-	InsertOutbox = `INSERT INTO outbox_messages
+	// InsertOutbox adds the rows of one JSON array ($1) of objects with the keys below, and
+	// wakes the relays (see Notify), in one statement: one round trip. next_attempt_at,
+	// processed_at and attempts take their defaults: due now, by the database's clock. An
+	// INSERT in WITH runs to completion whether or not the query reads it.
+	InsertOutbox = `WITH inserted AS (
+INSERT INTO outbox_messages
     (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers)
 SELECT id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers
 FROM jsonb_to_recordset($1::jsonb) AS r(
     id uuid, type text, payload jsonb, correlation_id text, occurred_at timestamptz,
-    trace_parent text, trace_state text, exchange text, routing_key text, headers jsonb)`
+    trace_parent text, trace_state text, exchange text, routing_key text, headers jsonb))
+` + Notify
 
 	// Notify wakes the relays. Inside the enqueuing transaction it is delivered only if and when
-	// that commits: a relay wakes exactly when the rows become visible to it.
+	// that commits: a relay wakes exactly when the rows become visible to it. However often a
+	// transaction notifies, PostgreSQL delivers one notification (same channel, same payload).
 	Notify = `SELECT pg_notify('` + NotifyChannel + `', '')`
 
 	// Listen subscribes a relay's connection to the notifications.
