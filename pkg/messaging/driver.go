@@ -27,7 +27,9 @@ type Driver[Tx any] interface {
 
 // Executor runs statements: on a pool, a connection or a transaction.
 type Executor interface {
-	// Exec runs a statement and returns how many rows it affected.
+	// Exec runs a statement and returns how many rows it affected. It must also take a
+	// statement that returns rows, and discard them: the outbox's insert ends in a SELECT of
+	// pg_notify.
 	Exec(ctx context.Context, sql string, args ...any) (rowsAffected int64, err error)
 	// Query runs a statement that returns rows.
 	Query(ctx context.Context, sql string, args ...any) (Rows, error)

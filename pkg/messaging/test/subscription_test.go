@@ -383,3 +383,33 @@ func TestSubscriptionDeadLettersAPermanentErrorOnTheFirstTry(t *testing.T) {
 	wantNothingRequeued(t, b.testBundle, b.name)
 	t.Logf("%d of the %d refused messages were tried in a failed batch first", inBatches, len(bad))
 }
+
+// A message a handler enqueues wakes the relays when the handler's transaction commits, as
+// one enqueued outside a handler does: with the relay's poll an hour away, only the NOTIFY of
+// that commit can send it.
+func TestHandlerEnqueueWakesTheRelayOnCommit(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour })
+	run(t, r.Run)
+	// Let the relay's first (empty) batch pass, so only a NOTIFY can pick up the row.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}, "relay is not listening")
+	next := newMessage(t, 0)
+	s := b.subscription(t, nil)
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, _ messaging.Message) error {
+		return messaging.Enqueue(ctx, b.drv, tx, next)
+	}))
+	declareSubscription(t, s)
+	run(t, s.Run)
+	p, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, b.exchange, p)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL") == 1
+	}, "the relay did not send the row a handler enqueued")
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{next.ID})
+}
