@@ -335,12 +335,7 @@ func TestRelayRedeclaresTopologyAfterTheExchangeIsDeleted(t *testing.T) {
 func TestRelayWakesOnNotifyWithoutWaitingForThePoll(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour })
-	run(t, r.Run)
-	// Let the first (empty) batch pass, so only a NOTIFY can pick up the next row.
-	testenv.Eventually(t, 5*time.Second, func() bool {
-		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
-	}, "relay is not listening")
+	b.runListeningRelay(t)
 	ids := b.enqueue(t, 1)
 	b.waitAllSent(t, 5*time.Second)
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)

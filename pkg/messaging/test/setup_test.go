@@ -176,6 +176,17 @@ func (b *testBundle) relay(t testing.TB, sender messaging.Sender, tweak func(*me
 	return r
 }
 
+// runListeningRelay runs a relay whose poll is an hour away, and returns once it listens for
+// NOTIFY, its first (empty) batch past: from then on only a NOTIFY can pick up a row.
+func (b *testBundle) runListeningRelay(t testing.TB) {
+	t.Helper()
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour })
+	run(t, r.Run)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}, "relay is not listening")
+}
+
 // run starts fn in the background and, at cleanup, cancels it and checks it returned nil
 // within 10 s.
 func run(t testing.TB, fn func(ctx context.Context) error) {

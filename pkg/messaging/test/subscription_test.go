@@ -390,12 +390,7 @@ func TestSubscriptionDeadLettersAPermanentErrorOnTheFirstTry(t *testing.T) {
 func TestHandlerEnqueueWakesTheRelayOnCommit(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
-	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour })
-	run(t, r.Run)
-	// Let the relay's first (empty) batch pass, so only a NOTIFY can pick up the row.
-	testenv.Eventually(t, 5*time.Second, func() bool {
-		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
-	}, "relay is not listening")
+	b.runListeningRelay(t)
 	next := newMessage(t, 0)
 	s := b.subscription(t, nil)
 	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, _ messaging.Message) error {
