@@ -4,7 +4,8 @@
 #   scripts/bench-compare.sh REV [PHASE_REGEXP]
 # e.g. scripts/bench-compare.sh 5a2f3e5 '^(consumer|overload)$'. REV's binaries are built in a
 # temporary git worktree. A phase the older binaries cannot run (a variable they do not know, a
-# metric they do not export) fails in its own table; the exit status is that of this checkout's run.
+# metric they do not export) fails in its own table; the exit status is that of this checkout's
+# runs (non-zero if any failed). BENCH_ROUNDS=N repeats the pair N times in alternating order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=${1:?usage: scripts/bench-compare.sh REV [PHASE_REGEXP]}
@@ -22,7 +23,27 @@ run() {
   BENCH=1 go test -count=1 -run "^TestPerformance\$/$phases" -v -timeout 60m ./bench/ 2>&1 |
     { grep -vE '^ *(=== RUN|--- PASS|PASS$|ok )' || true; }
 }
-echo "## before: $(git rev-parse --short "$rev")"
-BENCH_BINARIES="$work/bin" run || true
-echo "## after: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
-run
+before() {
+  echo "## before: $(git rev-parse --short "$rev")$1"
+  BENCH_BINARIES="$work/bin" run || true
+}
+after() {
+  echo "## after: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')$1"
+  run || status=$?
+}
+# BENCH_ROUNDS=N measures each side N times, in the order before-after, after-before, ...: the
+# machine's speed drifts within minutes, and a pair always run in one order measures the drift
+# along with the change.
+rounds=${BENCH_ROUNDS:-1}
+status=0
+for ((i = 1; i <= rounds; i++)); do
+  label=$([ "$rounds" -gt 1 ] && echo " (round $i of $rounds)" || true)
+  if ((i % 2)); then
+    before "$label"
+    after "$label"
+  else
+    after "$label"
+    before "$label"
+  fi
+done
+exit "$status"
