@@ -70,8 +70,7 @@ func TestNoGoroutineLeftAfterFaultsAndShutdown(t *testing.T) {
 			return
 		}
 		if time.Now().After(deadline) {
-			stacks := make([]byte, 1<<20)
-			t.Fatalf("goroutines left behind: %d before, %d after:\n%s", before, after, stacks[:runtime.Stack(stacks, true)])
+			t.Fatalf("goroutines left behind: %d before, %d after:\n%s", before, after, allStacks())
 		}
 		time.Sleep(50 * time.Millisecond) // the stopped components' goroutines are on their way out
 	}
@@ -81,12 +80,22 @@ func TestNoGoroutineLeftAfterFaultsAndShutdown(t *testing.T) {
 // link cut while bytes are in flight can leave its toxic blocked on a send for good, a leak of
 // the test's tool, not of the code under test.
 func goroutinesNotOfTheProxy() int {
-	stacks := make([]byte, 1<<20)
 	n := 0
-	for _, g := range strings.Split(string(stacks[:runtime.Stack(stacks, true)]), "\n\n") {
+	for _, g := range strings.Split(allStacks(), "\n\n") {
 		if !strings.Contains(g, "github.com/Shopify/toxiproxy") {
 			n++
 		}
 	}
 	return n
+}
+
+// allStacks is every goroutine's stack, whole: a buffer too small would cut the list short and
+// undercount.
+func allStacks() string {
+	for size := 1 << 20; ; size *= 2 {
+		buf := make([]byte, size)
+		if n := runtime.Stack(buf, true); n < size {
+			return string(buf[:n])
+		}
+	}
 }
