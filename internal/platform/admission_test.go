@@ -299,7 +299,7 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 	t.Logf("admitted in the last 2 s: %d, p50 %s, p99 %s (target %s), against %d, p50 %s, p99 %s with a fixed limit; shed %d, p50 %s, p90 %s; %d places of %d at the end",
 		len(adaptive.admitted), pct(adaptive.admitted, 50), pct(adaptive.admitted, 99), target, len(baseline.admitted), pct(baseline.admitted, 50), pct(baseline.admitted, 99),
 		len(adaptive.shed), pct(adaptive.shed, 50), pct(adaptive.shed, 90), a.Places(), most)
-	// Kept busy: about as many admitted as with the fixed limit (0.84-0.99 measured, alone and
+	// Kept busy: about as many admitted as with the fixed limit (0.71-0.99 measured, alone and
 	// beside the whole suite), which busy cores slow down as much.
 	if len(adaptive.admitted) < len(baseline.admitted)/2 {
 		t.Fatalf("%d requests admitted in 2 s, want at least half the fixed limit's %d: the service kept busy", len(adaptive.admitted), len(baseline.admitted))
