@@ -105,6 +105,41 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 	return p
 }
 
+// maxShortString is AMQP's limit on a short string: the type, the correlation id, the
+// exchange, the routing key, the app id and every header name travel as one.
+const maxShortString = 255
+
+// checkEnvelope returns an error wrapping [ErrInvalidEnvelope] when p, published to exchange
+// with key, cannot travel over AMQP: a short string over 255 bytes, or properties (headers
+// included) that do not fit in one frame of frameSize bytes. The client would fail mid-frame,
+// or the broker close the connection, either way taking every other message in flight with it.
+func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error {
+	type field struct{ name, value string }
+	fields := []field{{"exchange", exchange}, {"routing key", key}, {"type", p.Type}, {"correlation id", p.CorrelationId},
+		{"app id", p.AppId}, {"message id", p.MessageId}, {"content type", p.ContentType}}
+	// The content header frame: its own header and end (8 bytes); class, weight, body size and
+	// property flags (14); delivery mode and timestamp (9); each short string property with its
+	// length byte; the headers' table, each a name, a type byte and a long string.
+	size := 8 + 14 + 9 + 4
+	for _, f := range fields[2:] {
+		size += 1 + len(f.value)
+	}
+	for k, v := range p.Headers {
+		fields = append(fields, field{"header name", k})
+		s, _ := v.(string) // toPublishing writes strings only
+		size += 1 + len(k) + 1 + 4 + len(s)
+	}
+	for _, f := range fields {
+		if len(f.value) > maxShortString {
+			return fmt.Errorf("%w: the %s %q is %d bytes, AMQP allows %d", ErrInvalidEnvelope, f.name, truncate(f.value), len(f.value), maxShortString)
+		}
+	}
+	if frameSize > 0 && size > frameSize { // 0: no limit was negotiated
+		return fmt.Errorf("%w: its properties and headers take %d bytes, more than the connection's frame size of %d", ErrInvalidEnvelope, size, frameSize)
+	}
+	return nil
+}
+
 // fromDelivery reads the envelope back. Its errors are Permanent: a delivery without a valid
 // message id or a JSON body will never become handleable, however often it is retried.
 func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {

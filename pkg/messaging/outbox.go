@@ -29,6 +29,9 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // A message without a trace context of its own gets ctx's, written by the process's global
 // OpenTelemetry propagator (otel.SetTextMapPropagator): the relay and the consumers continue
 // that trace. A message without an exchange goes to its relay's ([RelayConfig.Exchange]).
+//
+// It writes nothing, and returns an error, if a message lacks an id, a type or a JSON payload,
+// or if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent.
 func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) error {
 	ex, err := d.Executor(tx)
 	if err != nil {
@@ -47,6 +50,11 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 	return nil
 }
 
+// enqueueFrameSize is what [Enqueue] checks a message's envelope against: RabbitMQ's default
+// frame size, less room for the app id the relay adds. The publisher checks again against its
+// connection's own.
+const enqueueFrameSize = 128<<10 - maxShortString
+
 // outboxRows writes msgs as the JSON array statements.InsertOutbox reads: by hand, without
 // reflection, the payload as it is. Messages without an OccurredAt get now, those without a
 // trace context ctx's.
@@ -64,6 +72,9 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 		}
 		if m.TraceParent == "" {
 			m = m.withTrace(trace)
+		}
+		if err := checkEnvelope(m.Exchange, m.routingKey(), toPublishing(m, ""), enqueueFrameSize); err != nil {
+			return "", fmt.Errorf("outbox: enqueue message %d (%s): %w", i, m.ID, err)
 		}
 		if i > 0 {
 			b = append(b, ',')

@@ -24,6 +24,10 @@ var (
 	ErrTooLarge = errors.New("message too large")
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")
+	// ErrInvalidEnvelope: the message cannot travel over AMQP (a type, routing key, exchange,
+	// correlation id or header name over 255 bytes, or headers larger than a frame); it was
+	// not sent. [Enqueue] refuses such messages; this verdict catches rows written otherwise.
+	ErrInvalidEnvelope = errors.New("message envelope not valid for AMQP")
 )
 
 // ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
@@ -187,6 +191,11 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 			errs[i] = fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(m.Payload), p.cfg.MaxMessageBytes)
 			continue
 		}
+		pub := toPublishing(m, p.cfg.AppID)
+		if err := checkEnvelope(m.Exchange, m.routingKey(), pub, s.conn.Config.FrameSize); err != nil {
+			errs[i] = err
+			continue
+		}
 		if err := s.checkExchange(m.Exchange); err != nil {
 			if !errors.Is(err, ErrNoExchange) {
 				fill(errs[i:], err)
@@ -195,7 +204,7 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 			errs[i] = err
 			continue
 		}
-		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.routingKey(), true, false, toPublishing(m, p.cfg.AppID))
+		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.routingKey(), true, false, pub)
 		if err != nil {
 			fill(errs[i:], unavailable("publish: %w", err))
 			break

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -133,6 +134,38 @@ func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
 	}
 	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); n != 0 {
 		t.Fatalf("outbox rows = %d, want 0", n)
+	}
+}
+
+// AMQP carries the type, routing key, correlation id and header names as short strings of at
+// most 255 bytes, and all the properties in one frame: Enqueue refuses a message that breaks
+// either, writing nothing, instead of leaving the relay a row that can never be sent.
+func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	long := strings.Repeat("x", 256)
+	bad := map[string]func(*messaging.Message){
+		"type":           func(m *messaging.Message) { m.Type = long },
+		"routing key":    func(m *messaging.Message) { m.RoutingKey = long },
+		"correlation id": func(m *messaging.Message) { m.CorrelationID = long },
+		"header name":    func(m *messaging.Message) { m.Headers = map[string]string{long: "v"} },
+		"headers":        func(m *messaging.Message) { m.Headers = map[string]string{"big": strings.Repeat("x", 128<<10)} },
+	}
+	for what, spoil := range bad {
+		m := newMessage(t, 0)
+		spoil(&m)
+		err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, m) })
+		if !errors.Is(err, messaging.ErrInvalidEnvelope) || !strings.Contains(err.Error(), m.ID.String()) {
+			t.Errorf("Enqueue of a message with a %s AMQP cannot carry = %v, want ErrInvalidEnvelope naming the message", what, err)
+		}
+	}
+	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); n != 0 {
+		t.Fatalf("outbox rows = %d, want 0", n)
+	}
+	atLimit := newMessage(t, 0)
+	atLimit.CorrelationID = long[1:]
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, atLimit) }); err != nil {
+		t.Fatalf("Enqueue of a 255-byte correlation id = %v, want nil", err)
 	}
 }
 

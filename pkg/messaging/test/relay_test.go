@@ -698,6 +698,47 @@ func TestRelayBacksOffARowWhoseExchangeDoesNotExist(t *testing.T) {
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
 }
 
+// A row AMQP cannot carry (written by something other than Enqueue, which refuses it) would
+// make the client fail mid-frame or the broker close the connection, taking the rest of the
+// batch with it, batch after batch. It is the row's own fault: it is charged and backed off,
+// and the others go out.
+func TestRelayBacksOffARowAMQPCannotCarryAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	good := []messaging.Message{newMessage(t, 1), newMessage(t, 2)}
+	bad := []messaging.Message{newMessage(t, 3), newMessage(t, 4)}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad[0], bad[1], good[1])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	spoil := map[uuid.UUID]string{
+		bad[0].ID: "UPDATE outbox_messages SET correlation_id = repeat('x', 300) WHERE id = ?",
+		bad[1].ID: `UPDATE outbox_messages SET headers = jsonb_build_object('big', repeat('x', 200000)) WHERE id = ?`,
+	}
+	for id, stmt := range spoil {
+		if err := b.db.DB.Exec(stmt, id).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
+	if err != nil || res != (messaging.BatchResult{Claimed: 4, Sent: 2, Failed: 2}) {
+		t.Fatalf("batch = %+v, %v; want the 2 good rows sent and the 2 others failed", res, err)
+	}
+	for id := range spoil {
+		var row outboxRow
+		if err := b.db.DB.Take(&row, "id = ?", id).Error; err != nil {
+			t.Fatal(err)
+		}
+		if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "not valid for AMQP") ||
+			time.Until(row.NextAttemptAt) < time.Second {
+			t.Fatalf("row %s: processed %v, attempts %d, last error %v, due in %s; want backed off once with the envelope's fault",
+				id, row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+		}
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
+}
+
 // timedSender notes when the broker's verdicts on the last Publish came back.
 type timedSender struct {
 	messaging.Sender
