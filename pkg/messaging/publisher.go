@@ -146,7 +146,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		p.inFlight.Release(int64(len(msgs)))
 		return
 	}
-	if s.await(ctx, confirms, errs, p.cfg.ConfirmTimeout) {
+	if s.verdicts(ctx, msgs, confirms, errs, p.cfg.ConfirmTimeout) {
 		// Blocked by the broker: return now, so no caller holds anything open through a
 		// resource alarm, and let the confirms come in later on a connection kept open.
 		go func() {
@@ -155,7 +155,6 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		}()
 		return
 	}
-	s.matchReturns(msgs, errs)
 	p.inFlight.Release(int64(len(msgs)))
 	if ctx.Err() != nil || s.ch.IsClosed() {
 		p.discard(s)
@@ -340,6 +339,15 @@ func (s *pubSession) checkExchange(exchange string) error {
 	default:
 		return unavailable("check exchange %q: %w", exchange, err)
 	}
+}
+
+// verdicts fills in errs from the confirms and the returns. It reports whether it stopped
+// early because the broker blocked the connection; even then, a message confirmed before the
+// block that came back unroutable is not counted as sent: its return came before its confirm.
+func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
+	blocked = s.await(ctx, confirms, errs, timeout)
+	s.matchReturns(msgs, errs)
+	return blocked
 }
 
 // await collects the confirms into errs. It returns true, leaving the rest of errs as

@@ -1,0 +1,99 @@
+package messaging
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// checkEnvelope's size is not below what goes on the wire: the largest headers it lets through
+// still travel, and one byte more is refused before anything is written.
+func TestEnvelopeAtTheFrameLimitIsCarried(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	frame := s.conn.Config.FrameSize
+	m := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}
+	pad := func(n int) amqp.Publishing {
+		m.Headers = map[string]string{"pad": strings.Repeat("x", n)}
+		return toPublishing(m, "app")
+	}
+	n := frame
+	for checkEnvelope("", m.routingKey(), pad(n), frame) != nil {
+		n--
+	}
+	if err := checkEnvelope("", m.routingKey(), pad(n+1), frame); !errors.Is(err, ErrInvalidEnvelope) {
+		t.Fatalf("one byte over the limit: %v, want ErrInvalidEnvelope", err)
+	}
+	dc, err := s.ch.PublishWithDeferredConfirmWithContext(context.Background(), "", m.routingKey(), true, false, pad(n))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !dc.Wait() || s.ch.IsClosed() {
+		t.Fatalf("the broker refused headers of %d bytes in a frame of %d", n, frame)
+	}
+}
+
+// testSession is a publisher's session on the broker at TEST_AMQP_URL.
+func testSession(t *testing.T) *pubSession {
+	t.Helper()
+	url := os.Getenv("TEST_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	conn, err := dial(url, t.Name(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	s := &pubSession{conn: conn, watch: watchConnection(conn, log)}
+	if err := s.setup(PublisherConfig{MaxInFlight: 10}, log); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// A message the broker confirmed and returned (no queue took it) is not sent, even when the
+// broker blocks the connection before the rest of its window is confirmed and the wait stops
+// early. The confirm and the block race in await's select, so the window is tried many times.
+func TestUnroutableIsNotSentWhenBlockedMidWindow(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	ctx := context.Background()
+	for range 30 {
+		// The default exchange routes by queue name: no queue has this one.
+		unroutable := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}
+		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, "", unroutable.routingKey(), true, false, toPublishing(unroutable, ""))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !dc.Wait() {
+			t.Fatal("the broker nacked the message")
+		}
+		s.watch.set(amqp.Blocking{Active: true, Reason: "test"})
+		// The second message's confirm never comes.
+		msgs := []Message{unroutable, {ID: uuid.New()}}
+		errs := make([]error, len(msgs))
+		if !s.verdicts(ctx, msgs, []*amqp.DeferredConfirmation{dc, {}}, errs, time.Second) {
+			t.Fatal("verdicts did not stop at the block")
+		}
+		if errs[0] == nil {
+			t.Fatal("the confirmed but returned message counts as sent")
+		}
+		if !errors.Is(errs[0], ErrUnroutable) && !errors.Is(errs[0], ErrBrokerUnavailable) {
+			t.Fatalf("the returned message's verdict = %v, want unroutable or no verdict", errs[0])
+		}
+		if !errors.Is(errs[1], ErrBrokerUnavailable) {
+			t.Fatalf("the unconfirmed message's verdict = %v, want no verdict", errs[1])
+		}
+		s.watch.set(amqp.Blocking{Active: false})
+	}
+}
