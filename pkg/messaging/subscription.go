@@ -114,9 +114,11 @@ type SubscriptionConfig struct {
 	// RetryBackoff paces retries in place, and the waits for a database that does not answer.
 	// Default 100 ms doubling up to 5 s, jittered.
 	RetryBackoff Backoff
-	// DeliveryLimit is the queue's x-delivery-limit, unless Topology gives the queue one. A
-	// message still failing on its last delivery is dead-lettered with its reason. Default
-	// [DefaultDeliveryLimit].
+	// DeliveryLimit is how many deliveries a failing message gets: still failing on its last,
+	// it is dead-lettered with its reason. Without a Topology it is also the queue's
+	// x-delivery-limit. With one, the queue's entry gives that ([DefaultDeliveryLimit] if it
+	// gives none), and the smaller of the two applies: past the broker's limit, the broker
+	// would dead-letter the message itself, without its reason. Default [DefaultDeliveryLimit].
 	DeliveryLimit int
 	// MaxMessageBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
 	MaxMessageBytes int
@@ -341,10 +343,8 @@ func (s *Subscription[Tx]) Start() error {
 	if err != nil {
 		return err
 	}
-	limit := s.cfg.DeliveryLimit
-	if q, _ := topology.Queue(s.cfg.Name); q.DeliveryLimit > 0 {
-		limit = q.DeliveryLimit
-	}
+	q, _ := topology.Queue(s.cfg.Name)
+	limit := min(s.cfg.DeliveryLimit, q.deliveryLimit())
 	s.started.Store(true)
 	s.chain = s.handlerChain()
 	cfg := s.cfg

@@ -48,7 +48,7 @@ type Binding struct {
 type ConsumerTopology struct {
 	Queue         string
 	Bindings      []Binding
-	DeliveryLimit int // default DefaultDeliveryLimit; give the consumer the same value
+	DeliveryLimit int // default DefaultDeliveryLimit; a Subscription of the queue never allows more
 }
 
 // Arguments are the queue's x-arguments: a quorum queue with its delivery limit, whose rejected
@@ -56,16 +56,20 @@ type ConsumerTopology struct {
 // that declares the queue itself (broker definitions, an operator) must give exactly these: the
 // broker refuses a declaration whose arguments differ from the queue's.
 func (t ConsumerTopology) Arguments() amqp.Table {
-	limit := t.DeliveryLimit
-	if limit <= 0 {
-		limit = DefaultDeliveryLimit
-	}
 	return amqp.Table{
 		amqp.QueueTypeArg:           amqp.QueueTypeQuorum,
-		"x-delivery-limit":          limit,
+		"x-delivery-limit":          t.deliveryLimit(),
 		"x-dead-letter-exchange":    "",
 		"x-dead-letter-routing-key": DeadLetterQueue(t.Queue),
 	}
+}
+
+// deliveryLimit is the queue's x-delivery-limit, as Arguments declares it.
+func (t ConsumerTopology) deliveryLimit() int {
+	if t.DeliveryLimit > 0 {
+		return t.DeliveryLimit
+	}
+	return DefaultDeliveryLimit
 }
 
 // DeadLetterArguments are the dead-letter queue's x-arguments: a quorum queue without a

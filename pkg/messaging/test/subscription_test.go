@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -242,6 +243,37 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 		t.Fatalf("dead-letter queue held %d messages, want the panicking one", len(got))
 	}
 	wantReason(t, got[0], "failed on each of 2 deliveries, last: handler panicked: boom")
+}
+
+// A subscription given a topology whose queue has the default x-delivery-limit (20) and a
+// DeliveryLimit above it dead-letters a failing message itself, with its reason, at the
+// broker's limit: left to the broker, the message would reach the dead-letter queue without it.
+func TestSubscriptionDeadLettersWithinTheQueuesDeliveryLimit(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	topology := queueTopology(b.exchange, b.name, "Placed")
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.Topology, c.DeliveryLimit, c.Retries = topology, messaging.DefaultDeliveryLimit+5, 1
+		c.RetryBackoff = messaging.Backoff{Base: time.Millisecond, Max: time.Millisecond}
+	})
+	must(t, messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error {
+		return errors.New("always fails")
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	m, err := b.placed.Message(placed{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.publish(t, b.exchange, m)
+	run(t, s.Run)
+	testenv.Eventually(t, 60*time.Second, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
+		"the failing message was not dead-lettered")
+	got := deadLetters(t, ch, b.name)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue held %d messages, want the failing one", len(got))
+	}
+	wantReason(t, got[0], fmt.Sprintf("failed on each of %d deliveries, last: always fails", messaging.DefaultDeliveryLimit))
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
