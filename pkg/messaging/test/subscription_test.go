@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -259,6 +260,14 @@ func TestSubscriptionDeadLettersWithinTheQueuesDeliveryLimit(t *testing.T) {
 	must(t, messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error {
 		return errors.New("always fails")
 	}))
+	_, dead := b.deadLetterOne(t, s, 60*time.Second)
+	wantReason(t, dead, fmt.Sprintf("failed on each of %d deliveries, last: always fails", messaging.DefaultDeliveryLimit))
+}
+
+// deadLetterOne runs s on one Placed message, which s must dead-letter within timeout, and
+// returns the message and its dead letter.
+func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscription[*gorm.DB], timeout time.Duration) (messaging.Message, amqp.Delivery) {
+	t.Helper()
 	ch := testenv.Channel(t)
 	declareSubscription(t, s)
 	m, err := b.placed.Message(placed{OrderID: uuid.New()})
@@ -267,13 +276,13 @@ func TestSubscriptionDeadLettersWithinTheQueuesDeliveryLimit(t *testing.T) {
 	}
 	b.publish(t, b.exchange, m)
 	run(t, s.Run)
-	testenv.Eventually(t, 60*time.Second, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
-		"the failing message was not dead-lettered")
+	testenv.Eventually(t, timeout, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
+		"the message was not dead-lettered")
 	got := deadLetters(t, ch, b.name)
-	if len(got) != 1 {
-		t.Fatalf("dead-letter queue held %d messages, want the failing one", len(got))
+	if len(got) != 1 || got[0].MessageId != m.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want message %s alone", len(got), m.ID)
 	}
-	wantReason(t, got[0], fmt.Sprintf("failed on each of %d deliveries, last: always fails", messaging.DefaultDeliveryLimit))
+	return m, got[0]
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
@@ -284,24 +293,11 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
 		return tx.Exec("SELECT pg_sleep(30)").Error
 	}))
-	ch := testenv.Channel(t)
-	declareSubscription(t, s)
-	m, err := b.placed.Message(placed{OrderID: uuid.New()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.publish(t, b.exchange, m)
-	run(t, s.Run)
-	testenv.Eventually(t, 30*time.Second, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
-		"the stuck message was not given up on")
+	m, dead := b.deadLetterOne(t, s, 30*time.Second)
 	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String(), "deadline exceeded"); len(lines) == 0 {
 		t.Errorf("want the handler's failures logged as cut off by the timeout: %q", b.logs.Lines("handler failed"))
 	}
-	got := deadLetters(t, ch, b.name)
-	if len(got) != 1 || got[0].MessageId != m.ID.String() {
-		t.Fatalf("dead-letter queue held %d messages, want the stuck one", len(got))
-	}
-	wantReason(t, got[0], "deadline exceeded")
+	wantReason(t, dead, "deadline exceeded")
 }
 
 // A subscription given the system's topology starts only if that topology binds its queue to
