@@ -456,9 +456,21 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		s.cfg.Metrics.recordEventAge(s.cfg.Name, j.msg, committed)
 	}
 	for _, fn := range hooks.fns {
-		fn()
+		s.runHook(ctx, fn)
 	}
 	return claimed, nil
+}
+
+// runHook runs one after-commit hook. Its transaction has committed and its messages are
+// acknowledged whatever it does, so a panic is logged and goes no further: it would kill the
+// process, and the redelivery, a duplicate, would not run the hook again either.
+func (s *Subscription[Tx]) runHook(ctx context.Context, fn func()) {
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.ErrorContext(ctx, "after-commit hook panicked", "panic", r, "stack", string(debug.Stack()))
+		}
+	}()
+	fn()
 }
 
 // transact runs the inbox transaction of jobs and reports which of them it claimed.
@@ -601,7 +613,8 @@ var ErrNotInInbox = errors.New("after commit: not in a handler's transaction")
 
 // AfterCommit registers fn to run once the inbox transaction of the handler whose context is
 // ctx has committed: the place to log what the work did, or to start work outside the
-// database, so that neither happens for a transaction that rolls back. Outside a handler it
+// database, so that neither happens for a transaction that rolls back. It runs at most once:
+// its message is acknowledged even if fn panics (the panic is logged). Outside a handler it
 // returns [ErrNotInInbox] and drops fn: return that error, and the message is retried instead of
 // losing its hook.
 func AfterCommit(ctx context.Context, fn func()) error {

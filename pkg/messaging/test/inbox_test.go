@@ -585,6 +585,37 @@ func TestAfterCommitRunsOnlyForCommittedWork(t *testing.T) {
 	}
 }
 
+// A hook that panics runs after the commit: the panic is logged, the message counts as handled,
+// the other hooks still run, and the process lives on.
+func TestAfterCommitHookPanicIsLoggedAndContained(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	var after atomic.Bool
+	in := b.inbox(t, b.drv, b.queue, func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		if err := messaging.AfterCommit(ctx, func() { panic("hook boom") }); err != nil {
+			return err
+		}
+		if err := messaging.AfterCommit(ctx, func() { after.Store(true) }); err != nil {
+			return err
+		}
+		return doWork(tx, p, msg)
+	})
+	msg := newMessage(t, 1)
+	if dup, err := deliver(in, msg); dup || err != nil {
+		t.Fatalf("deliver = %v, %v; want handled", dup, err)
+	}
+	if !after.Load() {
+		t.Error("the hook after the panicking one did not run")
+	}
+	if n := b.workDone(t); n != 1 {
+		t.Errorf("work rows = %d, want 1", n)
+	}
+	if lines := b.logs.Lines("level=ERROR", `msg="after-commit hook panicked"`, "panic=\"hook boom\"", "stack="); len(lines) != 1 {
+		t.Errorf("want the panic logged once with its stack, got %q", b.logs.Lines("after-commit hook panicked"))
+	}
+}
+
 // Batching: many waiting messages are handled in shared transactions; duplicates (even two
 // copies in one batch) are still skipped, and a message whose work fails permanently sends its
 // batch back to one-by-one handling, where only that message is dead-lettered.
