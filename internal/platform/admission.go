@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
@@ -57,7 +58,7 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // in it exceeds the target, the most places in use in it are scaled by target/p99 (halved at
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
-// not count.
+// not count; nor does the wait for the request's body, which is the client's pace.
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
@@ -125,9 +126,26 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 			WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
 			return
 		}
-		defer a.leave(time.Now())
+		body := &timedBody{ReadCloser: r.Body}
+		r.Body = body
+		admitted := time.Now()
+		defer func() { a.leave(admitted, body.waited) }()
 		next.ServeHTTP(w, r)
 	})
+}
+
+// timedBody counts the time a handler waits for the request's body to arrive. That is the
+// client's pace, which no limit changes: a few slow uploads must not read as a slow server.
+type timedBody struct {
+	io.ReadCloser
+	waited time.Duration
+}
+
+func (b *timedBody) Read(p []byte) (int, error) {
+	start := time.Now()
+	n, err := b.ReadCloser.Read(p)
+	b.waited += time.Since(start)
+	return n, err
 }
 
 // Places is how many requests are admitted at once now.
@@ -178,16 +196,18 @@ func (a *Admission) take() {
 	a.peak = max(a.peak, a.inUse)
 }
 
-// leave gives back the place of a request admitted when given, learns from its latency, and
-// gives the places free now to the requests waiting longest.
-func (a *Admission) leave(admitted time.Time) {
+// leave gives back the place of a request admitted when given, which waited for its body
+// for bodyWait, learns from its latency, and gives the places free now to the requests waiting
+// longest. How fast places free up counts the whole time a place was held; the limit is judged
+// by the time the server took, without the body's wait.
+func (a *Admission) leave(admitted time.Time, bodyWait time.Duration) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.inUse--
-	took := time.Since(admitted)
-	a.mean = runningMean(a.mean, took)
+	held := time.Since(admitted)
+	a.mean = runningMean(a.mean, held)
 	if a.target > 0 {
-		a.observe(admitted, took)
+		a.observe(admitted, held-bodyWait)
 	}
 	for len(a.waiting) > 0 && a.inUse < a.places() {
 		close(a.waiting[0])

@@ -3,12 +3,14 @@ package platform
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -177,7 +179,7 @@ func TestAdmissionShedsBehindAQueueWithoutWaiting(t *testing.T) {
 		if !a.enter(ctx) {
 			t.Fatal("the free place was not given")
 		}
-		a.leave(time.Now().Add(-100 * time.Millisecond))
+		a.leave(time.Now().Add(-100*time.Millisecond), 0)
 	}
 	if !a.enter(ctx) {
 		t.Fatal("the free place was not given")
@@ -270,6 +272,67 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	if n := finish(time.Now()); n != 8 {
 		t.Fatalf("a request admitted after the cut, as slow: %d places, want 8", n)
 	}
+}
+
+// A client that sends its body late (a slow uplink, Expect: 100-continue) holds its place
+// while the handler reads, but that wait is the client's pace, not the server's latency: a few
+// such clients among fast requests to an idle server leave the limit where it is.
+func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 20, DefaultLatencyTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := io.Copy(io.Discard, r.Body); err != nil {
+			t.Error(err)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 8}}
+	var sent, refused atomic.Int64
+	var wg sync.WaitGroup
+	// Long enough for at least three of the limit's windows.
+	for deadline := time.Now().Add(4 * admissionWindow); time.Now().Before(deadline); {
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				var body io.Reader = strings.NewReader("{}")
+				if sent.Add(1)%20 == 0 { // one in twenty sends its body 80 ms after its headers
+					body = &lateReader{Reader: body, delay: 80 * time.Millisecond}
+				}
+				resp, err := client.Post(srv.URL, "application/json", body)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusCreated {
+					refused.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	if n := a.Places(); n != 20 || refused.Load() > 0 {
+		t.Fatalf("after %d requests, one in twenty uploading its body 80 ms late: %d places, want all 20; %d not served",
+			sent.Load(), n, refused.Load())
+	}
+}
+
+// lateReader yields its bytes only after delay: a client whose body trails its headers.
+type lateReader struct {
+	io.Reader
+	delay time.Duration
+	once  sync.Once
+}
+
+func (l *lateReader) Read(p []byte) (int, error) {
+	l.once.Do(func() { time.Sleep(l.delay) })
+	return l.Reader.Read(p)
 }
 
 // A service that does one request at a time, 5 ms each, has a latency of 5 ms per request
