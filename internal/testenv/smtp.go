@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/emersion/go-smtp"
 )
@@ -28,6 +29,8 @@ type SMTPServer struct {
 	mail []Mail
 	// refused are the recipients whose RCPT TO the server refuses.
 	refused map[string]bool
+	// acceptDelay is how long the server takes to answer a message it has accepted.
+	acceptDelay time.Duration
 	// sessions counts the SMTP sessions (client connections) ever opened, open those not
 	// closed yet.
 	sessions, open atomic.Int64
@@ -95,6 +98,15 @@ func (s *SMTPServer) Refuse(recipient string) {
 	s.refused[recipient] = true
 }
 
+// AnswerLate makes the server keep each message it accepts, then take delay to say so (its 250
+// after the final dot): a slow relay, whose accepted messages a client that gives up before the
+// answer does not know it sent.
+func (s *SMTPServer) AnswerLate(delay time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.acceptDelay = delay
+}
+
 // Sessions is how many SMTP sessions (client connections) the server has had.
 func (s *SMTPServer) Sessions() int { return int(s.sessions.Load()) }
 
@@ -140,7 +152,9 @@ func (x *smtpSession) Data(r io.Reader) error {
 		return err
 	}
 	x.server.mu.Lock()
-	defer x.server.mu.Unlock()
 	x.server.mail = append(x.server.mail, Mail{From: x.from, To: x.to, MessageID: m.Header.Get("Message-Id"), Header: m.Header, Body: string(body)})
+	delay := x.server.acceptDelay
+	x.server.mu.Unlock()
+	time.Sleep(delay) // the slow relay's own pace, not a wait for anything
 	return nil
 }

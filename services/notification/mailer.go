@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/smtp"
 	"slices"
@@ -48,8 +49,9 @@ type smtpDeliverer struct {
 	closing     chan struct{} // closed by Close
 
 	mu      sync.Mutex
-	free    []*smtpPump // the most recently freed last
-	waiting []*smtpJob  // for a pump, the oldest first
+	longest longestRecent // of the conversations the server answered
+	free    []*smtpPump   // the most recently freed last
+	waiting []*smtpJob    // for a pump, the oldest first
 	pumps   int
 	closed  bool
 	stopped sync.WaitGroup // the pumps
@@ -225,10 +227,14 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 	if err := job.ctx.Err(); err != nil {
 		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
+	if err := d.timeToConverse(job.ctx); err != nil {
+		return c, err
+	}
 	if c != nil && time.Since(c.idleSince) >= d.idleTimeout {
 		c.close() // at once, without QUIT: the delivery is not kept waiting for it
 		c = nil
 	}
+	start := time.Now()
 	for {
 		if c == nil {
 			var err error
@@ -241,6 +247,9 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		err := c.send(job.ctx, d.from, job.n)
 		if !c.broken {
 			c.idleSince = time.Now()
+			d.mu.Lock()
+			d.longest.add(c.idleSince, c.idleSince.Sub(start))
+			d.mu.Unlock()
 			return c, err
 		}
 		c.close()
@@ -252,6 +261,58 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 			return nil, err
 		}
 	}
+}
+
+// conversationMargin is how many times the longest recent conversation a delivery must have
+// left of its budget to begin one.
+const conversationMargin = 2
+
+// timeToConverse says whether a delivery has time left to begin a conversation: a message
+// cut off by the deadline after its final dot may have been accepted, and would be sent again.
+// It needs conversationMargin times the longest recent conversation; with less, it is not
+// started (released, to be tried again with a budget of its own).
+func (d *smtpDeliverer) timeToConverse(ctx context.Context) error {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return nil
+	}
+	d.mu.Lock()
+	need := conversationMargin * d.longest.at(time.Now())
+	d.mu.Unlock()
+	if left := time.Until(deadline); left < need {
+		return fmt.Errorf("smtp: %w: %s of its budget left, a conversation may take %s", errNotStarted,
+			left.Round(time.Millisecond), need.Round(time.Millisecond))
+	}
+	return nil
+}
+
+// longestHalfLife is how fast a long conversation is forgotten: a server slow for a while
+// holds back deliveries short of time for about as long, not for good (one that took longer
+// than any budget allows would otherwise stop every delivery from starting).
+const longestHalfLife = 10 * time.Second
+
+// longestRecent is the longest recent conversation, halved every longestHalfLife since.
+type longestRecent struct {
+	took time.Duration
+	when time.Time
+}
+
+func (l *longestRecent) at(now time.Time) time.Duration {
+	return time.Duration(float64(l.took) * math.Exp2(-float64(now.Sub(l.when))/float64(longestHalfLife)))
+}
+
+func (l *longestRecent) add(now time.Time, took time.Duration) {
+	if took >= l.at(now) {
+		l.took, l.when = took, now
+	}
+}
+
+// closeOnShutdown closes d when ctx ends, so that no conversation begins during a shutdown's
+// grace: one begun then is cut off at the grace's end, maybe after the server took the
+// message, and sent again after the restart. The deliveries waiting for a connection are
+// released at once; those under way finish within the grace.
+func (d *smtpDeliverer) closeOnShutdown(ctx context.Context) {
+	context.AfterFunc(ctx, d.Close)
 }
 
 // Close says QUIT to the idle connections, and to those in use once their delivery is done;

@@ -221,6 +221,67 @@ func TestDeliveryOutOfTimeWhileWaitingIsNotStarted(t *testing.T) {
 	}
 }
 
+// A delivery begins a conversation only with time left for it: one cut off by its deadline
+// after the server took the message would be charged as failed and the e-mail sent again. On a
+// relay that answers each message 300 ms late, five deliveries with a second each queue for
+// one connection: those that start finish; the rest are not started. None is reported failed
+// while the server has its message.
+func TestDeliveryShortOfTimeIsNotStartedOnASlowServer(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.AnswerLate(300 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	notes := make([]Notification, 5)
+	errs := make([]error, len(notes))
+	var wg sync.WaitGroup
+	for i := range notes {
+		notes[i] = mailTo(fmt.Sprintf("c-%d@customers.example", i))
+		wg.Go(func() { errs[i] = d.Deliver(ctx, notes[i]) })
+	}
+	wg.Wait()
+	accepted := map[string]bool{}
+	for _, m := range srv.Mail() {
+		accepted[m.To] = true
+	}
+	sent := 0
+	for i, err := range errs {
+		switch {
+		case err == nil:
+			sent++
+		case accepted[notes[i].Recipient]:
+			t.Errorf("delivery %d: the server took the message, but the delivery says %v: it would be sent again", i, err)
+		case !errors.Is(err, errNotStarted):
+			t.Errorf("delivery %d: %v, want sent or not started", i, err)
+		}
+	}
+	if sent == 0 || sent != len(accepted) {
+		t.Fatalf("%d deliveries sent, the server took %d messages; want the same, at least one", sent, len(accepted))
+	}
+}
+
+// The longest recent conversation is forgotten by halves: a server that was slow once holds
+// back deliveries short of time for a while, never for good.
+func TestLongestRecentConversationFades(t *testing.T) {
+	t.Parallel()
+	var l longestRecent
+	now := time.Now()
+	l.add(now, 20*time.Second)
+	l.add(now, time.Second) // shorter: the longest stays
+	for _, c := range []struct {
+		after time.Duration
+		want  time.Duration
+	}{{0, 20 * time.Second}, {longestHalfLife, 10 * time.Second}, {10 * longestHalfLife, 20 * time.Second / 1024}} {
+		if got := l.at(now.Add(c.after)); got.Round(time.Millisecond) != c.want.Round(time.Millisecond) {
+			t.Errorf("%s after a 20 s conversation: longest %s, want %s", c.after, got, c.want)
+		}
+	}
+	l.add(now.Add(longestHalfLife), 12*time.Second) // longer than the 10 s left of the first
+	if got := l.at(now.Add(longestHalfLife)); got != 12*time.Second {
+		t.Errorf("a 12 s conversation after the 20 s one faded to 10 s: longest %s, want 12s", got)
+	}
+}
+
 // A connection on which a delivery failed is closed, never used again: the next delivery gets
 // a new one, and the failed one's session ends.
 func TestConnectionOfAFailedDeliveryIsNotReused(t *testing.T) {

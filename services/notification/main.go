@@ -55,6 +55,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	var deliverer Deliverer = logDeliverer{log: log}
 	if smtpAddr != "" {
 		mailer := newSMTPDeliverer(smtpAddr, smtpFrom, smtpConns)
+		mailer.closeOnShutdown(ctx)
 		defer mailer.Close()
 		deliverer = mailer
 	}

@@ -91,6 +91,16 @@ VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'Your order', 'Thank you.', ?)`
 	return id
 }
 
+// pendingMany inserts n pending notifications, due now, and returns their ids.
+func (e *senderEnv) pendingMany(t *testing.T, n int) []uuid.UUID {
+	t.Helper()
+	ids := make([]uuid.UUID, n)
+	for i := range ids {
+		ids[i] = e.pending(t)
+	}
+	return ids
+}
+
 func (e *senderEnv) row(t *testing.T, id uuid.UUID) Notification {
 	t.Helper()
 	var n Notification
@@ -526,19 +536,11 @@ func TestShutdownDoesNotWaitForAnAbsentDatabase(t *testing.T) {
 
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			ran := make(chan error, 1)
-			go func() { ran <- s.Run(ctx) }()
+			returned := runSender(ctx, t, s)
 			testenv.Eventually(t, 10*time.Second, sent, "the e-mail was never sent")
 			cancel()
 			stopped := time.Now()
-			select {
-			case err := <-ran:
-				if err != nil {
-					t.Fatalf("Run = %v, want nil", err)
-				}
-			case <-time.After(s.grace + s.mark + 5*time.Second):
-				t.Fatal("Run waited for the database at shutdown, beyond the grace and one recording budget")
-			}
+			returned()
 			if took := time.Since(stopped); took > s.grace+s.mark+500*time.Millisecond {
 				t.Fatalf("Run returned %v after shutdown, want within the grace and one recording budget (%v)", took, s.grace+s.mark)
 			}
@@ -600,22 +602,13 @@ func TestDeliveryFinishingDuringShutdownIsMarkedSent(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	ran := make(chan error, 1)
-	go func() { ran <- s.Run(ctx) }()
+	returned := runSender(ctx, t, s)
 	wait(t, d.entered, "the delivery")
 	cancel()
 	// Released half-way through the grace: late enough that a delivery cancelled at shutdown,
 	// not at the end of the grace, would already have failed.
 	time.AfterFunc(s.grace/2, func() { close(d.release) })
-
-	select {
-	case err := <-ran:
-		if err != nil {
-			t.Fatalf("Run = %v, want nil", err)
-		}
-	case <-time.After(s.grace + s.mark + 5*time.Second):
-		t.Fatal("Run did not return after shutdown")
-	}
+	returned()
 	// Run returned only after the mark: no polling needed.
 	if got := e.row(t, id); got.Status != StatusSent || got.SentAt == nil || got.Attempts != 0 {
 		t.Fatalf("row = %+v, want sent before Run returned", got)
@@ -655,10 +648,7 @@ func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	const notifications = 20
-	ids := make([]uuid.UUID, notifications)
-	for i := range ids {
-		ids[i] = e.pending(t)
-	}
+	ids := e.pendingMany(t, notifications)
 	a, b := &slow{inner: e.mailer(t), delay: 200 * time.Millisecond}, &slow{inner: e.mailer(t), delay: 200 * time.Millisecond}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -762,10 +752,7 @@ func TestConcurrentDeliveriesShareOneDatabaseConnection(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	const notifications = 40
-	ids := make([]uuid.UUID, notifications)
-	for i := range ids {
-		ids[i] = e.pending(t)
-	}
+	ids := e.pendingMany(t, notifications)
 	d := &overlapping{inner: e.mailer(t), delay: 50 * time.Millisecond}
 	s := e.sender(t, "sender-a", d)
 	s.concurrency = 8
@@ -827,9 +814,7 @@ func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing
 	t.Parallel()
 	e := newSenderEnv(t)
 	const notifications = 6
-	for range notifications {
-		e.pending(t)
-	}
+	e.pendingMany(t, notifications)
 	d := held{inner: e.mailer(t), entered: make(chan uuid.UUID, notifications), release: make(chan struct{})}
 	s := e.sender(t, "sender-a", d)
 	s.concurrency = 2
@@ -837,8 +822,7 @@ func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	ran := make(chan error, 1)
-	go func() { ran <- s.Run(ctx) }()
+	returned := runSender(ctx, t, s)
 	inProgress := map[uuid.UUID]bool{}
 	for range s.concurrency {
 		select {
@@ -854,14 +838,7 @@ func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing
 	}, "not four notifications leased")
 	cancel()
 	time.AfterFunc(s.grace/2, func() { close(d.release) })
-	select {
-	case err := <-ran:
-		if err != nil {
-			t.Fatalf("Run = %v, want nil", err)
-		}
-	case <-time.After(s.grace + s.mark + 5*time.Second):
-		t.Fatal("Run did not return after shutdown")
-	}
+	returned()
 
 	var rows []Notification
 	if err := e.db.DB.Find(&rows).Error; err != nil {
@@ -887,6 +864,70 @@ func TestShutdownFinishesDeliveriesInProgressAndReleasesTheLeasedRest(t *testing
 	}
 	if n := len(e.smtp.Mail()); n != s.concurrency {
 		t.Errorf("%d e-mails, want %d", n, s.concurrency)
+	}
+}
+
+// Shutdown while deliveries wait in the mailer for its one connection, on a relay that
+// answers each message late: the one under way finishes within the grace and is marked sent;
+// none of those waiting begins (begun in the grace, it would be cut off at its end after the
+// relay took the message, and sent again). They are released, due at once, no attempt counted.
+func TestShutdownBeginsNoConversationInTheGrace(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const notifications = 4
+	e.pendingMany(t, notifications)
+	e.smtp.AnswerLate(time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	m := newSMTPDeliverer(e.smtp.Addr, "orders@shop.example", 1)
+	t.Cleanup(m.Close)
+	m.closeOnShutdown(ctx)
+	s := e.sender(t, "sender-a", m)
+	s.concurrency = notifications
+	s.deliver, s.grace = 10*time.Second, 1500*time.Millisecond
+	returned := runSender(ctx, t, s)
+	// The relay took the first message and is slow to say so; the others wait for the connection.
+	testenv.Eventually(t, 15*time.Second, func() bool { return len(e.smtp.Mail()) == 1 }, "no delivery began")
+	cancel()
+	returned()
+	taken := map[string]bool{}
+	for _, mail := range e.smtp.Mail() {
+		taken[mail.MessageID] = true
+	}
+	var rows []Notification
+	if err := e.db.DB.Find(&rows).Error; err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range rows {
+		switch {
+		case taken[fmt.Sprintf("<%s@%s>", n.ID, MessageIDDomain)]:
+			if n.Status != StatusSent {
+				t.Errorf("notification %s: the relay took its e-mail, but it is %s with %d attempts: it would be sent again", n.ID, n.Status, n.Attempts)
+			}
+		case n.Status != StatusPending || n.Attempts != 0 || n.NextAttemptAt.After(time.Now()):
+			t.Errorf("notification not begun at shutdown: %+v, want pending, due now, no attempt", n)
+		}
+	}
+	if len(taken) != 1 {
+		t.Errorf("the relay took %d e-mails, want the one under way at shutdown", len(taken))
+	}
+}
+
+// runSender runs s until ctx ends. The returned function, called once ctx has ended, waits for
+// Run to return nil: within the grace and one recording budget, with 5 s to spare.
+func runSender(ctx context.Context, t *testing.T, s *sender) (returned func()) {
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	return func() {
+		t.Helper()
+		select {
+		case err := <-ran:
+			if err != nil {
+				t.Fatalf("Run = %v, want nil", err)
+			}
+		case <-time.After(s.grace + s.mark + 5*time.Second):
+			t.Fatal("Run did not return within the grace and one recording budget of the shutdown")
+		}
 	}
 }
 
