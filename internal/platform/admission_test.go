@@ -367,11 +367,12 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 	if len(adaptive.admitted) < len(baseline.admitted)/2 {
 		t.Fatalf("%d requests admitted in 2 s, want at least half the fixed limit's %d: the service kept busy", len(adaptive.admitted), len(baseline.admitted))
 	}
-	// Near the target: the median, alone or beside the other packages' tests, 0.27-0.44 of
-	// the fixed limit's (the p99 0.31-0.59); without adaptation both are about one. The median
-	// judges, being steady on busy cores; the p99 only has to be lower.
-	if pct(adaptive.admitted, 50) > pct(baseline.admitted, 50)*2/3 || pct(adaptive.admitted, 99) > pct(baseline.admitted, 99)*4/5 {
-		t.Fatalf("admitted p50 %s, p99 %s: want at most two thirds of the fixed limit's p50 %s and four fifths of its p99 %s: near the %s target",
+	// Near the target: the median, alone or beside the other packages' tests, 0.27-0.53 of
+	// the fixed limit's (the p99 0.31-0.83, the highest with other tests loading the cores);
+	// without adaptation both are about one. The median judges, being steady on busy cores; the
+	// p99 only has to be lower.
+	if pct(adaptive.admitted, 50) > pct(baseline.admitted, 50)*2/3 || pct(adaptive.admitted, 99) >= pct(baseline.admitted, 99) {
+		t.Fatalf("admitted p50 %s, p99 %s: want at most two thirds of the fixed limit's p50 %s, and below its p99 %s: near the %s target",
 			pct(adaptive.admitted, 50), pct(adaptive.admitted, 99), pct(baseline.admitted, 50), pct(baseline.admitted, 99), target)
 	}
 	// At once, not after a wait in line: the median shed 0.15-0.33 of the fixed limit's admitted
