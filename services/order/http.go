@@ -55,7 +55,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusUnprocessableEntity, err.Error())
 		return
 	case err != nil:
-		a.unavailable(w, r, "place order", err)
+		a.unavailable(w, r, "place order", "the order may have been placed: try again with the same Idempotency-Key, which cannot place it twice", err)
 		return
 	}
 	w.Header().Set("Location", "/orders/"+order.ID.String())
@@ -80,7 +80,7 @@ func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, ErrNotFound):
 		platform.WriteProblem(w, http.StatusNotFound, "no order with this id")
 	case err != nil:
-		a.unavailable(w, r, "get order", err)
+		a.unavailable(w, r, "get order", "try again", err)
 	default:
 		platform.WriteJSON(w, http.StatusOK, order)
 	}
@@ -109,7 +109,7 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusNotFound, "no order with this id")
 		return
 	case err != nil:
-		a.unavailable(w, r, "cancel order", err)
+		a.unavailable(w, r, "cancel order", "the order may have been cancelled: try again, which cannot cancel it twice", err)
 		return
 	}
 	if changed {
@@ -154,11 +154,13 @@ func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, b
 	return cmd, true
 }
 
-// unavailable answers a database failure: nothing was written, and the client may retry.
-func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) {
+// unavailable answers a database failure with 503 and detail, which tells the client how to
+// retry. A change may have been saved even so: a commit cut off by the deadline may have gone
+// through.
+func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op, detail string, err error) {
 	if r.Context().Err() == nil {
 		a.log.ErrorContext(r.Context(), op+" failed", "error", err)
 	}
 	w.Header().Set("Retry-After", "1")
-	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; try again")
+	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; "+detail)
 }
