@@ -29,6 +29,9 @@ type SMTPServer struct {
 	mail []Mail
 	// refused are the recipients whose RCPT TO the server refuses.
 	refused map[string]bool
+	// perSession is the most messages a session takes (0: no limit, below 0: none); MAIL past
+	// it gets 421.
+	perSession int
 	// acceptDelay is how long the server takes to answer a message it has accepted.
 	acceptDelay time.Duration
 	// sessions counts the SMTP sessions (client connections) ever opened, open those not
@@ -107,6 +110,14 @@ func (s *SMTPServer) AnswerLate(delay time.Duration) {
 	s.acceptDelay = delay
 }
 
+// LimitPerSession makes the server take at most n messages in a session (none if n < 0), as
+// Exim's smtp_accept_max_per_connection does: MAIL after them gets 421.
+func (s *SMTPServer) LimitPerSession(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.perSession = n
+}
+
 // Sessions is how many SMTP sessions (client connections) the server has had.
 func (s *SMTPServer) Sessions() int { return int(s.sessions.Load()) }
 
@@ -116,6 +127,7 @@ func (s *SMTPServer) OpenSessions() int { return int(s.open.Load()) }
 type smtpSession struct {
 	server   *SMTPServer
 	from, to string
+	messages int // taken in this session
 }
 
 // Reset is RSET, or the end of a message: the next one starts from nothing.
@@ -128,6 +140,12 @@ func (x *smtpSession) Logout() error {
 }
 
 func (x *smtpSession) Mail(from string, _ *smtp.MailOptions) error {
+	x.server.mu.Lock()
+	limit := x.server.perSession
+	x.server.mu.Unlock()
+	if limit != 0 && x.messages >= limit {
+		return &smtp.SMTPError{Code: 421, EnhancedCode: smtp.EnhancedCode{4, 7, 0}, Message: "too many messages in this session"}
+	}
 	x.from = from
 	return nil
 }
@@ -152,6 +170,7 @@ func (x *smtpSession) Data(r io.Reader) error {
 		return err
 	}
 	x.server.mu.Lock()
+	x.messages++
 	x.server.mail = append(x.server.mail, Mail{From: x.from, To: x.to, MessageID: m.Header.Get("Message-Id"), Header: m.Header, Body: string(body)})
 	delay := x.server.acceptDelay
 	x.server.mu.Unlock()

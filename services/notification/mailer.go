@@ -8,6 +8,7 @@ import (
 	"math"
 	"net"
 	"net/smtp"
+	"net/textproto"
 	"slices"
 	"strings"
 	"sync"
@@ -391,9 +392,10 @@ func (c *smtpConn) during(ctx context.Context, fn func() error) error {
 	return err
 }
 
-// errStale marks a reused connection whose opening RSET failed: the server or the network
-// dropped it while it idled, and nothing of the message was entrusted to it.
-var errStale = errors.New("idle SMTP connection no longer answers")
+// errStale marks a reused connection that no longer takes messages, before any of the message
+// was entrusted to it: its opening RSET failed (the server or the network dropped it while it
+// idled), or the server answered 421 (it is closing the session).
+var errStale = errors.New("reused SMTP connection no longer takes messages")
 
 // send sends one message in the session: RSET if the connection was used before, MAIL, RCPT
 // and DATA, then the message. Where the server pipelines, the commands up to DATA go in one
@@ -411,7 +413,8 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 		params += " SMTPUTF8"
 	}
 	cmds := make([]smtpCommand, 0, 4)
-	if c.used {
+	reused := c.used
+	if reused {
 		cmds = append(cmds, smtpCommand{"RSET", 250, "rset"})
 	}
 	cmds = append(cmds,
@@ -420,7 +423,7 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 		smtpCommand{"DATA", 354, "data"})
 	c.used = true
 	return c.during(ctx, func() error {
-		if err := c.converse(cmds); err != nil {
+		if err := c.converse(cmds, reused); err != nil {
 			return err
 		}
 		w := c.client.Text.DotWriter()
@@ -448,10 +451,11 @@ type smtpCommand struct {
 // else one after another. Every reply sent for is read, so the conversation stays in step; the
 // first failure is returned. A group that opens with RSET and fails there, writing it (the
 // server reset the idle connection) or at its reply (closed it), is errStale: nothing of the
-// message counts before the server's 250 to RSET. A server that refused MAIL or RCPT yet
-// answered DATA with 354 waits for a message; the connection is closed instead, which ends
-// it unaccepted.
-func (c *smtpConn) converse(cmds []smtpCommand) error {
+// message counts before the server's 250 to RSET. So is a 421 on a reused connection (a server
+// that takes so many messages a session, as Exim can): the server is closing that session, not
+// refusing the message. A server that refused MAIL or RCPT yet answered DATA with 354 waits
+// for a message; the connection is closed instead, which ends it unaccepted.
+func (c *smtpConn) converse(cmds []smtpCommand, reused bool) error {
 	t := c.client.Text
 	for len(cmds) > 0 {
 		group := cmds[:1]
@@ -460,8 +464,9 @@ func (c *smtpConn) converse(cmds []smtpCommand) error {
 		}
 		cmds = cmds[len(group):]
 		failed := func(cmd smtpCommand, err error) error {
-			if cmd.name == "rset" {
-				return fmt.Errorf("smtp rset: %w: %w", errStale, err)
+			var reply *textproto.Error
+			if cmd.name == "rset" || reused && errors.As(err, &reply) && reply.Code == 421 {
+				return fmt.Errorf("smtp %s: %w: %w", cmd.name, errStale, err)
 			}
 			return fmt.Errorf("smtp %s: %w", cmd.name, err)
 		}

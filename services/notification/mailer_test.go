@@ -307,6 +307,28 @@ func TestConnectionOfAFailedDeliveryIsNotReused(t *testing.T) {
 	}
 }
 
+// A server that takes so many messages a session answers 421 to the next MAIL: nothing of the
+// message was entrusted to it, so the delivery goes on over a new connection instead of
+// counting as failed. On a new connection a 421 is the message's failure: no endless redial.
+func TestSessionLimitOfTheServerIsNotADeliveryFailure(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.LimitPerSession(2)
+	for i := range 5 {
+		if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+			t.Fatalf("delivery %d, to a server that takes 2 messages a session: %v, want it sent", i, err)
+		}
+	}
+	if n, want := srv.Sessions(), 3; n != want || len(srv.Mail()) != 5 {
+		t.Fatalf("%d SMTP sessions, %d e-mails; want %d sessions for 5 e-mails", n, len(srv.Mail()), want)
+	}
+	srv.LimitPerSession(-1) // MAIL always refused, on a new connection too
+	err := deliverNow(d, mailTo("c-1@customers.example"))
+	if err == nil || errors.Is(err, errStale) || !strings.Contains(err.Error(), "421") {
+		t.Fatalf("delivery to a server that takes no message: %v, want the 421 as its failure", err)
+	}
+}
+
 // An idle connection the server closed (a restart, its idle timeout) is found out by the RSET
 // that starts its reuse, before any message goes on it, and replaced: the delivery succeeds.
 func TestIdleConnectionTheServerClosedIsReplaced(t *testing.T) {
