@@ -50,7 +50,7 @@ type smtpDeliverer struct {
 	closing     chan struct{} // closed by Close
 
 	mu      sync.Mutex
-	longest longestRecent // of the conversations the server answered
+	longest longestRecent // of the recent conversations
 	free    []*smtpPump   // the most recently freed last
 	waiting []*smtpJob    // for a pump, the oldest first
 	pumps   int
@@ -65,9 +65,10 @@ type smtpPump struct {
 
 // smtpJob is one delivery on its way to a pump, and where its outcome goes.
 type smtpJob struct {
-	ctx  context.Context
-	n    Notification
-	done chan error
+	ctx    context.Context
+	n      Notification
+	done   chan error
+	budget time.Duration // of ctx when the delivery was asked for; 0 if ctx has no deadline
 }
 
 // smtpConn is one connection to the server, past its greeting and EHLO.
@@ -106,6 +107,9 @@ func (d *smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 		return fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
 	job := &smtpJob{ctx: ctx, n: n, done: make(chan error, 1)}
+	if deadline, ok := ctx.Deadline(); ok {
+		job.budget = time.Until(deadline)
+	}
 	if err := d.hand(job); err != nil {
 		return err
 	}
@@ -189,7 +193,7 @@ func (d *smtpDeliverer) pump(p *smtpPump) {
 			}
 		case <-d.closing:
 			// A delivery handed over as Close came, and not taken yet, is not started (one
-			// taken already went ahead).
+			// taken meanwhile is refused by deliver).
 			select {
 			case job := <-p.next:
 				job.done <- fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
@@ -228,7 +232,14 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 	if err := job.ctx.Err(); err != nil {
 		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, err)
 	}
-	if err := d.timeToConverse(job.ctx); err != nil {
+	// Handed over, or taken from the queue, just as Close came: a conversation begun now would
+	// run into a shutdown's grace.
+	select {
+	case <-d.closing:
+		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
+	default:
+	}
+	if err := d.timeToConverse(job); err != nil {
 		return c, err
 	}
 	if c != nil && time.Since(c.idleSince) >= d.idleTimeout {
@@ -246,11 +257,11 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		// The server accepted the message if send says so, even if the connection broke just
 		// after.
 		err := c.send(job.ctx, d.from, job.n)
+		// A conversation cut short took at least this long: it counts too, or a server that
+		// turned slow past the budgets would never be waited for.
+		d.conversed(start)
 		if !c.broken {
 			c.idleSince = time.Now()
-			d.mu.Lock()
-			d.longest.add(c.idleSince, c.idleSince.Sub(start))
-			d.mu.Unlock()
 			return c, err
 		}
 		c.close()
@@ -264,21 +275,31 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 	}
 }
 
+// conversed records a conversation begun at start and over now.
+func (d *smtpDeliverer) conversed(start time.Time) {
+	now := time.Now()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.longest.add(now, now.Sub(start))
+}
+
 // conversationMargin is how many times the longest recent conversation a delivery must have
 // left of its budget to begin one.
 const conversationMargin = 2
 
-// timeToConverse says whether a delivery has time left to begin a conversation: a message
-// cut off by the deadline after its final dot may have been accepted, and would be sent again.
-// It needs conversationMargin times the longest recent conversation; with less, it is not
-// started (released, to be tried again with a budget of its own).
-func (d *smtpDeliverer) timeToConverse(ctx context.Context) error {
-	deadline, ok := ctx.Deadline()
+// timeToConverse says whether job has time left to begin a conversation: a message cut off by
+// the deadline after its final dot may have been accepted, and would be sent again. It needs
+// conversationMargin times the longest recent conversation, but never more than half its own
+// budget: a delivery asked for with its full budget always begins (else, against a server
+// slower than that, every delivery would be released and leased again at once, in a loop).
+// With less, it is not started, and is released to be tried again with a budget of its own.
+func (d *smtpDeliverer) timeToConverse(job *smtpJob) error {
+	deadline, ok := job.ctx.Deadline()
 	if !ok {
 		return nil
 	}
 	d.mu.Lock()
-	need := conversationMargin * d.longest.at(time.Now())
+	need := min(conversationMargin*d.longest.at(time.Now()), job.budget/2)
 	d.mu.Unlock()
 	if left := time.Until(deadline); left < need {
 		return fmt.Errorf("smtp: %w: %s of its budget left, a conversation may take %s", errNotStarted,
@@ -321,17 +342,17 @@ func (d *smtpDeliverer) closeOnShutdown(ctx context.Context) {
 // connection's QUIT takes one at most, and a delivery in progress has its own deadline.
 func (d *smtpDeliverer) Close() {
 	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
-		return
+	if !d.closed {
+		d.closed = true
+		close(d.closing)
+		for _, job := range d.waiting {
+			job.done <- fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, errClosed)
+		}
+		d.waiting = nil
 	}
-	d.closed = true
-	close(d.closing)
-	for _, job := range d.waiting {
-		job.done <- fmt.Errorf("smtp: waiting for a connection: %w: %w", errNotStarted, errClosed)
-	}
-	d.waiting = nil
 	d.mu.Unlock()
+	// Every call waits, not only the first: the process's last Close, after the one at the
+	// start of its shutdown, must not return before the QUITs are said.
 	stopped := make(chan struct{})
 	go func() {
 		d.stopped.Wait()

@@ -170,6 +170,11 @@ func TestDeliveryAfterCloseIsNotStarted(t *testing.T) {
 	if err := deliverNow(d, mailTo("c-1@customers.example")); !errors.Is(err, errNotStarted) {
 		t.Fatalf("delivery after Close: err = %v, want errNotStarted", err)
 	}
+	// One a pump took from the queue, or was handed, just as Close came.
+	taken := &smtpJob{ctx: context.Background(), n: mailTo("c-1@customers.example"), done: make(chan error, 1)}
+	if _, err := d.deliver(nil, taken); !errors.Is(err, errNotStarted) {
+		t.Fatalf("delivery taken by a pump as Close came: err = %v, want errNotStarted", err)
+	}
 	if n := len(srv.Mail()); n != 1 {
 		t.Fatalf("%d e-mails, want only the one before Close", n)
 	}
@@ -257,6 +262,36 @@ func TestDeliveryShortOfTimeIsNotStartedOnASlowServer(t *testing.T) {
 	}
 	if sent == 0 || sent != len(accepted) {
 		t.Fatalf("%d deliveries sent, the server took %d messages; want the same, at least one", sent, len(accepted))
+	}
+}
+
+// Against a server slower than half a delivery's budget, a delivery asked for with its whole
+// budget still begins: the margin never asks for more than half the budget, or every delivery
+// would be released and leased again at once, in a loop. A conversation cut off by its
+// deadline counts among the recent ones, for at least as long as it ran.
+func TestDeliveryWithItsWholeBudgetBeginsOnASlowServer(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.AnswerLate(2 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if err := d.Deliver(ctx, mailTo("c-1@customers.example")); err == nil || errors.Is(err, errNotStarted) {
+		t.Fatalf("delivery with 300 ms to a server that answers in 2 s: %v, want it cut off", err)
+	}
+	d.mu.Lock()
+	longest := d.longest.at(time.Now())
+	d.mu.Unlock()
+	if longest < 250*time.Millisecond {
+		t.Fatalf("longest recent conversation %s after one cut off at 300 ms, want about 300 ms", longest)
+	}
+	srv.AnswerLate(600 * time.Millisecond)
+	for i := range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		err := d.Deliver(ctx, mailTo("c-1@customers.example"))
+		cancel()
+		if err != nil {
+			t.Fatalf("delivery %d, with a budget of 1 s on a server that answers in 600 ms: %v, want it sent", i, err)
+		}
 	}
 }
 
