@@ -119,9 +119,9 @@ func (p *Publisher) Connect(ctx context.Context) error {
 // Publish sends each message to its exchange with its routing key (see [Message.Exchange]),
 // and waits for the broker's verdict on all of them. It returns one error per message, in
 // order: nil means the broker confirmed it and routed it to at least one queue;
-// [ErrUnroutable], [ErrNoExchange], [ErrNacked] and [ErrTooLarge] are verdicts on that message;
-// [ErrBrokerUnavailable] means there was none. Anything but nil means the message must be
-// treated as not sent (and may still have been delivered: at-least-once).
+// [ErrUnroutable], [ErrNoExchange], [ErrNacked], [ErrTooLarge] and [ErrInvalidEnvelope] are
+// verdicts on that message; [ErrBrokerUnavailable] means there was none. Anything but nil means
+// the message must be treated as not sent (and may still have been delivered: at-least-once).
 func (p *Publisher) Publish(ctx context.Context, msgs []Message) []error {
 	errs := make([]error, len(msgs))
 	for start := 0; start < len(msgs); start += p.cfg.MaxInFlight {
@@ -239,6 +239,11 @@ func (p *Publisher) sessionLocked() (*pubSession, error) {
 }
 
 func (p *Publisher) open() (*pubSession, error) {
+	// Checked here, where an error is the broker being unavailable to this publisher: as a
+	// verdict on each message, it would charge every row for the configuration's fault.
+	if len(p.cfg.AppID) > maxShortString {
+		return nil, fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(p.cfg.AppID), maxShortString)
+	}
 	conn, err := dial(p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
 	if err != nil {
 		return nil, err

@@ -111,6 +111,9 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.DB == nil || cfg.Sender == nil || cfg.Exchange == "" {
 		return nil, errors.New("relay: DB, Sender and Exchange are required")
 	}
+	if len(cfg.Exchange) > maxShortString {
+		return nil, fmt.Errorf("relay: Exchange is %d bytes; AMQP allows %d", len(cfg.Exchange), maxShortString)
+	}
 	if cfg.BatchSize <= 0 {
 		cfg.BatchSize = DefaultRelayBatchSize
 	}

@@ -117,8 +117,9 @@ type SubscriptionConfig struct {
 	// DeliveryLimit is how many deliveries a failing message gets: still failing on its last,
 	// it is dead-lettered with its reason. Without a Topology it is also the queue's
 	// x-delivery-limit. With one, the queue's entry gives that ([DefaultDeliveryLimit] if it
-	// gives none), and the smaller of the two applies: past the broker's limit, the broker
-	// would dead-letter the message itself, without its reason. Default [DefaultDeliveryLimit].
+	// gives none), and the subscription uses it, or DeliveryLimit if set and smaller: past the
+	// broker's limit, the broker would dead-letter the message itself, without its reason.
+	// Default [DefaultDeliveryLimit].
 	DeliveryLimit int
 	// MaxMessageBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
 	MaxMessageBytes int
@@ -186,12 +187,14 @@ func (cfg SubscriptionConfig) withDefaults() SubscriptionConfig {
 // A message of a type without a handler, or whose payload does not decode or validate, is
 // dead-lettered with its reason.
 type Subscription[Tx any] struct {
-	cfg        SubscriptionConfig
-	driver     Driver[Tx]
-	routes     map[string]route[Tx]
-	bindings   []Binding
-	middleware []Middleware[Tx]
-	chain      Handler[Tx, any]
+	cfg SubscriptionConfig
+	// deliveryLimitSet: the configuration named a DeliveryLimit, rather than taking the default.
+	deliveryLimitSet bool
+	driver           Driver[Tx]
+	routes           map[string]route[Tx]
+	bindings         []Binding
+	middleware       []Middleware[Tx]
+	chain            Handler[Tx, any]
 	// startMu makes Start happen once, whoever calls it first (Run, a test's deliveries, the
 	// service); consumer is set last, and read by Ready while Run starts.
 	startMu  sync.Mutex
@@ -242,9 +245,10 @@ func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscriptio
 	if d == nil || cfg.Name == "" || cfg.URL == "" {
 		return nil, errors.New("subscription: a driver, Name and URL are required")
 	}
+	limitSet := cfg.DeliveryLimit > 0
 	cfg = cfg.withDefaults()
 	return &Subscription[Tx]{
-		cfg: cfg, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
+		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
 		tracer: newTracer(cfg.TracerProvider), spanName: "process " + cfg.Name,
 		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
 			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"),
@@ -344,7 +348,10 @@ func (s *Subscription[Tx]) Start() error {
 		return err
 	}
 	q, _ := topology.Queue(s.cfg.Name)
-	limit := min(s.cfg.DeliveryLimit, q.deliveryLimit())
+	limit := q.deliveryLimit()
+	if s.deliveryLimitSet {
+		limit = min(limit, s.cfg.DeliveryLimit)
+	}
 	s.started.Store(true)
 	s.chain = s.handlerChain()
 	cfg := s.cfg

@@ -739,6 +739,35 @@ func TestRelayBacksOffARowAMQPCannotCarryAndSendsTheRest(t *testing.T) {
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
 }
 
+// A relay's exchange or a publisher's app id AMQP cannot carry is the configuration's fault,
+// not each row's: NewRelay refuses the one; the other keeps the publisher from connecting
+// (Connect says why), so the relay charges no row for it.
+func TestConfigurationAMQPCannotCarryIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	long := strings.Repeat("x", 256)
+	if _, err := messaging.NewRelay(messaging.RelayConfig{DB: b.drv.DB(), Sender: b.publisher(t, testenv.AMQPURL()), Exchange: long}); err == nil ||
+		!strings.Contains(err.Error(), "Exchange") {
+		t.Fatalf("NewRelay with a 256-byte exchange: %v, want an error naming Exchange", err)
+	}
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.AppID = long })
+	if err := pub.Connect(context.Background()); err == nil || !strings.Contains(err.Error(), "AppID") {
+		t.Fatalf("Connect with a 256-byte app id: %v, want an error naming AppID", err)
+	}
+	ids := b.enqueue(t, 1)
+	res, err := b.relay(t, pub, nil).ProcessBatch(context.Background())
+	if res.Sent != 0 || res.Failed != 0 || !errors.Is(err, messaging.ErrBrokerUnavailable) {
+		t.Fatalf("batch with a 256-byte app id = %+v, %v; want nothing sent or charged, the broker unavailable", res, err)
+	}
+	var row outboxRow
+	if err := b.db.DB.Take(&row, "id = ?", ids[0]).Error; err != nil {
+		t.Fatal(err)
+	}
+	if row.Attempts != 0 || row.ProcessedAt != nil {
+		t.Fatalf("row after the batch: attempts %d, processed %v; want untouched", row.Attempts, row.ProcessedAt)
+	}
+}
+
 // timedSender notes when the broker's verdicts on the last Publish came back.
 type timedSender struct {
 	messaging.Sender

@@ -246,22 +246,32 @@ func TestSubscriptionSurvivesAPanickingHandler(t *testing.T) {
 	wantReason(t, got[0], "failed on each of 2 deliveries, last: handler panicked: boom")
 }
 
-// A subscription given a topology whose queue has the default x-delivery-limit (20) and a
-// DeliveryLimit above it dead-letters a failing message itself, with its reason, at the
-// broker's limit: left to the broker, the message would reach the dead-letter queue without it.
+// A subscription given a topology dead-letters a failing message itself, with its reason, at
+// its queue's x-delivery-limit, or at its own DeliveryLimit if that is set and smaller: past the
+// queue's, the broker would dead-letter the message without the reason.
 func TestSubscriptionDeadLettersWithinTheQueuesDeliveryLimit(t *testing.T) {
 	t.Parallel()
-	b := setupSubscription(t)
-	topology := queueTopology(b.exchange, b.name, "Placed")
-	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
-		c.Topology, c.DeliveryLimit, c.Retries = topology, messaging.DefaultDeliveryLimit+5, 1
-		c.RetryBackoff = messaging.Backoff{Base: time.Millisecond, Max: time.Millisecond}
-	})
-	must(t, messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error {
-		return errors.New("always fails")
-	}))
-	_, dead := b.deadLetterOne(t, s, 60*time.Second)
-	wantReason(t, dead, fmt.Sprintf("failed on each of %d deliveries, last: always fails", messaging.DefaultDeliveryLimit))
+	for name, c := range map[string]struct{ queue, own, want int }{
+		"own limit above the queue's default": {0, messaging.DefaultDeliveryLimit + 5, messaging.DefaultDeliveryLimit},
+		"the queue's limit, none of its own":  {messaging.DefaultDeliveryLimit + 5, 0, messaging.DefaultDeliveryLimit + 5},
+		"own limit below the queue's":         {4, 2, 2},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setupSubscription(t)
+			topology := queueTopology(b.exchange, b.name, "Placed")
+			topology.Queues[0].DeliveryLimit = c.queue
+			s := b.subscription(t, func(cfg *messaging.SubscriptionConfig) {
+				cfg.Topology, cfg.DeliveryLimit, cfg.Retries = topology, c.own, 1
+				cfg.RetryBackoff = messaging.Backoff{Base: time.Millisecond, Max: time.Millisecond}
+			})
+			must(t, messaging.Handle(s, b.placed, func(context.Context, *gorm.DB, placed, messaging.Message) error {
+				return errors.New("always fails")
+			}))
+			_, dead := b.deadLetterOne(t, s, 60*time.Second)
+			wantReason(t, dead, fmt.Sprintf("failed on each of %d deliveries, last: always fails", c.want))
+		})
+	}
 }
 
 // deadLetterOne runs s on one Placed message, which s must dead-letter within timeout, and
