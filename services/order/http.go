@@ -55,7 +55,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusUnprocessableEntity, err.Error())
 		return
 	case err != nil:
-		a.unavailable(w, r, "place order", "the order may have been placed: try again with the same Idempotency-Key, which cannot place it twice", err)
+		a.unavailable(w, r, "place order", placeRetryAdvice(key), err)
 		return
 	}
 	w.Header().Set("Location", "/orders/"+order.ID.String())
@@ -152,6 +152,15 @@ func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, b
 		return cmd, false
 	}
 	return cmd, true
+}
+
+// placeRetryAdvice is what a client whose order met a database failure should do: the order
+// may have been placed, so only a retry with the same key is safe.
+func placeRetryAdvice(key string) string {
+	if key == "" {
+		return "the order may have been placed: check before placing it again, and send an Idempotency-Key, with which a retry cannot place an order twice"
+	}
+	return "the order may have been placed: try again with the same Idempotency-Key, which cannot place it twice"
 }
 
 // unavailable answers a database failure with 503 and detail, which tells the client how to
