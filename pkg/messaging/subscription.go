@@ -8,6 +8,7 @@ import (
 	"maps"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -449,7 +450,7 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 	}()
 	claimed, err = s.transact(ctx, jobs, spans)
 	if err != nil {
-		if !IsPermanent(err) && !s.databaseAnswers(context.WithoutCancel(ctx)) {
+		if !IsPermanent(err) && (databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx))) {
 			err = Unavailable(err)
 		}
 		return nil, err
@@ -578,6 +579,27 @@ func (s *Subscription[Tx]) skipped(ctx context.Context, span trace.Span, msg Mes
 	s.cfg.Metrics.recordDuplicate(s.cfg.Name)
 	span.AddEvent("duplicate message skipped")
 	s.log.InfoContext(ctx, "duplicate message skipped", "message_id", msg.ID, "type", msg.Type)
+}
+
+// databaseOutage reports whether err carries a SQLSTATE (an error with a SQLState method, as
+// pgx's are) that says the database cannot take writes now, whatever the message: a connection
+// lost (class 08), resources exhausted (53: disk full, out of memory, too many connections), an
+// operator or a crash stopping it (57P), an I/O error (58), a read-only standby or a failover
+// under way (25006), a lock_timeout behind another's lock (55P03, a migration, say). SELECT 1
+// still answers during most of these: counted against each message, they would dead-letter
+// healthy messages within seconds.
+func databaseOutage(err error) bool {
+	var coded interface{ SQLState() string }
+	if !errors.As(err, &coded) {
+		return false
+	}
+	code := coded.SQLState()
+	for _, prefix := range []string{"08", "53", "57P", "58", "25006", "55P03"} {
+		if strings.HasPrefix(code, prefix) {
+			return true
+		}
+	}
+	return false
 }
 
 // databaseAnswers asks the database directly, on a context of its own: a database that

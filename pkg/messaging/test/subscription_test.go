@@ -274,9 +274,9 @@ func TestSubscriptionDeadLettersWithinTheQueuesDeliveryLimit(t *testing.T) {
 	}
 }
 
-// deadLetterOne runs s on one Placed message, which s must dead-letter within timeout, and
-// returns the message and its dead letter.
-func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscription[*gorm.DB], timeout time.Duration) (messaging.Message, amqp.Delivery) {
+// runOnOne runs s on one Placed message, published once its queue is declared, and returns
+// the message and a channel to look at the queues with.
+func (b *subscriptionBundle) runOnOne(t *testing.T, s *messaging.Subscription[*gorm.DB]) (messaging.Message, *amqp.Channel) {
 	t.Helper()
 	ch := testenv.Channel(t)
 	declareSubscription(t, s)
@@ -286,6 +286,14 @@ func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscripti
 	}
 	b.publish(t, b.exchange, m)
 	run(t, s.Run)
+	return m, ch
+}
+
+// deadLetterOne runs s on one Placed message, which s must dead-letter within timeout, and
+// returns the message and its dead letter.
+func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscription[*gorm.DB], timeout time.Duration) (messaging.Message, amqp.Delivery) {
+	t.Helper()
+	m, ch := b.runOnOne(t, s)
 	testenv.Eventually(t, timeout, func() bool { return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 1 },
 		"the message was not dead-lettered")
 	got := deadLetters(t, ch, b.name)
@@ -293,6 +301,50 @@ func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscripti
 		t.Fatalf("dead-letter queue held %d messages, want message %s alone", len(got), m.ID)
 	}
 	return m, got[0]
+}
+
+// A database that refuses writes while SELECT 1 still answers (a read-only standby during a
+// failover, a full disk) is an outage, not the message's fault: the message waits in place,
+// spending none of its deliveries, and is handled once writes come back. Counted against it,
+// it would be dead-lettered within a second here (one try, two deliveries).
+func TestDatabaseRefusingWritesIsAnOutageNotTheMessagesFault(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	// The handler's writes fail as on a read-only database, until the outage is over.
+	if err := b.db.DB.Exec(`CREATE TABLE outage (on_now boolean NOT NULL);
+INSERT INTO outage VALUES (true);
+CREATE FUNCTION refuse_writes() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF (SELECT on_now FROM outage) THEN
+    RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction' USING ERRCODE = 'read_only_sql_transaction';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_writes BEFORE INSERT ON handled FOR EACH ROW EXECUTE FUNCTION refuse_writes();`).Error; err != nil {
+		t.Fatal(err)
+	}
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.Retries, c.DeliveryLimit = 1, 2
+		c.RetryBackoff = messaging.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}
+	})
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	m, ch := b.runOnOne(t, s)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("dependency unavailable; retrying message", "message_id="+m.ID.String(), "read-only")) >= 5
+	}, "the refused writes were not taken for an outage")
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered during the outage, want none", n)
+	}
+	if err := b.db.DB.Exec("UPDATE outage SET on_now = false").Error; err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 1 },
+		"the message was not handled once writes came back")
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered, want none", n)
+	}
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
