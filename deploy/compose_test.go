@@ -20,6 +20,8 @@ import (
 
 	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
 
 // root is the repository root, seen from this package's directory.
@@ -96,6 +98,47 @@ func env(s types.ServiceConfig, name string) (string, bool) {
 		return "", false
 	}
 	return *v, true
+}
+
+// Each pool of every process of every profile fits in PostgreSQL's max_connections at once,
+// with room for an administrator, as TestK8sDatabaseConnectionsFit checks for Kubernetes.
+func TestComposeDatabaseConnectionsFit(t *testing.T) {
+	t.Parallel()
+	const reserve = 20
+	p := loadComposeProfiles(t, "docker-compose.yml", nil, "*")
+	maxConns := 0
+	for _, arg := range service(t, p, "postgres").Command {
+		if v, ok := strings.CutPrefix(arg, "max_connections="); ok {
+			var err error
+			if maxConns, err = strconv.Atoi(v); err != nil {
+				t.Fatalf("postgres max_connections: %v", err)
+			}
+		}
+	}
+	if maxConns == 0 {
+		t.Fatal("postgres: set max_connections in its command; the default 100 is sized for no one")
+	}
+	total := 0
+	for name, s := range p.Services {
+		if _, ok := env(s, "DATABASE_URL"); !ok {
+			continue
+		}
+		conns := platform.DefaultDBMaxConns
+		if v, ok := env(s, "DB_MAX_CONNS"); ok {
+			var err error
+			if conns, err = strconv.Atoi(v); err != nil {
+				t.Fatalf("%s DB_MAX_CONNS: %v", name, err)
+			}
+		}
+		replicas := 1
+		if s.Deploy != nil && s.Deploy.Replicas != nil {
+			replicas = *s.Deploy.Replicas
+		}
+		total += replicas * conns
+	}
+	if total+reserve > maxConns {
+		t.Errorf("the pools can open %d connections (+%d reserved), over max_connections %d", total, reserve, maxConns)
+	}
 }
 
 func TestComposeHasNoVersionKey(t *testing.T) {
