@@ -352,6 +352,10 @@ func (c *consumer) process(session, workCtx context.Context, j job) outcome {
 			outages++
 			delay = c.cfg.RetryBackoff.Delay(outages)
 			c.log.WarnContext(ctx, "dependency unavailable; retrying message", "message_id", j.msg.ID, "type", j.msg.Type, "error", err, "retry_in", delay)
+		case session.Err() != nil:
+			// The shutdown or a lost channel may be what cut it off: not the message's failure
+			// to count (a reject would spend one of its deliveries, or dead-letter it).
+			return handedBack
 		default:
 			failures++
 			if failures >= c.cfg.Retries {

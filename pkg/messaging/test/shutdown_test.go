@@ -80,6 +80,43 @@ func TestRelayFinishesTheBatchInFlightAtShutdown(t *testing.T) {
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
 }
 
+// A handler the end of the grace cuts off did not fail on its own: the message is handed back
+// (a nack), not rejected as failed, which would spend one of its deliveries (or, on its last,
+// dead-letter it with "context canceled" as its reason).
+func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	begun := make(chan struct{})
+	var once sync.Once
+	stuck := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		once.Do(func() { close(begun) })
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+		Retries: 1, ShutdownGrace: 300 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(c, b.orderPlaced(), stuck))
+	stop := start(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	msg := newMessage(t, 0)
+	b.publishRaw(t, publishing(msg))
+	<-begun
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	id := "message_id=" + msg.ID.String()
+	if lines := append(b.logs.Lines(id, "returning message to the queue"), b.logs.Lines(id, "dead-lettered")...); len(lines) != 0 {
+		t.Fatalf("the message cut off by the shutdown was charged as failed: %q", lines)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
+		"the message is not back in its queue")
+}
+
 // A message whose handler runs at shutdown is committed and acknowledged within the grace
 // period: not requeued to be handled again.
 func TestConsumerFinishesTheMessageInFlightAtShutdown(t *testing.T) {
