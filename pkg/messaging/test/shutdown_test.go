@@ -37,6 +37,22 @@ func start(t *testing.T, fn func(ctx context.Context) error) (stop func() error)
 	}
 }
 
+// startConsumer starts a subscription of b's queue, with work as its handler and cfg tweaked,
+// waits until it consumes, and returns how to stop it.
+func (b *testBundle) startConsumer(t *testing.T, work messaging.Handler[*gorm.DB, payload], tweak func(*messaging.SubscriptionConfig)) (stop func() error) {
+	t.Helper()
+	cfg := messaging.SubscriptionConfig{Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics}
+	tweak(&cfg)
+	c, err := messaging.NewSubscription(b.drv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(c, b.orderPlaced(), work))
+	stop = start(t, c.Run)
+	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	return stop
+}
+
 // heldPublish holds the first Publish until released, after saying it has begun.
 type heldPublish struct {
 	messaging.Sender
@@ -93,16 +109,7 @@ func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 		<-ctx.Done()
 		return ctx.Err()
 	}
-	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
-		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
-		Retries: 1, ShutdownGrace: 300 * time.Millisecond,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	must(t, messaging.Handle(c, b.orderPlaced(), stuck))
-	stop := start(t, c.Run)
-	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	stop := b.startConsumer(t, stuck, func(c *messaging.SubscriptionConfig) { c.Retries, c.ShutdownGrace = 1, 300*time.Millisecond })
 	msg := newMessage(t, 0)
 	b.publishRaw(t, publishing(msg))
 	<-begun
@@ -129,16 +136,7 @@ func TestConsumerFinishesTheMessageInFlightAtShutdown(t *testing.T) {
 		<-release
 		return doWork(tx, p, msg)
 	}
-	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
-		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
-		ShutdownGrace: 5 * time.Second,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	must(t, messaging.Handle(c, b.orderPlaced(), work))
-	stop := start(t, c.Run)
-	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
+	stop := b.startConsumer(t, work, func(c *messaging.SubscriptionConfig) { c.ShutdownGrace = 5 * time.Second })
 	msg := newMessage(t, 1)
 	b.publishRaw(t, publishing(msg))
 	<-begun
@@ -240,16 +238,10 @@ func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
 		return messaging.Unavailable(errors.New("database away"))
 	}
 	const workers = 8
-	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
-		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
-		Concurrency: workers, Prefetch: 1, RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+	stop := b.startConsumer(t, away, func(c *messaging.SubscriptionConfig) {
+		c.Concurrency, c.Prefetch = workers, 1
+		c.RetryBackoff = messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	must(t, messaging.Handle(c, b.orderPlaced(), away))
-	stop := start(t, c.Run)
-	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
 	ids := make([]string, workers)
 	for i := range ids {
 		msg := newMessage(t, i)
