@@ -115,21 +115,22 @@ const maxShortString = 255
 // or the broker close the connection, either way taking every other message in flight with it.
 func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error {
 	type field struct{ name, value string }
-	fields := []field{{"exchange", exchange}, {"routing key", key}, {"type", p.Type}, {"correlation id", p.CorrelationId},
-		{"app id", p.AppId}, {"message id", p.MessageId}, {"content type", p.ContentType}}
+	properties := []field{{"type", p.Type}, {"correlation id", p.CorrelationId}, {"app id", p.AppId},
+		{"message id", p.MessageId}, {"content type", p.ContentType}}
 	// The content header frame: its own header and end (8 bytes); class, weight, body size and
 	// property flags (14); delivery mode and timestamp (9); each short string property with its
 	// length byte; the headers' table, each a name, a type byte and a long string.
 	size := 8 + 14 + 9 + 4
-	for _, f := range fields[2:] {
+	for _, f := range properties {
 		size += 1 + len(f.value)
 	}
+	shortStrings := append([]field{{"exchange", exchange}, {"routing key", key}}, properties...)
 	for k, v := range p.Headers {
-		fields = append(fields, field{"header name", k})
+		shortStrings = append(shortStrings, field{"header name", k})
 		s, _ := v.(string) // toPublishing writes strings only
 		size += 1 + len(k) + 1 + 4 + len(s)
 	}
-	for _, f := range fields {
+	for _, f := range shortStrings {
 		if len(f.value) > maxShortString {
 			return fmt.Errorf("%w: the %s %q is %d bytes, AMQP allows %d", ErrInvalidEnvelope, f.name, truncate(f.value), len(f.value), maxShortString)
 		}
