@@ -65,8 +65,8 @@ type consumer struct {
 	work  work
 	log   *slog.Logger
 	ready atomic.Bool
-	// deadLetters publishes on the current session's connection. A session sets it before its
-	// workers start, and they have all stopped before the next session sets it again.
+	// deadLetters is the current session's. A session sets it before its workers start, and
+	// they have all stopped before the next session sets it again.
 	deadLetters *deadLetterPublisher
 }
 
@@ -94,7 +94,14 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	c.deadLetters = &deadLetterPublisher{conn: conn, queue: DeadLetterQueue(c.cfg.Queue)}
+	c.deadLetters = &deadLetterPublisher{
+		dial: func() (*amqp.Connection, error) {
+			return dial(c.cfg.URL, c.cfg.ConnectionName+" (dead letters)", c.cfg.Heartbeat)
+		},
+		log:   c.log.With("connection", "dead letters"),
+		queue: DeadLetterQueue(c.cfg.Queue),
+	}
+	defer c.deadLetters.close()
 	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
 	c.ready.Store(true)
 	defer c.ready.Store(false)
@@ -448,8 +455,8 @@ func (c *consumer) confirm(ctx context.Context, log *slog.Logger, op string, err
 // carrying the reason is published there with a confirm, and only then is d acknowledged. Until
 // then d stays unacknowledged: a failed publish is tried again with backoff, and a session that
 // ends first hands d back to the broker. Nothing is lost; a crash between the confirm and the
-// ack leaves a second copy in the dead-letter queue, which a redrive hands to the inbox with the
-// same message id.
+// ack, or a session that ends while an alarm holds the copy unread, leaves a second copy in the
+// dead-letter queue, which a redrive hands to the inbox with the same message id.
 func (c *consumer) deadLetter(ctx, session, workCtx context.Context, log *slog.Logger, d amqp.Delivery, reason error) {
 	for failures := 1; ; failures++ {
 		err := c.deadLetters.publish(workCtx, d, reason)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -27,7 +28,8 @@ const deliveryCountHeader = "x-delivery-count"
 // grow the message's headers past the broker's frame size.
 const maxReasonBytes = 1024
 
-// deadLetterTimeout bounds one dead-letter publish and its confirm.
+// deadLetterTimeout bounds the wait for the confirm of a dead-letter copy, while no resource
+// alarm blocks its connection.
 const deadLetterTimeout = 15 * time.Second
 
 // errDeadLetterNotConfirmed means the broker did not take the copy: the original stays
@@ -71,15 +73,20 @@ func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing
 	}
 }
 
-// deadLetterPublisher publishes dead-letter copies on a confirm-mode channel of its own, opened
-// on the consumer's connection when first needed.
+// deadLetterPublisher publishes dead-letter copies on a confirm-mode channel of a connection of
+// its own, dialled when first needed. Not the consumer's: a resource alarm stops the broker
+// reading from every connection that publishes, acknowledgements and all, and consuming is how
+// a broker comes out of a memory alarm.
 type deadLetterPublisher struct {
-	conn  *amqp.Connection
+	dial  func() (*amqp.Connection, error)
+	log   *slog.Logger
 	queue string // the dead-letter queue
 
 	// mu makes it one copy at a time: dead letters are rare, and with one publish in flight a
 	// basic.return on the channel can only be that publish's.
 	mu      sync.Mutex
+	conn    *amqp.Connection
+	watch   *connWatch
 	ch      *amqp.Channel
 	returns chan amqp.Return
 }
@@ -92,8 +99,6 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 	if err := p.open(); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, deadLetterTimeout)
-	defer cancel()
 	err := p.confirm(ctx, deadLetterCopy(d, reason, time.Now()))
 	if err != nil {
 		// A confirm or return still on its way must not be taken for the next copy's.
@@ -105,6 +110,13 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 func (p *deadLetterPublisher) open() error {
 	if p.ch != nil && !p.ch.IsClosed() {
 		return nil
+	}
+	if p.conn == nil || p.conn.IsClosed() {
+		conn, err := p.dial()
+		if err != nil {
+			return fmt.Errorf("connect for dead letters: %w", err)
+		}
+		p.conn, p.watch = conn, watchConnection(conn, p.log)
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
@@ -123,7 +135,7 @@ func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) 
 	if err != nil {
 		return fmt.Errorf("publish to %q: %w", p.queue, err)
 	}
-	acked, err := dc.WaitContext(ctx)
+	acked, err := p.wait(ctx, dc)
 	switch {
 	case err != nil:
 		return fmt.Errorf("%w: no confirm from %q: %w", errDeadLetterNotConfirmed, p.queue, err)
@@ -140,11 +152,42 @@ func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) 
 	}
 }
 
+// wait waits for the confirm of dc up to deadLetterTimeout, and on for as long as an alarm
+// blocks the connection: the broker reads the copy once the alarm clears, and publishing it
+// again meanwhile would only queue a second copy behind it.
+func (p *deadLetterPublisher) wait(ctx context.Context, dc *amqp.DeferredConfirmation) (acked bool, err error) {
+	timeout := time.NewTimer(deadLetterTimeout)
+	defer timeout.Stop()
+	for {
+		select {
+		case <-dc.Done():
+			return dc.Acked(), nil
+		case <-ctx.Done():
+			return false, ctx.Err()
+		case <-timeout.C:
+			if p.watch.blockedErr() == nil {
+				return false, fmt.Errorf("none within %s", deadLetterTimeout)
+			}
+			timeout.Reset(deadLetterTimeout)
+		}
+	}
+}
+
 // discard drops the channel; it is closed in the background, since closing waits for the
 // broker's answer, and a broker that stopped answering must not hold the worker.
 func (p *deadLetterPublisher) discard() {
 	if p.ch != nil {
 		go func(ch *amqp.Channel) { _ = ch.Close() }(p.ch)
 		p.ch = nil
+	}
+}
+
+// close closes the connection, if one was dialled, once no worker publishes any more.
+func (p *deadLetterPublisher) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn != nil {
+		_ = p.conn.CloseDeadline(time.Now().Add(time.Second))
+		p.conn, p.ch = nil, nil
 	}
 }

@@ -127,6 +127,13 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 
 	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil) // its connection declares the dead-letter queue again
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not dead-lettered")
+	wantPoisonDeadLetteredOnce(t, b, poison)
+}
+
+// wantPoisonDeadLetteredOnce fails unless poison, a body that is not JSON, is in the dead-letter
+// queue once with its reason, and b's queue holds nothing.
+func wantPoisonDeadLetteredOnce(t *testing.T, b *testBundle, poison amqp.Publishing) {
+	t.Helper()
 	got := deadLetters(t, b.ch, b.queue)
 	if len(got) != 1 || got[0].MessageId != poison.MessageId {
 		t.Fatalf("dead-letter queue held %d messages, want the poison message once", len(got))

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -124,6 +125,16 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	t.Logf("%d rows across a PostgreSQL restart (start time %s → %s), all handled once", len(ids), before.Format(time.RFC3339), started().Format(time.RFC3339))
 }
 
+// raiseMemoryAlarm raises the broker's memory alarm (a watermark of 0); the function it returns
+// clears it again, and so does the test's cleanup.
+func raiseMemoryAlarm(t *testing.T) (clearAlarm func()) {
+	t.Helper()
+	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("set_vm_memory_high_watermark", previous) })
+	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", "0")
+	return func() { testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", previous) }
+}
+
 // A memory alarm blocks every publisher of the broker. The relay learns it from the broker's
 // connection.blocked, and pauses: no transaction stays open and no row stays locked through the
 // alarm (the 15 s confirm timeout is not waited out), no row is charged, and everything goes out
@@ -131,13 +142,11 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	requireServerRestarts(t)
 	b := setup(t)
-	previous := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."))
-	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("set_vm_memory_high_watermark", previous) })
 	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).Run)
 	ids := b.enqueue(t, 5)
 	b.waitAllSent(t, 10*time.Second)
 
-	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", "0")
+	clearAlarm := raiseMemoryAlarm(t)
 	ids = append(ids, b.enqueue(t, 10)...)
 	testenv.Eventually(t, 30*time.Second, func() bool { return len(b.logs.Lines("rabbitmq blocked the connection")) > 0 },
 		"the publisher was not told it is blocked")
@@ -155,7 +164,7 @@ func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	}
 	b.wantNoRowCharged(t)
 
-	testenv.RabbitMQCtl(t, "set_vm_memory_high_watermark", previous)
+	clearAlarm()
 	b.waitAllSent(t, 30*time.Second)
 	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 500*time.Millisecond), ids)
 	if missing+unexpected > 0 {
@@ -163,5 +172,56 @@ func TestServerRestartMemoryAlarmBlocksPublishers(t *testing.T) {
 	}
 	if lines := b.logs.Lines("broker available again; relay resumed", "rows_waiting=10"); len(lines) != 1 {
 		t.Fatalf("want one line for the end of the alarm with 10 rows waiting, got %q", b.logs.Lines("broker available again"))
+	}
+}
+
+// Consuming is how a broker comes out of a memory alarm, and the alarm stops the broker reading
+// from every connection that publishes: its acknowledgements wait too. So a consumer publishes
+// its dead letters on a connection of its own. A poison message during the alarm holds that
+// connection and its own worker, and only them: the other worker goes on handling and
+// acknowledging. The copy waits for the alarm to clear, however long it lasts, and lands in
+// the dead-letter queue once.
+func TestServerRestartMemoryAlarmLeavesTheConsumerAcknowledging(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	poison := amqp.Publishing{MessageId: uuid.NewString(), ContentType: "application/json", Body: []byte("<xml/>")}
+	b.publishRaw(t, poison)
+	const healthy = 200
+	for i := range healthy {
+		b.publishRaw(t, publishing(newMessage(t, i)))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == healthy+1 }, "messages not queued")
+
+	clearAlarm := raiseMemoryAlarm(t)
+	// One delivery at a time per worker: each needs the broker to have read the ack before it.
+	stop := b.startConsumer(t, workFunc, func(cfg *messaging.SubscriptionConfig) { cfg.Concurrency, cfg.Prefetch = 2, 1 })
+	testenv.Eventually(t, 20*time.Second, func() bool { return b.workDone(t) == healthy },
+		"the consumer stopped handling messages during the memory alarm")
+	blocked := func() bool {
+		return len(b.logs.Lines("rabbitmq blocked the connection", `connection="dead letters"`)) > 0
+	}
+	testenv.Eventually(t, 10*time.Second, blocked, "the dead-letter publish did not meet the alarm")
+	// Through the alarm, for longer than the wait for a confirm is bounded otherwise: the copy
+	// is not given up on and published again, which would leave a second one behind it.
+	dlq := messaging.DeadLetterQueue(b.queue)
+	for end := time.Now().Add(17 * time.Second); time.Now().Before(end); {
+		if n := testenv.QueueDepth(t, b.ch, dlq); n != 0 {
+			t.Fatalf("the dead-letter queue took %d messages during the alarm", n)
+		}
+		time.Sleep(500 * time.Millisecond) // sampling pace
+	}
+	if lines := b.logs.Lines("could not dead-letter message"); len(lines) != 0 {
+		t.Fatalf("the copy was given up on during the alarm: %q", lines)
+	}
+
+	clearAlarm()
+	testenv.Eventually(t, 30*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) >= 1 }, "poison message not dead-lettered after the alarm")
+	if err := stop(); err != nil {
+		t.Fatalf("Run returned %v", err)
+	}
+	wantPoisonDeadLetteredOnce(t, b, poison)
+	if n := testenv.Count(t, b.db.DB, "SELECT count(DISTINCT message_id) FROM work_items"); n != healthy || b.workDone(t) != healthy {
+		t.Fatalf("%d rows of work for %d distinct messages, want %d once each", b.workDone(t), n, healthy)
 	}
 }
