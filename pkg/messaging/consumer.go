@@ -281,7 +281,7 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 	for _, d := range batch {
 		j, err := c.decode(d)
 		if err != nil {
-			c.settle(session, workCtx, j, deadLetter(err))
+			c.settle(session, workCtx, j, c.undecodable(d, err))
 			continue
 		}
 		jobs = append(jobs, j)
@@ -334,6 +334,21 @@ func (c *consumer) decode(d amqp.Delivery) (job, error) {
 		return j, Permanent(err)
 	}
 	return j, nil
+}
+
+// undecodable says how to settle a delivery that did not decode: dead-lettered, since no retry
+// changes its bytes, unless only a handler for its type is missing here. In a rolling deploy
+// that adds an event, the replicas of the older version share the queue with the newer ones
+// that bound it: such a message goes back to the queue for one of them, and is dead-lettered
+// only at its last allowed delivery.
+func (c *consumer) undecodable(d amqp.Delivery, err error) outcome {
+	if !errors.Is(err, errNoHandler) {
+		return deadLetter(err)
+	}
+	if deliveryCount(d)+1 >= c.cfg.DeliveryLimit {
+		return deadLetter(fmt.Errorf("on each of %d deliveries: %w", c.cfg.DeliveryLimit, err))
+	}
+	return outcome{settle: settleElsewhere, reason: err}
 }
 
 // process processes one job, retrying it in place, and says how to settle it: acked once its
@@ -398,6 +413,7 @@ const (
 	settleAck settleKind = iota
 	settleReject
 	settleNack
+	settleElsewhere // back to the queue, for a consumer that has a handler for its type
 	settleDeadLetter
 )
 
@@ -428,6 +444,11 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		// basic.reject, not basic.nack: from RabbitMQ 4.3 on only a reject counts as a failed
 		// delivery, and without the count neither the queue's delivery limit nor the
 		// consumer's own check at its last delivery ever fires: it would come back forever.
+		c.confirm(ctx, log, "reject", j.d.Reject(true), settledRequeued)
+	case settleElsewhere:
+		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason)
+		// A reject, counted: with no consumer of the queue that has a handler, the message
+		// reaches its last delivery and is dead-lettered then.
 		c.confirm(ctx, log, "reject", j.d.Reject(true), settledRequeued)
 	case settleNack:
 		// Shutting down or disconnected: back to the queue untouched, for another consumer. A

@@ -420,11 +420,14 @@ func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, 
 	return s.routes[msgType].batch(ctx, tx, items)
 }
 
+// errNoHandler means a message's type has no handler in this subscription.
+var errNoHandler = errors.New("no handler for message type")
+
 // decode finds msg's route and decodes its payload; an error is the message's own.
 func (s *Subscription[Tx]) decode(msg Message) (any, error) {
 	r, ok := s.routes[msg.Type]
 	if !ok {
-		return nil, fmt.Errorf("no handler for message type %q", truncate(msg.Type))
+		return nil, fmt.Errorf("%w %q", errNoHandler, truncate(msg.Type))
 	}
 	return r.decode(msg)
 }

@@ -148,8 +148,9 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
 }
 
-// A type nobody handles, and a payload its event's checks refuse, go to the dead-letter queue
-// with their reason logged; the messages around them are handled.
+// A payload its event's checks refuse goes to the dead-letter queue at once, and a type nobody
+// on the queue handles at its last allowed delivery, each with its reason logged; the messages
+// around them are handled.
 func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
@@ -184,18 +185,62 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 		return testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)) == 2 && b.handled(t, "SELECT count(*) FROM handled") == 1 &&
 			len(b.logs.Lines("message dead-lettered")) >= 2
 	}, "want the unknown and the invalid message dead-lettered and the good one handled")
-	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `no handler for message type \"Refunded\"`); len(lines) != 1 {
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+unknown.ID.String(), `on each of 20 deliveries: no handler for message type \"Refunded\"`); len(lines) != 1 {
 		t.Errorf("want the unknown type dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
 	}
 	if lines := b.logs.Lines("message dead-lettered", "message_id="+invalid.ID.String(), "invalid Placed: no order_id"); len(lines) != 1 {
 		t.Errorf("want the invalid payload dead-lettered once with its reason logged, got %d such lines of: %q", len(lines), b.logs.Lines("message dead-lettered"))
 	}
 	reasons := reasonsByID(deadLetters(t, ch, b.name))
-	if r := reasons[unknown.ID.String()]; !strings.Contains(r, `no handler for message type "Refunded"`) {
+	if n := len(b.logs.Lines("no handler here; returning message to the queue", "message_id="+unknown.ID.String())); n != 19 {
+		t.Errorf("the unknown type went back to the queue %d times before its last delivery, want 19", n)
+	}
+	if r := reasons[unknown.ID.String()]; !strings.Contains(r, `on each of 20 deliveries: no handler for message type "Refunded"`) {
 		t.Errorf("the unknown type's dead-letter reason is %q", r)
 	}
 	if r := reasons[invalid.ID.String()]; !strings.Contains(r, "invalid Placed: no order_id") {
 		t.Errorf("the invalid payload's dead-letter reason is %q", r)
+	}
+}
+
+// In a rolling deploy that adds an event, the replicas of the older version share the queue
+// with the newer ones, which bound it to the new event's exchange. A message of the new type
+// that an older replica gets goes back to the queue, and a newer replica handles it: none is
+// dead-lettered, none handled twice.
+func TestSubscriptionLeavesATypeItHasNoHandlerForToAReplicaThatHas(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	older, newer := b.subscription(t, nil), b.subscription(t, nil)
+	work := func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error { return record(tx, msg) }
+	must(t, messaging.Handle(older, b.placed, work))
+	must(t, messaging.Handle(newer, b.placed, work))
+	must(t, messaging.Handle(newer, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	for _, s := range []*messaging.Subscription[*gorm.DB]{older, newer} {
+		run(t, s.Run)
+		testenv.Eventually(t, 10*time.Second, s.Ready, "subscription not ready")
+	}
+	const each = 20
+	for range each {
+		p, err := b.placed.Message(placed{OrderID: uuid.New()})
+		must(t, err)
+		c, err := b.cancels.Message(cancelled{OrderID: uuid.New()})
+		must(t, err)
+		b.publish(t, b.exchange, p)
+		b.publish(t, b.other, c)
+	}
+	testenv.Eventually(t, 20*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 2*each },
+		"not every message was handled")
+	if n := b.handled(t, "SELECT count(DISTINCT message_id) FROM handled WHERE type = 'Cancelled'"); n != each {
+		t.Fatalf("%d distinct Cancelled handled, want %d", n, each)
+	}
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered", n)
+	}
+	// Both replicas consume in turn: the older one got some of the new type, and gave them back.
+	if n := len(b.logs.Lines("no handler here; returning message to the queue", `type=Cancelled`)); n == 0 {
+		t.Fatal("the older replica was given no message of the new type: the test proves nothing")
 	}
 }
 
