@@ -23,20 +23,32 @@ func (c *cli) dlqCommand() *cobra.Command {
 
 // dlqFilter picks messages of a dead-letter queue; its zero value picks them all.
 type dlqFilter struct {
-	id     uuid.UUID // parsed, not compared as text: an id written in capitals is the same id
-	typ    string
-	reason string // a part of the reason, in any case
+	// id is a message id: a UUID matches the same UUID however it is written (in capitals,
+	// say); anything else matches that text exactly, since a message is dead-lettered for
+	// lacking a valid id too.
+	id        string
+	withoutID bool // the messages that have no message id at all
+	typ       string
+	reason    string // a part of the reason, in any case
 }
 
-func (f dlqFilter) any() bool { return f.id != uuid.Nil || f.typ != "" || f.reason != "" }
+func (f dlqFilter) any() bool { return f.id != "" || f.withoutID || f.typ != "" || f.reason != "" }
 
 func (f dlqFilter) match(d messaging.DeadLetter) bool {
-	if f.id != uuid.Nil {
-		if got, err := uuid.Parse(d.MessageID); err != nil || got != f.id {
-			return false
-		}
+	if (f.id != "" && !sameID(f.id, d.MessageID)) || (f.withoutID && d.MessageID != "") {
+		return false
 	}
 	return (f.typ == "" || d.Type == f.typ) && (f.reason == "" || strings.Contains(strings.ToLower(d.Reason), strings.ToLower(f.reason)))
+}
+
+// sameID says whether a message's id is the one an operator gave.
+func sameID(given, id string) bool {
+	want, werr := uuid.Parse(given)
+	got, gerr := uuid.Parse(id)
+	if werr == nil && gerr == nil {
+		return want == got
+	}
+	return given == id
 }
 
 func (f dlqFilter) pick(ds []messaging.DeadLetter) []messaging.DeadLetter {
@@ -52,8 +64,11 @@ func (f dlqFilter) pick(ds []messaging.DeadLetter) []messaging.DeadLetter {
 // String says what f picks, for messages.
 func (f dlqFilter) String() string {
 	var parts []string
-	if f.id != uuid.Nil {
-		parts = append(parts, "with id "+f.id.String())
+	if f.id != "" {
+		parts = append(parts, "with id "+printable(f.id, 64))
+	}
+	if f.withoutID {
+		parts = append(parts, "without a message id")
 	}
 	if f.typ != "" {
 		parts = append(parts, fmt.Sprintf("of type %q", printable(f.typ, 64)))
@@ -111,9 +126,9 @@ those of the first --limit that match.
 AMQP cannot peek: it takes those messages unacknowledged (never more than --limit at once) and
 hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery limit
 to spend. When --limit took the whole queue, its order is unchanged; when more messages wait
-beyond, those shown may move back in the queue (a quorum queue puts messages handed back
-behind the others on RabbitMQ 3.x, behind those handed back before on 4.x), so the next
-listing may start further on. Messages another client holds at that moment are not shown.`,
+beyond, those shown may move back in the queue (a quorum queue on RabbitMQ 4.x puts messages
+handed back behind those handed back before; on 3.10 they were seen to keep their place), so
+the next listing may start further on. Messages another client holds at that moment are not shown.`,
 		Example: `  outboxctl dlq list invoicing
   outboxctl dlq list invoicing --type OrderPlaced --reason "price list" --show-body
   outboxctl dlq list invoicing --limit 1000 -o json`,
@@ -160,8 +175,12 @@ func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f 
 	if !showHeaders && !showBody {
 		return printDeadLetters(c.out, shown)
 	}
+	body := noBody
+	if showBody {
+		body = maxBodyShown
+	}
 	for _, d := range shown {
-		printDeadLetter(c.out, d, showHeaders, showBody)
+		printDeadLetter(c.out, d, showHeaders, body)
 	}
 	return nil
 }
@@ -206,19 +225,14 @@ than one would move it asks on a terminal first, holding them meanwhile, and wit
 refuses unless given --yes. A --limit that leaves messages behind may move those it looked at
 and kept back in the queue (see dlq list --help).
 
-Exit status 3: --id, --type or --reason match no message (of the first --limit).`,
+Exit status 3: --id, --type or --reason match no message (of the first --limit). Messages
+another client holds unacknowledged at that moment are not seen.`,
 		Example: `  outboxctl dlq redrive invoicing --dry-run
   outboxctl dlq redrive invoicing --reason "price list" --yes
   outboxctl dlq redrive notification --id 01a22da8-7b60-74ff-a842-0e78a2a15d84`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
-			f := dlqFilter{typ: typeFlag, reason: reason}
-			if idFlag != "" {
-				var err error
-				if f.id, err = parseID(idFlag); err != nil {
-					return err
-				}
-			}
+			f := dlqFilter{id: idFlag, typ: typeFlag, reason: reason}
 			if limit < 0 {
 				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
 			}
@@ -324,31 +338,34 @@ func dlqScope(dlq string, limit int) string {
 
 func (c *cli) dlqDropCommand() *cobra.Command {
 	var amqpFlag, idFlag string
-	var dryRun, yes bool
+	var withoutID, dryRun, yes bool
 	cmd := &cobra.Command{
-		Use:   "drop QUEUE --id UUID",
+		Use:   "drop QUEUE --id ID",
 		Short: "remove one message from QUEUE.dlq for good",
 		Long: `drop removes the message with --id from QUEUE's dead-letter queue, for good, and leaves the
 others there in their order: for a message no consumer must ever handle (a producer's bug),
-where rabbitmqctl purge_queue would drop them all. The output shows the message with its
-headers and body, as the last record of it. If two copies share the id, the first goes. It
-takes the whole queue unacknowledged meanwhile, as a listing of it all does, so that the others
-keep their order. It asks on a terminal first, and without one refuses unless given --yes.
+where rabbitmqctl purge_queue would drop them all. A UUID matches however it is written; an
+id that is not one (a message dead-lettered for that) matches as written, and --without-id
+picks a message that has none. The output shows the message with its headers and whole body,
+as the last record of it. If two copies share the id, the first goes. It takes the whole queue
+unacknowledged meanwhile, as a listing of it all does, so that the others keep their order. It
+asks on a terminal first, and without one refuses unless given --yes.
 
-Exit status 3: no message in QUEUE.dlq has the id.`,
+Exit status 3: no message in QUEUE.dlq has the id (messages another client holds
+unacknowledged at that moment are not seen).`,
 		Example: `  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --dry-run
-  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --yes -o json > dropped.json`,
+  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --yes -o json > dropped.json
+  outboxctl dlq drop invoicing --without-id --dry-run`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
-			id, err := parseID(idFlag)
-			if err != nil {
-				return err
-			}
-			return c.dlqDrop(ctx, amqpFlag, args[0], dlqFilter{id: id}, dryRun, yes)
+			return c.dlqDrop(ctx, amqpFlag, args[0], dlqFilter{id: idFlag, withoutID: withoutID}, dryRun, yes)
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
-	idFlagFor(cmd, &idFlag, "the message to drop")
+	cmd.Flags().StringVar(&idFlag, "id", "", "the message to drop")
+	cmd.Flags().BoolVar(&withoutID, "without-id", false, "drop the first message that has no message id")
+	cmd.MarkFlagsOneRequired("id", "without-id")
+	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before dropping")
 	return cmd
@@ -369,9 +386,9 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, f dlqFilter, 
 			return errDryRun
 		}
 		if !yes && c.interactive {
-			printDeadLetter(c.err, found, true, true)
+			printDeadLetter(c.err, found, true, wholeBody)
 		}
-		return c.confirm(ctx, yes, fmt.Sprintf("drop message %s from %s for good", f.id, dlq))
+		return c.confirm(ctx, yes, fmt.Sprintf("drop the message %s from %s for good", f, dlq))
 	}})
 	switch {
 	case errors.Is(err, errDryRun):
@@ -394,7 +411,7 @@ func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, dryRun boo
 	} else {
 		fmt.Fprintf(c.out, "dropped from %s, for good:\n", dlq)
 	}
-	printDeadLetter(c.out, d, true, true)
+	printDeadLetter(c.out, d, true, wholeBody)
 	return nil
 }
 

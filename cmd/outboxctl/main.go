@@ -45,6 +45,7 @@ import (
 
 	"github.com/mattn/go-isatty"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
@@ -217,7 +218,10 @@ before or after QUEUE. No URL it prints shows a password.`,
 			}
 			return usageError{fmt.Sprintf("unknown command %q", args[0])}
 		},
-		PersistentPreRunE: func(*cobra.Command, []string) error {
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			if err := noEmptyFlags(cmd); err != nil {
+				return err
+			}
 			if format != "table" && format != "json" {
 				return usageError{fmt.Sprintf("-o %q: want table or json", printable(format, 32))}
 			}
@@ -235,6 +239,22 @@ before or after QUEUE. No URL it prints shows a password.`,
 	c := &cli{streams: s, format: &format}
 	root.AddCommand(c.statusCommand(), c.retryCommand(), c.outboxCommand(), c.inboxCommand(), c.dlqCommand(), c.versionCommand())
 	return root
+}
+
+// noEmptyFlags refuses a flag given with an empty value. Left out, a filter picks everything
+// and a URL comes from its variable; given empty, as a script's unset variable gives it, it
+// must not do the same: --id "$ID" would turn a one-message action into one on all.
+func noEmptyFlags(cmd *cobra.Command) error {
+	var empty []string
+	cmd.Flags().Visit(func(f *pflag.Flag) {
+		if f.Value.Type() == "string" && f.Value.String() == "" {
+			empty = append(empty, "--"+f.Name)
+		}
+	})
+	if len(empty) > 0 {
+		return usageError{fmt.Sprintf("%s given an empty value: leave it out, or give it one", strings.Join(empty, ", "))}
+	}
+	return nil
 }
 
 // cli is what every command shares: the streams and the output format.
@@ -294,7 +314,7 @@ func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
 	select {
 	case <-ctx.Done():
 		fmt.Fprintln(c.err)
-		return ctx.Err()
+		return fmt.Errorf("%w: %s: interrupted", errNotConfirmed, question)
 	case line := <-answer:
 		if a := strings.ToLower(strings.TrimSpace(line)); a == "y" || a == "yes" {
 			return nil

@@ -152,7 +152,10 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"outbox", "park", "--db", db},
 		{"outbox", "drop", "--id", "42", "--db", db},
 		{"inbox", "show", "--db", db},
-		{"dlq", "redrive", "invoicing", "--id", "42", "--amqp", amqpURL},
+		{"dlq", "redrive", "invoicing", "--id", "", "--amqp", amqpURL},
+		{"dlq", "redrive", "invoicing", "--type", "", "--yes", "--amqp", amqpURL},
+		{"retry", "--id", "", "--yes", "--db", db},
+		{"dlq", "drop", "invoicing", "--id", "x", "--without-id", "--amqp", amqpURL},
 		{"dlq", "redrive", "invoicing", "--id", id, "--reason", "x", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
@@ -189,7 +192,7 @@ func TestHelpOfEachCommand(t *testing.T) {
 		{[]string{"inbox", "show", "--help"}, []string{"outboxctl inbox show --id UUID [flags]", "--consumer string", "status 3"}},
 		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default 100)"}},
 		{[]string{"dlq", "redrive", "invoicing", "--help"}, []string{"outboxctl dlq redrive QUEUE [flags]", "--reason string", "--dry-run"}},
-		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE --id UUID [flags]", "purge_queue"}},
+		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE --id ID [flags]", "purge_queue"}},
 		{[]string{"version", "--help"}, []string{"outboxctl version [flags]", "-buildvcs"}},
 	} {
 		out := ok(t, tc.args...)

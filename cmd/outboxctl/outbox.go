@@ -444,7 +444,7 @@ func (c *cli) printRowResult(row messaging.OutboxMessage, dryRun bool, sentence 
 	}
 	fmt.Fprintln(c.out, sentence)
 	if row.Payload != nil {
-		fmt.Fprintf(c.out, "payload: %s\n", printable(string(row.Payload), 1<<20))
+		fmt.Fprintf(c.out, "payload: %s\n", showBody(row.Payload, wholeBody))
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -196,46 +197,50 @@ func printDeadLetters(w io.Writer, ds []messaging.DeadLetter) error {
 	return tw.Flush()
 }
 
-// maxBodyShown bounds a body in a table; -o json shows it whole.
-const maxBodyShown = 4096
+// How much of a body printDeadLetter shows: none, the first maxBodyShown bytes (a listing; -o
+// json shows it whole), or all of it (the last record of a message dropped).
+const (
+	noBody       = 0
+	maxBodyShown = 4096
+	wholeBody    = -1
+)
 
 // printDeadLetter prints one message in full, as a block: what the table shows, then its
-// headers and body if asked for.
-func printDeadLetter(w io.Writer, d messaging.DeadLetter, headers, body bool) {
+// headers if asked for, and as much of its body as bodyShown says.
+func printDeadLetter(w io.Writer, d messaging.DeadLetter, headers bool, bodyShown int) {
 	fmt.Fprintf(w, "message %s\n", printable(d.MessageID, 64))
 	fmt.Fprintf(w, "  type:              %s\n", printable(d.Type, 64))
 	fmt.Fprintf(w, "  dead-lettered at:  %s\n", when(d.DeadLetteredAt))
 	fmt.Fprintf(w, "  reason:            %s\n", printable(d.Reason, 2000))
 	if headers {
 		fmt.Fprintln(w, "  headers:")
+		valueLimit := 2000
+		if bodyShown == wholeBody {
+			valueLimit = math.MaxInt
+		}
 		for _, k := range slices.Sorted(maps.Keys(d.Headers)) {
-			fmt.Fprintf(w, "    %s: %s\n", printable(k, 100), printable(fmt.Sprint(d.Headers[k]), 2000))
+			fmt.Fprintf(w, "    %s: %s\n", printable(k, 100), printable(fmt.Sprint(d.Headers[k]), valueLimit))
 		}
 	}
-	if body {
+	if bodyShown != noBody {
 		fmt.Fprintf(w, "  body (%s, %d bytes):\n", printable(d.ContentType, 100), len(d.Body))
-		fmt.Fprintln(w, indent(showBody(d.Body), "    "))
+		fmt.Fprintln(w, indent(showBody(d.Body, bodyShown), "    "))
 	}
 }
 
-// showBody is a body made safe for a terminal: UTF-8 text with its line breaks and tabs and no
-// other control characters, anything else in base64; cut at maxBodyShown bytes.
-func showBody(b []byte) string {
+// showBody is a body as it is, if it is UTF-8 text with no control characters but line breaks
+// and tabs (which a terminal would act on), or else in base64: either way exact. A limit above
+// 0 cuts it there.
+func showBody(b []byte, limit int) string {
 	s, prefix := string(b), ""
-	if !utf8.Valid(b) {
+	if !utf8.Valid(b) || strings.ContainsFunc(s, func(r rune) bool { return r != '\n' && r != '\t' && unicode.IsControl(r) }) {
 		s, prefix = base64.StdEncoding.EncodeToString(b), "base64: "
 	}
-	cut := ""
-	if len(s) > maxBodyShown {
-		shown := strings.ToValidUTF8(s[:maxBodyShown], "")
-		s, cut = shown, fmt.Sprintf("\n… %d more bytes (-o json shows them all)", len(s)-len(shown))
+	if limit > 0 && len(s) > limit {
+		shown := strings.ToValidUTF8(s[:limit], "")
+		return prefix + shown + fmt.Sprintf("\n… %d more bytes (-o json shows them all)", len(s)-len(shown))
 	}
-	return prefix + strings.Map(func(r rune) rune {
-		if r == '\n' || r == '\t' || !unicode.IsControl(r) {
-			return r
-		}
-		return '?'
-	}, s) + cut
+	return prefix + s
 }
 
 // indent puts prefix before every line of s.
