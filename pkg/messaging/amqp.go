@@ -208,9 +208,10 @@ func truncate(s string) string {
 // client), logs why the connection closed or was blocked, and keeps the blocked state: a
 // blocked connection takes no messages until the broker's resource alarm clears.
 type connWatch struct {
-	mu      sync.Mutex
-	reason  string        // why the broker blocked the connection; "" while it does not
-	blocked chan struct{} // closed while the connection is blocked
+	mu          sync.Mutex
+	reason      string        // why the broker blocked the connection; "" while it does not
+	blocked     chan struct{} // closed while the connection is blocked
+	unblockedAt time.Time     // when the broker last unblocked it
 }
 
 func watchConnection(conn *amqp.Connection, log *slog.Logger) *connWatch {
@@ -248,7 +249,15 @@ func (w *connWatch) set(b amqp.Blocking) {
 	case !b.Active && w.reason != "":
 		w.reason = ""
 		w.blocked = make(chan struct{})
+		w.unblockedAt = time.Now()
 	}
+}
+
+// state says whether the connection is blocked now, and when it was last unblocked.
+func (w *connWatch) state() (blocked bool, unblockedAt time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.reason != "", w.unblockedAt
 }
 
 // blockedC is closed once the connection is blocked.

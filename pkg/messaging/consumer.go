@@ -118,6 +118,7 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	defer stopConsuming()
 	workCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
 	defer cancel()
+	closeDeadLettersWithSession(ctx, session, workCtx, over, c.deadLetters)
 
 	c.workers(session, workCtx, links)
 	if ctx.Err() != nil {
@@ -129,6 +130,27 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
 	// again.
 	return true, errors.New("delivery stream ended")
+}
+
+// closeDeadLettersWithSession closes the session's dead-letter connection once the session is
+// lost, or once a shutdown's grace is over: a copy waiting on a broker that blocked that
+// connection must not keep the session from ending, nor the process from stopping.
+func closeDeadLettersWithSession(ctx, session, workCtx context.Context, over <-chan struct{}, dl *deadLetterPublisher) {
+	go func() {
+		select {
+		case <-session.Done():
+		case <-over:
+			return
+		}
+		if ctx.Err() != nil { // a shutdown: the workers have their grace
+			select {
+			case <-workCtx.Done():
+			case <-over:
+				return
+			}
+		}
+		dl.close()
+	}()
 }
 
 // consumerLink is one worker's channel: a consumer of the queue of its own, with its own

@@ -85,17 +85,28 @@ type deadLetterPublisher struct {
 	// mu makes it one copy at a time: dead letters are rare, and with one publish in flight a
 	// basic.return on the channel can only be that publish's.
 	mu      sync.Mutex
-	conn    *amqp.Connection
 	watch   *connWatch
 	ch      *amqp.Channel
 	returns chan amqp.Return
+
+	// connMu guards conn and over, and is never held across a call to the broker: close must
+	// get through while a publish waits on a blocked one.
+	connMu sync.Mutex
+	conn   *amqp.Connection
+	over   bool // closed for good: no connection is dialled again
 }
+
+// errDeadLettersClosed means the session's dead-letter connection was closed for good.
+var errDeadLettersClosed = errors.New("dead-letter connection closed with its session")
 
 // publish sends the copy of d through the default exchange to the dead-letter queue, mandatory,
 // and returns nil only once the broker confirmed it and routed it to that queue.
 func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reason error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	if err := p.open(); err != nil {
 		return err
 	}
@@ -111,14 +122,11 @@ func (p *deadLetterPublisher) open() error {
 	if p.ch != nil && !p.ch.IsClosed() {
 		return nil
 	}
-	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := p.dial()
-		if err != nil {
-			return fmt.Errorf("connect for dead letters: %w", err)
-		}
-		p.conn, p.watch = conn, watchConnection(conn, p.log)
+	conn, err := p.connection()
+	if err != nil {
+		return err
 	}
-	ch, err := p.conn.Channel()
+	ch, err := conn.Channel()
 	if err != nil {
 		return fmt.Errorf("open dead-letter channel: %w", err)
 	}
@@ -128,6 +136,31 @@ func (p *deadLetterPublisher) open() error {
 	}
 	p.ch, p.returns = ch, ch.NotifyReturn(make(chan amqp.Return, 1))
 	return nil
+}
+
+// connection returns the open connection, dialling one if there is none.
+func (p *deadLetterPublisher) connection() (*amqp.Connection, error) {
+	p.connMu.Lock()
+	conn, over := p.conn, p.over
+	p.connMu.Unlock()
+	switch {
+	case over:
+		return nil, errDeadLettersClosed
+	case conn != nil && !conn.IsClosed():
+		return conn, nil
+	}
+	conn, err := p.dial()
+	if err != nil {
+		return nil, fmt.Errorf("connect for dead letters: %w", err)
+	}
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
+	if p.over {
+		_ = conn.CloseDeadline(time.Now().Add(time.Second))
+		return nil, errDeadLettersClosed
+	}
+	p.conn, p.watch = conn, watchConnection(conn, p.log)
+	return conn, nil
 }
 
 func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) error {
@@ -153,8 +186,9 @@ func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) 
 }
 
 // wait waits for the confirm of dc up to deadLetterTimeout, and on for as long as an alarm
-// blocks the connection: the broker reads the copy once the alarm clears, and publishing it
-// again meanwhile would only queue a second copy behind it.
+// blocks the connection, and deadLetterTimeout beyond its end: the broker reads the copy once
+// the alarm clears, and publishing it again meanwhile would only queue a second copy behind
+// it. Closing the connection (close) ends the wait.
 func (p *deadLetterPublisher) wait(ctx context.Context, dc *amqp.DeferredConfirmation) (acked bool, err error) {
 	timeout := time.NewTimer(deadLetterTimeout)
 	defer timeout.Stop()
@@ -165,12 +199,23 @@ func (p *deadLetterPublisher) wait(ctx context.Context, dc *amqp.DeferredConfirm
 		case <-ctx.Done():
 			return false, ctx.Err()
 		case <-timeout.C:
-			if p.watch.blockedErr() == nil {
+			blocked, unblockedAt := p.watch.state()
+			more := confirmWait(blocked, unblockedAt, time.Now())
+			if more <= 0 {
 				return false, fmt.Errorf("none within %s", deadLetterTimeout)
 			}
-			timeout.Reset(deadLetterTimeout)
+			timeout.Reset(more)
 		}
 	}
+}
+
+// confirmWait is how much longer a copy's confirm is waited for, at a timeout of the wait: on
+// while the connection is blocked, and until deadLetterTimeout after it was unblocked.
+func confirmWait(blocked bool, unblockedAt, now time.Time) time.Duration {
+	if blocked {
+		return deadLetterTimeout
+	}
+	return deadLetterTimeout - now.Sub(unblockedAt)
 }
 
 // discard drops the channel; it is closed in the background, since closing waits for the
@@ -182,12 +227,14 @@ func (p *deadLetterPublisher) discard() {
 	}
 }
 
-// close closes the connection, if one was dialled, once no worker publishes any more.
+// close closes the connection for good, if one was dialled: a publish that waits on it, even on
+// a blocked broker, whose calls have no deadline of their own, fails then.
 func (p *deadLetterPublisher) close() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.conn != nil {
-		_ = p.conn.CloseDeadline(time.Now().Add(time.Second))
-		p.conn, p.ch = nil, nil
+	p.connMu.Lock()
+	conn := p.conn
+	p.over, p.conn = true, nil
+	p.connMu.Unlock()
+	if conn != nil {
+		_ = conn.CloseDeadline(time.Now().Add(time.Second))
 	}
 }

@@ -225,3 +225,71 @@ func TestServerRestartMemoryAlarmLeavesTheConsumerAcknowledging(t *testing.T) {
 		t.Fatalf("%d rows of work for %d distinct messages, want %d once each", b.workDone(t), n, healthy)
 	}
 }
+
+// A dead-letter copy that an alarm holds holds neither the consumer's reconnection nor its
+// shutdown: the session's dead-letter connection is closed when the session is lost, or when
+// a shutdown's grace is over. The poison message is not lost; the copies the broker reads once
+// the alarm clears are all of it (a session that ends with its copy unread leaves one more).
+func TestServerRestartMemoryAlarmHoldsNeitherReconnectionNorShutdown(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	b.createWorkTable(t)
+	// Two, in one worker's hands: after the first copy is given up on at the end of the grace,
+	// the second must not begin on the blocked connection.
+	poison := map[string]bool{uuid.NewString(): true, uuid.NewString(): true}
+	for id := range poison {
+		b.publishRaw(t, amqp.Publishing{MessageId: id, ContentType: "application/json", Body: []byte("<xml/>")})
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 2 }, "messages not queued")
+
+	clearAlarm := raiseMemoryAlarm(t)
+	const grace = 2 * time.Second
+	stop := b.startConsumer(t, workFunc, func(cfg *messaging.SubscriptionConfig) {
+		cfg.Concurrency, cfg.Prefetch, cfg.ShutdownGrace = 1, 2, grace
+		cfg.Reconnect = messaging.Backoff{Base: 100 * time.Millisecond, Max: time.Second}
+	})
+	blocked := func(times int) func() bool {
+		return func() bool {
+			return len(b.logs.Lines("rabbitmq blocked the connection", `connection="dead letters"`)) >= times
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, blocked(1), "the dead-letter publish did not meet the alarm")
+
+	if n := testenv.CloseConnectionsNamed(t, b.queue); n != 1 {
+		t.Fatalf("closed %d connections named %q, want the consumer's one", n, b.queue)
+	}
+	testenv.Eventually(t, 15*time.Second, func() bool { return len(b.logs.Lines("consumer started")) == 2 },
+		"the consumer did not reconnect during the alarm")
+	testenv.Eventually(t, 10*time.Second, blocked(2), "the next session's dead-letter publish did not meet the alarm")
+
+	began := time.Now()
+	if err := stop(); err != nil {
+		t.Fatalf("Run returned %v", err)
+	}
+	if took := time.Since(began); took > grace+3*time.Second {
+		t.Fatalf("the consumer stopped %s after the shutdown began, with a grace of %s", took.Round(time.Millisecond), grace)
+	}
+
+	clearAlarm()
+	stop = b.startConsumer(t, workFunc, func(cfg *messaging.SubscriptionConfig) {})
+	dlq := messaging.DeadLetterQueue(b.queue)
+	testenv.Eventually(t, 30*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) >= 2 }, "poison messages not dead-lettered after the alarm")
+	if err := stop(); err != nil {
+		t.Fatalf("Run returned %v", err)
+	}
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("queue still holds %d after the consumer stopped", n)
+	}
+	copies := deadLetters(t, b.ch, b.queue)
+	seen := map[string]bool{}
+	for _, d := range copies {
+		if !poison[d.MessageId] {
+			t.Fatalf("dead-letter queue holds message %q, want only copies of the poison messages", d.MessageId)
+		}
+		seen[d.MessageId] = true
+	}
+	if len(seen) != len(poison) {
+		t.Fatalf("dead-letter queue holds copies of %d poison messages, want %d", len(seen), len(poison))
+	}
+	t.Logf("%d copies of the 2 poison messages in the dead-letter queue after two sessions ended during the alarm", len(copies))
+}
