@@ -178,6 +178,10 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
 			sleep(ctx, nil, jittered(r.cfg.PollInterval))
+		case res.Claimed == 0 && r.isBrokerDown():
+			// An empty claim never reached the broker: look for it, so that its return is
+			// known (and outbox_relay_broker_up says so) before the next row.
+			r.awaitBroker(ctx)
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)

@@ -195,3 +195,24 @@ end.`, queue))
 		t.Fatalf("no channel consumes %s: %s", queue, out)
 	}
 }
+
+// A relay that starts while the broker is away reports it down, and reports it back as soon as
+// it is, with no row to send: BrokerUnavailable reads that gauge, and must not keep firing
+// until the next event, which may be a quiet night away.
+func TestRelayStartedInAnOutageSeesTheBrokerBackWithoutARow(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	proxy.Stop()
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen)), nil).Run)
+	gauge := `outbox_relay_broker_up{exchange="` + b.exchange + `"}`
+	testenv.Eventually(t, 10*time.Second, func() bool { return hasMetric(t, b.registry, gauge+" 0") }, "the relay did not report the broker down")
+	must(t, proxy.Start())
+	// The gauge is set before the line is logged: both are polled.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return hasMetric(t, b.registry, gauge+" 1") && len(b.logs.Lines("broker available again; relay resumed")) > 0
+	}, "the broker is back, and the relay, with no row to send, still reports it down")
+	if lines := b.logs.Lines("broker available again; relay resumed"); len(lines) != 1 {
+		t.Fatalf("want one line for the end of the outage, got %q", lines)
+	}
+}
