@@ -154,11 +154,17 @@ func TestAlertRules(t *testing.T) {
 	}
 }
 
-// rabbitmqMetrics are the series of the rabbitmq_prometheus plugin's
-// /metrics/detailed?family=queue_coarse_metrics endpoint, each labelled vhost and queue.
+// rabbitmqMetrics are the series of the rabbitmq_prometheus plugin that the rules read: those
+// of /metrics/detailed?family=queue_coarse_metrics,queue_consumer_count, each labelled vhost
+// and queue, and the alarms of its aggregated /metrics (on RabbitMQ 3.10 and 4.x alike).
 var rabbitmqMetrics = []string{
 	"rabbitmq_detailed_queue_messages", "rabbitmq_detailed_queue_messages_ready", "rabbitmq_detailed_queue_messages_unacked",
+	"rabbitmq_detailed_queue_consumers", "rabbitmq_alarms_memory_used_watermark", "rabbitmq_alarms_free_disk_space_watermark",
 }
+
+// processMetrics are the series of the process collector, which every service registers
+// (internal/platform) and RabbitMQ and Prometheus export too.
+var processMetrics = []string{"process_start_time_seconds"}
 
 // knownMetrics returns every series name the services can export, read from the collectors
 // their code declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec] with Opts{Name:
@@ -207,7 +213,7 @@ func knownMetrics(t *testing.T) map[string]bool {
 	if declared < 9 || !known["outbox_oldest_pending_age_seconds"] || !known["consumer_messages_total"] {
 		t.Fatalf("found %d metric declarations (%v); has the way collectors are declared changed?", declared, known)
 	}
-	for _, name := range rabbitmqMetrics {
+	for _, name := range append(rabbitmqMetrics, processMetrics...) {
 		known[name] = true
 	}
 	return known

@@ -250,7 +250,7 @@ func TestPrometheusConfig(t *testing.T) {
 	}
 	want := map[string]string{
 		"rabbitmq":        "/metrics? rabbitmq:15692",
-		"rabbitmq-queues": "/metrics/detailed?queue_coarse_metrics rabbitmq:15692",
+		"rabbitmq-queues": "/metrics/detailed?queue_coarse_metrics,queue_consumer_count rabbitmq:15692",
 	}
 	for _, a := range apps {
 		// The job is named after the service: the alerts and the dashboard say job="order".

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -117,8 +118,9 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	return traffic
 }
 
-// killConsumers SIGKILLs both consumers while traffic goes on: ServiceDown fires for each.
-// They stay down while 400 more orders fill their queues, and the traffic stops.
+// killConsumers SIGKILLs both consumers while traffic goes on: ServiceDown fires for each, and
+// QueueWithoutConsumers for each of their queues. They stay down while 400 more orders fill
+// their queues, and the traffic stops. down holds each alert's episode, by what it names.
 func (r *faultRun) killConsumers(t *testing.T, traffic *systest.Traffic) (killed time.Time, down map[string]*episode) {
 	t.Helper()
 	killed = time.Now()
@@ -126,8 +128,14 @@ func (r *faultRun) killConsumers(t *testing.T, traffic *systest.Traffic) (killed
 	r.s.Notification.Kill(t)
 	down = map[string]*episode{}
 	for _, job := range []string{"invoicing", "notification"} {
-		down[job] = r.watch.firing(t, 30*time.Second, killed, "ServiceDown", map[string]string{"job": job})
-		r.note("ServiceDown{job=%s}: fired %s after the SIGKILL", job, since(killed, down[job].Fired))
+		name := "ServiceDown{job=" + job + "}"
+		down[name] = r.watch.firing(t, 30*time.Second, killed, "ServiceDown", map[string]string{"job": job})
+		r.note("%s: fired %s after the SIGKILL", name, since(killed, down[name].Fired))
+	}
+	for _, queue := range []string{"invoicing", "notification"} {
+		name := "QueueWithoutConsumers{queue=" + queue + "}"
+		down[name] = r.watch.firing(t, 60*time.Second, killed, "QueueWithoutConsumers", map[string]string{"queue": queue})
+		r.note("%s: fired %s after the SIGKILL", name, since(killed, down[name].Fired))
 	}
 	traffic.WaitFor(t, 400)
 	if _, _, serverErrors := traffic.Stop(t); serverErrors != 0 {
@@ -193,8 +201,8 @@ func (r *faultRun) restartConsumers(t *testing.T, killed, lastOrder time.Time, d
 		c.SetEnv("CONSUMER_CONCURRENCY=1", "CONSUMER_BATCH_SIZE=1", "CONSUMER_PREFETCH=1")
 		c.Start(t)
 	}
-	for _, job := range []string{"invoicing", "notification"} {
-		r.note("ServiceDown{job=%s}: resolved %s after the restart", job, since(restarted, r.watch.resolved(t, 30*time.Second, down[job])))
+	for _, name := range slices.Sorted(maps.Keys(down)) {
+		r.note("%s: resolved %s after the restart", name, since(restarted, r.watch.resolved(t, 30*time.Second, down[name])))
 	}
 	var aged *episode
 	var drained time.Duration
