@@ -395,7 +395,13 @@ func TestAdmissionHoldsTheLatencyTarget(t *testing.T) {
 		}
 	}
 
-	// One request at a time, each well within the target: the places come back.
+	// One request at a time, each well within the target: the places come back. The target is
+	// raised for this part: what it judges is the coming back, and a lone 5 ms request under
+	// -race, on cores busy with other packages' tests, took over 25 ms at times in CI (one such
+	// window cuts the places to one again, since only one was at work).
+	a.mu.Lock()
+	a.target = 10 * target
+	a.mu.Unlock()
 	srv, client := oneAtATime(a)
 	defer srv.Close()
 	testenv.Eventually(t, 30*time.Second, func() bool {
