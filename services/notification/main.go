@@ -60,6 +60,9 @@ func run(ctx context.Context, env *platform.Env) error {
 		deliverer = mailer
 	}
 	send := newSender(base.Work, deliverer, concurrency, maxBackoff, log)
+	if err := send.registerMetrics(base.Registry); err != nil {
+		return err
+	}
 
 	sub, err := base.Subscription(log, Consumer, common.AMQPURL, events.Topology, settings)
 	if err != nil {

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
@@ -360,9 +362,22 @@ VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?)`, uuid.Ne
 	}
 }
 
+// While the mail server is away each attempt fails, is recorded with its error and counted in
+// notification_deliveries_total (what the alert reads); once it is back the e-mail goes out
+// once.
 func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	reg := prometheus.NewRegistry()
+	if err := b.send.registerMetrics(reg); err != nil {
+		t.Fatal(err)
+	}
+	deliveries := func(outcome string) float64 {
+		return testutil.ToFloat64(b.send.outcomes.WithLabelValues(outcome))
+	}
+	if n, err := testutil.GatherAndCount(reg, "notification_deliveries_total"); err != nil || n != 2 {
+		t.Fatalf("notification_deliveries_total has %d series before any delivery (%v), want both outcomes at zero", n, err)
+	}
 	b.run(t) // the mail server is not running yet
 	msg := orderPlaced(t, uuid.New(), "ann@example.org")
 	b.deliver(t, msg)
@@ -372,6 +387,9 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'pending' AND attempts >= 2 AND last_error LIKE '%smtp%'") == 1 &&
 			len(b.logs.Lines("notification delivery failed", "attempts=")) >= 2
 	}, "no two failed attempts recorded and logged while the mail server was down")
+	if failed, sent := deliveries(deliveryFailed), deliveries(deliverySent); failed < 2 || sent != 0 {
+		t.Fatalf("counted %v failed and %v sent deliveries while the mail server was down, want 2 or more and 0", failed, sent)
+	}
 
 	b.smtp.Start()
 	testenv.Eventually(t, 15*time.Second, func() bool {
@@ -380,6 +398,8 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	if mails := b.smtp.Mail(); len(mails) != 1 || mails[0].To != "ann@example.org" {
 		t.Fatalf("mails = %+v, want exactly one to ann@example.org", mails)
 	}
+	// Counted just after it is recorded sent: polled.
+	testenv.Eventually(t, 5*time.Second, func() bool { return deliveries(deliverySent) == 1 }, "the delivery was not counted as sent")
 }
 
 func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {

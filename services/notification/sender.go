@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -129,6 +130,39 @@ type sender struct {
 	wake   chan struct{}
 	tracer trace.Tracer
 	line   line
+	// outcomes counts the deliveries tried, by outcome (see registerMetrics); nil counts none.
+	outcomes *prometheus.CounterVec
+}
+
+// Delivery outcomes, as notification_deliveries_total labels them.
+const (
+	deliverySent   = "sent"
+	deliveryFailed = "failed"
+)
+
+// registerMetrics exports notification_deliveries_total on reg, each outcome at zero from the
+// start so that increase() sees the first: the mail server's failures show there, where the
+// consumer's metrics, which count the notifications recorded, look healthy.
+func (s *sender) registerMetrics(reg prometheus.Registerer) error {
+	v := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "notification_deliveries_total",
+		Help: "E-mails the sender tried to deliver, by outcome: sent, or failed (to be tried again after a backoff).",
+	}, []string{"outcome"})
+	for _, o := range []string{deliverySent, deliveryFailed} {
+		v.WithLabelValues(o)
+	}
+	if err := reg.Register(v); err != nil {
+		return fmt.Errorf("register notification_deliveries_total: %w", err)
+	}
+	s.outcomes = v
+	return nil
+}
+
+// count counts one delivery's recorded outcome.
+func (s *sender) count(outcome string) {
+	if s.outcomes != nil {
+		s.outcomes.WithLabelValues(outcome).Inc()
+	}
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
@@ -325,8 +359,10 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	case !changed:
 		s.log.WarnContext(ctx, "lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
 	case failure != nil:
+		s.count(deliveryFailed)
 		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", row.Attempts+1, "retry_in", o.retryIn, "error", failure)
 	default:
+		s.count(deliverySent)
 		s.log.InfoContext(ctx, "notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	}
 	return failure == nil, nil
