@@ -178,9 +178,10 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
 			sleep(ctx, nil, jittered(r.cfg.PollInterval))
-		case res.Claimed == 0 && r.isBrokerDown():
+		case res.Claimed == 0 && r.isBrokerDown() && r.canProbe():
 			// An empty claim never reached the broker: look for it, so that its return is
-			// known (and outbox_relay_broker_up says so) before the next row.
+			// known (and outbox_relay_broker_up says so) before the next row. A Sender that
+			// cannot be probed learns it from the next row's publish.
 			r.awaitBroker(ctx)
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
@@ -476,6 +477,12 @@ func (r *Relay) isBrokerDown() bool {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
 	return !r.outage.since.IsZero()
+}
+
+// canProbe reports whether the Sender can be asked for the broker without a message.
+func (r *Relay) canProbe() bool {
+	_, ok := r.cfg.Sender.(brokerProbe)
+	return ok
 }
 
 // awaitBroker returns once the broker looks available again, or ctx ends. Without a probe on

@@ -216,3 +216,42 @@ func TestRelayStartedInAnOutageSeesTheBrokerBackWithoutARow(t *testing.T) {
 		t.Fatalf("want one line for the end of the outage, got %q", lines)
 	}
 }
+
+// countingDB counts the transactions begun on a DB.
+type countingDB struct {
+	messaging.DB
+	begun atomic.Int64
+}
+
+func (d *countingDB) Begin(ctx context.Context) (messaging.TxExecutor, error) {
+	d.begun.Add(1)
+	return d.DB.Begin(ctx)
+}
+
+// A Sender that cannot be probed for the broker: its relay learns the broker is back from the
+// next row's publish, and meanwhile, with nothing to send, claims at its poll's pace, not at
+// the broker retry's.
+func TestRelayWithoutAProbeIdlesAtItsPollAfterAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	unprobed := struct{ messaging.Sender }{b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen))}
+	db := &countingDB{DB: b.drv.DB()}
+	const poll = time.Second
+	run(t, b.relay(t, unprobed, func(c *messaging.RelayConfig) { c.DB, c.Lanes, c.PollInterval = db, 1, poll }).Run)
+	proxy.Stop()
+	b.enqueue(t, 1)
+	gauge := `outbox_relay_broker_up{exchange="` + b.exchange + `"}`
+	testenv.Eventually(t, 10*time.Second, func() bool { return hasMetric(t, b.registry, gauge+" 0") }, "the relay did not report the broker down")
+	must(t, b.db.DB.Exec("DELETE FROM outbox_messages").Error) // the row went another way
+	must(t, proxy.Start())
+
+	before, began := db.begun.Load(), time.Now()
+	for time.Since(began) < 3*poll { // a window of observation, not a wait for anything
+		time.Sleep(100 * time.Millisecond)
+	}
+	// A poll is jittered; the broker retry's pace would be about 30.
+	if n := db.begun.Load() - before; n > 3*2+2 {
+		t.Fatalf("%d transactions in %s with nothing to send, polling every %s", n, 3*poll, poll)
+	}
+}
