@@ -32,8 +32,8 @@ type job struct {
 }
 
 // work is what a subscription gives its consumer: decode checks a message and decodes its
-// payload (any error is the message's own, and dead-letters it); process does the work of
-// jobs in one transaction, all or nothing.
+// payload (any error is the message's own: see undecodable); process does the work of jobs in
+// one transaction, all or nothing.
 type work struct {
 	decode  func(msg Message) (payload any, err error)
 	process func(ctx context.Context, jobs []job) error
@@ -343,8 +343,8 @@ func (c *consumer) ackAll(workCtx context.Context, jobs []job) {
 }
 
 // decode is the one place a delivery becomes a job: its envelope (message id, JSON body) and
-// its payload, checked. An error is a reason to dead-letter it: it will never become
-// handleable, however often it is retried.
+// its payload, checked. An error is the message's own: no retry changes its bytes, though
+// another replica may have the handler this one lacks (see undecodable).
 func (c *consumer) decode(d amqp.Delivery) (job, error) {
 	j := job{d: d, msg: deliveryMessage(d)}
 	msg, err := fromDelivery(d, c.cfg.MaxBodyBytes)
@@ -361,16 +361,27 @@ func (c *consumer) decode(d amqp.Delivery) (job, error) {
 // undecodable says how to settle a delivery that did not decode: dead-lettered, since no retry
 // changes its bytes, unless only a handler for its type is missing here. In a rolling deploy
 // that adds an event, the replicas of the older version share the queue with the newer ones
-// that bound it: such a message goes back to the queue for one of them, and is dead-lettered
-// only at its last allowed delivery.
+// that bound it (or a producer's deploy bound it first): such a message goes back to the queue
+// for one of them, after a backoff, and is dead-lettered only at its last allowed delivery. A
+// queue that does not count deliveries (a redelivery without x-delivery-count: not a quorum
+// queue) would give it back for ever: there it is dead-lettered at its first redelivery.
 func (c *consumer) undecodable(d amqp.Delivery, err error) outcome {
 	if !errors.Is(err, errNoHandler) {
 		return deadLetter(err)
 	}
-	if deliveryCount(d)+1 >= c.cfg.DeliveryLimit {
+	_, counted := d.Headers[deliveryCountHeader]
+	switch {
+	case d.Redelivered && !counted:
+		return deadLetter(fmt.Errorf("redelivered by a queue that does not count deliveries: %w", err))
+	case c.onLastDelivery(d):
 		return deadLetter(fmt.Errorf("on each of %d deliveries: %w", c.cfg.DeliveryLimit, err))
 	}
 	return outcome{settle: settleElsewhere, reason: err}
+}
+
+// onLastDelivery reports whether d is the last delivery its queue allows.
+func (c *consumer) onLastDelivery(d amqp.Delivery) bool {
+	return deliveryCount(d)+1 >= c.cfg.DeliveryLimit
 }
 
 // process processes one job, retrying it in place, and says how to settle it: acked once its
@@ -403,7 +414,7 @@ func (c *consumer) process(session, workCtx context.Context, j job) outcome {
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
-				if deliveryCount(j.d)+1 >= c.cfg.DeliveryLimit {
+				if c.onLastDelivery(j.d) {
 					return deadLetter(fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
 				}
 				return rejected(err, failures)
@@ -463,15 +474,17 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		c.confirm(ctx, log, "ack", j.d.Ack(false), settledAcked)
 	case settleReject:
 		log.WarnContext(ctx, "handler failed; returning message to the queue", "error", o.reason, "attempts", o.attempts)
-		// basic.reject, not basic.nack: from RabbitMQ 4.3 on only a reject counts as a failed
-		// delivery, and without the count neither the queue's delivery limit nor the
-		// consumer's own check at its last delivery ever fires: it would come back forever.
-		c.confirm(ctx, log, "reject", j.d.Reject(true), settledRequeued)
+		c.requeue(ctx, log, j.d)
 	case settleElsewhere:
-		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason)
-		// A reject, counted: with no consumer of the queue that has a handler, the message
-		// reaches its last delivery and is dead-lettered then.
-		c.confirm(ctx, log, "reject", j.d.Reject(true), settledRequeued)
+		// Not at once: a replica that has the handler may have no room for it yet, or not be
+		// deployed yet. Its deliveries then span about a minute (RetryBackoff's defaults).
+		delay := c.cfg.RetryBackoff.Delay(deliveryCount(j.d) + 1)
+		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason, "retry_in", delay)
+		if !sleep(session, nil, delay) {
+			c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
+			return
+		}
+		c.requeue(ctx, log, j.d)
 	case settleNack:
 		// Shutting down or disconnected: back to the queue untouched, for another consumer. A
 		// nack, which RabbitMQ 4.3 does not count against the message: it did not fail.
@@ -479,6 +492,14 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 	case settleDeadLetter:
 		c.deadLetter(ctx, session, workCtx, log, j.d, o.reason)
 	}
+}
+
+// requeue returns d to its queue as a failed delivery. basic.reject, not basic.nack: from
+// RabbitMQ 4.3 on only a reject counts, and without the count neither the queue's delivery
+// limit nor the consumer's own check at its last delivery ever fires: it would come back for
+// ever.
+func (c *consumer) requeue(ctx context.Context, log *slog.Logger, d amqp.Delivery) {
+	c.confirm(ctx, log, "reject", d.Reject(true), settledRequeued)
 }
 
 // confirm logs a failed ack, nack or reject, and counts a settled one as outcome (if any). A

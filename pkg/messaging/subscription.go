@@ -185,8 +185,9 @@ func (cfg SubscriptionConfig) withDefaults() SubscriptionConfig {
 // consumer's inbox_messages table in the same transaction as its handler's work, and
 // acknowledged only after that commits: a message that arrives again is recognised and skipped,
 // with one "duplicate" line in the log. Waiting messages share a transaction, up to BatchSize.
-// A message of a type without a handler, or whose payload does not decode or validate, is
-// dead-lettered with its reason.
+// A message whose payload does not decode or validate is dead-lettered with its reason; one of
+// a type without a handler goes back to the queue, for a replica that has one, and is
+// dead-lettered only at its last allowed delivery.
 type Subscription[Tx any] struct {
 	cfg SubscriptionConfig
 	// deliveryLimitSet: the configuration named a DeliveryLimit, rather than taking the default.

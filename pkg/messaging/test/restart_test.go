@@ -235,7 +235,8 @@ func TestServerRestartMemoryAlarmHoldsNeitherReconnectionNorShutdown(t *testing.
 	b := setup(t)
 	b.createWorkTable(t)
 	// Two, in one worker's hands: after the first copy is given up on at the end of the grace,
-	// the second must not begin on the blocked connection.
+	// the second must not hang on the blocked connection (either the context's end or the
+	// connection closed with the grace stops it; without both, Run does not return).
 	poison := map[string]bool{uuid.NewString(): true, uuid.NewString(): true}
 	for id := range poison {
 		b.publishRaw(t, amqp.Publishing{MessageId: id, ContentType: "application/json", Body: []byte("<xml/>")})

@@ -154,7 +154,10 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
-	s := b.subscription(t, nil)
+	// The backoff before each return of the unknown type, short: 19 of them.
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.RetryBackoff = messaging.Backoff{Base: time.Millisecond, Max: 5 * time.Millisecond}
+	})
 	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
 		return record(tx, msg)
 	}))
@@ -203,6 +206,20 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 	}
 }
 
+// olderAndNewer are two replicas of b's subscription, not started: the older handles Placed,
+// the newer Placed and Cancelled, the event its version adds.
+func (b *subscriptionBundle) olderAndNewer(t *testing.T) (older, newer *messaging.Subscription[*gorm.DB]) {
+	t.Helper()
+	older, newer = b.subscription(t, nil), b.subscription(t, nil)
+	work := func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error { return record(tx, msg) }
+	must(t, messaging.Handle(older, b.placed, work))
+	must(t, messaging.Handle(newer, b.placed, work))
+	must(t, messaging.Handle(newer, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	return older, newer
+}
+
 // In a rolling deploy that adds an event, the replicas of the older version share the queue
 // with the newer ones, which bound it to the new event's exchange. A message of the new type
 // that an older replica gets goes back to the queue, and a newer replica handles it: none is
@@ -210,13 +227,7 @@ func TestSubscriptionDeadLettersUnknownTypesAndInvalidPayloads(t *testing.T) {
 func TestSubscriptionLeavesATypeItHasNoHandlerForToAReplicaThatHas(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
-	older, newer := b.subscription(t, nil), b.subscription(t, nil)
-	work := func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error { return record(tx, msg) }
-	must(t, messaging.Handle(older, b.placed, work))
-	must(t, messaging.Handle(newer, b.placed, work))
-	must(t, messaging.Handle(newer, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
-		return record(tx, msg)
-	}))
+	older, newer := b.olderAndNewer(t)
 	for _, s := range []*messaging.Subscription[*gorm.DB]{older, newer} {
 		run(t, s.Run)
 		testenv.Eventually(t, 10*time.Second, s.Ready, "subscription not ready")
@@ -241,6 +252,35 @@ func TestSubscriptionLeavesATypeItHasNoHandlerForToAReplicaThatHas(t *testing.T)
 	// Both replicas consume in turn: the older one got some of the new type, and gave them back.
 	if n := len(b.logs.Lines("no handler here; returning message to the queue", `type=Cancelled`)); n == 0 {
 		t.Fatal("the older replica was given no message of the new type: the test proves nothing")
+	}
+}
+
+// The new event's binding may come before any replica that handles it: a producer's deploy
+// declares the whole topology. An older replica gives such a message back after a backoff,
+// not at once, so that its deliveries last until a newer replica comes, which handles it.
+func TestSubscriptionHoldsATypeItHasNoHandlerForUntilAReplicaThatHasComes(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	older, newer := b.olderAndNewer(t)
+	declareSubscription(t, newer) // the producer's deploy: the binding, and no newer consumer yet
+	run(t, older.Run)
+	testenv.Eventually(t, 10*time.Second, older.Ready, "subscription not ready")
+	c, err := b.cancels.Message(cancelled{OrderID: uuid.New()})
+	must(t, err)
+	b.publish(t, b.other, c)
+	returned := func(times int) func() bool {
+		return func() bool { return len(b.logs.Lines("no handler here", "message_id="+c.ID.String())) >= times }
+	}
+	testenv.Eventually(t, 10*time.Second, returned(3), "the older replica did not give the message back")
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("dead-lettered before a replica that handles it came: %d in the dead-letter queue", n)
+	}
+
+	run(t, newer.Run)
+	testenv.Eventually(t, 20*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled WHERE type = 'Cancelled'") == 1 },
+		"the newer replica did not handle the message")
+	if n := testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered", n)
 	}
 }
 
