@@ -345,8 +345,9 @@ func (c *cli) dlqDropCommand() *cobra.Command {
 		Long: `drop removes the message with --id from QUEUE's dead-letter queue, for good, and leaves the
 others there in their order: for a message no consumer must ever handle (a producer's bug),
 where rabbitmqctl purge_queue would drop them all. A UUID matches however it is written; an
-id that is not one (a message dead-lettered for that) matches as written, and --without-id
-picks a message that has none. The output shows the message with its headers and whole body,
+id that is not one (a message dead-lettered for that) matches as written, exactly as dlq list
+-o json shows it (the table shortens and cleans it), and --without-id picks a message that
+has none. The output shows the message with its headers and whole body,
 as the last record of it. If two copies share the id, the first goes. It takes the whole queue
 unacknowledged meanwhile, as a listing of it all does, so that the others keep their order. It
 asks on a terminal first, and without one refuses unless given --yes.
