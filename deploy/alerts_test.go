@@ -167,12 +167,12 @@ var rabbitmqMetrics = []string{
 var processMetrics = []string{"process_start_time_seconds"}
 
 // knownMetrics returns every series name the services can export, read from the collectors
-// their code declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec] with Opts{Name:
+// their code declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec|Func] with Opts{Name:
 // "..."}, and prometheus.NewDesc("...")) in pkg/, internal/platform and services/, with a
 // histogram's _bucket, _sum and _count; the plugin's queue series; and Prometheus's up.
 func knownMetrics(t *testing.T) map[string]bool {
 	t.Helper()
-	opts := regexp.MustCompile(`(?s)prometheus\.New(Counter|Gauge|Histogram|Summary)(?:Vec)?\(\s*prometheus\.(?:Counter|Gauge|Histogram|Summary)Opts\{[^}]*?\bName:\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
+	opts := regexp.MustCompile(`(?s)prometheus\.New(Counter|Gauge|Histogram|Summary)(?:Vec|Func)?\(\s*prometheus\.(?:Counter|Gauge|Histogram|Summary)Opts\{[^}]*?\bName:\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
 	// A descriptor's name may be wrapped in a call that adds a namespace (name("...")).
 	desc := regexp.MustCompile(`prometheus\.NewDesc\(\s*(?:\w+\(\s*)?"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
 	known := map[string]bool{"up": true}

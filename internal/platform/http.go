@@ -116,10 +116,29 @@ func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	WriteJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 }
 
+// readyTimeout bounds the readiness check a scrape runs, well inside Prometheus's scrape
+// timeout (10 s by default).
+const readyTimeout = 2 * time.Second
+
+// readyGauge is service_ready, what /readyz would answer at each scrape: 1 ready, 0 not. A
+// service that is up but not ready still answers its scrape, so up alone never shows it.
+func readyGauge(ready ReadyFunc) prometheus.GaugeFunc {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "service_ready", Help: "1 while the service is ready (what /readyz answers), 0 while it is not.",
+	}, func() float64 {
+		ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
+		defer cancel()
+		if ready(ctx) != nil {
+			return 0
+		}
+		return 1
+	})
+}
+
 // NewRouter returns a chi router with tracing, recovery, request metrics, problem+json for
 // unknown routes, and the operational endpoints: /healthz (the process runs), /readyz (ready
 // returns nil; otherwise a 503 that gives the reason, not the cause, see NotReadyError) and
-// /metrics (reg, in Prometheus text format). Every request runs in a server
+// /metrics (reg, in Prometheus text format, with service_ready registered on it). Every request runs in a server
 // span that continues the W3C trace context the request came with (its traceparent header),
 // or starts a trace: the handler's context carries it.
 func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.Router {
@@ -130,7 +149,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 		Name: "http_request_duration_seconds", Help: "HTTP request latency by route.",
 		Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
 	}, []string{"route"})
-	reg.MustRegister(requests, duration)
+	reg.MustRegister(requests, duration, readyGauge(ready))
 
 	tracer := otel.Tracer(tracerName)
 	r := chi.NewRouter()

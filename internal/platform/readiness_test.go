@@ -183,7 +183,8 @@ func TestReadinessHidesARefusedConnection(t *testing.T) {
 	}
 }
 
-// /readyz answers a reason, never an error's text, and logs each change of reason once.
+// /readyz answers a reason, never an error's text, and logs each change of reason once;
+// service_ready on /metrics answers the same.
 func TestReadinessLogsEachChangeOnce(t *testing.T) {
 	t.Parallel()
 	var (
@@ -212,6 +213,14 @@ func TestReadinessLogsEachChangeOnce(t *testing.T) {
 		mu.Lock()
 		answer = step.answer
 		mu.Unlock()
+		// /metrics says the same as /readyz, so that an alert can see a service up but not ready.
+		want := "service_ready 0\n"
+		if step.detail == "" {
+			want = "service_ready 1\n"
+		}
+		if m := get(t, srv.URL+"/metrics"); !strings.Contains(m.body, want) {
+			t.Fatalf("/metrics lacks %q while /readyz should answer %q", want, step.detail)
+		}
 		r := get(t, srv.URL+"/readyz")
 		if step.detail == "" {
 			if r.status != http.StatusOK {
