@@ -361,17 +361,17 @@ func (c *consumer) decode(d amqp.Delivery) (job, error) {
 // undecodable says how to settle a delivery that did not decode: dead-lettered, since no retry
 // changes its bytes, unless only a handler for its type is missing here. In a rolling deploy
 // that adds an event, the replicas of the older version share the queue with the newer ones
-// that bound it (or a producer's deploy bound it first): such a message goes back to the queue
-// for one of them, after a backoff, and is dead-lettered only at its last allowed delivery. A
-// queue that does not count deliveries (a redelivery without x-delivery-count: not a quorum
-// queue) would give it back for ever: there it is dead-lettered at its first redelivery.
+// that bound it: such a message goes back to the queue at once, for one of them, and is
+// dead-lettered at its last allowed delivery. Neither waits: the messages behind it go on, and
+// a type no replica handles reaches the dead-letter queue within its deliveries' round trips.
+// A queue that does not count deliveries (not a quorum queue) would give it back for ever:
+// there it is dead-lettered at its first redelivery.
 func (c *consumer) undecodable(d amqp.Delivery, err error) outcome {
 	if !errors.Is(err, errNoHandler) {
 		return deadLetter(err)
 	}
-	_, counted := d.Headers[deliveryCountHeader]
 	switch {
-	case d.Redelivered && !counted:
+	case d.Redelivered && !counted(d):
 		return deadLetter(fmt.Errorf("redelivered by a queue that does not count deliveries: %w", err))
 	case c.onLastDelivery(d):
 		return deadLetter(fmt.Errorf("on each of %d deliveries: %w", c.cfg.DeliveryLimit, err))
@@ -476,14 +476,7 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		log.WarnContext(ctx, "handler failed; returning message to the queue", "error", o.reason, "attempts", o.attempts)
 		c.requeue(ctx, log, j.d)
 	case settleElsewhere:
-		// Not at once: a replica that has the handler may have no room for it yet, or not be
-		// deployed yet. Its deliveries then span about a minute (RetryBackoff's defaults).
-		delay := c.cfg.RetryBackoff.Delay(deliveryCount(j.d) + 1)
-		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason, "retry_in", delay)
-		if !sleep(session, nil, delay) {
-			c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
-			return
-		}
+		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason)
 		c.requeue(ctx, log, j.d)
 	case settleNack:
 		// Shutting down or disconnected: back to the queue untouched, for another consumer. A
@@ -551,4 +544,13 @@ func deliveryCount(d amqp.Delivery) int {
 		return v
 	}
 	return 0
+}
+
+// counted reports whether d's queue counts its deliveries: a quorum queue marks each
+// redelivery with x-delivery-count, or, from RabbitMQ 4.3 on, at least with x-acquired-count
+// (there a nack is no failure, and leaves x-delivery-count out of the next delivery).
+func counted(d amqp.Delivery) bool {
+	_, failures := d.Headers[deliveryCountHeader]
+	_, acquisitions := d.Headers[acquiredCountHeader]
+	return failures || acquisitions
 }

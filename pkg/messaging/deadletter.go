@@ -24,6 +24,10 @@ const (
 // deliveryCountHeader is where a quorum queue says how often it delivered a message before.
 const deliveryCountHeader = "x-delivery-count"
 
+// acquiredCountHeader is where a quorum queue from RabbitMQ 4.3 on says how often it delivered a
+// message before, failed or not.
+const acquiredCountHeader = "x-acquired-count"
+
 // maxReasonBytes bounds the reason header: a reason quoting a large decoding error must not
 // grow the message's headers past the broker's frame size.
 const maxReasonBytes = 1024
@@ -38,14 +42,14 @@ var errDeadLetterNotConfirmed = errors.New("dead-letter queue did not take the m
 
 // deadLetterCopy is what goes to the dead-letter queue for d: its body and properties, its
 // message id unchanged (so a redriven message is still recognised by the inbox), and its
-// headers plus the reason. Left out: x-delivery-count, which the dead-letter queue keeps for
-// itself; expiration, which the broker too removes when it dead-letters, so that the copy does
-// not expire there; and user_id, which the broker checks against the user publishing it, here
+// headers plus the reason. Left out: x-delivery-count and x-acquired-count, which the
+// dead-letter queue keeps for itself; expiration, which the broker too removes when it
+// dead-letters, so that the copy does not expire there; and user_id, which the broker checks against the user publishing it, here
 // the consumer's and not the original publisher's.
 func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing {
 	headers := make(amqp.Table, len(d.Headers)+4)
 	for k, v := range d.Headers {
-		if k != deliveryCountHeader {
+		if k != deliveryCountHeader && k != acquiredCountHeader {
 			headers[k] = v
 		}
 	}

@@ -39,7 +39,7 @@ var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue
 // goes without them, so that it is handled like any other.
 var deadLetterHeaders = []string{
 	"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
-	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", deliveryCountHeader,
+	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", deliveryCountHeader, acquiredCountHeader,
 	HeaderDeadLetterReason, HeaderDeadLetteredAt, HeaderOriginalExchange, HeaderOriginalRoutingKey,
 }
 

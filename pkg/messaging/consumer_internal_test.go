@@ -1,0 +1,39 @@
+package messaging
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// A message of a type this replica has no handler for goes back to the queue at once, on every
+// broker's way of counting its deliveries, and is dead-lettered at its last allowed delivery;
+// only a queue that does not count (a redelivery without either header) dead-letters it early,
+// which would otherwise give it back for ever. The headers are those each broker sets, as read
+// off RabbitMQ 3.10.8 and 4.3.6: 4.3 leaves x-delivery-count out after a nack or at first.
+func TestATypeWithoutAHandlerGoesBackUntilItsLastDelivery(t *testing.T) {
+	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20}}
+	noHandler := fmt.Errorf("%w %q", errNoHandler, "Refunded")
+	for _, tc := range []struct {
+		name    string
+		d       amqp.Delivery
+		want    settleKind
+		because string
+	}{
+		{"first delivery", amqp.Delivery{}, settleElsewhere, ""},
+		{"3.10, redelivered", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(3)}}, settleElsewhere, ""},
+		{"4.3, redelivered after a nack", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-acquired-count": int64(1)}}, settleElsewhere, ""},
+		{"last delivery", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(19), "x-acquired-count": int64(19)}}, settleDeadLetter, "on each of 20 deliveries"},
+		{"a queue that does not count", amqp.Delivery{Redelivered: true}, settleDeadLetter, "does not count deliveries"},
+	} {
+		o := c.undecodable(tc.d, noHandler)
+		if o.settle != tc.want || (tc.because != "" && !strings.Contains(o.reason.Error(), tc.because)) {
+			t.Errorf("%s: settled as %d (%v), want %d (%q)", tc.name, o.settle, o.reason, tc.want, tc.because)
+		}
+	}
+	if o := c.undecodable(amqp.Delivery{}, Permanent(fmt.Errorf("invalid"))); o.settle != settleDeadLetter {
+		t.Errorf("an invalid payload settled as %d, want dead-lettered at once", o.settle)
+	}
+}
