@@ -405,7 +405,8 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	// What the dashboard is for: the outbox's backlog and age, publishing and its failures,
-	// consumer outcomes, duplicates, dead letters, and the age of events when handled.
+	// consumer outcomes, duplicates, dead letters, and the age of events when handled; and
+	// whatever an alert watches, so that a firing alert has a panel to look at.
 	for _, m := range []string{
 		"outbox_pending_messages", "outbox_oldest_pending_age_seconds", "outbox_messages_published_total",
 		"outbox_publish_failures_total", "consumer_messages_total", "inbox_duplicates_total",
@@ -413,6 +414,17 @@ func TestGrafanaDashboard(t *testing.T) {
 	} {
 		if !used[m] {
 			t.Errorf("no panel shows %s", m)
+		}
+	}
+	var rules alertRules
+	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			for _, m := range metricNames(r.Expr) {
+				if !used[m] && !used[m+"_bucket"] {
+					t.Errorf("alert %s watches %s, which no panel shows", r.Alert, m)
+				}
+			}
 		}
 	}
 	checkWithPromtool(t, "dashboard", exprs)
