@@ -17,7 +17,7 @@ const MinRequestConns = 2
 // (ReadinessConns). Requests get the rest.
 type Pools struct {
 	// Background is the relay's (a connection per lane, and its LISTEN), the backlog gauges'
-	// and the cleanups'; see RelayConns and CleanupConns.
+	// (the outbox's, the sender's) and the cleanups'; see RelayConns and CleanupConns.
 	Background int
 	// Work is the consumers' (a connection per worker, and the check that the database
 	// answers; see ConsumerConns) and the notification sender's.
@@ -28,7 +28,8 @@ type Pools struct {
 }
 
 // PoolsOf shares out the connections of a service that runs a relay (relay not nil), consumes
-// (consumer not nil) and delivers with senders connections: what each part holds at most.
+// (consumer not nil) and delivers with senders connections (and reads their backlog at each
+// scrape over one more): what each part holds at most.
 func PoolsOf(relay *RelaySettings, consumer *ConsumerSettings, senders int) Pools {
 	var p Pools
 	if relay != nil {
@@ -42,6 +43,7 @@ func PoolsOf(relay *RelaySettings, consumer *ConsumerSettings, senders int) Pool
 	}
 	if senders > 0 {
 		p = p.AddWork(senders, "the sender")
+		p = p.AddBackground(1, "the sender's backlog gauges")
 	}
 	return p
 }

@@ -63,6 +63,9 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err := send.registerMetrics(base.Registry); err != nil {
 		return err
 	}
+	if err := registerBacklog(base.Registry, base.Background, log); err != nil {
+		return err
+	}
 
 	sub, err := base.Subscription(log, Consumer, common.AMQPURL, events.Topology, settings)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io/fs"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -27,6 +28,7 @@ import (
 
 type testBundle struct {
 	db    *gorm.DB
+	drv   messaging.DB // db, for the library's interfaces
 	sub   *platform.Subscription
 	logs  *testenv.Logs
 	smtp  *testenv.SMTPServer
@@ -44,7 +46,7 @@ func setup(t *testing.T) *testBundle {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &testBundle{db: d.DB, sub: sub, logs: logs, smtp: testenv.NewSMTPServer(t)}
+	b := &testBundle{db: d.DB, drv: d.Driver(t).DB(), sub: sub, logs: logs, smtp: testenv.NewSMTPServer(t)}
 	mailer := newSMTPDeliverer(b.smtp.Addr, "orders@shop.example", DefaultSMTPConns)
 	t.Cleanup(mailer.Close)
 	b.send = newSender(d.DB, mailer, DefaultConcurrency, 10*time.Second, log)
@@ -363,8 +365,8 @@ VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?)`, uuid.Ne
 }
 
 // While the mail server is away each attempt fails, is recorded with its error and counted in
-// notification_deliveries_total (what the alert reads); once it is back the e-mail goes out
-// once.
+// notification_deliveries_total (what the alert reads), and the notification waits in the
+// backlog gauges; once it is back the e-mail goes out once, and the backlog is empty.
 func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -372,11 +374,29 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	if err := b.send.registerMetrics(reg); err != nil {
 		t.Fatal(err)
 	}
+	if err := registerBacklog(reg, b.drv, slog.New(slog.DiscardHandler)); err != nil {
+		t.Fatal(err)
+	}
 	deliveries := func(outcome string) float64 {
 		return testutil.ToFloat64(b.send.outcomes.WithLabelValues(outcome))
 	}
 	if n, err := testutil.GatherAndCount(reg, "notification_deliveries_total"); err != nil || n != 2 {
 		t.Fatalf("notification_deliveries_total has %d series before any delivery (%v), want both outcomes at zero", n, err)
+	}
+	backlog := func() (pending, age float64) {
+		t.Helper()
+		families, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		values := map[string]float64{}
+		for _, f := range families {
+			values[f.GetName()] = f.GetMetric()[0].GetGauge().GetValue()
+		}
+		return values["notification_pending"], values["notification_oldest_pending_age_seconds"]
+	}
+	if pending, age := backlog(); pending != 0 || age != 0 {
+		t.Fatalf("backlog before any notification: %v pending, the oldest %v s old; want 0 and 0", pending, age)
 	}
 	b.run(t) // the mail server is not running yet
 	msg := orderPlaced(t, uuid.New(), "ann@example.org")
@@ -390,6 +410,9 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	if failed, sent := deliveries(deliveryFailed), deliveries(deliverySent); failed < 2 || sent != 0 {
 		t.Fatalf("counted %v failed and %v sent deliveries while the mail server was down, want 2 or more and 0", failed, sent)
 	}
+	if pending, age := backlog(); pending != 1 || age <= 0 {
+		t.Fatalf("backlog while the mail server was down: %v pending, the oldest %v s old; want 1, older than 0", pending, age)
+	}
 
 	b.smtp.Start()
 	testenv.Eventually(t, 15*time.Second, func() bool {
@@ -400,6 +423,9 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	}
 	// Counted just after it is recorded sent: polled.
 	testenv.Eventually(t, 5*time.Second, func() bool { return deliveries(deliverySent) == 1 }, "the delivery was not counted as sent")
+	if pending, age := backlog(); pending != 0 || age != 0 {
+		t.Fatalf("backlog once delivered: %v pending, the oldest %v s old; want 0 and 0", pending, age)
+	}
 }
 
 func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
