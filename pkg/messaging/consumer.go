@@ -361,8 +361,8 @@ func (c *consumer) decode(d amqp.Delivery) (job, error) {
 // undecodable says how to settle a delivery that did not decode: dead-lettered, since no retry
 // changes its bytes, unless only a handler for its type is missing here. In a rolling deploy
 // that adds an event, the replicas of the older version share the queue with the newer ones
-// that bound it: such a message goes back to the queue at once, for one of them, and is
-// dead-lettered at its last allowed delivery. Neither waits: the messages behind it go on, and
+// that bound it: such a message goes back to the queue at once, for one of them that has room
+// for it then, and is dead-lettered at its last allowed delivery. Neither waits: the messages behind it go on, and
 // a type no replica handles reaches the dead-letter queue within its deliveries' round trips.
 // A queue that does not count deliveries (not a quorum queue) would give it back for ever:
 // there it is dead-lettered at its first redelivery.
@@ -548,7 +548,8 @@ func deliveryCount(d amqp.Delivery) int {
 
 // counted reports whether d's queue counts its deliveries: a quorum queue marks each
 // redelivery with x-delivery-count, or, from RabbitMQ 4.3 on, at least with x-acquired-count
-// (there a nack is no failure, and leaves x-delivery-count out of the next delivery).
+// (there a nack is no failure: a message nacked before its first reject or lost channel comes
+// back without x-delivery-count).
 func counted(d amqp.Delivery) bool {
 	_, failures := d.Headers[deliveryCountHeader]
 	_, acquisitions := d.Headers[acquiredCountHeader]

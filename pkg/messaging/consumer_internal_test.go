@@ -12,7 +12,8 @@ import (
 // broker's way of counting its deliveries, and is dead-lettered at its last allowed delivery;
 // only a queue that does not count (a redelivery without either header) dead-letters it early,
 // which would otherwise give it back for ever. The headers are those each broker sets, as read
-// off RabbitMQ 3.10.8 and 4.3.6: 4.3 leaves x-delivery-count out after a nack or at first.
+// off RabbitMQ 3.10.8 and 4.3.6: 4.3 leaves x-delivery-count out at first, and after nacks
+// until the first reject or lost channel.
 func TestATypeWithoutAHandlerGoesBackUntilItsLastDelivery(t *testing.T) {
 	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20}}
 	noHandler := fmt.Errorf("%w %q", errNoHandler, "Refunded")
