@@ -3,11 +3,15 @@ package e2e
 import (
 	"context"
 	"errors"
+	"net"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
 // A missing or malformed variable stops a service at once with one line naming it, and never
@@ -64,4 +68,51 @@ func TestConfigurationErrorsNameTheVariable(t *testing.T) {
 			t.Errorf("%s printed a secret: %q", c.service, text)
 		}
 	}
+}
+
+// A service stopped by SIGTERM while it waits for its database exits 0 at once, having logged
+// the wait: a clean exit, not a crash of a start cut short.
+func TestASignalWhileWaitingForTheDatabaseExitsCleanly(t *testing.T) {
+	t.Parallel()
+	for _, service := range []string{"order", "invoicing", "notification"} {
+		t.Run(service, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(filepath.Join(binDir, service))
+			cmd.Env = []string{"PATH=/usr/bin:/bin", "DATABASE_URL=postgres://postgres@" + closedAddr(t) + "/db?sslmode=disable",
+				"AMQP_URL=amqp://guest:guest@" + closedAddr(t) + "/", "HTTP_ADDR=127.0.0.1:0"}
+			var out testenv.Logs // the process's output, read while it runs
+			cmd.Stdout, cmd.Stderr = &out, &out
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- cmd.Wait() }()
+			testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(out.String(), `msg="waiting for the database"`) },
+				"the service did not log its wait for the database")
+			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("exit after SIGTERM while waiting for the database: %v, want 0; output:\n%s", err, out.String())
+				}
+			case <-time.After(10 * time.Second):
+				_ = cmd.Process.Kill()
+				t.Fatal("still running 10 s after SIGTERM")
+			}
+		})
+	}
+}
+
+// closedAddr is a local address nothing listens on.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	return addr
 }

@@ -95,16 +95,17 @@ func (b *Base) AlreadyDone(consumer string) func() {
 // database (the pools of pools, the readiness check's connection, and the requests' pool,
 // DB_MAX_CONNS in all), applies migrations in order (before anything serves, so no pooled
 // statement sees a changing schema) and prepares the metrics.
-func Start(ctx context.Context, log *slog.Logger, service string, c Common, pools Pools, migrations ...Migration) (b *Base, err error) {
+func Start(ctx context.Context, log *slog.Logger, service string, c Common, pools Pools, migrations ...Migration) (_ *Base, err error) {
 	tp, err := startTracing(ctx, log, service, c.OTLPEndpoint != "")
 	if err != nil {
 		return nil, err
 	}
-	b = &Base{tracing: tp, log: log, pprofAddr: c.PprofAddr}
+	b := &Base{tracing: tp, log: log, pprofAddr: c.PprofAddr}
 	if pools.Requests(c) < MinRequestConns {
 		stopTracing(log, tp)
 		return nil, fmt.Errorf("DB_MAX_CONNS: %d leaves requests %d connections, fewer than %d", c.DBMaxConns, pools.Requests(c), MinRequestConns)
 	}
+	// b, not the result, which a failure's return has set to nil by now.
 	defer func() {
 		if err != nil {
 			b.Close()

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
@@ -236,4 +237,32 @@ func TestReadinessLogsEachChangeOnce(t *testing.T) {
 	if len(logs.Lines("not ready", "internal secret")) != 1 {
 		t.Fatalf("the cause is not logged:\n%s", logs.String())
 	}
+}
+
+// A start that fails, or is stopped by a signal while it waits for the database, returns its
+// error (a service then exits cleanly) and closes what it had opened: no panic, no connection
+// left behind.
+func TestStartThatFailsClosesWhatItOpened(t *testing.T) {
+	log, _ := testenv.NewLogger(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "postgres://postgres@" + ln.Addr().String() + "/none?sslmode=disable"
+	_ = ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if _, err := Start(ctx, log, "svc-stopped", Common{DatabaseURL: closed, DBMaxConns: 10}, Pools{}); err == nil || !strings.Contains(err.Error(), "waiting for the database") {
+		t.Fatalf("Start stopped while waiting for the database: %v, want its error", err)
+	}
+
+	d := testenv.NewDatabase(t)
+	failing := func(context.Context, *gorm.DB) error { return errors.New("migration refused") }
+	pools := Pools{Work: 2, Background: 2}
+	if _, err := Start(context.Background(), log, "svc-failed", Common{DatabaseURL: d.URL, DBMaxConns: 10}, pools, failing); err == nil || !strings.Contains(err.Error(), "migration refused") {
+		t.Fatalf("Start with a failing migration: %v, want its error", err)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'svc-failed%'") == 0
+	}, "the failed start left connections open")
 }
