@@ -257,8 +257,8 @@ var (
 var rowsWaitingRE = regexp.MustCompile(`rows_waiting=(-?\d+)`)
 
 // checkOutageReported requires, once the broker is back after one outage, that the relay
-// logged its start and its end once each and no per-row failure, and that no outbox row was
-// charged for it. It returns the rows_waiting the relay reported when it resumed.
+// logged its start and its end once each, that nothing else logged the outage or a row's
+// failure, and that no outbox row was charged for it. It returns the rows_waiting the relay reported when it resumed.
 func checkOutageReported(t *testing.T, s *systest.System) (rowsWaiting int) {
 	t.Helper()
 	logs := s.Order.Logs
@@ -281,6 +281,17 @@ func checkOutageReported(t *testing.T, s *systest.System) (rowsWaiting int) {
 	rowsWaiting, _ = strconv.Atoi(m[1])
 	if rowsWaiting <= 0 {
 		t.Errorf("rows_waiting=%d when the relay resumed, want the rows of the outage", rowsWaiting)
+	}
+	// Nothing else of the order service repeats the outage above debug level (the tests run
+	// it at debug): not the publisher's lost connection, nor its attempts to reconnect.
+	var again []string
+	for _, l := range logs.Lines("rabbitmq connection") {
+		if !strings.Contains(l, "level=DEBUG") {
+			again = append(again, l)
+		}
+	}
+	if len(again) != 0 {
+		t.Errorf("the order service logged %d more lines of the outage, want 0:\n%s", len(again), strings.Join(again, "\n"))
 	}
 	if failed := logs.Lines("outbox publish failed"); len(failed) != 0 {
 		t.Errorf("the relay logged %d per-row publish failures for a broker outage, want 0; first: %s", len(failed), failed[0])

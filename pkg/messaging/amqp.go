@@ -1,6 +1,7 @@
 package messaging
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -214,9 +215,10 @@ type connWatch struct {
 	unblockedAt time.Time     // when the broker last unblocked it
 }
 
-func watchConnection(conn *amqp.Connection, log *slog.Logger) *connWatch {
+// watchConnection starts watching conn, logging its close at level closed.
+func watchConnection(conn *amqp.Connection, log *slog.Logger, closed slog.Level) *connWatch {
 	w := &connWatch{blocked: make(chan struct{})}
-	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
 	blocked := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
 	go func() {
 		for b := range blocked {
@@ -229,8 +231,8 @@ func watchConnection(conn *amqp.Connection, log *slog.Logger) *connWatch {
 		}
 	}()
 	go func() {
-		if err, ok := <-closed; ok && err != nil {
-			log.Warn("rabbitmq connection closed", "error", err)
+		if err, ok := <-closes; ok && err != nil {
+			log.Log(context.Background(), closed, "rabbitmq connection closed", "error", err)
 		}
 	}()
 	return w

@@ -89,7 +89,7 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	// The deadline is taken at return: the close handshake gets its second however long the
 	// session lasted (an error only means the connection was already gone).
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
-	watchConnection(conn, c.log)
+	watchConnection(conn, c.log, slog.LevelWarn)
 	links, err := c.consume(conn)
 	if err != nil {
 		return false, err

@@ -163,7 +163,7 @@ func (p *deadLetterPublisher) connection() (*amqp.Connection, error) {
 		_ = conn.CloseDeadline(time.Now().Add(time.Second))
 		return nil, errDeadLettersClosed
 	}
-	p.conn, p.watch = conn, watchConnection(conn, p.log)
+	p.conn, p.watch = conn, watchConnection(conn, p.log, slog.LevelWarn)
 	return conn, nil
 }
 

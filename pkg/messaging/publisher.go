@@ -228,11 +228,13 @@ func (p *Publisher) sessionLocked() (*pubSession, error) {
 		p.failures++
 		p.nextDial = time.Now().Add(p.cfg.Reconnect.Delay(p.failures))
 		p.lastError = err
-		p.log.Warn("rabbitmq connection failed", "error", err, "failures", p.failures)
+		// Debug: the caller gets the error, and a relay logs the outage once at each end, not
+		// each of its attempts.
+		p.log.Debug("rabbitmq connection failed", "error", err, "failures", p.failures)
 		return nil, unavailable("%w", err)
 	}
 	if p.failures > 0 {
-		p.log.Info("rabbitmq connection restored", "after_failures", p.failures)
+		p.log.Debug("rabbitmq connection restored", "after_failures", p.failures)
 	}
 	p.failures, p.sess = 0, s
 	return s, nil
@@ -248,7 +250,8 @@ func (p *Publisher) open() (*pubSession, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log)}
+	// Debug, as its failed reconnections: a relay logs the outage once at each end.
+	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log, slog.LevelDebug)}
 	if err := s.setup(p.cfg, p.log); err != nil {
 		s.close()
 		return nil, err

@@ -54,7 +54,7 @@ func testSession(t *testing.T) *pubSession {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	s := &pubSession{conn: conn, watch: watchConnection(conn, log)}
+	s := &pubSession{conn: conn, watch: watchConnection(conn, log, slog.LevelWarn)}
 	if err := s.setup(PublisherConfig{MaxInFlight: 10}, log); err != nil {
 		t.Fatal(err)
 	}

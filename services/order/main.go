@@ -42,11 +42,6 @@ func run(ctx context.Context, env *platform.Env) error {
 	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
 	(&api{store: &Store{db: base.DB, driver: base.Driver}, log: log}).routes(base.API(router))
 
-	// Connect now, so bad credentials show at start and the exchange exists before the first
-	// order; if the broker is down, the relay keeps trying.
-	if err := outbox.Publisher.Connect(ctx); err != nil {
-		log.Warn("RabbitMQ not reachable at start; orders are taken and relayed once it is", "error", err)
-	}
 	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), outbox.Relay.Run, outbox.Cleanup, base.Profiler(), base.Admission.Run); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
