@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // The path of one delivery, top to bottom:
@@ -54,6 +55,8 @@ type consumerConfig struct {
 	Logger                     *slog.Logger
 	Metrics                    *Metrics
 	Propagator                 propagation.TextMapPropagator
+	// Tracer starts the trace of a delivery that came without one (see traceUntraced).
+	Tracer trace.Tracer
 }
 
 // consumer consumes a queue with manual acknowledgements and reconnects by itself. Each
@@ -300,8 +303,17 @@ func next(deliveries <-chan amqp.Delivery) (d amqp.Delivery, ok, waiting bool) {
 // message cannot hold up the others.
 func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Delivery) {
 	jobs := make([]job, 0, len(batch))
+	var receives []trace.Span
+	defer func() {
+		for _, span := range receives {
+			span.End()
+		}
+	}()
 	for _, d := range batch {
 		j, err := c.decode(d)
+		if span := c.traceUntraced(workCtx, &j); span != nil {
+			receives = append(receives, span)
+		}
 		if err != nil {
 			c.settle(session, workCtx, j, c.undecodable(d, err))
 			continue
@@ -321,6 +333,24 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 	for _, j := range jobs {
 		c.settle(session, workCtx, j, c.process(session, workCtx, j))
 	}
+}
+
+// traceUntraced gives a delivery that came without a trace context a trace of its own: a
+// receive span, the root of that trace, whose children are the spans of its attempts, and in
+// which the consumer logs its lines about it (a retry, a return, a dead-lettering). It returns
+// the span, to be ended once the delivery is settled; nil for a delivery that has a trace, or
+// without a tracer provider (a no-op span has no trace to give).
+func (c *consumer) traceUntraced(ctx context.Context, j *job) trace.Span {
+	if c.cfg.Tracer == nil || trace.SpanContextFromContext(j.msg.traced(ctx, c.cfg.Propagator)).IsValid() {
+		return nil
+	}
+	spanCtx, span := c.cfg.Tracer.Start(ctx, "receive "+c.cfg.Queue, trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindConsumer))
+	if !span.SpanContext().IsValid() {
+		span.End()
+		return nil
+	}
+	j.msg.withTraceOf(spanCtx, c.cfg.Propagator)
+	return span
 }
 
 // ackAll acknowledges jobs, a batch whose work committed, with one basic.ack of its last

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -102,8 +103,9 @@ type Relay struct {
 	log    *slog.Logger
 	outage outage
 	tracer trace.Tracer
-	// spanOptions are the same for every publish span: made once.
-	spanOptions []trace.SpanStartOption
+	// spanOptions are the same for every publish span, rootSpanOptions for one that starts a
+	// trace: made once.
+	spanOptions, rootSpanOptions []trace.SpanStartOption
 }
 
 // NewRelay checks cfg and fills in its defaults.
@@ -133,11 +135,13 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	}
 	cfg.Propagator = propagatorOr(cfg.Propagator)
 	cfg.Metrics.initRelay(cfg.Types)
+	spanOptions := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
+		semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"))}
 	return &Relay{
 		cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
-		tracer: newTracer(cfg.TracerProvider),
-		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
-			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"))},
+		tracer:          newTracer(cfg.TracerProvider),
+		spanOptions:     spanOptions,
+		rootSpanOptions: append(slices.Clip(spanOptions), trace.WithNewRoot()),
 	}, nil
 }
 
@@ -294,27 +298,29 @@ func parseHeaders(raw string) (map[string]string, error) {
 	return h, err
 }
 
-// startPublishSpans starts a producer span for each message that carries a trace context, as
-// a child of the span that enqueued it, and makes that span the message's trace context: the
-// consumers' spans become its children. A message enqueued outside any trace is sent without
-// one, and costs nothing here. The spans are returned by message index, nil where none was
-// started, or nil altogether.
+// startPublishSpans starts a producer span for each message, as a child of the span that
+// enqueued it, and makes that span the message's trace context: the consumers' spans become
+// its children. A message enqueued outside any trace (a row written by hand, or by a program
+// that traces nothing) starts a trace of its own here, so that the relay's lines about it, and
+// its consumers', carry one. The spans are returned by message index; nil altogether without a
+// tracer provider, when no message had a trace context to pass on.
 func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.Span {
 	var spans []trace.Span
 	for i := range msgs {
 		m := &msgs[i]
-		if m.TraceParent == "" && len(m.Headers) == 0 {
-			continue
-		}
 		parent := m.traced(ctx, r.cfg.Propagator)
 		psc := trace.SpanContextFromContext(parent)
+		options := r.spanOptions
 		if !psc.IsValid() {
-			continue // no trace context the propagator reads: sent as it is
+			options = r.rootSpanOptions
+		}
+		spanCtx, span := r.tracer.Start(parent, "publish "+m.Exchange, options...)
+		if !span.SpanContext().IsValid() {
+			continue // no tracer provider, and no trace context to pass on: sent as it is
 		}
 		if spans == nil {
 			spans = make([]trace.Span, len(msgs))
 		}
-		spanCtx, span := r.tracer.Start(parent, "publish "+m.Exchange, r.spanOptions...)
 		messageAttributes(span, *m)
 		if span.IsRecording() {
 			span.SetAttributes(semconv.MessagingDestinationName(m.Exchange))

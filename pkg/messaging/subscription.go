@@ -363,7 +363,7 @@ func (s *Subscription[Tx]) Start() error {
 		Concurrency: cfg.Concurrency, Prefetch: cfg.Prefetch, BatchSize: cfg.BatchSize, MaxBodyBytes: cfg.MaxMessageBytes,
 		Retries: cfg.Retries, RetryBackoff: cfg.RetryBackoff, Reconnect: cfg.Reconnect,
 		HandlerTimeout: cfg.HandlerTimeout, ShutdownGrace: cfg.ShutdownGrace, DeliveryLimit: limit, Heartbeat: cfg.Heartbeat,
-		Logger: cfg.Logger, Metrics: cfg.Metrics, Propagator: cfg.Propagator,
+		Logger: cfg.Logger, Metrics: cfg.Metrics, Propagator: cfg.Propagator, Tracer: s.tracer,
 	}, work{decode: s.decode, process: func(ctx context.Context, jobs []job) error {
 		_, err := s.process(ctx, jobs)
 		return err

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -260,15 +261,17 @@ func TestEachMessageOfABatchKeepsItsOwnTrace(t *testing.T) {
 	}
 }
 
-// A message that comes without a trace context starts a trace of its own, which the handler's
-// outbox rows continue.
+// A message that comes without a trace context starts a trace of its own, rooted in the
+// consumer's receive span, which the handler's outbox rows continue. One that never decodes
+// gets one too: the line that dead-letters it carries its trace id.
 func TestMessageWithoutTraceContextStartsATrace(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
 	tr := newTracing(t)
 	var seen handledContexts
 	var followUp uuid.UUID
-	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.TracerProvider = tr.tp })
+	log := slog.New(traceIDs{b.log.Handler()})
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.TracerProvider, c.Logger = tr.tp, log })
 	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
 		next, err := messaging.NewMessage("FollowUp", p)
 		if err != nil {
@@ -293,11 +296,26 @@ func TestMessageWithoutTraceContextStartsATrace(t *testing.T) {
 	if !sc.IsValid() || !sc.IsSampled() {
 		t.Fatalf("the handler's context has span context %+v, want a new sampled trace", sc)
 	}
-	if process := tr.span(t, sc.TraceID(), "process "+b.name); process.Parent.IsValid() {
-		t.Fatalf("the process span of an untraced message has parent %s, want none", process.Parent.SpanID())
+	receive := tr.span(t, sc.TraceID(), "receive "+b.name)
+	if receive.Parent.IsValid() {
+		t.Fatalf("the receive span of an untraced message has parent %s, want none", receive.Parent.SpanID())
+	}
+	if process := tr.span(t, sc.TraceID(), "process "+b.name); process.Parent.SpanID() != receive.SpanContext.SpanID() {
+		t.Fatalf("the process span's parent is %s, want the receive span %s", process.Parent.SpanID(), receive.SpanContext.SpanID())
 	}
 	if got := storedTrace(t, b.db.DB, followUp); got != traceParent(sc) {
 		t.Fatalf("the handler's outbox row has trace_parent %q, want %q", got, traceParent(sc))
+	}
+
+	poison := uuid.NewString()
+	// Straight into the queue: not JSON, no type, no trace context.
+	if err := b.ch.PublishWithContext(context.Background(), "", b.name, true, false, amqp.Publishing{MessageId: poison, Body: []byte("<xml/>")}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("message dead-lettered", "message_id="+poison)) == 1 },
+		"the undecodable message was not dead-lettered")
+	if lines := b.logs.Lines("message dead-lettered", "message_id="+poison, "trace_id="); len(lines) != 1 {
+		t.Fatalf("the dead-letter line of an untraced message carries no trace id: %q", b.logs.Lines("message dead-lettered", "message_id="+poison))
 	}
 }
 
@@ -359,7 +377,8 @@ func TestTraceContextPassesThroughWithoutATracerProvider(t *testing.T) {
 	}
 }
 
-// A message the broker refuses is logged in its trace, and its publish span fails.
+// A message the broker refuses is logged in its trace, and its publish span fails. One
+// enqueued outside any trace is logged in a trace its publish span starts.
 func TestRefusedPublishIsLoggedInItsTrace(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -370,13 +389,28 @@ func TestRefusedPublishIsLoggedInItsTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	untraced, err := messaging.NewMessage("NobodyListens", map[string]int{"n": 2})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(ctx, b.drv, tx, msg) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, untraced) }); err != nil {
 		t.Fatal(err)
 	}
 	request.End()
 	relay := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.TracerProvider, c.Logger = tr.tp, log })
-	if res, err := relay.ProcessBatch(context.Background()); err != nil || res.Failed != 1 {
-		t.Fatalf("relay batch = %+v, %v; want 1 refused", res, err)
+	if res, err := relay.ProcessBatch(context.Background()); err != nil || res.Failed != 2 {
+		t.Fatalf("relay batch = %+v, %v; want 2 refused", res, err)
+	}
+	lines := b.logs.Lines(`msg="outbox publish failed"`, "message_id="+untraced.ID.String())
+	m := regexp.MustCompile(`trace_id=([0-9a-f]{32})`).FindStringSubmatch(strings.Join(lines, "\n"))
+	if len(lines) != 1 || m == nil {
+		t.Fatalf("the untraced message's failure lines carry no trace id: %q", lines)
+	}
+	if root, _ := trace.TraceIDFromHex(m[1]); tr.span(t, root, "publish "+b.exchange).Parent.IsValid() {
+		t.Fatal("the publish span of an untraced message has a parent, want a trace of its own")
 	}
 	tid := request.SpanContext().TraceID()
 	if lines := b.logs.Lines(`msg="outbox publish failed"`, "message_id="+msg.ID.String(), "trace_id="+tid.String()); len(lines) != 1 {
