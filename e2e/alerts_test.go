@@ -47,7 +47,7 @@ func TestAlertsOnRealFaults(t *testing.T) {
 	r.s = startSystem(t, systest.Options{Env: map[string][]string{
 		"order":        {"OUTBOX_MAX_BACKOFF=2s", "OUTBOX_POLL_INTERVAL=250ms"},
 		"invoicing":    {"DB_MAX_CONNS=12", "CONSUMER_CONCURRENCY=2"},
-		"notification": {"DB_MAX_CONNS=8", "CONSUMER_CONCURRENCY=2"},
+		"notification": {"DB_MAX_CONNS=9", "CONSUMER_CONCURRENCY=2"},
 	}})
 	r.prom = startPrometheus(t, r.s)
 	r.watch = r.prom.watch(t)
