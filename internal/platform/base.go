@@ -62,7 +62,8 @@ type Base struct {
 	// library; nil in a service that consumes nothing.
 	Work       *gorm.DB
 	WorkDriver *gormdriver.Driver
-	// Background is the relay's and the cleanups' pool (Pools.Background), on pgx.
+	// Background is the relay's, the cleanups' and the backlog gauges' pool
+	// (Pools.Background), on pgx.
 	Background messaging.DB
 	background *pgxpool.Pool
 	// Admission bounds the API requests at work at once (HTTP_MAX_IN_FLIGHT, lowered to hold

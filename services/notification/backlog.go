@@ -7,13 +7,21 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// backlogSQL reads the notifications not sent yet, on the partial index of pending rows.
-const backlogSQL = `SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
-FROM notifications WHERE status = 'pending'`
+// backlogCountCap bounds what the backlog query counts, and so its cost, however large the
+// backlog: the gauge reads the cap beyond it. The oldest row comes off the partial index of
+// pending rows (created_at, id) at once.
+const backlogCountCap = 100_000
+
+// backlogSQL reads the notifications not sent yet, up to backlogCountCap, and the age of the
+// oldest.
+const backlogSQL = `SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = 'pending' LIMIT $1) AS capped),
+    coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM notifications WHERE status = 'pending'), 0)`
 
 // backlogTimeout bounds the backlog query, the wait for its connection included, well inside
 // Prometheus's scrape timeout (10 s by default).
@@ -23,19 +31,21 @@ const backlogTimeout = 2 * time.Second
 // of the oldest: a sender that stopped sending without failing (stuck, or not running) shows
 // there, where notification_deliveries_total only stops rising. A scrape whose query fails
 // leaves both out and logs why; the service's readiness says the database is away. It reads
-// over a connection of the background pool (PoolsOf counts it), which no delivery or message
-// can take.
+// over the background pool (PoolsOf counts a connection for it), which no delivery or message
+// can take; overlapping scrapes share one query.
 type backlogCollector struct {
 	db              messaging.DB
 	log             *slog.Logger
 	pending, oldest *prometheus.Desc
+	reading         singleflight.Group
 }
 
 func newBacklogCollector(db messaging.DB, log *slog.Logger) *backlogCollector {
 	return &backlogCollector{
 		db: db, log: log,
-		pending: prometheus.NewDesc("notification_pending", "Notifications not sent yet, due or waiting for a retry.", nil, nil),
-		oldest:  prometheus.NewDesc("notification_oldest_pending_age_seconds", "Age of the oldest notification not sent yet; 0 when none waits.", nil, nil),
+		pending: prometheus.NewDesc("notification_pending",
+			fmt.Sprintf("Notifications not sent yet, due or waiting for a retry (counted up to %d).", backlogCountCap), nil, nil),
+		oldest: prometheus.NewDesc("notification_oldest_pending_age_seconds", "Age of the oldest notification not sent yet; 0 when none waits.", nil, nil),
 	}
 }
 
@@ -45,15 +55,18 @@ func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-	defer cancel()
-	pending, age, err := readBacklog(ctx, c.db)
+	v, err, _ := c.reading.Do("backlog", func() (any, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
+		defer cancel()
+		return readBacklog(ctx, c.db)
+	})
 	if err != nil {
 		c.log.Warn("could not read the notification backlog; its gauges are left out of this scrape", "error", err)
 		return
 	}
-	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(pending))
-	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, age)
+	b := v.(backlog)
+	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.pending))
+	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, b.age)
 }
 
 // registerBacklog exports the backlog gauges on reg.
@@ -64,18 +77,25 @@ func registerBacklog(reg prometheus.Registerer, db messaging.DB, log *slog.Logge
 	return nil
 }
 
-// readBacklog returns how many notifications wait and the age of the oldest, in seconds.
-func readBacklog(ctx context.Context, db messaging.DB) (pending int64, age float64, err error) {
-	rows, err := db.Query(ctx, backlogSQL)
+// backlog is how many notifications wait (up to backlogCountCap) and the age of the oldest, in
+// seconds.
+type backlog struct {
+	pending int64
+	age     float64
+}
+
+func readBacklog(ctx context.Context, db messaging.DB) (backlog, error) {
+	var b backlog
+	rows, err := db.Query(ctx, backlogSQL, backlogCountCap)
 	if err != nil {
-		return 0, 0, err
+		return b, fmt.Errorf("read the notification backlog: %w", err)
 	}
 	defer rows.Close()
 	if !rows.Next() {
-		return 0, 0, fmt.Errorf("the backlog query returned no row: %w", rows.Err())
+		return b, fmt.Errorf("read the notification backlog: no row: %w", rows.Err())
 	}
-	if err := rows.Scan(&pending, &age); err != nil {
-		return 0, 0, err
+	if err := rows.Scan(&b.pending, &b.age); err != nil {
+		return b, fmt.Errorf("read the notification backlog: %w", err)
 	}
-	return pending, age, rows.Err()
+	return b, rows.Err()
 }
