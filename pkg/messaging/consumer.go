@@ -338,7 +338,7 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 // traceUntraced gives a delivery that came without a trace context a trace of its own: a
 // receive span, the root of that trace, whose children are the spans of its attempts, and in
 // which the consumer logs its lines about it (a retry, a return, a dead-lettering). It returns
-// the span, to be ended once the delivery is settled; nil for a delivery that has a trace, or
+// the span, to be ended once its batch is settled; nil for a delivery that has a trace, or
 // without a tracer provider (a no-op span has no trace to give).
 func (c *consumer) traceUntraced(ctx context.Context, j *job) trace.Span {
 	if c.cfg.Tracer == nil || trace.SpanContextFromContext(j.msg.traced(ctx, c.cfg.Propagator)).IsValid() {
@@ -506,6 +506,11 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		log.WarnContext(ctx, "handler failed; returning message to the queue", "error", o.reason, "attempts", o.attempts)
 		c.requeue(ctx, log, j.d)
 	case settleElsewhere:
+		if session.Err() != nil {
+			// Shutting down: handed back uncounted, as any message in hand (see settleNack).
+			c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
+			return
+		}
 		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason)
 		c.requeue(ctx, log, j.d)
 	case settleNack:
