@@ -187,6 +187,9 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// known (and outbox_relay_broker_up says so) before the next row. A Sender that
 			// cannot be probed learns it from the next row's publish.
 			r.awaitBroker(ctx)
+		case res.Claimed == 0 && r.lostWhileIdle(ctx):
+			// Nor does it see the broker go: the outage begins now, not at the next row.
+			r.awaitBroker(ctx)
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
@@ -483,6 +486,22 @@ func (r *Relay) isBrokerDown() bool {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
 	return !r.outage.since.IsZero()
+}
+
+// lostWhileIdle asks a Sender that can be probed whether it still has the broker, a check of
+// its connection that costs no round trip while the connection is up, and starts the outage if
+// not. A Sender that cannot be probed learns it from the next row's publish.
+func (r *Relay) lostWhileIdle(ctx context.Context) bool {
+	probe, ok := r.cfg.Sender.(brokerProbe)
+	if !ok {
+		return false
+	}
+	err := probe.Connect(ctx)
+	if err == nil || !errors.Is(err, ErrBrokerUnavailable) || ctx.Err() != nil {
+		return false
+	}
+	r.brokerDown(err)
+	return true
 }
 
 // canProbe reports whether the Sender can be asked for the broker without a message.

@@ -217,6 +217,28 @@ func TestRelayStartedInAnOutageSeesTheBrokerBackWithoutARow(t *testing.T) {
 	}
 }
 
+// A relay with nothing to send sees the broker go, as it sees it come back: the outage is
+// logged and outbox_relay_broker_up says so when it begins, not at the next row.
+func TestRelayWithNothingToSendSeesTheBrokerGo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen)), nil).Run)
+	gauge := `outbox_relay_broker_up{exchange="` + b.exchange + `"}`
+	testenv.Eventually(t, 10*time.Second, func() bool { return hasMetric(t, b.registry, gauge+" 1") }, "the relay did not report the broker up")
+	proxy.Stop()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return hasMetric(t, b.registry, gauge+" 0") && len(b.logs.Lines("broker unavailable; relay paused")) == 1
+	}, "the broker went, and the relay, with no row to send, did not notice")
+	must(t, proxy.Start())
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return hasMetric(t, b.registry, gauge+" 1") && len(b.logs.Lines("broker available again; relay resumed")) == 1
+	}, "the broker is back, and the relay still reports it down")
+	if lines := b.logs.Lines("broker unavailable; relay paused"); len(lines) != 1 {
+		t.Fatalf("want one line for the start of the outage, got %q", lines)
+	}
+}
+
 // countingDB counts the transactions begun on a DB.
 type countingDB struct {
 	messaging.DB
