@@ -341,7 +341,8 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 // the span, to be ended once its batch is settled; nil for a delivery that has a trace, or
 // without a tracer provider (a no-op span has no trace to give).
 func (c *consumer) traceUntraced(ctx context.Context, j *job) trace.Span {
-	if c.cfg.Tracer == nil || trace.SpanContextFromContext(j.msg.traced(ctx, c.cfg.Propagator)).IsValid() {
+	// A traceparent is the common case: the subscription's span parses it, not this check too.
+	if c.cfg.Tracer == nil || j.msg.TraceParent != "" || trace.SpanContextFromContext(j.msg.traced(ctx, c.cfg.Propagator)).IsValid() {
 		return nil
 	}
 	spanCtx, span := c.cfg.Tracer.Start(ctx, "receive "+c.cfg.Queue, trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindConsumer))
@@ -494,6 +495,9 @@ func deadLetter(reason error) outcome { return outcome{settle: settleDeadLetter,
 // settle is the one place a delivery is settled. Its lines are in the message's trace.
 func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
+	if o.settle == settleElsewhere && session.Err() != nil {
+		o = handedBack // shutting down: back uncounted, as any message in hand
+	}
 	log := c.log.With("message_id", j.msg.ID, "type", truncate(j.msg.Type))
 	if j.msg.ID == uuid.Nil {
 		log = c.log.With("message_id", truncate(j.d.MessageId), "type", truncate(j.d.Type))
@@ -506,11 +510,6 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		log.WarnContext(ctx, "handler failed; returning message to the queue", "error", o.reason, "attempts", o.attempts)
 		c.requeue(ctx, log, j.d)
 	case settleElsewhere:
-		if session.Err() != nil {
-			// Shutting down: handed back uncounted, as any message in hand (see settleNack).
-			c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
-			return
-		}
 		log.WarnContext(ctx, "no handler here; returning message to the queue for a consumer that has one", "error", o.reason)
 		c.requeue(ctx, log, j.d)
 	case settleNack:

@@ -103,6 +103,8 @@ type Relay struct {
 	log    *slog.Logger
 	outage outage
 	tracer trace.Tracer
+	// probe is the Sender, if it can be asked for the broker without a message; nil if not.
+	probe brokerProbe
 	// spanOptions are the same for every publish span, rootSpanOptions for one that starts a
 	// trace: made once.
 	spanOptions, rootSpanOptions []trace.SpanStartOption
@@ -137,8 +139,9 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	cfg.Metrics.initRelay(cfg.Types)
 	spanOptions := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
 		semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"))}
+	probe, _ := cfg.Sender.(brokerProbe)
 	return &Relay{
-		cfg: cfg, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
+		cfg: cfg, probe: probe, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
 		tracer:          newTracer(cfg.TracerProvider),
 		spanOptions:     spanOptions,
 		rootSpanOptions: append(slices.Clip(spanOptions), trace.WithNewRoot()),
@@ -150,8 +153,8 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // NOTIFY from a committed [Enqueue] or the next poll. While the broker is unavailable the
 // lanes claim nothing; they look for the broker again and resume as soon as it is back.
 func (r *Relay) Run(ctx context.Context) error {
-	if probe, ok := r.cfg.Sender.(brokerProbe); ok {
-		if err := probe.Connect(ctx); err != nil {
+	if r.probe != nil {
+		if err := r.probe.Connect(ctx); err != nil {
 			r.brokerDown(err)
 		} else {
 			r.brokerUp(ctx)
@@ -182,7 +185,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
 			sleep(ctx, nil, jittered(r.cfg.PollInterval))
-		case res.Claimed == 0 && r.isBrokerDown() && r.canProbe():
+		case res.Claimed == 0 && r.isBrokerDown() && r.probe != nil:
 			// An empty claim never reached the broker: look for it, so that its return is
 			// known (and outbox_relay_broker_up says so) before the next row. A Sender that
 			// cannot be probed learns it from the next row's publish.
@@ -492,11 +495,10 @@ func (r *Relay) isBrokerDown() bool {
 // its connection that costs no round trip while the connection is up, and starts the outage if
 // not. A Sender that cannot be probed learns it from the next row's publish.
 func (r *Relay) lostWhileIdle(ctx context.Context) bool {
-	probe, ok := r.cfg.Sender.(brokerProbe)
-	if !ok {
+	if r.probe == nil {
 		return false
 	}
-	err := probe.Connect(ctx)
+	err := r.probe.Connect(ctx)
 	if err == nil || !errors.Is(err, ErrBrokerUnavailable) || ctx.Err() != nil {
 		return false
 	}
@@ -504,21 +506,14 @@ func (r *Relay) lostWhileIdle(ctx context.Context) bool {
 	return true
 }
 
-// canProbe reports whether the Sender can be asked for the broker without a message.
-func (r *Relay) canProbe() bool {
-	_, ok := r.cfg.Sender.(brokerProbe)
-	return ok
-}
-
 // awaitBroker returns once the broker looks available again, or ctx ends. Without a probe on
 // the Sender, it returns after one retry delay, and the next batch finds out.
 func (r *Relay) awaitBroker(ctx context.Context) {
-	probe, canProbe := r.cfg.Sender.(brokerProbe)
 	for failures := 1; ; failures++ {
-		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || !canProbe || !r.isBrokerDown() {
+		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || r.probe == nil || !r.isBrokerDown() {
 			return
 		}
-		if probe.Connect(ctx) == nil {
+		if r.probe.Connect(ctx) == nil {
 			r.brokerUp(ctx)
 			return
 		}
