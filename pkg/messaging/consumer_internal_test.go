@@ -1,7 +1,9 @@
 package messaging
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 
@@ -37,4 +39,43 @@ func TestATypeWithoutAHandlerGoesBackUntilItsLastDelivery(t *testing.T) {
 	if o := c.undecodable(amqp.Delivery{}, Permanent(fmt.Errorf("invalid"))); o.settle != settleDeadLetter {
 		t.Errorf("an invalid payload settled as %d, want dead-lettered at once", o.settle)
 	}
+}
+
+// settlements records how each delivery was settled: the consumer's own decision, without a
+// broker in between.
+type settlements []string
+
+func (s *settlements) Ack(uint64, bool) error        { *s = append(*s, "ack"); return nil }
+func (s *settlements) Nack(uint64, bool, bool) error { *s = append(*s, "nack"); return nil }
+func (s *settlements) Reject(uint64, bool) error     { *s = append(*s, "reject"); return nil }
+
+// A message of a type this replica has no handler for is rejected while the session runs (a
+// counted delivery: it goes on towards its dead-lettering), but once the session has ended it
+// is handed back with a nack, as every message in hand is: RabbitMQ 4.3 does not count that
+// one against it, since it did not fail.
+func TestATypeWithoutAHandlerIsHandedBackUncountedAtShutdown(t *testing.T) {
+	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20}, log: slog.New(slog.DiscardHandler)}
+	noHandler := c.undecodable(amqp.Delivery{}, fmt.Errorf("%w %q", errNoHandler, "Refunded"))
+
+	running, ended := context.Background(), canceled()
+	for _, tc := range []struct {
+		name    string
+		session context.Context
+		want    string
+	}{
+		{"while the session runs", running, "reject"},
+		{"after the session ended", ended, "nack"},
+	} {
+		var got settlements
+		c.settle(tc.session, context.Background(), job{d: amqp.Delivery{Acknowledger: &got}}, noHandler)
+		if len(got) != 1 || got[0] != tc.want {
+			t.Errorf("%s: settled with %v, want one %s", tc.name, got, tc.want)
+		}
+	}
+}
+
+func canceled() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
 }
