@@ -169,6 +169,53 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 	}
 }
 
+// PostgreSQL's text and jsonb cannot store a NUL character. Enqueue refuses a message that
+// holds one, naming the field, before any statement: the caller's transaction is not aborted,
+// and its other work and messages commit. A payload with an escaped backslash before u0000
+// holds no NUL and is stored.
+func TestEnqueueRefusesANULAndTheTransactionGoesOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := b.db.DB
+	if err := db.Exec("CREATE TABLE orders (id uuid PRIMARY KEY)").Error; err != nil {
+		t.Fatal(err)
+	}
+	bad := map[string]func(*messaging.Message){
+		"payload":         func(m *messaging.Message) { m.Payload = []byte(`{"note":"a\u0000b"}`) },
+		"correlation id":  func(m *messaging.Message) { m.CorrelationID = "a\x00b" },
+		`header "tenant"`: func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\x00b"} },
+	}
+	kept := newMessage(t, 0)
+	kept.Payload = []byte(`{"path":"C:\\u0000"}`)
+	err := db.Transaction(func(tx *gorm.DB) error {
+		if err := tx.Exec("INSERT INTO orders (id) VALUES (?)", kept.ID).Error; err != nil {
+			return err
+		}
+		for field, spoil := range bad {
+			m := newMessage(t, 0)
+			spoil(&m)
+			err := messaging.Enqueue(context.Background(), b.drv, tx, m)
+			if err == nil || !strings.Contains(err.Error(), "its "+field+" holds a NUL character") {
+				t.Errorf("Enqueue of a message with a NUL in its %s = %v, want an error naming it", field, err)
+			}
+		}
+		return messaging.Enqueue(context.Background(), b.drv, tx, kept)
+	})
+	if err != nil {
+		t.Fatalf("the transaction after the refusals: %v, want it to commit", err)
+	}
+	if n := testenv.Count(t, db, "SELECT count(*) FROM orders"); n != 1 {
+		t.Errorf("orders = %d, want 1", n)
+	}
+	var payload string
+	if err := db.Raw("SELECT payload->>'path' FROM outbox_messages WHERE id = ?", kept.ID).Scan(&payload).Error; err != nil || payload != `C:\u0000` {
+		t.Errorf("stored payload path = %q (%v), want C:\\u0000 as text; outbox rows: %d", payload, err, testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"))
+	}
+	if n := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); n != 1 {
+		t.Errorf("outbox rows = %d, want 1 (the message without a NUL)", n)
+	}
+}
+
 func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, 1) // a LISTEN connection of the test's own
