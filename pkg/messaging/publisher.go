@@ -31,8 +31,10 @@ var (
 )
 
 // ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
-// connection, the channel closed, the broker blocked the connection (a resource alarm), or no
-// confirm came within the timeout. It says nothing about the message itself, which may still
+// connection, the channel closed, the broker blocked the connection (a resource alarm), no
+// confirm came within the timeout, or the publisher cannot connect at all (its configuration
+// names no broker, or an app id AMQP cannot carry: [Publisher.Connect] reports those as they
+// are, not as this error). It says nothing about the message itself, which may still
 // have been delivered (at-least-once); the relay does not count it against the row.
 var ErrBrokerUnavailable = errors.New("broker unavailable")
 
@@ -108,6 +110,9 @@ func (p *Publisher) Connect(ctx context.Context) error {
 	defer p.mu.Unlock()
 	if err := ctx.Err(); err != nil {
 		return err
+	}
+	if err := p.cfg.check(); err != nil {
+		return err // the configuration's fault, which no broker can mend: not ErrBrokerUnavailable
 	}
 	s, err := p.sessionLocked()
 	if err != nil {
@@ -240,11 +245,22 @@ func (p *Publisher) sessionLocked() (*pubSession, error) {
 	return s, nil
 }
 
+// check finds what no broker can mend: Connect returns it as it is.
+func (c PublisherConfig) check() error {
+	if len(splitURLs(c.URL)) == 0 {
+		return errors.New("PublisherConfig.URL names no broker")
+	}
+	if len(c.AppID) > maxShortString {
+		return fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(c.AppID), maxShortString)
+	}
+	return nil
+}
+
 func (p *Publisher) open() (*pubSession, error) {
-	// Checked here, where an error is the broker being unavailable to this publisher: as a
+	// Checked here too, where an error is the broker being unavailable to this publisher: as a
 	// verdict on each message, it would charge every row for the configuration's fault.
-	if len(p.cfg.AppID) > maxShortString {
-		return nil, fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(p.cfg.AppID), maxShortString)
+	if err := p.cfg.check(); err != nil {
+		return nil, err
 	}
 	conn, err := dial(p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
 	if err != nil {
