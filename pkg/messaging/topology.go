@@ -46,9 +46,15 @@ type Binding struct {
 // ConsumerTopology is what one consumer needs on the broker: its own durable quorum queue
 // bound to what it handles, and a dead-letter queue next to it.
 type ConsumerTopology struct {
-	Queue         string
-	Bindings      []Binding
-	DeliveryLimit int // default DefaultDeliveryLimit; a Subscription of the queue never allows more
+	Queue    string
+	Bindings []Binding
+	// DeliveryLimit defaults to DefaultDeliveryLimit; a Subscription of the queue never allows
+	// more. It is one of the queue's arguments, which RabbitMQ fixes when the queue is first
+	// declared: a different one for a queue that exists is refused (PRECONDITION_FAILED,
+	// inequivalent arg 'x-delivery-limit'): publishers and consumers of that topology keep
+	// trying, logging the refusal, and do not start until the value is put back or the queue
+	// deleted and declared again.
+	DeliveryLimit int
 }
 
 // Arguments are the queue's x-arguments: a quorum queue with its delivery limit, whose rejected
@@ -72,8 +78,11 @@ func (t ConsumerTopology) deliveryLimit() int {
 	return DefaultDeliveryLimit
 }
 
-// DeadLetterArguments are the dead-letter queue's x-arguments: a quorum queue without a
-// delivery limit in practice (see deadLetterDeliveryLimit).
+// DeadLetterArguments are the dead-letter queue's x-arguments: a quorum queue whose delivery
+// limit is the largest 32-bit value, no limit in practice. Nothing consumes a dead-letter queue
+// but an operator listing it, and each listing hands the messages back, which RabbitMQ 4.0 to
+// 4.2 count against the limit (20 by default on 4.x). Not -1, which RabbitMQ 3.x reads as a
+// limit below every count.
 func (t ConsumerTopology) DeadLetterArguments() amqp.Table {
 	return amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, "x-delivery-limit": int32(deadLetterDeliveryLimit)}
 }

@@ -3,8 +3,9 @@
 // messaging.Enqueue writes into the caller's *sql.Tx.
 //
 // database/sql gives no access to PostgreSQL notifications, so a relay on this driver finds new
-// rows by polling (messaging.RelayConfig.PollInterval). To wake it at each commit instead, run
-// the relay on the pgxdriver module's pool.
+// rows by polling (messaging.RelayConfig.PollInterval), unless the adapter is given the
+// driver's own way to wait for one (Driver.WithNotifications: pgx's stdlib has it): the relay
+// then wakes at each commit of an Enqueue.
 package sqldriver
 
 import (
