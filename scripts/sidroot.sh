@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Newer servers than this machine's, without Docker: a Debian unstable root (debootstrap) with
-# RabbitMQ 4.3 and Prometheus 3.5 from Debian's own packages, run beside the machine's own
-# servers and never touching them. scripts/test.sh uses it to run the suite against the broker
-# compose ships.
+# Newer servers than this machine's, without Docker: a Debian root (debootstrap) with RabbitMQ
+# from Debian's own packages, run beside the machine's own servers and never touching them.
+# SIDROOT_SUITE picks the root:
+#   sid (default)  Debian unstable: RabbitMQ 4.3, the broker compose ships, and Prometheus 3.5;
+#                  scripts/test.sh runs the whole suite against it
+#   trixie         Debian 13: RabbitMQ 4.0, between the two; scripts/test.sh runs the library's
+#                  suite against it
 #
 #   scripts/sidroot.sh provision   make the root and install the packages, once: it is cached
 #                                  (SIDROOT_DIR) and a later call returns at once
-#   scripts/sidroot.sh start       provision if needed, then start the RabbitMQ 4.3 node on a
+#   scripts/sidroot.sh start       provision if needed, then start the root's RabbitMQ node on a
 #                                  fresh data directory and wait until it serves; prints the
 #                                  exports of `env`
 #   scripts/sidroot.sh stop        shut the node down and release the root's mounts
@@ -14,25 +17,31 @@
 #                                  TEST_RABBITMQCTL (how to run rabbitmqctl against it),
 #                                  TEST_SIDROOT, TEST_RABBITMQ_PROMETHEUS_URL
 #   scripts/sidroot.sh ctl ARGS    rabbitmqctl against the node
-#   scripts/sidroot.sh version     the RabbitMQ and Prometheus versions installed
+#   scripts/sidroot.sh version     the RabbitMQ (and Prometheus) versions installed
 #
-# The node is rabbit43@localhost: AMQP on 127.0.0.1:SIDROOT_AMQP_PORT (default 5674),
-# distribution on that port + 20000, its Prometheus endpoint on 127.0.0.1:SIDROOT_METRICS_PORT
-# (default 15694), registered with the machine's epmd (or its own, if none runs). guest/guest
-# works from loopback. Needs root (debootstrap, chroot, mount) and, for the first provisioning,
-# Debian's package mirror (about a minute, and about 800 MB on disk).
+# The node is rabbit43@localhost (sid) or rabbit40@localhost (trixie): AMQP on
+# 127.0.0.1:SIDROOT_AMQP_PORT (default 5674, trixie 5675), distribution on that port + 20000,
+# its Prometheus endpoint on 127.0.0.1:SIDROOT_METRICS_PORT (default 15694, trixie 15695),
+# registered with the machine's epmd (or its own, if none runs). guest/guest works from
+# loopback. Needs root (debootstrap, chroot, mount) and, for the first provisioning, Debian's
+# package mirror (about a minute, and about 800 MB on disk).
 set -euo pipefail
-
-root=${SIDROOT_DIR:-/var/cache/outbox-inbox/debian-sid}
-amqp_port=${SIDROOT_AMQP_PORT:-5674}
-metrics_port=${SIDROOT_METRICS_PORT:-15694}
-node=rabbit43@localhost
-packages="rabbitmq-server prometheus"
-marker="$root/.outbox-inbox-provisioned"
-here=$(cd "$(dirname "$0")" && pwd)
 
 die() { printf 'scripts/sidroot.sh: %s\n' "$*" >&2; exit 1; }
 say() { printf 'sidroot: %s\n' "$*" >&2; }
+
+suite=${SIDROOT_SUITE:-sid}
+case "$suite" in
+  sid) node=rabbit43@localhost port=5674 packages="rabbitmq-server prometheus" ;;
+  trixie) node=rabbit40@localhost port=5675 packages="rabbitmq-server" ;;
+  *) die "SIDROOT_SUITE=$suite: want sid (RabbitMQ 4.3 and Prometheus) or trixie (RabbitMQ 4.0)" ;;
+esac
+root=${SIDROOT_DIR:-/var/cache/outbox-inbox/debian-$suite}
+amqp_port=${SIDROOT_AMQP_PORT:-$port}
+metrics_port=${SIDROOT_METRICS_PORT:-$((port + 10020))}
+marker="$root/.outbox-inbox-provisioned"
+here=$(cd "$(dirname "$0")" && pwd)
+
 [ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot and mount)"
 
 # in_root runs a command inside the root, as root, with the node's home.
@@ -55,8 +64,8 @@ provision() {
   release
   rm -rf "$root"
   mkdir -p "$(dirname "$root")"
-  say "making a Debian unstable root in $root (debootstrap, about a minute)"
-  debootstrap --variant=minbase sid "$root" >"$root.log" 2>&1 ||
+  say "making a Debian $suite root in $root (debootstrap, about a minute)"
+  debootstrap --variant=minbase "$suite" "$root" >"$root.log" 2>&1 ||
     die "debootstrap failed; see $root.log"
   # No package may start a service inside the root: the node is started by this script only.
   printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
@@ -135,13 +144,13 @@ release() {
 
 env_lines() {
   printf 'export TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:%s/\n' "$amqp_port"
-  printf 'export TEST_RABBITMQCTL="%s ctl"\n' "$here/sidroot.sh"
+  printf 'export TEST_RABBITMQCTL="env SIDROOT_SUITE=%s SIDROOT_DIR=%s %s ctl"\n' "$suite" "$root" "$here/sidroot.sh"
   printf 'export TEST_SIDROOT=%s\n' "$root"
   printf 'export TEST_RABBITMQ_PROMETHEUS_URL=http://127.0.0.1:%s/metrics\n' "$metrics_port"
 }
 
 version() {
-  in_root dpkg-query -W -f '${Package} ${Version}\n' rabbitmq-server prometheus erlang-base
+  in_root dpkg-query -W -f '${Package} ${Version}\n' $packages erlang-base
 }
 
 case "${1:-}" in

@@ -7,9 +7,10 @@
 #   1. the whole suite against RabbitMQ 4.3, the broker compose ships: a node of its own that
 #      scripts/sidroot.sh provisions (once, cached) and starts beside the machine's;
 #   2. the library's suite (pkg/messaging/...) against the machine's RabbitMQ (3.10 here),
-#      the oldest broker the library supports;
+#      the oldest broker the library supports, and against RabbitMQ 4.0 (Debian 13's, started
+#      the same way), between the two;
 #   3. alone, the tests that restart the real servers, against each broker in turn.
-# In compose mode (TEST_SERVERS=compose) compose's test broker (4.3) stands in for both.
+# In compose mode (TEST_SERVERS=compose) compose's test broker (4.3) stands in for all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -141,20 +142,22 @@ say "promtool: Prometheus configuration, alert rules and their tests"
 report="$(mktemp -d)"
 go build -o "$report/testreport" ./internal/testreport
 
-# broker_env NAME: the environment of the tests against broker NAME (4.3 or machine).
 machine_amqp_url=$TEST_AMQP_URL
 sidroot_env=""
+trixie_env=""
 if [ "$mode" = local ]; then
   say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
   sidroot_env=$(scripts/sidroot.sh start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
-  trap 'scripts/sidroot.sh stop; rm -rf "$report"' EXIT
+  trap 'scripts/sidroot.sh stop; SIDROOT_SUITE=trixie scripts/sidroot.sh stop; rm -rf "$report"' EXIT
   say "$(scripts/sidroot.sh version | tr '\n' ' ')"
 else
   trap 'rm -rf "$report"' EXIT
 fi
-with_broker() { # with_broker 4.3|machine COMMAND...
+with_broker() { # with_broker 4.3|4.0|machine COMMAND...
   if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
     (eval "$sidroot_env"; shift; "$@")
+  elif [ "$1" = 4.0 ]; then
+    (eval "$trixie_env"; shift; "$@")
   else
     (export TEST_AMQP_URL="$machine_amqp_url"; unset TEST_RABBITMQCTL; shift; "$@")
   fi
@@ -173,6 +176,11 @@ suite 4.3 ./... "$library_packages" "$example_packages"
 if [ "$mode" = local ]; then
   say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
   suite machine $library_packages
+  say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"
+  trixie_env=$(SIDROOT_SUITE=trixie scripts/sidroot.sh start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
+  say "$(SIDROOT_SUITE=trixie scripts/sidroot.sh version | tr '\n' ' ')"
+  say "go test -race, the library's suite, against RabbitMQ 4.0"
+  suite 4.0 $library_packages
 fi
 
 say "go test -fuzz (order command decoder and validator, briefly)"
@@ -183,9 +191,9 @@ go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" .
 # TEST_SERVER_RESTARTS, whatever their names, and each must run here. They start the servers
 # again in their cleanup; we check once more anyway.
 status=0
-for broker in 4.3 machine; do
+for broker in 4.3 4.0 machine; do
   [ -f "$report/restarts-$broker" ] || continue
-  say "go test -race (server restarts, alone), against $( [ "$broker" = 4.3 ] && echo "RabbitMQ 4.3" || echo "the machine's RabbitMQ")"
+  say "go test -race (server restarts, alone), against $( [ "$broker" = machine ] && echo "the machine's RabbitMQ" || echo "RabbitMQ $broker")"
   [ -s "$report/restarts-$broker" ] || die "the parallel phase against $broker skipped no server-restart test: were they renamed or removed?"
   while read -r pkg pattern; do
     want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')
