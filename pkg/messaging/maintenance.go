@@ -23,11 +23,16 @@ type OutboxStats struct {
 	Parked        int64         // rows parked by an operator ([ParkOutboxMessage])
 }
 
-// ReadOutboxStats reads OutboxStats. It only touches unsent rows, through the partial index.
+// ReadOutboxStats reads OutboxStats, exactly: it reads every unsent row (0.3-0.4 s for 3
+// million). [RegisterOutboxStats]'s gauges read the oldest rows only.
 func ReadOutboxStats(ctx context.Context, db Executor) (OutboxStats, error) {
+	return readOutboxStats(ctx, db, statements.OutboxStats)
+}
+
+func readOutboxStats(ctx context.Context, db Executor, query string, args ...any) (OutboxStats, error) {
 	var s OutboxStats
 	var oldestSeconds float64
-	err := queryRow(ctx, db, []any{&s.Pending, &oldestSeconds, &s.MaxAttempts, &s.Parked}, statements.OutboxStats)
+	err := queryRow(ctx, db, []any{&s.Pending, &oldestSeconds, &s.MaxAttempts, &s.Parked}, query, args...)
 	if err != nil {
 		return OutboxStats{}, fmt.Errorf("read outbox stats: %w", err)
 	}

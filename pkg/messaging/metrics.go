@@ -9,6 +9,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/singleflight"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
 // Metrics holds the package's Prometheus collectors. Give one to the relay, consumers and
@@ -196,23 +198,31 @@ func (m *Metrics) recordCleanupDeleted(table string, n int64) {
 }
 
 // RegisterOutboxStats registers gauges read from outbox_messages at every scrape (see
-// [ReadOutboxStats]): the backlog, its oldest row's age, and the most attempts of any unsent
-// row, parked rows aside, and how many rows are parked. Alert when the age keeps growing or the
+// [OutboxStats]): the backlog, its oldest row's age, and the most attempts of any unsent row,
+// parked rows aside, and how many rows are parked. Alert when the age keeps growing or the
 // attempts pass a threshold; a parked row is an operator's decision, shown apart so that it
-// neither keeps those alerts firing nor drops out of view. A query that fails or
-// takes more than a second drops only these gauges from that scrape, counts itself in
-// outbox_stats_errors_total and logs why; the rest of the scrape is served. Names are prefixed
-// with namespace as in [NewMetrics].
+// neither keeps those alerts firing nor drops out of view.
+//
+// Each scrape reads the oldest 100,000 unsent rows at most, so that it costs the same at any
+// backlog (40-55 ms): the oldest row's age is exact, the counts stop at 100,000, and the
+// attempts are those of the rows read. An exact count of millions of rows outlasts the query's
+// timeout, and the gauges would drop out while the backlog is largest;
+// [ReadOutboxStats] counts them all. A query that fails or takes more than a second drops only
+// these gauges from that scrape, counts itself in outbox_stats_errors_total and logs why; the
+// rest of the scrape is served. Names are prefixed with namespace as in [NewMetrics].
 func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log *slog.Logger) error {
 	if log == nil {
 		log = slog.Default()
 	}
 	name := func(n string) string { return prometheus.BuildFQName(namespace, "", n) }
 	return registerAll(reg, &outboxStatsCollector{db: db, log: log,
-		pending: prometheus.NewDesc(name("outbox_pending_messages"), "Outbox messages not yet sent, parked ones aside.", nil, nil),
-		oldest:  prometheus.NewDesc(name("outbox_oldest_pending_age_seconds"), "Age of the oldest unsent outbox message, parked ones aside.", nil, nil),
-		attempt: prometheus.NewDesc(name("outbox_max_attempts"), "Most failed publish attempts of any unsent outbox message, parked ones aside.", nil, nil),
-		parked:  prometheus.NewDesc(name("outbox_parked_messages"), "Outbox messages an operator parked: unsent, and never sent until unparked.", nil, nil),
+		pending: prometheus.NewDesc(name("outbox_pending_messages"),
+			fmt.Sprintf("Outbox messages not yet sent, parked ones aside (counted up to %d).", statsHead), nil, nil),
+		oldest: prometheus.NewDesc(name("outbox_oldest_pending_age_seconds"), "Age of the oldest unsent outbox message, parked ones aside.", nil, nil),
+		attempt: prometheus.NewDesc(name("outbox_max_attempts"),
+			fmt.Sprintf("Most failed publish attempts of any unsent outbox message, parked ones aside (of the oldest %d).", statsHead), nil, nil),
+		parked: prometheus.NewDesc(name("outbox_parked_messages"),
+			fmt.Sprintf("Outbox messages an operator parked: unsent, and never sent until unparked (counted up to %d).", statsHead), nil, nil),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace,
 			Name:      "outbox_stats_errors_total",
@@ -222,10 +232,12 @@ func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log
 }
 
 // statsStatementTimeout bounds the backlog query, well inside Prometheus's scrape timeout
-// (10 s by default); statsTimeout also covers waiting for a pool connection.
+// (10 s by default); statsTimeout also covers waiting for a pool connection. statsHead is how
+// many of the oldest unsent rows the gauges read.
 const (
 	statsStatementTimeout = time.Second
 	statsTimeout          = 2 * time.Second
+	statsHead             = 100_000
 )
 
 type outboxStatsCollector struct {
@@ -282,5 +294,10 @@ func (c *outboxStatsCollector) read() (s OutboxStats, err error) {
 	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL statement_timeout = %d", statsStatementTimeout.Milliseconds())); err != nil {
 		return s, fmt.Errorf("set statement_timeout: %w", err)
 	}
-	return ReadOutboxStats(ctx, tx)
+	// The claim's plan settings: the oldest rows along the partial index, never a scan and
+	// sort of the table, whatever its statistics say.
+	if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
+		return s, fmt.Errorf("read outbox stats: plan settings: %w", err)
+	}
+	return readOutboxStats(ctx, tx, statements.OutboxStatsHead, statsHead)
 }

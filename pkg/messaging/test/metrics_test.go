@@ -50,8 +50,8 @@ func TestMetricsExportEverySeriesAtZeroFromTheStart(t *testing.T) {
 	}
 }
 
-// metricValue is the value of the counter, or the count of the histogram, named name whose
-// labels include labels, or 0 when there is none.
+// metricValue is the value of the counter or gauge, or the count of the histogram, named name
+// whose labels include labels, or 0 when there is none.
 func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
 	t.Helper()
 	families, err := reg.Gather()
@@ -75,6 +75,9 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 			}
 			if h := m.GetHistogram(); h != nil {
 				return float64(h.GetSampleCount())
+			}
+			if g := m.GetGauge(); g != nil {
+				return g.GetValue()
 			}
 			return m.GetCounter().GetValue()
 		}

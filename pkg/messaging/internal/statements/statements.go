@@ -94,13 +94,27 @@ const (
        nullif(next_attempt_at, 'infinity'), exchange, routing_key, parked_at, parked_reason`
 
 	// OutboxStats reads the backlog: how many rows wait, the age of the oldest, the most
-	// attempts of any, parked rows aside, and how many are parked. One pass through the partial
-	// index of unsent rows.
-	OutboxStats = `SELECT count(*) FILTER (WHERE parked_at IS NULL),
+	// attempts of any, parked rows aside, and how many are parked. One pass over every unsent
+	// row.
+	OutboxStats = `SELECT ` + outboxStatsColumns + `
+FROM outbox_messages WHERE processed_at IS NULL`
+
+	// OutboxStatsHead reads the same of the $1 oldest unsent rows only, walking the partial
+	// index in order (under ClaimPlan's settings): it costs the same however large the backlog.
+	// The oldest row's age is exact; the counts stop at $1, and the attempts are the oldest
+	// rows'.
+	OutboxStatsHead = `WITH head AS (
+    SELECT occurred_at, attempts, parked_at FROM outbox_messages
+    WHERE processed_at IS NULL
+    ORDER BY occurred_at, id
+    LIMIT $1)
+SELECT ` + outboxStatsColumns + `
+FROM head`
+
+	outboxStatsColumns = `count(*) FILTER (WHERE parked_at IS NULL),
        coalesce(extract(epoch FROM now() - min(occurred_at) FILTER (WHERE parked_at IS NULL)), 0)::float8,
        coalesce(max(attempts) FILTER (WHERE parked_at IS NULL), 0),
-       count(*) FILTER (WHERE parked_at IS NOT NULL)
-FROM outbox_messages WHERE processed_at IS NULL`
+       count(*) FILTER (WHERE parked_at IS NOT NULL)`
 
 	// FailingOutbox lists up to $1 unsent rows the broker refused, parked ones aside, latest
 	// next attempt first.
