@@ -221,8 +221,8 @@ confirmed its copy; the others are handed back in their order.
 
 It takes the messages it looks at unacknowledged (all that wait, or the first --limit), picks
 those it would move, and moves exactly those: with --dry-run it only lists them. When more
-than one would move it asks on a terminal first, holding them meanwhile, and without one
-refuses unless given --yes. A --limit that leaves messages behind may move those it looked at
+than one would move it asks on a terminal first, holding them meanwhile; without one (a
+script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves messages behind may move those it looked at
 and kept back in the queue (see dlq list --help).
 
 Exit status 3: --id, --type or --reason match no message (of the first --limit). Messages
@@ -276,7 +276,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 				return err
 			}
 		}
-		return c.confirm(ctx, yes, fmt.Sprintf("move these %d messages from %s back to %s", len(p), dlq, queue))
+		return c.confirmBulk(ctx, yes, fmt.Sprintf("move these %d messages from %s back to %s", len(p), dlq, queue))
 	}}
 	if f.any() {
 		sel.Match = f.match

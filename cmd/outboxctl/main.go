@@ -18,8 +18,9 @@
 // DATABASE_URL and --amqp to AMQP_URL, so in a service's container it needs neither; flags may
 // come before or after QUEUE. A command that changes anything shows what it would do with
 // --dry-run, and changes nothing then. One that would act on more than one item, or delete a
-// message, asks first on a terminal, and without one refuses unless given --yes. No URL it
-// prints shows a password.
+// message, asks first on a terminal. Without one, as in a script, a retry or a redrive goes on
+// (it loses nothing: the inbox skips what was handled already), and a drop refuses unless
+// given --yes. No URL it prints shows a password.
 //
 // Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line; 3 nothing
 // matched (no such row or message, or not in a state the command acts on; inbox show: no
@@ -77,7 +78,8 @@ const exitStatusHelp = `Exit status:
   2  a mistake in the command line
   3  nothing matched: no such row or message, or not in a state the command acts on
      (inbox show: no record of the message)
-  4  not confirmed: declined at the prompt, or no terminal to ask on and no --yes; nothing changed`
+  4  not confirmed: declined at the prompt, or a drop with no terminal to ask on and no --yes;
+     nothing changed`
 
 // usageTemplate is cobra's, but for the root it lists every command with its flags, and ends
 // with the exit statuses; a command that holds others shows no line of its own.
@@ -205,8 +207,9 @@ func newRoot(s streams) *cobra.Command {
 DATABASE_URL) and for the dead-letter queues of its consumers (on the broker, --amqp or
 AMQP_URL). Every command takes -o json. A command that changes anything shows what it would do
 with --dry-run and changes nothing then; one that would act on more than one item, or delete a
-message, asks first on a terminal, and without one refuses unless given --yes. Flags may come
-before or after QUEUE. No URL it prints shows a password.`,
+message, asks first on a terminal. Without one (a script), retry and dlq redrive go on, since
+they lose nothing (the inbox skips what was handled already), and a drop refuses unless given
+--yes. Flags may come before or after QUEUE. No URL it prints shows a password.`,
 		Version:       readVersion().String(),
 		SilenceErrors: true,
 		SilenceUsage:  true,
@@ -296,8 +299,20 @@ func group(use, short string, children ...*cobra.Command) *cobra.Command {
 	return cmd
 }
 
+// confirmBulk is confirm for an action on many items that loses nothing if it was not meant (a
+// retry, a redrive: the inbox skips what was handled already). Without a terminal to ask on, as
+// in a script that runs the plain command, it goes on, and says so on stderr.
+func (c *cli) confirmBulk(ctx context.Context, yes bool, question string) error {
+	if !yes && !c.interactive {
+		fmt.Fprintf(c.err, "%s: no terminal to ask on; going on (--dry-run lists them first)\n", question)
+		return nil
+	}
+	return c.confirm(ctx, yes, question)
+}
+
 // confirm returns nil if the action may go on: --yes was given, or the person at the terminal
-// answered yes to question. Without a terminal it refuses, with errNotConfirmed.
+// answered yes to question. Without a terminal it refuses, with errNotConfirmed: for an action
+// that cannot be undone.
 func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
 	if yes {
 		return nil

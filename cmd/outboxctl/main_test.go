@@ -275,8 +275,8 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 	}
 }
 
-// The built binary: its exit statuses, its version, and, with no terminal on stdin, a refusal
-// to act on more than one row without --yes.
+// The built binary: its exit statuses, its version, and, with no terminal on stdin, a drop
+// refused without --yes and a retry of more than one row done.
 func TestBinary(t *testing.T) {
 	t.Parallel()
 	bin := filepath.Join(t.TempDir(), "outboxctl")
@@ -313,12 +313,16 @@ func TestBinary(t *testing.T) {
 	fail(t, d.DB, ids[0], 3, "message nacked by the broker")
 	fail(t, d.DB, ids[1], 3, "message nacked by the broker")
 	before := outboxState(t, d)
-	out, err = exec.Command(bin, "retry", "--db", d.URL).CombinedOutput()
+	out, err = exec.Command(bin, "outbox", "drop", "--id", ids[0].String(), "--db", d.URL).CombinedOutput()
 	if exitOf(err) != exitNotConfirmed || !strings.Contains(string(out), "no terminal to ask on") || !strings.Contains(string(out), "--yes") {
-		t.Errorf("retry of 2 rows without a terminal: %v, %q; want exit 4 asking for --yes", err, out)
+		t.Errorf("drop without a terminal: %v, %q; want exit 4 asking for --yes", err, out)
 	}
 	if after := outboxState(t, d); after != before {
-		t.Errorf("a refused retry changed the outbox:\n%s\n%s", before, after)
+		t.Errorf("a refused drop changed the outbox:\n%s\n%s", before, after)
+	}
+	out, err = exec.Command(bin, "retry", "--db", d.URL).CombinedOutput()
+	if exitOf(err) != 0 || !strings.Contains(string(out), "2 failed outbox rows were waiting") {
+		t.Errorf("retry of 2 rows without a terminal: %v, %q; want both retried", err, out)
 	}
 
 	// --version says what the go command recorded: the revision, where it stamped one (not in

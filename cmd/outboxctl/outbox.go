@@ -135,8 +135,8 @@ off from where it was, and outbox_max_attempts counts it until it is sent. Parke
 alone (outboxctl outbox unpark sends one).
 
 It lists the rows first, and retries exactly those. With --dry-run it only lists them. When
-more than one row would be retried it asks on a terminal, and without one refuses unless
-given --yes.
+more than one row would be retried it asks on a terminal; without one (a script) it goes on: a
+retry loses nothing.
 
 Exit status 3: --id names no unsent row, or a parked one; or --type matches no waiting row.`,
 		Example: `  outboxctl retry --dry-run
@@ -237,7 +237,7 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 		}
 	}
 	if len(rows) > 1 {
-		if err := c.confirm(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(rows))); err != nil {
+		if err := c.confirmBulk(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(rows))); err != nil {
 			return err
 		}
 	}
