@@ -84,7 +84,7 @@ func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, 
 		return err
 	}
 	router := NewRouter(log, b.Registry, b.ConsumerReady(sub))
-	b.API(router).Get(path, ListByOrder(log, func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error) {
+	b.API(router).Get(path, ListByOrder(log, func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error) {
 		return ListRecent[T](ctx, b.DB, orderID, limit)
 	}))
 	workers = append(workers, sub.Run, b.InboxCleanup(log, s.InboxRetention), b.Profiler(), b.Admission.Run)

@@ -250,22 +250,23 @@ func NewServer(addr string, h http.Handler) *http.Server {
 
 // ListByOrder serves a list endpoint such as GET /invoices: ?order_id= (a UUID) selects one
 // order's items, otherwise the most recent come first; ?limit= caps them (default 100, at most
-// 1000).
-func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
+// 1000). A parameter given empty is a 400, not a missing one: a script whose variable is unset
+// must not get every order's items for one order's.
+func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		q := r.URL.Query()
-		var orderID uuid.UUID
-		if v := q.Get("order_id"); v != "" {
-			id, err := uuid.Parse(v)
+		var orderID *uuid.UUID
+		if q.Has("order_id") {
+			id, err := uuid.Parse(q.Get("order_id"))
 			if err != nil {
 				WriteProblem(w, http.StatusBadRequest, "order_id must be a UUID")
 				return
 			}
-			orderID = id
+			orderID = &id
 		}
 		limit := 100
-		if v := q.Get("limit"); v != "" {
-			n, err := strconv.Atoi(v)
+		if q.Has("limit") {
+			n, err := strconv.Atoi(q.Get("limit"))
 			if err != nil || n < 1 || n > 1000 {
 				WriteProblem(w, http.StatusBadRequest, "limit must be an integer from 1 to 1000")
 				return
@@ -287,10 +288,10 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 
 // ListRecent loads rows of T (a table with order_id, created_at and id columns), newest
 // first: those of one order, or all when orderID is nil.
-func ListRecent[T any](ctx context.Context, db *gorm.DB, orderID uuid.UUID, limit int) ([]T, error) {
+func ListRecent[T any](ctx context.Context, db *gorm.DB, orderID *uuid.UUID, limit int) ([]T, error) {
 	q := db.WithContext(ctx).Order("created_at DESC, id DESC").Limit(limit)
-	if orderID != uuid.Nil {
-		q = q.Where("order_id = ?", orderID)
+	if orderID != nil {
+		q = q.Where("order_id = ?", *orderID)
 	}
 	rows := []T{}
 	if err := q.Find(&rows).Error; err != nil {

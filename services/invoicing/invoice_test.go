@@ -151,7 +151,7 @@ func TestListInvoices(t *testing.T) {
 	}
 	log, _ := testenv.NewLogger(t)
 	router := platform.NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil })
-	router.Get("/invoices", platform.ListByOrder(log, func(ctx context.Context, id uuid.UUID, limit int) ([]Invoice, error) {
+	router.Get("/invoices", platform.ListByOrder(log, func(ctx context.Context, id *uuid.UUID, limit int) ([]Invoice, error) {
 		return platform.ListRecent[Invoice](ctx, b.db, id, limit)
 	}))
 	srv := httptest.NewServer(router)
@@ -177,10 +177,13 @@ func TestListInvoices(t *testing.T) {
 	if status, list := get(""); status != 200 || len(list) != 3 || list[0].CreatedAt.Before(list[2].CreatedAt) {
 		t.Fatalf("recent: %d %+v, want 3 newest first", status, list)
 	}
-	if status, list := get("?order_id=" + uuid.NewString()); status != 200 || list == nil || len(list) != 0 {
-		t.Fatalf("unknown order: %d %+v, want an empty array", status, list)
+	for _, unknown := range []string{uuid.NewString(), uuid.Nil.String()} {
+		if status, list := get("?order_id=" + unknown); status != 200 || list == nil || len(list) != 0 {
+			t.Fatalf("order %s: %d %+v, want an empty array", unknown, status, list)
+		}
 	}
-	for _, q := range []string{"?order_id=nope", "?limit=0", "?limit=x"} {
+	// Given empty, as by a script whose variable is unset: an error, not every order's invoices.
+	for _, q := range []string{"?order_id=nope", "?order_id=", "?limit=0", "?limit=x", "?limit="} {
 		if status, _ := get(q); status != 400 {
 			t.Errorf("%s: status %d, want 400", q, status)
 		}
