@@ -6,18 +6,26 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"reflect"
 )
 
 // MaxBodyBytes is the largest request body accepted (413 beyond).
 const MaxBodyBytes = 1 << 20
 
-// DecodeError is a request body that cannot become a command; Status is its HTTP status.
+// DecodeError is a request body that cannot become a command; Status is its HTTP status. Field
+// names the field whose value has the wrong JSON type, if that is the fault.
 type DecodeError struct {
 	Status int
 	Detail string
+	Field  string
 }
 
-func (e *DecodeError) Error() string { return e.Detail }
+func (e *DecodeError) Error() string {
+	if e.Field != "" {
+		return e.Field + ": " + e.Detail
+	}
+	return e.Detail
+}
 
 // DecodePlaceOrder reads a place-order command strictly: one JSON object, no unknown fields,
 // no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
@@ -49,7 +57,7 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 		if errors.As(err, &tooLarge) {
 			return zero, decodeError(err)
 		}
-		return zero, &DecodeError{http.StatusBadRequest, "body must hold a single JSON object"}
+		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "body must hold a single JSON object"}
 	}
 	return cmd, nil
 }
@@ -62,21 +70,40 @@ func decodeError(err error) *DecodeError {
 	)
 	switch {
 	case errors.As(err, &tooLarge):
-		return &DecodeError{http.StatusRequestEntityTooLarge, fmt.Sprintf("body exceeds %d bytes", tooLarge.Limit)}
+		return &DecodeError{Status: http.StatusRequestEntityTooLarge, Detail: fmt.Sprintf("body exceeds %d bytes", tooLarge.Limit)}
 	case errors.As(err, &syntax):
-		return &DecodeError{http.StatusBadRequest, fmt.Sprintf("malformed JSON at byte %d", syntax.Offset)}
+		return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("malformed JSON at byte %d", syntax.Offset)}
 	case errors.Is(err, io.EOF):
-		return &DecodeError{http.StatusBadRequest, emptyBody}
+		return &DecodeError{Status: http.StatusBadRequest, Detail: emptyBody}
 	case errors.Is(err, io.ErrUnexpectedEOF):
-		return &DecodeError{http.StatusBadRequest, "malformed JSON: unexpected end"}
+		return &DecodeError{Status: http.StatusBadRequest, Detail: "malformed JSON: unexpected end"}
 	case errors.As(err, &typ):
-		field := typ.Field
-		if field == "" {
-			field = "body"
+		want := expectedJSON(typ.Type)
+		if typ.Field == "" {
+			return &DecodeError{Status: http.StatusUnprocessableEntity, Detail: fmt.Sprintf("the body must be %s, got JSON %s", want, typ.Value)}
 		}
-		return &DecodeError{http.StatusUnprocessableEntity, fmt.Sprintf("%s: expected %s, got JSON %s", field, typ.Type, typ.Value)}
+		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: typ.Field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, typ.Value)}
 	default:
 		// Unknown fields ("json: unknown field \"x\"") and other shape errors.
-		return &DecodeError{http.StatusBadRequest, err.Error()}
+		return &DecodeError{Status: http.StatusBadRequest, Detail: err.Error()}
+	}
+}
+
+// expectedJSON says in JSON's terms what a value of Go type t must be, without naming Go types.
+func expectedJSON(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "a whole number"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	default:
+		return "an object"
 	}
 }

@@ -136,9 +136,12 @@ func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, b
 	cmd, err := decode(body)
 	if err != nil {
 		var de *DecodeError
-		if errors.As(err, &de) {
+		switch {
+		case errors.As(err, &de) && de.Field != "":
+			platform.WriteProblem(w, de.Status, invalid, platform.FieldError{Field: de.Field, Message: de.Detail})
+		case errors.As(err, &de):
 			platform.WriteProblem(w, de.Status, de.Detail)
-		} else {
+		default:
 			platform.WriteProblem(w, http.StatusBadRequest, "unreadable body")
 		}
 		return cmd, false

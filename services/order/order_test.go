@@ -230,6 +230,29 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	}
 }
 
+// A value of the wrong JSON type is a 422 whose errors array names the field and says, in
+// JSON's terms, what it must be: no Go type names.
+func TestWrongJSONTypesNameTheirField(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for body, want := range map[string]platform.FieldError{
+		`{"customer_id":5,"lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`:      {Field: "customer_id", Message: "must be a string, got JSON number"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:  {Field: "lines.quantity", Message: "must be a whole number, got JSON number 1.5"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`: {Field: "lines.unit_price_cents", Message: "must be a whole number, got JSON number 1e20"},
+		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:      {Field: "lines", Message: "must be an array, got JSON object"},
+	} {
+		resp, raw := b.post(t, body, "application/json", "")
+		var p platform.Problem
+		if resp.StatusCode != http.StatusUnprocessableEntity || json.Unmarshal(raw, &p) != nil || len(p.Errors) != 1 || p.Errors[0] != want ||
+			strings.Contains(string(raw), "main.") || strings.Contains(string(raw), "int64") {
+			t.Errorf("%s: %d %s, want 422 with errors [%+v]", body, resp.StatusCode, raw, want)
+		}
+	}
+	if c := b.counts(t); c != [3]int64{0, 0, 0} {
+		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
+	}
+}
+
 func TestIdempotencyKeyReturnsTheFirstOrder(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
