@@ -126,9 +126,9 @@ those of the first --limit that match.
 AMQP cannot peek: it takes those messages unacknowledged (never more than --limit at once) and
 hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery limit
 to spend. When --limit took the whole queue, its order is unchanged; when more messages wait
-beyond, those shown may move back in the queue (a quorum queue on RabbitMQ 4.x puts messages
-handed back behind those handed back before; on 3.10 they were seen to keep their place), so
-the next listing may start further on. Messages another client holds at that moment are not shown.`,
+beyond, those shown may move back in the queue (a quorum queue may put messages handed back
+behind the others: seen on RabbitMQ 3.10 and 4.x alike), so the next listing may start
+further on. Messages another client holds at that moment are not shown.`,
 		Example: `  outboxctl dlq list invoicing
   outboxctl dlq list invoicing --type OrderPlaced --reason "price list" --show-body
   outboxctl dlq list invoicing --limit 1000 -o json`,
@@ -340,7 +340,7 @@ func (c *cli) dlqDropCommand() *cobra.Command {
 	var amqpFlag, idFlag string
 	var withoutID, dryRun, yes bool
 	cmd := &cobra.Command{
-		Use:   "drop QUEUE --id ID",
+		Use:   "drop QUEUE (--id ID | --without-id)",
 		Short: "remove one message from QUEUE.dlq for good",
 		Long: `drop removes the message with --id from QUEUE's dead-letter queue, for good, and leaves the
 others there in their order: for a message no consumer must ever handle (a producer's bug),

@@ -10,8 +10,8 @@
 //	outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]
 //	outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
 //	outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
-//	outboxctl dlq redrive QUEUE [--id UUID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
-//	outboxctl dlq drop QUEUE --id UUID [--dry-run] [--yes] [--amqp URL]
+//	outboxctl dlq redrive QUEUE [--id ID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
+//	outboxctl dlq drop QUEUE (--id ID | --without-id) [--dry-run] [--yes] [--amqp URL]
 //	outboxctl version
 //
 // Every command takes -o json for output a script reads, and --help. --db defaults to
@@ -68,8 +68,8 @@ const synopsis = `  outboxctl status [--db URL]
   outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]
   outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
   outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
-  outboxctl dlq redrive QUEUE [--id UUID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
-  outboxctl dlq drop QUEUE --id UUID [--dry-run] [--yes] [--amqp URL]
+  outboxctl dlq redrive QUEUE [--id ID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
+  outboxctl dlq drop QUEUE (--id ID | --without-id) [--dry-run] [--yes] [--amqp URL]
   outboxctl version`
 
 const exitStatusHelp = `Exit status:
@@ -237,7 +237,7 @@ they lose nothing (the inbox skips what was handled already), and a drop refuses
 	root.SetIn(s.in)
 	root.SetOut(s.out)
 	root.SetErr(s.err)
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err.Error()} })
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{withTwoDashes(err.Error())} })
 	root.CompletionOptions.DisableDefaultCmd = true
 	c := &cli{streams: s, format: &format}
 	root.AddCommand(c.statusCommand(), c.retryCommand(), c.outboxCommand(), c.inboxCommand(), c.dlqCommand(), c.versionCommand())
@@ -297,6 +297,20 @@ func group(use, short string, children ...*cobra.Command) *cobra.Command {
 	}
 	cmd.AddCommand(children...)
 	return cmd
+}
+
+// withTwoDashes adds what was meant to pflag's "unknown shorthand flag: 'd' in -db": a long
+// flag with one dash, as Go's flag package (and earlier versions of outboxctl) took it.
+func withTwoDashes(msg string) string {
+	i := strings.LastIndex(msg, " in -")
+	if !strings.HasPrefix(msg, "unknown shorthand flag: ") || i < 0 {
+		return msg
+	}
+	name, _, _ := strings.Cut(msg[i+len(" in -"):], "=")
+	if len(name) < 2 {
+		return msg
+	}
+	return msg + "; a long flag takes two dashes: --" + name
 }
 
 // confirmBulk is confirm for an action on many items that loses nothing if it was not meant (a

@@ -167,6 +167,10 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 			t.Errorf("outboxctl %q: exit %d, stdout %q, stderr %q; want 2 with the usage on stderr", args, code, stdout, stderr)
 		}
 	}
+	// Go's flag package took -db for --db: say what was meant.
+	if code, _, stderr := ctl(t, "status", "-db", db); code != 2 || !strings.Contains(stderr, "a long flag takes two dashes: --db") {
+		t.Errorf("outboxctl status -db: exit %d, stderr %q; want 2 saying --db", code, stderr)
+	}
 }
 
 // --help, of outboxctl and of each command, and the help command, print that command's help
@@ -192,7 +196,7 @@ func TestHelpOfEachCommand(t *testing.T) {
 		{[]string{"inbox", "show", "--help"}, []string{"outboxctl inbox show --id UUID [flags]", "--consumer string", "status 3"}},
 		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default 100)"}},
 		{[]string{"dlq", "redrive", "invoicing", "--help"}, []string{"outboxctl dlq redrive QUEUE [flags]", "--reason string", "--dry-run"}},
-		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE --id ID [flags]", "purge_queue"}},
+		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE (--id ID | --without-id) [flags]", "purge_queue"}},
 		{[]string{"version", "--help"}, []string{"outboxctl version [flags]", "-buildvcs"}},
 	} {
 		out := ok(t, tc.args...)

@@ -51,8 +51,8 @@ var deadLetterHeaders = []string{
 // client holds unacknowledged at the time are not listed.
 //
 // A listing of the whole queue leaves it in its order. One of fewer messages than wait may
-// move them back in the queue: a quorum queue on RabbitMQ 4.x puts the messages handed back
-// behind those handed back before (on 3.10 they were seen to keep their place).
+// move them back in the queue: a quorum queue may put the messages handed back behind the
+// others (seen on RabbitMQ 3.10 and 4.x alike).
 func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig, limit int) (listed []DeadLetter, waiting int, err error) {
 	err = withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, ready int) error {
 		waiting = ready
