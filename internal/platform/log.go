@@ -17,9 +17,19 @@ func NewLogger(w io.Writer, service, format, level string) *slog.Logger {
 	opts := &slog.HandlerOptions{Level: lvl}
 	var h slog.Handler = slog.NewTextHandler(w, opts)
 	if format == "json" {
+		opts.ReplaceAttr = readableDuration
 		h = slog.NewJSONHandler(w, opts)
 	}
 	return slog.New(traceIDs{h}).With("service", service)
+}
+
+// readableDuration writes a duration as the text handler does ("1.5s"), not as JSON's count of
+// nanoseconds (1500000000), which nobody reading the logs can take in at a glance.
+func readableDuration(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		return slog.String(a.Key, a.Value.Duration().String())
+	}
+	return a
 }
 
 // traceIDs adds the trace and span ids of the record's context to the record: the key from a
