@@ -277,10 +277,14 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 
 // LogAttrs lists the effective configuration with secrets masked.
 func (c Common) LogAttrs() []any {
+	var maxInFlight any = c.MaxInFlight
+	if c.MaxInFlight == 0 {
+		maxInFlight = "the requests' pool size" // the default; 0 itself is refused
+	}
 	return []any{
 		"database_url", Redact(c.DatabaseURL), "amqp_url", RedactList(c.AMQPURL), "http_addr", c.HTTPAddr,
 		"log_format", c.LogFormat, "log_level", c.LogLevel, "db_max_conns", c.DBMaxConns,
-		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint), "pprof_addr", c.PprofAddr, "http_max_in_flight", c.MaxInFlight,
+		"otel_exporter_otlp_endpoint", Redact(c.OTLPEndpoint), "pprof_addr", c.PprofAddr, "http_max_in_flight", maxInFlight,
 		"http_latency_target", c.LatencyTarget,
 	}
 }

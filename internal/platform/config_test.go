@@ -104,3 +104,23 @@ func TestPoolsAreCheckedTogether(t *testing.T) {
 		t.Fatalf("the defaults do not fit the default DB_MAX_CONNS: %v", err)
 	}
 }
+
+// The start line says what HTTP_MAX_IN_FLIGHT is in effect: its default is not the 0 that
+// stands for it, which the variable itself refuses.
+func TestStartLineSaysTheDefaultMaxInFlight(t *testing.T) {
+	attr := func(c Common) any {
+		a := c.LogAttrs()
+		for i := 0; i+1 < len(a); i += 2 {
+			if a[i] == "http_max_in_flight" {
+				return a[i+1]
+			}
+		}
+		return nil
+	}
+	if got := attr(Common{}); got != "the requests' pool size" {
+		t.Errorf("default: http_max_in_flight=%v, want the requests' pool size", got)
+	}
+	if got := attr(Common{MaxInFlight: 7}); got != 7 {
+		t.Errorf("HTTP_MAX_IN_FLIGHT=7: http_max_in_flight=%v, want 7", got)
+	}
+}
