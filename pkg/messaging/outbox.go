@@ -1,7 +1,6 @@
 package messaging
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -35,8 +34,9 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 //
 // It writes nothing, and returns an error, if a message lacks an id, a type or a JSON payload,
 // if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
-// if any of its fields holds a NUL character (a \u0000 in the payload), which PostgreSQL cannot
-// store: checked before any statement, so that tx stays usable.
+// if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
+// an unpaired surrogate escape or a number beyond numeric's range, all of which
+// encoding/json's Valid lets through. Checked before any statement, so that tx stays usable.
 //
 // The payload is stored as jsonb: consumers get the same JSON value, not the same bytes (jsonb
 // orders the keys, drops the whitespace and keeps the last of duplicate keys).
@@ -84,8 +84,8 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 		if err := checkEnvelope(m.Exchange, m.routingKey(), toPublishing(m, ""), enqueueFrameSize); err != nil {
 			return "", fmt.Errorf("outbox: enqueue message %d (%s): %w", i, m.ID, err)
 		}
-		if field := nulIn(m); field != "" {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): its %s holds a NUL character (\\u0000), which PostgreSQL's text and jsonb cannot store", i, m.ID, field)
+		if why := unstorable(m); why != "" {
+			return "", fmt.Errorf("outbox: enqueue message %d (%s): %s", i, m.ID, why)
 		}
 		if i > 0 {
 			b = append(b, ',')
@@ -115,42 +115,27 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 	return string(append(b, ']')), nil
 }
 
-// nulIn names the first field of m that holds a NUL character, or "" if none does. Its insert
+// unstorable says what in m PostgreSQL cannot store, or "" if it can all be stored. Its insert
 // would fail and abort the caller's transaction, with every statement in it: Enqueue refuses
 // the message first, and the transaction goes on.
-func nulIn(m Message) string {
+func unstorable(m Message) string {
 	for _, f := range [...]struct{ name, value string }{
 		{"type", m.Type}, {"correlation id", m.CorrelationID}, {"trace parent", m.TraceParent},
 		{"trace state", m.TraceState}, {"exchange", m.Exchange}, {"routing key", m.RoutingKey},
 	} {
 		if strings.IndexByte(f.value, 0) >= 0 {
-			return f.name
+			return "its " + f.name + " holds a NUL character, which PostgreSQL's text cannot store"
 		}
 	}
 	for k, v := range m.Headers {
 		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
-			return "header " + strconv.Quote(k)
+			return "its header " + strconv.Quote(k) + " holds a NUL character, which PostgreSQL's text cannot store"
 		}
 	}
-	if jsonHasNUL(m.Payload) {
-		return "payload"
+	if why := jsonbRefusal(m.Payload); why != "" {
+		return "its payload holds " + why + ", which PostgreSQL's jsonb cannot store"
 	}
 	return ""
-}
-
-// jsonHasNUL reports whether valid JSON b holds the escape \u0000, the one way a JSON text
-// carries a NUL. An escaped backslash followed by u0000 is six characters, not a NUL.
-func jsonHasNUL(b []byte) bool {
-	for {
-		i := bytes.IndexByte(b, '\\')
-		if i < 0 || i+1 >= len(b) {
-			return false
-		}
-		if b[i+1] == 'u' && bytes.HasPrefix(b[i+2:], []byte("0000")) {
-			return true
-		}
-		b = b[i+2:] // past the escaped character, so that \\ is not read as an escape's start
-	}
 }
 
 // appendJSONString appends s as a JSON string; invalid UTF-8 becomes U+FFFD, as

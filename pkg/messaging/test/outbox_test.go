@@ -169,34 +169,41 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 	}
 }
 
-// PostgreSQL's text and jsonb cannot store a NUL character. Enqueue refuses a message that
-// holds one, naming the field, before any statement: the caller's transaction is not aborted,
-// and its other work and messages commit. A payload with an escaped backslash before u0000
-// holds no NUL and is stored.
-func TestEnqueueRefusesANULAndTheTransactionGoesOn(t *testing.T) {
+// PostgreSQL cannot store everything a Message can hold: a NUL character in text or jsonb, and
+// in jsonb an unpaired surrogate, invalid UTF-8 or a number beyond numeric's range, which
+// encoding/json's Valid all lets through. Enqueue refuses such a message, saying what, before
+// any statement: the caller's transaction is not aborted, and its other work and messages
+// commit. A payload with an escaped backslash before u0000 holds no NUL and is stored.
+func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	db := b.db.DB
 	if err := db.Exec("CREATE TABLE orders (id uuid PRIMARY KEY)").Error; err != nil {
 		t.Fatal(err)
 	}
-	bad := map[string]func(*messaging.Message){
-		"payload":         func(m *messaging.Message) { m.Payload = []byte(`{"note":"a\u0000b"}`) },
-		"correlation id":  func(m *messaging.Message) { m.CorrelationID = "a\x00b" },
-		`header "tenant"`: func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\x00b"} },
+	payload := func(p string) func(*messaging.Message) { return func(m *messaging.Message) { m.Payload = []byte(p) } }
+	bad := []struct {
+		spoil func(*messaging.Message)
+		want  string
+	}{
+		{payload(`{"note":"a\u0000b"}`), "its payload holds a NUL character"},
+		{payload(`{"note":"\ud800"}`), "its payload holds a high surrogate without its low one"},
+		{payload("{\"note\":\"\xff\"}"), "its payload holds invalid UTF-8"},
+		{payload(`{"n":1e131072}`), "its payload holds the number 1e131072, beyond PostgreSQL's numeric range"},
+		{func(m *messaging.Message) { m.CorrelationID = "a\x00b" }, "its correlation id holds a NUL character"},
+		{func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\x00b"} }, `its header "tenant" holds a NUL character`},
 	}
 	kept := newMessage(t, 0)
-	kept.Payload = []byte(`{"path":"C:\\u0000"}`)
+	kept.Payload = []byte(`{"path":"C:\\u0000","n":1e131071}`)
 	err := db.Transaction(func(tx *gorm.DB) error {
 		if err := tx.Exec("INSERT INTO orders (id) VALUES (?)", kept.ID).Error; err != nil {
 			return err
 		}
-		for field, spoil := range bad {
+		for _, tc := range bad {
 			m := newMessage(t, 0)
-			spoil(&m)
-			err := messaging.Enqueue(context.Background(), b.drv, tx, m)
-			if err == nil || !strings.Contains(err.Error(), "its "+field+" holds a NUL character") {
-				t.Errorf("Enqueue of a message with a NUL in its %s = %v, want an error naming it", field, err)
+			tc.spoil(&m)
+			if err := messaging.Enqueue(context.Background(), b.drv, tx, m); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Enqueue = %v, want an error saying %q", err, tc.want)
 			}
 		}
 		return messaging.Enqueue(context.Background(), b.drv, tx, kept)
@@ -207,12 +214,12 @@ func TestEnqueueRefusesANULAndTheTransactionGoesOn(t *testing.T) {
 	if n := testenv.Count(t, db, "SELECT count(*) FROM orders"); n != 1 {
 		t.Errorf("orders = %d, want 1", n)
 	}
-	var payload string
-	if err := db.Raw("SELECT payload->>'path' FROM outbox_messages WHERE id = ?", kept.ID).Scan(&payload).Error; err != nil || payload != `C:\u0000` {
-		t.Errorf("stored payload path = %q (%v), want C:\\u0000 as text; outbox rows: %d", payload, err, testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"))
+	var path string
+	if err := db.Raw("SELECT payload->>'path' FROM outbox_messages WHERE id = ?", kept.ID).Scan(&path).Error; err != nil || path != `C:\u0000` {
+		t.Errorf("stored payload path = %q (%v), want C:\\u0000 as text", path, err)
 	}
 	if n := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); n != 1 {
-		t.Errorf("outbox rows = %d, want 1 (the message without a NUL)", n)
+		t.Errorf("outbox rows = %d, want 1 (the message PostgreSQL can store)", n)
 	}
 }
 

@@ -1,0 +1,139 @@
+package messaging
+
+import (
+	"strconv"
+	"unicode/utf8"
+)
+
+// numeric's range, which jsonb stores every number in: at most 131,072 digits before the
+// decimal point and 16,383 after it.
+const (
+	jsonbHighestDigit = 131071 // the power of ten of the highest digit it holds
+	jsonbLowestDigit  = -16383 // and of the lowest
+)
+
+// jsonbRefusal says what in valid JSON b PostgreSQL's jsonb refuses, or "" if it takes it
+// all: invalid UTF-8, a NUL character (\u0000), a surrogate without its pair (\ud800 alone),
+// or a number beyond numeric's range (1e131072, 1e-16384). encoding/json's Valid lets each of
+// them through.
+func jsonbRefusal(b []byte) string {
+	if !utf8.Valid(b) {
+		return "invalid UTF-8"
+	}
+	for i := 0; i < len(b); {
+		switch c := b[i]; {
+		case c == '"':
+			n, why := scanJSONString(b[i:])
+			if why != "" {
+				return why
+			}
+			i += n
+		case c == '-' || '0' <= c && c <= '9':
+			n, ok := scanJSONNumber(b[i:])
+			if !ok {
+				return "the number " + truncate(string(b[i:i+n])) + ", beyond PostgreSQL's numeric range"
+			}
+			i += n
+		default:
+			i++
+		}
+	}
+	return ""
+}
+
+// scanJSONString reads the string b starts with and returns its length, and what jsonb refuses
+// in its escapes.
+func scanJSONString(b []byte) (int, string) {
+	for i := 1; i < len(b); i++ {
+		switch b[i] {
+		case '"':
+			return i + 1, ""
+		case '\\':
+			if b[i+1] != 'u' {
+				i++
+				continue
+			}
+			r := hex4(b[i+2:])
+			switch {
+			case r == 0:
+				return 0, `a NUL character (\u0000)`
+			case 0xDC00 <= r && r <= 0xDFFF:
+				return 0, `a low surrogate without its high one (\u` + string(b[i+2:i+6]) + `)`
+			case 0xD800 <= r && r <= 0xDBFF:
+				if len(b) < i+12 || b[i+6] != '\\' || b[i+7] != 'u' || hex4(b[i+8:]) < 0xDC00 || hex4(b[i+8:]) > 0xDFFF {
+					return 0, `a high surrogate without its low one (\u` + string(b[i+2:i+6]) + `)`
+				}
+				i += 6
+			}
+			i += 5
+		}
+	}
+	return len(b), ""
+}
+
+// hex4 reads the four hex digits of a \u escape.
+func hex4(b []byte) int {
+	v, err := strconv.ParseUint(string(b[:4]), 16, 32)
+	if err != nil {
+		return -1
+	}
+	return int(v)
+}
+
+// scanJSONNumber reads the number b starts with and returns its length, and whether numeric can
+// hold it: its highest digit at most 10^131071, its lowest at least 10^-16383 (trailing zeros
+// count, and a zero's too: jsonb keeps the scale as written).
+func scanJSONNumber(b []byte) (int, bool) {
+	i := 0
+	if b[i] == '-' {
+		i++
+	}
+	intStart := i
+	for i < len(b) && isDigit(b[i]) {
+		i++
+	}
+	intDigits := b[intStart:i]
+	var fracDigits []byte
+	if i < len(b) && b[i] == '.' {
+		i++
+		fracStart := i
+		for i < len(b) && isDigit(b[i]) {
+			i++
+		}
+		fracDigits = b[fracStart:i]
+	}
+	exp := 0
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		sign := 1
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			if b[i] == '-' {
+				sign = -1
+			}
+			i++
+		}
+		for i < len(b) && isDigit(b[i]) {
+			if exp < 1<<30 { // far beyond either limit: no overflow, the verdict is the same
+				exp = exp*10 + int(b[i]-'0')
+			}
+			i++
+		}
+		exp *= sign
+	}
+	if exp-len(fracDigits) < jsonbLowestDigit {
+		return i, false
+	}
+	for k, d := range intDigits {
+		if d != '0' {
+			return i, len(intDigits)-1-k+exp <= jsonbHighestDigit
+		}
+	}
+	for k, d := range fracDigits {
+		if d != '0' {
+			return i, -(k+1)+exp <= jsonbHighestDigit
+		}
+	}
+	return i, true // zero
+}
+
+func isDigit(c byte) bool { return '0' <= c && c <= '9' }
