@@ -145,11 +145,14 @@ go build -o "$report/testreport" ./internal/testreport
 machine_amqp_url=$TEST_AMQP_URL
 sidroot_env=""
 trixie_env=""
+# trixie runs scripts/sidroot.sh for the RabbitMQ 4.0 root, on its own default directory and
+# ports whatever SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
+trixie() { env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"; }
 if [ "$mode" = local ]; then
   say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
-  sidroot_env=$(scripts/sidroot.sh start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
-  trap 'scripts/sidroot.sh stop; SIDROOT_SUITE=trixie scripts/sidroot.sh stop; rm -rf "$report"' EXIT
-  say "$(scripts/sidroot.sh version | tr '\n' ' ')"
+  sidroot_env=$(SIDROOT_SUITE=sid scripts/sidroot.sh start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
+  trap 'SIDROOT_SUITE=sid scripts/sidroot.sh stop; trixie stop; rm -rf "$report"' EXIT
+  say "$(SIDROOT_SUITE=sid scripts/sidroot.sh version | tr '\n' ' ')"
 else
   trap 'rm -rf "$report"' EXIT
 fi
@@ -177,8 +180,8 @@ if [ "$mode" = local ]; then
   say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
   suite machine $library_packages
   say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"
-  trixie_env=$(SIDROOT_SUITE=trixie scripts/sidroot.sh start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
-  say "$(SIDROOT_SUITE=trixie scripts/sidroot.sh version | tr '\n' ' ')"
+  trixie_env=$(trixie start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
+  say "$(trixie version | tr '\n' ' ')"
   say "go test -race, the library's suite, against RabbitMQ 4.0"
   suite 4.0 $library_packages
 fi

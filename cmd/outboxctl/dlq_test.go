@@ -333,7 +333,8 @@ func TestDlqRedriveRestoresTheMessage(t *testing.T) {
 }
 
 // --dry-run lists what would move and moves nothing; --type, --reason and --limit pick what
-// moves; without a terminal more than one message needs --yes; at a terminal, a yes.
+// moves; at a terminal, a no moves nothing and a yes moves them (without a terminal they move:
+// TestDlqRedriveIntoASubscription).
 func TestDlqRedriveDryRunFiltersLimitAndConfirmation(t *testing.T) {
 	t.Parallel()
 	msgs := []amqp.Publishing{

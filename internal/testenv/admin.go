@@ -27,7 +27,7 @@ func composeFile() string {
 }
 
 // RabbitMQCtlCommand is rabbitmqctl for the broker at TEST_AMQP_URL: the command
-// TEST_RABBITMQCTL names (scripts/sidroot.sh's for its RabbitMQ 4.3 node), in compose mode the
+// TEST_RABBITMQCTL names (scripts/sidroot.sh's for the node of its root), in compose mode the
 // one inside the test broker's container, or else this host's own.
 func RabbitMQCtlCommand(args ...string) *exec.Cmd {
 	if composeMode() {

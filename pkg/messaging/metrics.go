@@ -203,11 +203,12 @@ func (m *Metrics) recordCleanupDeleted(table string, n int64) {
 // attempts pass a threshold; a parked row is an operator's decision, shown apart so that it
 // neither keeps those alerts firing nor drops out of view.
 //
-// Each scrape reads the oldest 100,000 unsent rows at most, so that it costs the same at any
-// backlog (40-55 ms): the oldest row's age is exact, the counts stop at 100,000, and the
-// attempts are those of the rows read. An exact count of millions of rows outlasts the query's
-// timeout, and the gauges would drop out while the backlog is largest;
-// [ReadOutboxStats] counts them all. A query that fails or takes more than a second drops only
+// Each scrape reads the oldest 100,000 unsent rows at most, parked ones included, so that it
+// costs about the same at any backlog (40-55 ms), and every gauge is read from those rows: the
+// pending count stops at 100,000, the attempts and the parked rows are those among them, and
+// the oldest row's age is exact unless 100,000 older rows are parked. An exact count of
+// millions of rows outlasts the query's timeout, and the gauges would drop out while the
+// backlog is largest; [ReadOutboxStats] counts them all. A query that fails or takes more than a second drops only
 // these gauges from that scrape, counts itself in outbox_stats_errors_total and logs why; the
 // rest of the scrape is served. Names are prefixed with namespace as in [NewMetrics].
 func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log *slog.Logger) error {
@@ -222,7 +223,7 @@ func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log
 		attempt: prometheus.NewDesc(name("outbox_max_attempts"),
 			fmt.Sprintf("Most failed publish attempts of any unsent outbox message, parked ones aside (of the oldest %d).", statsHead), nil, nil),
 		parked: prometheus.NewDesc(name("outbox_parked_messages"),
-			fmt.Sprintf("Outbox messages an operator parked: unsent, and never sent until unparked (counted up to %d).", statsHead), nil, nil),
+			fmt.Sprintf("Outbox messages an operator parked: unsent, and never sent until unparked (those among the oldest %d unsent).", statsHead), nil, nil),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace,
 			Name:      "outbox_stats_errors_total",

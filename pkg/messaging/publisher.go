@@ -104,7 +104,9 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 
 // Connect opens the connection and declares the topology now, instead of at the first Publish,
 // so a misconfiguration shows at start. It also tells whether the broker takes messages: it
-// fails while the broker blocks the connection. A failure is not final: Publish keeps trying.
+// fails while the broker blocks the connection. A failure is not final, Publish keeps trying,
+// but for a configuration no broker can mend (no broker URL, an AppID over 255 bytes), which
+// Connect returns as it is.
 func (p *Publisher) Connect(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -94,9 +94,11 @@ func expectedJSON(t reflect.Type) string {
 	switch t.Kind() {
 	case reflect.String:
 		return "a string"
-	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
-		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		return "a whole number"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		bits := t.Bits() - 1
+		return fmt.Sprintf("a whole number from -%d to %d", uint64(1)<<bits, uint64(1)<<bits-1)
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return fmt.Sprintf("a whole number from 0 to %d", uint64(1)<<(t.Bits()-1)<<1-1)
 	case reflect.Float32, reflect.Float64:
 		return "a number"
 	case reflect.Bool:
