@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -47,16 +48,18 @@ const emptyBody = "empty body"
 
 func decodeStrict[T any](r io.Reader) (T, error) {
 	var cmd, zero T
-	dec := json.NewDecoder(r)
+	// The whole body first: one over the limit is a 413 whatever it holds, not a 400 for the
+	// first fault the decoder meets before the limit.
+	body, err := io.ReadAll(r)
+	if err != nil {
+		return zero, decodeError(err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&cmd); err != nil {
 		return zero, decodeError(err)
 	}
 	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
-		var tooLarge *http.MaxBytesError
-		if errors.As(err, &tooLarge) {
-			return zero, decodeError(err)
-		}
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "body must hold a single JSON object"}
 	}
 	return cmd, nil

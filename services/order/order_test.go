@@ -193,6 +193,8 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"control characters", `{"customer_id":"c\u0000x","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"too many lines", manyLines, "application/json", 422},
 		{"2 MiB body", `{"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
+		{"2 MiB of no JSON", strings.Repeat("x", 2<<20), "application/json", 413},
+		{"2 MiB behind an unknown field", `{"nope":1,"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
 		{"text/plain", validBody, "text/plain", 415},
 		{"no content type", validBody, "", 415},
 	}
