@@ -92,7 +92,7 @@ func (e *Env) URL(name string, schemes ...string) string {
 }
 
 // URLList returns a comma-separated list of URLs, one per node of a cluster, each as URL
-// checks it, all with the same path (a broker's vhost).
+// checks it, all naming the same vhost (see vhostOf).
 func (e *Env) URLList(name string, schemes ...string) string {
 	v, ok := e.get(name)
 	if !ok {
@@ -104,7 +104,7 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		e.fail(name, "not a valid URL")
 		return ""
 	}
-	var path string
+	var vhost string
 	for i, raw := range urls {
 		entry := ""
 		if len(urls) > 1 {
@@ -119,13 +119,23 @@ func (e *Env) URLList(name string, schemes ...string) string {
 			e.fail(name, "%sscheme must be one of %s", entry, strings.Join(schemes, ", "))
 			return ""
 		}
-		if i > 0 && u.Path != path {
-			e.fail(name, "every entry must name the same vhost: %q and %q differ", path, u.Path)
+		if i > 0 && vhostOf(u) != vhost {
+			e.fail(name, "every entry must name the same vhost: %q and %q differ", vhost, vhostOf(u))
 			return ""
 		}
-		path = u.Path
+		vhost = vhostOf(u)
 	}
 	return v
+}
+
+// vhostOf is the vhost an AMQP URL names, read as the AMQP client reads it: no path, or "/"
+// alone, is the default vhost "/"; otherwise the path without its leading slash, decoded
+// ("/%2F" is "/" too).
+func vhostOf(u *url.URL) string {
+	if len(u.Path) <= 1 {
+		return "/"
+	}
+	return u.Path[1:]
 }
 
 // Int returns an integer in [lo, hi], or def when unset.

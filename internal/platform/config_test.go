@@ -63,11 +63,19 @@ func TestAMQPURLTakesOneURLPerNode(t *testing.T) {
 	if got := env.URLList("AMQP_URL", "amqp", "amqps"); got != list || env.Err() != nil {
 		t.Fatalf("URLList = %q, %v; want the list", got, env.Err())
 	}
+	// The default vhost, however it is written, as the AMQP client reads it.
+	for _, same := range []string{"amqp://a@n1,amqp://a@n2/", "amqp://a@n1/%2F,amqp://a@n2", "amqp://a@n1/,amqp://a@n2/%2f"} {
+		env := EnvFrom(map[string]string{"AMQP_URL": same})
+		if env.URLList("AMQP_URL", "amqp", "amqps"); env.Err() != nil {
+			t.Errorf("AMQP_URL=%q: %v, want one vhost, the default", same, env.Err())
+		}
+	}
 	if got := RedactList(list); strings.Contains(got, "hunter2") || strings.Count(got, "rabbit-") != 3 {
 		t.Errorf("RedactList = %q, want three URLs without their password", got)
 	}
 	for value, want := range map[string]string{
-		"amqp://a@n1/shop,amqp://a@n2/other":       `AMQP_URL: every entry must name the same vhost: "/shop" and "/other" differ`,
+		"amqp://a@n1/shop,amqp://a@n2/other":       `AMQP_URL: every entry must name the same vhost: "shop" and "other" differ`,
+		"amqp://a@n1,amqp://a@n2/shop":             `AMQP_URL: every entry must name the same vhost: "/" and "shop" differ`,
 		"amqp://a@n1/shop,http://a@n2/shop":        "AMQP_URL: entry 2 of 2: scheme must be one of amqp, amqps",
 		"amqp://a@n1/shop,not a url":               "AMQP_URL: entry 2 of 2: not a valid URL",
 		" , ":                                      "AMQP_URL: not a valid URL",
