@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -35,7 +36,7 @@ func Main(service string, run func(ctx context.Context, env *Env) error) {
 	// After the first signal, a second one kills the process the default way.
 	context.AfterFunc(ctx, stop)
 	hardStop(ctx, HardStop, func() {
-		fmt.Fprintf(os.Stderr, "%s: still stopping %s after the signal; abandoning what is in flight (it was not acknowledged)\n", service, HardStop)
+		logHardStop(os.Stderr, service, os.Getenv("LOG_FORMAT"))
 		os.Exit(0)
 	})
 	err := run(ctx, NewEnv())
@@ -48,6 +49,12 @@ func Main(service string, run func(ctx context.Context, env *Env) error) {
 		fmt.Fprintf(os.Stderr, "%s: %s\n", service, strings.Join(strings.Fields(err.Error()), " "))
 		os.Exit(1)
 	}
+}
+
+// logHardStop writes the hard stop's line as the service's other lines are written (key=value,
+// or JSON with LOG_FORMAT=json), though the logger its run function made is out of reach here.
+func logHardStop(w io.Writer, service, format string) {
+	NewLogger(w, service, format, "info").Error("still stopping after the signal; abandoning what is in flight (it was not acknowledged)", "after", HardStop)
 }
 
 // hardStop calls exit once after has passed since ctx ended, unless the process ended first.

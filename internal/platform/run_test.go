@@ -1,7 +1,10 @@
 package platform
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 )
@@ -26,5 +29,19 @@ func TestHardStopFiresAfterTheSignal(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("did not fire within 5 s of the signal")
+	}
+}
+
+// The hard stop's line is a log line like the others: key=value, or JSON with LOG_FORMAT=json.
+func TestHardStopLineIsALogLine(t *testing.T) {
+	var text, js bytes.Buffer
+	logHardStop(&text, "order", "text")
+	logHardStop(&js, "order", "json")
+	if !strings.Contains(text.String(), `level=ERROR msg="still stopping after the signal; abandoning what is in flight (it was not acknowledged)" service=order after=9s`) {
+		t.Errorf("text line %q", text.String())
+	}
+	var line map[string]any
+	if err := json.Unmarshal(js.Bytes(), &line); err != nil || line["service"] != "order" || line["after"] != "9s" {
+		t.Errorf("JSON line %q (%v)", js.String(), err)
 	}
 }

@@ -252,11 +252,11 @@ func (s *sender) work(ctx context.Context, waiting <-chan pendingRow, room <-cha
 	for row := range waiting {
 		<-room
 		if ctx.Err() != nil {
-			s.release(row)
+			s.release(inTrace(ctx, row), row)
 			continue
 		}
 		if _, err := s.deliverLeased(ctx, row); err != nil {
-			s.log.Error("recording a notification's delivery failed", "error", err)
+			s.log.ErrorContext(inTrace(ctx, row), "recording a notification's delivery failed", "notification_id", row.ID, "error", err)
 		}
 	}
 }
@@ -342,7 +342,7 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		// It waited out its budget for a mail server connection: nothing was tried, so no
 		// attempt is counted and no backoff taken.
 		s.log.DebugContext(ctx, "notification not started within its budget; released", "notification_id", row.ID, "error", failure)
-		s.release(row)
+		s.release(ctx, row)
 		return false, nil
 	}
 	o := &deliveryOutcome{row: row, sent: failure == nil}
@@ -377,22 +377,27 @@ func storable(text string) string {
 
 // release gives back a leased notification that was never started (at shutdown, or out of time
 // before a mail server connection was free): due again at once, for any sender, without an
-// attempt counted.
-func (s *sender) release(row pendingRow) {
+// attempt counted. ctx carries the notification's trace, for the line a failure logs.
+func (s *sender) release(ctx context.Context, row pendingRow) {
 	if _, err := s.record(&deliveryOutcome{row: row}); err != nil {
-		s.log.Warn("releasing a notification failed; it is due again when its lease ends", "notification_id", row.ID, "error", err)
+		s.log.WarnContext(ctx, "releasing a notification failed; it is due again when its lease ends", "notification_id", row.ID, "error", err)
 	}
 }
 
 // startSpan starts the delivery's span, a child of the span that recorded the notification
 // (a new trace for a notification recorded outside any).
 func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context, trace.Span) {
-	ctx = w3c.Extract(ctx, propagation.MapCarrier{"traceparent": row.TraceParent, "tracestate": row.TraceState})
-	ctx, span := s.tracer.Start(ctx, "deliver notification", trace.WithSpanKind(trace.SpanKindClient))
+	ctx, span := s.tracer.Start(inTrace(ctx, row), "deliver notification", trace.WithSpanKind(trace.SpanKindClient))
 	if span.IsRecording() {
 		span.SetAttributes(attribute.String("notification.id", row.ID.String()), attribute.Int("notification.attempts", row.Attempts))
 	}
 	return ctx, span
+}
+
+// inTrace is ctx within the trace that recorded row: its delivery's span is a child there, and a
+// line about it outside that span (a release, a failed recording) carries its trace_id.
+func inTrace(ctx context.Context, row pendingRow) context.Context {
+	return w3c.Extract(ctx, propagation.MapCarrier{"traceparent": row.TraceParent, "tracestate": row.TraceState})
 }
 
 // record records o in the next transaction and reports whether its row holds it (for a sent
