@@ -59,7 +59,8 @@ wait_ready() {
 }
 
 common=(AMQP_URL="$AMQP_URL" LOG_LEVEL="$LOG_LEVEL")
-# Consumers first: their queues must exist before the relay publishes the first order.
+# Any order works (each service declares the whole topology); consumers first only so that the
+# walkthrough's first order finds them ready.
 start invoicing "${common[@]}" DATABASE_URL="$PG_URL/invoicing_db?sslmode=disable" HTTP_ADDR=127.0.0.1:8081
 wait_ready invoicing http://127.0.0.1:8081
 start notification "${common[@]}" DATABASE_URL="$PG_URL/notification_db?sslmode=disable" HTTP_ADDR=127.0.0.1:8082 SMTP_ADDR="${SMTP_ADDR:-}"
