@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"reflect"
+	"strings"
 )
 
 // MaxBodyBytes is the largest request body accepted (413 beyond).
@@ -52,12 +53,12 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	// first fault the decoder meets before the limit.
 	body, err := io.ReadAll(r)
 	if err != nil {
-		return zero, decodeError(err)
+		return zero, decodeError(err, nil)
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&cmd); err != nil {
-		return zero, decodeError(err)
+		return zero, decodeError(err, body)
 	}
 	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "body must hold a single JSON object"}
@@ -65,7 +66,8 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	return cmd, nil
 }
 
-func decodeError(err error) *DecodeError {
+// decodeError is err's problem; body is what was decoded, to name a field by its path.
+func decodeError(err error, body []byte) *DecodeError {
 	var (
 		syntax   *json.SyntaxError
 		typ      *json.UnmarshalTypeError
@@ -85,7 +87,11 @@ func decodeError(err error) *DecodeError {
 		if typ.Field == "" {
 			return &DecodeError{Status: http.StatusUnprocessableEntity, Detail: fmt.Sprintf("the body must be %s, got JSON %s", want, typ.Value)}
 		}
-		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: typ.Field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, typ.Value)}
+		field := fieldAt(body, typ.Offset)
+		if field == "" {
+			field = typ.Field
+		}
+		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, typ.Value)}
 	default:
 		// Unknown fields ("json: unknown field \"x\"") and other shape errors.
 		return &DecodeError{Status: http.StatusBadRequest, Detail: err.Error()}
@@ -110,5 +116,64 @@ func expectedJSON(t reflect.Type) string {
 		return "an array"
 	default:
 		return "an object"
+	}
+}
+
+// fieldAt names the value of body that ends at offset (an opening bracket or brace ending its
+// value there) by its path with array indices, as the validator names fields:
+// lines[1].quantity, where json.UnmarshalTypeError's Field says lines.quantity. Its Offset
+// points there. "" if no value ends at offset.
+func fieldAt(body []byte, offset int64) string {
+	type frame struct {
+		array bool
+		index int    // an array's current element
+		key   string // an object's current key
+		inKey bool   // an object's next token is a key
+	}
+	var stack []*frame
+	next := func() { // the value at the top of the stack is done
+		if len(stack) == 0 {
+			return
+		}
+		if f := stack[len(stack)-1]; f.array {
+			f.index++
+		} else {
+			f.inKey = true
+		}
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return ""
+		}
+		if d, ok := tok.(json.Delim); ok && (d == '}' || d == ']') {
+			stack = stack[:len(stack)-1]
+			next()
+			continue
+		}
+		if n := len(stack); n > 0 && stack[n-1].inKey {
+			stack[n-1].key, stack[n-1].inKey = tok.(string), false
+			continue
+		}
+		if dec.InputOffset() == offset {
+			var path strings.Builder
+			for _, f := range stack {
+				switch {
+				case f.array:
+					fmt.Fprintf(&path, "[%d]", f.index)
+				case path.Len() > 0:
+					path.WriteString("." + f.key)
+				default:
+					path.WriteString(f.key)
+				}
+			}
+			return path.String()
+		}
+		if d, ok := tok.(json.Delim); ok {
+			stack = append(stack, &frame{array: d == '[', inKey: d == '{'})
+			continue
+		}
+		next()
 	}
 }

@@ -238,10 +238,11 @@ func TestWrongJSONTypesNameTheirField(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	for body, want := range map[string]platform.FieldError{
-		`{"customer_id":5,"lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`:      {Field: "customer_id", Message: "must be a string, got JSON number"},
-		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:  {Field: "lines.quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1.5"},
-		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`: {Field: "lines.unit_price_cents", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e20"},
-		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:      {Field: "lines", Message: "must be an array, got JSON object"},
+		`{"customer_id":5,"lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`:                                                   {Field: "customer_id", Message: "must be a string, got JSON number"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:                                               {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1.5"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`:                                              {Field: "lines[0].unit_price_cents", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e20"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1},{"sku":["x"],"quantity":1,"unit_price_cents":1}]}`: {Field: "lines[1].sku", Message: "must be a string, got JSON array"},
+		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:                                                   {Field: "lines", Message: "must be an array, got JSON object"},
 	} {
 		resp, raw := b.post(t, body, "application/json", "")
 		var p platform.Problem
