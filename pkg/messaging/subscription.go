@@ -454,7 +454,11 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 	}()
 	claimed, err = s.transact(ctx, jobs, spans)
 	if err != nil {
-		if !IsPermanent(err) && (databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx))) {
+		switch {
+		case IsPermanent(err), IsUnavailable(err):
+		case dataException(err):
+			err = Permanent(err)
+		case databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}
 		return nil, err
@@ -593,17 +597,32 @@ func (s *Subscription[Tx]) skipped(ctx context.Context, span trace.Span, msg Mes
 // still answers during most of these: counted against each message, they would dead-letter
 // healthy messages within seconds.
 func databaseOutage(err error) bool {
-	var coded interface{ SQLState() string }
-	if !errors.As(err, &coded) {
+	code := sqlState(err)
+	if code == "" {
 		return false
 	}
-	code := coded.SQLState()
 	for _, prefix := range []string{"08", "53", "57P", "58", "25006", "55P03"} {
 		if strings.HasPrefix(code, prefix) {
 			return true
 		}
 	}
 	return false
+}
+
+// dataException reports whether err carries a SQLSTATE of class 22, data exception: a value
+// the database refuses (too long for its column, out of its type's range, not valid in its
+// type, a NUL in text). The same message fails the same way on every delivery, so it is
+// dead-lettered at once, with the database's reason, rather than after every retry of every
+// delivery. Not class 23: a foreign key may be missing only until an earlier message arrives.
+func dataException(err error) bool { return strings.HasPrefix(sqlState(err), "22") }
+
+// sqlState is the SQLSTATE err carries (an error with a SQLState method, as pgx's are), or "".
+func sqlState(err error) string {
+	var coded interface{ SQLState() string }
+	if !errors.As(err, &coded) {
+		return ""
+	}
+	return coded.SQLState()
 }
 
 // databaseAnswers asks the database directly, on a context of its own: a database that

@@ -146,6 +146,33 @@ func TestInboxRunsWorkOnceForConcurrentDuplicates(t *testing.T) {
 	}
 }
 
+// A handler whose statement the database refuses for the value it was given (SQLSTATE class
+// 22: too long, out of range, not valid in its type) fails the same way on every delivery: the
+// failure is permanent, and the message is dead-lettered at once with the database's reason. A
+// constraint's refusal (class 23) is not: a foreign key may be there by the next delivery.
+func TestInboxTakesADataExceptionAsPermanent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	must(t, b.db.DB.Exec("CREATE TABLE codes (code varchar(3) PRIMARY KEY)").Error)
+	must(t, b.db.DB.Exec("INSERT INTO codes VALUES ('abc')").Error)
+	for _, tc := range []struct {
+		name, stmt, sqlState string
+		permanent            bool
+	}{
+		{"too long for its column", "INSERT INTO codes VALUES ('abcd')", "22001", true},
+		{"not valid in its type", "SELECT 'twelve'::int", "22P02", true},
+		{"a unique key taken", "INSERT INTO codes VALUES ('abc')", "23505", false},
+	} {
+		in := b.inbox(t, b.drv, testenv.UniqueName("data"), func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+			return tx.Exec(tc.stmt).Error
+		})
+		_, err := deliver(in, newMessage(t, 1))
+		if err == nil || messaging.IsPermanent(err) != tc.permanent || messaging.IsUnavailable(err) || !strings.Contains(err.Error(), tc.sqlState) {
+			t.Errorf("%s: Deliver = %v; want permanent %v, with SQLSTATE %s", tc.name, err, tc.permanent, tc.sqlState)
+		}
+	}
+}
+
 func TestInboxRollsBackTheClaimWhenTheWorkFails(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
