@@ -6,10 +6,11 @@ import (
 )
 
 // numeric's range, which jsonb stores every number in: at most 131,072 digits before the
-// decimal point and 16,383 after it.
+// decimal point and 16,383 after it; and the exponents its parser takes, zero's included.
 const (
-	jsonbHighestDigit = 131071 // the power of ten of the highest digit it holds
-	jsonbLowestDigit  = -16383 // and of the lowest
+	jsonbHighestDigit = 131071     // the power of ten of the highest digit it holds
+	jsonbLowestDigit  = -16383     // and of the lowest
+	jsonbExponentOver = 1073741823 // INT_MAX/2: an exponent this large, or larger, either way is refused
 )
 
 // jsonbRefusal says what in valid JSON b PostgreSQL's jsonb refuses, or "" if it takes it
@@ -82,7 +83,8 @@ func hex4(b []byte) int {
 
 // scanJSONNumber reads the number b starts with and returns its length, and whether numeric can
 // hold it: its highest digit at most 10^131071, its lowest at least 10^-16383 (trailing zeros
-// count, and a zero's too: jsonb keeps the scale as written).
+// count, and a zero's too: jsonb keeps the scale as written), and an exponent below 2^30-1
+// either way, which PostgreSQL's parser requires even of a zero.
 func scanJSONNumber(b []byte) (int, bool) {
 	i := 0
 	if b[i] == '-' {
@@ -113,10 +115,13 @@ func scanJSONNumber(b []byte) (int, bool) {
 			i++
 		}
 		for i < len(b) && isDigit(b[i]) {
-			if exp < 1<<30 { // far beyond either limit: no overflow, the verdict is the same
+			if exp < jsonbExponentOver { // beyond it the verdict is the same: no overflow
 				exp = exp*10 + int(b[i]-'0')
 			}
 			i++
+		}
+		if exp >= jsonbExponentOver {
+			return i, false
 		}
 		exp *= sign
 	}

@@ -32,6 +32,9 @@ func TestJSONBRefusals(t *testing.T) {
 		{`[0e-99999]`, true},
 		{`[0.000e-16381]`, true},
 		{`{"a":"1e999999"}`, false},
+		{`[0e1073741822, -0.0E+0, 0e-0]`, false},
+		{`[0e1073741823]`, true},
+		{`{"a":-0.0E+9999999999}`, true},
 	} {
 		if got := jsonbRefusal([]byte(tc.json)); (got != "") != tc.refuse {
 			t.Errorf("jsonbRefusal(%s) = %q, want refused: %v", tc.json, got, tc.refuse)
