@@ -609,12 +609,21 @@ func databaseOutage(err error) bool {
 	return false
 }
 
-// dataException reports whether err carries a SQLSTATE of class 22, data exception: a value
-// the database refuses (too long for its column, out of its type's range, not valid in its
-// type, a NUL in text). The same message fails the same way on every delivery, so it is
-// dead-lettered at once, with the database's reason, rather than after every retry of every
-// delivery. Not class 23: a foreign key may be missing only until an earlier message arrives.
-func dataException(err error) bool { return strings.HasPrefix(sqlState(err), "22") }
+// dataException reports whether err carries one of the SQLSTATEs of class 22, data exception,
+// that only the value given can cause: too long for its column (22001), not valid in its type
+// (22P02, 22007, 22008) or in the database's encoding (22021, 22P05). The same message fails
+// the same way on every delivery, so it is dead-lettered at once, with the database's reason,
+// rather than after every retry of every delivery. Not the rest of the class, which the
+// database's state can cause too (a sequence run out, 2200H; a counter past its type's range,
+// 22003; a division by a count of rows, 22012), nor class 23 (a foreign key may be there by
+// the next delivery).
+func dataException(err error) bool {
+	switch sqlState(err) {
+	case "22001", "22P02", "22007", "22008", "22021", "22P05":
+		return true
+	}
+	return false
+}
 
 // sqlState is the SQLSTATE err carries (an error with a SQLState method, as pgx's are), or "".
 func sqlState(err error) string {

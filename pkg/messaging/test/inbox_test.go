@@ -146,15 +146,17 @@ func TestInboxRunsWorkOnceForConcurrentDuplicates(t *testing.T) {
 	}
 }
 
-// A handler whose statement the database refuses for the value it was given (SQLSTATE class
-// 22: too long, out of range, not valid in its type) fails the same way on every delivery: the
-// failure is permanent, and the message is dead-lettered at once with the database's reason. A
-// constraint's refusal (class 23) is not: a foreign key may be there by the next delivery.
+// A handler whose statement the database refuses for the value it was given (too long for its
+// column, not valid in its type) fails the same way on every delivery: the failure is
+// permanent, and the message is dead-lettered at once with the database's reason. A data
+// exception the database's state can cause (a sequence run out, a counter past its range) is
+// not, nor a constraint's refusal (a foreign key may be there by the next delivery).
 func TestInboxTakesADataExceptionAsPermanent(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	must(t, b.db.DB.Exec("CREATE TABLE codes (code varchar(3) PRIMARY KEY)").Error)
 	must(t, b.db.DB.Exec("INSERT INTO codes VALUES ('abc')").Error)
+	must(t, b.db.DB.Exec("CREATE SEQUENCE spent MINVALUE 1 MAXVALUE 2 START 2; SELECT nextval('spent')").Error)
 	for _, tc := range []struct {
 		name, stmt, sqlState string
 		permanent            bool
@@ -162,6 +164,8 @@ func TestInboxTakesADataExceptionAsPermanent(t *testing.T) {
 		{"too long for its column", "INSERT INTO codes VALUES ('abcd')", "22001", true},
 		{"not valid in its type", "SELECT 'twelve'::int", "22P02", true},
 		{"a unique key taken", "INSERT INTO codes VALUES ('abc')", "23505", false},
+		{"a sequence run out", "SELECT nextval('spent')", "2200H", false},
+		{"a counter past its range", "SELECT 2147483647::int + 1", "22003", false},
 	} {
 		in := b.inbox(t, b.drv, testenv.UniqueName("data"), func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
 			return tx.Exec(tc.stmt).Error
