@@ -36,7 +36,7 @@ func Main(service string, run func(ctx context.Context, env *Env) error) {
 	// After the first signal, a second one kills the process the default way.
 	context.AfterFunc(ctx, stop)
 	hardStop(ctx, HardStop, func() {
-		logHardStop(os.Stderr, service, os.Getenv("LOG_FORMAT"))
+		logHardStop(os.Stderr, service, strings.ToLower(strings.TrimSpace(os.Getenv("LOG_FORMAT"))))
 		os.Exit(0)
 	})
 	err := run(ctx, NewEnv())

@@ -394,8 +394,9 @@ func (s *sender) startSpan(ctx context.Context, row pendingRow) (context.Context
 	return ctx, span
 }
 
-// inTrace is ctx within the trace that recorded row: its delivery's span is a child there, and a
-// line about it outside that span (a release, a failed recording) carries its trace_id.
+// inTrace is ctx within the trace that recorded row, if it was recorded within one: its
+// delivery's span is a child there, and a line about it outside that span (a release, a
+// failed recording) carries that trace_id.
 func inTrace(ctx context.Context, row pendingRow) context.Context {
 	return w3c.Extract(ctx, propagation.MapCarrier{"traceparent": row.TraceParent, "tracestate": row.TraceState})
 }

@@ -142,6 +142,7 @@ func fieldAt(body []byte, offset int64) string {
 		}
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber() // a number beyond float64's range (1e400) is a token like any other
 	for {
 		tok, err := dec.Token()
 		if err != nil {

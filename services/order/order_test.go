@@ -242,6 +242,7 @@ func TestWrongJSONTypesNameTheirField(t *testing.T) {
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:                                               {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1.5"},
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`:                                              {Field: "lines[0].unit_price_cents", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e20"},
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1},{"sku":["x"],"quantity":1,"unit_price_cents":1}]}`: {Field: "lines[1].sku", Message: "must be a string, got JSON array"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1e400,"unit_price_cents":1}]}`:                                             {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e400"},
 		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:                                                   {Field: "lines", Message: "must be an array, got JSON object"},
 	} {
 		resp, raw := b.post(t, body, "application/json", "")
