@@ -42,12 +42,14 @@ func observe[Tx any](consumer string, log *slog.Logger, m *Metrics) Middleware[T
 	}
 }
 
-// outcomeOf is a handler's outcome as the metrics label it: ok, permanent or error.
+// outcomeOf is a handler's outcome as the metrics label it: ok, permanent (marked so, or a
+// statement the database refused for the value alone: dead-lettered at once either way) or
+// error.
 func outcomeOf(err error) string {
 	switch {
 	case err == nil:
 		return handlerOK
-	case IsPermanent(err):
+	case IsPermanent(err), dataException(err):
 		return handlerPermanent
 	default:
 		return handlerError

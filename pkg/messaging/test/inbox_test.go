@@ -167,12 +167,18 @@ func TestInboxTakesADataExceptionAsPermanent(t *testing.T) {
 		{"a sequence run out", "SELECT nextval('spent')", "2200H", false},
 		{"a counter past its range", "SELECT 2147483647::int + 1", "22003", false},
 	} {
-		in := b.inbox(t, b.drv, testenv.UniqueName("data"), func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		name := testenv.UniqueName("data")
+		in := b.inbox(t, b.drv, name, func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
 			return tx.Exec(tc.stmt).Error
 		})
 		_, err := deliver(in, newMessage(t, 1))
 		if err == nil || messaging.IsPermanent(err) != tc.permanent || messaging.IsUnavailable(err) || !strings.Contains(err.Error(), tc.sqlState) {
 			t.Errorf("%s: Deliver = %v; want permanent %v, with SQLSTATE %s", tc.name, err, tc.permanent, tc.sqlState)
+		}
+		// The handler's metric says what became of it.
+		outcome := map[bool]string{true: "permanent", false: "error"}[tc.permanent]
+		if n := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": name, "outcome": outcome}); n != 1 {
+			t.Errorf("%s: consumer_handler_seconds{outcome=%q} counts %v, want 1", tc.name, outcome, n)
 		}
 	}
 }
