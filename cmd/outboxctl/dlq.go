@@ -222,8 +222,8 @@ confirmed its copy; the others are handed back in their order.
 It takes the messages it looks at unacknowledged (all that wait, or the first --limit), picks
 those it would move, and moves exactly those: with --dry-run it only lists them. When more
 than one would move it asks on a terminal first, holding them meanwhile; without one (a
-script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves messages behind may move those it looked at
-and kept back in the queue (see dlq list --help).
+script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves
+messages behind may move those it looked at and kept back in the queue (see dlq list --help).
 
 Exit status 3: --id, --type or --reason match no message (of the first --limit). Messages
 another client holds unacknowledged at that moment are not seen.`,

@@ -47,8 +47,8 @@ var deadLetterHeaders = []string{
 // 0), in queue order, and how many were waiting when it started. It leaves them all there.
 // AMQP cannot peek: it takes the messages without acknowledging them, never more than limit at
 // once, then hands each back, in the order it came. The dead-letter queue has no delivery limit
-// (see [ConsumerTopology.DeadLetterArguments]), so listing costs the messages nothing. Messages another
-// client holds unacknowledged at the time are not listed.
+// (see [ConsumerTopology.DeadLetterArguments]), so listing costs the messages nothing.
+// Messages another client holds unacknowledged at the time are not listed.
 //
 // A listing of the whole queue leaves it in its order. One of fewer messages than wait may
 // move them back in the queue: a quorum queue may put the messages handed back behind the

@@ -89,12 +89,12 @@
 // with its reason, to the queue's dead-letter queue. Mark an error no retry can fix with
 // [Permanent] (dead-lettered at once; a statement the database refuses for the value alone, too
 // long or not valid in its type, is taken as one) and a dependency's outage with [Unavailable]
-// (retried for as long as it lasts, without counting against the message). A message that cannot be
-// decoded is dead-lettered at once; one whose type has no handler goes back to the queue at
-// once, for a replica that has one, until its last allowed delivery. [ListDeadLetters],
-// [RedriveDeadLetters] and [DropDeadLetter] are the operator's view of a dead-letter queue. On
-// the publishing side, [ParkOutboxMessage] sets aside an outbox row the broker will never
-// accept, which would otherwise be retried forever.
+// (retried for as long as it lasts, without counting against the message). A message that
+// cannot be decoded is dead-lettered at once; one whose type has no handler goes back to the
+// queue at once, for a replica that has one, until its last allowed delivery.
+// [ListDeadLetters], [RedriveDeadLetters] and [DropDeadLetter] are the operator's view of a
+// dead-letter queue. On the publishing side, [ParkOutboxMessage] sets aside an outbox row the
+// broker will never accept, which would otherwise be retried forever.
 //
 // # Observability
 //

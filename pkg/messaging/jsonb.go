@@ -10,13 +10,13 @@ import (
 const (
 	jsonbHighestDigit = 131071     // the power of ten of the highest digit it holds
 	jsonbLowestDigit  = -16383     // and of the lowest
-	jsonbExponentOver = 1073741823 // INT_MAX/2: an exponent this large, or larger, either way is refused
+	jsonbExponentOver = 1073741823 // INT_MAX/2: an exponent this large, either way, is refused
 )
 
 // jsonbRefusal says what in valid JSON b PostgreSQL's jsonb refuses, or "" if it takes it
 // all: invalid UTF-8, a NUL character (\u0000), a surrogate without its pair (\ud800 alone),
-// or a number beyond numeric's range (1e131072, 1e-16384). encoding/json's Valid lets each of
-// them through.
+// or a number beyond numeric's range (1e131072, 1e-16384, 0e1073741823). encoding/json's Valid
+// lets each of them through.
 func jsonbRefusal(b []byte) string {
 	if !utf8.Valid(b) {
 		return "invalid UTF-8"
@@ -61,7 +61,7 @@ func scanJSONString(b []byte) (int, string) {
 			case 0xDC00 <= r && r <= 0xDFFF:
 				return 0, `a low surrogate without its high one (\u` + string(b[i+2:i+6]) + `)`
 			case 0xD800 <= r && r <= 0xDBFF:
-				if len(b) < i+12 || b[i+6] != '\\' || b[i+7] != 'u' || hex4(b[i+8:]) < 0xDC00 || hex4(b[i+8:]) > 0xDFFF {
+				if !lowSurrogateAt(b, i+6) {
 					return 0, `a high surrogate without its low one (\u` + string(b[i+2:i+6]) + `)`
 				}
 				i += 6
@@ -70,6 +70,15 @@ func scanJSONString(b []byte) (int, string) {
 		}
 	}
 	return len(b), ""
+}
+
+// lowSurrogateAt reports whether a \u escape of a low surrogate (\udc00-\udfff) starts at b[i].
+func lowSurrogateAt(b []byte, i int) bool {
+	if len(b) < i+6 || b[i] != '\\' || b[i+1] != 'u' {
+		return false
+	}
+	r := hex4(b[i+2:])
+	return 0xDC00 <= r && r <= 0xDFFF
 }
 
 // hex4 reads the four hex digits of a \u escape.

@@ -208,9 +208,9 @@ func (m *Metrics) recordCleanupDeleted(table string, n int64) {
 // pending count stops at 100,000, the attempts and the parked rows are those among them, and
 // the oldest row's age is exact unless 100,000 older rows are parked. An exact count of
 // millions of rows outlasts the query's timeout, and the gauges would drop out while the
-// backlog is largest; [ReadOutboxStats] counts them all. A query that fails or takes more than a second drops only
-// these gauges from that scrape, counts itself in outbox_stats_errors_total and logs why; the
-// rest of the scrape is served. Names are prefixed with namespace as in [NewMetrics].
+// backlog is largest; [ReadOutboxStats] counts them all. A query that fails or takes more than
+// a second drops only these gauges from that scrape, counts itself in
+// outbox_stats_errors_total and logs why; the rest of the scrape is served. Names are prefixed with namespace as in [NewMetrics].
 func RegisterOutboxStats(reg prometheus.Registerer, namespace string, db DB, log *slog.Logger) error {
 	if log == nil {
 		log = slog.Default()
