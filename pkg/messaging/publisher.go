@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"golang.org/x/sync/semaphore"
 )
@@ -127,8 +128,10 @@ func (p *Publisher) Connect(ctx context.Context) error {
 // and waits for the broker's verdict on all of them. It returns one error per message, in
 // order: nil means the broker confirmed it and routed it to at least one queue;
 // [ErrUnroutable], [ErrNoExchange], [ErrNacked], [ErrTooLarge] and [ErrInvalidEnvelope] are
-// verdicts on that message; [ErrBrokerUnavailable] means there was none. Anything but nil means
-// the message must be treated as not sent (and may still have been delivered: at-least-once).
+// verdicts on that message; [ErrBrokerUnavailable] means there was none (also given to a message
+// whose earlier publish on the connection is not settled yet: a return names its message by id
+// alone). Anything but nil means the message must be treated as not sent (and may still have
+// been delivered: at-least-once).
 func (p *Publisher) Publish(ctx context.Context, msgs []Message) []error {
 	errs := make([]error, len(msgs))
 	for start := 0; start < len(msgs); start += p.cfg.MaxInFlight {
@@ -162,6 +165,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		}()
 		return
 	}
+	s.release(msgs, confirms)
 	p.inFlight.Release(int64(len(msgs)))
 	if ctx.Err() != nil || s.ch.IsClosed() {
 		p.discard(s)
@@ -202,7 +206,12 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 			errs[i] = err
 			continue
 		}
+		if !s.reserve(m.ID) {
+			errs[i] = unavailable("message %s: an earlier publish of it on this connection is not confirmed yet", m.ID)
+			continue
+		}
 		if err := s.checkExchange(m.Exchange); err != nil {
+			s.unreserve(m.ID)
 			if !errors.Is(err, ErrNoExchange) {
 				fill(errs[i:], err)
 				break
@@ -212,6 +221,7 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 		}
 		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.routingKey(), true, false, pub)
 		if err != nil {
+			s.unreserve(m.ID)
 			fill(errs[i:], unavailable("publish: %w", err))
 			break
 		}
@@ -312,6 +322,11 @@ type pubSession struct {
 	returnsMu sync.Mutex
 	returns   chan amqp.Return
 	returned  map[string]amqp.Return
+	// unsettled holds the ids of the messages published and not yet settled. A return names
+	// its message by id alone, so two publishes of one id in flight at once could not tell
+	// whose it is: a window abandoned to a block could take the return of the same row
+	// published again after it, which would then count as sent.
+	unsettled map[uuid.UUID]bool
 
 	// exchanges holds the exchanges known to exist on this connection, checked before the first
 	// publish to each: a publish to a missing one would close the channel, and with it every
@@ -339,7 +354,36 @@ func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
 	// Every message in flight may come back once: the semaphore keeps them within the buffer.
 	s.returns = ch.NotifyReturn(make(chan amqp.Return, cfg.MaxInFlight))
 	s.returned = make(map[string]amqp.Return)
+	s.unsettled = make(map[uuid.UUID]bool)
 	return nil
+}
+
+// reserve marks id as in flight, unless it is already.
+func (s *pubSession) reserve(id uuid.UUID) bool {
+	s.returnsMu.Lock()
+	defer s.returnsMu.Unlock()
+	if s.unsettled[id] {
+		return false
+	}
+	s.unsettled[id] = true
+	return true
+}
+
+func (s *pubSession) unreserve(id uuid.UUID) {
+	s.returnsMu.Lock()
+	defer s.returnsMu.Unlock()
+	delete(s.unsettled, id)
+}
+
+// release ends the flight of a window's published messages, once their verdicts are in.
+func (s *pubSession) release(msgs []Message, confirms []*amqp.DeferredConfirmation) {
+	s.returnsMu.Lock()
+	defer s.returnsMu.Unlock()
+	for i, dc := range confirms {
+		if dc != nil {
+			delete(s.unsettled, msgs[i].ID)
+		}
+	}
 }
 
 // checkExchange returns nil if exchange exists, ErrNoExchange if it does not, and
@@ -446,6 +490,7 @@ func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Me
 		}
 	}
 	s.matchReturns(msgs, make([]error, len(msgs)))
+	s.release(msgs, confirms)
 }
 
 func (s *pubSession) close() {

@@ -97,3 +97,53 @@ func TestUnroutableIsNotSentWhenBlockedMidWindow(t *testing.T) {
 		s.watch.set(amqp.Blocking{Active: false})
 	}
 }
+
+// A return names its message by id alone. So a message is not published again on a connection
+// while an earlier publish of it is unsettled there, as when its window was abandoned to a
+// block: the abandoned window's late settling would take the new publish's return, and the
+// message, which no queue took, would count as sent.
+func TestAMessageIsNotPublishedTwiceAtOnceOnAConnection(t *testing.T) {
+	t.Parallel()
+	url := os.Getenv("TEST_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	p := NewPublisher(PublisherConfig{URL: url, ConnectionName: t.Name(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	t.Cleanup(p.Close)
+	ctx := context.Background()
+	// The default exchange routes by queue name: no queue has this one.
+	x := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}
+	publish := func() (*pubSession, []*amqp.DeferredConfirmation, error) {
+		errs := make([]error, 1)
+		s, confirms := p.write(ctx, []Message{x}, errs)
+		if s == nil {
+			t.Fatalf("nothing published: %v", errs[0])
+		}
+		return s, confirms, errs[0]
+	}
+
+	// The first publish, in a window left to settle late.
+	s, abandoned, err := publish()
+	if err != nil || abandoned[0] == nil {
+		t.Fatalf("first publish: %v", err)
+	}
+	if _, confirms, err := publish(); !errors.Is(err, ErrBrokerUnavailable) || confirms[0] != nil {
+		t.Fatalf("published again while the first is unsettled: verdict %v", err)
+	}
+	abandoned[0].Wait()
+	s.settleLate(abandoned, []Message{x})
+
+	// Settled: it goes again, and its own return is its verdict.
+	_, confirms, err := publish()
+	if err != nil || confirms[0] == nil {
+		t.Fatalf("publish after the first settled: %v", err)
+	}
+	errs := make([]error, 1)
+	if s.verdicts(ctx, []Message{x}, confirms, errs, time.Second) {
+		t.Fatal("blocked")
+	}
+	s.release([]Message{x}, confirms)
+	if !errors.Is(errs[0], ErrUnroutable) {
+		t.Fatalf("verdict %v, want ErrUnroutable", errs[0])
+	}
+}
