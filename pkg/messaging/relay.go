@@ -234,13 +234,11 @@ func (r *Relay) batch(ctx context.Context) (s settlement, err error) {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	msgs, attempts, err := r.claim(ctx, tx)
+	msgs, attempts, unreadable, err := r.claim(ctx, tx)
 	if err != nil || len(msgs) == 0 {
 		return settlement{}, err
 	}
-	spans := r.startPublishSpans(ctx, msgs)
-	verdicts := r.cfg.Sender.Publish(ctx, msgs)
-	endPublishSpans(spans, verdicts)
+	verdicts := r.publish(ctx, msgs, unreadable)
 	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
 		return s, err
 	}
@@ -251,16 +249,45 @@ func (r *Relay) batch(ctx context.Context) (s settlement, err error) {
 	return s, nil
 }
 
+// publish sends the messages and returns their verdicts. A row that could not be read as a
+// message is not sent, and the reason is its verdict: backed off like any refused row, it
+// cannot head every claim and hold up the rows behind it.
+func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) []error {
+	send, at := msgs, []int(nil)
+	if unreadable != nil {
+		send = make([]Message, 0, len(msgs))
+		for i, err := range unreadable {
+			if err == nil {
+				send, at = append(send, msgs[i]), append(at, i)
+			}
+		}
+	}
+	var verdicts []error
+	if len(send) > 0 {
+		spans := r.startPublishSpans(ctx, send)
+		verdicts = r.cfg.Sender.Publish(ctx, send)
+		endPublishSpans(spans, verdicts)
+	}
+	if unreadable == nil {
+		return verdicts
+	}
+	for j, i := range at {
+		unreadable[i] = verdicts[j]
+	}
+	return unreadable
+}
+
 // claim locks the oldest due rows, up to a batch, and returns them as the messages to publish
 // (the rows of earlier versions, which name no exchange, to the relay's) with the failed
-// attempts of each so far.
-func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempts []int, err error) {
+// attempts of each so far. unreadable, nil if every row could be read, holds why a row cannot
+// be sent as it is (headers written by hand that are not a JSON object of strings).
+func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempts []int, unreadable []error, err error) {
 	if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
-		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	cursor, err := tx.Query(ctx, statements.Claim, r.cfg.BatchSize)
 	if err != nil {
-		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	defer cursor.Close()
 	msgs, attempts = make([]Message, 0, r.cfg.BatchSize), make([]int, 0, r.cfg.BatchSize)
@@ -271,23 +298,30 @@ func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempt
 		var exchange, routingKey, headers *string
 		if err := cursor.Scan(&m.ID, &m.Type, &payload, &m.CorrelationID, &m.OccurredAt, &n, &m.TraceParent, &m.TraceState,
 			&exchange, &routingKey, &headers); err != nil {
-			return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+			return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 		}
 		m.Payload, m.Exchange, m.RoutingKey = payload, r.cfg.Exchange, deref(routingKey)
 		if exchange != nil {
 			m.Exchange = *exchange
 		}
+		var bad error
 		if headers != nil {
 			if m.Headers, err = parseHeaders(*headers); err != nil {
-				return nil, nil, fmt.Errorf("claim outbox batch: headers of %s: %w", m.ID, err)
+				bad = fmt.Errorf("the row's headers are not a JSON object of strings: %w", err)
 			}
+		}
+		if bad != nil && unreadable == nil {
+			unreadable = make([]error, len(msgs), r.cfg.BatchSize)
+		}
+		if unreadable != nil {
+			unreadable = append(unreadable, bad)
 		}
 		msgs, attempts = append(msgs, m), append(attempts, n)
 	}
 	if err := cursor.Err(); err != nil {
-		return nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	return msgs, attempts, nil
+	return msgs, attempts, unreadable, nil
 }
 
 func deref(s *string) string {

@@ -739,6 +739,41 @@ func TestRelayBacksOffARowAMQPCannotCarryAndSendsTheRest(t *testing.T) {
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
 }
 
+// A row whose headers are not a JSON object of strings (written by hand, or by another program:
+// the column takes any JSON) cannot be read as a message. Failing the claim for it would roll
+// the batch back and leave the row heading every claim, the relay sending nothing: the row is
+// charged and backed off instead, and the others go out.
+func TestRelayBacksOffARowWhoseHeadersCannotBeReadAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	bad, good := newMessage(t, 0), []messaging.Message{newMessage(t, 1), newMessage(t, 2)}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, bad, good[0], good[1])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Exec(`UPDATE outbox_messages SET headers = '{"retries": 1}' WHERE id = ?`, bad.ID).Error; err != nil {
+		t.Fatal(err)
+	}
+	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
+	if err != nil || res != (messaging.BatchResult{Claimed: 3, Sent: 2, Failed: 1}) {
+		t.Fatalf("batch = %+v, %v; want the 2 good rows sent and the other failed", res, err)
+	}
+	var row outboxRow
+	if err := b.db.DB.Take(&row, "id = ?", bad.ID).Error; err != nil {
+		t.Fatal(err)
+	}
+	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "headers are not a JSON object of strings") ||
+		time.Until(row.NextAttemptAt) < time.Second {
+		t.Fatalf("row: processed %v, attempts %d, last error %v, due in %s; want backed off once with the headers' fault",
+			row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+	}
+	if lines := b.logs.Lines("outbox publish failed", "message_id="+bad.ID.String(), "headers are not a JSON object"); len(lines) != 1 {
+		t.Fatalf("want one failure line naming the headers, got %d", len(lines))
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
+}
+
 // A relay's exchange or a publisher's app id AMQP cannot carry is the configuration's fault,
 // not each row's: NewRelay refuses the one; the other keeps the publisher from connecting
 // (Connect says why), so the relay charges no row for it.
