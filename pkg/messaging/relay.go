@@ -502,21 +502,31 @@ func (r *Relay) brokerDown(err error) {
 }
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
-// waited (they go out now).
+// waited (they go out now). The count reads every unsent row, so it runs after the lock is
+// let go: the other lanes, which ask whether the broker is down at each turn, go on meanwhile.
 func (r *Relay) brokerUp(ctx context.Context) {
-	r.outage.mu.Lock()
-	defer r.outage.mu.Unlock()
-	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
-	if r.outage.since.IsZero() {
+	lasted, ended := r.endOutage()
+	if !ended {
 		return
 	}
-	lasted := time.Since(r.outage.since)
-	r.outage.since = time.Time{}
 	stats, err := ReadOutboxStats(ctx, r.cfg.DB)
 	if err != nil {
 		stats.Pending = -1 // unknown; the outage is over all the same
 	}
 	r.log.Info("broker available again; relay resumed", "outage", lasted.Round(time.Millisecond), "rows_waiting", stats.Pending)
+}
+
+// endOutage ends the outage, if one is on, and says how long it lasted.
+func (r *Relay) endOutage() (lasted time.Duration, ended bool) {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
+	if r.outage.since.IsZero() {
+		return 0, false
+	}
+	lasted = time.Since(r.outage.since)
+	r.outage.since = time.Time{}
+	return lasted, true
 }
 
 func (r *Relay) isBrokerDown() bool {
