@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"sync"
 	"time"
 
@@ -25,6 +26,10 @@ var (
 	ErrTooLarge = errors.New("message too large")
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")
+	// ErrAccessRefused: the broker refused the publisher's user the message's exchange (no
+	// write permission on it; from RabbitMQ 4.2.6, for an exchange outside the Topology, no
+	// permission at all); it was not sent.
+	ErrAccessRefused = errors.New("access refused")
 	// ErrInvalidEnvelope: the message cannot travel over AMQP (a type, routing key, exchange,
 	// correlation id or header name over 255 bytes, or headers larger than a frame); it was
 	// not sent. [Enqueue] refuses such messages; this verdict catches rows written otherwise.
@@ -127,7 +132,8 @@ func (p *Publisher) Connect(ctx context.Context) error {
 // Publish sends each message to its exchange with its routing key (see [Message.Exchange]),
 // and waits for the broker's verdict on all of them. It returns one error per message, in
 // order: nil means the broker confirmed it and routed it to at least one queue;
-// [ErrUnroutable], [ErrNoExchange], [ErrNacked], [ErrTooLarge] and [ErrInvalidEnvelope] are
+// [ErrUnroutable], [ErrNoExchange], [ErrAccessRefused], [ErrNacked], [ErrTooLarge] and
+// [ErrInvalidEnvelope] are
 // verdicts on that message; [ErrBrokerUnavailable] means there was none (also given to a message
 // whose earlier publish on the connection is not settled yet: a return names its message by id
 // alone). Anything but nil means the message must be treated as not sent (and may still have
@@ -212,7 +218,7 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 		}
 		if err := s.checkExchange(m.Exchange); err != nil {
 			s.unreserve(m.ID)
-			if !errors.Is(err, ErrNoExchange) {
+			if !errors.Is(err, ErrNoExchange) && !errors.Is(err, ErrAccessRefused) {
 				fill(errs[i:], err)
 				break
 			}
@@ -327,6 +333,9 @@ type pubSession struct {
 	// whose it is: a window abandoned to a block could take the return of the same row
 	// published again after it, which would then count as sent.
 	unsettled map[uuid.UUID]bool
+	// closes says why the broker closed ch; closeErr keeps it once read.
+	closes   chan *amqp.Error
+	closeErr *amqp.Error
 
 	// exchanges holds the exchanges known to exist on this connection, checked before the first
 	// publish to each: a publish to a missing one would close the channel, and with it every
@@ -355,6 +364,7 @@ func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
 	s.returns = ch.NotifyReturn(make(chan amqp.Return, cfg.MaxInFlight))
 	s.returned = make(map[string]amqp.Return)
 	s.unsettled = make(map[uuid.UUID]bool)
+	s.closes = ch.NotifyClose(make(chan *amqp.Error, 1))
 	return nil
 }
 
@@ -406,6 +416,8 @@ func (s *pubSession) checkExchange(exchange string) error {
 		return nil
 	case errors.As(err, &amqpErr) && amqpErr.Code == amqp.NotFound:
 		return fmt.Errorf("%w: %q", ErrNoExchange, exchange)
+	case errors.As(err, &amqpErr) && amqpErr.Code == amqp.AccessRefused:
+		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, exchange, amqpErr.Reason)
 	default:
 		return unavailable("check exchange %q: %w", exchange, err)
 	}
@@ -415,14 +427,14 @@ func (s *pubSession) checkExchange(exchange string) error {
 // early because the broker blocked the connection; even then, a message confirmed before the
 // block that came back unroutable is not counted as sent: its return came before its confirm.
 func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
-	blocked = s.await(ctx, confirms, errs, timeout)
+	blocked = s.await(ctx, msgs, confirms, errs, timeout)
 	s.matchReturns(msgs, errs)
 	return blocked
 }
 
 // await collects the confirms into errs. It returns true, leaving the rest of errs as
 // ErrBrokerUnavailable, as soon as the broker blocks the connection.
-func (s *pubSession) await(ctx context.Context, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
+func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
 	for i, dc := range confirms {
 		if dc == nil {
 			continue
@@ -440,13 +452,53 @@ func (s *pubSession) await(ctx context.Context, confirms []*amqp.DeferredConfirm
 		case dc.Acked():
 		case s.ch.IsClosed():
 			// The channel closed (the exchange is gone, or the connection): every pending
-			// confirm resolves as a nack, which says nothing about the message.
-			errs[i] = unavailable("channel closed before the confirm")
+			// confirm resolves as a nack, which says nothing about the message, unless the
+			// broker closed it for a publish to the message's exchange.
+			errs[i] = s.closedVerdict(msgs[i])
 		default:
 			errs[i] = ErrNacked
 		}
 	}
 	return false
+}
+
+// writeRefused is the reason RabbitMQ gives when it closes a channel for a publish to an
+// exchange the user may not write to (3.x says "access to", later releases may say "write
+// access to"). On a channel that only publishes, nothing else is refused an exchange.
+var writeRefused = regexp.MustCompile(`^ACCESS_REFUSED - (?:write )?access to exchange '(.*)' in vhost '.*' refused for user '.*'$`)
+
+// closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
+// closed ch for a publish to m's exchange, else none. Every message to that exchange would
+// close it again, batch after batch, and with it the confirms of all the others.
+func (s *pubSession) closedVerdict(m Message) error {
+	s.returnsMu.Lock()
+	if s.closeErr == nil {
+		select {
+		case s.closeErr = <-s.closes:
+		default: // closed by the client, or not yet said
+		}
+	}
+	reason := s.closeErr
+	s.returnsMu.Unlock()
+	if x, ok := refusedExchange(reason); ok && x == m.Exchange {
+		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
+	}
+	return unavailable("channel closed before the confirm")
+}
+
+// refusedExchange reads the exchange a channel was closed for from the broker's reason.
+func refusedExchange(reason *amqp.Error) (exchange string, ok bool) {
+	if reason == nil || reason.Code != amqp.AccessRefused {
+		return "", false
+	}
+	x := writeRefused.FindStringSubmatch(reason.Reason)
+	if len(x) != 2 {
+		return "", false
+	}
+	if x[1] == "amq.default" {
+		return "", true // the default exchange's name in permissions and reasons
+	}
+	return x[1], true
 }
 
 // matchReturns turns the confirmed messages that came back with a basic.return into

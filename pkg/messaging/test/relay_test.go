@@ -774,6 +774,63 @@ func TestRelayBacksOffARowWhoseHeadersCannotBeReadAndSendsTheRest(t *testing.T) 
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID})
 }
 
+// A row naming an exchange the relay's user may not write to is the row's fault (a deployment
+// that forgot a permission, or a row meant for another relay): the broker closes the channel at
+// its publish, or refuses the check before it (RabbitMQ 4.2.6 and later, for a user with no
+// permission on the exchange). Taken as the broker's absence, it would head every batch and the
+// relay would send nothing: the row is charged and backed off, and the others go out.
+func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	readOnly, refused := testenv.UniqueName("read-only"), testenv.UniqueName("refused")
+	user := testenv.UniqueName("relayer")
+	testenv.CleanupBroker(t, nil, []string{readOnly, refused})
+	for _, x := range []string{readOnly, refused} {
+		if err := b.ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_user", user) })
+	testenv.RabbitMQCtl(t, "add_user", user, "secret")
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", "/", user, "^$", "^"+b.exchange+"$", "^"+readOnly+"$")
+
+	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2), newMessage(t, 4)}
+	bad := []messaging.Message{newMessage(t, 1), newMessage(t, 3)}
+	bad[0].Exchange, bad[1].Exchange = readOnly, refused
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad[0], good[1], bad[1], good[2])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1)
+	relay := b.relay(t, b.publisher(t, url), nil)
+	for i := 0; b.unprocessed(t) > int64(len(bad)); i++ {
+		if i == 5 {
+			t.Fatalf("%d rows unsent after %d batches; want only the 2 refused ones", b.unprocessed(t), i)
+		}
+		res, err := relay.ProcessBatch(context.Background())
+		t.Logf("batch %d: %+v, %v", i, res, err)
+	}
+	for _, m := range bad {
+		var row outboxRow
+		if err := b.db.DB.Take(&row, "id = ?", m.ID).Error; err != nil {
+			t.Fatal(err)
+		}
+		if row.LastError != nil {
+			t.Logf("%s: %s", m.Exchange, *row.LastError)
+		}
+		if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "access refused") ||
+			!strings.Contains(*row.LastError, m.Exchange) || time.Until(row.NextAttemptAt) < time.Second {
+			t.Fatalf("row for %s: processed %v, attempts %d, last error %v, due in %s; want backed off once as refused",
+				m.Exchange, row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+		}
+	}
+	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID, good[2].ID})
+	if missing > 0 || unexpected > 0 {
+		t.Fatalf("%d good rows missing from the queue, %d unexpected messages", missing, unexpected)
+	}
+}
+
 // A relay's exchange or a publisher's app id AMQP cannot carry is the configuration's fault,
 // not each row's: NewRelay refuses the one; the other keeps the publisher from connecting
 // (Connect says why), so the relay charges no row for it.
