@@ -238,13 +238,16 @@ type topologyPermission struct {
 // loadK8s reads the manifests once for all the tests.
 var loadK8s = sync.OnceValues(readK8sManifests)
 
-func k8s(t *testing.T) *k8sManifests {
+func k8s(t *testing.T) *k8sManifests { t.Helper(); return loaded(t, loadK8s) }
+
+// loaded is what load read, or t's end.
+func loaded[T any](t *testing.T, load func() (T, error)) T {
 	t.Helper()
-	m, err := loadK8s()
+	v, err := load()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return m
+	return v
 }
 
 func readK8sManifests() (*k8sManifests, error) {
@@ -252,55 +255,79 @@ func readK8sManifests() (*k8sManifests, error) {
 		configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
 		services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{},
 	}
-	raw, err := os.ReadFile(filepath.Join(k8sDir, "kustomization.yaml"))
+	err := readKustomization(k8sDir, &m.kust, func() []string { return m.kust.Resources }, m.add)
+	return m, err
+}
+
+// readKustomization decodes dir's kustomization.yaml strictly into kust, a kustomize
+// Kustomization, then hands every document of every file resources lists to add, with the
+// vendored CRDs; it returns every error met.
+func readKustomization(dir string, kust any, resources func() []string, add func(map[string]*crd, []byte) error) error {
+	name := filepath.Join(filepath.Base(dir), "kustomization.yaml")
+	raw, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := decodeYAMLStrict(raw, &m.kust); err != nil {
-		return nil, fmt.Errorf("kustomization.yaml: %w", err)
+	if err := decodeYAMLStrict(raw, kust); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
 	}
-	if m.kust.APIVersion != "kustomize.config.k8s.io/v1beta1" || m.kust.Kind != "Kustomization" {
-		return nil, fmt.Errorf("kustomization.yaml: apiVersion %q kind %q, want kustomize.config.k8s.io/v1beta1 Kustomization", m.kust.APIVersion, m.kust.Kind)
+	var head struct{ APIVersion, Kind string }
+	if err := yaml.Unmarshal(raw, &head); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	if head.APIVersion != "kustomize.config.k8s.io/v1beta1" || head.Kind != "Kustomization" {
+		return fmt.Errorf("%s: apiVersion %q kind %q, want kustomize.config.k8s.io/v1beta1 Kustomization", name, head.APIVersion, head.Kind)
 	}
 	crds, err := loadCRDs(filepath.Join(k8sDir, "testdata", "crds"))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	var errs []error
-	for _, file := range m.kust.Resources {
-		docs, err := yamlDocuments(filepath.Join(k8sDir, file))
+	for _, file := range resources() {
+		docs, err := yamlDocuments(filepath.Join(dir, file))
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", file, err))
 			continue
 		}
 		for i, doc := range docs {
-			if err := m.add(crds, doc); err != nil {
+			if err := add(crds, doc); err != nil {
 				errs = append(errs, fmt.Errorf("%s, document %d: %w", file, i+1, err))
 			}
 		}
 	}
-	return m, errors.Join(errs...)
+	return errors.Join(errs...)
+}
+
+// docHead is what every document says of itself.
+type docHead struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Metadata   struct {
+		Name      string `json:"name"`
+		Namespace string `json:"namespace"`
+	} `json:"metadata"`
+}
+
+// readHead reads doc's head, which must name the document and no namespace: the manifests
+// apply into whatever namespace kustomize or kubectl gives them.
+func readHead(doc []byte) (head docHead, err error) {
+	if err := json.Unmarshal(doc, &head); err != nil {
+		return head, err
+	}
+	if head.Metadata.Name == "" {
+		return head, fmt.Errorf("%s %s has no metadata.name", head.APIVersion, head.Kind)
+	}
+	if head.Metadata.Namespace != "" {
+		return head, fmt.Errorf("%s %s names namespace %q; leave it to kustomization or kubectl", head.Kind, head.Metadata.Name, head.Metadata.Namespace)
+	}
+	return head, nil
 }
 
 // add decodes one document (JSON) by its kind, strictly, and files it.
 func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
-	var head struct {
-		APIVersion string `json:"apiVersion"`
-		Kind       string `json:"kind"`
-		Metadata   struct {
-			Name      string `json:"name"`
-			Namespace string `json:"namespace"`
-		} `json:"metadata"`
-	}
-	if err := json.Unmarshal(doc, &head); err != nil {
+	head, err := readHead(doc)
+	if err != nil {
 		return err
-	}
-	if head.Metadata.Name == "" {
-		return fmt.Errorf("%s %s has no metadata.name", head.APIVersion, head.Kind)
-	}
-	if head.Metadata.Namespace != "" {
-		// The base applies into whatever namespace kustomize or kubectl gives it.
-		return fmt.Errorf("%s %s names namespace %q; leave it to kustomization or kubectl", head.Kind, head.Metadata.Name, head.Metadata.Namespace)
 	}
 	what := head.APIVersion + " " + head.Kind
 	name := head.Metadata.Name
@@ -642,8 +669,14 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 // apply -k would skip it), none missing.
 func TestK8sKustomizationListsEveryFile(t *testing.T) {
 	t.Parallel()
-	m := k8s(t)
-	entries, err := os.ReadDir(k8sDir)
+	checkListsEveryManifest(t, k8sDir, k8s(t).kust.Resources)
+}
+
+// checkListsEveryManifest checks that resources, a kustomization's in dir, are the yaml files
+// of dir, each once.
+func checkListsEveryManifest(t *testing.T, dir string, resources []string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -653,14 +686,14 @@ func TestK8sKustomizationListsEveryFile(t *testing.T) {
 			files = append(files, e.Name())
 		}
 	}
-	listed := slices.Clone(m.kust.Resources)
+	listed := slices.Clone(resources)
 	slices.Sort(files)
 	slices.Sort(listed)
 	if !slices.Equal(files, listed) {
-		t.Errorf("kustomization.yaml resources = %v, want every manifest of deploy/k8s: %v", listed, files)
+		t.Errorf("%s/kustomization.yaml resources = %v, want every manifest of the folder: %v", dir, listed, files)
 	}
-	if len(slices.Compact(listed)) != len(m.kust.Resources) {
-		t.Errorf("kustomization.yaml lists a file twice: %v", m.kust.Resources)
+	if len(slices.Compact(listed)) != len(resources) {
+		t.Errorf("%s/kustomization.yaml lists a file twice: %v", dir, resources)
 	}
 }
 
