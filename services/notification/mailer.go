@@ -68,7 +68,18 @@ type smtpJob struct {
 	ctx    context.Context
 	n      Notification
 	done   chan error
-	budget time.Duration // of ctx when the delivery was asked for; 0 if ctx has no deadline
+	budget time.Duration // the delivery's whole budget (see withBudget); 0 if ctx has no deadline
+}
+
+// budgetKey carries a delivery's whole budget, of which its context's deadline may leave only
+// a part: a leased notification that waited in line for a worker.
+type budgetKey struct{}
+
+// withBudget says that ctx's deadline ends a budget of d: a delivery with less of it left than
+// a conversation may take is not begun (see timeToConverse). Without it, the budget is what
+// ctx has left when the delivery is asked for.
+func withBudget(ctx context.Context, d time.Duration) context.Context {
+	return context.WithValue(ctx, budgetKey{}, d)
 }
 
 // smtpConn is one connection to the server, past its greeting and EHLO.
@@ -109,6 +120,9 @@ func (d *smtpDeliverer) Deliver(ctx context.Context, n Notification) error {
 	job := &smtpJob{ctx: ctx, n: n, done: make(chan error, 1)}
 	if deadline, ok := ctx.Deadline(); ok {
 		job.budget = time.Until(deadline)
+		if whole, ok := ctx.Value(budgetKey{}).(time.Duration); ok {
+			job.budget = whole
+		}
 	}
 	if err := d.hand(job); err != nil {
 		return err
@@ -289,10 +303,12 @@ const conversationMargin = 2
 
 // timeToConverse says whether job has time left to begin a conversation: a message cut off by
 // the deadline after its final dot may have been accepted, and would be sent again. It needs
-// conversationMargin times the longest recent conversation, but never more than half its own
-// budget: a delivery asked for with its full budget always begins (else, against a server
+// conversationMargin times the longest recent conversation, but never more than half its whole
+// budget: a delivery asked for with its whole budget always begins (else, against a server
 // slower than that, every delivery would be released and leased again at once, in a loop).
-// With less, it is not started, and is released to be tried again with a budget of its own.
+// One with less, as a notification that waited in line, is not started then, and is released
+// to be tried again with a budget of its own: half of what it has left would let it begin a
+// conversation it has no time to finish, and the e-mail, taken by the server, would go again.
 func (d *smtpDeliverer) timeToConverse(job *smtpJob) error {
 	deadline, ok := job.ctx.Deadline()
 	if !ok {

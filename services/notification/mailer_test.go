@@ -295,6 +295,30 @@ func TestDeliveryWithItsWholeBudgetBeginsOnASlowServer(t *testing.T) {
 	}
 }
 
+// A delivery asked for with only part of its budget left (a leased notification that waited in
+// line for a worker) is measured against its whole budget: with less left than a conversation
+// may take, it does not begin, though half of what it has left would have let it. Begun, it
+// would be cut off after the server took the message, and the e-mail would go again.
+func TestDeliveryWithLittleOfItsBudgetLeftIsNotStarted(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.AnswerLate(300 * time.Millisecond)
+	if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(withBudget(context.Background(), 10*time.Second), 250*time.Millisecond)
+	defer cancel()
+	late := mailTo("c-2@customers.example")
+	if err := d.Deliver(ctx, late); !errors.Is(err, errNotStarted) {
+		t.Fatalf("delivery with 250 ms of 10 s left, on a server that takes 300 ms: %v, want not started", err)
+	}
+	for _, m := range srv.Mail() {
+		if m.To == late.Recipient {
+			t.Fatal("the server has the message of a delivery that was not started")
+		}
+	}
+}
+
 // The longest recent conversation is forgotten by halves: a server that was slow once holds
 // back deliveries short of time for a while, never for good.
 func TestLongestRecentConversationFades(t *testing.T) {

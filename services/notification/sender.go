@@ -328,7 +328,7 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 
 	// A delivery in progress at shutdown may finish within the grace, so that a clean shutdown
 	// never repeats an e-mail.
-	deliverCtx, cancelDeliver := context.WithDeadline(context.WithoutCancel(ctx), row.leasedAt.Add(s.deliver))
+	deliverCtx, cancelDeliver := context.WithDeadline(withBudget(context.WithoutCancel(ctx), s.deliver), row.leasedAt.Add(s.deliver))
 	stop := context.AfterFunc(parent, func() {
 		t := time.AfterFunc(s.grace, cancelDeliver)
 		<-deliverCtx.Done()

@@ -682,6 +682,38 @@ func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 	}
 }
 
+// A notification leased ahead waits in line for a worker, and its budget, counted from the
+// lease, runs meanwhile. On a relay that answers each message 300 ms late, with one delivery
+// at a time and a budget of 500 ms, the second notification reaches the mail server with less
+// than a conversation left: it must not begin one it cannot finish (the server would take the
+// e-mail, the delivery be cut off and charged, and the e-mail sent again), but be released and
+// sent once with a budget of its own.
+func TestNotificationThatWaitedInLineIsEmailedOnce(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	ids := e.pendingMany(t, 2)
+	e.smtp.AnswerLate(300 * time.Millisecond)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	s.concurrency = 1
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = s.Run(ctx); close(done) }()
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'") == int64(len(ids))
+	}, "not both notifications were sent")
+	cancel()
+	<-done
+	byMessageID := map[string]int{}
+	for _, m := range e.smtp.Mail() {
+		byMessageID[m.MessageID]++
+	}
+	for _, id := range ids {
+		if n := byMessageID["<"+id.String()+"@"+MessageIDDomain+">"]; n != 1 {
+			t.Errorf("notification %s e-mailed %d times without a crash, want once (row: %+v)", id, n, e.row(t, id))
+		}
+	}
+}
+
 // overlapping counts how many deliveries are in progress at once, at most, each taking delay
 // before handing over to inner.
 type overlapping struct {
