@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/mail"
+	"slices"
 	"strings"
 	"time"
 
@@ -99,7 +100,9 @@ func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%
 
 // recipient is the customer id when it is an e-mail address, otherwise a mailbox derived from
 // it at domain. Only letters, digits, '.', '-' and '_' survive: nothing from a message can
-// inject an SMTP header.
+// inject an SMTP header. The dots are those a mailbox may have (none first, last or twice in a
+// row), and a mailbox has at least one character: a server refuses "@domain" or "a..b@domain"
+// as syntax, every time, and the notification would be retried for ever.
 func recipient(customerID, domain string) string {
 	if a, err := mail.ParseAddress(customerID); err == nil && a.Address == customerID && !strings.ContainsAny(customerID, "\r\n<>") {
 		return customerID
@@ -111,10 +114,14 @@ func recipient(customerID, domain string) string {
 		}
 		return '_'
 	}, customerID)
+	local = strings.Join(slices.DeleteFunc(strings.Split(local, "."), func(s string) bool { return s == "" }), ".")
 	if len(local) > 64 {
-		local = local[:64]
+		local = strings.TrimRight(local[:64], ".")
 	}
-	return strings.Trim(local, ".") + "@" + domain
+	if local == "" {
+		local = "_"
+	}
+	return local + "@" + domain
 }
 
 // notifier turns events into pending notifications. Its handlers run inside the inbox's

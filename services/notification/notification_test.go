@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io/fs"
 	"log/slog"
+	"net/mail"
 	"slices"
 	"strings"
 	"sync"
@@ -436,9 +437,20 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 		"x\r\nBcc: evil@example.org":   "x__Bcc__evil_example.org@customers.example",
 		"Ann <ann@example.org>":        "Ann__ann_example.org_@customers.example",
 		strings.Repeat("a", 100) + "!": strings.Repeat("a", 64) + "@customers.example",
+		// Dots a mailbox may not have, and nothing left: a server refuses those as syntax.
+		".":                            "_@customers.example",
+		"...":                          "_@customers.example",
+		"a..b":                         "a.b@customers.example",
+		".a.":                          "a@customers.example",
+		strings.Repeat("a", 63) + ".b": strings.Repeat("a", 63) + "@customers.example",
+		"ü":                            "_@customers.example",
 	} {
-		if got := recipient(in, "customers.example"); got != want {
+		got := recipient(in, "customers.example")
+		if got != want {
 			t.Errorf("recipient(%q) = %q, want %q", in, got, want)
+		}
+		if a, err := mail.ParseAddress(got); err != nil || a.Address != got {
+			t.Errorf("recipient(%q) = %q, not a mailbox: %v", in, got, err)
 		}
 	}
 }
