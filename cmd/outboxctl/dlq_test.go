@@ -616,3 +616,60 @@ func TestDlqRedriveIntoASubscription(t *testing.T) {
 		t.Errorf("the dead-letter queue still holds %d", n)
 	}
 }
+
+// A quorum queue puts a large return back in an order of its own (beyond 32 messages, on
+// every broker tested): the tools hand back what they hold in returns it keeps in order, and an
+// interrupt lets them do so before the connection closes. 200 messages: listed twice, one
+// redriven, and a redrive interrupted at its question, the queue keeps its order each time.
+func TestDlqToolsKeepTheOrderOfALongQueue(t *testing.T) {
+	t.Parallel()
+	_, queue := brokerNames(t)
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue}}}
+	if err := topology.Declare(testenv.Connection(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	ch := testenv.Channel(t)
+	dlq := messaging.DeadLetterQueue(queue)
+	ids := make([]string, 200)
+	for i := range ids {
+		ids[i] = uuid.NewString()
+		publishTo(t, ch, "", dlq, amqp.Publishing{MessageId: ids[i], Type: "OrderPlaced", ContentType: "application/json", Body: []byte(`{}`)})
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+
+	for i := range 2 {
+		if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL())); !slices.Equal(got, ids) {
+			t.Fatalf("listing %d: %d messages, first out of order at %d", i+1, len(got), firstDifference(got, ids))
+		}
+	}
+	moved := ids[100]
+	ok(t, "dlq", "redrive", queue, "--id", moved, "--amqp", testenv.AMQPURL())
+	ids = slices.Delete(ids, 100, 101)
+
+	// Interrupted at its question, as by Ctrl-C: the context ends while all are held.
+	ctx, interrupt := context.WithCancel(context.Background())
+	_, err := messaging.RedriveDeadLetters(ctx, messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: queue},
+		messaging.DeadLetterSelection{Confirm: func([]messaging.DeadLetter, int) error { interrupt(); return ctx.Err() }})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("interrupted redrive: %v, want context.Canceled", err)
+	}
+	if got := deliveryIDs(testenv.Drain(t, ch, dlq, 200*time.Millisecond)); !slices.Equal(got, ids) {
+		t.Fatalf("after the tools, %s holds %d messages, first out of order at %d", dlq, len(got), firstDifference(got, ids))
+	}
+	if got := deliveryIDs(testenv.Drain(t, ch, queue, 200*time.Millisecond)); !slices.Equal(got, []string{moved}) {
+		t.Fatalf("%s holds %q, want the one redriven", queue, got)
+	}
+}
+
+// firstDifference is the first index where a and b differ, or -1.
+func firstDifference(a, b []string) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	if len(a) != len(b) {
+		return min(len(a), len(b))
+	}
+	return -1
+}

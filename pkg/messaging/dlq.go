@@ -224,9 +224,18 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *
 		return err
 	}
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
-	// An interrupt closes the connection: the broker then takes back whatever is held, in order.
-	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	defer stop()
+	// An interrupt ends the operation, which then hands back what it holds, in order. The
+	// connection is closed only if that takes longer than it may (a broker that does not
+	// answer): the broker then takes back whatever is still held, in an order of its own.
+	done := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		select {
+		case <-time.After(handBackWait + time.Second):
+			_ = conn.CloseDeadline(time.Now())
+		case <-done:
+		}
+	})
+	defer func() { close(done); stop() }()
 	ch, err := conn.Channel()
 	if err != nil {
 		return fmt.Errorf("open channel: %w", err)
@@ -262,29 +271,51 @@ func take(ctx context.Context, ch *amqp.Channel, queue string, n int) ([]amqp.De
 // handBackWait bounds how long handBack waits for the broker to count the messages again.
 const handBackWait = 5 * time.Second
 
-// handBack returns the held messages to queue, one by one in the order they came, then waits
-// until the broker counts them as waiting again. A quorum queue applies the returns after it
-// answered (on RabbitMQ 3.10, a count read right after always fell short), and a listing
-// started then would miss them. If the channel is gone, the broker took them back already.
+// handBackChunk is how many messages handBack returns at once. A quorum queue puts the messages
+// of a larger return back in an order of its own: returned one by one or together, 200 came
+// back in order up to the 33rd and shuffled after it, on RabbitMQ 3.10.8, 4.0.5 and 4.3.6
+// alike; in returns of 32, each counted back before the next, they kept their order.
+const handBackChunk = 32
+
+// handBack returns the held messages to queue in the order they came, handBackChunk at a time,
+// each chunk counted as waiting again before the next goes: a quorum queue applies the returns
+// after it answered (on RabbitMQ 3.10, a count read right after always fell short), and a
+// listing started then would miss them. If the channel is gone, the broker took them back
+// already.
 func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
 	if len(held) == 0 {
 		return
 	}
-	before, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
 	if err != nil {
 		return
 	}
-	for _, d := range held {
-		if err := d.Nack(false, true); err != nil {
+	waiting, deadline := q.Messages, time.Now().Add(handBackWait)
+	for chunk := range slices.Chunk(held, handBackChunk) {
+		for _, d := range chunk {
+			if err := d.Nack(false, true); err != nil {
+				return
+			}
+		}
+		waiting += len(chunk)
+		if !countedBack(ch, queue, waiting, deadline) {
 			return
 		}
 	}
-	for deadline := time.Now().Add(handBackWait); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+}
+
+// countedBack waits until queue counts at least waiting messages, or deadline.
+func countedBack(ch *amqp.Channel, queue string, waiting int, deadline time.Time) bool {
+	for ; time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-		if err != nil || q.Messages >= before.Messages+len(held) {
-			return
+		if err != nil {
+			return false
+		}
+		if q.Messages >= waiting {
+			return true
 		}
 	}
+	return false
 }
 
 // redrive publishes d to queue through the default exchange and waits for the broker to
