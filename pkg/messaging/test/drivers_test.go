@@ -14,10 +14,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	_ "github.com/lib/pq" // database/sql's driver "postgres"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/sqldriver"
 )
@@ -101,6 +103,55 @@ func TestSQLDriverWithNotifications(t *testing.T) {
 	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db).WithNotifications(wait), db, true))
 }
 
+// The database/sql adapter on lib/pq, database/sql's other common PostgreSQL driver.
+func TestSQLDriverOnLibPQ(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	db := openSQLWith(t, "postgres", d.URL)
+	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db), db, false))
+}
+
+// A handler whose session the server ends (pg_terminate_backend: an operator, a failover, a
+// pooler's restart) while the database still answers has met an outage, not a fault of its
+// message, whatever the driver: lib/pq says so with database/sql's ErrBadConn, without the
+// SQLSTATE (57P01) pgx gives.
+func TestASessionTheServerEndsIsAnOutageOnEveryDatabaseSQLDriver(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2*driverPool)
+	d := testenv.NewDatabase(t)
+	ev := messaging.Event[payload]{Exchange: testenv.UniqueName("orders"), Type: eventType}
+	for _, name := range []string{"pgx", "postgres"} {
+		db := openSQLWith(t, name, d.URL)
+		drv := sqldriver.New(db)
+		must(t, messaging.MigrateInbox(context.Background(), drv.DB()))
+		queue := testenv.UniqueName("ended")
+		sub, err := messaging.NewSubscription(drv, messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(),
+			Topology: messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue, Bindings: []messaging.Binding{ev.Binding()}}}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		must(t, messaging.Handle(sub, ev, func(ctx context.Context, tx *sql.Tx, _ payload, _ messaging.Message) error {
+			var pid int
+			if err := tx.QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+				return err
+			}
+			if err := d.DB.Exec("SELECT pg_terminate_backend(?)", pid).Error; err != nil {
+				return fmt.Errorf("test: %w", err)
+			}
+			_, err := tx.ExecContext(ctx, "SELECT 1")
+			return err
+		}))
+		m, err := ev.Message(payload{OrderID: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := messagingtest.Deliver(context.Background(), sub, m); !messaging.IsUnavailable(err) {
+			t.Errorf("%s: the handler's session ended by the server: %v, want the database unavailable", name, err)
+		}
+	}
+}
+
 func TestGormDriver(t *testing.T) {
 	t.Parallel()
 	d := testenv.NewDatabase(t)
@@ -122,14 +173,18 @@ func TestGormDriver(t *testing.T) {
 }
 
 // openSQL opens a database/sql pool on url through pgx's stdlib driver.
-func openSQL(t *testing.T, url string) *sql.DB {
+func openSQL(t *testing.T, url string) *sql.DB { t.Helper(); return openSQLWith(t, "pgx", url) }
+
+// openSQLWith opens a database/sql pool of driverPool connections through the named driver.
+func openSQLWith(t *testing.T, driver, url string) *sql.DB {
 	t.Helper()
 	testenv.Draw(t, driverPool)
-	db, err := sql.Open("pgx", url)
+	db, err := sql.Open(driver, url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	db.SetMaxOpenConns(driverPool)
+	t.Cleanup(func() { _ = db.Close() })
 	return db
 }
 

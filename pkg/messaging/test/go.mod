@@ -6,6 +6,7 @@ require (
 	github.com/Shopify/toxiproxy/v2 v2.5.0
 	github.com/google/uuid v1.6.0
 	github.com/jackc/pgx/v5 v5.12.0
+	github.com/lib/pq v1.12.3
 	github.com/outboxkit/outbox-inbox v0.0.0
 	github.com/outboxkit/outbox-inbox/pkg/messaging v0.0.0
 	github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver v0.0.0
