@@ -171,7 +171,9 @@ func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) e
 	}
 	var locked bool
 	if err := queryRow(ctx, conn, []any{&locked}, `SELECT pg_try_advisory_lock($1)`, key); err != nil {
-		conn.Close()
+		// The lock may have been taken all the same (a cancellation between the server's
+		// answer and the scan): back in the pool, the session would keep every run out.
+		conn.Discard()
 		return false, fmt.Errorf("take the lock: %w", err)
 	}
 	if !locked {

@@ -2,6 +2,7 @@ package messaging
 
 import (
 	"bytes"
+	"context"
 	"testing"
 	"time"
 
@@ -26,3 +27,37 @@ func TestUUIDv7Bound(t *testing.T) {
 		}
 	}
 }
+
+// A failed lock query may have taken the lock all the same (cancelled between the server's
+// answer and the scan): the session must not go back to the pool, where it would keep every
+// later run out.
+func TestASessionWhoseLockQueryFailedIsDiscarded(t *testing.T) {
+	t.Parallel()
+	conn := &lockConn{}
+	ran, err := withSessionLock(context.Background(), lockDB{conn: conn}, 1, func(Conn) error { return nil })
+	if ran || err == nil {
+		t.Fatalf("withSessionLock = %v, %v; want an error and nothing run", ran, err)
+	}
+	if !conn.discarded || conn.closed {
+		t.Fatalf("discarded %v, returned to the pool %v; want discarded only", conn.discarded, conn.closed)
+	}
+}
+
+// lockDB hands out conn, whose every query fails.
+type lockDB struct {
+	DB
+	conn *lockConn
+}
+
+func (d lockDB) Conn(context.Context) (Conn, error) { return d.conn, nil }
+
+type lockConn struct {
+	Conn
+	closed, discarded bool
+}
+
+func (c *lockConn) Query(context.Context, string, ...any) (Rows, error) {
+	return nil, context.Canceled
+}
+func (c *lockConn) Close()   { c.closed = true }
+func (c *lockConn) Discard() { c.discarded = true }
