@@ -458,7 +458,7 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		case IsPermanent(err), IsUnavailable(err):
 		case dataException(err):
 			err = Permanent(err)
-		case databaseOutage(err) || errors.Is(err, errConnectionLost) || !s.databaseAnswers(context.WithoutCancel(ctx)):
+		case databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}
 		return nil, err
@@ -495,14 +495,9 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	if err != nil {
 		return nil, fmt.Errorf("begin inbox transaction: %w", err)
 	}
-	committing := false
 	defer func() {
-		if err == nil {
-			return
-		}
-		rollback := txe.Rollback(context.WithoutCancel(ctx))
-		if rollback != nil && !committing && ctx.Err() == nil {
-			err = fmt.Errorf("%w; rollback: %w: %w", err, errConnectionLost, rollback)
+		if err != nil {
+			_ = txe.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
 	if claimed, err = claim(ctx, txe, s.cfg.Name, jobs); err != nil {
@@ -535,19 +530,11 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			return nil, err
 		}
 	}
-	committing = true
 	if err := txe.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("commit inbox transaction: %w", err)
 	}
 	return claimed, nil
 }
-
-// errConnectionLost marks a failure after which the transaction could not even be rolled back:
-// its connection is gone (the server ended the session, the network failed), no fault of the
-// messages, whatever the driver said of the statement: pgx gives SQLSTATE 57P01 when the server
-// ends the session, lib/pq a network error with none. A rollback after a failed commit is not
-// asked: the transaction is over then, whatever failed it (a deferred constraint, say).
-var errConnectionLost = errors.New("the transaction's connection is gone")
 
 // claim records jobs in the inbox in one statement (see statements.ClaimInbox) and reports
 // which it recorded: the others were handled already.
