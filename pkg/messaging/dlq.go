@@ -226,7 +226,8 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 	// An interrupt ends the operation, which then hands back what it holds, in order. The
 	// connection is closed only if that takes longer than it may (a broker that does not
-	// answer): the broker then takes back whatever is still held, in an order of its own.
+	// answer, or tens of thousands of messages held): the broker then takes back whatever is
+	// still held, in an order of its own.
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		select {
@@ -268,7 +269,7 @@ func take(ctx context.Context, ch *amqp.Channel, queue string, n int) ([]amqp.De
 	return held, nil
 }
 
-// handBackWait bounds how long handBack waits for the broker to count the messages again.
+// handBackWait bounds how long handBack waits for the broker to count a chunk of messages again.
 const handBackWait = 5 * time.Second
 
 // handBackChunk is how many messages handBack returns at once. A quorum queue puts the messages
@@ -290,7 +291,7 @@ func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
 	if err != nil {
 		return
 	}
-	waiting, deadline := q.Messages, time.Now().Add(handBackWait)
+	waiting := q.Messages
 	for chunk := range slices.Chunk(held, handBackChunk) {
 		for _, d := range chunk {
 			if err := d.Nack(false, true); err != nil {
@@ -298,7 +299,7 @@ func handBack(ch *amqp.Channel, queue string, held []amqp.Delivery) {
 			}
 		}
 		waiting += len(chunk)
-		if !countedBack(ch, queue, waiting, deadline) {
+		if !countedBack(ch, queue, waiting, time.Now().Add(handBackWait)) {
 			return
 		}
 	}
