@@ -683,18 +683,18 @@ func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 }
 
 // A notification leased ahead waits in line for a worker, and its budget, counted from the
-// lease, runs meanwhile. On a relay that answers each message 300 ms late, with one delivery
-// at a time and a budget of 500 ms, the second notification reaches the mail server with less
-// than a conversation left: it must not begin one it cannot finish (the server would take the
-// e-mail, the delivery be cut off and charged, and the e-mail sent again), but be released and
-// sent once with a budget of its own.
+// lease, runs meanwhile. On a relay that answers each message 600 ms late, with one delivery
+// at a time and a budget of 1 s, the second notification reaches the mail server with about
+// 400 ms left, less than a conversation: it must not begin one it cannot finish (the server
+// would take the e-mail, the delivery be cut off and charged, and the e-mail sent again), but
+// be released and sent once with a budget of its own.
 func TestNotificationThatWaitedInLineIsEmailedOnce(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
 	ids := e.pendingMany(t, 2)
-	e.smtp.AnswerLate(300 * time.Millisecond)
+	e.smtp.AnswerLate(600 * time.Millisecond)
 	s := e.sender(t, "sender-a", e.mailer(t))
-	s.concurrency = 1
+	s.concurrency, s.deliver = 1, time.Second
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = s.Run(ctx); close(done) }()
