@@ -134,11 +134,10 @@ func (p *Publisher) Connect(ctx context.Context) error {
 // and waits for the broker's verdict on all of them. It returns one error per message, in
 // order: nil means the broker confirmed it and routed it to at least one queue;
 // [ErrUnroutable], [ErrNoExchange], [ErrAccessRefused], [ErrNacked], [ErrTooLarge] and
-// [ErrInvalidEnvelope] are
-// verdicts on that message; [ErrBrokerUnavailable] means there was none (also given to a message
-// whose earlier publish on the connection is not settled yet: a return names its message by id
-// alone). Anything but nil means the message must be treated as not sent (and may still have
-// been delivered: at-least-once).
+// [ErrInvalidEnvelope] are verdicts on that message; [ErrBrokerUnavailable] means there was none
+// (also given to a message whose earlier publish on the connection is not settled yet: a
+// return names its message by id alone). Anything but nil means the message must be treated as
+// not sent (and may still have been delivered: at-least-once).
 func (p *Publisher) Publish(ctx context.Context, msgs []Message) []error {
 	errs := make([]error, len(msgs))
 	for start := 0; start < len(msgs); start += p.cfg.MaxInFlight {

@@ -79,12 +79,19 @@ func TestPgxDriver(t *testing.T) {
 	})
 }
 
+// The database/sql adapter over pgx's stdlib ("pgx") and over lib/pq ("postgres"), database/sql's
+// other common PostgreSQL driver.
 func TestSQLDriver(t *testing.T) {
 	t.Parallel()
-	testenv.Connections(t, testenv.DefaultConnections+driverPool)
-	d := testenv.NewDatabase(t)
-	db := openSQL(t, d.URL)
-	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db), db, false))
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			testenv.Connections(t, testenv.DefaultConnections+driverPool)
+			d := testenv.NewDatabase(t)
+			db := openSQLWith(t, driver, d.URL)
+			testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db), db, false))
+		})
+	}
 }
 
 // The database/sql adapter receives notifications when given the driver's way to wait for
@@ -101,15 +108,6 @@ func TestSQLDriverWithNotifications(t *testing.T) {
 		})
 	}
 	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db).WithNotifications(wait), db, true))
-}
-
-// The database/sql adapter on lib/pq, database/sql's other common PostgreSQL driver.
-func TestSQLDriverOnLibPQ(t *testing.T) {
-	t.Parallel()
-	testenv.Connections(t, testenv.DefaultConnections+driverPool)
-	d := testenv.NewDatabase(t)
-	db := openSQLWith(t, "postgres", d.URL)
-	testDriver(t, d, func() { _ = db.Close() }, sqlCase(sqldriver.New(db), db, false))
 }
 
 // A handler whose session the server ends (pg_terminate_backend: an operator, a failover, a
