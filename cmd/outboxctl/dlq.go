@@ -433,7 +433,7 @@ func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.
 func deadLetterConfig(flagValue, queue string) (messaging.DeadLetterConfig, error) {
-	amqpURL, err := urlFrom("amqp", flagValue, "AMQP_URL", "amqp", "amqps")
+	amqpURL, err := urlListFrom("amqp", flagValue, "AMQP_URL", "amqp", "amqps")
 	if err != nil {
 		return messaging.DeadLetterConfig{}, err
 	}

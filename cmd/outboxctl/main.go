@@ -352,10 +352,24 @@ func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
 	}
 }
 
-// urlFrom returns the flag's value, or else the environment variable's. A missing or
-// malformed URL is a usage error that names where it came from, never its value: it may hold a
-// password.
+// urlFrom returns the flag's value, or else the environment variable's: one URL, with one of
+// schemes. A missing or malformed URL is a usage error that names where it came from, never
+// its value: it may hold a password. (A PostgreSQL URL may name several hosts, commas and all,
+// as the services accept it.)
 func urlFrom(flagName, value, variable string, schemes ...string) (string, error) {
+	one := func(v string) []string { return []string{v} }
+	return checkedURLs(flagName, value, variable, one, "a URL", schemes)
+}
+
+// urlListFrom is urlFrom for a broker's URL, which may list one URL per node of a cluster,
+// comma-separated, as AMQP_URL does.
+func urlListFrom(flagName, value, variable string, schemes ...string) (string, error) {
+	return checkedURLs(flagName, value, variable, platform.SplitURLs, "a URL, or a comma-separated list of URLs,", schemes)
+}
+
+// checkedURLs is urlFrom with split cutting the value into the URLs it holds, and what saying
+// what it should be.
+func checkedURLs(flagName, value, variable string, split func(string) []string, what string, schemes []string) (string, error) {
 	source := "--" + flagName
 	if value == "" {
 		value, source = os.Getenv(variable), variable
@@ -363,10 +377,9 @@ func urlFrom(flagName, value, variable string, schemes ...string) (string, error
 	if value == "" {
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
-	// A broker's may list one URL per node of a cluster, as AMQP_URL does.
-	for _, one := range platform.SplitURLs(value) {
+	for _, one := range split(value) {
 		if u, err := url.Parse(one); err != nil || u.Host == "" || !slices.Contains(schemes, u.Scheme) {
-			return "", usageError{fmt.Sprintf("%s is not a URL, or a comma-separated list of URLs, with scheme %s", source, strings.Join(schemes, " or "))}
+			return "", usageError{fmt.Sprintf("%s is not %s with scheme %s", source, what, strings.Join(schemes, " or "))}
 		}
 	}
 	return value, nil
@@ -381,7 +394,9 @@ func hideSecrets(msg string, args []string) string {
 			values = append(values, v)
 		}
 		for _, v := range values {
-			for _, one := range platform.SplitURLs(v) {
+			// Whole, as a PostgreSQL URL of several hosts, and cut at its commas, as a list of
+			// brokers' URLs.
+			for _, one := range append([]string{v}, platform.SplitURLs(v)...) {
 				for _, secret := range passwords(one) {
 					msg = strings.ReplaceAll(msg, secret, "xxxxx")
 				}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -259,6 +260,7 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 		{"status", "--db", withPassword, "-o", "json"},
 		{"status", "--db", "postgres://postgres:" + secret + "@127.0.0.1:1/x?sslmode=disable"},
 		{"retry", "--db=postgres://postgres@127.0.0.1:1/x?password=" + secret},
+		{"status", "--db", "postgres://postgres@127.0.0.1:1,127.0.0.1:2/x?sslmode=disable&password=" + secret},
 		{"outbox", "drop", "--id", id, "--db", withPassword, "--yes"},
 		{"inbox", "show", "--id", id, "--db", withPassword},
 		{"dlq", "list", "invoicing", "--amqp", strings.Replace(testenv.AMQPURL(), "guest:guest", "guest:"+secret, 1)},
@@ -276,6 +278,21 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 	}
 	if s := okJSON[statusResult](t, "status", "--db", withPassword); !strings.Contains(s.Database, "postgres:xxxxx@") {
 		t.Errorf("status -o json with a password: database %q; want the URL masked", s.Database)
+	}
+}
+
+// A PostgreSQL URL may name several hosts, tried in turn, as the services take it (only a
+// broker's URL is a comma-separated list of URLs).
+func TestADatabaseURLOfSeveralHosts(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	u, err := url.Parse(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Host = "127.0.0.1:1," + u.Host // nothing listens on the first
+	if s := okJSON[statusResult](t, "status", "--db", u.String()); s.Unsent != 0 {
+		t.Errorf("status of an empty outbox through a URL of two hosts: %+v", s)
 	}
 }
 

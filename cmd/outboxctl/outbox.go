@@ -191,8 +191,8 @@ func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun 
 		if row, err = messaging.OutboxMessageByID(ctx, db, id); err != nil {
 			return err
 		}
-		row.Payload = nil
 	}
+	row.Payload = nil // shown by drop alone, and its dry run
 	if c.json() {
 		return writeJSON(c.out, outboxRowsResult{DryRun: dryRun, Count: 1, Rows: []outboxRow{toOutboxRow(row)}})
 	}

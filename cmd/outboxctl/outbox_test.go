@@ -296,8 +296,8 @@ func TestRetryOneRowByID(t *testing.T) {
 
 	before := outboxState(t, d)
 	dry := okJSON[outboxRowsResult](t, "retry", "--id", ids[0].String(), "--dry-run", "--db", d.URL)
-	if !dry.DryRun || dry.Count != 1 || dry.Rows[0].ID != ids[0] || dry.Rows[0].Attempts != 4 {
-		t.Errorf("retry --id --dry-run -o json: %+v", dry)
+	if !dry.DryRun || dry.Count != 1 || dry.Rows[0].ID != ids[0] || dry.Rows[0].Attempts != 4 || dry.Rows[0].Payload != nil {
+		t.Errorf("retry --id --dry-run -o json: %+v; want the row without its payload", dry)
 	}
 	if after := outboxState(t, d); after != before {
 		t.Fatalf("a dry run changed the outbox:\n%s\n%s", before, after)
