@@ -214,12 +214,18 @@ type prometheusConfig struct {
 		StaticConfigs []struct {
 			Targets []string `yaml:"targets"`
 		} `yaml:"static_configs"`
+		DNSSDConfigs []struct {
+			Names []string `yaml:"names"`
+			Type  string   `yaml:"type"`
+			Port  int      `yaml:"port"`
+		} `yaml:"dns_sd_configs"`
 	} `yaml:"scrape_configs"`
 }
 
 // Prometheus loads deploy/prometheus/prometheus.yml and the rules beside it, and scrapes each
-// service where it listens and RabbitMQ's plugin, the per-queue depths included.
-// (`promtool check config` in scripts/test.sh checks the file's syntax and the rules.)
+// service where it listens and RabbitMQ's plugin, the per-queue depths included; and, under
+// jobs of their own, the cluster profile's copy. (`promtool check config` in scripts/test.sh
+// checks the file's syntax and the rules.)
 func TestPrometheusConfig(t *testing.T) {
 	t.Parallel()
 	p := loadObservability(t)
@@ -236,41 +242,67 @@ func TestPrometheusConfig(t *testing.T) {
 		t.Errorf("prometheus.yml rule_files %v, or the mounts, do not load deploy/prometheus/alerts.yml at %s", cfg.RuleFiles, want)
 	}
 
-	jobs := map[string]string{} // job -> "path?family target"
+	// job -> "path?family how target,target": how is static or dns.
+	jobs := map[string]string{}
 	for _, sc := range cfg.ScrapeConfigs {
-		var targets []string
+		how, targets := "static", []string{}
 		for _, st := range sc.StaticConfigs {
 			targets = append(targets, st.Targets...)
+		}
+		for _, sd := range sc.DNSSDConfigs {
+			how = "dns"
+			if sd.Type != "A" || len(sc.StaticConfigs) != 0 {
+				t.Errorf("prometheus.yml job %s: dns_sd_configs of type %q beside %d static configs, want type A alone (Docker's DNS answers a name with its replicas' addresses)", sc.JobName, sd.Type, len(sc.StaticConfigs))
+			}
+			for _, name := range sd.Names {
+				targets = append(targets, fmt.Sprintf("%s:%d", name, sd.Port))
+			}
 		}
 		mp := sc.MetricsPath
 		if mp == "" {
 			mp = "/metrics"
 		}
-		jobs[sc.JobName] = fmt.Sprintf("%s?%s %s", mp, strings.Join(sc.Params["family"], ","), strings.Join(targets, ","))
+		jobs[sc.JobName] = fmt.Sprintf("%s?%s %s %s", mp, strings.Join(sc.Params["family"], ","), how, strings.Join(targets, ","))
 	}
+	const queues = "/metrics/detailed?queue_coarse_metrics,queue_consumer_count"
+	var nodes []string
+	for _, n := range clusterNodes {
+		nodes = append(nodes, n+":15692")
+	}
+	// The default stack's targets are static: one that does not answer is down. The cluster
+	// profile's come from DNS, under jobs named after its services, so that the default stack
+	// alone has no target down and no alert sums the two copies' queues of the same names.
 	want := map[string]string{
-		"rabbitmq":        "/metrics? rabbitmq:15692",
-		"rabbitmq-queues": "/metrics/detailed?queue_coarse_metrics,queue_consumer_count rabbitmq:15692",
+		"rabbitmq":                "/metrics? static rabbitmq:15692",
+		"rabbitmq-queues":         queues + " static rabbitmq:15692",
+		"rabbitmq-cluster":        "/metrics? dns " + strings.Join(nodes, ","),
+		"rabbitmq-cluster-queues": queues + " dns " + strings.Join(nodes, ","),
+		"prometheus":              "/metrics? static 127.0.0.1:9090",
 	}
 	for _, a := range apps {
 		// The job is named after the service: the alerts and the dashboard say job="order".
-		want[a.name] = fmt.Sprintf("/metrics? %s:%d", a.name, a.port)
+		want[a.name] = fmt.Sprintf("/metrics? static %s:%d", a.name, a.port)
+		want[clusterService(a)] = fmt.Sprintf("/metrics? dns %s:%d", clusterService(a), a.port)
 	}
 	for job, w := range want {
 		if jobs[job] != w {
 			t.Errorf("prometheus.yml job %q scrapes %q, want %q", job, jobs[job], w)
 		}
 	}
-	// Each target is a compose service on the port it listens on.
+	// Each target is a compose service, of either profile, on the port it listens on.
+	both := loadComposeProfiles(t, "docker-compose.yml", nil, observabilityProfile, clusterProfile)
 	for job, scrape := range jobs {
-		_, targets, _ := strings.Cut(scrape, " ")
-		if targets == "" {
-			t.Errorf("prometheus.yml job %s has no static target", job)
+		if _, ok := want[job]; !ok {
+			t.Errorf("prometheus.yml has a job %s this test does not know", job)
+		}
+		targets := strings.Fields(scrape)[2:]
+		if len(targets) == 0 {
+			t.Errorf("prometheus.yml job %s has no target", job)
 			continue
 		}
-		for target := range strings.SplitSeq(targets, ",") {
+		for target := range strings.SplitSeq(targets[0], ",") {
 			host, _, _ := strings.Cut(target, ":")
-			if _, ok := p.Services[host]; !ok && host != "127.0.0.1" && host != "localhost" {
+			if _, ok := both.Services[host]; !ok && host != "127.0.0.1" && host != "localhost" {
 				t.Errorf("prometheus.yml job %s scrapes %s, which is no compose service", job, target)
 			}
 		}

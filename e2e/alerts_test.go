@@ -90,9 +90,10 @@ func (r *faultRun) note(format string, args ...any) {
 // came.
 func since(from, at time.Time) time.Duration { return at.Sub(from).Round(time.Millisecond) }
 
-// quiet requires, under steady orders without a fault, every target up, every rule evaluated
-// without error, every panel of the dashboard with data, and no alert firing. It returns the
-// traffic, still running.
+// quiet requires, under steady orders without a fault, every target up (the six of the
+// default stack: the cluster profile's jobs, whose names nothing answers here, add none),
+// every rule evaluated without error, every panel of the dashboard with data, and no alert
+// firing. It returns the traffic, still running.
 func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	t.Helper()
 	r.started = time.Now()
@@ -112,6 +113,9 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	}
 	if fired := r.watch.firedBetween(r.started, time.Now()); len(fired) != 0 {
 		t.Fatalf("alerts fired while orders flowed without a fault: %v", fired)
+	}
+	if up = r.prom.query(t, "up"); len(up) != 6 {
+		t.Fatalf("after %s, Prometheus scrapes %d targets, want the default stack's 6: %v", time.Since(r.started).Round(time.Second), len(up), up)
 	}
 	r.prom.checkRulesHealthy(t)
 	r.note("quiet: no alert fired in %s of steady orders (%d placed); pending meanwhile: %v",
