@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Schema holds the versioned SQL migrations of the package's own tables: schema/outbox for
@@ -132,10 +133,38 @@ type migration struct {
 	up      string
 }
 
-// apply runs the migration and records it, in one transaction.
+// migrationLockTimeout bounds each wait of a migration's statements for a table's lock. An
+// ALTER TABLE needs the table to itself: while it waits behind a transaction that uses the
+// table (a relay's batch, a long report), every writer of the table waits behind it, so the
+// callers' inserts would stall for as long as that transaction lasts.
+const migrationLockTimeout = 2 * time.Second
+
+// migrationLockRetry is the wait between a migration's attempts to take its locks.
+var migrationLockRetry = Backoff{Base: time.Second, Max: 30 * time.Second}
+
+// apply runs the migration and records it, in one transaction. When a lock is not to be had
+// within migrationLockTimeout it rolls back, lets the writers through, and tries again, until
+// ctx ends.
 func (m migration) apply(ctx context.Context, conn Conn, versionTable string) error {
+	for attempt := 1; ; attempt++ {
+		err := m.applyOnce(ctx, conn, versionTable)
+		if sqlState(err) != "55P03" { // lock_not_available
+			return err
+		}
+		if !sleep(ctx, nil, migrationLockRetry.Delay(attempt)) {
+			return fmt.Errorf("%w: after %d attempts, each waiting %s for a lock another transaction holds: %w", ctx.Err(), attempt, migrationLockTimeout, err)
+		}
+	}
+}
+
+// applyOnce is one attempt of apply.
+func (m migration) applyOnce(ctx context.Context, conn Conn, versionTable string) error {
 	tx, err := conn.Begin(ctx)
 	if err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, migrationLockTimeout.Milliseconds())); err != nil {
+		_ = tx.Rollback(ctx)
 		return err
 	}
 	if _, err := tx.Exec(ctx, m.up); err != nil {

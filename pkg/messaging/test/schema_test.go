@@ -5,6 +5,7 @@ import (
 	"io/fs"
 	"testing"
 	"testing/fstest"
+	"time"
 
 	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -42,5 +43,84 @@ func TestUpgradeMakesParkedRowsDueNow(t *testing.T) {
 	}
 	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL AND next_attempt_at > now()"); n != 1 {
 		t.Fatal("the upgrade touched a sent row")
+	}
+}
+
+// A migration that waits for a lock on outbox_messages (here behind a relay's batch that
+// stays open) lets the callers' inserts through after migrationLockTimeout instead of holding
+// them up for as long as that batch lasts, and is applied once the batch ends.
+func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	sqlDB, err := db.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	upTo4 := fstest.MapFS{}
+	for _, name := range []string{"00001_create_outbox_messages.sql", "00002_due_parked_rows_now.sql", "00003_trace_context.sql", "00004_destination_and_headers.sql"} {
+		raw, err := fs.ReadFile(messaging.Schema, "schema/outbox/"+name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		upTo4[name] = &fstest.MapFile{Data: raw}
+	}
+	if err := migrate.Up(ctx, sqlDB, upTo4, "messaging_outbox_schema"); err != nil {
+		t.Fatal(err)
+	}
+	const insert = `INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now())`
+	if _, err := sqlDB.ExecContext(ctx, insert); err != nil {
+		t.Fatal(err)
+	}
+
+	// A relay's batch: the unsent rows claimed, and the transaction open while it publishes.
+	batch, err := sqlDB.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = batch.Rollback() }()
+	if _, err := batch.ExecContext(ctx, `SELECT id FROM outbox_messages WHERE processed_at IS NULL FOR UPDATE SKIP LOCKED`); err != nil {
+		t.Fatal(err)
+	}
+	migrated := make(chan error, 1)
+	go func() {
+		mctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		migrated <- messaging.MigrateOutbox(mctx, db.Driver(t).DB())
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, db.DB, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%ALTER TABLE outbox_messages%'`) == 1
+	}, "the migration never waited for the batch's lock")
+
+	// A caller's insert, queued behind the waiting ALTER TABLE.
+	ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	if _, err := sqlDB.ExecContext(ictx, insert); err != nil {
+		t.Fatalf("an insert while the migration waited: %v", err)
+	}
+	if waited := time.Since(start); waited > 4*time.Second {
+		t.Errorf("an insert waited %s behind the migration, want at most its 2 s lock timeout and a margin", waited.Round(time.Millisecond))
+	}
+	select {
+	case err := <-migrated:
+		t.Fatalf("the migration ended while the batch held its lock: %v", err)
+	default:
+	}
+
+	if err := batch.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-migrated:
+		if err != nil {
+			t.Fatalf("the migration, once the batch ended: %v", err)
+		}
+	case <-time.After(45 * time.Second):
+		t.Fatal("the migration was not applied within 45 s of the batch's end")
+	}
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM messaging_outbox_schema WHERE version_id = 5 AND is_applied`); n != 1 {
+		t.Errorf("version 5 recorded %d times, want once", n)
 	}
 }
