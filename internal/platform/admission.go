@@ -43,6 +43,11 @@ const windowSamples = 1024
 // be the slowest one's. At lower rates a window lasts until that many have finished.
 const minWindowSamples = 20
 
+// fewAtWork is the most requests at work at once in a window whose p99, however slow, cuts
+// nothing: so few do not crowd each other, and their median is what a request takes when
+// nothing queues.
+const fewAtWork = 2
+
 // DefaultLatencyTarget is the admitted requests' p99 that the limit is lowered to hold, unless
 // HTTP_LATENCY_TARGET says: about six times an order's p99 on an idle machine (8 ms), so that
 // the limit moves only once requests queue for the cores or the database.
@@ -59,6 +64,15 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count; nor does the wait for the request's body, which is the client's pace.
+//
+// Fewer places only help latency that comes from the requests crowding each other. So a window
+// with at most fewAtWork requests at work at once cuts nothing (a slow one there, a reconnection
+// or a pause, used to leave a quiet service one place for the next burst), and its median is
+// the floor: what a request takes when nothing queues. A later window whose p10 is below the
+// floor lowers it (the database became faster). The target in force is never below twice the
+// floor. With a database farther away than the target allows, the limit falls to a few places
+// once, learns the floor there, and comes back; it used to stay at one place, shedding what a
+// fixed limit would have served.
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
@@ -83,6 +97,7 @@ type Admission struct {
 	window      []time.Duration
 	windowStart time.Time
 	peak        int           // the most places in use since windowStart
+	floor       time.Duration // what a request takes when nothing queues, 0 until seen
 	mean        time.Duration // a running mean of the latencies, 0 until one request is done
 
 	shed     atomic.Int64
@@ -232,7 +247,13 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 		return
 	}
 	slices.Sort(a.window)
-	if next := nextLimit(a.limit, a.peak, a.max, a.target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
+	if a.peak <= fewAtWork {
+		a.floor = a.window[(len(a.window)-1)/2]
+	} else if a.floor > 0 {
+		a.floor = min(a.floor, a.window[(len(a.window)-1)/10])
+	}
+	target := max(a.target, 2*a.floor)
+	if next := nextLimit(a.limit, a.peak, a.max, target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
 		a.limit, a.limitSet = next, now
 	}
 	a.window = a.window[:0]
@@ -242,10 +263,14 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 
 // nextLimit is the limit after a window whose admitted requests had p99 latency with at most
 // peak of them at work at once: the places in use scaled down by target/p99 when that is over
-// target (a limit above them held nobody back), at most halved and never below one; otherwise
-// one more, up to most.
+// target (a limit above them held nobody back), at most halved and never below one; unchanged
+// when so few were at work that they did not crowd each other (fewAtWork); otherwise one more,
+// up to most.
 func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64 {
-	if p99 > target {
+	switch {
+	case p99 > target && peak <= fewAtWork:
+		return limit
+	case p99 > target:
 		return max(1, min(limit, float64(peak))*max(0.5, float64(target)/float64(p99)))
 	}
 	return min(float64(most), limit+1)

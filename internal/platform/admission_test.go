@@ -225,7 +225,8 @@ func TestNextLimit(t *testing.T) {
 		{16, 16, 80 * ms, 10, "over the target: scaled by target/p99"},
 		{16, 16, 400 * ms, 8, "far over the target: halved, no more"},
 		{16, 6, 80 * ms, 3.75, "over the target with fewer in use: those in use are scaled"},
-		{1.5, 1, 400 * ms, 1, "never below one place"},
+		{1.5, 3, 400 * ms, 1, "never below one place"},
+		{16, 2, 400 * ms, 16, "over the target with two at work, who did not crowd each other: unchanged"},
 		{8, 8, 50 * ms, 9, "at the target: one more"},
 		{8, 2, 3 * ms, 9, "far under the target: one more, no more"},
 		{16, 16, 10 * ms, 16, "never above the most"},
@@ -233,6 +234,84 @@ func TestNextLimit(t *testing.T) {
 		if got := nextLimit(c.limit, c.peak, 16, 50*ms, c.p99); got != c.want {
 			t.Errorf("%s: nextLimit(%v, peak %d, p99 %s) = %v, want %v", c.situation, c.limit, c.peak, c.p99, got, c.want)
 		}
+	}
+}
+
+// A quiet service, one request at a time, keeps its places when two of a window's requests are
+// slow (a reconnection, a pause): fewer places would not have made them faster, and the next
+// burst would be shed.
+func TestASlowRequestAmongFewAtWorkCutsNothing(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 14, 50*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
+	for i := range minWindowSamples {
+		took := 5 * time.Millisecond
+		if i%10 == 0 {
+			took = 400 * time.Millisecond
+		}
+		a.mu.Lock()
+		a.take()
+		a.inUse--
+		a.observe(time.Now(), took)
+		a.mu.Unlock()
+	}
+	if n := a.Places(); n != 14 {
+		t.Fatalf("after a window of one request at a time, two of them slow: %d places, want the 14 kept", n)
+	}
+}
+
+// Requests that take longer than the target with nothing queued (a database farther away than
+// the target allows) are not shed for it for long: the limit falls to a few places once, learns
+// that floor there, aims at twice it, and comes back to every place, where a limit that aimed at
+// the target stayed at one place and shed what it could have served.
+func TestALatencyFloorAboveTheTargetKeepsThePlaces(t *testing.T) {
+	t.Parallel()
+	const most, target, floor = 14, 25 * time.Millisecond, 40 * time.Millisecond
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), most, target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(floor) // a database far away: as long however many are at work
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: most}}
+	var served, shed atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range most { // as many clients as places: nothing needs shedding
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				switch code, _ := postTo(t, client, srv.URL); code {
+				case http.StatusCreated:
+					served.Add(1)
+				case http.StatusServiceUnavailable:
+					shed.Add(1)
+				}
+			}
+		})
+	}
+	defer func() { close(stop); wg.Wait() }()
+	testenv.Eventually(t, 10*time.Second, func() bool { return a.Places() < most/2 }, "the limit never fell: the test shows nothing")
+	testenv.Eventually(t, 20*time.Second, func() bool { return a.Places() == most }, "the places did not come back to %d", most)
+	served0, shed0 := served.Load(), shed.Load()
+	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); { // a window of observation
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := shed.Load() - shed0; n != 0 || a.Places() != most {
+		t.Fatalf("in 2 s after the places came back: %d served, %d shed, %d places; want none shed, and the %d places kept",
+			served.Load()-served0, n, a.Places(), most)
 	}
 }
 
