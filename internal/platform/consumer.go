@@ -75,11 +75,12 @@ func (b *Base) ConsumerReady(sub *Subscription) ReadyFunc {
 	}
 }
 
-// ServeConsumer runs a consumer service once its handlers are registered on sub: sub itself,
-// the inbox cleanup and workers, and an HTTP server on addr that is ready while the database
-// and the broker both work and serves GET path, the records of type T by order (see
-// ListByOrder).
-func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, path string, sub *Subscription, s ConsumerSettings, workers ...Worker) error {
+// ServeConsumer runs a consumer service once its handlers are registered on sub: sub itself
+// (the intake, beside the HTTP server), the inbox cleanup and workers, and an HTTP server on
+// addr that is ready while the database and the broker both work and serves GET path, the
+// records of type T by order (see ListByOrder). workers.Relay, if set, sends what sub's
+// handlers commit to the outbox, until sub has settled its last messages.
+func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, path string, sub *Subscription, s ConsumerSettings, workers Workers) error {
 	if err := sub.Start(); err != nil {
 		return err
 	}
@@ -87,8 +88,9 @@ func ServeConsumer[T any](ctx context.Context, b *Base, log *slog.Logger, addr, 
 	b.API(router).Get(path, ListByOrder(log, func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error) {
 		return ListRecent[T](ctx, b.DB, orderID, limit)
 	}))
-	workers = append(workers, sub.Run, b.InboxCleanup(log, s.InboxRetention), b.Profiler(), b.Admission.Run)
-	if err := Serve(ctx, log, NewServer(addr, router), workers...); err != nil {
+	workers.Intake = append(workers.Intake, sub.Run)
+	workers.Others = append(workers.Others, b.InboxCleanup(log, s.InboxRetention), b.Profiler(), b.Admission.Run)
+	if err := Serve(ctx, log, NewServer(addr, router), workers); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil

@@ -11,15 +11,20 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sync/errgroup"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // ShutdownTimeout bounds how long in-flight HTTP requests may take to finish after a signal.
-// The workers' grace periods are shorter still (relay and consumer 5 s, the sender 4 s and 4 s
-// to record); HardStop is what makes the 10 s of the contract hold whatever they do.
+// The workers' grace periods are shorter still (consumer 5 s, the sender 4 s and 4 s to
+// record). The relay stops only once the requests and the consumer are done, to send what they
+// committed, and gets 5 s more for its batch in progress: HardStop is what makes the 10 s of
+// the contract hold whatever they do.
 const ShutdownTimeout = 8 * time.Second
 
 // HardStop is how long after a signal the process exits, whatever is still running: a service
@@ -62,27 +67,49 @@ func hardStop(ctx context.Context, after time.Duration, exit func()) {
 	context.AfterFunc(ctx, func() { time.AfterFunc(after, exit) })
 }
 
-// Worker is a long-running part of a service (a relay, a consumer). It returns nil when its
-// context ends.
+// Worker is a long-running part of a service (a consumer, a cleanup job). It returns nil when
+// its context ends.
 type Worker func(ctx context.Context) error
 
+// Workers are what a service runs beside its HTTP server, grouped by when Serve stops them.
+type Workers struct {
+	// Intake takes work in, as the server does: a subscription's Run. It is stopped at the
+	// signal, with the server, and settles what it has in progress.
+	Intake []Worker
+	// Relay, if set, sends what the requests and the intake commit (the service's outbox). It
+	// runs until the server has drained and the intake has stopped, then sends what they
+	// committed last: stopped at the signal, it would leave those rows to the next start.
+	Relay *messaging.Relay
+	// Others are stopped at the signal (cleanup jobs, the profiler, the admission limit).
+	Others []Worker
+}
+
 // Serve runs srv and the workers under one errgroup until ctx ends or one of them fails, then
-// shuts the server down gracefully: it stops accepting, finishes the requests in flight, and
-// the workers settle their own work in progress.
-func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers ...Worker) error {
+// stops them in order: the server stops accepting and finishes the requests in flight while
+// the intake settles its messages in progress, and only then does the relay stop, once it has
+// sent what they committed.
+func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Workers) error {
 	ln, err := net.Listen("tcp", srv.Addr)
 	if err != nil {
 		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)
 	}
 	log.Info("listening", "addr", ln.Addr().String())
 	g, gctx := errgroup.WithContext(ctx)
+	var intake sync.WaitGroup
+	goIntake := func(f func() error) {
+		intake.Add(1)
+		g.Go(func() error {
+			defer intake.Done()
+			return f()
+		})
+	}
 	g.Go(func() error {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			return fmt.Errorf("http server: %w", err)
 		}
 		return nil
 	})
-	g.Go(func() error {
+	goIntake(func() error {
 		<-gctx.Done()
 		log.Info("shutting down")
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
@@ -95,12 +122,65 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers ...W
 		}
 		return nil
 	})
-	for _, w := range workers {
+	for _, w := range workers.Intake {
+		goIntake(func() error { return w(gctx) })
+	}
+	for _, w := range workers.Others {
 		g.Go(func() error { return w(gctx) })
+	}
+	if workers.Relay != nil {
+		intakeStopped := make(chan struct{})
+		go func() {
+			intake.Wait()
+			close(intakeStopped)
+		}()
+		g.Go(func() error { return relayUntil(gctx, log, workers.Relay, intakeStopped) })
 	}
 	if err := g.Wait(); err != nil {
 		return err
 	}
 	log.Info("stopped")
+	return nil
+}
+
+// relayUntil runs r until intakeStopped closes, then makes a last pass over the outbox for the
+// rows committed since the relay last looked: a lane asleep at the stop would leave them. The
+// last pass begins no batch later than ShutdownTimeout after the signal (when the intake must
+// be done), nor after a batch the broker gave no verdict on: a relay that cannot publish does
+// not hold the exit, and the rows wait for the next start, or another replica.
+func relayUntil(signal context.Context, log *slog.Logger, r *messaging.Relay, intakeStopped <-chan struct{}) error {
+	stopBy := make(chan time.Time, 1)
+	context.AfterFunc(signal, func() { stopBy <- time.Now().Add(ShutdownTimeout) })
+	// WithoutCancel: the relay outlives the signal, though not the intake.
+	runCtx, stop := context.WithCancel(context.WithoutCancel(signal))
+	defer stop()
+	go func() {
+		select {
+		case <-intakeStopped:
+			stop()
+		case <-runCtx.Done():
+		}
+	}()
+	if err := r.Run(runCtx); err != nil {
+		return fmt.Errorf("outbox relay: %w", err)
+	}
+
+	lastPass, cancel := context.WithDeadline(context.WithoutCancel(signal), <-stopBy)
+	defer cancel()
+	sent := 0
+	for lastPass.Err() == nil {
+		res, err := r.ProcessBatch(lastPass)
+		sent += res.Sent
+		if err != nil {
+			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "error", err, "sent", sent)
+			return nil
+		}
+		if res.Claimed == 0 {
+			break
+		}
+	}
+	if sent > 0 {
+		log.Info("sent the outbox's last rows before stopping", "sent", sent)
+	}
 	return nil
 }

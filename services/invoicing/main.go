@@ -48,5 +48,6 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err := (invoicer{log: log, driver: base.WorkDriver, alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
 		return err
 	}
-	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings, outbox.Relay.Run, outbox.Cleanup)
+	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings,
+		platform.Workers{Relay: outbox.Relay, Others: []platform.Worker{outbox.Cleanup}})
 }

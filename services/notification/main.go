@@ -74,5 +74,6 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err := (notifier{log: log, domain: domain, wake: send.Wake, alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
 		return err
 	}
-	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings, send.Run)
+	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings,
+		platform.Workers{Others: []platform.Worker{send.Run}})
 }

@@ -42,7 +42,8 @@ func run(ctx context.Context, env *platform.Env) error {
 	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
 	(&api{store: &Store{db: base.DB, driver: base.Driver}, log: log}).routes(base.API(router))
 
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), outbox.Relay.Run, outbox.Cleanup, base.Profiler(), base.Admission.Run); err != nil {
+	workers := platform.Workers{Relay: outbox.Relay, Others: []platform.Worker{outbox.Cleanup, base.Profiler(), base.Admission.Run}}
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), workers); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil
