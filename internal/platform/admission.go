@@ -1,6 +1,7 @@
 package platform
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"log/slog"
@@ -63,7 +64,8 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // in it exceeds the target, the most places in use in it are scaled by target/p99 (halved at
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
-// not count; nor does the wait for the request's body, which is the client's pace.
+// not count; nor does the wait for the request's body, which is the client's pace: the body is
+// read before the request asks for a place (up to MaxBufferedBody).
 //
 // Fewer places only help latency that comes from the requests crowding each other. So a window
 // with at most fewAtWork requests at work at once cuts nothing (a slow one there, a reconnection
@@ -128,9 +130,14 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 	return a, nil
 }
 
-// Middleware admits or sheds each request.
+// MaxBufferedBody is how much of a request's body admission reads before the request takes a
+// place: as much as any of the services' APIs accepts (the order API's 1 MiB).
+const MaxBufferedBody = 1 << 20
+
+// Middleware admits or sheds each request, once its body has arrived.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		readBody(r)
 		if !a.enter(r.Context()) {
 			if r.Context().Err() != nil {
 				return // the client went away while it waited: nobody to answer, nothing shed
@@ -141,27 +148,37 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 			WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
 			return
 		}
-		body := &timedBody{ReadCloser: r.Body}
-		r.Body = body
 		admitted := time.Now()
-		defer func() { a.leave(admitted, body.waited) }()
+		defer func() { a.leave(admitted) }()
 		next.ServeHTTP(w, r)
 	})
 }
 
-// timedBody counts the time a handler waits for the request's body to arrive. That is the
-// client's pace, which no limit changes: a few slow uploads must not read as a slow server.
-type timedBody struct {
-	io.ReadCloser
-	waited time.Duration
+// readBody reads r's body, up to MaxBufferedBody bytes and one more, before the request asks
+// for a place: a client that sends its body slowly (a slow uplink, or on purpose) waits
+// without holding one. Fourteen clients trickling their bodies held every place of the order
+// service for the server's ReadTimeout (10 s) when the body was read after admission. The
+// handler then reads what was read, and after it the rest and any error, as it would have
+// from the connection: a body over its limit is still its to refuse.
+func readBody(r *http.Request) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return
+	}
+	read, err := io.ReadAll(io.LimitReader(r.Body, MaxBufferedBody+1))
+	rest := io.Reader(r.Body)
+	if err != nil {
+		rest = failedReader{err}
+	}
+	r.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(read), rest), r.Body}
 }
 
-func (b *timedBody) Read(p []byte) (int, error) {
-	start := time.Now()
-	n, err := b.ReadCloser.Read(p)
-	b.waited += time.Since(start)
-	return n, err
-}
+// failedReader fails every read with err: the error reading a body met before the handler.
+type failedReader struct{ err error }
+
+func (f failedReader) Read([]byte) (int, error) { return 0, f.err }
 
 // Places is how many requests are admitted at once now.
 func (a *Admission) Places() int {
@@ -211,18 +228,16 @@ func (a *Admission) take() {
 	a.peak = max(a.peak, a.inUse)
 }
 
-// leave gives back the place of a request admitted when given, which waited for its body
-// for bodyWait, learns from its latency, and gives the places free now to the requests waiting
-// longest. How fast places free up counts the whole time a place was held; the limit is judged
-// by the time the server took, without the body's wait.
-func (a *Admission) leave(admitted time.Time, bodyWait time.Duration) {
+// leave gives back the place of a request admitted when given, learns from its latency, and
+// gives the places free now to the requests waiting longest.
+func (a *Admission) leave(admitted time.Time) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.inUse--
-	held := time.Since(admitted)
-	a.mean = runningMean(a.mean, held)
+	took := time.Since(admitted)
+	a.mean = runningMean(a.mean, took)
 	if a.target > 0 {
-		a.observe(admitted, held-bodyWait)
+		a.observe(admitted, took)
 	}
 	for len(a.waiting) > 0 && a.inUse < a.places() {
 		close(a.waiting[0])

@@ -3,7 +3,9 @@ package platform
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -179,7 +181,7 @@ func TestAdmissionShedsBehindAQueueWithoutWaiting(t *testing.T) {
 		if !a.enter(ctx) {
 			t.Fatal("the free place was not given")
 		}
-		a.leave(time.Now().Add(-100*time.Millisecond), 0)
+		a.leave(time.Now().Add(-100 * time.Millisecond))
 	}
 	if !a.enter(ctx) {
 		t.Fatal("the free place was not given")
@@ -353,8 +355,8 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	}
 }
 
-// A client that sends its body late (a slow uplink, Expect: 100-continue) holds its place
-// while the handler reads, but that wait is the client's pace, not the server's latency: a few
+// A client that sends its body late (a slow uplink, Expect: 100-continue) does so before its
+// request asks for a place: that wait is the client's pace, not the server's latency, so a few
 // such clients among fast requests to an idle server leave the limit where it is.
 func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 	t.Parallel()
@@ -399,6 +401,92 @@ func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 	if n := a.Places(); n != 20 || refused.Load() > 0 {
 		t.Fatalf("after %d requests, one in twenty uploading its body 80 ms late: %d places, want all 20; %d not served",
 			sent.Load(), n, refused.Load())
+	}
+}
+
+// Clients that send their bodies slowly hold no place while they do: with every one of the
+// places' worth of them trickling, a request whose body came at once is served, and the
+// trickled requests are served with their whole bodies when they arrive. A body over
+// MaxBufferedBody reaches the handler whole, for it to refuse.
+func TestSlowUploadsHoldNoPlace(t *testing.T) {
+	t.Parallel()
+	const places = 4
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), places, DefaultLatencyTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, err := io.Copy(io.Discard, r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+	})))
+	var active atomic.Int64 // connections that have begun a request
+	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateActive {
+			active.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+
+	release := make(chan struct{})
+	var released sync.Once
+	releaseAll := func() { released.Do(func() { close(release) }) }
+	defer releaseAll() // before the server closes, which waits for their requests
+	trickled := make(chan string, places)
+	for range places {
+		pr, pw := io.Pipe()
+		go func() {
+			_, _ = pw.Write([]byte("{")) // the first byte, then nothing until released
+			<-release
+			_, _ = pw.Write([]byte(`"a":1}`))
+			_ = pw.Close()
+		}()
+		go func() {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL, pr)
+			req.ContentLength = 7
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				trickled <- err.Error()
+				return
+			}
+			defer resp.Body.Close()
+			got, _ := io.ReadAll(resp.Body)
+			trickled <- fmt.Sprintf("%d %s", resp.StatusCode, got)
+		}()
+	}
+	// Every trickling request has reached the server, and waits for its body.
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places }, "the trickling requests never reached the server")
+	// Long enough for the trickling requests to reach admission, had it come before the body.
+	for end := time.Now().Add(100 * time.Millisecond); time.Now().Before(end); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	for range 3 {
+		if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
+			t.Fatalf("a request with its body at once, beside %d trickling ones: %d, want 201: they hold the places", places, code)
+		}
+	}
+	releaseAll()
+	for range places {
+		if got := <-trickled; got != "201 7" {
+			t.Errorf("a trickled request: %q, want 201 and its 7 bytes read", got)
+		}
+	}
+
+	big := strings.Repeat("x", MaxBufferedBody+10)
+	resp, err := http.Post(srv.URL, "text/plain", strings.NewReader(big))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := strconv.Itoa(len(big)); resp.StatusCode != http.StatusCreated || string(got) != want {
+		t.Errorf("a body over MaxBufferedBody: %d %q, want 201 and all %s bytes read by the handler", resp.StatusCode, got, want)
 	}
 }
 
