@@ -128,6 +128,7 @@ func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
 		{"malformed JSON", id, `{"reason": `, "application/json", http.StatusBadRequest},
 		{"unknown field", id, `{"why": "x"}`, "application/json", http.StatusBadRequest},
 		{"trailing data", id, `{} {}`, "application/json", http.StatusBadRequest},
+		{"invalid UTF-8", id, "{\"reason\": \"a\xffb\"}", "application/json", http.StatusBadRequest},
 		{"reason not a string", id, `{"reason": 42}`, "application/json", http.StatusUnprocessableEntity},
 		{"control character", id, `{"reason": "a\u0007b"}`, "application/json", http.StatusUnprocessableEntity},
 		{"reason too long", id, `{"reason": "` + strings.Repeat("x", MaxReasonLength+1) + `"}`, "application/json", http.StatusUnprocessableEntity},

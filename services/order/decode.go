@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"reflect"
 	"strings"
+	"unicode/utf8"
 )
 
 // MaxBodyBytes is the largest request body accepted (413 beyond).
@@ -29,8 +30,8 @@ func (e *DecodeError) Error() string {
 	return e.Detail
 }
 
-// DecodePlaceOrder reads a place-order command strictly: one JSON object, no unknown fields,
-// no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
+// DecodePlaceOrder reads a place-order command strictly: one JSON object in UTF-8, no unknown
+// fields, no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
 // out of range (a quantity of 1e30) is a 422; a body over the limit is a 413.
 func DecodePlaceOrder(r io.Reader) (PlaceOrder, error) { return decodeStrict[PlaceOrder](r) }
 
@@ -54,6 +55,11 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	body, err := io.ReadAll(r)
 	if err != nil {
 		return zero, decodeError(err, nil)
+	}
+	// encoding/json would replace each invalid byte with U+FFFD and store and publish a string
+	// the client never sent; JSON between systems is UTF-8 (RFC 8259, section 8.1).
+	if !utf8.Valid(body) {
+		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "malformed JSON: the body is not valid UTF-8"}
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()

@@ -191,6 +191,8 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"empty sku", `{"customer_id":"c","lines":[{"sku":"","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"huge customer id", `{"customer_id":"` + strings.Repeat("c", MaxIDLength+1) + `","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"control characters", `{"customer_id":"c\u0000x","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"invalid UTF-8", "{\"customer_id\":\"c\xff\",\"lines\":[{\"sku\":\"s\",\"quantity\":1,\"unit_price_cents\":1}]}", "application/json", 400},
+		{"Latin-1", "{\"customer_id\":\"Jos\xe9\",\"lines\":[{\"sku\":\"s\",\"quantity\":1,\"unit_price_cents\":1}]}", "application/json", 400},
 		{"too many lines", manyLines, "application/json", 422},
 		{"2 MiB body", `{"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
 		{"2 MiB of no JSON", strings.Repeat("x", 2<<20), "application/json", 413},
