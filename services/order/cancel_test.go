@@ -128,6 +128,8 @@ func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
 		{"malformed JSON", id, `{"reason": `, "application/json", http.StatusBadRequest},
 		{"unknown field", id, `{"why": "x"}`, "application/json", http.StatusBadRequest},
 		{"trailing data", id, `{} {}`, "application/json", http.StatusBadRequest},
+		{"field name in another case", id, `{"Reason": "x"}`, "application/json", http.StatusBadRequest},
+		{"field twice", id, `{"reason": "x", "reason": "y"}`, "application/json", http.StatusBadRequest},
 		{"invalid UTF-8", id, "{\"reason\": \"a\xffb\"}", "application/json", http.StatusBadRequest},
 		{"reason not a string", id, `{"reason": 42}`, "application/json", http.StatusUnprocessableEntity},
 		{"control character", id, `{"reason": "a\u0007b"}`, "application/json", http.StatusUnprocessableEntity},

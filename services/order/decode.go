@@ -31,7 +31,7 @@ func (e *DecodeError) Error() string {
 }
 
 // DecodePlaceOrder reads a place-order command strictly: one JSON object in UTF-8, no unknown
-// fields, no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
+// fields (names are case-sensitive), no field twice in one object, no trailing data. Malformed JSON is a 400; well-formed JSON with a value of the wrong type or
 // out of range (a quantity of 1e30) is a 422; a body over the limit is a 413.
 func DecodePlaceOrder(r io.Reader) (PlaceOrder, error) { return decodeStrict[PlaceOrder](r) }
 
@@ -61,8 +61,14 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	if !utf8.Valid(body) {
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "malformed JSON: the body is not valid UTF-8"}
 	}
+	// encoding/json takes "Customer_ID" for customer_id and the last of two "customer_id"s:
+	// a client that sent either is told, not guessed at. checkFields' other errors are the
+	// body's not being JSON, which Decode reports.
+	var de *DecodeError
+	if err := checkFields(json.NewDecoder(bytes.NewReader(body)), reflect.TypeFor[T](), ""); errors.As(err, &de) {
+		return zero, de
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
 	if err := dec.Decode(&cmd); err != nil {
 		return zero, decodeError(err, body)
 	}
@@ -99,9 +105,95 @@ func decodeError(err error, body []byte) *DecodeError {
 		}
 		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, typ.Value)}
 	default:
-		// Unknown fields ("json: unknown field \"x\"") and other shape errors.
 		return &DecodeError{Status: http.StatusBadRequest, Detail: err.Error()}
 	}
+}
+
+// checkFields reads the value dec is at and returns a *DecodeError for the first of its
+// objects' keys that is not one of the fields of t, the Go type it decodes into, spelled
+// exactly (by its json tag), or is repeated in its object; path is where the value is, as
+// fieldAt names it. Where the value is not of t's shape it checks only for repeated keys: the
+// decoder reports the shape. Where it is not JSON it returns the decoder's error.
+func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
+	tok, err := dec.Token()
+	if err != nil {
+		return err
+	}
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch tok {
+	case json.Delim('['):
+		var elem reflect.Type
+		if t != nil && (t.Kind() == reflect.Slice || t.Kind() == reflect.Array) {
+			elem = t.Elem()
+		}
+		for i := 0; dec.More(); i++ {
+			if err := checkFields(dec, elem, fmt.Sprintf("%s[%d]", path, i)); err != nil {
+				return err
+			}
+		}
+	case json.Delim('{'):
+		fields := jsonFields(t)
+		seen := map[string]bool{}
+		for dec.More() {
+			tok, err := dec.Token()
+			if err != nil {
+				return err
+			}
+			key, _ := tok.(string)
+			at := key
+			if path != "" {
+				at = path + "." + key
+			}
+			field, known := fields[key]
+			switch {
+			case seen[key]:
+				return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("field %q appears twice", at)}
+			case fields != nil && !known:
+				return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(at, key, fields)}
+			}
+			seen[key] = true
+			if err := checkFields(dec, field, at); err != nil {
+				return err
+			}
+		}
+	default:
+		return nil // a scalar
+	}
+	_, err = dec.Token() // the closing delimiter
+	return err
+}
+
+// jsonFields maps the JSON names of struct t's fields to their types; nil if t is no struct.
+// Embedded structs are not followed: none of the commands has one.
+func jsonFields(t reflect.Type) map[string]reflect.Type {
+	if t == nil || t.Kind() != reflect.Struct {
+		return nil
+	}
+	fields := map[string]reflect.Type{}
+	for f := range t.Fields() {
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		switch {
+		case !f.IsExported() || name == "-":
+			continue
+		case name == "":
+			name = f.Name
+		}
+		fields[name] = f.Type
+	}
+	return fields
+}
+
+// unknownField is the problem of key, at path at, which is none of fields; one that differs
+// from a field only in case says which it would be.
+func unknownField(at, key string, fields map[string]reflect.Type) string {
+	for name := range fields {
+		if strings.EqualFold(name, key) {
+			return fmt.Sprintf("unknown field %q: field names are case-sensitive, this one is %q", at, name)
+		}
+	}
+	return fmt.Sprintf("unknown field %q", at)
 }
 
 // expectedJSON says in JSON's terms what a value of Go type t must be, without naming Go types.

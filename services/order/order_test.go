@@ -177,6 +177,10 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"trailing data", validBody + `{}`, "application/json", 400},
 		{"unknown field", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}],"total_cents":1}`, "application/json", 400},
 		{"unknown line field", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1,"discount":5}]}`, "application/json", 400},
+		{"field name in another case", `{"Customer_ID":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
+		{"line field name in another case", `{"customer_id":"c","lines":[{"SKU":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
+		{"field twice", `{"customer_id":"c","customer_id":"d","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
+		{"line field twice", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"quantity":2,"unit_price_cents":1}]}`, "application/json", 400},
 		{"quantity as string", `{"customer_id":"c","lines":[{"sku":"s","quantity":"2","unit_price_cents":1}]}`, "application/json", 422},
 		{"fractional quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`, "application/json", 422},
 		{"overflowing quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1e30,"unit_price_cents":1}]}`, "application/json", 422},
@@ -349,11 +353,37 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 	}
 }
 
+// A body's field names are the API's, exactly and once each: encoding/json alone would take
+// Customer_ID (or ſku, with a long s) for customer_id and the last of two customer_ids.
+func TestDecodeRejectsFieldsNotSpelledExactlyOnce(t *testing.T) {
+	t.Parallel()
+	for body, want := range map[string]string{
+		`{"Customer_ID":"c","lines":[]}`:                      `unknown field "Customer_ID": field names are case-sensitive, this one is "customer_id"`,
+		`{"customer_id":"c","lines":[{},{"\u017fku":"s"}]}`:   `unknown field "lines[1].ſku": field names are case-sensitive, this one is "sku"`,
+		`{"customer_id":"c","lines":[{"discount":5}]}`:        `unknown field "lines[0].discount"`,
+		`{"customer_id":"c","lines":[],"customer_id":"d"}`:    `field "customer_id" appears twice`,
+		`{"customer_id":"c","lines":[{"sku":"s","sku":"t"}]}`: `field "lines[0].sku" appears twice`,
+	} {
+		_, err := DecodePlaceOrder(strings.NewReader(body))
+		var de *DecodeError
+		if !errors.As(err, &de) || de.Status != http.StatusBadRequest || de.Field != "" || de.Detail != want {
+			t.Errorf("%s: %v, want a 400 saying %s", body, err, want)
+		}
+	}
+	if _, err := DecodeCancelOrder(strings.NewReader(`{"reason":"a","reason":"b"}`)); err == nil || err.Error() != `field "reason" appears twice` {
+		t.Errorf("a reason twice: %v, want a 400", err)
+	}
+	if cmd, err := DecodePlaceOrder(strings.NewReader(validBody)); err != nil || cmd.CustomerID != "c-42" || len(cmd.Lines) != 2 {
+		t.Errorf("the valid body: %+v, %v", cmd, err)
+	}
+}
+
 func FuzzDecodePlaceOrder(f *testing.F) {
 	f.Add([]byte(validBody))
 	f.Add([]byte(`{"customer_id":"c","lines":[{"sku":"s","quantity":10000,"unit_price_cents":100000000}]}`))
 	f.Add([]byte(`{"lines":[{"quantity":1e300}]}`))
 	f.Add([]byte(`{"customer_id":"\u0000"}{}`))
+	f.Add([]byte("{\"customer_id\":\"c\",\"lines\":[{\"sku\":\"s\x01\"}]}")) // not JSON inside an array
 	f.Fuzz(func(t *testing.T, body []byte) {
 		cmd, err := DecodePlaceOrder(bytes.NewReader(body))
 		if err != nil {
