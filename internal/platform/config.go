@@ -218,14 +218,21 @@ func RedactList(list string) string {
 	return strings.Join(urls, ",")
 }
 
-// Addr returns a listen or dial address (host:port, host optional), or def when unset.
+// Addr returns a listen or dial address (host:port, host optional, port a number from 0 to
+// 65535), or def when unset. A bad port is refused at start, with the variable named, not
+// when the address is first listened on or dialled (SMTP_ADDR: at the first e-mail).
 func (e *Env) Addr(name, def string) string {
 	v := e.String(name, def)
 	if v == "" {
 		return v
 	}
-	if _, port, err := net.SplitHostPort(v); err != nil || port == "" {
+	_, port, err := net.SplitHostPort(v)
+	if err != nil || port == "" {
 		e.fail(name, "must be host:port or :port")
+		return def
+	}
+	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+		e.fail(name, "port must be a number from 0 to 65535")
 		return def
 	}
 	return v

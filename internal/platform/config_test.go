@@ -89,6 +89,32 @@ func TestAMQPURLTakesOneURLPerNode(t *testing.T) {
 	}
 }
 
+// An address's port is a number from 0 to 65535, checked at start like every other setting.
+func TestAddrChecksItsPort(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]string{
+		":8080":         "",
+		"0.0.0.0:0":     "",
+		"[::1]:65535":   "",
+		"mail:25":       "",
+		":notaport":     "PPROF_ADDR: port must be a number from 0 to 65535",
+		"0.0.0.0:99999": "PPROF_ADDR: port must be a number from 0 to 65535",
+		":-1":           "PPROF_ADDR: port must be a number from 0 to 65535",
+		":http":         "PPROF_ADDR: port must be a number from 0 to 65535",
+		"8080":          "PPROF_ADDR: must be host:port or :port",
+		"host:":         "PPROF_ADDR: must be host:port or :port",
+	} {
+		env := EnvFrom(map[string]string{"PPROF_ADDR": v})
+		got := env.Addr("PPROF_ADDR", "")
+		switch err := env.Err(); {
+		case want == "" && (err != nil || got != v):
+			t.Errorf("PPROF_ADDR=%q: %q, %v; want it taken", v, got, err)
+		case want != "" && (err == nil || !strings.Contains(err.Error(), want) || got != ""):
+			t.Errorf("PPROF_ADDR=%q: %q, %v; want the default and %q", v, got, err, want)
+		}
+	}
+}
+
 // DB_MAX_CONNS is checked against everything the parts hold together, and the error says what
 // each part needs.
 func TestPoolsAreCheckedTogether(t *testing.T) {
