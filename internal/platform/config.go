@@ -152,6 +152,20 @@ func (e *Env) Int(name string, def, lo, hi int) int {
 	return n
 }
 
+// DurationOrOff is Duration where 0 is also allowed, for "off".
+func (e *Env) DurationOrOff(name string, def, lo, hi time.Duration) time.Duration {
+	v, ok := e.get(name)
+	if !ok {
+		return def
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d != 0 && (d < lo || d > hi) {
+		e.fail(name, "must be 0 (off) or a duration such as 1s or 5m, from %s to %s", lo, hi)
+		return def
+	}
+	return d
+}
+
 // Duration returns a Go duration ("1s", "5m") in [lo, hi], or def when unset.
 func (e *Env) Duration(name string, def, lo, hi time.Duration) time.Duration {
 	v, ok := e.get(name)
@@ -265,9 +279,15 @@ type Common struct {
 	// Admission); 0, the default, means as many as the requests' pool has connections.
 	MaxInFlight int
 	// LatencyTarget is HTTP_LATENCY_TARGET: the admitted requests' p99 that admission control
-	// lowers its limit to hold (see Admission); 0 keeps the limit at MaxInFlight.
+	// lowers its limit to hold (see Admission); 0 keeps the limit at MaxInFlight. Otherwise
+	// it is at least MinLatencyTarget.
 	LatencyTarget time.Duration
 }
+
+// MinLatencyTarget is the least HTTP_LATENCY_TARGET other than 0: a request that reads the
+// database takes longer, so a lower target would halve the limit at every window, down to
+// one request at a time.
+const MinLatencyTarget = time.Millisecond
 
 // DefaultDBMaxConns is how many database connections a service opens unless DB_MAX_CONNS
 // says, all its pools together.
@@ -288,7 +308,7 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		OTLPEndpoint:  readOTLPEndpoint(env),
 		PprofAddr:     env.Addr("PPROF_ADDR", ""),
 		MaxInFlight:   env.Int("HTTP_MAX_IN_FLIGHT", 0, 1, 100_000),
-		LatencyTarget: env.Duration("HTTP_LATENCY_TARGET", DefaultLatencyTarget, 0, time.Minute),
+		LatencyTarget: env.DurationOrOff("HTTP_LATENCY_TARGET", DefaultLatencyTarget, MinLatencyTarget, time.Minute),
 	}
 }
 

@@ -34,7 +34,7 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 		t.Fatal("want errors")
 	}
 	msg := err.Error()
-	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE", "B: must be true or false", "HTTP_LATENCY_TARGET: must be a duration such as 1s or 5m, from 0s to 1m0s"} {
+	for _, want := range []string{"DATABASE_URL: required", "AMQP_URL: scheme must be one of amqp, amqps", "LOG_LEVEL: must be one of", "DB_MAX_CONNS: must be an integer from 4 to 1000", "HTTP_ADDR: must be host:port", "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE", "B: must be true or false", "HTTP_LATENCY_TARGET: must be 0 (off) or a duration such as 1s or 5m, from 1ms to 1m0s"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q lacks %q", msg, want)
 		}
@@ -111,6 +111,26 @@ func TestAddrChecksItsPort(t *testing.T) {
 			t.Errorf("PPROF_ADDR=%q: %q, %v; want it taken", v, got, err)
 		case want != "" && (err == nil || !strings.Contains(err.Error(), want) || got != ""):
 			t.Errorf("PPROF_ADDR=%q: %q, %v; want the default and %q", v, got, err, want)
+		}
+	}
+}
+
+// HTTP_LATENCY_TARGET is 0, off, or a p99 an HTTP API can hold: a nanosecond target would
+// halve admission's limit at every window.
+func TestLatencyTargetIsOffOrAtLeastAMillisecond(t *testing.T) {
+	t.Parallel()
+	read := func(v string) (time.Duration, error) {
+		env := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/", "HTTP_LATENCY_TARGET": v})
+		return ReadCommon(env, ":8080").LatencyTarget, env.Err()
+	}
+	for v, want := range map[string]time.Duration{"0": 0, "0s": 0, "1ms": time.Millisecond, "250ms": 250 * time.Millisecond, "1m": time.Minute} {
+		if got, err := read(v); got != want || err != nil {
+			t.Errorf("HTTP_LATENCY_TARGET=%s: %s, %v; want %s", v, got, err, want)
+		}
+	}
+	for _, v := range []string{"1ns", "999us", "-1ms", "61s", "fast"} {
+		if _, err := read(v); err == nil || err.Error() != "config: HTTP_LATENCY_TARGET: must be 0 (off) or a duration such as 1s or 5m, from 1ms to 1m0s" {
+			t.Errorf("HTTP_LATENCY_TARGET=%s: %v, want it refused", v, err)
 		}
 	}
 }
