@@ -296,6 +296,26 @@ func TestADatabaseURLOfSeveralHosts(t *testing.T) {
 	}
 }
 
+// A PostgreSQL URL that gives its host in host= (as a Unix socket's directory is given:
+// postgres:///db?host=/var/run/postgresql) is a URL, as the services take it.
+func TestADatabaseURLWithItsHostInTheQuery(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	u, err := url.Parse(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("host", u.Hostname())
+	if u.Port() != "" {
+		q.Set("port", u.Port())
+	}
+	u.Host, u.RawQuery = "", q.Encode()
+	if s := okJSON[statusResult](t, "status", "--db", u.String()); s.Unsent != 0 {
+		t.Errorf("status of an empty outbox through %s: %+v", u.Redacted(), s)
+	}
+}
+
 // The built binary: its exit statuses, its version, and, with no terminal on stdin, a drop
 // refused without --yes and a retry of more than one row done.
 func TestBinary(t *testing.T) {

@@ -69,8 +69,8 @@ func (e *Env) OneOf(name, def string, allowed ...string) string {
 	return def
 }
 
-// URL returns a required URL whose scheme is one of schemes. Errors never echo the value:
-// it may hold a password.
+// URL returns a required URL whose scheme is one of schemes and that names a host (see
+// NamesHost). Errors never echo the value: it may hold a password.
 func (e *Env) URL(name string, schemes ...string) string {
 	v, ok := e.get(name)
 	if !ok {
@@ -78,17 +78,29 @@ func (e *Env) URL(name string, schemes ...string) string {
 		return ""
 	}
 	u, err := url.Parse(v)
-	if err != nil || u.Host == "" {
+	switch {
+	case err != nil || u.Scheme == "":
 		e.fail(name, "not a valid URL")
-		return ""
+	case !slices.Contains(schemes, u.Scheme):
+		e.fail(name, "scheme must be one of %s", strings.Join(schemes, ", "))
+	case !NamesHost(u):
+		e.fail(name, "names no host: give one after //, or for PostgreSQL's Unix socket its directory in host= (%s:///database?host=/var/run/postgresql)", u.Scheme)
+	default:
+		return v
 	}
-	for _, s := range schemes {
-		if u.Scheme == s {
-			return v
-		}
-	}
-	e.fail(name, "scheme must be one of %s", strings.Join(schemes, ", "))
 	return ""
+}
+
+// NamesHost reports whether u names the server to connect to: a host after //, or, in a
+// PostgreSQL URL with an empty one, a host= parameter, which libpq and pgx take for a host or
+// a Unix socket's directory. pgx reads a URL only if it starts with postgres:// or
+// postgresql://: postgres:/db?host=… is no URL to it.
+func NamesHost(u *url.URL) bool {
+	if u.Host != "" {
+		return true
+	}
+	postgres := u.Scheme == "postgres" || u.Scheme == "postgresql"
+	return postgres && !u.OmitHost && u.Opaque == "" && u.Query().Get("host") != ""
 }
 
 // URLList returns a comma-separated list of URLs, one per node of a cluster, each as URL

@@ -1,9 +1,15 @@
 package platform
 
 import (
+	"context"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
 func TestEnvReportsEveryProblemByName(t *testing.T) {
@@ -86,6 +92,76 @@ func TestAMQPURLTakesOneURLPerNode(t *testing.T) {
 		if err := env.Err(); err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "hunter2") {
 			t.Errorf("AMQP_URL=%q: %v, want %q and no password", value, err, want)
 		}
+	}
+}
+
+// A PostgreSQL URL may give its host, or its Unix socket's directory, in host= instead of
+// after //, as libpq and pgx read it; a URL that names no host at all is refused, saying so.
+func TestDatabaseURLMayGiveItsHostInTheQuery(t *testing.T) {
+	t.Parallel()
+	const noHost = "config: DATABASE_URL: names no host: give one after //, or for PostgreSQL's Unix socket its directory in host= (postgres:///database?host=/var/run/postgresql)"
+	for v, want := range map[string]string{
+		"postgres:///orders?host=/var/run/postgresql":                "",
+		"postgresql://app:hunter2@/orders?host=/tmp&sslmode=disable": "",
+		"postgres://app@db:5432/orders":                              "",
+		"postgres://app@h1:5432,h2:5432/orders":                      "",
+		"postgres:///orders":                                         noHost,
+		"postgres:///orders?host=":                                   noHost,
+		"postgres:/orders?host=/var/run/postgresql":                  noHost, // pgx reads only postgres:// as a URL
+		"postgres:orders?host=/var/run/postgresql":                   noHost,
+		"http://db/orders":                                           "config: DATABASE_URL: scheme must be one of postgres, postgresql",
+		"db/orders":                                                  "config: DATABASE_URL: not a valid URL",
+	} {
+		env := EnvFrom(map[string]string{"DATABASE_URL": v})
+		got := env.URL("DATABASE_URL", "postgres", "postgresql")
+		switch err := env.Err(); {
+		case want == "" && (err != nil || got != v):
+			t.Errorf("DATABASE_URL=%q: %q, %v; want it taken", v, got, err)
+		case want != "" && (err == nil || err.Error() != want):
+			t.Errorf("DATABASE_URL=%q: %v; want %q", v, err, want)
+		}
+	}
+
+	// What the services make of such a URL still names the socket.
+	socket := "postgres://app:hunter2@/orders?host=/var/run/postgresql"
+	dsn, err := withApplicationName(socket, "svc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil || cfg.Host != "/var/run/postgresql" || cfg.Database != "orders" || cfg.RuntimeParams["application_name"] != "svc" {
+		t.Fatalf("pgx reads %q as %+v, %v; want the socket, the database and the application name", dsn, cfg, err)
+	}
+	if got := Redact(socket); strings.Contains(got, "hunter2") || !strings.Contains(got, "host=%2Fvar%2Frun%2Fpostgresql") {
+		t.Errorf("Redact(%q) = %q", socket, got)
+	}
+
+	// And a service connects through it (over TCP here: the test server's socket may be elsewhere).
+	testenv.Connections(t, testenv.DefaultConnections+ReadinessConns)
+	d := testenv.NewDatabase(t)
+	u, err := url.Parse(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("host", u.Hostname())
+	if u.Port() != "" {
+		q.Set("port", u.Port())
+	}
+	u.Host, u.RawQuery = "", q.Encode()
+	env := EnvFrom(map[string]string{"DATABASE_URL": u.String()})
+	inQuery := env.URL("DATABASE_URL", "postgres", "postgresql")
+	if err := env.Err(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Draw(t, ReadinessConns)
+	db, err := OpenReadinessDB("svc", inQuery)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if err := DatabaseReady(db)(context.Background()); err != nil {
+		t.Fatalf("readiness through %s: %v", Redact(inQuery), err)
 	}
 }
 
