@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -184,7 +185,9 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 		})
 	})
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) { WriteProblem(w, http.StatusNotFound, "no such resource") })
-	r.MethodNotAllowed(func(w http.ResponseWriter, _ *http.Request) {
+	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
+		// RFC 9110 wants the methods in Allow; chi does not pass them to a handler of one's own.
+		w.Header().Set("Allow", strings.Join(allowedMethods(r, req), ", "))
 		WriteProblem(w, http.StatusMethodNotAllowed, "method not allowed here")
 	})
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -193,6 +196,28 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 	r.Method(http.MethodGet, "/readyz", &readiness{ready: ready, log: log})
 	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	return r
+}
+
+// routedMethods are the methods a route may have, in the order Allow lists them.
+var routedMethods = []string{
+	http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch,
+	http.MethodDelete, http.MethodOptions, http.MethodConnect, http.MethodTrace,
+}
+
+// allowedMethods are the methods routes has a route for at req's path. routes is the
+// top-level router, which finds routes in its subrouters as well, given the whole path.
+func allowedMethods(routes chi.Routes, req *http.Request) []string {
+	path := req.URL.RawPath
+	if path == "" {
+		path = req.URL.Path
+	}
+	var allowed []string
+	for _, m := range routedMethods {
+		if routes.Match(chi.NewRouteContext(), m, path) {
+			allowed = append(allowed, m)
+		}
+	}
+	return allowed
 }
 
 // tracerName is the instrumentation scope of the platform's spans.
