@@ -10,10 +10,13 @@ import (
 	"reflect"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
 
-// MaxBodyBytes is the largest request body accepted (413 beyond).
-const MaxBodyBytes = 1 << 20
+// MaxBodyBytes is the largest request body accepted (413 beyond): as much as admission reads
+// before a request takes its place, so that no accepted body is read while holding one.
+const MaxBodyBytes = platform.MaxBufferedBody
 
 // DecodeError is a request body that cannot become a command; Status is its HTTP status. Field
 // names the field whose value has the wrong JSON type, if that is the fault.
