@@ -137,6 +137,28 @@ func TestDeleteSentOutboxMessagesInBatches(t *testing.T) {
 	}
 }
 
+// Old unsent rows first in the key, more of them than a batch holds (parked, or a backlog that
+// waited out a long outage), do not end the run before the sent rows behind them: a batch
+// takes sent rows alone. Had it taken every old row, and deleted only the sent ones, a batch of
+// unsent rows alone would delete nothing and end every run there, for good.
+func TestOldUnsentRowsDoNotStopTheOutboxCleanup(t *testing.T) {
+	t.Parallel()
+	e := newCleanupEnv(t)
+	e.addOutboxRows(t, 50, "30 days", "1 s", "")    // unsent, the oldest
+	e.addOutboxRows(t, 50, "20 days", "1 s", "1 s") // sent, past the retention
+	e.opts.BatchSize = 10
+	res, err := messaging.DeleteSentOutboxMessages(context.Background(), e.pool, week, e.opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Deleted != 50 {
+		t.Errorf("cleanup = %+v, want the 50 sent rows deleted", res)
+	}
+	if unsent := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL"); unsent != 50 {
+		t.Errorf("%d unsent rows left, want all 50", unsent)
+	}
+}
+
 // Records past the retention go in bounded batches, also when a batch ends inside a group of
 // records that share their processed_at; the younger ones stay.
 func TestDeleteInboxMessagesInBatches(t *testing.T) {

@@ -404,3 +404,72 @@ func testDriver[Tx any](t *testing.T, d *testenv.Database, closePool func(), c d
 		}
 	}
 }
+
+// Every transaction a driver opens for the library (a handler's, the pool's, a connection's)
+// is READ COMMITTED whatever the database's default: at REPEATABLE READ or SERIALIZABLE the
+// inbox's claim fails with a serialization error on a duplicate that a concurrent transaction
+// claimed, and a relay's claim on a row another lane marked.
+func TestEveryDriverOpensReadCommittedTransactions(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+4*driverPool)
+	d := testenv.NewDatabase(t)
+	must(t, d.DB.Exec("ALTER DATABASE "+d.Name+" SET default_transaction_isolation = 'serializable'").Error)
+	// The setting applies to sessions that start after it: the pools below.
+	pgxCfg, err := pgxpool.ParseConfig(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgxCfg.MaxConns = driverPool
+	testenv.Draw(t, driverPool)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pgxCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	checkReadCommitted(t, "pgxdriver", pgxdriver.New(pool))
+	for _, driver := range []string{"pgx", "postgres"} {
+		checkReadCommitted(t, "sqldriver over "+driver, sqldriver.New(openSQLWith(t, driver, d.URL)))
+	}
+	checkReadCommitted(t, "gormdriver", driverOf(t, testenv.OpenPool(t, d.URL, driverPool)))
+}
+
+// checkReadCommitted fails t unless each way drv opens a transaction opens it READ COMMITTED,
+// and that plain transactions of its pool do not.
+func checkReadCommitted[Tx any](t *testing.T, name string, drv messaging.Driver[Tx]) {
+	t.Helper()
+	ctx := context.Background()
+	isolation := func(ex messaging.Executor) string {
+		t.Helper()
+		rows, err := ex.Query(ctx, "SHOW transaction_isolation")
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		defer rows.Close()
+		var level string
+		if !rows.Next() {
+			t.Fatalf("%s: SHOW transaction_isolation returned no row: %v", name, rows.Err())
+		}
+		if err := rows.Scan(&level); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		return level
+	}
+	if got := isolation(drv.DB()); got != "serializable" {
+		t.Fatalf("%s: a session of the pool runs at %q, want the database's default, serializable: the test shows nothing", name, got)
+	}
+	_, handlerTx, err := drv.Begin(ctx)
+	must(t, err)
+	poolTx, err := drv.DB().Begin(ctx)
+	must(t, err)
+	conn, err := drv.DB().Conn(ctx)
+	must(t, err)
+	defer conn.Close()
+	connTx, err := conn.Begin(ctx)
+	must(t, err)
+	for what, tx := range map[string]messaging.TxExecutor{"Driver.Begin": handlerTx, "DB.Begin": poolTx, "Conn.Begin": connTx} {
+		if got := isolation(tx); got != "read committed" {
+			t.Errorf("%s: %s opens a transaction at %q, want read committed", name, what, got)
+		}
+		must(t, tx.Rollback(ctx))
+	}
+}
