@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -177,6 +178,33 @@ func TestConsumerReconnectsWhenOneOfItsChannelsCloses(t *testing.T) {
 		b.publishRaw(t, publishing(newMessage(t, i)))
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == n }, "messages after the channel's close not handled")
+}
+
+// A channel that closes ends the session even while a worker waits out an unavailable
+// dependency in place: the worker stops retrying a delivery it could no longer acknowledge,
+// and the consumer reconnects at once instead of when the dependency is back.
+func TestAClosedChannelEndsAWorkersWaitForADependency(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	var down atomic.Bool
+	down.Store(true)
+	var attempts atomic.Int32
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		if down.Load() {
+			attempts.Add(1)
+			return messaging.Unavailable(errors.New("test: the dependency is down"))
+		}
+		return workFunc(ctx, tx, p, msg)
+	}, nil)
+	b.publishRaw(t, publishing(newMessage(t, 1)))
+	testenv.Eventually(t, 10*time.Second, func() bool { return attempts.Load() >= 3 }, "the handler is not waiting out its dependency")
+	closeAConsumerChannel(t, b.queue)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("consumer disconnected; reconnecting", "PRECONDITION_FAILED")) > 0 && c.Ready()
+	}, "the consumer did not reconnect while a worker waited for its dependency")
+	down.Store(false)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "the message was not handled once the dependency was back")
 }
 
 // closeAConsumerChannel makes the broker close one of the channels consuming queue (on the
