@@ -204,6 +204,9 @@ func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun 
 	return nil
 }
 
+// shownBeforeAsking is how many of the rows retry lists at a terminal before it asks.
+const shownBeforeAsking = 20
+
 // retryListed lists the rows of f that wait out a backoff, has them confirmed, and retries
 // those.
 func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.OutboxFilter, dryRun, yes bool) error {
@@ -232,8 +235,13 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 		return printOutboxRows(c.out, rows)
 	}
 	if len(rows) > 1 && !yes && c.interactive {
-		if err := printOutboxRows(c.err, rows); err != nil {
+		// The oldest, then a count: a backlog of a type the broker refused for an hour is
+		// hundreds of thousands of rows, which no one reads before answering.
+		if err := printOutboxRows(c.err, rows[:min(len(rows), shownBeforeAsking)]); err != nil {
 			return err
+		}
+		if more := len(rows) - shownBeforeAsking; more > 0 {
+			fmt.Fprintf(c.err, "... and %d more (--dry-run lists them all)\n", more)
 		}
 	}
 	if len(rows) > 1 {

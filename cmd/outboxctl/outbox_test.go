@@ -272,11 +272,24 @@ func TestRetryAsksAtATerminal(t *testing.T) {
 	if after := outboxState(t, d); after != before {
 		t.Fatalf("a declined retry changed the outbox:\n%s\n%s", before, after)
 	}
+	// Past 20 rows, the oldest 20 and a count.
+	more := enqueue(t, d.DB, 23)
+	for _, id := range more {
+		fail(t, d.DB, id, 1, "message nacked by the broker")
+	}
+	_, _, stderr := ctlAt(t, &terminal{"n\n"}, "retry", "--db", d.URL)
+	if listed := strings.Count(stderr, "message nacked by the broker"); listed != 20 || !strings.Contains(stderr, "... and 5 more (--dry-run lists them all)") ||
+		!strings.Contains(stderr, "make these 25 outbox rows due now? [y/N]") {
+		t.Errorf("retry of 25 rows at a terminal listed %d of them; want 20, a count of the 5 more, and the question of 25:\n%s", listed, stderr)
+	}
+	if dry := okJSON[outboxRowsResult](t, "retry", "--dry-run", "--db", d.URL); dry.Count != 25 || len(dry.Rows) != 25 {
+		t.Errorf("retry --dry-run -o json: %d rows of %d, want all 25", len(dry.Rows), dry.Count)
+	}
 	code, stdout, stderr := ctlAt(t, &terminal{"yes\n"}, "retry", "--db", d.URL)
-	if code != 0 || !strings.Contains(stdout, "2 failed outbox rows were waiting") {
+	if code != 0 || !strings.Contains(stdout, "25 failed outbox rows were waiting") {
 		t.Fatalf("retry answered yes: exit %d, %q %q", code, stdout, stderr)
 	}
-	for _, id := range ids {
+	for _, id := range append(ids, more...) {
 		if isDue, _, _ := due(t, d.DB, id); !isDue {
 			t.Errorf("row %s is not due after a confirmed retry", id)
 		}
