@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -350,6 +351,30 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" ||
 		!strings.Contains(string(body), `"detail":"the database does not answer"`) {
 		t.Fatalf("/readyz with the database gone = %d %s, want a 503 problem saying the database does not answer", resp.StatusCode, body)
+	}
+}
+
+// A body of brackets nested as deep as its size allows costs the decoder a pass and little
+// memory, and is a 400: where it has no shape to follow, the field check skips a value whole.
+// Not parallel: it counts the process's allocations.
+func TestDeeplyNestedBodiesCostLittle(t *testing.T) {
+	for _, body := range []string{
+		strings.Repeat("[", 64<<10),                                             // in place of the command
+		`{"customer_id": "c", "lines": [` + strings.Repeat("[", 64<<10),         // in place of a line
+		`{"customer_id": ` + strings.Repeat(`{"a": `, 16<<10),                   // in place of a string
+		`{"customer_id": "c", "lines": [{"sku": ` + strings.Repeat("[", 64<<10), // inside a line
+	} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err := DecodePlaceOrder(strings.NewReader(body))
+		runtime.ReadMemStats(&after)
+		var de *DecodeError
+		if !errors.As(err, &de) || de.Status != http.StatusBadRequest {
+			t.Errorf("a body of %d bytes, %.30q...: %v, want a 400", len(body), body, err)
+		}
+		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16<<20 {
+			t.Errorf("a body of %d bytes, %.30q...: %d MiB allocated to decode it, want at most 16", len(body), body, alloc>>20)
+		}
 	}
 }
 
