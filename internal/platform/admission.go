@@ -68,13 +68,15 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // read before the request asks for a place (up to MaxBufferedBody).
 //
 // Fewer places only help latency that comes from the requests crowding each other. So a window
-// with at most fewAtWork requests at work at once cuts nothing (a slow one there, a reconnection
-// or a pause, used to leave a quiet service one place for the next burst), and its median is
-// the floor: what a request takes when nothing queues. A later window whose p10 is below the
-// floor lowers it (the database became faster). The target in force is never below twice the
-// floor. With a database farther away than the target allows, the limit falls to a few places
-// once, learns the floor there, and comes back; it used to stay at one place, shedding what a
-// fixed limit would have served.
+// with at most fewAtWork requests at work at once cuts nothing and counts as within the target
+// (a slow one there, a reconnection or a pause, used to leave a quiet service one place for
+// the next burst, and a limit of one or two, which keeps every window that few, stayed there
+// for good behind any latency tail), and its median is the floor: what a request takes when
+// nothing queues. A later window whose p10 is below the floor lowers it (the database became
+// faster). The target in force is never below twice the floor, nor above twice the target
+// (a floor learnt in a stall must not turn the limit off). With a database farther away than
+// the target allows, the limit falls to a few places once, learns the floor there, and comes
+// back; it used to stay at one place, shedding what a fixed limit would have served.
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
@@ -267,7 +269,7 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 	} else if a.floor > 0 {
 		a.floor = min(a.floor, a.window[(len(a.window)-1)/10])
 	}
-	target := max(a.target, 2*a.floor)
+	target := max(a.target, 2*min(a.floor, 2*a.target))
 	if next := nextLimit(a.limit, a.peak, a.max, target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
 		a.limit, a.limitSet = next, now
 	}
@@ -278,14 +280,10 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 
 // nextLimit is the limit after a window whose admitted requests had p99 latency with at most
 // peak of them at work at once: the places in use scaled down by target/p99 when that is over
-// target (a limit above them held nobody back), at most halved and never below one; unchanged
-// when so few were at work that they did not crowd each other (fewAtWork); otherwise one more,
-// up to most.
+// target and more than fewAtWork were at work (a limit above them held nobody back; fewer did
+// not crowd each other), at most halved and never below one; otherwise one more, up to most.
 func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64 {
-	switch {
-	case p99 > target && peak <= fewAtWork:
-		return limit
-	case p99 > target:
+	if p99 > target && peak > fewAtWork {
 		return max(1, min(limit, float64(peak))*max(0.5, float64(target)/float64(p99)))
 	}
 	return min(float64(most), limit+1)

@@ -228,7 +228,8 @@ func TestNextLimit(t *testing.T) {
 		{16, 16, 400 * ms, 8, "far over the target: halved, no more"},
 		{16, 6, 80 * ms, 3.75, "over the target with fewer in use: those in use are scaled"},
 		{1.5, 3, 400 * ms, 1, "never below one place"},
-		{16, 2, 400 * ms, 16, "over the target with two at work, who did not crowd each other: unchanged"},
+		{16, 2, 400 * ms, 16, "over the target with two at work, who did not crowd each other: no cut"},
+		{1, 1, 400 * ms, 2, "over the target at a limit of one, which kept every window that few: one more"},
 		{8, 8, 50 * ms, 9, "at the target: one more"},
 		{8, 2, 3 * ms, 9, "far under the target: one more, no more"},
 		{16, 16, 10 * ms, 16, "never above the most"},
@@ -263,6 +264,34 @@ func TestASlowRequestAmongFewAtWorkCutsNothing(t *testing.T) {
 	}
 	if n := a.Places(); n != 14 {
 		t.Fatalf("after a window of one request at a time, two of them slow: %d places, want the 14 kept", n)
+	}
+}
+
+// A floor learnt in a stall (a quiet window whose requests waited on a stalled database) raises
+// the target in force to twice the target at most: the limit still cuts for a crowd after it.
+func TestAFloorLearntInAStallDoesNotTurnTheLimitOff(t *testing.T) {
+	t.Parallel()
+	const target = 50 * time.Millisecond
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 32, target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	window := func(peak int, took time.Duration) int {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
+		a.peak = peak
+		for range minWindowSamples {
+			a.observe(time.Now(), took)
+		}
+		return a.places()
+	}
+	if n := window(1, time.Second); n != 32 { // the stall, one request at a time
+		t.Fatalf("after a quiet window of 1 s requests: %d places, want the 32 kept", n)
+	}
+	if n := window(32, 300*time.Millisecond); n != 21 { // a crowd: 32 × 200 ms / 300 ms
+		t.Fatalf("after a crowded window at p99 300 ms, the floor learnt at 1 s: %d places, want 21 (the target in force capped at 4 × %s)", n, target)
 	}
 }
 
