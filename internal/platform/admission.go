@@ -3,6 +3,7 @@ package platform
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -65,7 +66,7 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count; nor does the wait for the request's body, which is the client's pace: the body is
-// read before the request asks for a place (up to MaxBufferedBody).
+// read before the request asks for a place (see readBody).
 //
 // Fewer places only help latency that comes from the requests crowding each other. So a window
 // with at most fewAtWork requests at work at once cuts nothing and counts as within the target
@@ -104,6 +105,9 @@ type Admission struct {
 	floor       time.Duration // what a request takes when nothing queues, 0 until seen
 	mean        time.Duration // a running mean of the latencies, 0 until one request is done
 
+	bodyBudget int64        // the most bytes of bodies read ahead of admission held at once
+	bodiesHeld atomic.Int64 // and how many are
+
 	shed     atomic.Int64
 	count    prometheus.Counter
 	log      *slog.Logger
@@ -114,7 +118,7 @@ type Admission struct {
 // admitted requests' p99 to target (0: never lowered), whose sheds and limit are reported in
 // reg.
 func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target time.Duration) (*Admission, error) {
-	a := &Admission{max: most, target: target, limit: float64(most), windowStart: time.Now(),
+	a := &Admission{max: most, target: target, limit: float64(most), windowStart: time.Now(), bodyBudget: DefaultBodyBudget,
 		window: make([]time.Duration, 0, windowSamples), log: log, interval: shedLogInterval,
 		count: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "http_requests_shed_total",
@@ -132,14 +136,23 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 	return a, nil
 }
 
-// MaxBufferedBody is how much of a request's body admission reads before the request takes a
-// place: as much as any of the services' APIs accepts (the order API's 1 MiB).
+// MaxBufferedBody is the largest request body any of the services' APIs accepts (the order
+// API's 1 MiB): admission answers a request that declares a larger one 413 at once, and reads a
+// smaller one before the request asks for a place.
 const MaxBufferedBody = 1 << 20
+
+// DefaultBodyBudget bounds the bytes of the bodies read ahead of admission that are held at
+// once: without it, many slow uploads of a megabyte each would be a way to exhaust memory.
+const DefaultBodyBudget = 16 << 20
 
 // Middleware admits or sheds each request, once its body has arrived.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		readBody(r)
+		release, ok := a.readBody(w, r)
+		if !ok {
+			return
+		}
+		defer release()
 		if !a.enter(r.Context()) {
 			if r.Context().Err() != nil {
 				return // the client went away while it waited: nobody to answer, nothing shed
@@ -156,17 +169,34 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 	})
 }
 
-// readBody reads r's body, up to MaxBufferedBody bytes and one more, before the request asks
-// for a place: a client that sends its body slowly (a slow uplink, or on purpose) waits
-// without holding one. Fourteen clients trickling their bodies held every place of the order
-// service for the server's ReadTimeout (10 s) when the body was read after admission. The
-// handler then reads what was read, and after it the rest and any error, as it would have
-// from the connection: a body over its limit is still its to refuse.
-func readBody(r *http.Request) {
+// readBody reads r's body before the request asks for a place, so that a client that sends it
+// slowly (a slow uplink, or on purpose) waits without holding one: fourteen clients trickling
+// their bodies held every place of the order service for the server's ReadTimeout (10 s) when
+// bodies were read after admission. The bytes held so count against the body budget until
+// release; a body the budget has no room for (or an unknown length's MaxBufferedBody) is read
+// by the handler, after admission, as before. The handler reads what was read, then any read
+// error, as it would have from the connection. A body declared larger than MaxBufferedBody is
+// answered 413, and ok is false.
+func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+	release = func() {}
 	if r.Body == nil || r.Body == http.NoBody {
-		return
+		return release, true
 	}
-	read, err := io.ReadAll(io.LimitReader(r.Body, MaxBufferedBody+1))
+	if r.ContentLength > MaxBufferedBody {
+		w.Header().Set("Connection", "close") // the body is left unread
+		WriteProblem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body exceeds %d bytes", MaxBufferedBody))
+		return release, false
+	}
+	size := r.ContentLength
+	if size < 0 { // chunked: room for the largest, and one byte to tell a larger one
+		size = MaxBufferedBody + 1
+	}
+	if a.bodiesHeld.Add(size) > a.bodyBudget {
+		a.bodiesHeld.Add(-size)
+		return release, true
+	}
+	release = func() { a.bodiesHeld.Add(-size) }
+	read, err := io.ReadAll(io.LimitReader(r.Body, size))
 	rest := io.Reader(r.Body)
 	if err != nil {
 		rest = failedReader{err}
@@ -175,6 +205,7 @@ func readBody(r *http.Request) {
 		io.Reader
 		io.Closer
 	}{io.MultiReader(bytes.NewReader(read), rest), r.Body}
+	return release, true
 }
 
 // failedReader fails every read with err: the error reading a body met before the handler.

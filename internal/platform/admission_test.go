@@ -435,8 +435,8 @@ func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 
 // Clients that send their bodies slowly hold no place while they do: with every one of the
 // places' worth of them trickling, a request whose body came at once is served, and the
-// trickled requests are served with their whole bodies when they arrive. A body over
-// MaxBufferedBody reaches the handler whole, for it to refuse.
+// trickled requests are served with their whole bodies when they arrive. A body declared over
+// MaxBufferedBody is refused at once.
 func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	t.Parallel()
 	const places = 4
@@ -507,15 +507,80 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 		}
 	}
 
-	big := strings.Repeat("x", MaxBufferedBody+10)
-	resp, err := http.Post(srv.URL, "text/plain", strings.NewReader(big))
+	if n := a.bodiesHeld.Load(); n != 0 {
+		t.Errorf("%d bytes of bodies still counted as held after every request ended, want 0", n)
+	}
+
+	// A body declared larger than any API takes is answered 413 at once, unread.
+	resp, err := http.Post(srv.URL, "text/plain", strings.NewReader(strings.Repeat("x", MaxBufferedBody+10)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, _ := io.ReadAll(resp.Body)
+	var p struct{ Status int }
+	if err := json.NewDecoder(resp.Body).Decode(&p); err != nil || resp.StatusCode != http.StatusRequestEntityTooLarge || p.Status != http.StatusRequestEntityTooLarge ||
+		resp.Header.Get("Content-Type") != "application/problem+json" {
+		t.Errorf("a body over MaxBufferedBody: %d %+v (%v), want a 413 problem", resp.StatusCode, p, err)
+	}
 	resp.Body.Close()
-	if want := strconv.Itoa(len(big)); resp.StatusCode != http.StatusCreated || string(got) != want {
-		t.Errorf("a body over MaxBufferedBody: %d %q, want 201 and all %s bytes read by the handler", resp.StatusCode, got, want)
+}
+
+// The bodies read ahead of admission hold at most the budget's bytes at once: a body past it
+// is read by the handler, after admission, as before; and each request gives its bytes back.
+func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 4, DefaultLatencyTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.bodyBudget = 10 // one 7-byte body, not two
+	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+	})))
+	defer srv.Close()
+	release := make(chan struct{})
+	var released sync.Once
+	releaseAll := func() { released.Do(func() { close(release) }) }
+	defer releaseAll()
+	results := make(chan string, 2)
+	for range 2 {
+		pr, pw := io.Pipe()
+		go func() {
+			_, _ = pw.Write([]byte("{"))
+			<-release
+			_, _ = pw.Write([]byte(`"a":1}`))
+			_ = pw.Close()
+		}()
+		go func() {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL, pr)
+			req.ContentLength = 7
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				results <- err.Error()
+				return
+			}
+			defer resp.Body.Close()
+			got, _ := io.ReadAll(resp.Body)
+			results <- fmt.Sprintf("%d %s", resp.StatusCode, got)
+		}()
+	}
+	// One body read ahead, the other admitted to be read by the handler.
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.bodiesHeld.Load() == 7 && a.inUse == 1
+	},
+		"want one body of 7 bytes held ahead of admission and one request admitted")
+	releaseAll()
+	for range 2 {
+		if got := <-results; got != "201 7" {
+			t.Errorf("a trickled request: %q, want 201 and its 7 bytes read", got)
+		}
+	}
+	if n := a.bodiesHeld.Load(); n != 0 {
+		t.Errorf("%d bytes still counted as held, want 0", n)
 	}
 }
 
