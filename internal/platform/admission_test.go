@@ -463,32 +463,8 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	srv.Start()
 	defer srv.Close()
 
-	release := make(chan struct{})
-	var released sync.Once
-	releaseAll := func() { released.Do(func() { close(release) }) }
+	trickled, releaseAll := trickle(srv.URL, places)
 	defer releaseAll() // before the server closes, which waits for their requests
-	trickled := make(chan string, places)
-	for range places {
-		pr, pw := io.Pipe()
-		go func() {
-			_, _ = pw.Write([]byte("{")) // the first byte, then nothing until released
-			<-release
-			_, _ = pw.Write([]byte(`"a":1}`))
-			_ = pw.Close()
-		}()
-		go func() {
-			req, _ := http.NewRequest(http.MethodPost, srv.URL, pr)
-			req.ContentLength = 7
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				trickled <- err.Error()
-				return
-			}
-			defer resp.Body.Close()
-			got, _ := io.ReadAll(resp.Body)
-			trickled <- fmt.Sprintf("%d %s", resp.StatusCode, got)
-		}()
-	}
 	// Every trickling request has reached the server, and waits for its body.
 	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places }, "the trickling requests never reached the server")
 	// Long enough for the trickling requests to reach admission, had it come before the body.
@@ -540,32 +516,8 @@ func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
 	})))
 	defer srv.Close()
-	release := make(chan struct{})
-	var released sync.Once
-	releaseAll := func() { released.Do(func() { close(release) }) }
+	results, releaseAll := trickle(srv.URL, 2)
 	defer releaseAll()
-	results := make(chan string, 2)
-	for range 2 {
-		pr, pw := io.Pipe()
-		go func() {
-			_, _ = pw.Write([]byte("{"))
-			<-release
-			_, _ = pw.Write([]byte(`"a":1}`))
-			_ = pw.Close()
-		}()
-		go func() {
-			req, _ := http.NewRequest(http.MethodPost, srv.URL, pr)
-			req.ContentLength = 7
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				results <- err.Error()
-				return
-			}
-			defer resp.Body.Close()
-			got, _ := io.ReadAll(resp.Body)
-			results <- fmt.Sprintf("%d %s", resp.StatusCode, got)
-		}()
-	}
 	// One body read ahead, the other admitted to be read by the handler.
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		a.mu.Lock()
@@ -582,6 +534,36 @@ func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	if n := a.bodiesHeld.Load(); n != 0 {
 		t.Errorf("%d bytes still counted as held, want 0", n)
 	}
+}
+
+// trickle starts n clients that post a 7-byte body to url, sending its first byte at once and
+// the rest only once release is called; each one's status and response body come on results.
+func trickle(url string, n int) (results <-chan string, release func()) {
+	released := make(chan struct{})
+	var once sync.Once
+	out := make(chan string, n)
+	for range n {
+		pr, pw := io.Pipe()
+		go func() {
+			_, _ = pw.Write([]byte("{")) // the first byte, then nothing until released
+			<-released
+			_, _ = pw.Write([]byte(`"a":1}`))
+			_ = pw.Close()
+		}()
+		go func() {
+			req, _ := http.NewRequest(http.MethodPost, url, pr)
+			req.ContentLength = 7
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				out <- err.Error()
+				return
+			}
+			defer resp.Body.Close()
+			got, _ := io.ReadAll(resp.Body)
+			out <- fmt.Sprintf("%d %s", resp.StatusCode, got)
+		}()
+	}
+	return out, func() { once.Do(func() { close(released) }) }
 }
 
 // lateReader yields its bytes only after delay: a client whose body trails its headers.
