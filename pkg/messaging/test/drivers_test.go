@@ -434,7 +434,7 @@ func TestEveryDriverOpensReadCommittedTransactions(t *testing.T) {
 }
 
 // checkReadCommitted fails t unless each way drv opens a transaction opens it READ COMMITTED,
-// and that plain transactions of its pool do not.
+// where the pool's sessions default to SERIALIZABLE (without which it shows nothing).
 func checkReadCommitted[Tx any](t *testing.T, name string, drv messaging.Driver[Tx]) {
 	t.Helper()
 	ctx := context.Background()
