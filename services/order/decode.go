@@ -112,22 +112,24 @@ func decodeError(err error, body []byte) *DecodeError {
 	}
 }
 
+// maxArrayElements bounds the elements of an array in a body: encoding/json builds the whole
+// slice before Validate can count it, and half a million one-byte elements (a 1 MiB body) cost
+// 200 MB. Ten times the most lines an order may have, so that Validate still says why.
+const maxArrayElements = 10 * MaxLines
+
+// errShape stops checkFields at a value that is not of its type's shape: the decoder reports
+// it, and what is inside need not be walked.
+var errShape = errors.New("not of the command's shape")
+
 // checkFields reads the value dec is at and returns a *DecodeError for the first of its
 // objects' keys that is not one of the fields of t, the Go type it decodes into, spelled
-// exactly (by its json tag), or is repeated in its object; path is where the value is, as
-// fieldAt names it. Where the value is not of t's shape it checks only its own keys for
-// repeats, and skips what they hold: the decoder reports the shape. Where it is not JSON it
-// returns the decoder's error.
+// exactly (by its json tag), or is repeated in its object, or for an array of more than
+// maxArrayElements; path is where the value is, as fieldAt names it. At an array or object
+// where t has none it returns errShape, and where the body is not JSON the decoder's error:
+// Decode reports both. The recursion is as deep as t, whatever the body's nesting.
 func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
-	for t != nil && t.Kind() == reflect.Pointer {
+	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
-	}
-	if t == nil {
-		// No shape to follow (the element of a value that is not of t's): skipped whole, in
-		// one linear pass capped in depth by the decoder. Followed token by token, a body of
-		// nested brackets held a path per level: 16 KB of them took 400 MB.
-		var skipped json.RawMessage
-		return dec.Decode(&skipped)
 	}
 	tok, err := dec.Token()
 	if err != nil {
@@ -135,16 +137,21 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 	}
 	switch tok {
 	case json.Delim('['):
-		var elem reflect.Type
-		if t != nil && (t.Kind() == reflect.Slice || t.Kind() == reflect.Array) {
-			elem = t.Elem()
+		if t.Kind() != reflect.Slice && t.Kind() != reflect.Array {
+			return errShape
 		}
 		for i := 0; dec.More(); i++ {
-			if err := checkFields(dec, elem, fmt.Sprintf("%s[%d]", path, i)); err != nil {
+			if i == maxArrayElements {
+				return &DecodeError{Status: http.StatusUnprocessableEntity, Field: path, Detail: fmt.Sprintf("at most %d elements", maxArrayElements)}
+			}
+			if err := checkFields(dec, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
 				return err
 			}
 		}
 	case json.Delim('{'):
+		if t.Kind() != reflect.Struct {
+			return errShape
+		}
 		fields := jsonFields(t)
 		seen := map[string]bool{}
 		for dec.More() {
@@ -160,9 +167,9 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 			field, known := fields[key]
 			switch {
 			case seen[key]:
-				return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("field %q appears twice", at)}
-			case fields != nil && !known:
-				return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(at, key, fields)}
+				return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("field %q appears twice", printableKey(at))}
+			case !known:
+				return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(printableKey(at), key, fields)}
 			}
 			seen[key] = true
 			if err := checkFields(dec, field, at); err != nil {
@@ -176,12 +183,18 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 	return err
 }
 
-// jsonFields maps the JSON names of struct t's fields to their types; nil if t is no struct.
-// Embedded structs are not followed: none of the commands has one.
-func jsonFields(t reflect.Type) map[string]reflect.Type {
-	if t == nil || t.Kind() != reflect.Struct {
-		return nil
+// printableKey cuts a field's path to 100 bytes for a problem's detail: a body of one 1 MiB key
+// must not come back whole.
+func printableKey(at string) string {
+	if len(at) <= 100 {
+		return at
 	}
+	return strings.ToValidUTF8(at[:100], "") + "..."
+}
+
+// jsonFields maps the JSON names of struct t's fields to their types. Embedded structs are
+// not followed: none of the commands has one.
+func jsonFields(t reflect.Type) map[string]reflect.Type {
 	fields := map[string]reflect.Type{}
 	for f := range t.Fields() {
 		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -354,26 +355,47 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 	}
 }
 
-// A body of brackets nested as deep as its size allows costs the decoder a pass and little
-// memory, and is a 400: where it has no shape to follow, the field check skips a value whole.
+// Bodies built to make decoding costly cost little, and each gets its 4xx: brackets nested as
+// deep as the size allows (the field check recurses only as deep as the command's type),
+// hundreds of thousands of tiny lines (encoding/json would build them all before Validate
+// counts them), an object of many keys where a string belongs, and one huge key, which the
+// problem does not echo whole.
 // Not parallel: it counts the process's allocations.
-func TestDeeplyNestedBodiesCostLittle(t *testing.T) {
-	for _, body := range []string{
-		strings.Repeat("[", 64<<10),                                             // in place of the command
-		`{"customer_id": "c", "lines": [` + strings.Repeat("[", 64<<10),         // in place of a line
-		`{"customer_id": ` + strings.Repeat(`{"a": `, 16<<10),                   // in place of a string
-		`{"customer_id": "c", "lines": [{"sku": ` + strings.Repeat("[", 64<<10), // inside a line
+func TestCostlyBodiesCostLittle(t *testing.T) {
+	many := func(elem string) string {
+		return strings.TrimSuffix(strings.Repeat(elem+",", (1<<20)/(len(elem)+1)), ",")
+	}
+	var keys strings.Builder
+	for i := range 60_000 {
+		fmt.Fprintf(&keys, `"%d":0,`, i)
+	}
+	for _, c := range []struct {
+		name, body string
+		status     int
+	}{
+		{"nested brackets", strings.Repeat("[", 64<<10), 400},
+		{"nested brackets for the lines", `{"customer_id": "c", "lines": [` + strings.Repeat("[", 64<<10), 400},
+		{"nested objects for a string", `{"customer_id": ` + strings.Repeat(`{"a": `, 16<<10), 400},
+		{"nested brackets in a line", `{"customer_id": "c", "lines": [{"sku": ` + strings.Repeat("[", 64<<10), 400},
+		{"a million bytes of zeros for lines", `{"customer_id": "c", "lines": [` + many("0") + `]}`, 422},
+		{"a million bytes of empty lines", `{"customer_id": "c", "lines": [` + many("{}") + `]}`, 422},
+		{"many keys where a string belongs", `{"customer_id": {` + strings.TrimSuffix(keys.String(), ",") + `}, "lines": []}`, 422},
+		{"one key of a megabyte", `{"` + strings.Repeat("k", 1<<20) + `": 1}`, 400},
 	} {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
-		_, err := DecodePlaceOrder(strings.NewReader(body))
+		_, err := DecodePlaceOrder(strings.NewReader(c.body))
 		runtime.ReadMemStats(&after)
 		var de *DecodeError
-		if !errors.As(err, &de) || de.Status != http.StatusBadRequest {
-			t.Errorf("a body of %d bytes, %.30q...: %v, want a 400", len(body), body, err)
+		if !errors.As(err, &de) || de.Status != c.status {
+			t.Errorf("%s (%d bytes): %v, want a %d", c.name, len(c.body), err, c.status)
+			continue
 		}
-		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 16<<20 {
-			t.Errorf("a body of %d bytes, %.30q...: %d MiB allocated to decode it, want at most 16", len(body), body, alloc>>20)
+		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 24<<20 {
+			t.Errorf("%s (%d bytes): %d MiB allocated to decode it, want at most 24", c.name, len(c.body), alloc>>20)
+		}
+		if len(de.Detail) > 300 {
+			t.Errorf("%s: a problem detail of %d bytes, want it short", c.name, len(de.Detail))
 		}
 	}
 }
