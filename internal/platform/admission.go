@@ -46,8 +46,7 @@ const windowSamples = 1024
 const minWindowSamples = 20
 
 // fewAtWork is the most requests at work at once in a window whose p99, however slow, cuts
-// nothing: so few do not crowd each other, and their median is what a request takes when
-// nothing queues.
+// nothing: so few do not crowd each other.
 const fewAtWork = 2
 
 // DefaultLatencyTarget is the admitted requests' p99 that the limit is lowered to hold, unless
@@ -72,9 +71,9 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // with at most fewAtWork requests at work at once cuts nothing and counts as within the target
 // (a slow one there, a reconnection or a pause, used to leave a quiet service one place for
 // the next burst, and a limit of one or two, which keeps every window that few, stayed there
-// for good behind any latency tail), and its median is the floor: what a request takes when
-// nothing queues. A later window whose p10 is below the floor lowers it (the database became
-// faster). The target in force is never below twice the floor, nor above twice the target
+// for good behind any latency tail). The median of a window of one request at a time is the
+// floor: what a request takes when nothing queues (two at once may already slow each other).
+// A later window whose p10 is below the floor lowers it (the database became faster). The target in force is never below twice the floor, nor above twice the target
 // (a floor learnt in a stall must not turn the limit off). With a database farther away than
 // the target allows, the limit falls to a few places once, learns the floor there, and comes
 // back; it used to stay at one place, shedding what a fixed limit would have served.
@@ -172,13 +171,15 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 // readBody reads r's body before the request asks for a place, so that a client that sends it
 // slowly (a slow uplink, or on purpose) waits without holding one: fourteen clients trickling
 // their bodies held every place of the order service for the server's ReadTimeout (10 s) when
-// bodies were read after admission. The bytes held so count against the body budget until
-// release; a body the budget has no room for (or an unknown length's MaxBufferedBody) is read
-// by the handler, after admission, as before. The handler reads what was read, then any read
+// bodies were read after admission. The bytes are counted against the body budget as they
+// arrive, in steps, until release: a client must send them to take budget, not declare them.
+// What the budget has no room for (and anything past MaxBufferedBody) is read by the handler,
+// after admission, as before. The handler reads what was read, then the rest and any read
 // error, as it would have from the connection. A body declared larger than MaxBufferedBody is
 // answered 413, and ok is false.
 func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
-	release = func() {}
+	var held int64
+	release = func() { a.bodiesHeld.Add(-held) }
 	if r.Body == nil || r.Body == http.NoBody {
 		return release, true
 	}
@@ -187,26 +188,47 @@ func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release fu
 		WriteProblem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body exceeds %d bytes", MaxBufferedBody))
 		return release, false
 	}
-	size := r.ContentLength
-	if size < 0 { // chunked: room for the largest, and one byte to tell a larger one
-		size = MaxBufferedBody + 1
-	}
-	if a.bodiesHeld.Add(size) > a.bodyBudget {
-		a.bodiesHeld.Add(-size)
-		return release, true
-	}
-	release = func() { a.bodiesHeld.Add(-size) }
-	read, err := io.ReadAll(io.LimitReader(r.Body, size))
+	var read [][]byte
 	rest := io.Reader(r.Body)
-	if err != nil {
-		rest = failedReader{err}
+	for step := int64(bodyStep); held <= MaxBufferedBody; step = min(2*step, maxBodyStep) {
+		if r.ContentLength >= 0 {
+			step = min(step, r.ContentLength-held+1) // one more, to see the end
+		}
+		if a.bodiesHeld.Add(step) > a.bodyBudget {
+			a.bodiesHeld.Add(-step)
+			break
+		}
+		chunk := make([]byte, step)
+		n, err := io.ReadFull(r.Body, chunk)
+		a.bodiesHeld.Add(int64(n) - step)
+		held += int64(n)
+		read = append(read, chunk[:n])
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			rest = http.NoBody
+			break
+		}
+		if err != nil {
+			rest = failedReader{err}
+			break
+		}
+	}
+	readers := make([]io.Reader, 0, len(read)+1)
+	for _, c := range read {
+		readers = append(readers, bytes.NewReader(c))
 	}
 	r.Body = struct {
 		io.Reader
 		io.Closer
-	}{io.MultiReader(bytes.NewReader(read), rest), r.Body}
+	}{io.MultiReader(append(readers, rest)...), r.Body}
 	return release, true
 }
+
+// bodyStep and maxBodyStep are the first and the largest of the steps readBody takes budget
+// in: an order's body fits the first.
+const (
+	bodyStep    = 4 << 10
+	maxBodyStep = 64 << 10
+)
 
 // failedReader fails every read with err: the error reading a body met before the handler.
 type failedReader struct{ err error }
@@ -295,7 +317,7 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 		return
 	}
 	slices.Sort(a.window)
-	if a.peak <= fewAtWork {
+	if a.peak == 1 {
 		a.floor = a.window[(len(a.window)-1)/2]
 	} else if a.floor > 0 {
 		a.floor = min(a.floor, a.window[(len(a.window)-1)/10])

@@ -463,7 +463,7 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	srv.Start()
 	defer srv.Close()
 
-	trickled, releaseAll := trickle(srv.URL, places)
+	trickled, releaseAll := trickle(srv.URL, places, 7)
 	defer releaseAll() // before the server closes, which waits for their requests
 	// Every trickling request has reached the server, and waits for its body.
 	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places }, "the trickling requests never reached the server")
@@ -509,22 +509,21 @@ func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.bodyBudget = 10 // one 7-byte body, not two
+	a.bodyBudget = 10 // room to read one 7-byte body ahead, not two
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n, _ := io.Copy(io.Discard, r.Body)
 		w.WriteHeader(http.StatusCreated)
 		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
 	})))
 	defer srv.Close()
-	results, releaseAll := trickle(srv.URL, 2)
+	results, releaseAll := trickle(srv.URL, 2, 7)
 	defer releaseAll()
 	// One body read ahead, the other admitted to be read by the handler.
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.bodiesHeld.Load() == 7 && a.inUse == 1
-	},
-		"want one body of 7 bytes held ahead of admission and one request admitted")
+		return a.bodiesHeld.Load() > 0 && a.bodiesHeld.Load() <= a.bodyBudget && a.inUse == 1
+	}, "want one body held ahead of admission, within the budget, and one request admitted")
 	releaseAll()
 	for range 2 {
 		if got := <-results; got != "201 7" {
@@ -536,9 +535,10 @@ func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	}
 }
 
-// trickle starts n clients that post a 7-byte body to url, sending its first byte at once and
-// the rest only once release is called; each one's status and response body come on results.
-func trickle(url string, n int) (results <-chan string, release func()) {
+// trickle starts n clients that post a body of declared bytes to url, sending its first byte at
+// once and the rest only once release is called (a body of 7 bytes, {"a":1}; any other length
+// ends there, short); each one's status and response body, or error, come on results.
+func trickle(url string, n int, declared int64) (results <-chan string, release func()) {
 	released := make(chan struct{})
 	var once sync.Once
 	out := make(chan string, n)
@@ -547,12 +547,14 @@ func trickle(url string, n int) (results <-chan string, release func()) {
 		go func() {
 			_, _ = pw.Write([]byte("{")) // the first byte, then nothing until released
 			<-released
-			_, _ = pw.Write([]byte(`"a":1}`))
+			if declared == 7 {
+				_, _ = pw.Write([]byte(`"a":1}`))
+			}
 			_ = pw.Close()
 		}()
 		go func() {
 			req, _ := http.NewRequest(http.MethodPost, url, pr)
-			req.ContentLength = 7
+			req.ContentLength = declared
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
 				out <- err.Error()
@@ -564,6 +566,48 @@ func trickle(url string, n int) (results <-chan string, release func()) {
 		}()
 	}
 	return out, func() { once.Do(func() { close(released) }) }
+}
+
+// Budget is taken by the bytes that arrive, not by the lengths declared: sixteen clients that
+// declare a megabyte each and send one byte take a few kilobytes of it, and the next slow
+// uploads still hold no place.
+func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
+	t.Parallel()
+	const places = 4
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), places, DefaultLatencyTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.WriteHeader(http.StatusCreated)
+	})))
+	var active atomic.Int64 // connections that have begun a request
+	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateActive {
+			active.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	_, releaseBig := trickle(srv.URL, 16, MaxBufferedBody)
+	defer releaseBig()
+	_, releaseSmall := trickle(srv.URL, places, 7)
+	defer releaseSmall()
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 16+places }, "the trickling clients never reached the server")
+	// Long enough for each to take its budget, or its place.
+	for end := time.Now().Add(100 * time.Millisecond); time.Now().Before(end); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if held := a.bodiesHeld.Load(); held > 1<<20 {
+		t.Errorf("%d bytes of budget taken by %d clients that sent one byte each, want less than a megabyte", held, 16+places)
+	}
+	for range 3 {
+		if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
+			t.Fatalf("a request with its body at once, beside 20 trickling ones: %d, want 201: they hold the places", code)
+		}
+	}
 }
 
 // lateReader yields its bytes only after delay: a client whose body trails its headers.
