@@ -454,12 +454,7 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
 	})))
-	var active atomic.Int64 // connections that have begun a request
-	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
-		if state == http.StateActive {
-			active.Add(1)
-		}
-	}
+	active := countRequests(srv)
 	srv.Start()
 	defer srv.Close()
 
@@ -535,6 +530,17 @@ func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	}
 }
 
+// countRequests counts, from when srv starts, the connections that have begun a request.
+func countRequests(srv *httptest.Server) *atomic.Int64 {
+	var active atomic.Int64
+	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateActive {
+			active.Add(1)
+		}
+	}
+	return &active
+}
+
 // trickle starts n clients that post a body of declared bytes to url, sending its first byte at
 // once and the rest only once release is called (a body of 7 bytes, {"a":1}; any other length
 // ends there, short); each one's status and response body, or error, come on results.
@@ -583,12 +589,7 @@ func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.WriteHeader(http.StatusCreated)
 	})))
-	var active atomic.Int64 // connections that have begun a request
-	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
-		if state == http.StateActive {
-			active.Add(1)
-		}
-	}
+	active := countRequests(srv)
 	srv.Start()
 	defer srv.Close()
 	_, releaseBig := trickle(srv.URL, 16, MaxBufferedBody)
