@@ -67,9 +67,13 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	// encoding/json takes "Customer_ID" for customer_id and the last of two "customer_id"s:
 	// a client that sent either is told, not guessed at. checkFields' other errors are the
 	// body's not being JSON, which Decode reports.
+	// A malformed body goes straight to the decoder, which says where (and builds nothing
+	// before it has checked the whole body).
 	var de *DecodeError
-	if err := checkFields(json.NewDecoder(bytes.NewReader(body)), reflect.TypeFor[T](), ""); errors.As(err, &de) {
-		return zero, de
+	if json.Valid(body) {
+		if err := checkFields(json.NewDecoder(bytes.NewReader(body)), reflect.TypeFor[T](), ""); errors.As(err, &de) {
+			return zero, de
+		}
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if err := dec.Decode(&cmd); err != nil {
@@ -100,13 +104,13 @@ func decodeError(err error, body []byte) *DecodeError {
 	case errors.As(err, &typ):
 		want := expectedJSON(typ.Type)
 		if typ.Field == "" {
-			return &DecodeError{Status: http.StatusUnprocessableEntity, Detail: fmt.Sprintf("the body must be %s, got JSON %s", want, typ.Value)}
+			return &DecodeError{Status: http.StatusUnprocessableEntity, Detail: fmt.Sprintf("the body must be %s, got JSON %s", want, printableKey(typ.Value))}
 		}
 		field := fieldAt(body, typ.Offset)
 		if field == "" {
 			field = typ.Field
 		}
-		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, typ.Value)}
+		return &DecodeError{Status: http.StatusUnprocessableEntity, Field: field, Detail: fmt.Sprintf("must be %s, got JSON %s", want, printableKey(typ.Value))}
 	default:
 		return &DecodeError{Status: http.StatusBadRequest, Detail: err.Error()}
 	}
@@ -117,16 +121,13 @@ func decodeError(err error, body []byte) *DecodeError {
 // 200 MB. Ten times the most lines an order may have, so that Validate still says why.
 const maxArrayElements = 10 * MaxLines
 
-// errShape stops checkFields at a value that is not of its type's shape: the decoder reports
-// it, and what is inside need not be walked.
-var errShape = errors.New("not of the command's shape")
-
 // checkFields reads the value dec is at and returns a *DecodeError for the first of its
 // objects' keys that is not one of the fields of t, the Go type it decodes into, spelled
-// exactly (by its json tag), or is repeated in its object, or for an array of more than
-// maxArrayElements; path is where the value is, as fieldAt names it. At an array or object
-// where t has none it returns errShape, and where the body is not JSON the decoder's error:
-// Decode reports both. The recursion is as deep as t, whatever the body's nesting.
+// exactly (by its json tag), or is repeated in its object, for an array of more than
+// maxArrayElements, and for an array or object where t has none (a 422, the first of the
+// decoder's own errors: it would go on decoding, and build every line of a million after it);
+// path is where the value is, as fieldAt names it. dec must hold valid JSON. The recursion is
+// as deep as t, whatever the body's nesting.
 func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
@@ -138,7 +139,7 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 	switch tok {
 	case json.Delim('['):
 		if t.Kind() != reflect.Slice && t.Kind() != reflect.Array {
-			return errShape
+			return wrongShape(path, t, "array")
 		}
 		for i := 0; dec.More(); i++ {
 			if i == maxArrayElements {
@@ -150,7 +151,7 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 		}
 	case json.Delim('{'):
 		if t.Kind() != reflect.Struct {
-			return errShape
+			return wrongShape(path, t, "object")
 		}
 		fields := jsonFields(t)
 		seen := map[string]bool{}
@@ -183,8 +184,16 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
 	return err
 }
 
-// printableKey cuts a field's path to 100 bytes for a problem's detail: a body of one 1 MiB key
-// must not come back whole.
+// wrongShape is the problem of an array or object (got) at path where t is something else.
+func wrongShape(path string, t reflect.Type, got string) *DecodeError {
+	if path == "" {
+		return &DecodeError{Status: http.StatusUnprocessableEntity, Detail: fmt.Sprintf("the body must be %s, got JSON %s", expectedJSON(t), got)}
+	}
+	return &DecodeError{Status: http.StatusUnprocessableEntity, Field: printableKey(path), Detail: fmt.Sprintf("must be %s, got JSON %s", expectedJSON(t), got)}
+}
+
+// printableKey cuts a field's path, or a value, to 100 bytes for a problem's detail: a body of
+// one 1 MiB key or number must not come back whole.
 func printableKey(at string) string {
 	if len(at) <= 100 {
 		return at

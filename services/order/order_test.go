@@ -381,6 +381,9 @@ func TestCostlyBodiesCostLittle(t *testing.T) {
 		{"a million bytes of empty lines", `{"customer_id": "c", "lines": [` + many("{}") + `]}`, 422},
 		{"many keys where a string belongs", `{"customer_id": {` + strings.TrimSuffix(keys.String(), ",") + `}, "lines": []}`, 422},
 		{"one key of a megabyte", `{"` + strings.Repeat("k", 1<<20) + `": 1}`, 400},
+		{"a number of a megabyte", `{"customer_id": "c", "lines": [{"quantity": ` + strings.Repeat("9", 1<<20) + `}]}`, 422},
+		{"a wrong shape, then a million bytes of zeros for lines", `{"customer_id": [], "lines": [` + many("0") + `]}`, 422},
+		{"a wrong line, then a million bytes of empty lines", `{"customer_id": "c", "lines": [[], ` + many("{}") + `]}`, 422},
 	} {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
