@@ -3,6 +3,7 @@ package platform
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -71,9 +72,10 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // with at most fewAtWork requests at work at once cuts nothing and counts as within the target
 // (a slow one there, a reconnection or a pause, used to leave a quiet service one place for
 // the next burst, and a limit of one or two, which keeps every window that few, stayed there
-// for good behind any latency tail). The median of a window of one request at a time is the
-// floor: what a request takes when nothing queues (two at once may already slow each other).
-// A later window whose p10 is below the floor lowers it (the database became faster). The target in force is never below twice the floor, nor above twice the target
+// for good behind any latency tail). The p10 of such a window is the floor: what a request
+// takes when nothing queues (its fastest tenth, since two at once may already slow each other;
+// a window of one at a time alone would do, but a limit cut to two may never see one). A later
+// window whose p10 is below the floor lowers it (the database became faster). The target in force is never below twice the floor, nor above twice the target
 // (a floor learnt in a stall must not turn the limit off). With a database farther away than
 // the target allows, the limit falls to a few places once, learns the floor there, and comes
 // back; it used to stay at one place, shedding what a fixed limit would have served.
@@ -191,6 +193,7 @@ func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release fu
 	var read [][]byte
 	rest := io.Reader(r.Body)
 	for step := int64(bodyStep); held <= MaxBufferedBody; step = min(2*step, maxBodyStep) {
+		step = min(step, MaxBufferedBody+1-held) // one byte past the most, to tell a larger body
 		if r.ContentLength >= 0 {
 			step = min(step, r.ContentLength-held+1) // one more, to see the end
 		}
@@ -198,16 +201,15 @@ func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release fu
 			a.bodiesHeld.Add(-step)
 			break
 		}
-		chunk := make([]byte, step)
-		n, err := io.ReadFull(r.Body, chunk)
-		a.bodiesHeld.Add(int64(n) - step)
-		held += int64(n)
-		read = append(read, chunk[:n])
-		if err == io.EOF || err == io.ErrUnexpectedEOF {
+		chunk, err := fill(r.Body, step)
+		a.bodiesHeld.Add(int64(len(chunk)) - step)
+		held += int64(len(chunk))
+		read = append(read, chunk)
+		if errors.Is(err, io.EOF) {
 			rest = http.NoBody
 			break
 		}
-		if err != nil {
+		if err != nil { // a body cut short (io.ErrUnexpectedEOF) too: the handler must see it
 			rest = failedReader{err}
 			break
 		}
@@ -229,6 +231,22 @@ const (
 	bodyStep    = 4 << 10
 	maxBodyStep = 64 << 10
 )
+
+// fill reads up to n bytes from r: all n, or fewer and the error that ended them (io.EOF at
+// the body's end). Fewer are copied out of the n-byte buffer, so that it holds no more memory
+// than the bytes counted.
+func fill(r io.Reader, n int64) ([]byte, error) {
+	buf := make([]byte, n)
+	var got int
+	for got < len(buf) {
+		k, err := r.Read(buf[got:])
+		got += k
+		if err != nil {
+			return bytes.Clone(buf[:got]), err
+		}
+	}
+	return buf, nil
+}
 
 // failedReader fails every read with err: the error reading a body met before the handler.
 type failedReader struct{ err error }
@@ -317,8 +335,8 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 		return
 	}
 	slices.Sort(a.window)
-	if a.peak == 1 {
-		a.floor = a.window[(len(a.window)-1)/2]
+	if a.peak <= fewAtWork {
+		a.floor = a.window[(len(a.window)-1)/10]
 	} else if a.floor > 0 {
 		a.floor = min(a.floor, a.window[(len(a.window)-1)/10])
 	}

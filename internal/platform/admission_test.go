@@ -3,6 +3,7 @@ package platform
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -240,6 +241,65 @@ func TestNextLimit(t *testing.T) {
 	}
 }
 
+// A limit cut to two learns the floor there (it may never see one request at a time): with
+// requests of 35 ms against a 25 ms target, it grows back instead of swinging between two and
+// three places.
+func TestTheFloorIsLearntWithTwoAtWork(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 14, 25*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.limit = 2
+	for i, peak := range []int{2, 3, 4} {
+		if n, want := runWindow(a, peak, 35*time.Millisecond), 3+i; n != want {
+			t.Fatalf("after window %d (%d at work, every request 35 ms): %d places, want %d", i+1, peak, n, want)
+		}
+	}
+}
+
+// runWindow has a window of a run its time with peak requests at work at most, each of its
+// requests taking took, and returns the places after it.
+func runWindow(a *Admission, peak int, took time.Duration) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.windowStart = time.Now().Add(-admissionWindow)
+	a.peak = peak
+	for range minWindowSamples {
+		a.observe(time.Now(), took)
+	}
+	return a.places()
+}
+
+// A body that ends before its declared length, or mid-chunk, is read ahead as far as it came,
+// and the handler then sees the error, as it would have from the connection: a truncated body
+// must not pass for a whole one.
+func TestABodyCutShortIsAnErrorForTheHandler(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 4, DefaultLatencyTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, declared := range []int64{100, -1} {
+		r := httptest.NewRequest(http.MethodPost, "/", io.MultiReader(strings.NewReader(`{"a":1}`), failedReader{io.ErrUnexpectedEOF}))
+		r.ContentLength = declared
+		release, ok := a.readBody(httptest.NewRecorder(), r)
+		if !ok {
+			t.Fatalf("declared %d: refused", declared)
+		}
+		got, err := io.ReadAll(r.Body)
+		release()
+		if string(got) != `{"a":1}` || !errors.Is(err, io.ErrUnexpectedEOF) {
+			t.Errorf("declared %d: the handler read %q, %v; want the 7 bytes that came, then io.ErrUnexpectedEOF", declared, got, err)
+		}
+	}
+	if n := a.bodiesHeld.Load(); n != 0 {
+		t.Errorf("%d bytes still counted as held, want 0", n)
+	}
+}
+
 // A quiet service, one request at a time, keeps its places when two of a window's requests are
 // slow (a reconnection, a pause): fewer places would not have made them faster, and the next
 // burst would be shed.
@@ -277,20 +337,10 @@ func TestAFloorLearntInAStallDoesNotTurnTheLimitOff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	window := func(peak int, took time.Duration) int {
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
-		a.peak = peak
-		for range minWindowSamples {
-			a.observe(time.Now(), took)
-		}
-		return a.places()
-	}
-	if n := window(1, time.Second); n != 32 { // the stall, one request at a time
+	if n := runWindow(a, 1, time.Second); n != 32 { // the stall, one request at a time
 		t.Fatalf("after a quiet window of 1 s requests: %d places, want the 32 kept", n)
 	}
-	if n := window(32, 300*time.Millisecond); n != 21 { // a crowd: 32 × 200 ms / 300 ms
+	if n := runWindow(a, 32, 300*time.Millisecond); n != 21 { // a crowd: 32 × 200 ms / 300 ms
 		t.Fatalf("after a crowded window at p99 300 ms, the floor learnt at 1 s: %d places, want 21 (the target in force capped at 4 × %s)", n, target)
 	}
 }
@@ -299,9 +349,21 @@ func TestAFloorLearntInAStallDoesNotTurnTheLimitOff(t *testing.T) {
 // the target allows) are not shed for it for long: the limit falls to a few places once, learns
 // that floor there, aims at twice it, and comes back to every place, where a limit that aimed at
 // the target stayed at one place and shed what it could have served.
+// A floor 1.4 times the target cuts the places from three to two, not to one: the floor must be
+// learnt with two at work.
 func TestALatencyFloorAboveTheTargetKeepsThePlaces(t *testing.T) {
 	t.Parallel()
-	const most, target, floor = 14, 25 * time.Millisecond, 40 * time.Millisecond
+	for _, floor := range []time.Duration{40 * time.Millisecond, 35 * time.Millisecond} {
+		t.Run(floor.String(), func(t *testing.T) {
+			t.Parallel()
+			keepsThePlaces(t, floor)
+		})
+	}
+}
+
+// keepsThePlaces is TestALatencyFloorAboveTheTargetKeepsThePlaces with requests of floor.
+func keepsThePlaces(t *testing.T, floor time.Duration) {
+	const most, target = 14, 25 * time.Millisecond
 	log, _ := testenv.NewLogger(t)
 	a, err := NewAdmission(log, prometheus.NewRegistry(), most, target)
 	if err != nil {
