@@ -2,7 +2,6 @@ package platform
 
 import (
 	"context"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -139,17 +138,7 @@ func TestDatabaseURLMayGiveItsHostInTheQuery(t *testing.T) {
 	// And a service connects through it (over TCP here: the test server's socket may be elsewhere).
 	testenv.Connections(t, testenv.DefaultConnections+ReadinessConns)
 	d := testenv.NewDatabase(t)
-	u, err := url.Parse(d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	q := u.Query()
-	q.Set("host", u.Hostname())
-	if u.Port() != "" {
-		q.Set("port", u.Port())
-	}
-	u.Host, u.RawQuery = "", q.Encode()
-	env := EnvFrom(map[string]string{"DATABASE_URL": u.String()})
+	env := EnvFrom(map[string]string{"DATABASE_URL": testenv.HostInQuery(t, d.URL)})
 	inQuery := env.URL("DATABASE_URL", "postgres", "postgresql")
 	if err := env.Err(); err != nil {
 		t.Fatal(err)

@@ -46,6 +46,23 @@ func envOr(key, def string) string {
 	return def
 }
 
+// HostInQuery is rawURL, a PostgreSQL URL, with its host and port moved into the host= and
+// port= parameters, as a Unix socket's directory is given (postgres:///db?host=/run/postgresql).
+func HostInQuery(t testing.TB, rawURL string) string {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("host", u.Hostname())
+	if u.Port() != "" {
+		q.Set("port", u.Port())
+	}
+	u.Host, u.RawQuery = "", q.Encode()
+	return u.String()
+}
+
 // UniqueName returns prefix plus a short random suffix, valid as a database, queue or exchange name.
 func UniqueName(prefix string) string {
 	return prefix + "_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
