@@ -172,11 +172,7 @@ func TestRunningMean(t *testing.T) {
 // shed without waiting; with nobody before it, it waits for the place.
 func TestAdmissionShedsBehindAQueueWithoutWaiting(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 1, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 1, 0)
 	ctx := context.Background()
 	for range 2 {
 		if !a.enter(ctx) {
@@ -246,17 +242,25 @@ func TestNextLimit(t *testing.T) {
 // three places.
 func TestTheFloorIsLearntWithTwoAtWork(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 14, 25*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 14, 25*time.Millisecond)
 	a.limit = 2
 	for i, peak := range []int{2, 3, 4} {
 		if n, want := runWindow(a, peak, 35*time.Millisecond), 3+i; n != want {
 			t.Fatalf("after window %d (%d at work, every request 35 ms): %d places, want %d", i+1, peak, n, want)
 		}
 	}
+}
+
+// newAdmission is an admission control of at most most places and a latency target, its
+// metrics in a registry of its own.
+func newAdmission(t *testing.T, most int, target time.Duration) *Admission {
+	t.Helper()
+	log, _ := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), most, target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
 }
 
 // runWindow has a window of a run its time with peak requests at work at most, each of its
@@ -277,11 +281,7 @@ func runWindow(a *Admission, peak int, took time.Duration) int {
 // must not pass for a whole one.
 func TestABodyCutShortIsAnErrorForTheHandler(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 4, DefaultLatencyTarget)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 4, DefaultLatencyTarget)
 	for _, declared := range []int64{100, -1} {
 		r := httptest.NewRequest(http.MethodPost, "/", io.MultiReader(strings.NewReader(`{"a":1}`), failedReader{io.ErrUnexpectedEOF}))
 		r.ContentLength = declared
@@ -305,11 +305,7 @@ func TestABodyCutShortIsAnErrorForTheHandler(t *testing.T) {
 // burst would be shed.
 func TestASlowRequestAmongFewAtWorkCutsNothing(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 14, 50*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 14, 50*time.Millisecond)
 	a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
 	for i := range minWindowSamples {
 		took := 5 * time.Millisecond
@@ -332,11 +328,7 @@ func TestASlowRequestAmongFewAtWorkCutsNothing(t *testing.T) {
 func TestAFloorLearntInAStallDoesNotTurnTheLimitOff(t *testing.T) {
 	t.Parallel()
 	const target = 50 * time.Millisecond
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 32, target)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 32, target)
 	if n := runWindow(a, 1, time.Second); n != 32 { // the stall, one request at a time
 		t.Fatalf("after a quiet window of 1 s requests: %d places, want the 32 kept", n)
 	}
@@ -364,11 +356,7 @@ func TestALatencyFloorAboveTheTargetKeepsThePlaces(t *testing.T) {
 // keepsThePlaces is TestALatencyFloorAboveTheTargetKeepsThePlaces with requests of floor.
 func keepsThePlaces(t *testing.T, floor time.Duration) {
 	const most, target = 14, 25 * time.Millisecond
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), most, target)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, most, target)
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(floor) // a database far away: as long however many are at work
 		w.WriteHeader(http.StatusCreated)
@@ -412,11 +400,7 @@ func keepsThePlaces(t *testing.T, floor time.Duration) {
 // nothing, and the slow ones still finishing from before a cut do not cut it again.
 func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 32, 25*time.Millisecond)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 32, 25*time.Millisecond)
 	a.peak = 32
 	finish := func(admitted time.Time) int {
 		a.windowStart = time.Now().Add(-admissionWindow) // the window has run its time
@@ -451,11 +435,7 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 // such clients among fast requests to an idle server leave the limit where it is.
 func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 20, DefaultLatencyTarget)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 20, DefaultLatencyTarget)
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if _, err := io.Copy(io.Discard, r.Body); err != nil {
 			t.Error(err)
@@ -502,11 +482,7 @@ func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	t.Parallel()
 	const places = 4
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), places, DefaultLatencyTarget)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, places, DefaultLatencyTarget)
 	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n, err := io.Copy(io.Discard, r.Body)
 		if err != nil {
@@ -561,11 +537,7 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 // is read by the handler, after admission, as before; and each request gives its bytes back.
 func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), 4, DefaultLatencyTarget)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, 4, DefaultLatencyTarget)
 	a.bodyBudget = 10 // room to read one 7-byte body ahead, not two
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n, _ := io.Copy(io.Discard, r.Body)
@@ -642,11 +614,7 @@ func trickle(url string, n int, declared int64) (results <-chan string, release 
 func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
 	t.Parallel()
 	const places = 4
-	log, _ := testenv.NewLogger(t)
-	a, err := NewAdmission(log, prometheus.NewRegistry(), places, DefaultLatencyTarget)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := newAdmission(t, places, DefaultLatencyTarget)
 	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.WriteHeader(http.StatusCreated)
