@@ -353,12 +353,20 @@ func TestALatencyFloorAboveTheTargetKeepsThePlaces(t *testing.T) {
 	}
 }
 
-// keepsThePlaces is TestALatencyFloorAboveTheTargetKeepsThePlaces with requests of floor.
+// keepsThePlaces is TestALatencyFloorAboveTheTargetKeepsThePlaces with requests of floor. A
+// window in which the machine stalled a request to half as long again as the floor (the race
+// detector, the other packages' tests on two cores) may cut the limit rightly: the latency did
+// rise. Such a window proves nothing either way, so it is watched again, a few times at most.
 func keepsThePlaces(t *testing.T, floor time.Duration) {
-	const most, target = 14, 25 * time.Millisecond
+	const most, target, windows = 14, 25 * time.Millisecond, 5
 	a := newAdmission(t, most, target)
+	var lastStall atomic.Int64 // when a request last took half as long again as the floor
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
 		time.Sleep(floor) // a database far away: as long however many are at work
+		if time.Since(start) > floor*3/2 {
+			lastStall.Store(time.Now().UnixNano())
+		}
 		w.WriteHeader(http.StatusCreated)
 	})))
 	defer srv.Close()
@@ -385,15 +393,25 @@ func keepsThePlaces(t *testing.T, floor time.Duration) {
 	}
 	defer func() { close(stop); wg.Wait() }()
 	testenv.Eventually(t, 10*time.Second, func() bool { return a.Places() < most/2 }, "the limit never fell: the test shows nothing")
-	testenv.Eventually(t, 20*time.Second, func() bool { return a.Places() == most }, "the places did not come back to %d", most)
-	served0, shed0 := served.Load(), shed.Load()
-	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); { // a window of observation
-		time.Sleep(50 * time.Millisecond)
+	for range windows {
+		testenv.Eventually(t, 20*time.Second, func() bool { return a.Places() == most }, "the places did not come back to %d", most)
+		// The limit is set from the window before, too: a stall in it counts.
+		start, served0, shed0 := time.Now().Add(-2*admissionWindow), served.Load(), shed.Load()
+		for end := time.Now().Add(2 * time.Second); time.Now().Before(end); { // a window of observation
+			time.Sleep(50 * time.Millisecond)
+		}
+		n := shed.Load() - shed0
+		if n == 0 && a.Places() == most {
+			return
+		}
+		if lastStall.Load() < start.UnixNano() {
+			t.Fatalf("in 2 s after the places came back, with no request stalled: %d served, %d shed, %d places; want none shed, and the %d places kept",
+				served.Load()-served0, n, a.Places(), most)
+		}
+		t.Logf("in 2 s after the places came back: %d served, %d shed, %d places, and a request stalled to over %v: watched again",
+			served.Load()-served0, n, a.Places(), floor*3/2)
 	}
-	if n := shed.Load() - shed0; n != 0 || a.Places() != most {
-		t.Fatalf("in 2 s after the places came back: %d served, %d shed, %d places; want none shed, and the %d places kept",
-			served.Load()-served0, n, a.Places(), most)
-	}
+	t.Fatalf("a request stalled to over %v in each of %d windows: the machine is too busy to show anything", floor*3/2, windows)
 }
 
 // A limit is judged by enough requests admitted under it: a window of a few slow ones changes
