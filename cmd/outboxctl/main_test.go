@@ -161,6 +161,8 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
+		{"status", "--db", "postgres://127.0.0.1:99999/x"},
+		{"dlq", "list", "invoicing", "--amqp", "amqp://127.0.0.1:0/"},
 		{"version", "extra"},
 	} {
 		code, stdout, stderr := ctl(t, args...)

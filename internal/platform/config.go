@@ -85,6 +85,8 @@ func (e *Env) URL(name string, schemes ...string) string {
 		e.fail(name, "scheme must be one of %s", strings.Join(schemes, ", "))
 	case !NamesHost(u):
 		e.fail(name, "names no host: give one after //, or for PostgreSQL's Unix socket its directory in host= (%s:///database?host=/var/run/postgresql)", u.Scheme)
+	case !PortsInRange(u.Host):
+		e.fail(name, "%s", badURLPort)
 	default:
 		return v
 	}
@@ -101,6 +103,27 @@ func NamesHost(u *url.URL) bool {
 	}
 	postgres := u.Scheme == "postgres" || u.Scheme == "postgresql"
 	return postgres && !u.OmitHost && u.Opaque == "" && u.Query().Get("host") != ""
+}
+
+// badURLPort is the problem of a URL whose port is out of range.
+const badURLPort = "a port in the URL must be a number from 1 to 65535"
+
+// PortsInRange reports whether every port in a URL's host part is from 1 to 65535. The part
+// may list several hosts, as a PostgreSQL URL may (h1:5432,h2:5433); a host without a port
+// takes the scheme's default. url.Parse checks only that a port is digits, so 99999 or 0
+// would fail at the first dial instead, in an error that names no variable, again at each
+// reconnection.
+func PortsInRange(hosts string) bool {
+	for host := range strings.SplitSeq(hosts, ",") {
+		i := strings.LastIndex(host, ":")
+		if i < 0 || strings.HasSuffix(host, "]") { // no port, or a bare [IPv6] address
+			continue
+		}
+		if n, err := strconv.Atoi(host[i+1:]); err != nil || n < 1 || n > 65535 {
+			return false
+		}
+	}
+	return true
 }
 
 // URLList returns a comma-separated list of URLs, one per node of a cluster, each as URL
@@ -129,6 +152,10 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		}
 		if !slices.Contains(schemes, u.Scheme) {
 			e.fail(name, "%sscheme must be one of %s", entry, strings.Join(schemes, ", "))
+			return ""
+		}
+		if !PortsInRange(u.Host) {
+			e.fail(name, "%s%s", entry, badURLPort)
 			return ""
 		}
 		if i > 0 && vhostOf(u) != vhost {

@@ -180,6 +180,40 @@ func TestAddrChecksItsPort(t *testing.T) {
 	}
 }
 
+// A port inside a URL is checked at start too: url.Parse takes any digits, and a dial to port
+// 99999 or 0 failed at each reconnection with an error naming no variable.
+func TestURLPortsAreInRange(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, value, want string
+	}{
+		{"DATABASE_URL", "postgres://db:5432/x", ""},
+		{"DATABASE_URL", "postgres://db/x", ""},
+		{"DATABASE_URL", "postgres://h1:5432,h2:65535/x", ""},
+		{"DATABASE_URL", "postgres://[::1]:5432/x", ""},
+		{"DATABASE_URL", "postgres://[::1]/x", ""},
+		{"DATABASE_URL", "postgres://db:99999/x", "DATABASE_URL: a port in the URL must be a number from 1 to 65535"},
+		{"DATABASE_URL", "postgres://h1:70000,h2:5432/x", "DATABASE_URL: a port in the URL must be a number from 1 to 65535"},
+		{"DATABASE_URL", "postgres://db:0/x", "DATABASE_URL: a port in the URL must be a number from 1 to 65535"},
+		{"AMQP_URL", "amqp://guest:guest@mq:5672/", ""},
+		{"AMQP_URL", "amqp://mq:65536/", "AMQP_URL: a port in the URL must be a number from 1 to 65535"},
+		{"AMQP_URL", "amqp://a:5672/,amqp://b:0/", "AMQP_URL: entry 2 of 2: a port in the URL must be a number from 1 to 65535"},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318", ""},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:431800", "OTEL_EXPORTER_OTLP_ENDPOINT: a port in the URL must be a number from 1 to 65535"},
+	} {
+		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
+		vars[tc.name] = tc.value
+		env := EnvFrom(vars)
+		ReadCommon(env, ":8080")
+		switch err := env.Err(); {
+		case tc.want == "" && err != nil:
+			t.Errorf("%s=%s: %v, want it taken", tc.name, tc.value, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%s=%s: %v, want %q", tc.name, tc.value, err, tc.want)
+		}
+	}
+}
+
 // HTTP_LATENCY_TARGET is 0, off, or a p99 an HTTP API can hold: a nanosecond target would
 // halve admission's limit at every window.
 func TestLatencyTargetIsOffOrAtLeastAMillisecond(t *testing.T) {
