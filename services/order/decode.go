@@ -8,7 +8,9 @@ import (
 	"io"
 	"net/http"
 	"reflect"
+	"strconv"
 	"strings"
+	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
@@ -64,6 +66,11 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	if !utf8.Valid(body) {
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "malformed JSON: the body is not valid UTF-8"}
 	}
+	// An escaped surrogate without its pair ("\udfff") is valid JSON but no character: it
+	// would become U+FFFD the same way.
+	if at := loneSurrogate(body); at >= 0 {
+		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("malformed JSON at byte %d: an escaped UTF-16 surrogate without its pair", at+1)}
+	}
 	// encoding/json takes "Customer_ID" for customer_id and the last of two "customer_id"s:
 	// a client that sent either is told, not guessed at. checkFields' other errors are the
 	// body's not being JSON, which Decode reports.
@@ -83,6 +90,44 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: "body must hold a single JSON object"}
 	}
 	return cmd, nil
+}
+
+// loneSurrogate returns the offset of the first \u escape in body of a UTF-16 surrogate that is
+// not half of a pair (a high one followed at once by an escaped low one), or -1. A backslash
+// in valid JSON is always inside a string and starts an escape, so body is read escape by
+// escape, without tracking strings; in invalid JSON what it finds does not matter, the
+// decoder refuses the body anyway.
+func loneSurrogate(body []byte) int {
+	for i := 0; i < len(body); i++ {
+		if body[i] != '\\' {
+			continue
+		}
+		r, ok := escapedRune(body[i:])
+		switch {
+		case !ok: // \n, \", \\ and the like: skip the escaped byte
+			i++
+		case utf16.IsSurrogate(r) && r < 0xdc00: // high: its low half must follow
+			low, ok := escapedRune(body[i+6:])
+			if !ok || utf16.DecodeRune(r, low) == utf8.RuneError {
+				return i
+			}
+			i += 11
+		case utf16.IsSurrogate(r):
+			return i
+		default:
+			i += 5
+		}
+	}
+	return -1
+}
+
+// escapedRune reads a \uXXXX escape at the start of b.
+func escapedRune(b []byte) (rune, bool) {
+	if len(b) < 6 || b[0] != '\\' || b[1] != 'u' {
+		return 0, false
+	}
+	n, err := strconv.ParseUint(string(b[2:6]), 16, 16)
+	return rune(n), err == nil
 }
 
 // decodeError is err's problem; body is what was decoded, to name a field by its path.

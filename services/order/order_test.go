@@ -198,6 +198,9 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"huge customer id", `{"customer_id":"` + strings.Repeat("c", MaxIDLength+1) + `","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"control characters", `{"customer_id":"c\u0000x","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"invalid UTF-8", "{\"customer_id\":\"c\xff\",\"lines\":[{\"sku\":\"s\",\"quantity\":1,\"unit_price_cents\":1}]}", "application/json", 400},
+		{"a lone low surrogate", `{"customer_id":"c\udfff","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
+		{"a lone high surrogate", `{"customer_id":"c","lines":[{"sku":"\ud83d","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
+		{"a high surrogate before no low one", `{"customer_id":"\ud83d\u0041","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
 		{"Latin-1", "{\"customer_id\":\"Jos\xe9\",\"lines\":[{\"sku\":\"s\",\"quantity\":1,\"unit_price_cents\":1}]}", "application/json", 400},
 		{"too many lines", manyLines, "application/json", 422},
 		{"2 MiB body", `{"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
@@ -464,4 +467,27 @@ func FuzzDecodePlaceOrder(f *testing.F) {
 			t.Fatalf("the consumers reject the event of a valid order: %v", err)
 		}
 	})
+}
+
+// loneSurrogate finds an escaped surrogate without its pair, and only that: a pair, an escaped
+// backslash before "u", and other escapes are no finding.
+func TestLoneSurrogate(t *testing.T) {
+	t.Parallel()
+	for body, want := range map[string]int{
+		`"\ud83d\ude00"`:                       -1, // a pair: U+1F600
+		`"\\udfff"`:                            -1, // a backslash, then the letters udfff
+		`"\u00e9\n\"\/"`:                       -1,
+		`"\\\udfff"`:                           3,
+		`"a\udfff"`:                            2,
+		`"\ud83d"`:                             1,
+		`"\ud83d\u0041"`:                       1,
+		`"\ude00\ud83d"`:                       1,
+		`"\ud83d\ud83d"`:                       1,
+		`"\ud83d\ude0"`:                        1,
+		`["\u0041", "\uDBFF\uDFFF", "\uDC00"]`: 28,
+	} {
+		if got := loneSurrogate([]byte(body)); got != want {
+			t.Errorf("loneSurrogate(%s) = %d, want %d", body, got, want)
+		}
+	}
 }
