@@ -114,10 +114,11 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	if err := tx.Take(&existing, "order_id = ?", ev.OrderID).Error; err != nil {
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
 	}
-	if existing.Status == StatusIssued {
+	if existing.Status == StatusIssued || !awaitsItsOrder(existing) {
 		return messaging.AfterCommit(ctx, func() {
 			h.alreadyDone()
-			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID, "invoice_id", existing.ID)
+			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID,
+				"invoice_id", existing.ID, "status", existing.Status)
 		})
 	}
 	if err := tx.Model(&existing).Update("amount_cents", ev.TotalCents).Error; err != nil {
@@ -126,6 +127,16 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	return messaging.AfterCommit(ctx, func() {
 		h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
 	})
+}
+
+// awaitsItsOrder reports whether inv is the void row a cancellation wrote before its order
+// arrived, and no OrderPlaced has given it its amount yet: voided as it was created (cancelled
+// sets voided_at to created_at), with no amount. A void row that was issued first was voided
+// later, at clock_timestamp(), and keeps the amount it was issued with: another OrderPlaced for
+// its order is a duplicate upstream, not the late order. (An order of total 0 fills in 0 again,
+// which changes nothing.)
+func awaitsItsOrder(inv Invoice) bool {
+	return inv.Status == StatusVoid && inv.VoidedAt != nil && inv.VoidedAt.Equal(inv.CreatedAt) && inv.AmountCents == 0
 }
 
 // cancelled voids the order's invoice; if the order has none yet, a void row remembers the
