@@ -250,7 +250,9 @@ func (h notifier) recorded(ctx context.Context, n Notification, msg messaging.Me
 		})
 	}
 	return messaging.AfterCommit(ctx, func() {
-		h.log.InfoContext(ctx, "notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "recipient", n.Recipient, "message_id", msg.ID)
+		// Not the recipient: a customer's e-mail address is personal data, which logs keep out of
+		// reach of its erasure; the notification id leads to it.
+		h.log.InfoContext(ctx, "notification recorded", "notification_id", n.ID, "order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
 		if h.wake != nil {
 			h.wake()
 		}

@@ -192,6 +192,26 @@ func TestOneNotificationPerKindDeliveredByMailOnce(t *testing.T) {
 	}
 }
 
+// A customer's e-mail address is personal data: it goes into the notification and the e-mail,
+// never into a log line, from recording to delivery.
+func TestLogsNeverCarryTheCustomersAddress(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.smtp.Start()
+	b.run(t)
+	orderID := uuid.New()
+	b.deliver(t, orderPlaced(t, orderID, "ann@example.org"))
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE order_id = ? AND status = 'sent'", orderID) == 1
+	}, "the confirmation was not sent")
+	if n := len(b.logs.Lines("notification recorded", "order_id="+orderID.String())); n != 1 {
+		t.Fatalf("%d 'notification recorded' lines, want 1", n)
+	}
+	if lines := b.logs.Lines("ann@example.org"); len(lines) != 0 {
+		t.Fatalf("the customer's address is logged:\n%s", strings.Join(lines, "\n"))
+	}
+}
+
 // Every event delivered twice: the inbox skips each repeat, and the handlers never see it.
 func TestRedeliveriesAreSkippedByTheInbox(t *testing.T) {
 	t.Parallel()
