@@ -191,7 +191,9 @@ func (s *sender) Wake() {
 // notifications leased in waiting: whenever some of those start, it leases as many more. When
 // ctx ends, deliveries in progress may finish, and be marked sent, within the grace period;
 // those leased but not started are released, due again at once; and Run returns once all that
-// is recorded. A clean shutdown never repeats an e-mail.
+// is recorded. A clean shutdown repeats only an e-mail whose conversation, begun before the
+// signal, outlasts the grace: it is cut off, counted as failed, and sent again later with the
+// same Message-ID.
 func (s *sender) Run(ctx context.Context) error {
 	s.stopBy.Store(nil)
 	stopping := context.AfterFunc(ctx, func() {
@@ -327,7 +329,7 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	}()
 
 	// A delivery in progress at shutdown may finish within the grace, so that a clean shutdown
-	// never repeats an e-mail.
+	// repeats no e-mail whose server answers in time.
 	deliverCtx, cancelDeliver := context.WithDeadline(withBudget(context.WithoutCancel(ctx), s.deliver), row.leasedAt.Add(s.deliver))
 	stop := context.AfterFunc(parent, func() {
 		t := time.AfterFunc(s.grace, cancelDeliver)
