@@ -110,8 +110,12 @@ if ! "$lint" version 2>/dev/null | grep -q "version $GOLANGCI_LINT_VERSION "; th
   go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$GOLANGCI_LINT_VERSION"
 fi
 say "golangci-lint (every module of go.work)"
-# Each module is linted from its own directory: ./... stops at a module's boundary.
-for module in $(go list -m -f '{{.Dir}}'); do
+# Each module is linted from its own directory: ./... stops at a module's boundary. The list is
+# read first: a failing command substitution in a for loop's word list is not caught by set -e,
+# and would lint nothing and pass.
+modules=$(go list -m -f '{{.Dir}}')
+[ -n "$modules" ] || die "go list -m named no module to lint"
+for module in $modules; do
   (cd "$module" && "$lint" run ./...)
 done
 
