@@ -146,22 +146,34 @@ say "promtool: Prometheus configuration, alert rules and their tests"
 "$PROMTOOL" check rules deploy/prometheus/alerts.yml
 "$PROMTOOL" test rules deploy/prometheus/alerts_test.yml
 
-report="$(mktemp -d)"
-go build -o "$report/testreport" ./internal/testreport
-
 machine_amqp_url=$TEST_AMQP_URL
 sidroot_env=""
 trixie_env=""
 # trixie runs scripts/sidroot.sh for the RabbitMQ 4.0 root, on its own default directory and
 # ports whatever SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
 trixie() { env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"; }
+sidroot() { if [ "$1" = trixie ]; then shift; trixie "$@"; else shift; SIDROOT_SUITE=sid scripts/sidroot.sh "$@"; fi; }
+
+# At exit, whatever ended the run (a failure, a signal): the nodes this run started or began
+# to start (a start that failed half-way may leave its node running), and the report. Each
+# step runs even if another fails, and none changes the run's exit status.
+started=""
+report="$(mktemp -d)"
+cleanup() {
+  local root
+  for root in $started; do
+    sidroot "$root" stop || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
+  done
+  rm -rf "$report"
+}
+trap cleanup EXIT
+go build -o "$report/testreport" ./internal/testreport
+
 if [ "$mode" = local ]; then
   say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
-  sidroot_env=$(SIDROOT_SUITE=sid scripts/sidroot.sh start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
-  trap 'SIDROOT_SUITE=sid scripts/sidroot.sh stop; trixie stop; rm -rf "$report"' EXIT
-  say "$(SIDROOT_SUITE=sid scripts/sidroot.sh version | tr '\n' ' ')"
-else
-  trap 'rm -rf "$report"' EXIT
+  started=sid
+  sidroot_env=$(sidroot sid start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
+  say "$(sidroot sid version | tr '\n' ' ')"
 fi
 with_broker() { # with_broker 4.3|4.0|machine COMMAND...
   if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
@@ -187,6 +199,7 @@ if [ "$mode" = local ]; then
   say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
   suite machine $library_packages
   say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"
+  started="$started trixie"
   trixie_env=$(trixie start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
   say "$(trixie version | tr '\n' ' ')"
   say "go test -race, the library's suite, against RabbitMQ 4.0"
