@@ -22,6 +22,18 @@ die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 
 . scripts/servers.sh
 
+# retry DESCRIPTION COMMAND...: runs COMMAND up to 3 times, 15 s then 30 s apart, for the steps
+# that download: cmd/go does not retry a failed fetch from the module proxy, and a fresh machine
+# fetches every module and tool. A failure that is not the network's fails 3 times, as it would once.
+retry() {
+  local what=$1 try; shift
+  for try in 1 2 3; do
+    "$@" && return 0
+    [ "$try" = 3 ] || { say "$what failed (try $try of 3); trying again in $((try * 15)) s"; sleep $((try * 15)); }
+  done
+  die "$what failed 3 times"
+}
+
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   local secs=$1 what=$2; shift 2
   for _ in $(seq "$secs"); do "$@" && return 0; sleep 1; done
@@ -98,6 +110,10 @@ unformatted=$(gofmt -l .)
 library_packages=github.com/outboxkit/outbox-inbox/pkg/messaging/...
 example_packages=github.com/outboxkit/outbox-inbox/examples/...
 
+# Every module the builds below need, fetched once here where a transient failure is retried
+# (go vet, the linters and go test would each fail on it).
+retry "fetching the modules (go list -deps -test)" go list -deps -test ./... "$library_packages" "$example_packages" >/dev/null
+
 say "go vet"
 go vet ./... "$library_packages" "$example_packages"
 
@@ -107,7 +123,10 @@ GOLANGCI_LINT_VERSION=2.15.0
 lint="$(go env GOPATH)/bin/golangci-lint"
 if ! "$lint" version 2>/dev/null | grep -q "version $GOLANGCI_LINT_VERSION "; then
   say "installing golangci-lint v$GOLANGCI_LINT_VERSION"
-  go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$GOLANGCI_LINT_VERSION"
+  # GOBIN set: go install puts it where $lint looks, whatever GOBIN the environment has.
+  retry "installing golangci-lint v$GOLANGCI_LINT_VERSION from the Go module proxy" \
+    env GOBIN="$(dirname "$lint")" go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$GOLANGCI_LINT_VERSION"
+  "$lint" version 2>/dev/null | grep -q "version $GOLANGCI_LINT_VERSION " || die "$lint is not golangci-lint v$GOLANGCI_LINT_VERSION after installing it"
 fi
 say "golangci-lint (every module of go.work)"
 # Each module is linted from its own directory: ./... stops at a module's boundary. The list is
@@ -137,8 +156,8 @@ promtool_build() {
 }
 if [ "$(promtool_build)" != "v$PROMTOOL_VERSION $PROMTOOL_TAGS" ]; then
   say "installing promtool v$PROMTOOL_VERSION (Prometheus 3.${PROMTOOL_VERSION#0.3}), tags $PROMTOOL_TAGS"
-  GOBIN="$(dirname "$PROMTOOL")" go install -tags "$PROMTOOL_TAGS" "github.com/prometheus/prometheus/cmd/promtool@v$PROMTOOL_VERSION" ||
-    die "could not install promtool v$PROMTOOL_VERSION from the Go module proxy; it checks deploy/prometheus"
+  retry "installing promtool v$PROMTOOL_VERSION from the Go module proxy (it checks deploy/prometheus)" \
+    env GOBIN="$(dirname "$PROMTOOL")" go install -tags "$PROMTOOL_TAGS" "github.com/prometheus/prometheus/cmd/promtool@v$PROMTOOL_VERSION"
   [ "$(promtool_build)" = "v$PROMTOOL_VERSION $PROMTOOL_TAGS" ] || die "$PROMTOOL is not promtool v$PROMTOOL_VERSION with tags $PROMTOOL_TAGS after installing it"
 fi
 say "promtool: Prometheus configuration, alert rules and their tests"
