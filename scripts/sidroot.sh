@@ -36,7 +36,8 @@ case "$suite" in
   trixie) node=rabbit40@localhost port=5675 packages="rabbitmq-server" ;;
   *) die "SIDROOT_SUITE=$suite: want sid (RabbitMQ 4.3 and Prometheus) or trixie (RabbitMQ 4.0)" ;;
 esac
-root=${SIDROOT_DIR:-/var/cache/outbox-inbox/debian-$suite}
+# Absolute, as /proc/self/mounts names the root's mounts (release) and the tests read TEST_SIDROOT.
+root=$(realpath -m "${SIDROOT_DIR:-/var/cache/outbox-inbox/debian-$suite}")
 amqp_port=${SIDROOT_AMQP_PORT:-$port}
 metrics_port=${SIDROOT_METRICS_PORT:-$((port + 10020))}
 marker="$root/.outbox-inbox-provisioned"
@@ -57,12 +58,19 @@ provision() {
   local start=$SECONDS
   if ! command -v debootstrap >/dev/null; then
     say "installing debootstrap from the machine's Debian suite"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
-      die "could not install debootstrap (apt-get install debootstrap)"
+    # A fresh machine may have no package lists yet, or old ones naming versions the mirror no
+    # longer serves: then the lists are updated and the install tried again.
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; then
+      say "apt-get install debootstrap failed; updating the package lists (apt-get update) and trying again"
+      apt-get update -q >/dev/null || die "apt-get update failed (needed to install debootstrap)"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
+        die "could not install debootstrap (apt-get install debootstrap)"
+    fi
   fi
-  # A half-made root (an interrupted run) is started over.
+  # A half-made root (an interrupted run) is started over: first whatever is still mounted in
+  # it, then the files, never across a mount point (rm would delete through a mount).
   release
-  rm -rf "$root"
+  rm -rf --one-file-system "$root"
   mkdir -p "$(dirname "$root")"
   say "making a Debian $suite root in $root (debootstrap, about a minute)"
   debootstrap --variant=minbase "$suite" "$root" >"$root.log" 2>&1 ||
@@ -134,12 +142,16 @@ stop() {
   release
 }
 
-# release unmounts what start mounted, once nothing runs inside the root any more.
+# release unmounts what is mounted in the root, once nothing runs inside it any more: the /proc
+# of start and provision, and whatever an interrupted debootstrap left (it mounts /proc and
+# /sys in the root, and unmounts them only if it gets to exit by itself). Deepest first.
 release() {
-  [ -d "$root/proc" ] || return 0
-  if mountpoint -q "$root/proc"; then
-    umount "$root/proc" 2>/dev/null || umount -l "$root/proc"
-  fi
+  [ -d "$root" ] || return 0
+  local mounts m
+  mounts=$(awk -v r="$root" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/self/mounts | sort -r)
+  for m in $mounts; do
+    umount "$m" 2>/dev/null || umount -l "$m"
+  done
 }
 
 env_lines() {
