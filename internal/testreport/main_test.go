@@ -36,3 +36,30 @@ func TestATimedOutPackageNamesTheTestStillRunning(t *testing.T) {
 		t.Errorf("the report lists a test that ended:\n%s", out.String())
 	}
 }
+
+// -want counts the tests the -run pattern names, top-level ones: a subtest is not one of them,
+// so a test that did not run is not made up for by another's subtests.
+func TestWantCountsTopLevelTestsOnly(t *testing.T) {
+	stream := strings.Join([]string{
+		`{"Action":"run","Package":"p","Test":"TestA"}`,
+		`{"Action":"run","Package":"p","Test":"TestA/one"}`,
+		`{"Action":"pass","Package":"p","Test":"TestA/one"}`,
+		`{"Action":"run","Package":"p","Test":"TestA/two"}`,
+		`{"Action":"pass","Package":"p","Test":"TestA/two"}`,
+		`{"Action":"pass","Package":"p","Test":"TestA"}`,
+		`{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`,
+		`{"Action":"pass","Package":"p","Elapsed":1}`,
+	}, "\n")
+	r, err := read(strings.NewReader(stream))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if r.report(&out, "^$", 2) {
+		t.Fatalf("the report passed with 1 of the 2 wanted tests run (and 2 subtests):\n%s", out.String())
+	}
+	out.Reset()
+	if !r.report(&out, "^$", 1) {
+		t.Fatalf("the report failed with the 1 wanted test run:\n%s", out.String())
+	}
+}
