@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Where the test servers come from; sourced by scripts/test.sh. Kept apart so that
 # scripts/servers_test.go can exercise each decision with stand-in commands.
 

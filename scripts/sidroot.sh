@@ -123,8 +123,7 @@ start() {
   # A fresh data directory each time: no queue, vhost or user left over from an earlier run.
   rm -rf "$root/var/lib/rabbitmq/mnesia" "$root/var/log/rabbitmq"/*
   in_root rabbitmq-server -detached
-  local i
-  for i in $(seq 60); do
+  for _ in $(seq 60); do
     if ctl -q await_startup --timeout 5 >/dev/null 2>&1; then
       env_lines
       return 0

@@ -178,6 +178,7 @@ sidroot() { if [ "$1" = trixie ]; then shift; trixie "$@"; else shift; SIDROOT_S
 # step runs even if another fails, and none changes the run's exit status.
 started=""
 report="$(mktemp -d)"
+# shellcheck disable=SC2317 # run by the EXIT trap
 cleanup() {
   local root
   for root in $started; do
