@@ -29,7 +29,7 @@ retry() {
   local what=$1 try; shift
   for try in 1 2 3; do
     "$@" && return 0
-    [ "$try" = 3 ] || { say "$what failed (try $try of 3); trying again in $((try * 15)) s"; sleep $((try * 15)); }
+    [ "$try" = 3 ] || { say "$what failed (try $try of 3); trying again in $((try * 15)) s" >&2; sleep $((try * 15)); }
   done
   die "$what failed 3 times"
 }
