@@ -451,18 +451,54 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 // A client that sends its body late (a slow uplink, Expect: 100-continue) does so before its
 // request asks for a place: that wait is the client's pace, not the server's latency, so a few
 // such clients among fast requests to an idle server leave the limit where it is.
+//
+// A request the machine stalled past the target once its body was in (the race detector, the
+// other packages' tests on two cores) may cut the limit rightly: the latency did rise, and a
+// cut is not undone within the run. Such a run proves nothing either way, so it is run again,
+// a few times at most; a cut with no stall fails at once.
 func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 	t.Parallel()
+	const runs = 5
+	for range runs {
+		places, sent, refused, stalled := slowUploadsRun(t)
+		if places == 20 && refused == 0 {
+			return
+		}
+		if !stalled {
+			t.Fatalf("after %d requests, one in twenty uploading its body 80 ms late, with no request stalled: %d places, want all 20; %d not served",
+				sent, places, refused)
+		}
+		t.Logf("after %d requests: %d places, %d not served, and a request stalled past the %s target once its body was in: run again",
+			sent, places, refused, DefaultLatencyTarget)
+	}
+	t.Fatalf("a request stalled past the %s target in each of %d runs: the machine is too busy to show anything", DefaultLatencyTarget, runs)
+}
+
+// slowUploadsRun is one run of TestAdmissionIsNotCutBySlowUploads, on an admission of its own:
+// the places after it, the requests sent and those not served, and whether a request took
+// longer than the target from its body's end to its response (what the admission measures,
+// and a little more).
+func slowUploadsRun(t *testing.T) (places int, sent, refused int64, stalled bool) {
 	a := newAdmission(t, 20, DefaultLatencyTarget)
-	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	var stalls atomic.Int64
+	inner := a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if _, err := io.Copy(io.Discard, r.Body); err != nil {
 			t.Error(err)
 		}
 		w.WriteHeader(http.StatusCreated)
-	})))
+	}))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b := &timedBody{ReadCloser: r.Body, last: time.Now()}
+		r.Body = b
+		inner.ServeHTTP(w, r)
+		if time.Since(b.last) > DefaultLatencyTarget {
+			stalls.Add(1)
+		}
+	}))
 	defer srv.Close()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 8}}
-	var sent, refused atomic.Int64
+	defer client.CloseIdleConnections()
+	var sentN, refusedN atomic.Int64
 	var wg sync.WaitGroup
 	// Long enough for at least three of the limit's windows.
 	for deadline := time.Now().Add(4 * admissionWindow); time.Now().Before(deadline); {
@@ -471,7 +507,7 @@ func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				var body io.Reader = strings.NewReader("{}")
-				if sent.Add(1)%20 == 0 { // one in twenty sends its body 80 ms after its headers
+				if sentN.Add(1)%20 == 0 { // one in twenty sends its body 80 ms after its headers
 					body = &lateReader{Reader: body, delay: 80 * time.Millisecond}
 				}
 				resp, err := client.Post(srv.URL, "application/json", body)
@@ -481,16 +517,26 @@ func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 				}
 				resp.Body.Close()
 				if resp.StatusCode != http.StatusCreated {
-					refused.Add(1)
+					refusedN.Add(1)
 				}
 			}()
 		}
 		wg.Wait()
 	}
-	if n := a.Places(); n != 20 || refused.Load() > 0 {
-		t.Fatalf("after %d requests, one in twenty uploading its body 80 ms late: %d places, want all 20; %d not served",
-			sent.Load(), n, refused.Load())
-	}
+	return a.Places(), sentN.Load(), refusedN.Load(), stalls.Load() > 0
+}
+
+// timedBody notes when a read of a request's body last returned: when its last bytes, or its
+// end, came.
+type timedBody struct {
+	io.ReadCloser
+	last time.Time
+}
+
+func (b *timedBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.last = time.Now()
+	return n, err
 }
 
 // Clients that send their bodies slowly hold no place while they do: with every one of the
