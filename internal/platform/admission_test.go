@@ -562,12 +562,12 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 
 	trickled, releaseAll := trickle(srv.URL, places, 7)
 	defer releaseAll() // before the server closes, which waits for their requests
-	// Every trickling request has reached the server, and waits for its body.
-	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places }, "the trickling requests never reached the server")
-	// Long enough for the trickling requests to reach admission, had it come before the body.
-	for end := time.Now().Add(100 * time.Millisecond); time.Now().Before(end); {
-		time.Sleep(10 * time.Millisecond)
-	}
+	// Every trickling request has reached the server, and waits for its body: each has taken
+	// the 8 bytes of budget of its first read (its 7 declared, and one to see the end), which
+	// it does past admission too, had admission come before the body. A fixed wait here was
+	// too short on busy cores for that order to show.
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places && a.bodiesHeld.Load() == places*8 },
+		"the trickling requests never reached the server and began reading their bodies")
 	for range 3 {
 		if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
 			t.Fatalf("a request with its body at once, beside %d trickling ones: %d, want 201: they hold the places", places, code)
