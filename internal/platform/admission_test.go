@@ -450,7 +450,7 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 
 // A client that sends its body late (a slow uplink, Expect: 100-continue) does so before its
 // request asks for a place: that wait is the client's pace, not the server's latency, so a few
-// such clients among fast requests to an idle server leave the limit where it is.
+// such clients among quick requests, six at work at once, leave the limit where it is.
 //
 // A request the machine stalled past the target once its body was in (the race detector, the
 // other packages' tests on two cores) may cut the limit rightly: the latency did rise, and a
@@ -485,6 +485,9 @@ func slowUploadsRun(t *testing.T) (places int, sent, refused int64, stalled bool
 		if _, err := io.Copy(io.Discard, r.Body); err != nil {
 			t.Error(err)
 		}
+		// A round trip to a database: the clients' requests are at work together, more than
+		// fewAtWork at once, so a window's latencies can cut the limit.
+		time.Sleep(5 * time.Millisecond)
 		w.WriteHeader(http.StatusCreated)
 	}))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -496,16 +499,16 @@ func slowUploadsRun(t *testing.T) (places int, sent, refused int64, stalled bool
 		}
 	}))
 	defer srv.Close()
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 8}}
+	const clients = 6
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
 	defer client.CloseIdleConnections()
 	var sentN, refusedN atomic.Int64
 	var wg sync.WaitGroup
 	// Long enough for at least three of the limit's windows.
-	for deadline := time.Now().Add(4 * admissionWindow); time.Now().Before(deadline); {
-		for range 4 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+	deadline := time.Now().Add(4 * admissionWindow)
+	for range clients {
+		wg.Go(func() {
+			for time.Now().Before(deadline) {
 				var body io.Reader = strings.NewReader("{}")
 				if sentN.Add(1)%20 == 0 { // one in twenty sends its body 80 ms after its headers
 					body = &lateReader{Reader: body, delay: 80 * time.Millisecond}
@@ -519,10 +522,10 @@ func slowUploadsRun(t *testing.T) (places int, sent, refused int64, stalled bool
 				if resp.StatusCode != http.StatusCreated {
 					refusedN.Add(1)
 				}
-			}()
-		}
-		wg.Wait()
+			}
+		})
 	}
+	wg.Wait()
 	return a.Places(), sentN.Load(), refusedN.Load(), stalls.Load() > 0
 }
 
