@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -123,6 +124,58 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	if code := <-done; code != http.StatusCreated {
 		t.Fatalf("the request that waited for a place: %d, want 201", code)
 	}
+}
+
+// A place given back goes to the request waiting for it, not to the end of its wait. Only a
+// try in which the place came back sooner than AdmissionWait after the request began waiting
+// judges: a machine that stalled the test longer may rightly have shed it.
+func TestAFreedPlaceGoesToTheRequestWaiting(t *testing.T) {
+	t.Parallel()
+	const tries = 5
+	for range tries {
+		a := newAdmission(t, 1, 0)
+		if !a.enter(context.Background()) {
+			t.Fatal("the one place of an idle admission was not given")
+		}
+		admitted := make(chan bool, 1)
+		began := time.Now()
+		go func() { admitted <- a.enter(context.Background()) }()
+		if !waitsWithin(t, a, admitted, 5*time.Second) {
+			t.Logf("the request was shed before the test saw it wait: tried again")
+			continue
+		}
+		a.leave(time.Now())
+		inTime := time.Since(began) < AdmissionWait
+		if <-admitted {
+			return
+		}
+		if inTime {
+			t.Fatalf("the place came back within %s of the request's wait, and it was shed: want it admitted", AdmissionWait)
+		}
+		t.Logf("the place came back %s after the request began waiting, past its %s wait: tried again", time.Since(began), AdmissionWait)
+	}
+	t.Fatalf("the place came back past the %s wait in each of %d tries: the machine is too busy to show anything", AdmissionWait, tries)
+}
+
+// waitsWithin polls, as fast as it can (a wait lasts AdmissionWait), until a request waits for a
+// place of a; false if admitted had its answer first. It fails the test after deadline.
+func waitsWithin(t *testing.T, a *Admission, admitted <-chan bool, deadline time.Duration) bool {
+	t.Helper()
+	for end := time.Now().Add(deadline); time.Now().Before(end); runtime.Gosched() {
+		a.mu.Lock()
+		n := len(a.waiting)
+		a.mu.Unlock()
+		if n == 1 {
+			return true
+		}
+		select {
+		case <-admitted:
+			return false
+		default:
+		}
+	}
+	t.Fatalf("no request waited for a place within %s", deadline)
+	return false
 }
 
 // A request waits for a place only while the requests waiting before it can be given theirs
