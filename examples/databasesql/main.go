@@ -61,13 +61,18 @@ func main() {
 	check(err)
 	sub, err := messaging.NewSubscription(driver, messaging.SubscriptionConfig{Name: "billing", URL: os.Getenv("AMQP_URL"), Topology: topology})
 	check(err)
-	invoiced := make(chan struct{})
+	// Once: an order left in the outbox or the queue by an earlier, interrupted run is
+	// invoiced too, and a second close would panic.
+	invoiced, once := make(chan struct{}), new(sync.Once)
 	check(messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *sql.Tx, o OrderPlaced, m messaging.Message) error {
 		// Written with the transaction that records the message in the inbox: once, or not at all.
 		if _, err := tx.ExecContext(ctx, `INSERT INTO invoices (order_id, amount_cents) VALUES ($1, $2)`, o.OrderID, o.TotalCents); err != nil {
 			return err
 		}
-		return messaging.AfterCommit(ctx, func() { log.Printf("invoiced order %s: %d cents", o.OrderID, o.TotalCents); close(invoiced) })
+		return messaging.AfterCommit(ctx, func() {
+			log.Printf("invoiced order %s: %d cents", o.OrderID, o.TotalCents)
+			once.Do(func() { close(invoiced) })
+		})
 	}))
 	var wg sync.WaitGroup
 	wg.Go(func() { check(relay.Run(ctx)) })

@@ -37,9 +37,9 @@ func main() {
 	check(err)
 	sub, err := messaging.NewSubscription(db, messaging.SubscriptionConfig{Name: "greeter", URL: amqpURL, Topology: topology})
 	check(err)
-	handled := make(chan struct{})
+	handled, once := make(chan struct{}), new(sync.Once) // once: a message left from an earlier run is handled too
 	check(messaging.Handle(sub, greeted, func(ctx context.Context, tx pgx.Tx, g Greeted, m messaging.Message) error {
-		return messaging.AfterCommit(ctx, func() { log.Printf("hello, %s (message %s)", g.Name, m.ID); close(handled) })
+		return messaging.AfterCommit(ctx, func() { log.Printf("hello, %s (message %s)", g.Name, m.ID); once.Do(func() { close(handled) }) })
 	}))
 	var wg sync.WaitGroup
 	wg.Go(func() { check(relay.Run(ctx)) })
