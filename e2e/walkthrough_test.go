@@ -131,17 +131,26 @@ func redeliver(t *testing.T, db *testenv.Database, typ string, consumers ...*sys
 	}
 }
 
-// Start order does not matter: on an empty vhost, order and invoicing start, orders are placed
-// and invoiced, and only then does notification start, for the first time. Every event it
-// handles was published before its first start, and it finds every one: the order service
-// declared notification's queue and bindings before its first publish.
+// Start order does not matter: on an empty vhost, the order service starts alone and its relay
+// publishes every order's OrderPlaced before either consumer has ever run; then invoicing
+// starts, invoices them all and publishes its InvoiceIssued; and only then does notification
+// start, for the first time. Every event it handles was published before its first start, and
+// it finds every one: the order service declared both consumers' queues and bindings before its
+// first publish. (With invoicing running from the start, its own declaration of the whole
+// topology would create notification's queue, and hide an order service that declared none.)
 func TestAConsumerThatStartsLastMissesNothing(t *testing.T) {
 	t.Parallel()
-	s := startSystem(t, systest.Options{Held: []string{"notification"}})
+	s := startSystem(t, systest.Options{Held: []string{"invoicing", "notification"}})
 	const orders = 20
 	for i := range orders {
 		s.PlaceOrder(t, fmt.Sprintf("early-%d", i))
 	}
+	// Sent at the first attempt: confirmed and routed. Returned as unroutable, for want of a
+	// bound queue, a row would be charged an attempt and wait for its retry.
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.Count(t, s.Order.DB.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL AND attempts = 0") == orders
+	}, "the %d OrderPlaced were not all published, at their first attempt, with no consumer running", orders)
+	s.Invoicing.Start(t)
 	testenv.Eventually(t, 30*time.Second, func() bool {
 		return testenv.Count(t, s.Invoicing.DB.DB, "SELECT count(*) FROM invoices WHERE status = 'issued'") == orders
 	}, "the %d orders were not invoiced before notification started", orders)
