@@ -103,7 +103,7 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 		return len(up) == 6 && !slices.ContainsFunc(up, func(s sample) bool { return s.Value != 1 })
 	}, "not every target is up: %v", lazy(func() string { return fmt.Sprint(up) }))
 	r.prom.checkRulesHealthy(t)
-	traffic := r.s.StartTraffic(2)
+	traffic := r.s.StartTraffic(t, 2)
 	traffic.WaitFor(t, 50)
 	quiet := time.Now()
 	checkDashboard(t, r.prom)

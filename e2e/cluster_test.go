@@ -31,7 +31,7 @@ func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 		}
 	}
 
-	traffic := s.StartTraffic(2)
+	traffic := s.StartTraffic(t, 2)
 	traffic.WaitFor(t, 30)
 	leader := invoicingLeader(t, cluster, s.VHost)
 	t.Logf("node %d leads: %s", leader, strings.Join(ledBy(t, cluster, s.VHost, leader), ", "))

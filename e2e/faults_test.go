@@ -90,7 +90,7 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
 
-	traffic := s.StartTraffic(4)
+	traffic := s.StartTraffic(t, 4)
 	traffic.WaitFor(t, 50)
 	for _, c := range []*systest.Service{s.Invoicing, s.Notification} {
 		took := c.Stop(t)
@@ -140,7 +140,7 @@ func TestKilledServicesUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
 	s.RepeatedMails = true
-	traffic := s.StartTraffic(4)
+	traffic := s.StartTraffic(t, 4)
 	traffic.WaitFor(t, 50)
 	for _, c := range []*systest.Service{s.Invoicing, s.Notification, s.Order} {
 		c.Kill(t)
@@ -325,7 +325,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 		return at
 	}
 	before := started()
-	traffic := s.StartTraffic(4)
+	traffic := s.StartTraffic(t, 4)
 	traffic.WaitFor(t, 50)
 	if out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput(); err != nil {
 		traffic.Stop(t)

@@ -28,7 +28,7 @@ func TestClusterPartitionPausesTheMinority(t *testing.T) {
 		}
 	}
 
-	traffic := s.StartTraffic(2)
+	traffic := s.StartTraffic(t, 2)
 	traffic.WaitFor(t, 30)
 	minority := invoicingLeader(t, cluster, s.VHost)
 	t.Logf("node %d leads: %s", minority, strings.Join(ledBy(t, cluster, s.VHost, minority), ", "))

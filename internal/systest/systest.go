@@ -872,12 +872,17 @@ type Traffic struct {
 	mu                              sync.Mutex
 	unexpected                      []string
 	stop                            chan struct{}
+	stopOnce                        sync.Once
 	wg                              sync.WaitGroup
 }
 
-// StartTraffic starts workers clients posting to the first order replica.
-func (s *System) StartTraffic(workers int) *Traffic {
+// StartTraffic starts workers clients posting to the first order replica, until Stop or the
+// end of t: a test that fails before its Stop must not leave clients posting to a port that
+// another test's order service may take next.
+func (s *System) StartTraffic(t *testing.T, workers int) *Traffic {
+	t.Helper()
 	tr := &Traffic{stop: make(chan struct{})}
+	t.Cleanup(tr.halt)
 	for w := range workers {
 		tr.wg.Go(func() {
 			client := &http.Client{Timeout: 15 * time.Second}
@@ -957,12 +962,17 @@ func (tr *Traffic) WaitFor(t *testing.T, n int64) {
 // Placed is how many orders have been accepted so far.
 func (tr *Traffic) Placed() int64 { return tr.placed.Load() }
 
+// halt stops the clients and waits for them; again, it does nothing.
+func (tr *Traffic) halt() {
+	tr.stopOnce.Do(func() { close(tr.stop) })
+	tr.wg.Wait()
+}
+
 // Stop ends the traffic and returns the ids of the accepted orders, how many cancellations
 // were answered 200, and the count of 5xx answers. Any other answer fails t.
 func (tr *Traffic) Stop(t *testing.T) (accepted []uuid.UUID, cancelled, serverErrors int64) {
 	t.Helper()
-	close(tr.stop)
-	tr.wg.Wait()
+	tr.halt()
 	for _, u := range tr.unexpected {
 		t.Errorf("traffic: %s", u)
 	}
