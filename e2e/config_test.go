@@ -87,6 +87,8 @@ func TestASignalWhileWaitingForTheDatabaseExitsCleanly(t *testing.T) {
 			}
 			done := make(chan error, 1)
 			go func() { done <- cmd.Wait() }()
+			// A failure below must not leave the service waiting for its database for ever.
+			t.Cleanup(func() { _ = cmd.Process.Kill() })
 			testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(out.String(), `msg="waiting for the database"`) },
 				"the service did not log its wait for the database")
 			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
