@@ -67,6 +67,9 @@ type Service struct {
 	// alreadyDone carries consumer_already_done_total over the process's restarts.
 	alreadyDone float64
 	discardLogs bool
+	// ended says the test ended the process's run (Kill, Terminate): an exit it did not ask
+	// for is a failure, even with status 0.
+	ended bool
 }
 
 // alreadyDoneMetric counts a consumer's messages whose work another message had done already.
@@ -216,6 +219,7 @@ func (s *Service) Kill(t *testing.T) {
 	t.Helper()
 	// Its count of work found done already dies with it: keep what it had so far.
 	s.alreadyDone = s.AlreadyDone(t)
+	s.ended = true
 	if err := s.cmd.Process.Kill(); err != nil {
 		t.Fatalf("kill %s: %v", s.Name, err)
 	}
@@ -232,7 +236,7 @@ func (s *Service) Start(t *testing.T) {
 	if n := dbConns(t, s.env); n > s.conns {
 		t.Fatalf("%s would start with DB_MAX_CONNS=%d, more than the %d reserved for it", s.Name, n, s.conns)
 	}
-	s.done = make(chan struct{})
+	s.done, s.ended = make(chan struct{}), false
 	s.cmd = exec.Command(s.bin)
 	s.cmd.Env = append(os.Environ(), append([]string{"DATABASE_URL=" + s.DB.URL, "HTTP_ADDR=" + strings.TrimPrefix(s.URL, "http://")}, s.env...)...)
 	s.cmd.Stdout, s.cmd.Stderr = s.Logs, s.Logs
@@ -240,6 +244,8 @@ func (s *Service) Start(t *testing.T) {
 		s.cmd.Stdout, s.cmd.Stderr = io.Discard, io.Discard
 	}
 	if err := s.cmd.Start(); err != nil {
+		s.ended = true // nothing runs: the cleanup's Stop has nothing to signal
+		close(s.done)
 		t.Fatalf("start %s: %v", s.Name, err)
 	}
 	go func() { s.err = s.cmd.Wait(); close(s.done) }()
@@ -266,12 +272,14 @@ func (s *Service) Terminate(t *testing.T) (wait func() time.Duration) {
 	t.Helper()
 	select {
 	case <-s.done:
-		if s.err != nil {
-			t.Errorf("%s had already exited: %v", s.Name, s.err)
+		// Never started (held), or ended by the test already; otherwise it exited by itself.
+		if s.cmd != nil && !s.ended {
+			t.Errorf("%s had already exited by itself: %v", s.Name, s.err)
 		}
 		return func() time.Duration { return 0 }
 	default:
 	}
+	s.ended = true
 	// The count dies with the process: keep it. (Work during the shutdown itself still shows
 	// in the log lines Tally also reads.)
 	s.alreadyDone = s.AlreadyDone(t)
