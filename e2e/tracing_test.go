@@ -99,7 +99,7 @@ func requireTraceInLogs(t *testing.T, s *systest.System, orderID, traceID string
 func waitForTrace(t *testing.T, r *testenv.OTLPReceiver, traceID string, n int) []testenv.Span {
 	t.Helper()
 	testenv.Eventually(t, 15*time.Second, func() bool { return len(r.Trace(traceID)) >= n },
-		"the receiver has %d spans of trace %s, want %d", len(r.Trace(traceID)), traceID, n)
+		"the receiver has %s spans of trace %s, want %d", lazy(func() string { return fmt.Sprint(len(r.Trace(traceID))) }), traceID, n)
 	return r.Trace(traceID)
 }
 
