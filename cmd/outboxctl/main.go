@@ -378,7 +378,7 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
 	for _, one := range split(value) {
-		if u, err := url.Parse(one); err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u.Host) {
+		if u, err := url.Parse(one); err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u) {
 			return "", usageError{fmt.Sprintf("%s is not %s with scheme %s", source, what, strings.Join(schemes, " or "))}
 		}
 	}

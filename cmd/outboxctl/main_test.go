@@ -162,6 +162,7 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
 		{"status", "--db", "postgres://127.0.0.1:99999/x"},
+		{"status", "--db", "postgres:///x?host=/run/postgresql&port=0"},
 		{"dlq", "list", "invoicing", "--amqp", "amqp://127.0.0.1:0/"},
 		{"version", "extra"},
 	} {

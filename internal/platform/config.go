@@ -85,7 +85,7 @@ func (e *Env) URL(name string, schemes ...string) string {
 		e.fail(name, "scheme must be one of %s", strings.Join(schemes, ", "))
 	case !NamesHost(u):
 		e.fail(name, "names no host: give one after //, or for PostgreSQL's Unix socket its directory in host= (%s:///database?host=/var/run/postgresql)", u.Scheme)
-	case !PortsInRange(u.Host):
+	case !PortsInRange(u):
 		e.fail(name, "%s", badURLPort)
 	default:
 		return v
@@ -108,18 +108,34 @@ func NamesHost(u *url.URL) bool {
 // badURLPort is the problem of a URL whose port is out of range.
 const badURLPort = "a port in the URL must be a number from 1 to 65535"
 
-// PortsInRange reports whether every port in a URL's host part is from 1 to 65535. The part
-// may list several hosts, as a PostgreSQL URL may (h1:5432,h2:5433); a host without a port
-// takes the scheme's default. url.Parse checks only that a port is digits, so 99999 or 0
-// would fail at the first dial instead, in an error that names no variable, again at each
-// reconnection.
-func PortsInRange(hosts string) bool {
-	for host := range strings.SplitSeq(hosts, ",") {
+// PortsInRange reports whether every port u names is from 1 to 65535. Its host part may list
+// several hosts, as a PostgreSQL URL may (h1:5432,h2:5433); a host without a port, or with an
+// empty one (db:), takes the scheme's default, as pgx, the AMQP client and net/http take it. A
+// PostgreSQL URL may also give its ports in port= (one, or one per host, empty ones the default),
+// which pgx reads in place of those in the host part: the only way to give one to a Unix
+// socket's directory in host=. url.Parse checks only that a port in the host part is digits, so
+// 99999 or 0 would fail at the first dial instead, in an error that names no variable, again at
+// each reconnection.
+func PortsInRange(u *url.URL) bool {
+	ports := make([]string, 0, 2)
+	for host := range strings.SplitSeq(u.Host, ",") {
 		i := strings.LastIndex(host, ":")
 		if i < 0 || strings.HasSuffix(host, "]") { // no port, or a bare [IPv6] address
 			continue
 		}
-		if n, err := strconv.Atoi(host[i+1:]); err != nil || n < 1 || n > 65535 {
+		ports = append(ports, host[i+1:])
+	}
+	if u.Scheme == "postgres" || u.Scheme == "postgresql" {
+		for _, list := range u.Query()["port"] {
+			ports = append(ports, strings.Split(list, ",")...)
+		}
+	}
+	for _, p := range ports {
+		if p == "" {
+			continue
+		}
+		// As pgx reads one: decimal digits, no sign.
+		if n, err := strconv.ParseUint(p, 10, 64); err != nil || n < 1 || n > 65535 {
 			return false
 		}
 	}
@@ -154,7 +170,7 @@ func (e *Env) URLList(name string, schemes ...string) string {
 			e.fail(name, "%sscheme must be one of %s", entry, strings.Join(schemes, ", "))
 			return ""
 		}
-		if !PortsInRange(u.Host) {
+		if !PortsInRange(u) {
 			e.fail(name, "%s%s", entry, badURLPort)
 			return ""
 		}

@@ -34,7 +34,7 @@ func readOTLPEndpoint(env *Env) string {
 	}
 	u, err := url.Parse(v)
 	env.Check(err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "", OTLPEndpointVariable, "must be an http or https URL")
-	env.Check(err != nil || PortsInRange(u.Host), OTLPEndpointVariable, badURLPort)
+	env.Check(err != nil || PortsInRange(u), OTLPEndpointVariable, badURLPort)
 	return v
 }
 
