@@ -133,8 +133,10 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 // arrived, and no OrderPlaced has given it its amount yet: voided as it was created (cancelled
 // sets voided_at to created_at), with no amount. A void row that was issued first was voided
 // later, at clock_timestamp(), and keeps the amount it was issued with: another OrderPlaced for
-// its order is a duplicate upstream, not the late order. (An order of total 0 fills in 0 again,
-// which changes nothing.)
+// its order is a duplicate upstream, not the late order. A row cancelled first whose order's
+// total was 0 still looks as if it awaited its order after that order came: another OrderPlaced
+// for it is taken for the late order again (logged so, not counted as done already), and its
+// total, if it differs, replaces the 0. Telling the two apart needs a column of its own.
 func awaitsItsOrder(inv Invoice) bool {
 	return inv.Status == StatusVoid && inv.VoidedAt != nil && inv.VoidedAt.Equal(inv.CreatedAt) && inv.AmountCents == 0
 }

@@ -233,14 +233,16 @@ func TestCancellationVoidsTheIssuedInvoice(t *testing.T) {
 // Another OrderPlaced for an order whose invoice was issued and then voided (a replay, a bug
 // upstream) is a duplicate by the order's key: the void invoice keeps the amount it was issued
 // with, and the message is counted as work done already. So is one more OrderPlaced for an
-// order cancelled first, once the first gave the void row its amount.
+// order cancelled first, once the first gave the void row its amount. An invoice of 0 issued and
+// then voided has no amount to tell it by: its voided_at, later than its created_at, does.
 func TestOrderPlacedAgainAfterTheVoidChangesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	issuedFirst, cancelledFirst := uuid.New(), uuid.New()
+	issuedFirst, cancelledFirst, issuedFree := uuid.New(), uuid.New(), uuid.New()
 	for _, msg := range []messaging.Message{
 		orderPlaced(t, issuedFirst, 2500), orderCancelled(t, issuedFirst), orderPlaced(t, issuedFirst, 9900),
 		orderCancelled(t, cancelledFirst), orderPlaced(t, cancelledFirst, 900), orderPlaced(t, cancelledFirst, 9900),
+		orderPlaced(t, issuedFree, 0), orderCancelled(t, issuedFree), orderPlaced(t, issuedFree, 9900),
 	} {
 		if dup, err := b.deliver(t, msg); err != nil || dup {
 			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
@@ -252,8 +254,11 @@ func TestOrderPlacedAgainAfterTheVoidChangesNothing(t *testing.T) {
 	if inv, issued := b.invoiceOf(t, cancelledFirst); inv.Status != StatusVoid || inv.AmountCents != 900 || issued != 0 {
 		t.Fatalf("cancelled first: invoice %+v with %d InvoiceIssued, want void of 900, never issued", inv, issued)
 	}
-	if n := b.alreadyDone.Load(); n != 2 {
-		t.Fatalf("%d messages counted as done already, want the 2 late OrderPlaced", n)
+	if inv, issued := b.invoiceOf(t, issuedFree); inv.Status != StatusVoid || inv.AmountCents != 0 || issued != 1 {
+		t.Fatalf("issued for 0, then voided: invoice %+v with %d InvoiceIssued, want void of 0, issued once", inv, issued)
+	}
+	if n := b.alreadyDone.Load(); n != 3 {
+		t.Fatalf("%d messages counted as done already, want the 3 late OrderPlaced", n)
 	}
 	if n := len(b.logs.Lines("its invoice stays void")); n != 1 {
 		t.Fatalf("%d 'cancelled before it arrived' lines, want 1 (the cancelled-first order's own OrderPlaced)", n)
