@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -300,6 +301,16 @@ func checkOutageReported(t *testing.T, s *systest.System) (rowsWaiting int) {
 	}
 	if failed := logs.Lines("outbox publish failed"); len(failed) != 0 {
 		t.Errorf("the relay logged %d per-row publish failures for a broker outage, want 0; first: %s", len(failed), failed[0])
+	}
+	// Nor does the relay report it otherwise (a failed batch is an ERROR of its own).
+	var relayed []string
+	for _, l := range logs.Lines("component=relay") {
+		if (strings.Contains(l, "level=WARN") || strings.Contains(l, "level=ERROR")) && !slices.Contains(paused, l) {
+			relayed = append(relayed, l)
+		}
+	}
+	if len(relayed) != 0 {
+		t.Errorf("the relay logged %d more warnings or errors for the outage, want 0:\n%s", len(relayed), strings.Join(relayed, "\n"))
 	}
 	if n := testenv.Count(t, s.Order.DB.DB, "SELECT count(*) FROM outbox_messages WHERE attempts <> 0 OR last_error IS NOT NULL"); n != 0 {
 		t.Errorf("%d outbox rows were charged an attempt or an error for the outage, want 0", n)
