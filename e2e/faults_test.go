@@ -21,7 +21,9 @@ import (
 )
 
 // Several replicas of every service under concurrent load, every 4th order cancelled at once:
-// exactly-once effects, and the relays (SKIP LOCKED) publish next to no duplicates.
+// exactly-once effects, and the relays publish next to no duplicates. (Their claim's row locks
+// keep them apart; without SKIP LOCKED they would wait for each other instead of doubling, so
+// the library's TestRelayLanesOverlapBatchesWithoutDuplicates guards SKIP LOCKED, not this.)
 func TestReplicasUnderLoad(t *testing.T) {
 	t.Parallel()
 	// Seven processes, with pools smaller still than the other tests' (see smallPools): the
@@ -39,7 +41,7 @@ func TestReplicasUnderLoad(t *testing.T) {
 	if len(ids) != orders {
 		t.Fatalf("%d of %d orders accepted", len(ids), orders)
 	}
-	// Without a fault, SKIP LOCKED keeps the relays from publishing a row twice, and no
+	// Without a fault, the claim's locks keep the relays from publishing a row twice, and no
 	// delivery is repeated: the consumers have nothing to suppress.
 	if d := s.DuplicatesSuppressed(t); d != 0 {
 		t.Errorf("the consumers suppressed %d duplicates in a run without faults, want 0", d)
@@ -84,9 +86,10 @@ func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 }
 
 // SIGTERM under load (every 4th order cancelled): every service exits 0 within 10 s, no request
-// accepted before the signal gets a 5xx, nothing is acknowledged without its commit, and after
-// a restart every accepted order is invoiced and confirmed, and every cancellation voids and
-// notifies, exactly once.
+// accepted before the signal gets a 5xx, and after a restart every accepted order is invoiced
+// and confirmed, and every cancellation voids and notifies, exactly once. (A graceful stop
+// commits what it acknowledges, so an early ack would not show here: the library's
+// TestConsumerProcessKilled guards ack after commit.)
 func TestGracefulShutdownUnderLoad(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
