@@ -339,3 +339,39 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 		t.Fatalf("%d invoice rows for 50 orders", n)
 	}
 }
+
+// An OrderCancelled from another message (not a redelivery, which the inbox skips) finds the
+// invoice void already: it changes nothing, voided_at included, and is counted as done already.
+// For an order cancelled first, a second cancellation that moved voided_at off created_at would
+// make the late OrderPlaced look like a duplicate: its amount would never be recorded.
+func TestCancellationFromAnotherMessageChangesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	issuedFirst, cancelledFirst := uuid.New(), uuid.New()
+	for _, msg := range []messaging.Message{
+		orderPlaced(t, issuedFirst, 2500), orderCancelled(t, issuedFirst),
+		orderCancelled(t, cancelledFirst),
+	} {
+		if _, err := b.deliver(t, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before, _ := b.invoiceOf(t, issuedFirst)
+	for _, msg := range []messaging.Message{orderCancelled(t, issuedFirst), orderCancelled(t, cancelledFirst)} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("another OrderCancelled: duplicate=%v err=%v", dup, err)
+		}
+	}
+	if after, _ := b.invoiceOf(t, issuedFirst); after.VoidedAt == nil || !after.VoidedAt.Equal(*before.VoidedAt) {
+		t.Fatalf("voided_at moved from %v to %v by another OrderCancelled", before.VoidedAt, after.VoidedAt)
+	}
+	if n := len(b.logs.Lines("order already cancelled by another message")); n != 2 || b.alreadyDone.Load() != 2 {
+		t.Fatalf("%d 'already cancelled' lines and %d counted, want 2 of each", n, b.alreadyDone.Load())
+	}
+	if _, err := b.deliver(t, orderPlaced(t, cancelledFirst, 900)); err != nil {
+		t.Fatal(err)
+	}
+	if inv, issued := b.invoiceOf(t, cancelledFirst); inv.Status != StatusVoid || inv.AmountCents != 900 || issued != 0 {
+		t.Fatalf("order cancelled twice before it arrived: invoice %+v with %d InvoiceIssued, want void with the amount 900, never issued", inv, issued)
+	}
+}
