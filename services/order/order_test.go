@@ -238,6 +238,10 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	if resp, _ := b.post(t, validBody, "application/json", strings.Repeat("k", 256)); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("256-character Idempotency-Key: status %d, want 400", resp.StatusCode)
 	}
+	// A tab is the one control character HTTP carries inside a header's value.
+	if resp, _ := b.post(t, validBody, "application/json", "k\tey"); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("Idempotency-Key with a tab: status %d, want 400", resp.StatusCode)
+	}
 	if c := b.counts(t); c != [3]int64{0, 0, 0} {
 		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
 	}
