@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -373,5 +375,58 @@ func TestCancellationFromAnotherMessageChangesNothing(t *testing.T) {
 	}
 	if inv, issued := b.invoiceOf(t, cancelledFirst); inv.Status != StatusVoid || inv.AmountCents != 900 || issued != 0 {
 		t.Fatalf("order cancelled twice before it arrived: invoice %+v with %d InvoiceIssued, want void with the amount 900, never issued", inv, issued)
+	}
+}
+
+// Two batches holding the same orders in opposite orders both commit: insertNew takes the
+// orders' rows in order_id order, so neither waits for the other in a circle (a deadlock,
+// which PostgreSQL ends by aborting one).
+func TestBatchesOfTheSameOrdersInOppositeOrdersDoNotDeadlock(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.Migrate(t, platform.Migrations(migrations, "migrations", "invoicing_schema"))
+	const orders = 2000
+	for round := range 3 {
+		ids := make([]uuid.UUID, orders)
+		for i := range ids {
+			ids[i] = uuid.New()
+		}
+		slices.SortFunc(ids, func(a, b uuid.UUID) int { return strings.Compare(a.String(), b.String()) })
+		batch := func(reversed bool) []Invoice {
+			invs := make([]Invoice, orders)
+			for i := range invs {
+				id := ids[i]
+				if reversed {
+					id = ids[orders-1-i]
+				}
+				inv, err := newInvoice(id, "c-42", 100, StatusIssued, messaging.Message{ID: uuid.New()})
+				if err != nil {
+					t.Fatal(err)
+				}
+				invs[i] = inv
+			}
+			return invs
+		}
+		batches := [][]Invoice{batch(false), batch(true)}
+		start := make(chan struct{})
+		errs := make(chan error, len(batches))
+		for _, invs := range batches {
+			go func() {
+				<-start
+				errs <- d.DB.Transaction(func(tx *gorm.DB) error {
+					_, err := insertNew(tx, invs)
+					return err
+				})
+			}()
+		}
+		close(start)
+		for range batches {
+			if err := <-errs; err != nil {
+				t.Fatalf("round %d: a batch failed: %v", round, err)
+			}
+		}
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM invoices"); n != 3*orders {
+		t.Fatalf("%d invoices, want %d: one per order", n, 3*orders)
 	}
 }
