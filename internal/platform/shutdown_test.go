@@ -233,3 +233,39 @@ func post(url string) (response, error) {
 	}
 	return response{status: resp.StatusCode, body: string(body)}, nil
 }
+
+// An intake worker settles its messages after the signal: what it commits then, here more rows
+// than one batch holds, is sent by the relay's last pass before Serve returns, whole. The
+// relay stops only once the intake has, and its last pass goes on until it finds no row.
+func TestServeSendsWhatTheIntakeCommitsAfterTheSignal(t *testing.T) {
+	s := startDrainService(t, testenv.AMQPURL())
+	const rows = 25 // the relay's batches hold 10
+	intake := func(ctx context.Context) error {
+		<-ctx.Done()
+		time.Sleep(300 * time.Millisecond) // settling what it has in progress
+		for range rows {
+			s.insertRow(t)
+		}
+		return nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	go func() {
+		done <- Serve(ctx, s.b.log, NewServer(strings.TrimPrefix(s.url, "http://"), http.NewServeMux()),
+			Workers{Intake: []Worker{intake}, Relay: s.outbox.Relay})
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(s.logs.Lines("listening")) == 1 }, "Serve does not listen")
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Serve: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Serve did not return within 10 s of the signal")
+	}
+	if n := s.unsent(t); n != 0 {
+		t.Fatalf("%d of the %d outbox rows the intake committed after the signal left unsent after Serve returned", n, rows)
+	}
+}
