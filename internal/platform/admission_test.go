@@ -939,3 +939,21 @@ func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Fatalf("no gauge %s", name)
 	return 0
 }
+
+// A request whose client went away while it waited for a place gets no answer and is not
+// counted as shed: nobody was turned away.
+func TestAClientGoneWhileItWaitsIsNotShed(t *testing.T) {
+	t.Parallel()
+	a := newAdmission(t, 1, 0)
+	if !a.enter(context.Background()) {
+		t.Fatal("the first request was not admitted")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	req := httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)
+	a.Middleware(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { t.Error("a request with no place was handled") })).
+		ServeHTTP(httptest.NewRecorder(), req)
+	if n, shed := testutil.ToFloat64(a.count), a.shed.Load(); n != 0 || shed != 0 {
+		t.Fatalf("http_requests_shed_total %v, %d in the log's count; want 0: the client went away", n, shed)
+	}
+}
