@@ -16,6 +16,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // startBase starts a service base named svc on d with DB_MAX_CONNS conns, shared out as pools
@@ -265,4 +266,29 @@ func TestStartThatFailsClosesWhatItOpened(t *testing.T) {
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		return testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'svc-failed%'") == 0
 	}, "the failed start left connections open")
+}
+
+// A consumer service is not ready while its subscription does not consume, whatever the
+// database says.
+func TestConsumerIsNotReadyUntilItConsumes(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	sub, err := messaging.NewSubscription(d.Driver(t), messaging.SubscriptionConfig{Name: testenv.UniqueName("consumer"), URL: "amqp://unused"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Base{DatabaseReady: func(context.Context) error { return nil }}
+	var nr *NotReadyError
+	if err := b.ConsumerReady(sub)(context.Background()); !errors.As(err, &nr) || nr.Reason != "not consuming from RabbitMQ" {
+		t.Fatalf("readiness of a subscription that never ran = %v, want not consuming from RabbitMQ", err)
+	}
+}
+
+// Unless HTTP_MAX_IN_FLIGHT says, admission control admits as many requests at once as their
+// pool has connections: what DB_MAX_CONNS leaves them, not all of it.
+func TestAdmissionAdmitsWhatTheRequestsPoolHolds(t *testing.T) {
+	s := startDrainService(t, testenv.AMQPURL())
+	if got := s.b.Admission.Places(); got != MinRequestConns {
+		t.Fatalf("%d places, want %d: the requests' pool", got, MinRequestConns)
+	}
 }
