@@ -14,7 +14,7 @@ func TestHardStopFiresAfterTheSignal(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	fired := make(chan time.Time, 2)
-	hardStop(ctx, 500*time.Millisecond, func() { fired <- time.Now() })
+	hardStop(ctx, time.Second, func() { fired <- time.Now() })
 	select {
 	case <-fired:
 		t.Fatal("fired before the signal")
@@ -24,9 +24,10 @@ func TestHardStopFiresAfterTheSignal(t *testing.T) {
 	cancel()
 	select {
 	case at := <-fired:
-		// Not much later either: the hard stop is what keeps a service's exit within 10 s.
-		if d := at.Sub(signalled); d < 500*time.Millisecond || d >= 900*time.Millisecond {
-			t.Fatalf("fired %s after the signal, want 500ms (less than 900ms)", d)
+		// Not much later either: the hard stop is what keeps a service's exit within 10 s. (The
+		// margin is a busy machine's timer latency under -race.)
+		if d := at.Sub(signalled); d < time.Second || d >= 1800*time.Millisecond {
+			t.Fatalf("fired %s after the signal, want 1s (less than 1.8s)", d)
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("did not fire within 5 s of the signal")
