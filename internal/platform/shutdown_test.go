@@ -240,14 +240,14 @@ func post(url string) (response, error) {
 func TestServeSendsWhatTheIntakeCommitsAfterTheSignal(t *testing.T) {
 	s := startDrainService(t, testenv.AMQPURL())
 	const rows = 25 // the relay's batches hold 10
-	intake := func(ctx context.Context) error {
+	intake := Worker(func(ctx context.Context) error {
 		<-ctx.Done()
 		time.Sleep(300 * time.Millisecond) // settling what it has in progress
 		for range rows {
 			s.insertRow(t)
 		}
 		return nil
-	}
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	done := make(chan error, 1)
