@@ -207,11 +207,17 @@ func (s *drainService) stopDuringARequest(t *testing.T, stop stopper) (took time
 // insertRow commits an event as another client of the database would.
 func (s *drainService) insertRow(t *testing.T) uuid.UUID {
 	t.Helper()
-	id := uuid.New()
-	if err := s.d.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (?, 'Placed', '{}', now())`, id).Error; err != nil {
+	id, err := s.tryInsertRow()
+	if err != nil {
 		t.Fatal(err)
 	}
 	return id
+}
+
+// tryInsertRow is insertRow for a goroutine other than the test's, which must not call t.Fatal.
+func (s *drainService) tryInsertRow() (uuid.UUID, error) {
+	id := uuid.New()
+	return id, s.d.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (?, 'Placed', '{}', now())`, id).Error
 }
 
 // unsent counts the outbox rows not marked sent.
@@ -245,7 +251,7 @@ func TestServeSendsWhatTheIntakeCommitsAfterTheSignal(t *testing.T) {
 		time.Sleep(300 * time.Millisecond) // settling what it has in progress
 		for range rows {
 			// Not insertRow: its t.Fatal belongs to the test's goroutine; Serve returns this.
-			if err := s.d.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (?, 'Placed', '{}', now())`, uuid.New()).Error; err != nil {
+			if _, err := s.tryInsertRow(); err != nil {
 				return err
 			}
 		}
