@@ -115,9 +115,9 @@ func startDrainService(t *testing.T, amqpURL string) *drainService {
 	return &drainService{d: d, b: b, logs: logs, outbox: outbox, queue: queue, url: "http://" + addr}
 }
 
-// serve runs Serve until the returned signal; wait then requires Serve to return nil within
-// 10 s of it, and says how long it took.
-func (s *drainService) serve(t *testing.T) (stop stopper) {
+// serve runs Serve, with intake as its intake workers, until the returned signal; wait then
+// requires Serve to return nil within 10 s of it, and says how long it took.
+func (s *drainService) serve(t *testing.T, intake ...Worker) (stop stopper) {
 	t.Helper()
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
@@ -136,7 +136,7 @@ func (s *drainService) serve(t *testing.T) (stop stopper) {
 	t.Cleanup(cancel)
 	done := make(chan error, 1)
 	go func() {
-		done <- Serve(ctx, s.b.log, NewServer(strings.TrimPrefix(s.url, "http://"), mux), Workers{Relay: s.outbox.Relay})
+		done <- Serve(ctx, s.b.log, NewServer(strings.TrimPrefix(s.url, "http://"), mux), Workers{Intake: intake, Relay: s.outbox.Relay})
 	}()
 	testenv.Eventually(t, 10*time.Second, func() bool { return len(s.logs.Lines("listening")) == 1 }, "Serve does not listen")
 	var signalled time.Time
@@ -257,23 +257,9 @@ func TestServeSendsWhatTheIntakeCommitsAfterTheSignal(t *testing.T) {
 		}
 		return nil
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	done := make(chan error, 1)
-	go func() {
-		done <- Serve(ctx, s.b.log, NewServer(strings.TrimPrefix(s.url, "http://"), http.NewServeMux()),
-			Workers{Intake: []Worker{intake}, Relay: s.outbox.Relay})
-	}()
-	testenv.Eventually(t, 10*time.Second, func() bool { return len(s.logs.Lines("listening")) == 1 }, "Serve does not listen")
-	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("Serve: %v", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Serve did not return within 10 s of the signal")
-	}
+	stop := s.serve(t, intake)
+	stop.signal()
+	stop.wait()
 	if n := s.unsent(t); n != 0 {
 		t.Fatalf("%d of the %d outbox rows the intake committed after the signal left unsent after Serve returned", n, rows)
 	}
