@@ -114,7 +114,7 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	if err := tx.Take(&existing, "order_id = ?", ev.OrderID).Error; err != nil {
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
 	}
-	if existing.Status == StatusIssued || !awaitsItsOrder(existing) {
+	if !awaitsItsOrder(existing) { // issued, or void with its amount: done already
 		return messaging.AfterCommit(ctx, func() {
 			h.alreadyDone()
 			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID,
