@@ -155,7 +155,8 @@ func (x *smtpSession) Rcpt(to string, _ *smtp.RcptOptions) error {
 	refused := x.server.refused[to]
 	x.server.mu.Unlock()
 	if refused {
-		return &smtp.SMTPError{Code: 550, EnhancedCode: smtp.EnhancedCode{5, 1, 1}, Message: "mailbox unavailable"}
+		// Quoting the address, as Postfix does.
+		return &smtp.SMTPError{Code: 550, EnhancedCode: smtp.EnhancedCode{5, 1, 1}, Message: "<" + to + ">: Recipient address rejected: mailbox unavailable"}
 	}
 	x.to = to
 	return nil

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -348,8 +349,13 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		return false, nil
 	}
 	o := &deliveryOutcome{row: row, sent: failure == nil}
+	shown := ""
 	if failure != nil {
-		span.SetStatus(codes.Error, failure.Error())
+		// A mail server's refusal often quotes the address ("550 5.1.1 <ann@example.org>:
+		// Recipient address rejected"). The row, which holds the address anyway, keeps the
+		// reply whole; the log and the trace, read by more people, get it without the address.
+		shown = withoutAddress(failure.Error(), row.Recipient)
+		span.SetStatus(codes.Error, shown)
 		o.failure, o.retryIn = storable(failure.Error()), s.backoff.Delay(row.Attempts+1)
 	}
 	changed, err := s.record(o)
@@ -362,12 +368,21 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		s.log.WarnContext(ctx, "lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
 	case failure != nil:
 		s.count(deliveryFailed)
-		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", row.Attempts+1, "retry_in", o.retryIn, "error", failure)
+		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", row.Attempts+1, "retry_in", o.retryIn, "error", shown)
 	default:
 		s.count(deliverySent)
 		s.log.InfoContext(ctx, "notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	}
 	return failure == nil, nil
+}
+
+// withoutAddress is text with each occurrence of address, in any case (servers echo it as
+// they like), replaced by a stand-in.
+func withoutAddress(text, address string) string {
+	if address == "" {
+		return text
+	}
+	return regexp.MustCompile(`(?i)`+regexp.QuoteMeta(address)).ReplaceAllLiteralString(text, "[recipient]")
 }
 
 // storable is an error text as a jsonb string can hold it: a mail server's reply may carry a

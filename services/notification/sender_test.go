@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
@@ -1099,6 +1101,47 @@ func TestFailureWithAnUnstorableReplyIsRecorded(t *testing.T) {
 	r := e.row(t, id)
 	if r.Status != StatusPending || r.Attempts != 1 || r.LastError == nil || *r.LastError != "smtp rcpt to: 550 no such user \uFFFD" {
 		t.Fatalf("status %q, attempts %d, last error %v; want pending, 1, the reply cleaned", r.Status, r.Attempts, r.LastError)
+	}
+}
+
+// A mail server's refusal that quotes the address, as Postfix's does, is logged and traced
+// without it: the customers' addresses stay out of the logs and the traces. The row keeps the
+// reply whole (it holds the address anyway).
+func TestARefusalIsLoggedAndTracedWithoutTheAddress(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	const address = "c-1@customers.example"
+	e.smtp.Refuse(address)
+	spans := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	s := e.sender(t, "sender-a", e.mailer(t))
+	s.tracer = tp.Tracer("test")
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Fatalf("%+v, want the refusal recorded", o)
+	}
+	if r := e.row(t, id); r.LastError == nil || !strings.Contains(*r.LastError, "<"+address+">: Recipient address rejected") {
+		t.Fatalf("last error %v, want the server's reply whole", r.LastError)
+	}
+	if n := len(e.logs.Lines("notification delivery failed", id.String(), "550", "[recipient]")); n != 1 {
+		t.Fatalf("%d failure lines with the reply and a stand-in for the address, want 1:\n%s", n, e.logs.String())
+	}
+	if lines := e.logs.Lines(address); len(lines) != 0 {
+		t.Fatalf("the customer's address is logged:\n%s", strings.Join(lines, "\n"))
+	}
+	for _, span := range spans.GetSpans() {
+		if strings.Contains(span.Status.Description, address) || span.Name == "deliver notification" && !strings.Contains(span.Status.Description, "550") {
+			t.Fatalf("span %q has status %q, want the reply without the address", span.Name, span.Status.Description)
+		}
+	}
+}
+
+// Servers echo the address in their own case.
+func TestWithoutAddressIgnoresCase(t *testing.T) {
+	got := withoutAddress("550 5.1.1 <Ann@Example.ORG>: rejected; ann@example.org unknown", "ann@example.org")
+	if want := "550 5.1.1 <[recipient]>: rejected; [recipient] unknown"; got != want {
+		t.Fatalf("got %q, want %q", got, want)
 	}
 }
 
