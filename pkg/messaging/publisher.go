@@ -27,7 +27,7 @@ var (
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")
 	// ErrAccessRefused: the broker refused the publisher's user the message's exchange: no
-	// write permission on it, or, for an exchange outside the Topology, none to check that it
+	// write permission on it (or, by a topic permission, with the message's routing key), or, for an exchange outside the Topology, none to check that it
 	// exists (from RabbitMQ 4.3.1 any one permission; on 4.2.6 and 4.3.0 configure, so there a
 	// user that may only write must have the exchange in its Topology); it was not sent.
 	ErrAccessRefused = errors.New("access refused")
@@ -463,13 +463,15 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 }
 
 // writeRefused is the reason RabbitMQ gives when it closes a channel for a publish to an
-// exchange the user may not write to (3.x says "access to", later releases may say "write
-// access to"). On a channel that only publishes, nothing else is refused an exchange.
-var writeRefused = regexp.MustCompile(`^ACCESS_REFUSED - (?:write )?access to exchange '(.*)' in vhost '.*' refused for user '.*'$`)
+// exchange the user may not write to, or with a routing key its topic permissions refuse (3.x
+// says "access to", 4.x "write access to"). On a channel that only publishes, nothing else is
+// refused an exchange.
+var writeRefused = regexp.MustCompile(`^ACCESS_REFUSED - (?:write )?access to (?:topic '(.*)' in )?exchange '(.*)' in vhost '.*' refused for user '.*'$`)
 
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
-// closed ch for a publish to m's exchange, else none. Every message to that exchange would
-// close it again, batch after batch, and with it the confirms of all the others.
+// closed ch for a publish to m's exchange (with m's routing key, for a topic permission), else
+// none. Every such message would close it again, batch after batch, and with it the confirms of
+// all the others.
 func (s *pubSession) closedVerdict(m Message) error {
 	s.returnsMu.Lock()
 	if s.closeErr == nil {
@@ -480,25 +482,41 @@ func (s *pubSession) closedVerdict(m Message) error {
 	}
 	reason := s.closeErr
 	s.returnsMu.Unlock()
-	if x, ok := refusedExchange(reason); ok && x == m.Exchange {
+	if r, ok := readRefusal(reason); ok && r.covers(m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
 	}
 	return unavailable("channel closed before the confirm")
 }
 
-// refusedExchange reads the exchange a channel was closed for from the broker's reason.
-func refusedExchange(reason *amqp.Error) (exchange string, ok bool) {
+// writeRefusal is what the broker closed a channel for: publishing to exchange, or, if byKey (a
+// topic permission), publishing there with the routing key key.
+type writeRefusal struct {
+	exchange, key string
+	byKey         bool
+}
+
+func (r writeRefusal) covers(m Message) bool {
+	return r.exchange == m.Exchange && (!r.byKey || r.key == m.routingKey())
+}
+
+// readRefusal reads the refusal a channel was closed for from the broker's reason.
+func readRefusal(reason *amqp.Error) (writeRefusal, bool) {
 	if reason == nil || reason.Code != amqp.AccessRefused {
-		return "", false
+		return writeRefusal{}, false
 	}
-	x := writeRefused.FindStringSubmatch(reason.Reason)
-	if len(x) != 2 {
-		return "", false
+	text := reason.Reason
+	x := writeRefused.FindStringSubmatchIndex(text)
+	if x == nil {
+		return writeRefusal{}, false
 	}
-	if x[1] == "amq.default" {
-		return "", true // the default exchange's name in permissions and reasons
+	r := writeRefusal{exchange: text[x[4]:x[5]]}
+	if x[2] >= 0 {
+		r.key, r.byKey = text[x[2]:x[3]], true
 	}
-	return x[1], true
+	if r.exchange == "amq.default" {
+		r.exchange = "" // the default exchange's name in permissions and reasons
+	}
+	return r, true
 }
 
 // matchReturns turns the confirmed messages that came back with a basic.return into

@@ -836,6 +836,56 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 	}
 }
 
+// A topic permission that refuses a row's routing key (the relay's user may write to the
+// exchange, but not with every key) closes the channel at that row's publish, as a refused
+// exchange does: the row is charged and backed off, and the others go out. Taken as the
+// broker's absence, it would close every batch's channel, for ever.
+func TestRelayBacksOffARowWhoseRoutingKeyItMayNotWriteAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	user := testenv.UniqueName("relayer")
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_user", user) })
+	testenv.RabbitMQCtl(t, "add_user", user, "secret")
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", "/", user, "^$", "^"+b.exchange+"$", "^$")
+	testenv.RabbitMQCtl(t, "set_topic_permissions", "-p", "/", user, b.exchange, "^"+eventType+"$", ".*")
+
+	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2), newMessage(t, 3)}
+	bad := newMessage(t, 1)
+	bad.RoutingKey = "Refused"
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad, good[1], good[2])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1)
+	relay := b.relay(t, b.publisher(t, url), nil)
+	charged := func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts > 0") == 1
+	}
+	for i := 0; b.unprocessed(t) > 1 || !charged(); i++ {
+		if i == 5 {
+			t.Fatalf("%d rows unsent after %d batches; want only the refused one, charged", b.unprocessed(t), i)
+		}
+		res, err := relay.ProcessBatch(context.Background())
+		t.Logf("batch %d: %+v, %v", i, res, err)
+	}
+	var row outboxRow
+	if err := b.db.DB.Take(&row, "id = ?", bad.ID).Error; err != nil {
+		t.Fatal(err)
+	}
+	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "access refused") ||
+		!strings.Contains(*row.LastError, "'Refused'") || time.Until(row.NextAttemptAt) <= 0 {
+		t.Fatalf("refused row: processed %v, attempts %d, last error %v, due in %s; want backed off once as refused, naming its key",
+			row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+	}
+	// The closed channel took the confirms of messages the broker had routed already: those go
+	// again, and the inboxes skip the copies.
+	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID, good[2].ID})
+	if missing > 0 || unexpected > 0 {
+		t.Fatalf("%d good rows missing from the queue, %d unexpected messages", missing, unexpected)
+	}
+}
+
 // A relay's exchange or a publisher's app id AMQP cannot carry is the configuration's fault,
 // not each row's: NewRelay refuses the one; the other keeps the publisher from connecting
 // (Connect says why), so the relay charges no row for it.
