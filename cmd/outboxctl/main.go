@@ -4,7 +4,7 @@
 // Usage:
 //
 //	outboxctl status [--db URL]
-//	outboxctl retry [--id UUID | --type TYPE] [--limit N] [--dry-run] [--yes] [--db URL]
+//	outboxctl retry [--id UUID | --type TYPE] [--limit N] [--batch N] [--dry-run] [--yes] [--db URL]
 //	outboxctl outbox park --id UUID [--reason TEXT] [--dry-run] [--db URL]
 //	outboxctl outbox unpark --id UUID [--dry-run] [--db URL]
 //	outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]
@@ -62,7 +62,7 @@ const (
 
 // synopsis is every command, as the root's help shows them (and the package comment).
 const synopsis = `  outboxctl status [--db URL]
-  outboxctl retry [--id UUID | --type TYPE] [--limit N] [--dry-run] [--yes] [--db URL]
+  outboxctl retry [--id UUID | --type TYPE] [--limit N] [--batch N] [--dry-run] [--yes] [--db URL]
   outboxctl outbox park --id UUID [--reason TEXT] [--dry-run] [--db URL]
   outboxctl outbox unpark --id UUID [--dry-run] [--db URL]
   outboxctl outbox drop --id UUID [--dry-run] [--yes] [--db URL]

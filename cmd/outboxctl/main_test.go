@@ -150,6 +150,8 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"retry", "--id", id, "--type", "OrderPlaced", "--db", db},
 		{"retry", "--limit", "-1", "--db", db},
 		{"retry", "--limit", "many", "--db", db},
+		{"retry", "--batch", "0", "--db", db},
+		{"retry", "--id", id, "--batch", "5", "--db", db},
 		{"outbox", "park", "--db", db},
 		{"outbox", "drop", "--id", "42", "--db", db},
 		{"inbox", "show", "--db", db},

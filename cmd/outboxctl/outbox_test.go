@@ -487,3 +487,99 @@ func compact(t *testing.T, raw json.RawMessage) string {
 	}
 	return b.String()
 }
+
+// waitingRows adds n rows the broker refused, due in an hour, ids and occurred_at in the
+// same order: a backlog after an outage, made in one statement.
+func waitingRows(t *testing.T, d *testenv.Database, n int) {
+	t.Helper()
+	execSQL(t, d.DB, `INSERT INTO outbox_messages (id, type, payload, occurred_at, attempts, last_error, next_attempt_at)
+		SELECT `+testenv.UUIDv7SQL("ts", "g")+`, 'OrderPlaced', '{}', ts, 3, 'message nacked by the broker', now() + interval '1 hour'
+		FROM (SELECT g, now() - interval '1 hour' + g * interval '1 ms' AS ts FROM generate_series(1, ?::int) g) s`, n)
+}
+
+// A backlog whose retry takes longer than one transaction may (dbTimeout) is retried all the
+// same, a batch per transaction. A trigger makes each UPDATE statement take 1.3 ms per row, as
+// a loaded database might: 25,000 rows in one transaction would take 32.5 s.
+func TestRetryInBatchesGoesBeyondOneTransactionsBudget(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	const rows = 25000
+	waitingRows(t, d, rows)
+	execSQL(t, d.DB, `CREATE FUNCTION slow_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_sleep((SELECT count(*) FROM changed) * 0.0013);
+	RETURN NULL;
+END $$`)
+	execSQL(t, d.DB, `CREATE TRIGGER slow_update AFTER UPDATE ON outbox_messages REFERENCING NEW TABLE AS changed
+		FOR EACH STATEMENT EXECUTE FUNCTION slow_update()`)
+
+	start := time.Now()
+	code, stdout, stderr := ctl(t, "retry", "--yes", "--db", d.URL)
+	took := time.Since(start)
+	if code != 0 || !strings.Contains(stdout, "25000 failed outbox rows were waiting for their next attempt; they are due now") ||
+		!strings.Contains(stderr, "batch 3 of 3: 25000 of 25000 rows tried, 25000 made due") {
+		t.Fatalf("retry of %d rows: exit %d after %s, stdout %.200q, stderr %q; want all made due in 3 batches", rows, code, took, stdout, stderr)
+	}
+	if took <= dbTimeout {
+		t.Errorf("the retry took %s, within one transaction's %s: the test shows nothing", took, dbTimeout)
+	}
+	if n := testenv.Count(t, d.DB, `SELECT count(*) FROM outbox_messages WHERE next_attempt_at > now()`); n != 0 {
+		t.Errorf("%d rows still wait out their backoff", n)
+	}
+}
+
+// An interrupt while a batch is under way lets that batch commit, then stops: the rows of the
+// batches done are due, every other row is as it was, and the output says how far it got.
+func TestRetryInterruptedStopsBetweenBatches(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	waitingRows(t, d, 5000)
+	var first []uuid.UUID // the oldest 1000: the first batch
+	if err := d.DB.Raw(`SELECT id FROM outbox_messages ORDER BY occurred_at, id LIMIT 1000`).Scan(&first).Error; err != nil {
+		t.Fatal(err)
+	}
+	others := func() string {
+		t.Helper()
+		var rows []string
+		if err := d.DB.Raw(`SELECT (o.*)::text FROM outbox_messages o WHERE id NOT IN ? ORDER BY id`, first).Scan(&rows).Error; err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(rows, "\n")
+	}
+	before := others()
+	// The first batch's UPDATE waits at the gate until it is released.
+	release := testenv.HoldAt(t, d.DB, "BEFORE UPDATE ON outbox_messages")
+
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	var stdout, stderr bytes.Buffer
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(ctx, []string{"retry", "--yes", "--batch", "1000", "--db", d.URL}, streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
+	}()
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = ? AND application_name = 'outboxctl' AND wait_event_type = 'Lock' AND query LIKE 'UPDATE outbox_messages%'`, d.Name) == 1
+	}, "the first batch never reached the gate")
+	interrupt()
+	release()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("retry did not stop after the interrupt")
+	}
+
+	if code != exitFailure || !strings.Contains(stderr.String(), "interrupted after batch 1 of 5: 1000 of the 5000 rows listed were tried, the other 4000 are unchanged") ||
+		!strings.Contains(stdout.String(), "1000 of the 5000 failed outbox rows listed are due now; the last 4000 listed were not tried") {
+		t.Errorf("interrupted retry: exit %d, stdout %.300q, stderr %q; want 1, saying 1000 of 5000 are due", code, stdout.String(), stderr.String())
+	}
+	for _, id := range first {
+		if isDue, _, _ := due(t, d.DB, id); !isDue {
+			t.Fatalf("row %s of the batch under way at the interrupt is not due: half a batch", id)
+		}
+	}
+	if after := others(); after != before {
+		t.Error("the rows of the batches after the interrupt changed")
+	}
+}
