@@ -100,6 +100,10 @@ type dlqResult struct {
 	Examined        int          `json:"examined"` // the first ones, up to --limit, that it looked at
 	Count           int          `json:"count"`    // messages listed, or redriven
 	Messages        []deadLetter `json:"messages"`
+	// dlq redrive stopped early: interrupted, and the id of the message that may be in both
+	// queues.
+	Interrupted bool    `json:"interrupted,omitempty"`
+	InDoubt     *string `json:"in_doubt,omitempty"`
 }
 
 // dlqDropResult is what dlq drop prints in -o json.
@@ -225,6 +229,10 @@ than one would move it asks on a terminal first, holding them meanwhile; without
 script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves
 messages behind may move those it looked at and kept back in the queue (see dlq list --help).
 
+An interrupt (Ctrl-C) stops it before the next message; it prints what moved, says it was
+interrupted, and exits 1. A message published but not confirmed at that moment (or whose
+acknowledgement failed) may be in both queues: the error names it, and how to check.
+
 Exit status 3: --id, --type or --reason match no message (of the first --limit). Messages
 another client holds unacknowledged at that moment are not seen.`,
 		Example: `  outboxctl dlq redrive invoicing --dry-run
@@ -295,8 +303,30 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
 		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
 	}
-	// What moved before a failure moved: say so either way.
-	result.Count, result.Messages = len(moved), toDeadLetters(moved, false, false)
+	if errors.Is(err, errNotConfirmed) { // declined, or interrupted at the question: nothing moved
+		if c.json() {
+			if werr := writeJSON(c.out, result); werr != nil {
+				return werr
+			}
+		}
+		return err
+	}
+	// What moved before a failure or an interrupt moved: say so either way, and which message,
+	// if any, may be in both queues.
+	interrupted := err != nil && ctx.Err() != nil
+	var inDoubt *messaging.DeadLetter
+	if errors.Is(err, messaging.ErrRedriveInDoubt) && len(moved) < len(picked) {
+		inDoubt = &picked[len(moved)]
+		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit 0 shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
+			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, dlq, printable(inDoubt.MessageID, 64), queue)
+	}
+	if interrupted {
+		err = fmt.Errorf("interrupted: %w", err)
+	}
+	result.Count, result.Messages, result.Interrupted = len(moved), toDeadLetters(moved, false, false), interrupted
+	if inDoubt != nil {
+		result.InDoubt = &inDoubt.MessageID
+	}
 	if c.json() {
 		if werr := writeJSON(c.out, result); werr != nil && err == nil {
 			err = werr
@@ -311,6 +341,16 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		fmt.Fprintf(c.out, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
 	}
 	if err != nil {
+		stopped := "stopped by a failure"
+		if interrupted {
+			stopped = "interrupted"
+		}
+		if len(picked) == 0 {
+			fmt.Fprintf(c.out, "%s before any message was picked: nothing moved\n", stopped)
+			return err
+		}
+		fmt.Fprintf(c.out, "%s: moved %d of the %d messages picked from %s to %s; the others are still in %s\n",
+			stopped, len(moved), len(picked), dlq, queue, dlq)
 		return err
 	}
 	fmt.Fprintf(c.out, "moved %d messages from %s to %s\n", len(moved), dlq, queue)

@@ -1,12 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -388,9 +391,9 @@ func TestDlqRedriveDryRunFiltersLimitAndConfirmation(t *testing.T) {
 		"in "+dlq+" (of the first 1 messages, --limit)")
 	noneMoved("no match", inDLQ(t, queue))
 	order = inDLQ(t, queue)
-	if code, _, stderr := ctlAt(t, &terminal{"no\n"}, "dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL); code != exitNotConfirmed ||
-		!strings.Contains(stderr, ids[4]) || !strings.Contains(stderr, "? [y/N]") {
-		t.Errorf("redrive declined at a terminal: exit %d, %q", code, stderr)
+	if code, stdout, stderr := ctlAt(t, &terminal{"no\n"}, "dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL); code != exitNotConfirmed ||
+		!strings.Contains(stderr, ids[4]) || !strings.Contains(stderr, "? [y/N]") || stdout != "" {
+		t.Errorf("redrive declined at a terminal: exit %d, stdout %q, stderr %q; want 4, asked, nothing on stdout", code, stdout, stderr)
 	}
 	noneMoved("a refusal", order)
 
@@ -672,4 +675,71 @@ func firstDifference(a, b []string) int {
 		return min(len(a), len(b))
 	}
 	return -1
+}
+
+// answerAfter is a terminal's input that runs before once, when it is first read (when the
+// question is asked), then gives answer.
+type answerAfter struct {
+	before func()
+	once   sync.Once
+	answer io.Reader
+}
+
+func (a *answerAfter) Read(p []byte) (int, error) {
+	a.once.Do(a.before)
+	return a.answer.Read(p)
+}
+
+// An interrupt while a copy waits for the broker's confirm stops the redrive, and its output
+// says so: how many moved, and which message may be in both queues, and how to check. The
+// broker's answers come 3 s late from the question on, so the second message's copy is in the
+// queue, unconfirmed, when the interrupt comes.
+func TestDlqRedriveInterruptedSaysWhatMovedAndWhatMayBeInBoth(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	dlq := messaging.DeadLetterQueue(queue)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	ch := testenv.Channel(t)
+
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	var stdout, stderr bytes.Buffer
+	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
+			t.Error(err)
+		}
+	}}
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(ctx, []string{"dlq", "redrive", queue, "--amqp", testenv.AMQPURLVia(t, proxy.Listen)},
+			streams{in: in, out: &stdout, err: &stderr, interactive: true})
+	}()
+	// The first moved, the second published and waiting for its confirm.
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the second copy never reached %s", queue)
+	interrupt()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("redrive did not stop after the interrupt")
+	}
+
+	if want := fmt.Sprintf("interrupted: moved 1 of the 3 messages picked from %s to %s; the others are still in %s", dlq, queue, dlq); code != exitFailure ||
+		!strings.Contains(stdout.String(), "redriven "+ids[0]+" OrderPlaced\n"+want) {
+		t.Errorf("interrupted redrive: exit %d, stdout %q; want 1, and %q", code, stdout.String(), want)
+	}
+	for _, want := range []string{"outboxctl dlq redrive: interrupted: ", "message " + ids[1] + " may be in both " + queue + " and " + dlq,
+		"outboxctl dlq list " + queue + " --limit 0", "outboxctl inbox show --id " + ids[1] + " --consumer " + queue} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("interrupted redrive: stderr %q lacks %q", stderr.String(), want)
+		}
+	}
+	// As said: the first moved, the second in both, the third where it was.
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == 2 }, "the messages held were not handed back to %s", dlq)
+	if got := inDLQ(t, queue); !sameSet(got, ids[1:]) {
+		t.Errorf("%s holds %q, want %q", dlq, got, ids[1:])
+	}
+	if got := drainIDs(t, queue); !slices.Equal(got, ids[:2]) {
+		t.Errorf("%s holds %q, want %q", queue, got, ids[:2])
+	}
 }

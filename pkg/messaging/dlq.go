@@ -35,6 +35,12 @@ type DeadLetterConfig struct {
 // message matched.
 var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue")
 
+// ErrRedriveInDoubt is wrapped by the error of [RedriveDeadLetters] when the message it was
+// moving may be in both queues: its copy was published but no confirm came (an interrupt, a
+// timeout, a lost connection), or the broker confirmed it and its acknowledgement in the
+// dead-letter queue failed. It is the first of the picked messages not among those moved.
+var ErrRedriveInDoubt = errors.New("the message may be in both queues")
+
 // The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
 // goes without them, so that it is handled like any other.
 var deadLetterHeaders = []string{
@@ -122,7 +128,9 @@ func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq s
 // confirmed and routed its copy: a failure leaves it there, and at worst (a crash in between)
 // it is in both queues, which the inbox tells apart. The others it looked at are handed back in
 // their order. It returns the moved messages; [ErrDeadLetterNotFound] if sel.Match was given
-// and picked none.
+// and picked none. An error after some moved leaves them moved; one that wraps
+// [ErrRedriveInDoubt] says the next picked may be in both queues. Cancelling ctx stops it
+// before the next message is published.
 func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) ([]DeadLetter, error) {
 	var moved []DeadLetter
 	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
@@ -157,8 +165,8 @@ func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLette
 				return fmt.Errorf("redrive message %s: %w", dl.MessageID, err)
 			}
 			if err := d.Ack(false); err != nil {
-				return fmt.Errorf("message %s is in %q now, but could not be removed from %q (the inbox recognises the second copy): %w",
-					dl.MessageID, cfg.Queue, dlq, err)
+				return fmt.Errorf("message %s is in %q now, but could not be removed from %q (the inbox recognises the second copy): %w: %w",
+					dl.MessageID, cfg.Queue, dlq, ErrRedriveInDoubt, err)
 			}
 			moved = append(moved, dl)
 		}
@@ -331,7 +339,7 @@ func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, 
 	acked, err := dc.WaitContext(ctx)
 	switch {
 	case err != nil:
-		return fmt.Errorf("no confirm from the broker: %w", err)
+		return fmt.Errorf("published, but no confirm from the broker: %w: %w", ErrRedriveInDoubt, err)
 	case !acked:
 		return fmt.Errorf("the broker nacked it, or the channel closed")
 	}
