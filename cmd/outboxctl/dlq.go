@@ -279,9 +279,14 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 			return nil
 		}
 		if !yes && c.interactive {
+			// The first, then a count, as retry does: a dead-letter queue after an outage is
+			// thousands of messages, which no one reads before answering.
 			fmt.Fprintf(c.err, "%d of %s, in queue order:\n", len(p), scope(dlq, result.Examined, waiting))
-			if err := printDeadLetters(c.err, p); err != nil {
+			if err := printDeadLetters(c.err, p[:min(len(p), shownBeforeAsking)]); err != nil {
 				return err
+			}
+			if more := len(p) - shownBeforeAsking; more > 0 {
+				fmt.Fprintf(c.err, "... and %d more (--dry-run lists them all)\n", more)
 			}
 		}
 		return c.confirmBulk(ctx, yes, fmt.Sprintf("move these %d messages from %s back to %s", len(p), dlq, queue))

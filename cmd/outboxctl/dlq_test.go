@@ -743,3 +743,23 @@ func TestDlqRedriveInterruptedSaysWhatMovedAndWhatMayBeInBoth(t *testing.T) {
 		t.Errorf("%s holds %q, want %q", queue, got, ids[:2])
 	}
 }
+
+// At a terminal, redrive lists the first 20 messages it would move, and counts the rest,
+// before it asks.
+func TestDlqRedriveAsksAfterTheFirst20(t *testing.T) {
+	t.Parallel()
+	msgs := make([]amqp.Publishing, 23)
+	for i := range msgs {
+		msgs[i] = deadMessage("OrderPlaced", "no price")
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	code, stdout, stderr := ctlAt(t, &terminal{"n\n"}, "dlq", "redrive", queue, "--amqp", testenv.AMQPURL())
+	if listed := strings.Count(stderr, "no price"); code != exitNotConfirmed || stdout != "" || listed != 20 ||
+		!strings.Contains(stderr, "... and 3 more (--dry-run lists them all)") || !strings.Contains(stderr, "move these 23 messages") {
+		t.Errorf("redrive of 23 messages declined at a terminal: exit %d, %d listed, stdout %q, stderr %q; want 4 after 20 listed and a count of 3 more",
+			code, listed, stdout, stderr)
+	}
+	if got := inDLQ(t, queue); !slices.Equal(got, ids) {
+		t.Errorf("after a refusal the dead-letter queue holds %q, want %q", got, ids)
+	}
+}
