@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/net/http/httpguts"
 )
 
 // AdmissionWait is the longest a request waits for a free place before it is shed: long enough
@@ -86,6 +87,15 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // of the wait about as often as served, and a place it got would be one a request ahead of it
 // no longer needed. As many are admitted either way; the shed ones learn it 10 ms sooner.
 //
+// A client that sends "Expect: 100-continue" is asked for its body (net/http sends 100 Continue
+// on the body's first read) only if a place is free or one is given it within the wait, which
+// it hands on at once to the requests waiting: its upload holds no place, and once the body is
+// in it asks for a place as any request does, so it may still be shed if the places filled
+// during the upload. Otherwise it is shed with not a byte of its body read: net/http then sends
+// no 100 Continue, marks the 503 "Connection: close", and closes the connection, at once for a
+// declared body over 256 KiB, and otherwise once the client closes it or sends the body, which
+// net/http reads and discards, or at the server's ReadTimeout.
+//
 // A fixed limit cannot hold a latency: where the requests share the cores with the relay, the
 // broker and the consumers of the orders already accepted, only a limit small enough keeps them
 // fast, and on a bigger machine that limit would waste it. Latency grows with the requests at
@@ -146,28 +156,52 @@ const MaxBufferedBody = 1 << 20
 // once: without it, many slow uploads of a megabyte each would be a way to exhaust memory.
 const DefaultBodyBudget = 16 << 20
 
-// Middleware admits or sheds each request, once its body has arrived.
+// Middleware admits or sheds each request once its body has arrived; a request whose client
+// waits for 100 Continue is shed before that if no place is near. A body declared larger than
+// MaxBufferedBody is answered 413 at once, unread.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		release, ok := a.readBody(w, r)
-		if !ok {
+		if r.ContentLength > MaxBufferedBody {
+			w.Header().Set("Connection", "close") // the body is left unread
+			WriteProblem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body exceeds %d bytes", MaxBufferedBody))
 			return
 		}
+		// Before the body's first read, on which net/http sends 100 Continue: a client that
+		// waits for it learns it is shed without uploading.
+		if expectsContinue(r) && !a.placeWithinWait(r.Context()) {
+			a.refuse(w, r)
+			return
+		}
+		release := a.readBody(r)
 		defer release()
 		if !a.enter(r.Context()) {
-			if r.Context().Err() != nil {
-				return // the client went away while it waited: nobody to answer, nothing shed
-			}
-			a.shed.Add(1)
-			a.count.Inc()
-			w.Header().Set("Retry-After", strconv.Itoa(1+rand.IntN(3)))
-			WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
+			a.refuse(w, r)
 			return
 		}
 		admitted := time.Now()
 		defer func() { a.leave(admitted) }()
 		next.ServeHTTP(w, r)
 	})
+}
+
+// refuse answers a request that got no place 503, with a Retry-After of one to three seconds,
+// and counts it as shed; unless its client went away while it waited: nobody to answer, nothing
+// shed.
+func (a *Admission) refuse(w http.ResponseWriter, r *http.Request) {
+	if r.Context().Err() != nil {
+		return
+	}
+	a.shed.Add(1)
+	a.count.Inc()
+	w.Header().Set("Retry-After", strconv.Itoa(1+rand.IntN(3)))
+	WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
+}
+
+// expectsContinue reports whether r's client waits for "100 Continue" before it sends its body,
+// as net/http tells it.
+func expectsContinue(r *http.Request) bool {
+	return r.ProtoAtLeast(1, 1) && r.Body != nil && r.Body != http.NoBody &&
+		httpguts.HeaderValuesContainsToken(r.Header["Expect"], "100-continue")
 }
 
 // readBody reads r's body before the request asks for a place, so that a client that sends it
@@ -177,18 +211,12 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 // arrive, in steps, until release: a client must send them to take budget, not declare them.
 // What the budget has no room for (and anything past MaxBufferedBody) is read by the handler,
 // after admission, as before. The handler reads what was read, then the rest and any read
-// error, as it would have from the connection. A body declared larger than MaxBufferedBody is
-// answered 413, and ok is false.
-func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+// error, as it would have from the connection.
+func (a *Admission) readBody(r *http.Request) (release func()) {
 	var held int64
 	release = func() { a.bodiesHeld.Add(-held) }
 	if r.Body == nil || r.Body == http.NoBody {
-		return release, true
-	}
-	if r.ContentLength > MaxBufferedBody {
-		w.Header().Set("Connection", "close") // the body is left unread
-		WriteProblem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body exceeds %d bytes", MaxBufferedBody))
-		return release, false
+		return release
 	}
 	var read [][]byte
 	rest := io.Reader(r.Body)
@@ -222,7 +250,7 @@ func (a *Admission) readBody(w http.ResponseWriter, r *http.Request) (release fu
 		io.Reader
 		io.Closer
 	}{io.MultiReader(append(readers, rest)...), r.Body}
-	return release, true
+	return release
 }
 
 // bodyStep and maxBodyStep are the first and the largest of the steps readBody takes budget
@@ -295,6 +323,27 @@ func (a *Admission) enter(ctx context.Context) bool {
 	return true // given a place as its wait ended: it is this request's now
 }
 
+// placeWithinWait reports whether a request would get a place now or within AdmissionWait, as
+// enter decides, without keeping it: a place given during the wait goes back to the requests
+// waiting at once. A request asks before its client, waiting for "100 Continue", uploads its
+// body, and then asks for its place once the body is in: the upload holds no place.
+func (a *Admission) placeWithinWait(ctx context.Context) bool {
+	a.mu.Lock()
+	free := len(a.waiting) == 0 && a.inUse < a.places()
+	a.mu.Unlock()
+	if free { // not taken: a place taken and given back would count as at work in the window
+		return true
+	}
+	if !a.enter(ctx) {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.inUse--
+	a.handOn()
+	return true
+}
+
 // take counts a place taken. The caller holds a.mu.
 func (a *Admission) take() {
 	a.inUse++
@@ -312,6 +361,11 @@ func (a *Admission) leave(admitted time.Time) {
 	if a.target > 0 {
 		a.observe(admitted, took)
 	}
+	a.handOn()
+}
+
+// handOn gives the places free now to the requests waiting longest. The caller holds a.mu.
+func (a *Admission) handOn() {
 	for len(a.waiting) > 0 && a.inUse < a.places() {
 		close(a.waiting[0])
 		a.waiting = a.waiting[1:]

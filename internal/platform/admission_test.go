@@ -1,6 +1,7 @@
 package platform
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -126,11 +127,31 @@ func TestAdmissionShedsTheExcessAtOnce(t *testing.T) {
 	}
 }
 
-// A place given back goes to the request waiting for it, not to the end of its wait. Only a
-// try in which the place came back sooner than AdmissionWait after the request began waiting
-// judges: a machine that stalled the test longer may rightly have shed it.
+// A place given back goes to the request waiting for it, not to the end of its wait; a request
+// that only asks whether it would get one (a client waiting for 100 Continue) is told so, and
+// gives the place back. Only a try in which the place came back sooner than AdmissionWait after
+// the request began waiting judges: a machine that stalled the test longer may rightly have shed
+// it.
 func TestAFreedPlaceGoesToTheRequestWaiting(t *testing.T) {
 	t.Parallel()
+	for _, c := range []struct {
+		name  string
+		enter func(*Admission, context.Context) bool
+		keeps int // the places in use after the request's answer
+	}{
+		{"enter", (*Admission).enter, 1},
+		{"placeWithinWait", (*Admission).placeWithinWait, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			freedPlaceGoesToTheRequestWaiting(t, c.enter, c.keeps)
+		})
+	}
+}
+
+// freedPlaceGoesToTheRequestWaiting is TestAFreedPlaceGoesToTheRequestWaiting with a request
+// that asks for a place by enter, and holds keeps places once given one.
+func freedPlaceGoesToTheRequestWaiting(t *testing.T, enter func(*Admission, context.Context) bool, keeps int) {
 	const tries = 5
 	for range tries {
 		a := newAdmission(t, 1, 0)
@@ -139,7 +160,7 @@ func TestAFreedPlaceGoesToTheRequestWaiting(t *testing.T) {
 		}
 		admitted := make(chan bool, 1)
 		began := time.Now()
-		go func() { admitted <- a.enter(context.Background()) }()
+		go func() { admitted <- enter(a, context.Background()) }()
 		if !waitsWithin(t, a, admitted, 5*time.Second) {
 			t.Logf("the request was shed before the test saw it wait: tried again")
 			continue
@@ -147,6 +168,12 @@ func TestAFreedPlaceGoesToTheRequestWaiting(t *testing.T) {
 		a.leave(time.Now())
 		inTime := time.Since(began) < AdmissionWait
 		if <-admitted {
+			a.mu.Lock()
+			inUse, waiting := a.inUse, len(a.waiting)
+			a.mu.Unlock()
+			if inUse != keeps || waiting != 0 {
+				t.Fatalf("after the place was given: %d places in use, %d requests waiting; want %d and 0", inUse, waiting, keeps)
+			}
 			return
 		}
 		if inTime {
@@ -338,10 +365,7 @@ func TestABodyCutShortIsAnErrorForTheHandler(t *testing.T) {
 	for _, declared := range []int64{100, -1} {
 		r := httptest.NewRequest(http.MethodPost, "/", io.MultiReader(strings.NewReader(`{"a":1}`), failedReader{io.ErrUnexpectedEOF}))
 		r.ContentLength = declared
-		release, ok := a.readBody(httptest.NewRecorder(), r)
-		if !ok {
-			t.Fatalf("declared %d: refused", declared)
-		}
+		release := a.readBody(r)
 		got, err := io.ReadAll(r.Body)
 		release()
 		if string(got) != `{"a":1}` || !errors.Is(err, io.ErrUnexpectedEOF) {
@@ -956,4 +980,120 @@ func TestAClientGoneWhileItWaitsIsNotShed(t *testing.T) {
 	if n, shed := testutil.ToFloat64(a.count), a.shed.Load(); n != 0 || shed != 0 {
 		t.Fatalf("http_requests_shed_total %v, %d in the log's count; want 0: the client went away", n, shed)
 	}
+}
+
+// A client that sends Expect: 100-continue while every place is taken, and none frees within
+// the wait, gets its 503 without uploading its body: the server answers before it asks for the
+// body, and closes the connection (the client must not send the body on it, nor reuse it).
+// With a place free, the client is asked for its body, sends it, and is served on a connection
+// it may reuse.
+func TestExpectContinueIsShedBeforeItsUpload(t *testing.T) {
+	t.Parallel()
+	a := newAdmission(t, 1, 0)
+	release := make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	entered := make(chan struct{}, 1)
+	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/hold" {
+			entered <- struct{}{}
+			<-release
+		}
+		n, err := io.Copy(io.Discard, r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+	})))
+	defer srv.Close()
+	defer releaseAll() // before Close, which waits for the held request
+	held := make(chan int, 1)
+	go func() {
+		resp, err := http.Post(srv.URL+"/hold", "application/json", strings.NewReader("{}"))
+		if err != nil {
+			held <- 0
+			return
+		}
+		resp.Body.Close()
+		held <- resp.StatusCode
+	}()
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request to hold the one place was not admitted within 5 s")
+	}
+
+	// Every place taken: headers declaring a megabyte, and not one byte of it.
+	conn, br := dialRaw(t, srv)
+	defer conn.Close() // before the server closes, which waits for a handler reading from it
+	fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n",
+		srv.Listener.Addr(), MaxBufferedBody)
+	resp := readRaw(t, br)
+	if resp.StatusCode == http.StatusContinue {
+		t.Fatal("100 Continue with every place taken: the client uploads its body only to be shed")
+	}
+	var p Problem
+	_ = json.NewDecoder(resp.Body).Decode(&p)
+	resp.Body.Close()
+	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" || p.Status != 503 || retry < 1 || retry > 3 {
+		t.Fatalf("with every place taken: %d %s %+v, Retry-After %q; want a 503 problem with a Retry-After of 1 to 3 s",
+			resp.StatusCode, resp.Header.Get("Content-Type"), p, resp.Header.Get("Retry-After"))
+	}
+	if !resp.Close {
+		t.Error("the 503 keeps the connection: the client would have to send the body it declared on it")
+	}
+	// net/http closes at once a connection whose unread body is past what it would read to
+	// reuse it (256 KiB).
+	if _, err := br.ReadByte(); !errors.Is(err, io.EOF) {
+		t.Errorf("after the 503: %v, want the connection closed by the server", err)
+	}
+	if n := testutil.ToFloat64(a.count); n != 1 {
+		t.Errorf("http_requests_shed_total = %v, want 1", n)
+	}
+
+	releaseAll()
+	if code := <-held; code != http.StatusCreated {
+		t.Fatalf("the held request: %d, want 201", code)
+	}
+	// A place free: asked for its body, and served.
+	conn2, br := dialRaw(t, srv)
+	defer conn2.Close()
+	fmt.Fprintf(conn2, "POST / HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: 7\r\nExpect: 100-continue\r\n\r\n", srv.Listener.Addr())
+	if resp := readRaw(t, br); resp.StatusCode != http.StatusContinue {
+		t.Fatalf("with a place free: %d before the body, want 100 Continue", resp.StatusCode)
+	}
+	fmt.Fprint(conn2, `{"a":1}`)
+	resp = readRaw(t, br)
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || string(got) != "7" || resp.Close {
+		t.Fatalf("with a place free, after its body: %d %q (close %v), want 201 and its 7 bytes read, the connection kept", resp.StatusCode, got, resp.Close)
+	}
+}
+
+// dialRaw opens a TCP connection to srv whose reads give up after 5 s: a server that waits for
+// a body the test never sends fails the test instead of hanging it.
+func dialRaw(t *testing.T, srv *httptest.Server) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		conn.Close()
+		t.Fatal(err)
+	}
+	return conn, bufio.NewReader(conn)
+}
+
+// readRaw reads the next response off br, an interim 100 Continue too.
+func readRaw(t *testing.T, br *bufio.Reader) *http.Response {
+	t.Helper()
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("reading a response (reads give up after 5 s): %v", err)
+	}
+	return resp
 }
