@@ -76,10 +76,12 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // for good behind any latency tail). The p10 of such a window is the floor: what a request
 // takes when nothing queues (its fastest tenth, since two at once may already slow each other;
 // a window of one at a time alone would do, but a limit cut to two may never see one). A later
-// window whose p10 is below the floor lowers it (the database became faster). The target in force is never below twice the floor, nor above twice the target
-// (a floor learnt in a stall must not turn the limit off). With a database farther away than
-// the target allows, the limit falls to a few places once, learns the floor there, and comes
-// back; it used to stay at one place, shedding what a fixed limit would have served.
+// window whose p10 is below the floor lowers it (the database became faster). The target in
+// force is never below twice the floor, nor above four times the target (the floor counts up
+// to twice the target: a floor learnt in a stall must not turn the limit off). With a database
+// farther away than the target allows, the limit falls to a few places once, learns the floor
+// there, and comes back; it used to stay at one place, shedding what a fixed limit would have
+// served.
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
