@@ -763,3 +763,48 @@ func TestDlqRedriveAsksAfterTheFirst20(t *testing.T) {
 		t.Errorf("after a refusal the dead-letter queue holds %q, want %q", got, ids)
 	}
 }
+
+// A connection lost while a copy waits for the broker's confirm leaves that message in doubt,
+// as an interrupt does: the broker may have routed the copy, and the original goes back to the
+// dead-letter queue when the channel closes. The output names it.
+func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	dlq := messaging.DeadLetterQueue(queue)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	ch := testenv.Channel(t)
+
+	var stdout, stderr bytes.Buffer
+	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
+			t.Error(err)
+		}
+	}}
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(context.Background(), []string{"dlq", "redrive", queue, "--amqp", testenv.AMQPURLVia(t, proxy.Listen)},
+			streams{in: in, out: &stdout, err: &stderr, interactive: true})
+	}()
+	// The first moved, the second published and waiting for its confirm: the connection goes.
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the second copy never reached %s", queue)
+	proxy.Stop()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("redrive did not stop when its connection was cut")
+	}
+
+	if want := fmt.Sprintf("stopped by a failure: moved 1 of the 3 messages picked from %s to %s", dlq, queue); code != exitFailure ||
+		!strings.Contains(stdout.String(), want) {
+		t.Errorf("cut-off redrive: exit %d, stdout %q; want 1, and %q", code, stdout.String(), want)
+	}
+	if want := "message " + ids[1] + " may be in both " + queue + " and " + dlq; !strings.Contains(stderr.String(), want) {
+		t.Errorf("cut-off redrive: stderr %q lacks %q", stderr.String(), want)
+	}
+	// As it says: the second is in both.
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == 2 }, "the messages held were not handed back to %s", dlq)
+	if got := drainIDs(t, queue); !slices.Equal(got, ids[:2]) {
+		t.Errorf("%s holds %q, want %q", queue, got, ids[:2])
+	}
+}

@@ -340,8 +340,11 @@ func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, 
 	switch {
 	case err != nil:
 		return fmt.Errorf("published, but no confirm from the broker: %w: %w", ErrRedriveInDoubt, err)
+	case !acked && ch.IsClosed():
+		// The channel closed under the copy (a lost connection): the broker may have routed it.
+		return fmt.Errorf("published, but the channel closed before the broker confirmed it: %w", ErrRedriveInDoubt)
 	case !acked:
-		return fmt.Errorf("the broker nacked it, or the channel closed")
+		return fmt.Errorf("the broker nacked it")
 	}
 	select {
 	case r := <-returns:
