@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+	"strings"
 	"sync"
 	"time"
 
@@ -482,11 +483,43 @@ func (s *pubSession) closedVerdict(m Message) error {
 	}
 	reason := s.closeErr
 	s.returnsMu.Unlock()
-	if r, ok := readRefusal(reason); ok && r.covers(m) {
+	if refuses(reason, m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
 	}
 	return unavailable("channel closed before the confirm")
 }
+
+// refuses reports whether the broker closed a channel for reason, a publish of m's. A reason
+// the broker cut short covers m if it begins as m's would.
+func refuses(reason *amqp.Error, m Message) bool {
+	if r, ok := readRefusal(reason); ok {
+		return r.covers(m)
+	}
+	if reason == nil || reason.Code != amqp.AccessRefused {
+		return false
+	}
+	cut, ok := strings.CutSuffix(reason.Reason, cutReason)
+	if !ok {
+		return false
+	}
+	x := m.Exchange
+	if x == "" {
+		x = "amq.default"
+	}
+	for _, refused := range []string{"ACCESS_REFUSED - access to ", "ACCESS_REFUSED - write access to "} {
+		for _, what := range []string{"exchange '" + x + "'", "topic '" + m.routingKey() + "' in exchange '" + x + "'"} {
+			if head := refused + what + " in vhost '"; strings.HasPrefix(head, cut) || strings.HasPrefix(cut, head) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// cutReason ends a reason RabbitMQ cut short: one longer than an AMQP short string (a topic
+// permission's quotes the routing key, up to 255 bytes itself) is cut at 252 bytes and ends so.
+// Cut in the routing key, it covers every key that begins as the refused one did.
+const cutReason = "..."
 
 // writeRefusal is what the broker closed a channel for: publishing to exchange, or, if byKey (a
 // topic permission), publishing there with the routing key key.

@@ -147,3 +147,40 @@ func TestAMessageIsNotPublishedTwiceAtOnceOnAConnection(t *testing.T) {
 		t.Fatalf("verdict %v, want ErrUnroutable", errs[0])
 	}
 }
+
+// The broker's reasons for closing a channel at a refused publish cover exactly the messages
+// they name: by exchange, or by exchange and routing key for a topic permission, quotes in the
+// names too; a reason cut at 255 bytes covers those it begins as.
+func TestARefusalCoversTheMessagesItNames(t *testing.T) {
+	long := "orders." + strings.Repeat("k", 200)
+	cutLong := ("ACCESS_REFUSED - access to topic '" + long + "' in exchange 'orders' in vhost '/' refused for user 'relay'")[:252] + "..."
+	mid := "orders." + strings.Repeat("k", 163) // cut after the exchange's name
+	cutMid := ("ACCESS_REFUSED - access to topic '" + mid + "' in exchange 'orders' in vhost '/' refused for user 'relay'")[:252] + "..."
+	for _, c := range []struct {
+		reason string
+		m      Message
+		want   bool
+	}{
+		{"ACCESS_REFUSED - access to exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "orders", Type: "A"}, true},
+		{"ACCESS_REFUSED - access to exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "billing", Type: "A"}, false},
+		{"ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused for user 'u'", Message{RoutingKey: "q", Type: "A"}, true},
+		{"ACCESS_REFUSED - access to topic 'it's' in exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "orders", RoutingKey: "it's"}, true},
+		{"ACCESS_REFUSED - access to topic 'it's' in exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "orders", RoutingKey: "it"}, false},
+		{"ACCESS_REFUSED - write access to topic 'A' in exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "orders", Type: "A"}, true},
+		{"ACCESS_REFUSED - write access to topic 'A' in exchange 'orders' in vhost '/' refused for user 'u'", Message{Exchange: "orders", Type: "B"}, false},
+		{cutLong, Message{Exchange: "orders", RoutingKey: long}, true},
+		{cutLong, Message{Exchange: "orders", RoutingKey: "orders.k"}, false},
+		{cutMid, Message{Exchange: "orders", RoutingKey: mid}, true},
+		{cutMid, Message{Exchange: "billing", RoutingKey: mid}, false},
+		{cutMid, Message{Exchange: "orders", RoutingKey: mid + "x"}, false},
+		{"NOT_FOUND - no exchange 'orders' in vhost '/'", Message{Exchange: "orders", Type: "A"}, false},
+	} {
+		code := amqp.AccessRefused
+		if strings.HasPrefix(c.reason, "NOT_FOUND") {
+			code = amqp.NotFound
+		}
+		if got := refuses(&amqp.Error{Code: code, Reason: c.reason}, c.m); got != c.want {
+			t.Errorf("%q covers exchange %q key %q: %v, want %v", c.reason, c.m.Exchange, c.m.routingKey(), got, c.want)
+		}
+	}
+}

@@ -842,6 +842,17 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 // broker's absence, it would close every batch's channel, for ever.
 func TestRelayBacksOffARowWhoseRoutingKeyItMayNotWriteAndSendsTheRest(t *testing.T) {
 	t.Parallel()
+	relayBacksOffARowWhoseRoutingKeyItMayNotWrite(t, "Refused")
+}
+
+// A routing key long enough that the broker's reason, which quotes it, is cut at 255 bytes
+// ("..."): the refusal is read all the same.
+func TestRelayBacksOffARowWhoseLongRoutingKeyItMayNotWrite(t *testing.T) {
+	t.Parallel()
+	relayBacksOffARowWhoseRoutingKeyItMayNotWrite(t, "Refused."+strings.Repeat("k", 200))
+}
+
+func relayBacksOffARowWhoseRoutingKeyItMayNotWrite(t *testing.T, key string) {
 	b := setup(t)
 	user := testenv.UniqueName("relayer")
 	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_user", user) })
@@ -851,7 +862,7 @@ func TestRelayBacksOffARowWhoseRoutingKeyItMayNotWriteAndSendsTheRest(t *testing
 
 	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2), newMessage(t, 3)}
 	bad := newMessage(t, 1)
-	bad.RoutingKey = "Refused"
+	bad.RoutingKey = key
 	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
 		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad, good[1], good[2])
 	}); err != nil {
@@ -874,7 +885,7 @@ func TestRelayBacksOffARowWhoseRoutingKeyItMayNotWriteAndSendsTheRest(t *testing
 		t.Fatal(err)
 	}
 	if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "access refused") ||
-		!strings.Contains(*row.LastError, "'Refused'") || time.Until(row.NextAttemptAt) <= 0 {
+		!strings.Contains(*row.LastError, "'Refused") || time.Until(row.NextAttemptAt) <= 0 {
 		t.Fatalf("refused row: processed %v, attempts %d, last error %v, due in %s; want backed off once as refused, naming its key",
 			row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
 	}
