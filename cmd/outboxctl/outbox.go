@@ -19,8 +19,9 @@ import (
 // latestShown is how many failing rows, and how many parked rows, status shows.
 const latestShown = 10
 
-// dbTimeout bounds each command's work in the database: an operator waiting on a database that
-// does not answer learns it, instead of waiting forever. A confirmation prompt is outside it.
+// dbTimeout bounds each command's work in the database, each of retry's batches on its own: an
+// operator waiting on a database that does not answer learns it, instead of waiting forever. A
+// confirmation prompt is outside it.
 const dbTimeout = 30 * time.Second
 
 // isNoMatch reports whether err says that nothing matched: exit status 3.
