@@ -325,3 +325,26 @@ func TestSubscriptionBatchWithAPermanentErrorDeadLettersItOnItsFirstTryAlone(t *
 		t.Errorf("%d messages back in the queue, want every one settled", depth)
 	}
 }
+
+// A reason of any length reaches the dead-letter queue, cut to about a kilobyte: a handler's
+// error quoting a large document must not grow the copy's headers past the broker's frame
+// size (128 KiB), where the copy could never be published and the message would stay in the
+// queue for ever.
+func TestADeadLetterReasonIsCutToAKilobyte(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	msg := newMessage(t, 1)
+	long := "no customer: " + strings.Repeat("x", 200_000)
+	refuse := func(context.Context, *gorm.DB, payload, messaging.Message) error {
+		return messaging.Permanent(errors.New(long))
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, refuse, func(c *messaging.SubscriptionConfig) { c.BatchSize = 1 })
+	b.publishRaw(t, publishing(msg))
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 },
+		"the message with a long reason was not dead-lettered")
+	reason := reasonsByID(deadLetters(t, b.ch, b.queue))[msg.ID.String()]
+	if !strings.HasPrefix(reason, "no customer: xxx") || len(reason) > 1024+len("…") {
+		t.Fatalf("dead-letter reason of %d bytes starting %.20q, want the start of the handler's error cut to 1,024 bytes", len(reason), reason)
+	}
+}
