@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -346,5 +347,61 @@ func TestADeadLetterReasonIsCutToAKilobyte(t *testing.T) {
 	reason := reasonsByID(deadLetters(t, b.ch, b.queue))[msg.ID.String()]
 	if !strings.HasPrefix(reason, "no customer: xxx") || len(reason) > 1024+len("…") {
 		t.Fatalf("dead-letter reason of %d bytes starting %.20q, want the start of the handler's error cut to 1,024 bytes", len(reason), reason)
+	}
+}
+
+// A dead-letter queue that nacks the copy (here it is full, and rejects what comes beyond its
+// length) has not taken it: the message stays unacknowledged in its queue, is counted and
+// logged as nothing else, and lands in the dead-letter queue once that has room again.
+func TestConsumerKeepsAMessageTheDeadLetterQueueNacks(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	// A policy makes the dead-letter queue full with what it holds, and nack what comes next;
+	// it applies in the background, so filler goes in until the queue refuses one.
+	policy := testenv.UniqueName("dlq-full")
+	testenv.RabbitMQCtl(t, "set_policy", "-p", "/", "--apply-to", "queues", "--priority", "100", policy,
+		"^"+regexp.QuoteMeta(dlq)+"$", `{"max-length":1,"overflow":"reject-publish"}`)
+	cleared := false
+	clearPolicy := func() {
+		if !cleared {
+			cleared = true
+			testenv.RabbitMQCtl(t, "clear_policy", "-p", "/", policy)
+		}
+	}
+	t.Cleanup(clearPolicy)
+	confirms := testenv.Channel(t)
+	must(t, confirms.Confirm(false))
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		dc, err := confirms.PublishWithDeferredConfirmWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: "filler", Body: []byte("{}")})
+		return err == nil && !dc.Wait()
+	}, "the dead-letter queue never refused a publish")
+	filler := testenv.QueueDepth(t, b.ch, dlq)
+
+	poison := amqp.Publishing{MessageId: uuid.NewString(), ContentType: "application/json", Body: []byte("<xml/>")}
+	b.publishRaw(t, poison)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("could not dead-letter message", poison.MessageId, "nacked")) >= 2
+	}, "the consumer did not report the dead-letter queue refusing the message")
+	if lines := b.logs.Lines("message dead-lettered", poison.MessageId); len(lines) != 0 {
+		t.Fatalf("logged as dead-lettered while the dead-letter queue refused it: %q", lines)
+	}
+	if n := metricValue(t, b.registry, "consumer_messages_total", map[string]string{"queue": b.queue, "outcome": "dead_lettered"}); n != 0 {
+		t.Fatalf("counted %v times as dead-lettered while the dead-letter queue refused it", n)
+	}
+
+	clearPolicy()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("message dead-lettered", poison.MessageId)) == 1 },
+		"the message was not dead-lettered once the dead-letter queue had room")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != filler+1 || got[len(got)-1].MessageId != poison.MessageId {
+		t.Fatalf("dead-letter queue held %d messages, want the %d fillers and the poison message last", len(got), filler)
+	}
+	wantReason(t, got[len(got)-1], "body is not valid JSON")
+	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
+		t.Fatalf("queue still holds %d", n)
 	}
 }
