@@ -1,0 +1,40 @@
+package test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// A row committed while the relay's LISTEN connection is gone notifies no one: once the relay
+// listens again, it looks for such rows at once instead of leaving them to its next poll (an
+// hour away here).
+func TestRelayLooksForRowsCommittedWhileItWasNotListening(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.runListeningRelay(t)
+	const listening = "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'"
+	var ids []uuid.UUID
+	for attempt := 1; ids == nil; attempt++ {
+		// The relay listens again after its reconnect delay, 0.4 s at least: time enough to
+		// commit a row that no one hears of.
+		must(t, b.db.DB.Exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name).Error)
+		testenv.Eventually(t, 5*time.Second, func() bool { return testenv.Count(t, b.db.DB, listening, b.db.Name) == 0 },
+			"the relay's LISTEN session did not end")
+		enqueued := b.enqueue(t, 1)
+		if testenv.Count(t, b.db.DB, listening, b.db.Name) == 0 {
+			ids = enqueued // committed while no one listened
+			continue
+		}
+		if attempt == 3 {
+			t.Fatal("the relay listened again before each of 3 commits: no row was committed unheard")
+		}
+		b.waitAllSent(t, 5*time.Second) // heard: sent, and not the case under test
+		testenv.Drain(t, b.ch, b.queue, 100*time.Millisecond)
+	}
+	b.waitAllSent(t, 5*time.Second)
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
