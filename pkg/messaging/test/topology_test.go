@@ -1,8 +1,10 @@
 package test
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -57,5 +59,46 @@ func TestTopologyDeclareAcceptsWhatTheDeploymentDeclared(t *testing.T) {
 	}
 	if err := topology.Declare(restricted, nil); err == nil || !strings.Contains(err.Error(), "dead-letter queue invoicing.dlq: refused") {
 		t.Fatalf("declare with the dead-letter queue gone = %v, want it named as missing", err)
+	}
+}
+
+// The queue's own delivery limit is the backstop behind the consumer's: a message that fails
+// on every delivery it gets (here a client that rejects it, as a consumer that crashes on it
+// is charged) is moved by the broker to the dead-letter queue at the limit, with the broker's
+// reason, instead of coming back for ever or being dropped.
+func TestTheQueueDeadLettersAMessageAtItsDeliveryLimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	queue := testenv.UniqueName("limited")
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue, DeliveryLimit: 2}}}
+	testenv.CleanupBroker(t, []string{queue, messaging.DeadLetterQueue(queue)}, nil)
+	declare(t, topology)
+	msg := newMessage(t, 1)
+	must(t, b.ch.PublishWithContext(context.Background(), "", queue, true, false, publishing(msg)))
+	rejects := 0
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		d, ok, err := b.ch.Get(queue, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			rejects++
+			must(t, d.Reject(true))
+		}
+		return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(queue)) == 1
+	}, "the message was not dead-lettered by its queue")
+	if rejects > 3 {
+		t.Fatalf("rejected %d times before it was dead-lettered, want the limit of 2 (3 on brokers that count from 0)", rejects)
+	}
+	got := deadLetters(t, b.ch, queue)
+	if len(got) != 1 || got[0].MessageId != msg.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the rejected message", len(got))
+	}
+	deaths, _ := got[0].Headers["x-death"].([]any)
+	if len(deaths) == 0 {
+		t.Fatalf("the dead-lettered message has no x-death: headers %v", got[0].Headers)
+	}
+	if death, _ := deaths[0].(amqp.Table); death["queue"] != queue || death["reason"] != "delivery_limit" {
+		t.Fatalf("x-death %v, want the broker's delivery_limit from queue %s", deaths[0], queue)
 	}
 }
