@@ -193,6 +193,13 @@ func TestBackoffDoublesUpToTheCapJitteredBelowEachStep(t *testing.T) {
 			}
 		}
 	}
+	// A jitter past 1 is taken as 1: a delay below zero would retry at once.
+	b := messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Minute, Jitter: 3}
+	for range 200 {
+		if d := b.Delay(1); d < 0 || d > 2*time.Second {
+			t.Fatalf("jitter 3: Delay(1) = %s, want within [0, 2s]", d)
+		}
+	}
 }
 
 // An unroutable message is confirmed by the broker but returned: it must not count as sent,
