@@ -1,0 +1,52 @@
+package test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// A redrive that fails on a message (here its queue is deleted once the messages are held:
+// the copy comes back unroutable) leaves that message, and every one it had not come to yet,
+// in the dead-letter queue, in their order: the operator can run it again.
+func TestAFailedRedriveLeavesTheDeadLetterQueueInOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	ids := make([]string, 40)
+	for i := range ids {
+		ids[i] = uuid.NewString()
+		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: ids[i], Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	moved, err := messaging.RedriveDeadLetters(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue},
+		messaging.DeadLetterSelection{
+			Match: func(d messaging.DeadLetter) bool { return d.MessageID != ids[0] }, // all but the first
+			Confirm: func([]messaging.DeadLetter, int) error {
+				_, err := b.ch.QueueDelete(b.queue, false, false, false)
+				return err
+			},
+		})
+	if err == nil || len(moved) != 0 {
+		t.Fatalf("redrive into a deleted queue moved %d messages, error %v: want none moved and an error", len(moved), err)
+	}
+	got := make([]string, 0, len(ids))
+	for _, d := range testenv.Drain(t, b.ch, dlq, 200*time.Millisecond) {
+		got = append(got, d.MessageId)
+	}
+	if !slices.Equal(got, ids) {
+		first := 0
+		for first < min(len(got), len(ids)) && got[first] == ids[first] {
+			first++
+		}
+		t.Fatalf("after the failed redrive %s holds %d of the %d messages, the first out of order at %d", dlq, len(got), len(ids), first)
+	}
+}
