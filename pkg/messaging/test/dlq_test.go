@@ -50,3 +50,21 @@ func TestAFailedRedriveLeavesTheDeadLetterQueueInOrder(t *testing.T) {
 		t.Fatalf("after the failed redrive %s holds %d of the %d messages, the first out of order at %d", dlq, len(got), len(ids), first)
 	}
 }
+
+// A listing's limit is an upper bound, not a size: a limit far above what waits (an operator's
+// --limit 1000000000) lists what waits, and holds no room for the rest.
+func TestAListingLimitAboveTheQueueListsWhatWaits(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	ids := []string{uuid.NewString(), uuid.NewString()}
+	for _, id := range ids {
+		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: id, Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	listed, waiting, err := messaging.ListDeadLetters(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue}, 1<<40)
+	if err != nil || waiting != len(ids) || len(listed) != len(ids) {
+		t.Fatalf("listed %d of %d waiting, error %v: want the %d that wait", len(listed), waiting, err, len(ids))
+	}
+}
