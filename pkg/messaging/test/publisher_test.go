@@ -3,11 +3,15 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"regexp"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
@@ -45,5 +49,53 @@ func TestPublisherDialsAgainOnlyAfterItsReconnectDelay(t *testing.T) {
 	}
 	if n := dials.Load(); n != 1 {
 		t.Fatalf("%d connections for 5 publishes within the reconnect delay, want 1", n)
+	}
+}
+
+// A connection that worked starts the reconnect delays over: after an outage of several failed
+// dials and a recovery, the next loss of the broker is retried at the base delay again, not at
+// the delay the earlier outage had reached.
+func TestPublisherStartsItsReconnectDelaysOverAfterAConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	const base = 200 * time.Millisecond
+	p := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen), func(c *messaging.PublisherConfig) {
+		c.Reconnect = messaging.Backoff{Base: base, Max: time.Minute}
+	})
+	msg := newMessage(t, 1)
+	// nextDial publishes msg and returns how long the publisher says it waits before its next dial.
+	nextDial := func() time.Duration {
+		t.Helper()
+		err := p.Publish(context.Background(), []messaging.Message{msg})[0]
+		m := regexp.MustCompile(`next connection attempt in (\S+):`).FindStringSubmatch(fmt.Sprint(err))
+		if m == nil {
+			t.Fatalf("publish with the broker away: %v, want the time to the next connection attempt", err)
+		}
+		d, perr := time.ParseDuration(m[1])
+		must(t, perr)
+		return d
+	}
+	failOnce := func() { // a dial that fails, and how long it makes the next one wait
+		t.Helper()
+		testenv.Eventually(t, 10*time.Second, func() bool {
+			err := p.Publish(context.Background(), []messaging.Message{msg})[0]
+			return err != nil && strings.Contains(err.Error(), "dial rabbitmq") && !strings.Contains(err.Error(), "next connection attempt")
+		}, "the publisher did not dial again")
+	}
+	proxy.Stop()
+	for range 3 {
+		failOnce()
+	}
+	if d := nextDial(); d <= base {
+		t.Fatalf("after 3 failed dials the next waits %s, want more than the base %s: nothing to start over", d, base)
+	}
+	must(t, proxy.Start())
+	testenv.Eventually(t, 10*time.Second, func() bool { return p.Connect(context.Background()) == nil },
+		"the publisher did not reconnect")
+	proxy.Stop()
+	failOnce()
+	if d := nextDial(); d > base {
+		t.Fatalf("after a connection that worked, a failed dial makes the next wait %s, want the base %s at most", d, base)
 	}
 }
