@@ -99,3 +99,29 @@ func TestPublisherStartsItsReconnectDelaysOverAfterAConnection(t *testing.T) {
 		t.Fatalf("after a connection that worked, a failed dial makes the next wait %s, want the base %s at most", d, base)
 	}
 }
+
+// A connection lost while a window waits for its confirms gives its messages no verdict: the
+// broker may have routed them or not, so they are unsent, not refused, and a relay charges
+// them no attempt. (Confirms come back late here, and the link is cut before they do.)
+func TestAConnectionLostBeforeTheConfirmsIsNoVerdict(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	p := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen))
+	must(t, p.Connect(context.Background()))
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"late","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
+		t.Fatal(err)
+	}
+	msgs := make([]messaging.Message, 20)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		msgs[i].Exchange = b.exchange
+	}
+	cut := time.AfterFunc(500*time.Millisecond, proxy.Stop)
+	defer cut.Stop()
+	for i, err := range p.Publish(context.Background(), msgs) {
+		if !errors.Is(err, messaging.ErrBrokerUnavailable) || errors.Is(err, messaging.ErrNacked) {
+			t.Fatalf("message %d: verdict %v, want no verdict (ErrBrokerUnavailable)", i, err)
+		}
+	}
+}
