@@ -125,3 +125,22 @@ func TestAConnectionLostBeforeTheConfirmsIsNoVerdict(t *testing.T) {
 		}
 	}
 }
+
+// Every message of a window may come back unroutable: each gets its own ErrUnroutable, at the
+// speed of its confirms, however few of the returns the client could hold before they are read.
+func TestAWindowOfUnroutableMessagesGetsItsVerdictsAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	p := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = 5 * time.Second })
+	msgs := make([]messaging.Message, 50)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		msgs[i].Exchange, msgs[i].RoutingKey = b.exchange, "NobodyListens"
+	}
+	start := time.Now()
+	for i, err := range p.Publish(context.Background(), msgs) {
+		if !errors.Is(err, messaging.ErrUnroutable) {
+			t.Fatalf("message %d: verdict %v after %s, want ErrUnroutable", i, err, time.Since(start).Round(time.Millisecond))
+		}
+	}
+}
