@@ -7,6 +7,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // A row committed while the relay's LISTEN connection is gone notifies no one: once the relay
@@ -35,6 +36,24 @@ func TestRelayLooksForRowsCommittedWhileItWasNotListening(t *testing.T) {
 		b.waitAllSent(t, 5*time.Second) // heard: sent, and not the case under test
 		testenv.Drain(t, b.ch, b.queue, 100*time.Millisecond)
 	}
+	b.waitAllSent(t, 5*time.Second)
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
+
+// A full batch means more may wait: the lane claims the next one at once rather than at its
+// next poll (an hour here). One commit of 50 rows notifies once; the relay takes them 10 at a
+// time.
+func TestRelayKeepsClaimingWhileItsBatchesComeBackFull(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) {
+		c.PollInterval, c.BatchSize, c.Lanes = time.Hour, 10, 1
+	})
+	run(t, r.Run)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}, "relay is not listening")
+	ids := b.enqueue(t, 50)
 	b.waitAllSent(t, 5*time.Second)
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
 }
