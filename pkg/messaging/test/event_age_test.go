@@ -78,3 +78,21 @@ func eventAge(t *testing.T, b *testBundle, consumer string) (count uint64, sum f
 	}
 	return 0, 0
 }
+
+// A producer whose clock runs ahead of ours dates its events in our future: such an event's age
+// counts as no delay, not as a negative one that would pull the histogram's sum, and the
+// averages read off it, below the truth.
+func TestAnEventFromTheFutureIsObservedAsNoDelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := b.inbox(t, b.drv, b.queue, workFunc)
+	m := newMessage(t, 1)
+	m.OccurredAt = time.Now().Add(time.Hour)
+	if _, err := deliver(in, m); err != nil {
+		t.Fatal(err)
+	}
+	if count, sum := eventAge(t, b, b.queue); count != 1 || sum != 0 {
+		t.Fatalf("event age: %d observations summing to %.0f s, want 1 of 0 s", count, sum)
+	}
+}
