@@ -68,3 +68,35 @@ func TestAListingLimitAboveTheQueueListsWhatWaits(t *testing.T) {
 		t.Fatalf("listed %d of %d waiting, error %v: want the %d that wait", len(listed), waiting, err, len(ids))
 	}
 }
+
+// A drop removes one message, the first that matches, and shows its confirmation only that
+// one, even when the dead-letter queue holds two copies of it (a message dead-lettered again
+// after a crash before its acknowledgement): the second copy stays, in its place.
+func TestADropShowsAndRemovesTheFirstMatchOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	twice, other := uuid.NewString(), uuid.NewString()
+	ids := []string{other, twice, twice}
+	for _, id := range ids {
+		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: id, Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	var shown int
+	_, err := messaging.DropDeadLetter(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue},
+		messaging.DeadLetterSelection{
+			Match:   func(d messaging.DeadLetter) bool { return d.MessageID == twice },
+			Confirm: func(picked []messaging.DeadLetter, _ int) error { shown = len(picked); return nil },
+		})
+	if err != nil || shown != 1 {
+		t.Fatalf("drop showed %d messages to confirm, error %v: want the one it drops", shown, err)
+	}
+	got := make([]string, 0, len(ids))
+	for _, d := range testenv.Drain(t, b.ch, dlq, 200*time.Millisecond) {
+		got = append(got, d.MessageId)
+	}
+	if !slices.Equal(got, []string{other, twice}) {
+		t.Fatalf("after the drop %s holds %q, want the other message and the second copy", dlq, got)
+	}
+}
