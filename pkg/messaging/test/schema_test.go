@@ -124,3 +124,20 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 		t.Errorf("version 5 recorded %d times, want once", n)
 	}
 }
+
+// A version table in goose's layout says what is applied by its latest row per version: a
+// version goose rolled back (its Down run, then a row with is_applied false, as goose has
+// written it) is applied again, not taken as applied by its first row.
+func TestAVersionRolledBackInGoosesLayoutIsAppliedAgain(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	ctx := context.Background()
+	drv := db.Driver(t).DB()
+	must(t, messaging.MigrateInbox(ctx, drv))
+	must(t, db.DB.Exec(`DROP TABLE inbox_messages`).Error) // 00001's Down
+	must(t, db.DB.Exec(`INSERT INTO messaging_inbox_schema (version_id, is_applied) VALUES (1, false)`).Error)
+	must(t, messaging.MigrateInbox(ctx, drv))
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_tables WHERE tablename = 'inbox_messages'`); n != 1 {
+		t.Fatal("the rolled back version 1 was not applied again: no inbox_messages")
+	}
+}
