@@ -262,14 +262,15 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	if skipped := tried - len(retried); skipped > 0 {
 		fmt.Fprintf(c.err, "%d of the %d rows listed were sent, parked or made due meanwhile, and left as they were\n", skipped, tried)
 	}
-	if len(retried) == 0 && err != nil {
-		return err
-	}
 	// What was made due before a failure or an interruption is due: say so either way.
 	if c.json() {
-		if werr := writeJSON(c.out, outboxRowsResult{Count: len(retried), Rows: toOutboxRows(retried)}); werr != nil && err == nil {
+		result := outboxRowsResult{Count: len(retried), Rows: toOutboxRows(retried), Interrupted: err != nil && ctx.Err() != nil}
+		if werr := writeJSON(c.out, result); werr != nil && err == nil {
 			err = werr
 		}
+		return err
+	}
+	if len(retried) == 0 && err != nil {
 		return err
 	}
 	if err != nil {

@@ -532,6 +532,16 @@ END $$`)
 // batches done are due, every other row is as it was, and the output says how far it got.
 func TestRetryInterruptedStopsBetweenBatches(t *testing.T) {
 	t.Parallel()
+	for _, format := range []string{"table", "json"} {
+		t.Run(format, func(t *testing.T) {
+			t.Parallel()
+			retryInterrupted(t, format)
+		})
+	}
+}
+
+// retryInterrupted is TestRetryInterruptedStopsBetweenBatches with output in format.
+func retryInterrupted(t *testing.T, format string) {
 	d := outboxDB(t)
 	waitingRows(t, d, 5000)
 	var first []uuid.UUID // the oldest 1000: the first batch
@@ -555,7 +565,7 @@ func TestRetryInterruptedStopsBetweenBatches(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	codes := make(chan int, 1)
 	go func() {
-		codes <- run(ctx, []string{"retry", "--yes", "--batch", "1000", "--db", d.URL}, streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
+		codes <- run(ctx, []string{"retry", "--yes", "--batch", "1000", "-o", format, "--db", d.URL}, streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
 	}()
 	testenv.Eventually(t, 20*time.Second, func() bool {
 		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
@@ -570,8 +580,15 @@ func TestRetryInterruptedStopsBetweenBatches(t *testing.T) {
 		t.Fatal("retry did not stop after the interrupt")
 	}
 
-	if code != exitFailure || !strings.Contains(stderr.String(), "interrupted after batch 1 of 5: 1000 of the 5000 rows listed were tried, the other 4000 are unchanged") ||
-		!strings.Contains(stdout.String(), "1000 of the 5000 failed outbox rows listed are due now; the last 4000 listed were not tried") {
+	said := strings.Contains(stdout.String(), "1000 of the 5000 failed outbox rows listed are due now; the last 4000 listed were not tried")
+	if format == "json" {
+		var got struct {
+			Count       int  `json:"count"`
+			Interrupted bool `json:"interrupted"`
+		}
+		said = json.Unmarshal(stdout.Bytes(), &got) == nil && got.Count == 1000 && got.Interrupted
+	}
+	if code != exitFailure || !strings.Contains(stderr.String(), "interrupted after batch 1 of 5: 1000 of the 5000 rows listed were tried, the other 4000 are unchanged") || !said {
 		t.Errorf("interrupted retry: exit %d, stdout %.300q, stderr %q; want 1, saying 1000 of 5000 are due", code, stdout.String(), stderr.String())
 	}
 	for _, id := range first {

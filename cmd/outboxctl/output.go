@@ -87,9 +87,10 @@ func toOutboxRows(ms []messaging.OutboxMessage) []outboxRow {
 
 // outboxRowsResult is what retry prints in -o json.
 type outboxRowsResult struct {
-	DryRun bool        `json:"dry_run"`
-	Count  int         `json:"count"`
-	Rows   []outboxRow `json:"rows"`
+	DryRun      bool        `json:"dry_run"`
+	Count       int         `json:"count"`
+	Rows        []outboxRow `json:"rows"`
+	Interrupted bool        `json:"interrupted,omitempty"` // retry stopped between its batches
 }
 
 // outboxRowResult is what the outbox commands print in -o json.
