@@ -28,9 +28,10 @@ var (
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")
 	// ErrAccessRefused: the broker refused the publisher's user the message's exchange: no
-	// write permission on it (or, by a topic permission, with the message's routing key), or, for an exchange outside the Topology, none to check that it
-	// exists (from RabbitMQ 4.3.1 any one permission; on 4.2.6 and 4.3.0 configure, so there a
-	// user that may only write must have the exchange in its Topology); it was not sent.
+	// write permission on it (or, by a topic permission, with the message's routing key), or,
+	// for an exchange outside the Topology, none to check that it exists (from RabbitMQ 4.3.1
+	// any one permission; on 4.2.6 and 4.3.0 configure, so there a user that may only write
+	// must have the exchange in its Topology); it was not sent.
 	ErrAccessRefused = errors.New("access refused")
 	// ErrInvalidEnvelope: the message cannot travel over AMQP (a type, routing key, exchange,
 	// correlation id or header name over 255 bytes, or headers larger than a frame); it was
