@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"gorm.io/gorm"
@@ -696,26 +697,10 @@ func (a *answerAfter) Read(p []byte) (int, error) {
 // queue, unconfirmed, when the interrupt comes.
 func TestDlqRedriveInterruptedSaysWhatMovedAndWhatMayBeInBoth(t *testing.T) {
 	t.Parallel()
-	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
-	dlq := messaging.DeadLetterQueue(queue)
-	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
-	ch := testenv.Channel(t)
-
 	ctx, interrupt := context.WithCancel(context.Background())
 	defer interrupt()
-	var stdout, stderr bytes.Buffer
-	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
-		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
-			t.Error(err)
-		}
-	}}
-	codes := make(chan int, 1)
-	go func() {
-		codes <- run(ctx, []string{"dlq", "redrive", queue, "--amqp", testenv.AMQPURLVia(t, proxy.Listen)},
-			streams{in: in, out: &stdout, err: &stderr, interactive: true})
-	}()
-	// The first moved, the second published and waiting for its confirm.
-	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the second copy never reached %s", queue)
+	r := redriveUntilTheSecondConfirm(ctx, t)
+	queue, ids, dlq, ch, codes, stdout, stderr := r.queue, r.ids, r.dlq, r.ch, r.codes, &r.stdout, &r.stderr
 	interrupt()
 	var code int
 	select {
@@ -769,25 +754,9 @@ func TestDlqRedriveAsksAfterTheFirst20(t *testing.T) {
 // dead-letter queue when the channel closes. The output names it.
 func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
 	t.Parallel()
-	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
-	dlq := messaging.DeadLetterQueue(queue)
-	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
-	ch := testenv.Channel(t)
-
-	var stdout, stderr bytes.Buffer
-	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
-		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
-			t.Error(err)
-		}
-	}}
-	codes := make(chan int, 1)
-	go func() {
-		codes <- run(context.Background(), []string{"dlq", "redrive", queue, "--amqp", testenv.AMQPURLVia(t, proxy.Listen)},
-			streams{in: in, out: &stdout, err: &stderr, interactive: true})
-	}()
-	// The first moved, the second published and waiting for its confirm: the connection goes.
-	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the second copy never reached %s", queue)
-	proxy.Stop()
+	r := redriveUntilTheSecondConfirm(context.Background(), t)
+	queue, ids, dlq, ch, codes, stdout, stderr := r.queue, r.ids, r.dlq, r.ch, r.codes, &r.stdout, &r.stderr
+	r.proxy.Stop() // the connection goes
 	var code int
 	select {
 	case code = <-codes:
@@ -807,4 +776,36 @@ func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
 	if got := drainIDs(t, queue); !slices.Equal(got, ids[:2]) {
 		t.Errorf("%s holds %q, want %q", queue, got, ids[:2])
 	}
+}
+
+// redriveInFlight is a dlq redrive of three dead letters running through a proxy, stopped at
+// the moment its second copy waits for the broker's confirm.
+type redriveInFlight struct {
+	queue, dlq     string
+	ids            []string
+	proxy          *toxiproxy.Proxy
+	ch             *amqp.Channel
+	codes          chan int
+	stdout, stderr bytes.Buffer
+}
+
+// redriveUntilTheSecondConfirm starts a redrive under ctx and returns once the first message
+// moved and the second's copy is in the queue, unconfirmed: the broker's answers come 3 s late
+// from the question on.
+func redriveUntilTheSecondConfirm(ctx context.Context, t *testing.T) *redriveInFlight {
+	t.Helper()
+	r := &redriveInFlight{proxy: testenv.Proxy(t, testenv.AMQPHost(t)), ch: testenv.Channel(t), codes: make(chan int, 1)}
+	r.queue, r.ids = fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	r.dlq = messaging.DeadLetterQueue(r.queue)
+	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
+		if _, err := r.proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
+			t.Error(err)
+		}
+	}}
+	go func() {
+		r.codes <- run(ctx, []string{"dlq", "redrive", r.queue, "--amqp", testenv.AMQPURLVia(t, r.proxy.Listen)},
+			streams{in: in, out: &r.stdout, err: &r.stderr, interactive: true})
+	}()
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, r.ch, r.queue) == 2 }, "the second copy never reached %s", r.queue)
+	return r
 }

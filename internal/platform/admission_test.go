@@ -644,6 +644,18 @@ func (b *timedBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// readsItsBody reads the request's body and answers 201 with how many bytes it read, or 400
+// with the read's error.
+func readsItsBody(w http.ResponseWriter, r *http.Request) {
+	n, err := io.Copy(io.Discard, r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	w.WriteHeader(http.StatusCreated)
+	_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+}
+
 // Clients that send their bodies slowly hold no place while they do: with every one of the
 // places' worth of them trickling, a request whose body came at once is served, and the
 // trickled requests are served with their whole bodies when they arrive. A body declared over
@@ -652,15 +664,7 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	t.Parallel()
 	const places = 4
 	a := newAdmission(t, places, DefaultLatencyTarget)
-	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n, err := io.Copy(io.Discard, r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
-	})))
+	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(readsItsBody)))
 	active := countRequests(srv)
 	srv.Start()
 	defer srv.Close()
@@ -1023,13 +1027,7 @@ func TestExpectContinueIsShedBeforeItsUpload(t *testing.T) {
 			entered <- struct{}{}
 			<-release
 		}
-		n, err := io.Copy(io.Discard, r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+		readsItsBody(w, r)
 	})))
 	defer srv.Close()
 	defer releaseAll() // before Close, which waits for the held request
