@@ -85,6 +85,32 @@ func WaitingOutboxMessages(ctx context.Context, db Executor, f OutboxFilter) ([]
 	return out, nil
 }
 
+// WaitingOutboxMessageIDs returns the ids of the rows [WaitingOutboxMessages] returns, in its
+// order: a tool that retries a backlog of millions lists them in a few bytes each, and
+// retries them, a batch at a time, with [RetryListedOutboxMessages].
+func WaitingOutboxMessageIDs(ctx context.Context, db Executor, f OutboxFilter) ([]uuid.UUID, error) {
+	if f.Limit < 0 {
+		return nil, fmt.Errorf("read waiting outbox message ids: limit %d is negative", f.Limit)
+	}
+	rows, err := db.Query(ctx, statements.WaitingOutboxIDs, f.Type, f.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("read waiting outbox message ids: %w", err)
+	}
+	defer rows.Close()
+	var ids []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("read waiting outbox message ids: %w", err)
+		}
+		ids = append(ids, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read waiting outbox message ids: %w", err)
+	}
+	return ids, nil
+}
+
 // Errors of the functions that act on one outbox row; each is wrapped with the row's id.
 var (
 	// ErrNoOutboxMessage: no row has the id.

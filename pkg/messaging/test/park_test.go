@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -148,6 +149,14 @@ func TestParkedRowIsSetApart(t *testing.T) {
 	waiting, err := messaging.WaitingOutboxMessages(ctx, db, messaging.OutboxFilter{})
 	if err != nil || len(waiting) != 1 || waiting[0].ID != ids[1] {
 		t.Errorf("WaitingOutboxMessages = %v, %v; want row 1 only", waiting, err)
+	}
+	for _, tc := range []struct {
+		f    messaging.OutboxFilter
+		want []uuid.UUID
+	}{{messaging.OutboxFilter{}, ids[1:2]}, {messaging.OutboxFilter{Type: "NoSuchType"}, nil}} {
+		if got, err := messaging.WaitingOutboxMessageIDs(ctx, db, tc.f); err != nil || !slices.Equal(got, tc.want) {
+			t.Errorf("WaitingOutboxMessageIDs(%+v) = %v, %v; want %v", tc.f, got, err, tc.want)
+		}
 	}
 	if n, err := messaging.RetryOutboxMessages(ctx, db); err != nil || n != 1 {
 		t.Errorf("RetryOutboxMessages = %d, %v; want row 1 only", n, err)

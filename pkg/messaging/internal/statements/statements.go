@@ -133,7 +133,12 @@ LIMIT $1`
 
 	// WaitingOutbox lists the rows RetryAll would make due (of type $1 unless it is ''), the
 	// oldest first, at most $2 unless it is 0.
-	WaitingOutbox = `SELECT ` + OutboxColumns + `
+	WaitingOutbox = `SELECT ` + OutboxColumns + waitingOutbox
+
+	// WaitingOutboxIDs lists the ids of the rows WaitingOutbox lists, in its order.
+	WaitingOutboxIDs = `SELECT id` + waitingOutbox
+
+	waitingOutbox = `
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at > now() AND parked_at IS NULL AND ($1 = '' OR type = $1)
 ORDER BY occurred_at, id
