@@ -136,8 +136,8 @@ off from where it was, and outbox_max_attempts counts it until it is sent. Parke
 alone (outboxctl outbox unpark sends one).
 
 It lists the rows first, and retries exactly those, --batch at a time (10,000 by default),
-each batch in its own transaction, saying on stderr how far it got. With --dry-run it only
-lists them. When more than one row would be retried it asks on a terminal; without one (a
+each batch in its own transaction, printing each batch's rows as it commits and saying on
+stderr how far it got. With --dry-run it only lists them. When more than one row would be retried it asks on a terminal; without one (a
 script) it goes on: a retry loses nothing. An interrupt (Ctrl-C) stops it once the batch under
 way has committed: the rows of the batches done are due, the others unchanged, and it exits 1
 saying how many; run it again for the rest.
@@ -217,74 +217,96 @@ func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun 
 const shownBeforeAsking = 20
 
 // retryListed lists the rows of f that wait out a backoff, has them confirmed, and retries
-// those, batch at a time.
+// those, batch at a time. Only their ids are held (16 bytes a row), and each batch's rows are
+// printed as it commits: a backlog of millions fits in memory and in the listing's budget.
 func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.OutboxFilter, batch int, dryRun, yes bool) error {
 	_, db, done, err := openDB(ctx, dbFlag)
 	if err != nil {
 		return err
 	}
 	defer done()
+	if dryRun {
+		return c.retryDryRun(ctx, db, f)
+	}
 	listCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
-	rows, err := messaging.WaitingOutboxMessages(listCtx, db, f)
+	ids, err := messaging.WaitingOutboxMessageIDs(listCtx, db, f)
+	if err != nil {
+		return err
+	}
+	if len(ids) == 0 && f.Type != "" {
+		return noneWaiting(f)
+	}
+	if len(ids) > 1 {
+		if !yes && c.interactive {
+			if err := c.showOldest(listCtx, db, f, len(ids)); err != nil {
+				return err
+			}
+		}
+		if err := c.confirmBulk(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(ids))); err != nil {
+			return err
+		}
+	}
+	out := &rowStream{w: c.out, json: c.json()}
+	retried, tried, err := c.retryInBatches(ctx, db, ids, batch, out.add)
+	if skipped := tried - retried; skipped > 0 {
+		fmt.Fprintf(c.err, "%d of the %d rows listed were sent, parked or made due meanwhile, and left as they were\n", skipped, tried)
+	}
+	// What was made due before a failure or an interruption is due: say so either way.
+	if retried == 0 && err != nil && !c.json() {
+		return err
+	}
+	summary := fmt.Sprintf("%d failed outbox rows were waiting for their next attempt; they are due now", retried)
+	if err != nil {
+		summary = fmt.Sprintf("%d of the %d failed outbox rows listed are due now; the last %d listed were not tried", retried, len(ids), len(ids)-tried)
+	}
+	if werr := out.end(summary, err != nil && ctx.Err() != nil); werr != nil && err == nil {
+		err = werr
+	}
+	return err
+}
+
+// retryDryRun lists the rows of f that wait out a backoff, and changes nothing.
+func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, f messaging.OutboxFilter) error {
+	ctx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := messaging.WaitingOutboxMessages(ctx, db, f)
 	if err != nil {
 		return err
 	}
 	if len(rows) == 0 && f.Type != "" {
-		return fmt.Errorf("%w: no unsent row of type %q waits out a backoff", errNoMatch, printable(f.Type, 64))
+		return noneWaiting(f)
 	}
-	if dryRun {
-		if c.json() {
-			return writeJSON(c.out, outboxRowsResult{DryRun: true, Count: len(rows), Rows: toOutboxRows(rows)})
-		}
-		fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(rows))
-		if len(rows) == 0 {
-			return nil
-		}
-		return printOutboxRows(c.out, rows)
-	}
-	if len(rows) > 1 && !yes && c.interactive {
-		// The oldest, then a count: a backlog of a type the broker refused for an hour is
-		// hundreds of thousands of rows, which no one reads before answering.
-		if err := printOutboxRows(c.err, rows[:min(len(rows), shownBeforeAsking)]); err != nil {
-			return err
-		}
-		if more := len(rows) - shownBeforeAsking; more > 0 {
-			fmt.Fprintf(c.err, "... and %d more (--dry-run lists them all)\n", more)
-		}
-	}
-	if len(rows) > 1 {
-		if err := c.confirmBulk(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(rows))); err != nil {
-			return err
-		}
-	}
-	retried, tried, err := c.retryInBatches(ctx, db, rows, batch)
-	if skipped := tried - len(retried); skipped > 0 {
-		fmt.Fprintf(c.err, "%d of the %d rows listed were sent, parked or made due meanwhile, and left as they were\n", skipped, tried)
-	}
-	// What was made due before a failure or an interruption is due: say so either way.
 	if c.json() {
-		result := outboxRowsResult{Count: len(retried), Rows: toOutboxRows(retried), Interrupted: err != nil && ctx.Err() != nil}
-		if werr := writeJSON(c.out, result); werr != nil && err == nil {
-			err = werr
-		}
-		return err
+		return writeJSON(c.out, outboxRowsResult{DryRun: true, Count: len(rows), Rows: toOutboxRows(rows)})
 	}
-	if len(retried) == 0 && err != nil {
-		return err
+	fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(rows))
+	if len(rows) == 0 {
+		return nil
 	}
+	return printOutboxRows(c.out, rows)
+}
+
+func noneWaiting(f messaging.OutboxFilter) error {
+	return fmt.Errorf("%w: no unsent row of type %q waits out a backoff", errNoMatch, printable(f.Type, 64))
+}
+
+// showOldest shows, before retry asks, the oldest of the n rows listed, then a count: a
+// backlog of a type the broker refused for an hour is hundreds of thousands of rows, which no
+// one reads before answering.
+func (c *cli) showOldest(ctx context.Context, db messaging.DB, f messaging.OutboxFilter, n int) error {
+	f.Limit = min(n, shownBeforeAsking)
+	oldest, err := messaging.WaitingOutboxMessages(ctx, db, f)
 	if err != nil {
-		fmt.Fprintf(c.out, "%d of the %d failed outbox rows listed are due now; the last %d listed were not tried\n",
-			len(retried), len(rows), len(rows)-tried)
-	} else {
-		fmt.Fprintf(c.out, "%d failed outbox rows were waiting for their next attempt; they are due now\n", len(retried))
+		return err
 	}
-	if len(retried) > 0 {
-		if perr := printOutboxRows(c.out, retried); perr != nil && err == nil {
-			err = perr
-		}
+	if err := printOutboxRows(c.err, oldest); err != nil {
+		return err
 	}
-	return err
+	if more := n - len(oldest); more > 0 {
+		fmt.Fprintf(c.err, "... and %d more (--dry-run lists them all)\n", more)
+	}
+	return nil
 }
 
 // defaultRetryBatch is how many rows retry makes due in one transaction unless --batch says
@@ -292,34 +314,34 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 // in one took 25 s.
 const defaultRetryBatch = 10000
 
-// retryInBatches makes rows due, batch at a time, each batch in its own transaction within
-// dbTimeout, and says on stderr how far it got after each when there are several. An
-// interrupt stops it between batches: the batch under way commits first, so that every row
-// is either due or untouched and the count is exact. It returns the rows made due, how many
-// of rows it tried (those of the batches that committed), and why it stopped early.
-func (c *cli) retryInBatches(ctx context.Context, db messaging.DB, rows []messaging.OutboxMessage, batch int) (retried []messaging.OutboxMessage, tried int, err error) {
-	batches := (len(rows) + batch - 1) / batch
-	for n := 1; tried < len(rows); n++ {
+// retryInBatches makes the rows ids due, batch at a time, each batch in its own transaction
+// within dbTimeout, hands each batch's rows made due to done once it has committed, and says
+// on stderr how far it got after each when there are several. An interrupt stops it between
+// batches: the batch under way commits first, so that every row is either due or untouched and
+// the count is exact. It returns how many rows it made due, how many of ids it tried (those of
+// the batches that committed), and why it stopped early.
+func (c *cli) retryInBatches(ctx context.Context, db messaging.DB, ids []uuid.UUID, batch int, done func([]messaging.OutboxMessage) error) (retried, tried int, err error) {
+	batches := (len(ids) + batch - 1) / batch
+	for n := 1; tried < len(ids); n++ {
 		if ctx.Err() != nil {
 			return retried, tried, fmt.Errorf("interrupted after batch %d of %d: %d of the %d rows listed were tried, the other %d are unchanged (outboxctl retry --dry-run lists those still waiting)",
-				n-1, batches, tried, len(rows), len(rows)-tried)
+				n-1, batches, tried, len(ids), len(ids)-tried)
 		}
-		chunk := rows[tried:min(tried+batch, len(rows))]
-		ids := make([]uuid.UUID, len(chunk))
-		for i, r := range chunk {
-			ids[i] = r.ID
-		}
+		chunk := ids[tried:min(tried+batch, len(ids))]
 		// Not cancelled by an interrupt: the batch commits or fails whole, in its own time.
 		batchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
-		done, err := messaging.RetryListedOutboxMessages(batchCtx, db, ids)
+		rows, err := messaging.RetryListedOutboxMessages(batchCtx, db, chunk)
 		cancel()
 		if err != nil {
 			return retried, tried, fmt.Errorf("batch %d of %d: %d of the %d rows listed were tried before it, the other %d are unchanged: %w",
-				n, batches, tried, len(rows), len(rows)-tried, err)
+				n, batches, tried, len(ids), len(ids)-tried, err)
 		}
-		retried, tried = append(retried, done...), tried+len(chunk)
+		retried, tried = retried+len(rows), tried+len(chunk)
 		if batches > 1 {
-			fmt.Fprintf(c.err, "batch %d of %d: %d of %d rows tried, %d made due\n", n, batches, tried, len(rows), len(retried))
+			fmt.Fprintf(c.err, "batch %d of %d: %d of %d rows tried, %d made due\n", n, batches, tried, len(ids), retried)
+		}
+		if err := done(rows); err != nil {
+			return retried, tried, fmt.Errorf("print batch %d of %d (its rows are due): %w", n, batches, err)
 		}
 	}
 	return retried, tried, nil

@@ -600,3 +600,48 @@ func retryInterrupted(t *testing.T, format string) {
 		t.Error("the rows of the batches after the interrupt changed")
 	}
 }
+
+// retry prints each batch's rows once the batch has committed, before it makes the next batch
+// due: a backlog of millions is never held in memory to be printed at the end. The output
+// notes, at its first write, how many rows are due then: only the first batch's.
+func TestRetryPrintsEachBatchAsItCommits(t *testing.T) {
+	t.Parallel()
+	for _, format := range []string{"table", "json"} {
+		t.Run(format, func(t *testing.T) {
+			t.Parallel()
+			d := outboxDB(t)
+			waitingRows(t, d, 3000)
+			out := &dueAtFirstWrite{db: d.DB}
+			var stderr bytes.Buffer
+			code := run(context.Background(), []string{"retry", "--yes", "--batch", "1000", "-o", format, "--db", d.URL},
+				streams{in: strings.NewReader(""), out: out, err: &stderr})
+			said := strings.Contains(out.String(), "3000 failed outbox rows were waiting for their next attempt; they are due now")
+			if format == "json" {
+				got := decode[outboxRowsResult](t, out.String())
+				said = got.Count == 3000 && len(got.Rows) == 3000
+			}
+			if code != 0 || !said {
+				t.Fatalf("retry: exit %d, stdout %.300q, stderr %q; want 3000 rows made due", code, out.String(), stderr.String())
+			}
+			if out.due != 1000 {
+				t.Errorf("at retry's first output, %d rows were due; want the first batch's 1000, printed before the next batch", out.due)
+			}
+		})
+	}
+}
+
+// dueAtFirstWrite is an output that counts, at its first write, the rows due in db.
+type dueAtFirstWrite struct {
+	bytes.Buffer
+	db  *gorm.DB
+	due int64
+}
+
+func (w *dueAtFirstWrite) Write(p []byte) (int, error) {
+	if w.Len() == 0 {
+		if err := w.db.Raw(`SELECT count(*) FROM outbox_messages WHERE next_attempt_at <= now()`).Scan(&w.due).Error; err != nil {
+			return 0, err
+		}
+	}
+	return w.Buffer.Write(p)
+}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -85,12 +86,75 @@ func toOutboxRows(ms []messaging.OutboxMessage) []outboxRow {
 	return rows
 }
 
-// outboxRowsResult is what retry prints in -o json.
+// outboxRowsResult is what retry prints in -o json; rowStream prints the same, its count after
+// its rows.
 type outboxRowsResult struct {
 	DryRun      bool        `json:"dry_run"`
-	Count       int         `json:"count"`
 	Rows        []outboxRow `json:"rows"`
+	Count       int         `json:"count"`
 	Interrupted bool        `json:"interrupted,omitempty"` // retry stopped between its batches
+}
+
+// rowStream prints the rows retry made due as each batch commits, so that none is held once
+// printed: a table, each batch's part aligned on its own, then a summary line; or, in -o
+// json, an outboxRowsResult written a row at a time.
+type rowStream struct {
+	w    io.Writer
+	json bool
+	n    int // rows printed
+}
+
+func (s *rowStream) add(rows []messaging.OutboxMessage) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	if !s.json {
+		tw := newTable(s.w)
+		if s.n == 0 {
+			fmt.Fprintln(tw, outboxRowsHeader)
+		}
+		s.n += len(rows)
+		writeOutboxRows(tw, rows)
+		return tw.Flush()
+	}
+	var b bytes.Buffer
+	if s.n == 0 {
+		b.WriteString("{\n  \"dry_run\": false,\n  \"rows\": [")
+	}
+	enc := json.NewEncoder(&b)
+	enc.SetIndent("    ", "  ")
+	enc.SetEscapeHTML(false)
+	for _, m := range rows {
+		if s.n > 0 {
+			b.WriteString(",")
+		}
+		b.WriteString("\n    ")
+		if err := enc.Encode(toOutboxRow(m)); err != nil {
+			return err
+		}
+		b.Truncate(b.Len() - 1) // Encode's newline
+		s.n++
+	}
+	_, err := s.w.Write(b.Bytes())
+	return err
+}
+
+// end prints, after the rows, the summary line of a table, or the rest of the JSON result.
+func (s *rowStream) end(summary string, interrupted bool) error {
+	if !s.json {
+		_, err := fmt.Fprintln(s.w, summary)
+		return err
+	}
+	tail := "\n  ],\n"
+	if s.n == 0 {
+		tail = "{\n  \"dry_run\": false,\n  \"rows\": [],\n"
+	}
+	tail += fmt.Sprintf("  \"count\": %d", s.n)
+	if interrupted {
+		tail += ",\n  \"interrupted\": true"
+	}
+	_, err := io.WriteString(s.w, tail+"\n}\n")
+	return err
 }
 
 // outboxRowResult is what the outbox commands print in -o json.
@@ -103,12 +167,18 @@ type outboxRowResult struct {
 // the next attempt (or since when the row is parked, and why), the last error.
 func printOutboxRows(w io.Writer, rows []messaging.OutboxMessage) error {
 	tw := newTable(w)
-	fmt.Fprintln(tw, "MESSAGE ID\tTYPE\tATTEMPTS\tNEXT ATTEMPT\tLAST ERROR")
+	fmt.Fprintln(tw, outboxRowsHeader)
+	writeOutboxRows(tw, rows)
+	return tw.Flush()
+}
+
+const outboxRowsHeader = "MESSAGE ID\tTYPE\tATTEMPTS\tNEXT ATTEMPT\tLAST ERROR"
+
+func writeOutboxRows(tw *tabwriter.Writer, rows []messaging.OutboxMessage) {
 	now := time.Now()
 	for _, m := range rows {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", m.ID, printable(m.Type, 64), m.Attempts, nextAttempt(m, now), printable(deref(m.LastError), 200))
 	}
-	return tw.Flush()
 }
 
 // describeRow says in one line what an operator needs to know of one row.

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// The rows retry prints a batch at a time in -o json make, byte for byte, the document
+// writeJSON makes of them all at once: with rows in several batches, with none, interrupted.
+func TestRowStreamWritesWhatWriteJSONWrites(t *testing.T) {
+	t.Parallel()
+	errText := `refused: "<b>&"`
+	row := func(i int) messaging.OutboxMessage {
+		return messaging.OutboxMessage{ID: uuid.New(), Type: "OrderPlaced", OccurredAt: time.Unix(int64(i), 0),
+			Attempts: i, LastError: &errText, NextAttemptAt: time.Unix(int64(i), 5)}
+	}
+	for _, tc := range []struct {
+		name        string
+		batches     [][]messaging.OutboxMessage
+		interrupted bool
+	}{
+		{"several batches", [][]messaging.OutboxMessage{{row(1), row(2)}, {}, {row(3)}}, false},
+		{"none", nil, false},
+		{"an empty batch, interrupted", [][]messaging.OutboxMessage{{}}, true},
+		{"one batch, interrupted", [][]messaging.OutboxMessage{{row(4)}}, true},
+	} {
+		var streamed, whole bytes.Buffer
+		s := &rowStream{w: &streamed, json: true}
+		want := outboxRowsResult{Rows: []outboxRow{}, Interrupted: tc.interrupted}
+		for _, b := range tc.batches {
+			if err := s.add(b); err != nil {
+				t.Fatal(err)
+			}
+			want.Rows = append(want.Rows, toOutboxRows(b)...)
+		}
+		if err := s.end("", tc.interrupted); err != nil {
+			t.Fatal(err)
+		}
+		want.Count = len(want.Rows)
+		if err := writeJSON(&whole, want); err != nil {
+			t.Fatal(err)
+		}
+		if streamed.String() != whole.String() {
+			t.Errorf("%s: streamed\n%s\nwant\n%s", tc.name, streamed.String(), whole.String())
+		}
+	}
+}
