@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +18,72 @@ import (
 // resource exists. A resource that is missing is an error that names it.
 func TestTopologyDeclareAcceptsWhatTheDeploymentDeclared(t *testing.T) {
 	t.Parallel()
+	v := restrictedVhost(t, "^$", ".*", ".*")
+	err := declaredTopology.Declare(v.restricted, nil)
+	if err == nil || !strings.Contains(err.Error(), `exchange orders: refused`) || !strings.Contains(err.Error(), "does not exist") {
+		t.Fatalf("declare on an empty vhost without permission = %v, want the exchange named as missing", err)
+	}
+	if err := declaredTopology.Declare(v.dial("guest:guest"), nil); err != nil {
+		t.Fatalf("the deployment's declaration: %v", err)
+	}
+	if err := declaredTopology.Declare(v.restricted, nil); err != nil {
+		t.Fatalf("declare what the deployment declared, without permission: %v", err)
+	}
+	ch, err := v.dial("guest:guest").Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDelete(messaging.DeadLetterQueue("invoicing"), false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := declaredTopology.Declare(v.restricted, nil); err == nil || !strings.Contains(err.Error(), "dead-letter queue invoicing.dlq: refused") {
+		t.Fatalf("declare with the dead-letter queue gone = %v, want it named as missing", err)
+	}
+}
+
+// A user with no right at all on the deployment's resources (a producer that declares its
+// consumers' queues, as each service does, under a user of its own) still declares the
+// topology: RabbitMQ from 4.2.6 on refuses it even the passive declaration that would say
+// whether a resource exists, and that refusal is accepted, and logged as the deployment's to
+// guarantee. Earlier brokers answer the passive declaration: there each resource is found.
+func TestTopologyDeclareAcceptsWhatItMayNotEvenSee(t *testing.T) {
+	t.Parallel()
+	v := restrictedVhost(t, "^$", "^$", "^$")
+	if err := declaredTopology.Declare(v.dial("guest:guest"), nil); err != nil {
+		t.Fatalf("the deployment's declaration: %v", err)
+	}
+	log, logs := testenv.NewLogger(t)
+	if err := declaredTopology.Declare(v.restricted, log); err != nil {
+		t.Fatalf("declare what the deployment declared, with no right on it: %v", err)
+	}
+	for _, what := range []string{"exchange orders", "exchange billing", "queue invoicing",
+		"binding of queue invoicing to orders/OrderPlaced", "binding of queue invoicing to billing/Refund", "dead-letter queue invoicing.dlq"} {
+		if len(logs.Lines("not allowed to declare "+what+",", what+", nor"))+len(logs.Lines("not allowed to declare "+what+";")) != 1 {
+			t.Errorf("the refused declaration of %s was not logged once as accepted", what)
+		}
+	}
+	version, _ := v.restricted.Properties["version"].(string)
+	if hidden := len(logs.Lines("nor to see whether it exists")); hidden == 0 && hidesResources(version) {
+		t.Errorf("RabbitMQ %s answered the passive declarations: the test shows nothing there", version)
+	}
+}
+
+// declaredTopology is what the deployment declares in the tests of a restricted user.
+var declaredTopology = messaging.Topology{Exchanges: []string{"orders"}, Queues: []messaging.ConsumerTopology{
+	{Queue: "invoicing", Bindings: []messaging.Binding{{Exchange: "orders", RoutingKey: "OrderPlaced"}, {Exchange: "billing", RoutingKey: "Refund"}}},
+}}
+
+// vhostOf is a vhost of its own and a connection to it as a user of restricted permissions.
+type vhostOf struct {
+	t          *testing.T
+	name       string
+	restricted *amqp.Connection
+}
+
+// restrictedVhost makes a vhost where guest may do anything and a new user only what the
+// permissions' regular expressions allow.
+func restrictedVhost(t *testing.T, configure, write, read string) vhostOf {
+	t.Helper()
 	vhost, user := testenv.UniqueName("topology"), testenv.UniqueName("declarer")
 	t.Cleanup(func() {
 		testenv.RabbitMQCtlQuietly("delete_vhost", vhost)
@@ -25,41 +92,31 @@ func TestTopologyDeclareAcceptsWhatTheDeploymentDeclared(t *testing.T) {
 	testenv.RabbitMQCtl(t, "add_vhost", vhost)
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
 	testenv.RabbitMQCtl(t, "add_user", user, "secret")
-	testenv.RabbitMQCtl(t, "set_permissions", "-p", vhost, user, "^$", ".*", ".*")
-	topology := messaging.Topology{Exchanges: []string{"orders"}, Queues: []messaging.ConsumerTopology{
-		{Queue: "invoicing", Bindings: []messaging.Binding{{Exchange: "orders", RoutingKey: "OrderPlaced"}, {Exchange: "billing", RoutingKey: "Refund"}}},
-	}}
-	dial := func(login string) *amqp.Connection {
-		t.Helper()
-		url := strings.Replace(testenv.AMQPURL(), "guest:guest@", login+"@", 1) + vhost
-		conn, err := amqp.Dial(url)
-		if err != nil {
-			t.Fatalf("dial as %s: %v", login, err)
-		}
-		t.Cleanup(func() { _ = conn.Close() })
-		return conn
-	}
-	restricted := dial(user + ":secret")
-	err := topology.Declare(restricted, nil)
-	if err == nil || !strings.Contains(err.Error(), `exchange orders: refused`) || !strings.Contains(err.Error(), "does not exist") {
-		t.Fatalf("declare on an empty vhost without permission = %v, want the exchange named as missing", err)
-	}
-	if err := topology.Declare(dial("guest:guest"), nil); err != nil {
-		t.Fatalf("the deployment's declaration: %v", err)
-	}
-	if err := topology.Declare(restricted, nil); err != nil {
-		t.Fatalf("declare what the deployment declared, without permission: %v", err)
-	}
-	ch, err := dial("guest:guest").Channel()
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", vhost, user, configure, write, read)
+	v := vhostOf{t: t, name: vhost}
+	v.restricted = v.dial(user + ":secret")
+	return v
+}
+
+func (v vhostOf) dial(login string) *amqp.Connection {
+	v.t.Helper()
+	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", login+"@", 1) + v.name
+	conn, err := amqp.Dial(url)
 	if err != nil {
-		t.Fatal(err)
+		v.t.Fatalf("dial as %s: %v", login, err)
 	}
-	if _, err := ch.QueueDelete(messaging.DeadLetterQueue("invoicing"), false, false, false); err != nil {
-		t.Fatal(err)
+	v.t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// hidesResources reports whether RabbitMQ version refuses a passive declaration to a user
+// with no permission on the resource: 4.2.6 and later 4.2 releases, 4.3 and later.
+func hidesResources(version string) bool {
+	var major, minor, patch int
+	if _, err := fmt.Sscanf(version, "%d.%d.%d", &major, &minor, &patch); err != nil {
+		return false
 	}
-	if err := topology.Declare(restricted, nil); err == nil || !strings.Contains(err.Error(), "dead-letter queue invoicing.dlq: refused") {
-		t.Fatalf("declare with the dead-letter queue gone = %v, want it named as missing", err)
-	}
+	return major > 4 || major == 4 && (minor > 2 || minor == 2 && patch >= 6)
 }
 
 // The queue's own delivery limit is the backstop behind the consumer's: a message that fails
