@@ -130,7 +130,9 @@ func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq s
 // their order. It returns the moved messages; [ErrDeadLetterNotFound] if sel.Match was given
 // and picked none. An error after some moved leaves them moved; one that wraps
 // [ErrRedriveInDoubt] says the next picked may be in both queues. Cancelling ctx stops it
-// before the next message is published.
+// before the next message is published; the confirm of one published already is waited for,
+// so that an interrupt leaves that message moved, not in doubt (but for no longer than the
+// connection lasts once ctx has ended, 6 s, nor 15 s in all).
 func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) ([]DeadLetter, error) {
 	var moved []DeadLetter
 	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
@@ -327,16 +329,18 @@ func countedBack(ch *amqp.Channel, queue string, waiting int, deadline time.Time
 	return false
 }
 
-// redrive publishes d to queue through the default exchange and waits for the broker to
-// confirm it and route it.
+// redrive publishes d to queue through the default exchange, unless ctx has ended, and waits
+// for the broker to confirm it and route it. Once published, the copy's confirm is waited for
+// even if ctx ends meanwhile: given up, it would leave the message in both queues, where the
+// confirm, which comes within milliseconds of a broker that answers, settles where it is.
 func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, queue string, d amqp.Delivery) error {
-	ctx, cancel := context.WithTimeout(ctx, deadLetterTimeout)
-	defer cancel()
 	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, redriveCopy(d))
 	if err != nil {
 		return fmt.Errorf("publish to %q: %w", queue, err)
 	}
-	acked, err := dc.WaitContext(ctx)
+	waitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), deadLetterTimeout)
+	defer cancel()
+	acked, err := dc.WaitContext(waitCtx)
 	switch {
 	case err != nil:
 		return fmt.Errorf("published, but no confirm from the broker: %w: %w", ErrRedriveInDoubt, err)
