@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -137,8 +138,9 @@ alone (outboxctl outbox unpark sends one).
 
 It lists the rows first, and retries exactly those, --batch at a time (10,000 by default),
 each batch in its own transaction, printing each batch's rows as it commits and saying on
-stderr how far it got. With --dry-run it only lists them. When more than one row would be retried it asks on a terminal; without one (a
-script) it goes on: a retry loses nothing. An interrupt (Ctrl-C) stops it once the batch under
+stderr how far it got. With --dry-run it only lists them (--batch at a time too). When more
+than one row would be retried it asks on a terminal; without one (a script) it goes on: a
+retry loses nothing. An interrupt (Ctrl-C) stops it once the batch under
 way has committed: the rows of the batches done are due, the others unchanged, and it exits 1
 saying how many; run it again for the rest.
 
@@ -225,9 +227,6 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 		return err
 	}
 	defer done()
-	if dryRun {
-		return c.retryDryRun(ctx, db, f)
-	}
 	listCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	ids, err := messaging.WaitingOutboxMessageIDs(listCtx, db, f)
@@ -235,7 +234,10 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 		return err
 	}
 	if len(ids) == 0 && f.Type != "" {
-		return noneWaiting(f)
+		return fmt.Errorf("%w: no unsent row of type %q waits out a backoff", errNoMatch, printable(f.Type, 64))
+	}
+	if dryRun {
+		return c.retryDryRun(ctx, db, ids, batch)
 	}
 	if len(ids) > 1 {
 		if !yes && c.interactive {
@@ -266,29 +268,28 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	return err
 }
 
-// retryDryRun lists the rows of f that wait out a backoff, and changes nothing.
-func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, f messaging.OutboxFilter) error {
-	ctx, cancel := context.WithTimeout(ctx, dbTimeout)
-	defer cancel()
-	rows, err := messaging.WaitingOutboxMessages(ctx, db, f)
-	if err != nil {
-		return err
+// retryDryRun prints the rows ids as they are now, a batch at a time, and changes nothing.
+func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID, batch int) error {
+	if !c.json() {
+		fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(ids))
 	}
-	if len(rows) == 0 && f.Type != "" {
-		return noneWaiting(f)
+	out := &rowStream{w: c.out, json: c.json(), dryRun: true}
+	var err error
+	for chunk := range slices.Chunk(ids, batch) {
+		batchCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+		rows, rerr := messaging.ListedOutboxMessages(batchCtx, db, chunk)
+		cancel()
+		if err = rerr; err == nil {
+			err = out.add(rows)
+		}
+		if err != nil {
+			break
+		}
 	}
-	if c.json() {
-		return writeJSON(c.out, outboxRowsResult{DryRun: true, Count: len(rows), Rows: toOutboxRows(rows)})
+	if eerr := out.end("", false); eerr != nil && err == nil {
+		err = eerr
 	}
-	fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(rows))
-	if len(rows) == 0 {
-		return nil
-	}
-	return printOutboxRows(c.out, rows)
-}
-
-func noneWaiting(f messaging.OutboxFilter) error {
-	return fmt.Errorf("%w: no unsent row of type %q waits out a backoff", errNoMatch, printable(f.Type, 64))
+	return err
 }
 
 // showOldest shows, before retry asks, the oldest of the n rows listed, then a count: a

@@ -225,9 +225,11 @@ func TestRetryDryRunTypeAndLimit(t *testing.T) {
 	ok(t, "outbox", "park", "--id", placed[0].String(), "--db", d.URL)
 	before := outboxState(t, d)
 
-	dry := okJSON[outboxRowsResult](t, "retry", "--dry-run", "--db", d.URL)
-	if !dry.DryRun || dry.Count != 3 || !slices.Equal(rowIDs(dry.Rows), []uuid.UUID{placed[1], placed[2], issued[0]}) {
-		t.Errorf("retry --dry-run -o json: %+v; want rows 1, 2 and the InvoiceIssued, oldest first, the parked one aside", dry)
+	for _, batch := range []string{"10000", "1"} { // one read, and a read per row
+		dry := okJSON[outboxRowsResult](t, "retry", "--dry-run", "--batch", batch, "--db", d.URL)
+		if !dry.DryRun || dry.Count != 3 || !slices.Equal(rowIDs(dry.Rows), []uuid.UUID{placed[1], placed[2], issued[0]}) {
+			t.Errorf("retry --dry-run --batch %s -o json: %+v; want rows 1, 2 and the InvoiceIssued, oldest first, the parked one aside", batch, dry)
+		}
 	}
 	out := ok(t, "retry", "--dry-run", "--db", d.URL, "--type", "OrderPlaced", "--limit", "1")
 	if !strings.Contains(out, "would make 1 failed outbox rows due now (dry run") || !strings.Contains(out, placed[1].String()) ||

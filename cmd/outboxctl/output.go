@@ -95,13 +95,14 @@ type outboxRowsResult struct {
 	Interrupted bool        `json:"interrupted,omitempty"` // retry stopped between its batches
 }
 
-// rowStream prints the rows retry made due as each batch commits, so that none is held once
-// printed: a table, each batch's part aligned on its own, then a summary line; or, in -o
-// json, an outboxRowsResult written a row at a time.
+// rowStream prints the rows retry made due as each batch commits (or, in a dry run, as each
+// batch is read), so that none is held once printed: a table, each batch's part aligned on
+// its own, then a summary line; or, in -o json, an outboxRowsResult written a row at a time.
 type rowStream struct {
-	w    io.Writer
-	json bool
-	n    int // rows printed
+	w      io.Writer
+	json   bool
+	dryRun bool
+	n      int // rows printed
 }
 
 func (s *rowStream) add(rows []messaging.OutboxMessage) error {
@@ -119,7 +120,7 @@ func (s *rowStream) add(rows []messaging.OutboxMessage) error {
 	}
 	var b bytes.Buffer
 	if s.n == 0 {
-		b.WriteString("{\n  \"dry_run\": false,\n  \"rows\": [")
+		b.WriteString(s.head())
 	}
 	enc := json.NewEncoder(&b)
 	enc.SetIndent("    ", "  ")
@@ -139,15 +140,23 @@ func (s *rowStream) add(rows []messaging.OutboxMessage) error {
 	return err
 }
 
-// end prints, after the rows, the summary line of a table, or the rest of the JSON result.
+func (s *rowStream) head() string {
+	return fmt.Sprintf("{\n  \"dry_run\": %t,\n  \"rows\": [", s.dryRun)
+}
+
+// end prints, after the rows, the summary line of a table (if any), or the rest of the JSON
+// result.
 func (s *rowStream) end(summary string, interrupted bool) error {
 	if !s.json {
+		if summary == "" {
+			return nil
+		}
 		_, err := fmt.Fprintln(s.w, summary)
 		return err
 	}
 	tail := "\n  ],\n"
 	if s.n == 0 {
-		tail = "{\n  \"dry_run\": false,\n  \"rows\": [],\n"
+		tail = s.head() + "],\n"
 	}
 	tail += fmt.Sprintf("  \"count\": %d", s.n)
 	if interrupted {

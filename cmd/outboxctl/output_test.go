@@ -11,7 +11,8 @@ import (
 )
 
 // The rows retry prints a batch at a time in -o json make, byte for byte, the document
-// writeJSON makes of them all at once: with rows in several batches, with none, interrupted.
+// writeJSON makes of them all at once: with rows in several batches, with none, interrupted,
+// in a dry run.
 func TestRowStreamWritesWhatWriteJSONWrites(t *testing.T) {
 	t.Parallel()
 	errText := `refused: "<b>&"`
@@ -22,16 +23,19 @@ func TestRowStreamWritesWhatWriteJSONWrites(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
 		batches     [][]messaging.OutboxMessage
+		dryRun      bool
 		interrupted bool
 	}{
-		{"several batches", [][]messaging.OutboxMessage{{row(1), row(2)}, {}, {row(3)}}, false},
-		{"none", nil, false},
-		{"an empty batch, interrupted", [][]messaging.OutboxMessage{{}}, true},
-		{"one batch, interrupted", [][]messaging.OutboxMessage{{row(4)}}, true},
+		{"several batches", [][]messaging.OutboxMessage{{row(1), row(2)}, {}, {row(3)}}, false, false},
+		{"none", nil, false, false},
+		{"an empty batch, interrupted", [][]messaging.OutboxMessage{{}}, false, true},
+		{"one batch, interrupted", [][]messaging.OutboxMessage{{row(4)}}, false, true},
+		{"a dry run", [][]messaging.OutboxMessage{{row(5)}, {row(6)}}, true, false},
+		{"a dry run of none", nil, true, false},
 	} {
 		var streamed, whole bytes.Buffer
-		s := &rowStream{w: &streamed, json: true}
-		want := outboxRowsResult{Rows: []outboxRow{}, Interrupted: tc.interrupted}
+		s := &rowStream{w: &streamed, json: true, dryRun: tc.dryRun}
+		want := outboxRowsResult{DryRun: tc.dryRun, Rows: []outboxRow{}, Interrupted: tc.interrupted}
 		for _, b := range tc.batches {
 			if err := s.add(b); err != nil {
 				t.Fatal(err)

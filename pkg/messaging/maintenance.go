@@ -111,6 +111,19 @@ func WaitingOutboxMessageIDs(ctx context.Context, db Executor, f OutboxFilter) (
 	return ids, nil
 }
 
+// ListedOutboxMessages returns the rows ids, as they are now and without their payloads, the
+// oldest first: a tool shows a backlog listed by [WaitingOutboxMessageIDs] a batch at a time.
+func ListedOutboxMessages(ctx context.Context, db Executor, ids []uuid.UUID) ([]OutboxMessage, error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	out, err := queryOutbox(ctx, db, false, statements.ListedOutbox, uuidArray(ids))
+	if err != nil {
+		return nil, fmt.Errorf("read outbox rows: %w", err)
+	}
+	return out, nil
+}
+
 // Errors of the functions that act on one outbox row; each is wrapped with the row's id.
 var (
 	// ErrNoOutboxMessage: no row has the id.

@@ -158,6 +158,10 @@ func TestParkedRowIsSetApart(t *testing.T) {
 			t.Errorf("WaitingOutboxMessageIDs(%+v) = %v, %v; want %v", tc.f, got, err, tc.want)
 		}
 	}
+	listed, err := messaging.ListedOutboxMessages(ctx, db, []uuid.UUID{ids[3], ids[1], uuid.New()})
+	if err != nil || len(listed) != 2 || listed[0].ID != ids[1] || listed[1].ID != ids[3] || listed[0].Attempts != 1 || listed[0].Payload != nil {
+		t.Errorf("ListedOutboxMessages = %+v, %v; want rows 1 and 3, the oldest first, without payloads", listed, err)
+	}
 	if n, err := messaging.RetryOutboxMessages(ctx, db); err != nil || n != 1 {
 		t.Errorf("RetryOutboxMessages = %d, %v; want row 1 only", n, err)
 	}

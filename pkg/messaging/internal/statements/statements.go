@@ -138,6 +138,12 @@ LIMIT $1`
 	// WaitingOutboxIDs lists the ids of the rows WaitingOutbox lists, in its order.
 	WaitingOutboxIDs = `SELECT id` + waitingOutbox
 
+	// ListedOutbox reads the rows $1 (an array of ids), the oldest first.
+	ListedOutbox = `SELECT ` + OutboxColumns + `
+FROM outbox_messages
+WHERE id = ANY($1::uuid[])
+ORDER BY occurred_at, id`
+
 	waitingOutbox = `
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at > now() AND parked_at IS NULL AND ($1 = '' OR type = $1)
