@@ -7,8 +7,9 @@
 #   1. the whole suite against RabbitMQ 4.3, the broker compose ships: a node of its own that
 #      scripts/sidroot.sh provisions (once, cached) and starts beside the machine's;
 #   2. the library's suite (pkg/messaging/...) against the machine's RabbitMQ (3.10 here),
-#      the oldest broker the library supports, and against RabbitMQ 4.0 (Debian 13's, started
-#      the same way), between the two;
+#      the oldest broker the library supports, with the services' suite and the end-to-end
+#      exactly-once and fault tests; and the library's against RabbitMQ 4.0 (Debian 13's,
+#      started the same way), between the two;
 #   3. alone, the tests that restart the real servers, against each broker in turn.
 # In compose mode (TEST_SERVERS=compose) compose's test broker (4.3) stands in for all.
 set -euo pipefail
@@ -213,11 +214,21 @@ suite() {
     "$report/testreport" -allow "$ALLOWED_SKIPS" -collect TEST_SERVER_RESTARTS -skipped "$report/restarts-$broker"
 }
 
+# The end-to-end tests of exactly once and of faults, run against the machine's broker as well:
+# the services over the oldest broker the library supports. The rest of ./e2e/ runs against 4.3
+# only: the walkthrough and the trace take the same paths as these, the configuration errors
+# reach no broker, the alerts need 4.3's Prometheus, the server restarts run alone.
+machine_e2e_tests='TestReplicasUnderLoad|TestKilledServicesUnderLoad|TestGracefulShutdownUnderLoad|TestPoisonMessagesAreDeadLettered|TestBrokerOutage60s|TestAConsumerThatStartsLastMissesNothing'
+
 say "go test -race, the whole suite, against RabbitMQ 4.3"
 suite 4.3 ./... "$library_packages" "$example_packages"
 if [ "$mode" = local ]; then
   say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
   suite machine $library_packages
+  say "go test -race, the services' suite and the end-to-end exactly-once and fault tests, against the machine's RabbitMQ"
+  with_broker machine go test -json -race -count=1 -timeout 15m ./services/... | "$report/testreport" -allow "$ALLOWED_SKIPS"
+  with_broker machine go test -json -race -count=1 -timeout 15m -run "^($machine_e2e_tests)\$" ./e2e/ |
+    "$report/testreport" -allow "$ALLOWED_SKIPS" -want "$(printf '%s' "$machine_e2e_tests" | awk -F'|' '{ print NF }')"
   say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"
   started="$started trixie"
   trixie_env=$(trixie start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
