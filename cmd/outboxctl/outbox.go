@@ -268,7 +268,8 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	return err
 }
 
-// retryDryRun prints the rows ids as they are now, a batch at a time, and changes nothing.
+// retryDryRun prints the rows ids as they are now, a batch at a time, and changes nothing. An
+// interrupt stops it between two batches.
 func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID, batch int) error {
 	if !c.json() {
 		fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(ids))
@@ -286,7 +287,12 @@ func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID,
 			break
 		}
 	}
-	if eerr := out.end("", false); eerr != nil && err == nil {
+	// An interrupt stops it between two reads: the result says the rows shown are not all.
+	interrupted := err != nil && ctx.Err() != nil
+	if interrupted {
+		err = fmt.Errorf("interrupted: %d of the %d rows listed were shown: %w", out.n, len(ids), err)
+	}
+	if eerr := out.end("", interrupted); eerr != nil && err == nil {
 		err = eerr
 	}
 	return err

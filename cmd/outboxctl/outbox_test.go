@@ -647,3 +647,34 @@ func (w *dueAtFirstWrite) Write(p []byte) (int, error) {
 	}
 	return w.Buffer.Write(p)
 }
+
+// An interrupt stops a dry run between its reads, and its -o json result says so: the rows
+// shown are not all those listed. Here the interrupt comes as the first row is printed, with a
+// read per row.
+func TestRetryDryRunInterruptedSaysSo(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	waitingRows(t, d, 3)
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	out := &interruptAtFirstWrite{interrupt: interrupt}
+	var stderr bytes.Buffer
+	code := run(ctx, []string{"retry", "--dry-run", "--batch", "1", "-o", "json", "--db", d.URL},
+		streams{in: strings.NewReader(""), out: out, err: &stderr})
+	got := decode[outboxRowsResult](t, out.String())
+	if code != exitFailure || !got.DryRun || got.Count != 1 || len(got.Rows) != 1 || !got.Interrupted ||
+		!strings.Contains(stderr.String(), "interrupted: 1 of the 3 rows listed were shown") {
+		t.Errorf("dry run interrupted at its first row: exit %d, %+v, stderr %q; want 1, and the one row shown, interrupted", code, got, stderr.String())
+	}
+}
+
+// interruptAtFirstWrite is an output that interrupts the command at its first write.
+type interruptAtFirstWrite struct {
+	bytes.Buffer
+	interrupt func()
+}
+
+func (w *interruptAtFirstWrite) Write(p []byte) (int, error) {
+	w.interrupt()
+	return w.Buffer.Write(p)
+}

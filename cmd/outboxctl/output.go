@@ -92,7 +92,7 @@ type outboxRowsResult struct {
 	DryRun      bool        `json:"dry_run"`
 	Rows        []outboxRow `json:"rows"`
 	Count       int         `json:"count"`
-	Interrupted bool        `json:"interrupted,omitempty"` // retry stopped between its batches
+	Interrupted bool        `json:"interrupted,omitempty"` // retry, or its dry run, stopped between its batches
 }
 
 // rowStream prints the rows retry made due as each batch commits (or, in a dry run, as each
