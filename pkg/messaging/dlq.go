@@ -36,9 +36,10 @@ type DeadLetterConfig struct {
 var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue")
 
 // ErrRedriveInDoubt is wrapped by the error of [RedriveDeadLetters] when the message it was
-// moving may be in both queues: its copy was published but no confirm came (an interrupt, a
-// timeout, a lost connection), or the broker confirmed it and its acknowledgement in the
-// dead-letter queue failed. It is the first of the picked messages not among those moved.
+// moving may be in both queues: its copy was published but no confirm came (none within 15 s,
+// or within 5 s of an interrupt; a lost connection), or the broker confirmed it and its
+// acknowledgement in the dead-letter queue failed. It is the first of the picked messages not
+// among those moved.
 var ErrRedriveInDoubt = errors.New("the message may be in both queues")
 
 // The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
@@ -60,7 +61,7 @@ var deadLetterHeaders = []string{
 // move them back in the queue: a quorum queue may put the messages handed back behind the
 // others (seen on RabbitMQ 3.10 and 4.x alike).
 func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig, limit int) (listed []DeadLetter, waiting int, err error) {
-	err = withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, ready int) error {
+	err = withDeadLetterQueue(ctx, cfg, 0, func(ch *amqp.Channel, dlq string, ready int) error {
 		waiting = ready
 		held, err := take(ctx, ch, dlq, window(ready, limit))
 		defer handBack(ch, dlq, held)
@@ -131,11 +132,12 @@ func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq s
 // and picked none. An error after some moved leaves them moved; one that wraps
 // [ErrRedriveInDoubt] says the next picked may be in both queues. Cancelling ctx stops it
 // before the next message is published; the confirm of one published already is waited for,
-// so that an interrupt leaves that message moved, not in doubt (but for no longer than the
-// connection lasts once ctx has ended, 6 s, nor 15 s in all).
+// so that an interrupt leaves that message moved, not in doubt, but for 5 s at most once ctx
+// has ended, nor 15 s in all: a confirm that does not come by then leaves that message in
+// doubt, and the others held are handed back in their order all the same.
 func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) ([]DeadLetter, error) {
 	var moved []DeadLetter
-	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
+	err := withDeadLetterQueue(ctx, cfg, redriveConfirmGrace, func(ch *amqp.Channel, dlq string, waiting int) error {
 		// The queue must exist: publishing to a missing one would only come back unroutable.
 		if _, err := ch.QueueDeclarePassive(cfg.Queue, true, false, false, false, nil); err != nil {
 			return fmt.Errorf("queue %q: %w", cfg.Queue, err)
@@ -196,7 +198,7 @@ func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSel
 		return true
 	}
 	var dropped DeadLetter
-	err := withDeadLetterQueue(ctx, cfg, func(ch *amqp.Channel, dlq string, waiting int) error {
+	err := withDeadLetterQueue(ctx, cfg, 0, func(ch *amqp.Channel, dlq string, waiting int) error {
 		held, picked, err := sel.pick(ctx, ch, dlq, waiting)
 		kept := held
 		defer func() { handBack(ch, dlq, kept) }()
@@ -224,8 +226,10 @@ func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSel
 }
 
 // withDeadLetterQueue connects, checks that the dead-letter queue exists, and runs fn with a
-// channel, the queue's name, and how many messages wait in it now.
-func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *amqp.Channel, dlq string, waiting int) error) error {
+// channel, the queue's name, and how many messages wait in it now. Once ctx has ended, fn may
+// go on for settle with what it has under way (a redrive's confirm), then hand back what it
+// holds.
+func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, settle time.Duration, fn func(ch *amqp.Channel, dlq string, waiting int) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -234,14 +238,14 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, fn func(ch *
 		return err
 	}
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
-	// An interrupt ends the operation, which then hands back what it holds, in order. The
-	// connection is closed only if that takes longer than it may (a broker that does not
-	// answer, or tens of thousands of messages held): the broker then takes back whatever is
-	// still held, in an order of its own.
+	// An interrupt ends the operation, which then settles what it has under way and hands
+	// back what it holds, in order. The connection is closed only if that takes longer than it
+	// may (a broker that does not answer, or tens of thousands of messages held): the broker
+	// then takes back whatever is still held, in an order of its own.
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		select {
-		case <-time.After(handBackWait + time.Second):
+		case <-time.After(settle + handBackWait + time.Second):
 			_ = conn.CloseDeadline(time.Now())
 		case <-done:
 		}
@@ -329,10 +333,17 @@ func countedBack(ch *amqp.Channel, queue string, waiting int, deadline time.Time
 	return false
 }
 
+// redriveConfirmGrace is how long a redrive, once its context has ended, still waits for the
+// confirm of the copy it published already. A broker that answers confirms within
+// milliseconds; one that does not confirm by then leaves the message in doubt, and the
+// messages held are handed back, in order, before the connection is closed.
+const redriveConfirmGrace = 5 * time.Second
+
 // redrive publishes d to queue through the default exchange, unless ctx has ended, and waits
 // for the broker to confirm it and route it. Once published, the copy's confirm is waited for
-// even if ctx ends meanwhile: given up, it would leave the message in both queues, where the
-// confirm, which comes within milliseconds of a broker that answers, settles where it is.
+// even if ctx ends meanwhile, for redriveConfirmGrace more: given up, it would leave the
+// message in both queues, where the confirm, which comes within milliseconds of a broker that
+// answers, settles where it is.
 func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, queue string, d amqp.Delivery) error {
 	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, redriveCopy(d))
 	if err != nil {
@@ -340,6 +351,8 @@ func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, 
 	}
 	waitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), deadLetterTimeout)
 	defer cancel()
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(redriveConfirmGrace, cancel) })
+	defer stop()
 	acked, err := dc.WaitContext(waitCtx)
 	switch {
 	case err != nil:

@@ -2,7 +2,10 @@ package test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -98,5 +101,72 @@ func TestADropShowsAndRemovesTheFirstMatchOnly(t *testing.T) {
 	}
 	if !slices.Equal(got, []string{other, twice}) {
 		t.Fatalf("after the drop %s holds %q, want the other message and the second copy", dlq, got)
+	}
+}
+
+// A redrive interrupted while the broker does not confirm the copy under way (here the
+// consumer queue's process is suspended once the messages are held: it takes the copy and
+// confirms nothing) gives that confirm up a while after the interrupt, in doubt, and still
+// hands back every message it holds in their order, that one among them, before its
+// connection is closed. The consumer queue is a classic queue: the dead-letter queue's channel
+// goes on answering while the queue's process is suspended.
+func TestARedriveInterruptedWithoutAConfirmHandsBackInOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	queue := testenv.UniqueName("classic")
+	dlq := messaging.DeadLetterQueue(queue)
+	testenv.CleanupBroker(t, []string{queue, dlq}, nil)
+	if _, err := b.ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.ch.QueueDeclare(dlq, true, false, false, false, messaging.ConsumerTopology{Queue: queue}.DeadLetterArguments()); err != nil {
+		t.Fatal(err)
+	}
+	ids := make([]string, 100) // beyond the 32 a quorum queue takes back in order at a close
+	for i := range ids {
+		ids[i] = uuid.NewString()
+		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: ids[i], Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	uri, err := amqp.ParseURI(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The process that suspends the queue's resumes it when it ends: at a message, or after 30 s.
+	suspender := "outbox_test_" + strings.ReplaceAll(queue, "-", "_")
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("eval", fmt.Sprintf(`catch %s ! resume, ok.`, suspender)) })
+	suspend := fmt.Sprintf(`{ok, Q} = rabbit_amqqueue:lookup(rabbit_misc:r(<<%q>>, queue, <<%q>>)), P = amqqueue:get_pid(Q),
+		Self = self(), S = spawn(fun() -> erlang:suspend_process(P), Self ! suspended, receive _ -> ok after 30000 -> ok end end),
+		register(%s, S), receive suspended -> ok after 5000 -> timeout end.`, uri.Vhost, queue, suspender)
+
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	var confirmed time.Time
+	moved, err := messaging.RedriveDeadLetters(ctx, messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: queue},
+		messaging.DeadLetterSelection{Confirm: func([]messaging.DeadLetter, int) error {
+			if out := strings.TrimSpace(testenv.RabbitMQCtl(t, "eval", suspend)); out != "ok" {
+				return fmt.Errorf("suspend %s: %s", queue, out)
+			}
+			// The first copy is published as this returns, and waits for its confirm.
+			confirmed = time.Now()
+			time.AfterFunc(2*time.Second, interrupt)
+			return nil
+		}})
+	took := time.Since(confirmed) - 2*time.Second
+	if !errors.Is(err, messaging.ErrRedriveInDoubt) || len(moved) != 0 {
+		t.Fatalf("redrive interrupted without a confirm: moved %d, error %v; want none moved and the first in doubt", len(moved), err)
+	}
+	got := make([]string, 0, len(ids))
+	for _, d := range testenv.Drain(t, b.ch, dlq, 200*time.Millisecond) {
+		got = append(got, d.MessageId)
+	}
+	if !slices.Equal(got, ids) {
+		first := 0
+		for first < min(len(got), len(ids)) && got[first] == ids[first] {
+			first++
+		}
+		t.Errorf("%v, %s after the interrupt: %s holds %d of the %d messages, the first out of order at %d; want them all in order",
+			err, took.Round(time.Millisecond), dlq, len(got), len(ids), first)
 	}
 }
