@@ -241,7 +241,7 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	}
 	if len(ids) > 1 {
 		if !yes && c.interactive {
-			if err := c.showOldest(listCtx, db, f, len(ids)); err != nil {
+			if err := c.showOldest(ctx, db, f, len(ids)); err != nil {
 				return err
 			}
 		}
@@ -302,6 +302,8 @@ func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID,
 // backlog of a type the broker refused for an hour is hundreds of thousands of rows, which no
 // one reads before answering.
 func (c *cli) showOldest(ctx context.Context, db messaging.DB, f messaging.OutboxFilter, n int) error {
+	ctx, cancel := context.WithTimeout(ctx, dbTimeout) // not what is left of the listing's
+	defer cancel()
 	f.Limit = min(n, shownBeforeAsking)
 	oldest, err := messaging.WaitingOutboxMessages(ctx, db, f)
 	if err != nil {
