@@ -23,13 +23,7 @@ func TestAFailedRedriveLeavesTheDeadLetterQueueInOrder(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	dlq := messaging.DeadLetterQueue(b.queue)
-	ids := make([]string, 40)
-	for i := range ids {
-		ids[i] = uuid.NewString()
-		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
-			amqp.Publishing{MessageId: ids[i], Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
-	}
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	ids := fillDeadLetterQueue(t, b.ch, dlq, 40)
 	moved, err := messaging.RedriveDeadLetters(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue},
 		messaging.DeadLetterSelection{
 			Match: func(d messaging.DeadLetter) bool { return d.MessageID != ids[0] }, // all but the first
@@ -41,16 +35,8 @@ func TestAFailedRedriveLeavesTheDeadLetterQueueInOrder(t *testing.T) {
 	if err == nil || len(moved) != 0 {
 		t.Fatalf("redrive into a deleted queue moved %d messages, error %v: want none moved and an error", len(moved), err)
 	}
-	got := make([]string, 0, len(ids))
-	for _, d := range testenv.Drain(t, b.ch, dlq, 200*time.Millisecond) {
-		got = append(got, d.MessageId)
-	}
-	if !slices.Equal(got, ids) {
-		first := 0
-		for first < min(len(got), len(ids)) && got[first] == ids[first] {
-			first++
-		}
-		t.Fatalf("after the failed redrive %s holds %d of the %d messages, the first out of order at %d", dlq, len(got), len(ids), first)
+	if held, first := drainInOrder(t, b.ch, dlq, ids); first >= 0 {
+		t.Fatalf("after the failed redrive %s holds %d of the %d messages, the first out of order at %d", dlq, held, len(ids), first)
 	}
 }
 
@@ -122,13 +108,7 @@ func TestARedriveInterruptedWithoutAConfirmHandsBackInOrder(t *testing.T) {
 	if _, err := b.ch.QueueDeclare(dlq, true, false, false, false, messaging.ConsumerTopology{Queue: queue}.DeadLetterArguments()); err != nil {
 		t.Fatal(err)
 	}
-	ids := make([]string, 100) // beyond the 32 a quorum queue takes back in order at a close
-	for i := range ids {
-		ids[i] = uuid.NewString()
-		must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
-			amqp.Publishing{MessageId: ids[i], Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
-	}
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
+	ids := fillDeadLetterQueue(t, b.ch, dlq, 100) // beyond the 32 a quorum queue takes back in order at a close
 	uri, err := amqp.ParseURI(testenv.AMQPURL())
 	if err != nil {
 		t.Fatal(err)
@@ -157,16 +137,39 @@ func TestARedriveInterruptedWithoutAConfirmHandsBackInOrder(t *testing.T) {
 	if !errors.Is(err, messaging.ErrRedriveInDoubt) || len(moved) != 0 {
 		t.Fatalf("redrive interrupted without a confirm: moved %d, error %v; want none moved and the first in doubt", len(moved), err)
 	}
-	got := make([]string, 0, len(ids))
-	for _, d := range testenv.Drain(t, b.ch, dlq, 200*time.Millisecond) {
+	if held, first := drainInOrder(t, b.ch, dlq, ids); first >= 0 {
+		t.Errorf("%v, %s after the interrupt: %s holds %d of the %d messages, the first out of order at %d; want them all in order",
+			err, took.Round(time.Millisecond), dlq, held, len(ids), first)
+	}
+}
+
+// fillDeadLetterQueue publishes n messages of new ids to dlq and waits until it holds them; it
+// returns their ids in order.
+func fillDeadLetterQueue(t *testing.T, ch *amqp.Channel, dlq string, n int) []string {
+	t.Helper()
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = uuid.NewString()
+		must(t, ch.PublishWithContext(context.Background(), "", dlq, true, false,
+			amqp.Publishing{MessageId: ids[i], Type: eventType, ContentType: "application/json", Body: []byte(`{}`)}))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == n }, "the messages did not reach %s", dlq)
+	return ids
+}
+
+// drainInOrder drains queue and compares its message ids with want: it returns how many it
+// held, and where the first difference is (-1 when it held want, in order).
+func drainInOrder(t *testing.T, ch *amqp.Channel, queue string, want []string) (held, first int) {
+	t.Helper()
+	got := make([]string, 0, len(want))
+	for _, d := range testenv.Drain(t, ch, queue, 200*time.Millisecond) {
 		got = append(got, d.MessageId)
 	}
-	if !slices.Equal(got, ids) {
-		first := 0
-		for first < min(len(got), len(ids)) && got[first] == ids[first] {
-			first++
-		}
-		t.Errorf("%v, %s after the interrupt: %s holds %d of the %d messages, the first out of order at %d; want them all in order",
-			err, took.Round(time.Millisecond), dlq, len(got), len(ids), first)
+	if slices.Equal(got, want) {
+		return len(got), -1
 	}
+	for first < min(len(got), len(want)) && got[first] == want[first] {
+		first++
+	}
+	return len(got), first
 }
