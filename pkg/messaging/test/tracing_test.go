@@ -59,6 +59,20 @@ func (tr *tracing) span(t *testing.T, tid trace.TraceID, name string) tracetest.
 	return found[0]
 }
 
+// wantAttributes fails t unless span has each of want's attributes, with its value.
+func wantAttributes(t *testing.T, span tracetest.SpanStub, want map[string]string) {
+	t.Helper()
+	got := map[string]string{}
+	for _, a := range span.Attributes {
+		got[string(a.Key)] = a.Value.String()
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("span %q: attribute %s = %q, want %q (all: %v)", span.Name, k, got[k], v, got)
+		}
+	}
+}
+
 func (tr *tracing) names() string {
 	var names []string
 	for _, s := range tr.spans.GetSpans() {
@@ -180,6 +194,12 @@ func TestTraceFollowsAMessageFromEnqueueToTheConsumersOwnOutbox(t *testing.T) {
 	if publish.Parent.SpanID() != request.SpanContext().SpanID() || publish.SpanKind != trace.SpanKindProducer {
 		t.Fatalf("publish span: parent %s kind %s, want a producer span child of the request %s", publish.Parent.SpanID(), publish.SpanKind, request.SpanContext().SpanID())
 	}
+	// The attributes an operator searches a trace backend by: the message id across the
+	// services, the exchange and routing key it went to.
+	wantAttributes(t, publish, map[string]string{
+		"messaging.system": "rabbitmq", "messaging.operation.type": "send", "messaging.message.id": msg.ID.String(),
+		"messaging.destination.name": b.exchange, "messaging.rabbitmq.destination.routing_key": b.placed.Type,
+	})
 	delivered := testenv.Drain(t, ch, headers, 200*time.Millisecond)
 	if len(delivered) != 1 || delivered[0].Headers["traceparent"] != traceParent(publish.SpanContext) {
 		t.Fatalf("deliveries %+v, want one with traceparent %s (the publish span)", delivered, traceParent(publish.SpanContext))
@@ -191,6 +211,10 @@ func TestTraceFollowsAMessageFromEnqueueToTheConsumersOwnOutbox(t *testing.T) {
 	if process.Parent.SpanID() != publish.SpanContext.SpanID() || !process.Parent.IsRemote() || process.SpanKind != trace.SpanKindConsumer {
 		t.Fatalf("process span: parent %s kind %s, want a consumer span child of the publish span %s", process.Parent.SpanID(), process.SpanKind, publish.SpanContext.SpanID())
 	}
+	wantAttributes(t, process, map[string]string{
+		"messaging.system": "rabbitmq", "messaging.operation.type": "process", "messaging.message.id": msg.ID.String(),
+		"messaging.consumer.group.name": b.name, "messaging.rabbitmq.destination.routing_key": b.placed.Type,
+	})
 	if handlerSC, _ := seen.get(msg.ID); handlerSC.SpanID() != process.SpanContext.SpanID() || handlerSC.TraceID() != tid {
 		t.Fatalf("the handler's context holds span %s of trace %s, want the process span %s of %s", handlerSC.SpanID(), handlerSC.TraceID(), process.SpanContext.SpanID(), tid)
 	}
