@@ -54,9 +54,19 @@ func dial(urls, name string, heartbeat time.Duration) (*amqp.Connection, error) 
 	return nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
 }
 
+// errUnparseableURL stands for a broker URL that does not parse. net/url's error quotes the
+// URL, password included, and a dial error ends up in logs, so nothing of the URL is kept.
+var errUnparseableURL = errors.New("a broker URL does not parse (its text is left out, as it may hold a " +
+	"password; its scheme must be amqp or amqps, and a reserved character such as / ? # @ : in its user " +
+	"name or password must be percent-encoded)")
+
 // dialOne opens a connection with heartbeats (so a half-open TCP connection is noticed in
 // bounded time) and a connection name that shows up in the broker's management tools.
 func dialOne(url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+	// Parsed here first, since amqp.DialConfig's own parse error would quote the URL.
+	if _, err := amqp.ParseURI(url); err != nil {
+		return nil, errUnparseableURL
+	}
 	if heartbeat <= 0 {
 		heartbeat = defaultHeartbeat
 	}
