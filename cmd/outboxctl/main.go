@@ -354,8 +354,10 @@ func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
 
 // urlFrom returns the flag's value, or else the environment variable's: one URL, with one of
 // schemes. A missing or malformed URL is a usage error that names where it came from, never
-// its value: it may hold a password. (A PostgreSQL URL may name several hosts, commas and all,
-// or a Unix socket's directory in host=, as the services accept it.)
+// its value: it may hold a password. Malformed includes a password with a / ? or # left
+// unescaped (see platform.AtAfterHost), which hideSecrets could not find to hide. (A
+// PostgreSQL URL may name several hosts, commas and all, or a Unix socket's directory in
+// host=, as the services accept it.)
 func urlFrom(flagName, value, variable string, schemes ...string) (string, error) {
 	one := func(v string) []string { return []string{v} }
 	return checkedURLs(flagName, value, variable, one, "a URL", schemes)
@@ -378,6 +380,9 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
 	for _, one := range split(value) {
+		if platform.AtAfterHost(one) {
+			return "", usageError{fmt.Sprintf("%s %s", source, platform.AtAfterHostProblem)}
+		}
 		if u, err := url.Parse(one); err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u) {
 			return "", usageError{fmt.Sprintf("%s is not %s with scheme %s", source, what, strings.Join(schemes, " or "))}
 		}

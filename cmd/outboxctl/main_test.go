@@ -272,10 +272,29 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 		{"dlq", "redrive", "invoicing", "--amqp", "amqp://guest:" + secret + "@127.0.0.1:1/"},
 		{"dlq", "drop", "invoicing", "--id", id, "--amqp", "amqp://guest:" + secret + "@127.0.0.1:1/"},
 	}
-	for _, args := range runs {
+	// A password with a / ? or # left unescaped ends the authority early, so the URL has no
+	// password to hide: it is refused before anything prints it.
+	unescaped := [][]string{
+		{"status", "--db", "postgres://postgres:12/" + secret + "@127.0.0.1:1/x"},
+		{"status", "--db", "postgres://postgres:12?" + secret + "@127.0.0.1:1/x", "-o", "json"},
+		{"retry", "--db=postgres://postgres:12#" + secret + "@127.0.0.1:1/x"},
+		{"dlq", "list", "invoicing", "--amqp", "amqp://guest@127.0.0.1:1/,amqp://guest:5/" + secret + "@127.0.0.1:2/"},
+		{"dlq", "redrive", "invoicing", "--amqp", "amqp://guest:5#" + secret + "@127.0.0.1:1/"},
+	}
+	for _, args := range append(runs, unescaped...) {
 		_, stdout, stderr := ctl(t, args...)
 		if strings.Contains(stdout+stderr, secret) {
 			t.Errorf("outboxctl %s printed the password: %q %q", strings.Join(args[:2], " "), stdout, stderr)
+		}
+	}
+	for _, args := range unescaped {
+		code, _, stderr := ctl(t, args...)
+		source := "--db"
+		if args[0] == "dlq" {
+			source = "--amqp"
+		}
+		if code != exitUsage || !strings.Contains(stderr, source+" has an @ after its host: percent-encode") {
+			t.Errorf("outboxctl %s with a password left unescaped: exit %d, %q; want a usage error saying to percent-encode it", strings.Join(args[:2], " "), code, stderr)
 		}
 	}
 	if out := ok(t, "status", "--db", withPassword); !strings.Contains(out, "postgres:xxxxx@") {

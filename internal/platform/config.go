@@ -69,8 +69,9 @@ func (e *Env) OneOf(name, def string, allowed ...string) string {
 	return def
 }
 
-// URL returns a required URL whose scheme is one of schemes and that names a host (see
-// NamesHost). Errors never echo the value: it may hold a password.
+// URL returns a required URL whose scheme is one of schemes, that names a host (see
+// NamesHost), and that has no @ after it (see AtAfterHost). Errors never echo the value: it
+// may hold a password.
 func (e *Env) URL(name string, schemes ...string) string {
 	v, ok := e.get(name)
 	if !ok {
@@ -79,6 +80,8 @@ func (e *Env) URL(name string, schemes ...string) string {
 	}
 	u, err := url.Parse(v)
 	switch {
+	case AtAfterHost(v): // first: such a password often makes the URL unparseable too
+		e.fail(name, "%s", AtAfterHostProblem)
 	case err != nil || u.Scheme == "":
 		e.fail(name, "not a valid URL")
 	case !slices.Contains(schemes, u.Scheme):
@@ -104,6 +107,24 @@ func NamesHost(u *url.URL) bool {
 	postgres := u.Scheme == "postgres" || u.Scheme == "postgresql"
 	return postgres && !u.OmitHost && u.Opaque == "" && u.Query().Get("host") != ""
 }
+
+// AtAfterHost reports whether rawURL has an @ after its authority (in its path, query or
+// fragment): the mark of a password with a / ? or # left unescaped, which ends the authority
+// early and puts the rest of the password where Redact and Redacted do not hide it. A URL
+// with no authority (no //) has none.
+func AtAfterHost(rawURL string) bool {
+	_, rest, _ := strings.Cut(rawURL, ":")
+	rest, ok := strings.CutPrefix(rest, "//")
+	if !ok {
+		return false
+	}
+	end := strings.IndexAny(rest, "/?#")
+	return end >= 0 && strings.Contains(rest[end:], "@")
+}
+
+// AtAfterHostProblem is the problem of a URL AtAfterHost reports, for an error that names
+// where the URL came from. It names no part of the URL: any part may be the password's.
+const AtAfterHostProblem = "has an @ after its host: percent-encode a / ? or # in the password (%2F, %3F, %23), and write any other @ as %40"
 
 // badURLPort is the problem of a URL whose port is out of range.
 const badURLPort = "a port in the URL must be a number from 1 to 65535"
@@ -160,6 +181,10 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		entry := ""
 		if len(urls) > 1 {
 			entry = fmt.Sprintf("entry %d of %d: ", i+1, len(urls))
+		}
+		if AtAfterHost(raw) {
+			e.fail(name, "%s%s", entry, AtAfterHostProblem)
+			return ""
 		}
 		u, err := url.Parse(raw)
 		if err != nil || u.Host == "" {

@@ -289,3 +289,43 @@ func TestStartLineSaysTheDefaultMaxInFlight(t *testing.T) {
 		t.Errorf("HTTP_MAX_IN_FLIGHT=7: http_max_in_flight=%v, want 7", got)
 	}
 }
+
+// A password with a / ? or # left unescaped ends the URL's authority early: the rest of it
+// lands in the path, query or fragment, which Redact shows. Such a URL is refused, naming its
+// variable and not the value.
+func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
+	t.Parallel()
+	const secret = "hunter2"
+	for _, tc := range []struct{ name, value, want string }{
+		{"DATABASE_URL", "postgres://app:12/" + secret + "@db:5432/orders", "DATABASE_URL: has an @ after its host"},
+		{"DATABASE_URL", "postgres://app:12?" + secret + "@db:5432/orders", "DATABASE_URL: has an @ after its host"},
+		{"DATABASE_URL", "postgres://app:12#" + secret + "@db:5432/orders", "DATABASE_URL: has an @ after its host"},
+		{"DATABASE_URL", "postgres://app:pa/" + secret + "@db:5432/orders", "DATABASE_URL: has an @ after its host"}, // unparseable as well
+		{"AMQP_URL", "amqp://app:5/" + secret + "@mq:5672/", "AMQP_URL: has an @ after its host"},
+		{"AMQP_URL", "amqp://app:5?" + secret + "@mq:5672/", "AMQP_URL: has an @ after its host"},
+		{"AMQP_URL", "amqp://app:5#" + secret + "@mq:5672/", "AMQP_URL: has an @ after its host"},
+		{"AMQP_URL", "amqp://app@mq1:5672/,amqp://app:5#" + secret + "@mq2:5672/", "AMQP_URL: entry 2 of 2: has an @ after its host"},
+	} {
+		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
+		vars[tc.name] = tc.value
+		env := EnvFrom(vars)
+		ReadCommon(env, ":8080")
+		err := env.Err()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "percent-encode") || strings.Contains(err.Error(), secret) {
+			t.Errorf("%s=%s: %v, want %q, how to mend it, and no password", tc.name, tc.value, err, tc.want)
+		}
+	}
+	// Escaped, the same passwords are taken, as is an @ escaped in the query.
+	for name, value := range map[string]string{
+		"DATABASE_URL": "postgres://app:12%2F" + secret + "%3F%23@db:5432/orders?options=-c%20x%40y",
+		"AMQP_URL":     "amqp://app:5%2F" + secret + "%23@mq1:5672/,amqp://app:5%3F" + secret + "@mq2:5672/",
+	} {
+		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
+		vars[name] = value
+		env := EnvFrom(vars)
+		ReadCommon(env, ":8080")
+		if err := env.Err(); err != nil {
+			t.Errorf("%s with its password escaped: %v, want it taken", name, err)
+		}
+	}
+}
