@@ -19,8 +19,9 @@ import (
 type logDeliverer struct{ log *slog.Logger }
 
 func (d logDeliverer) Deliver(ctx context.Context, n Notification) error {
+	// Not the recipient, an e-mail address (personal data): the notification id leads to it.
 	d.log.InfoContext(ctx, "notification delivered to the log (no SMTP_ADDR set)", "notification_id", n.ID, "order_id", n.OrderID,
-		"recipient", n.Recipient, "subject", n.Subject)
+		"subject", n.Subject)
 	return nil
 }
 

@@ -627,3 +627,27 @@ func (r *smtpRecorder) writes() []string {
 	defer r.mu.Unlock()
 	return append([]string(nil), r.seen...)
 }
+
+// Without SMTP_ADDR the log stands in for the mail server. Its line says which notification was
+// "sent", not to whom: the address is personal data, and the notification id leads to it.
+func TestDeliveryToTheLogNamesNoRecipient(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	recipient := e.row(t, id).Recipient
+	s := e.sender(t, "log", logDeliverer{log: e.log})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if delivered, err := s.deliverOne(ctx); err != nil || !delivered {
+		t.Fatalf("deliver to the log: %v, %v; want it delivered", delivered, err)
+	}
+	if n := e.row(t, id); n.Status != StatusSent {
+		t.Fatalf("notification %s is %q after its delivery to the log, want sent", id, n.Status)
+	}
+	if lines := e.logs.Lines("notification delivered to the log", "notification_id="+id.String(), `subject="Your order"`); len(lines) != 1 {
+		t.Errorf("%d lines about the delivery to the log, want 1; logs:\n%s", len(lines), e.logs)
+	}
+	if recipient == "" || strings.Contains(e.logs.String(), recipient) {
+		t.Errorf("the log names the recipient %q:\n%s", recipient, e.logs)
+	}
+}

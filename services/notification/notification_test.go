@@ -193,9 +193,8 @@ func TestOneNotificationPerKindDeliveredByMailOnce(t *testing.T) {
 }
 
 // A customer's e-mail address is personal data: it goes into the notification and the e-mail,
-// not into the lines about recording and delivering them. (Without SMTP_ADDR the log stands in
-// for the mail server and gets the e-mail's recipient; a server's refusal of a recipient may
-// quote it, and its reply is logged as the failure's error.)
+// not into the lines about recording and delivering them. (A server's refusal of a recipient
+// may quote it, and its reply is logged as the failure's error.)
 func TestLogsNeverCarryTheCustomersAddress(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

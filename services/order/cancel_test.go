@@ -230,3 +230,31 @@ func TestSecondCancelWaitsForTheFirstAtItsLockingRead(t *testing.T) {
 		t.Fatalf("%d OrderCancelled events from two overlapping cancels, want 1", n)
 	}
 }
+
+// The customer id becomes the customer's mailbox, personal data: the lines about an order name
+// the order, never its customer.
+func TestTheLogNamesNoCustomer(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const customer = "cust-5f1d-only-here"
+	resp, raw := b.post(t, strings.Replace(validBody, "c-42", customer, 1), "application/json", "")
+	var o Order
+	if resp.StatusCode != http.StatusCreated || json.Unmarshal(raw, &o) != nil || o.CustomerID != customer {
+		t.Fatalf("place: %d %s", resp.StatusCode, raw)
+	}
+	if resp, raw := b.cancel(t, o.ID.String(), `{"reason": "changed my mind"}`, "application/json"); resp.StatusCode != http.StatusOK {
+		t.Fatalf("cancel: %d %s", resp.StatusCode, raw)
+	}
+	// Each line is written before its response.
+	for _, msg := range []string{`msg="order placed"`, `msg="order cancelled"`} {
+		if lines := b.logs.Lines(msg, "order_id="+o.ID.String()); len(lines) != 1 {
+			t.Errorf("%d lines %s about the order, want 1; logs:\n%s", len(lines), msg, b.logs)
+		}
+	}
+	if lines := b.logs.Lines(`msg="order placed"`, "total_cents=2599"); len(lines) != 1 {
+		t.Errorf("the line about the placed order gives no total; logs:\n%s", b.logs)
+	}
+	if strings.Contains(b.logs.String(), customer) {
+		t.Errorf("the log names the customer:\n%s", b.logs)
+	}
+}

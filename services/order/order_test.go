@@ -30,6 +30,7 @@ type testBundle struct {
 	store     *Store // the API's
 	readiness *sql.DB
 	srv       *httptest.Server
+	logs      *testenv.Logs // the API's and the router's
 }
 
 func setup(t *testing.T) *testBundle {
@@ -43,13 +44,13 @@ func setup(t *testing.T) *testBundle {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = readiness.Close() })
-	log, _ := testenv.NewLogger(t)
+	log, logs := testenv.NewLogger(t)
 	router := platform.NewRouter(log, prometheus.NewRegistry(), platform.DatabaseReady(readiness))
 	store := &Store{db: d.DB, driver: d.Driver(t)}
 	(&api{store: store, log: log}).routes(router)
 	srv := httptest.NewServer(router)
 	t.Cleanup(srv.Close)
-	return &testBundle{db: d.DB, store: store, readiness: readiness, srv: srv}
+	return &testBundle{db: d.DB, store: store, readiness: readiness, srv: srv, logs: logs}
 }
 
 // outboxRow is a row of outbox_messages, as these tests read it.
