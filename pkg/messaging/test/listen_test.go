@@ -20,11 +20,19 @@ func TestRelayLooksForRowsCommittedWhileItWasNotListening(t *testing.T) {
 	const listening = "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'"
 	var ids []uuid.UUID
 	for attempt := 1; ids == nil; attempt++ {
-		// The relay listens again after its reconnect delay, 0.4 s at least: time enough to
-		// commit a row that no one hears of.
-		must(t, b.db.DB.Exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name).Error)
-		testenv.Eventually(t, 5*time.Second, func() bool { return testenv.Count(t, b.db.DB, listening, b.db.Name) == 0 },
-			"the relay's LISTEN session did not end")
+		var pids []int64
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			must(t, b.db.DB.Raw("SELECT pid FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name).Scan(&pids).Error)
+			return len(pids) == 1
+		}, "the relay is not listening, on one session")
+		// pg_terminate_backend returns once the session is signalled, not ended: a row committed
+		// before it is gone may still be heard. Its pid tells it gone, where a count of the
+		// listening sessions may never see none: the relay listens again, on a new one, after its
+		// reconnect delay, 0.4 s at least, time enough to commit a row that no one hears of.
+		must(t, b.db.DB.Exec("SELECT pg_terminate_backend(?)", pids[0]).Error)
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE pid = ?", pids[0]) == 0
+		}, "the relay's LISTEN session (pid %d) did not end", pids[0])
 		enqueued := b.enqueue(t, 1)
 		if testenv.Count(t, b.db.DB, listening, b.db.Name) == 0 {
 			ids = enqueued // committed while no one listened
