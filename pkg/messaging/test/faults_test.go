@@ -267,15 +267,36 @@ func TestRelayWithNothingToSendSeesTheBrokerGo(t *testing.T) {
 	}
 }
 
-// countingDB counts the transactions begun on a DB.
+// countingDB counts the transactions begun on a DB, and the Commits and Rollbacks that ended
+// them.
 type countingDB struct {
 	messaging.DB
-	begun atomic.Int64
+	begun, ended atomic.Int64
 }
 
 func (d *countingDB) Begin(ctx context.Context) (messaging.TxExecutor, error) {
 	d.begun.Add(1)
-	return d.DB.Begin(ctx)
+	tx, err := d.DB.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return countedTx{TxExecutor: tx, ended: &d.ended}, nil
+}
+
+// countedTx is a transaction of a countingDB.
+type countedTx struct {
+	messaging.TxExecutor
+	ended *atomic.Int64
+}
+
+func (tx countedTx) Commit(ctx context.Context) error {
+	defer tx.ended.Add(1)
+	return tx.TxExecutor.Commit(ctx)
+}
+
+func (tx countedTx) Rollback(ctx context.Context) error {
+	defer tx.ended.Add(1)
+	return tx.TxExecutor.Rollback(ctx)
 }
 
 // A Sender that cannot be probed for the broker: its relay learns the broker is back from the

@@ -176,15 +176,22 @@ func (b *testBundle) relay(t testing.TB, sender messaging.Sender, tweak func(*me
 	return r
 }
 
-// runListeningRelay runs a relay whose poll is an hour away, and returns once it listens for
-// NOTIFY, its first (empty) batch past: from then on only a NOTIFY can pick up a row.
+// runListeningRelay runs a relay of one lane whose poll is an hour away, and returns once it
+// listens for NOTIFY and its lane's first (empty) batch is past: from then on only a NOTIFY, or
+// the relay's own look on listening, can pick up a row. That first batch, late on busy cores,
+// would otherwise pick up a row committed after this returns; with one lane, the first batch
+// ended is that one.
 func (b *testBundle) runListeningRelay(t testing.TB) {
 	t.Helper()
-	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour })
+	db := &countingDB{DB: b.drv.DB()}
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) {
+		c.DB, c.Lanes, c.PollInterval = db, 1, time.Hour
+	})
 	run(t, r.Run)
 	testenv.Eventually(t, 5*time.Second, func() bool {
-		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
-	}, "relay is not listening")
+		return db.ended.Load() > 0 &&
+			testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
+	}, "relay is not listening, or its first batch is not past")
 }
 
 // run starts fn in the background and, at cleanup, cancels it and checks it returned nil
