@@ -484,97 +484,64 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 }
 
 // A client that sends its body late (a slow uplink, Expect: 100-continue) does so before its
-// request asks for a place: that wait is the client's pace, not the server's latency, so a few
-// such clients among quick requests, six at work at once, leave the limit where it is.
-//
-// A request the machine stalled past the target once its body was in (the race detector, the
-// other packages' tests on two cores) may cut the limit rightly: the latency did rise, and a
-// cut is not undone within the run. Such a run proves nothing either way, so it is run again,
-// a few times at most; a cut with no stall fails at once.
+// request asks for a place: that wait is the client's pace, not the server's latency. While the
+// body is pending the request holds no place, and a window may change the limit; once the body
+// is in, the request is admitted under the limit then, and adds one latency, from its admission.
 func TestAdmissionIsNotCutBySlowUploads(t *testing.T) {
 	t.Parallel()
-	const runs = 5
-	for range runs {
-		places, sent, refused, stalled := slowUploadsRun(t)
-		if places == 20 && refused == 0 {
-			return
-		}
-		if !stalled {
-			t.Fatalf("after %d requests, one in twenty uploading its body 80 ms late, with no request stalled: %d places, want all 20; %d not served",
-				sent, places, refused)
-		}
-		t.Logf("after %d requests: %d places, %d not served, and a request stalled past the %s target once its body was in: run again",
-			sent, places, refused, DefaultLatencyTarget)
-	}
-	t.Fatalf("a request stalled past the %s target in each of %d runs: the machine is too busy to show anything", DefaultLatencyTarget, runs)
-}
-
-// slowUploadsRun is one run of TestAdmissionIsNotCutBySlowUploads, on an admission of its own:
-// the places after it, the requests sent and those not served, and whether a request took
-// longer than the target from its body's end to its response (what the admission measures,
-// and a little more).
-func slowUploadsRun(t *testing.T) (places int, sent, refused int64, stalled bool) {
 	a := newAdmission(t, 20, DefaultLatencyTarget)
-	var stalls atomic.Int64
-	inner := a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if _, err := io.Copy(io.Discard, r.Body); err != nil {
-			t.Error(err)
-		}
-		// A round trip to a database: the clients' requests are at work together, more than
-		// fewAtWork at once, so a window's latencies can cut the limit.
-		time.Sleep(5 * time.Millisecond)
-		w.WriteHeader(http.StatusCreated)
+	var inUse, places int // as the handler found them
+	h := a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		a.mu.Lock()
+		inUse, places = a.inUse, a.places()
+		a.mu.Unlock()
+		readsItsBody(w, r)
 	}))
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		b := &timedBody{ReadCloser: r.Body, last: time.Now()}
-		r.Body = b
-		inner.ServeHTTP(w, r)
-		if time.Since(b.last) > DefaultLatencyTarget {
-			stalls.Add(1)
-		}
-	}))
-	defer srv.Close()
-	const clients = 6
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
-	defer client.CloseIdleConnections()
-	var sentN, refusedN atomic.Int64
-	var wg sync.WaitGroup
-	// Long enough for at least three of the limit's windows.
-	deadline := time.Now().Add(4 * admissionWindow)
-	for range clients {
-		wg.Go(func() {
-			for time.Now().Before(deadline) {
-				var body io.Reader = strings.NewReader("{}")
-				if sentN.Add(1)%20 == 0 { // one in twenty sends its body 80 ms after its headers
-					body = &lateReader{Reader: body, delay: 80 * time.Millisecond}
-				}
-				resp, err := client.Post(srv.URL, "application/json", body)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				resp.Body.Close()
-				if resp.StatusCode != http.StatusCreated {
-					refusedN.Add(1)
-				}
-			}
-		})
+	body, upload := io.Pipe()
+	defer upload.Close() // a test that fails with the body pending must not leave its request reading
+	rec := httptest.NewRecorder()
+	answered := make(chan struct{})
+	go func() {
+		defer close(answered)
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/", body))
+	}()
+	// A pipe's write returns once it is read: the request is reading its body.
+	if _, err := upload.Write([]byte("{")); err != nil {
+		t.Fatal(err)
 	}
-	wg.Wait()
-	return a.Places(), sentN.Load(), refusedN.Load(), stalls.Load() > 0
-}
-
-// timedBody notes when a read of a request's body last returned: when its last bytes, or its
-// end, came.
-type timedBody struct {
-	io.ReadCloser
-	last time.Time
-}
-
-func (b *timedBody) Read(p []byte) (int, error) {
-	n, err := b.ReadCloser.Read(p)
-	b.last = time.Now()
-	return n, err
+	a.mu.Lock()
+	pending := a.inUse
+	a.mu.Unlock()
+	if pending != 0 {
+		t.Fatalf("%d places in use while the request's body is pending, want 0: the upload holds a place", pending)
+	}
+	if n := runWindow(a, 20, 2*DefaultLatencyTarget); n != 10 { // a crowded window at twice the target
+		t.Fatalf("after a window of 20 at work at twice the target: %d places, want 10", n)
+	}
+	bodyDone := time.Now()
+	if _, err := upload.Write([]byte(`"a":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	upload.Close()
+	select {
+	case <-answered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request was not answered within 5 s of its body")
+	}
+	sinceBody := time.Since(bodyDone)
+	if rec.Code != http.StatusCreated || rec.Body.String() != "7" || inUse != 1 || places != 10 {
+		t.Fatalf("once its body was in: %d %q, handled with %d places in use of %d; want 201 with its 7 bytes read, admitted to 1 of the 10 places",
+			rec.Code, rec.Body.String(), inUse, places)
+	}
+	a.mu.Lock()
+	window, left := slices.Clone(a.window), a.inUse
+	a.mu.Unlock()
+	// Admitted after its body came, it counts under the new limit, and its latency leaves the
+	// upload out.
+	if len(window) != 1 || window[0] > sinceBody || left != 0 {
+		t.Fatalf("latencies added to the window: %v, %d places in use after the answer; want one, at most the %s since the body came, and the place given back",
+			window, left, sinceBody)
+	}
 }
 
 // readsItsBody reads the request's body and answers 201 with how many bytes it read, or 400
@@ -745,18 +712,6 @@ func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
 			t.Fatalf("a request with its body at once, beside 20 trickling ones: %d, want 201: they hold the places", code)
 		}
 	}
-}
-
-// lateReader yields its bytes only after delay: a client whose body trails its headers.
-type lateReader struct {
-	io.Reader
-	delay time.Duration
-	once  sync.Once
-}
-
-func (l *lateReader) Read(p []byte) (int, error) {
-	l.once.Do(func() { time.Sleep(l.delay) })
-	return l.Reader.Read(p)
 }
 
 // A service that does one request at a time, 5 ms each, has a latency of 5 ms per request
