@@ -305,6 +305,9 @@ func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
 		{"AMQP_URL", "amqp://app:5?" + secret + "@mq:5672/", "AMQP_URL: has an @ after its host"},
 		{"AMQP_URL", "amqp://app:5#" + secret + "@mq:5672/", "AMQP_URL: has an @ after its host"},
 		{"AMQP_URL", "amqp://app@mq1:5672/,amqp://app:5#" + secret + "@mq2:5672/", "AMQP_URL: entry 2 of 2: has an @ after its host"},
+		// Masked in the start line too, and quoted by the exporter's errors, host and path.
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://app:12/" + secret + "@collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: has an @ after its host"},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://app:12?" + secret + "@collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: has an @ after its host"},
 	} {
 		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
 		vars[tc.name] = tc.value
@@ -317,8 +320,9 @@ func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
 	}
 	// Escaped, the same passwords are taken, as is an @ escaped in the query.
 	for name, value := range map[string]string{
-		"DATABASE_URL": "postgres://app:12%2F" + secret + "%3F%23@db:5432/orders?options=-c%20x%40y",
-		"AMQP_URL":     "amqp://app:5%2F" + secret + "%23@mq1:5672/,amqp://app:5%3F" + secret + "@mq2:5672/",
+		"DATABASE_URL":                "postgres://app:12%2F" + secret + "%3F%23@db:5432/orders?options=-c%20x%40y",
+		"AMQP_URL":                    "amqp://app:5%2F" + secret + "%23@mq1:5672/,amqp://app:5%3F" + secret + "@mq2:5672/",
+		"OTEL_EXPORTER_OTLP_ENDPOINT": "https://app:12%2F" + secret + "@collector:4318",
 	} {
 		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
 		vars[name] = value

@@ -26,10 +26,15 @@ const traceFlushTimeout = 2 * time.Second
 
 // readOTLPEndpoint reads OTEL_EXPORTER_OTLP_ENDPOINT, which is optional: "" exports nothing.
 // The name is spelled out in the call, as for every variable, for deploy/compose_test.go to
-// find what the services read.
+// find what the services read. Like DATABASE_URL's, its password, which the start line masks,
+// must not have left a / ? or # unescaped (see AtAfterHost).
 func readOTLPEndpoint(env *Env) string {
 	v := env.String("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 	if v == "" {
+		return ""
+	}
+	if AtAfterHost(v) {
+		env.fail(OTLPEndpointVariable, "%s", AtAfterHostProblem)
 		return ""
 	}
 	u, err := url.Parse(v)
