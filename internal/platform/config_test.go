@@ -208,17 +208,23 @@ func TestURLPortsAreInRange(t *testing.T) {
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318", ""},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:431800", "OTEL_EXPORTER_OTLP_ENDPOINT: a port in the URL must be a number from 1 to 65535"},
 	} {
-		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
-		vars[tc.name] = tc.value
-		env := EnvFrom(vars)
-		ReadCommon(env, ":8080")
-		switch err := env.Err(); {
+		switch err := readCommonWith(tc.name, tc.value); {
 		case tc.want == "" && err != nil:
 			t.Errorf("%s=%s: %v, want it taken", tc.name, tc.value, err)
 		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("%s=%s: %v, want %q", tc.name, tc.value, err, tc.want)
 		}
 	}
+}
+
+// readCommonWith reads the common configuration with name set to value, beside a valid
+// DATABASE_URL and AMQP_URL, and returns its error.
+func readCommonWith(name, value string) error {
+	vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
+	vars[name] = value
+	env := EnvFrom(vars)
+	ReadCommon(env, ":8080")
+	return env.Err()
 }
 
 // HTTP_LATENCY_TARGET is 0, off, or a p99 an HTTP API can hold: a nanosecond target would
@@ -309,11 +315,7 @@ func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://app:12/" + secret + "@collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: has an @ after its host"},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://app:12?" + secret + "@collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT: has an @ after its host"},
 	} {
-		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
-		vars[tc.name] = tc.value
-		env := EnvFrom(vars)
-		ReadCommon(env, ":8080")
-		err := env.Err()
+		err := readCommonWith(tc.name, tc.value)
 		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "percent-encode") || strings.Contains(err.Error(), secret) {
 			t.Errorf("%s=%s: %v, want %q, how to mend it, and no password", tc.name, tc.value, err, tc.want)
 		}
@@ -324,11 +326,7 @@ func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
 		"AMQP_URL":                    "amqp://app:5%2F" + secret + "%23@mq1:5672/,amqp://app:5%3F" + secret + "@mq2:5672/",
 		"OTEL_EXPORTER_OTLP_ENDPOINT": "https://app:12%2F" + secret + "@collector:4318",
 	} {
-		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
-		vars[name] = value
-		env := EnvFrom(vars)
-		ReadCommon(env, ":8080")
-		if err := env.Err(); err != nil {
+		if err := readCommonWith(name, value); err != nil {
 			t.Errorf("%s with its password escaped: %v, want it taken", name, err)
 		}
 	}
