@@ -412,16 +412,21 @@ func hideSecrets(msg string, args []string) string {
 }
 
 // passwords returns the passwords rawURL holds, as written and escaped: in its user part, and
-// in the password= and sslpassword= parameters a PostgreSQL URL may carry.
+// in every parameter platform.SecretParam names.
 func passwords(rawURL string) []string {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return nil
 	}
 	var out []string
-	for _, p := range []string{u.Query().Get("password"), u.Query().Get("sslpassword")} {
-		if p != "" {
-			out = append(out, p, url.QueryEscape(p))
+	for key, values := range u.Query() {
+		if !platform.SecretParam(key) {
+			continue
+		}
+		for _, p := range values {
+			if p != "" {
+				out = append(out, p, url.QueryEscape(p))
+			}
 		}
 	}
 	if p, ok := u.User.Password(); ok && p != "" {

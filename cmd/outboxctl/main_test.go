@@ -305,6 +305,24 @@ func TestOutputNeverShowsAPassword(t *testing.T) {
 	}
 }
 
+// A driver's error is not trusted to leave a password out, however the URL wrote it: pgx sends
+// a parameter it does not know, PassWord= say, to the server as a setting, and another driver or
+// version may quote it back.
+func TestErrorsHideEveryPasswordParameter(t *testing.T) {
+	t.Parallel()
+	const secret = "hunter2-s3cret"
+	for _, arg := range []string{
+		"--db=postgres://postgres@db/x?PassWord=" + secret,
+		"postgres://postgres@db/x?SSLPASSWORD=" + secret,
+		"postgres://postgres@db/x?password=first&password=" + secret,
+	} {
+		msg := hideSecrets(`connect: unrecognized configuration parameter "PassWord" = "`+secret+`"`, []string{"status", "--db", arg})
+		if strings.Contains(msg, secret) {
+			t.Errorf("with %s: %q; want the password hidden", arg, msg)
+		}
+	}
+}
+
 // A PostgreSQL URL may name several hosts, tried in turn, as the services take it (only a
 // broker's URL is a comma-separated list of URLs).
 func TestADatabaseURLOfSeveralHosts(t *testing.T) {

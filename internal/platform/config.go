@@ -274,21 +274,29 @@ func (e *Env) Bool(name string, def bool) bool {
 	return b
 }
 
-// Redact hides the passwords of a URL, in its user part and in its query (PostgreSQL URLs may
-// carry password= and sslpassword=), for logging the effective configuration.
+// Redact hides the passwords of a URL, in its user part and in its query (see SecretParam), for
+// logging the effective configuration.
 func Redact(rawURL string) string {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return "(unparseable)"
 	}
 	q := u.Query()
-	for _, key := range []string{"password", "sslpassword"} {
-		if q.Has(key) {
+	for key := range q {
+		if SecretParam(key) {
 			q.Set(key, "xxxxx")
 		}
 	}
 	u.RawQuery = q.Encode()
 	return u.Redacted()
+}
+
+// SecretParam reports whether a URL's query parameter holds a password: password= or
+// sslpassword=, as a PostgreSQL URL may carry them, in any case. pgx and libpq read them in
+// lower case only; a value written otherwise is a password all the same, sent to the server as
+// a setting it refuses.
+func SecretParam(key string) bool {
+	return strings.EqualFold(key, "password") || strings.EqualFold(key, "sslpassword")
 }
 
 // SplitURLs splits a comma-separated list of URLs, one per node of a cluster; a single URL is a

@@ -54,7 +54,8 @@ func TestEnvReportsEveryProblemByName(t *testing.T) {
 
 func TestRedactHidesPasswords(t *testing.T) {
 	t.Parallel()
-	for _, u := range []string{"amqp://app:hunter2@rabbitmq:5672/", "postgres://app@db/x?password=hunter2&sslmode=disable", "postgres://db/x?sslpassword=hunter2"} {
+	for _, u := range []string{"amqp://app:hunter2@rabbitmq:5672/", "postgres://app@db/x?password=hunter2&sslmode=disable", "postgres://db/x?sslpassword=hunter2",
+		"postgres://db/x?Password=hunter2", "postgres://db/x?SSLPASSWORD=hunter2", "postgres://db/x?password=a&password=hunter2"} {
 		if got := Redact(u); strings.Contains(got, "hunter2") {
 			t.Errorf("Redact(%q) = %q", u, got)
 		}
