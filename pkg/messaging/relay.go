@@ -77,9 +77,10 @@ type RelayConfig struct {
 	// from NewRelay on, so that rate() and increase() count their first message. Another type
 	// appears at its first.
 	Types []string
-	// TracerProvider makes the spans of the publishes, one per message that carries a trace
-	// context, each a child of the span that enqueued it. Default: the global provider (a
-	// no-op unless the process installed one; the trace context is passed on either way).
+	// TracerProvider makes the spans of the publishes, one per message: a child of the span
+	// that enqueued it, or, for a message enqueued outside any trace, the root of a trace of
+	// its own. Default: the global provider (a no-op unless the process installed one; the
+	// trace context is passed on either way).
 	TracerProvider trace.TracerProvider
 	// Propagator reads a row's trace context, and writes the publish span's in its place.
 	// Default: the global one.
