@@ -12,7 +12,7 @@ import (
 // buildVersion is what the binary says of its build: its module's version and, when it was
 // built from a checkout with VCS stamping (go build's -buildvcs), the commit.
 type buildVersion struct {
-	Version  string `json:"version"` // "(devel)" for a build inside the repository
+	Version  string `json:"version"` // "(devel)" when the build recorded no revision
 	Revision string `json:"revision,omitempty"`
 	Time     string `json:"revision_time,omitempty"`
 	Modified bool   `json:"modified,omitempty"` // built with changes not committed
@@ -58,9 +58,10 @@ func (c *cli) versionCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "version",
 		Short: "the version of outboxctl, and the commit it was built from",
-		Long: `version prints what --version prints: the module version of outboxctl ("(devel)" for a build
-inside the repository), the VCS revision it was built from when the build recorded it (go
-build does in a git checkout, unless -buildvcs=false), and the Go version.`,
+		Long: `version prints what --version prints: the module version of outboxctl, the VCS revision it
+was built from when the build recorded it (go build does in a git checkout, unless
+-buildvcs=false), and the Go version. With a revision, the version is the pseudo-version the go
+command derives from it; without one (go run, the images), it is "(devel)".`,
 		Args: cobra.NoArgs,
 		RunE: action(func(context.Context, []string) error {
 			v := readVersion()
