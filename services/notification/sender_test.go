@@ -1262,3 +1262,51 @@ func TestLeaseRequestsMadeTogetherAreEachAnswered(t *testing.T) {
 		t.Fatalf("leased %v, want both pending notifications %v", leased, ids)
 	}
 }
+
+// failing fails every delivery, as a mail server that answers 451 to each message.
+type failing struct{}
+
+func (failing) Deliver(context.Context, Notification) error {
+	return errors.New("smtp rcpt to: 451 try again later")
+}
+
+// A failure's backoff grows with the attempts made before it, doubling from the base, and
+// never exceeds the maximum, however many there were: with a base of 100 ms and a maximum of
+// 1 s, the fourth failure waits 640 to 800 ms (800 ms less its jitter), the eleventh 1 s at
+// most and no less than the jittered maximum.
+func TestBackoffGrowsWithTheAttemptsUpToTheMaximum(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		before   int           // attempts recorded before this one
+		from, to time.Duration // the wait recorded, allowing for the jitter
+	}{
+		{before: 3, from: 640 * time.Millisecond, to: 800 * time.Millisecond},
+		{before: 10, from: 800 * time.Millisecond, to: time.Second},
+	} {
+		t.Run(fmt.Sprintf("after %d attempts", tc.before), func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			id := e.pending(t)
+			if err := e.db.DB.Exec("UPDATE notifications SET attempts = ?, last_error = 'smtp: 451' WHERE id = ?", tc.before, id).Error; err != nil {
+				t.Fatal(err)
+			}
+			s := e.sender(t, "sender-a", failing{})
+			if o := await(t, start(s)); o.delivered || o.err != nil {
+				t.Fatalf("%+v, want the failure recorded", o)
+			}
+			// The wait left, read at once: the wait recorded, less the few milliseconds since.
+			var left struct {
+				Attempts int
+				LeftMS   float64
+			}
+			if err := e.db.DB.Raw("SELECT attempts, extract(epoch FROM next_attempt_at - clock_timestamp()) * 1000 AS left_ms FROM notifications WHERE id = ?", id).
+				Scan(&left).Error; err != nil {
+				t.Fatal(err)
+			}
+			got := time.Duration(left.LeftMS * float64(time.Millisecond))
+			if left.Attempts != tc.before+1 || got < tc.from-100*time.Millisecond || got > tc.to {
+				t.Fatalf("attempts %d, due again in %v; want %d, in %v to %v", left.Attempts, got, tc.before+1, tc.from, tc.to)
+			}
+		})
+	}
+}
