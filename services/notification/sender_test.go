@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1308,5 +1309,31 @@ func TestBackoffGrowsWithTheAttemptsUpToTheMaximum(t *testing.T) {
 				t.Fatalf("attempts %d, due again in %v; want %d, in %v to %v", left.Attempts, got, tc.before+1, tc.from, tc.to)
 			}
 		})
+	}
+}
+
+// Notifications are leased oldest first, whatever order their ids or rows are in: a backlog
+// drains in the order it built up, and no notification waits behind younger ones.
+func TestOldestNotificationsAreLeasedFirst(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	ids := e.pendingMany(t, 3)
+	// The last inserted is the oldest, the first the youngest.
+	for i, id := range ids {
+		if err := e.db.DB.Exec("UPDATE notifications SET created_at = now() - ? * interval '1 minute' WHERE id = ?", i, id).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := e.sender(t, "sender-a", e.mailer(t))
+	var leased []uuid.UUID
+	for range 2 {
+		rows, err := s.lease(1)
+		if err != nil || len(rows) != 1 {
+			t.Fatalf("lease = %+v, %v; want one notification", rows, err)
+		}
+		leased = append(leased, rows[0].ID)
+	}
+	if want := []uuid.UUID{ids[2], ids[1]}; !slices.Equal(leased, want) {
+		t.Fatalf("leased %v, want the oldest two in order, %v", leased, want)
 	}
 }
