@@ -1337,3 +1337,24 @@ func TestOldestNotificationsAreLeasedFirst(t *testing.T) {
 		t.Fatalf("leased %v, want the oldest two in order, %v", leased, want)
 	}
 }
+
+// A notification released unstarted after earlier failures keeps their count and the last
+// error: a release says nothing about the mail server, and the error is what an operator reads
+// of a notification that has not gone out yet.
+func TestReleaseKeepsTheLastError(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	const earlier = "smtp rcpt to: 451 try again later"
+	if err := e.db.DB.Exec("UPDATE notifications SET attempts = 2, last_error = ? WHERE id = ?", earlier, id).Error; err != nil {
+		t.Fatal(err)
+	}
+	s := e.sender(t, "sender-a", notStarted{})
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Fatalf("%+v, want nothing delivered and no error", o)
+	}
+	r := e.row(t, id)
+	if r.Status != StatusPending || r.Attempts != 2 || r.LastError == nil || *r.LastError != earlier {
+		t.Fatalf("status %q, attempts %d, last error %v; want pending, 2, %q", r.Status, r.Attempts, r.LastError, earlier)
+	}
+}
