@@ -1358,3 +1358,44 @@ func TestReleaseKeepsTheLastError(t *testing.T) {
 		t.Fatalf("status %q, attempts %d, last error %v; want pending, 2, %q", r.Status, r.Attempts, r.LastError, earlier)
 	}
 }
+
+// Shutdown while a delivery goes on past the grace (a mail server that never answers): it is
+// cut off at the grace's end, not at its own deadline, counted as failed and due again after a
+// backoff, and Run returns within the grace and one recording budget.
+func TestDeliveryOutlastingTheGraceIsCutOffAndCountedAsFailed(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	d := held{inner: e.mailer(t), entered: make(chan uuid.UUID, 1), release: make(chan struct{})}
+	s := e.sender(t, "sender-a", d)
+	s.deliver, s.grace = 20*time.Second, 300*time.Millisecond
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx) }()
+	wait(t, d.entered, "the delivery")
+	cancel()
+	stopped := time.Now()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Fatalf("Run = %v, want nil", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return: the delivery was not cut off at the grace's end")
+	}
+	if took := time.Since(stopped); took > s.grace+s.mark+500*time.Millisecond {
+		t.Fatalf("Run returned %v after shutdown, want within the grace and one recording budget (%v)", took, s.grace+s.mark)
+	}
+	r := e.row(t, id)
+	if r.Status != StatusPending || r.Attempts != 1 || r.LastError == nil || !strings.Contains(*r.LastError, "context canceled") {
+		t.Fatalf("row = %+v, want pending with the cut-off delivery counted as a failed attempt", r)
+	}
+	if n := len(e.logs.Lines("notification delivery failed", id.String())); n != 1 {
+		t.Fatalf("%d 'notification delivery failed' lines, want 1", n)
+	}
+	if n := len(e.smtp.Mail()); n != 0 {
+		t.Fatalf("%d e-mails, want none", n)
+	}
+}
