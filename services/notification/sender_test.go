@@ -1399,3 +1399,24 @@ func TestDeliveryOutlastingTheGraceIsCutOffAndCountedAsFailed(t *testing.T) {
 		t.Fatalf("%d e-mails, want none", n)
 	}
 }
+
+// The sender never gives up on a notification: however many attempts failed before, it is
+// leased once due and, the mail server taking it, sent.
+func TestNotificationIsSentAfterAnyNumberOfFailedAttempts(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	if err := e.db.DB.Exec("UPDATE notifications SET attempts = 50, last_error = 'smtp: 451' WHERE id = ?", id).Error; err != nil {
+		t.Fatal(err)
+	}
+	s := e.sender(t, "sender-a", e.mailer(t))
+	if o := await(t, start(s)); !o.delivered || o.err != nil {
+		t.Fatalf("%+v, want the notification leased and delivered after 50 failed attempts", o)
+	}
+	if r := e.row(t, id); r.Status != StatusSent || r.Attempts != 50 {
+		t.Fatalf("status %q, attempts %d; want sent, the 50 earlier attempts kept", r.Status, r.Attempts)
+	}
+	if n := e.mails(t, id); n != 1 {
+		t.Fatalf("%d e-mails, want 1", n)
+	}
+}
