@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -649,5 +650,38 @@ func TestDeliveryToTheLogNamesNoRecipient(t *testing.T) {
 	}
 	if recipient == "" || strings.Contains(e.logs.String(), recipient) {
 		t.Errorf("the log names the recipient %q:\n%s", recipient, e.logs)
+	}
+}
+
+// Deliveries waiting for a connection get it oldest first: the one that has waited longest,
+// and has the least of its budget left, goes next.
+func TestDeliveriesWaitingForAConnectionGoOldestFirst(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.AnswerLate(300 * time.Millisecond)
+	var wg sync.WaitGroup
+	deliver := func(recipient string) {
+		wg.Go(func() {
+			if err := deliverNow(d, mailTo(recipient)); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	deliver("first@customers.example")
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(srv.Mail()) == 1 }, "the first delivery did not reach the server")
+	want := []string{"first@customers.example"}
+	for i := range 3 {
+		recipient := fmt.Sprintf("waiting-%d@customers.example", i)
+		want = append(want, recipient)
+		deliver(recipient)
+		testenv.Eventually(t, 5*time.Second, func() bool { return waitingDeliveries(d) == i+1 }, "%s is not waiting for the connection", recipient)
+	}
+	wg.Wait()
+	var got []string
+	for _, m := range srv.Mail() {
+		got = append(got, m.To)
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("e-mails in the order %q, want %q", got, want)
 	}
 }
