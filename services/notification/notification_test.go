@@ -35,6 +35,8 @@ type testBundle struct {
 	smtp  *testenv.SMTPServer
 	send  *sender
 	wakes atomic.Int32 // how often a handler woke the sender
+	// alreadyDone counts the messages whose notification another message had recorded.
+	alreadyDone atomic.Int32
 }
 
 func setup(t *testing.T) *testBundle {
@@ -52,7 +54,8 @@ func setup(t *testing.T) *testBundle {
 	t.Cleanup(mailer.Close)
 	b.send = newSender(d.DB, mailer, DefaultConcurrency, 10*time.Second, log)
 	b.send.backoff.Base = 200 * time.Millisecond
-	if err := (notifier{log: log, domain: "customers.example", wake: func() { b.wakes.Add(1); b.send.Wake() }}).subscribe(sub); err != nil {
+	if err := (notifier{log: log, domain: "customers.example", wake: func() { b.wakes.Add(1); b.send.Wake() },
+		alreadyDone: func() { b.alreadyDone.Add(1) }}).subscribe(sub); err != nil {
 		t.Fatal(err)
 	}
 	return b
@@ -239,7 +242,7 @@ func TestRedeliveriesAreSkippedByTheInbox(t *testing.T) {
 }
 
 // wantRecorded requires n notifications in all, each having woken the sender once, and
-// alreadyHad "already has a" lines.
+// alreadyHad "already has a" lines, each counted as a message already done.
 func (b *testBundle) wantRecorded(t *testing.T, n int64, alreadyHad int) {
 	t.Helper()
 	if got := testenv.Count(t, b.db, "SELECT count(*) FROM notifications"); got != n {
@@ -247,6 +250,9 @@ func (b *testBundle) wantRecorded(t *testing.T, n int64, alreadyHad int) {
 	}
 	if got := len(b.logs.Lines("already has a")); got != alreadyHad {
 		t.Fatalf("%d 'already has a' lines, want %d (the inbox stops a redelivery before the handler)", got, alreadyHad)
+	}
+	if got := int(b.alreadyDone.Load()); got != alreadyHad {
+		t.Fatalf("%d messages counted as already done, want %d", got, alreadyHad)
 	}
 	if got := int64(b.wakes.Load()); got != n {
 		t.Fatalf("the sender was woken %d times, want once per new notification, %d", got, n)
