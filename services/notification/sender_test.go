@@ -1420,3 +1420,79 @@ func TestNotificationIsSentAfterAnyNumberOfFailedAttempts(t *testing.T) {
 		t.Fatalf("%d e-mails, want 1", n)
 	}
 }
+
+// A lease runs its whole length from when it is taken, however long the transaction that takes
+// it ran before (recording outcomes that waited for a lock): the delivery's budget counts from
+// the lease's commit, and a lease that counted from the transaction's start would end that much
+// sooner, letting another sender take a notification whose delivery is still under way.
+func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	e.pendingMany(t, 3)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	s.mark = 10 * time.Second // the budget of each transaction: the one held is seen through, not cut short
+	earlier, err := s.lease(2)
+	if err != nil || len(earlier) != 2 {
+		t.Fatalf("lease = %+v, %v; want two notifications", earlier, err)
+	}
+	// Two transactions of the test's own lock the two rows leased, so that recording their
+	// outcomes waits.
+	locks := make([]*gorm.DB, 2)
+	for i, row := range earlier {
+		locks[i] = e.db.DB.Begin()
+		t.Cleanup(func() { locks[i].Rollback() })
+		if err := locks[i].Exec("SELECT 1 FROM notifications WHERE id = ? FOR UPDATE", row.ID).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	released := make(chan error, 2)
+	release := func(row pendingRow) {
+		go func() {
+			_, err := s.record(&deliveryOutcome{row: row})
+			released <- err
+		}()
+	}
+	// The first transaction records the first release and waits; the second release and a
+	// lease request queue behind it, for the next transaction.
+	release(earlier[0])
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
+		"the first release did not wait for its row")
+	release(earlier[1])
+	leased := make(chan []pendingRow, 1)
+	go func() {
+		rows, err := s.lease(1)
+		if err != nil {
+			t.Error(err)
+		}
+		leased <- rows
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		s.line.mu.Lock()
+		defer s.line.mu.Unlock()
+		return len(s.line.outcomes) == 1 && len(s.line.leases) == 1
+	}, "the second release and the lease request are not both waiting")
+	locks[0].Rollback()
+	wait(t, released, "the first release")
+	// The next transaction records the second release, waiting for its row, then leases.
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
+		"the second release did not wait for its row")
+	const held = 1500 * time.Millisecond
+	time.AfterFunc(held, func() { locks[1].Rollback() })
+	var rows []pendingRow
+	select {
+	case rows = <-leased:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the lease request was never answered")
+	}
+	if len(rows) != 1 {
+		t.Fatalf("leased %+v, want one notification", rows)
+	}
+	var leftMS float64
+	if err := e.db.DB.Raw("SELECT extract(epoch FROM next_attempt_at - clock_timestamp()) * 1000 FROM notifications WHERE id = ?", rows[0].ID).
+		Scan(&leftMS).Error; err != nil {
+		t.Fatal(err)
+	}
+	if left := time.Duration(leftMS * float64(time.Millisecond)); left < s.leaseFor()-held/2 {
+		t.Fatalf("the lease has %v left once taken, want its whole length, %v: it counted from before the transaction waited %v", left, s.leaseFor(), held)
+	}
+}
