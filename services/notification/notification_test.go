@@ -508,3 +508,28 @@ func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
 		t.Fatalf("notification = %+v, want pending with 1 attempt, an smtp error and a short backoff (not the lease, nor due at once)", n)
 	}
 }
+
+// The backlog gauge counts up to its cap, and reads the cap beyond it, so that its query costs
+// the same however large the backlog; sent notifications are not counted.
+func TestBacklogCountStopsAtItsCap(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.Migrate(t, platform.Migrations(migrations, "migrations", "notification_schema"))
+	if err := d.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status, next_attempt_at, message_id, created_at, sent_at)
+SELECT gen_random_uuid(), gen_random_uuid(), 'c', 'order_confirmation', 'c@customers.example', 's', 'b',
+    CASE WHEN i <= 10 THEN 'sent' ELSE 'pending' END, now(), gen_random_uuid(), now() - interval '1 minute',
+    CASE WHEN i <= 10 THEN now() END
+FROM generate_series(1, ? + 10) AS i`, backlogCountCap+1).Error; err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b, err := readBacklog(ctx, d.Driver(t).DB())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.pending != backlogCountCap || b.age < 60 {
+		t.Fatalf("backlog of %d pending notifications: %d pending, the oldest %v s old; want the cap, %d, and 60 s or more",
+			backlogCountCap+1, b.pending, b.age, backlogCountCap)
+	}
+}
