@@ -685,3 +685,30 @@ func TestDeliveriesWaitingForAConnectionGoOldestFirst(t *testing.T) {
 		t.Fatalf("e-mails in the order %q, want %q", got, want)
 	}
 }
+
+// A conversation stalled on the server (a relay slow to answer the final dot) ends when its
+// delivery is cancelled, as at the end of a shutdown's grace, not only at its deadline: the
+// delivery fails at once, and is not taken for one never started.
+func TestStalledConversationEndsWhenItsDeliveryIsCancelled(t *testing.T) {
+	t.Parallel()
+	srv, d := mailServer(t, 1)
+	srv.AnswerLate(20 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	answer := make(chan error, 1)
+	go func() { answer <- d.Deliver(ctx, mailTo("c-1@customers.example")) }()
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(srv.Mail()) == 1 }, "the message did not reach the server")
+	cancel()
+	cancelled := time.Now()
+	select {
+	case err := <-answer:
+		if err == nil || errors.Is(err, errNotStarted) {
+			t.Fatalf("delivery cancelled while the server held its message: err = %v, want its failure", err)
+		}
+		if took := time.Since(cancelled); took > time.Second {
+			t.Fatalf("the delivery returned %v after it was cancelled, want at once", took)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the delivery went on after it was cancelled, waiting for the server")
+	}
+}
