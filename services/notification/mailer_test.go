@@ -712,3 +712,18 @@ func TestStalledConversationEndsWhenItsDeliveryIsCancelled(t *testing.T) {
 		t.Fatal("the delivery went on after it was cancelled, waiting for the server")
 	}
 }
+
+// Close says QUIT on each idle connection before closing it: the session ends politely, not
+// by a dropped connection (or by the connection's collection, long after).
+func TestCloseSaysQuit(t *testing.T) {
+	t.Parallel()
+	srv, proxy, d := proxiedMailServer(t, true)
+	if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	testenv.Eventually(t, 5*time.Second, func() bool { return srv.OpenSessions() == 0 }, "sessions still open after Close")
+	if writes := proxy.writes(); !slices.Contains(writes, "QUIT\r\n") {
+		t.Fatalf("the deliverer wrote %q, want a QUIT at Close", writes)
+	}
+}
