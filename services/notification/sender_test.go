@@ -1496,3 +1496,69 @@ func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 		t.Fatalf("the lease has %v left once taken, want its whole length, %v: it counted from before the transaction waited %v", left, s.leaseFor(), held)
 	}
 }
+
+// leaseChecked stalls the first delivery until release (ignoring its context, as a sender
+// frozen mid-delivery), and checks every later one's deadline against its notification's
+// lease, as the database has it: a delivery must never be allowed to run past its lease.
+type leaseChecked struct {
+	inner   Deliverer
+	db      *gorm.DB
+	first   sync.Once
+	entered chan struct{}
+	release chan struct{}
+	mu      sync.Mutex
+	past    []string // deliveries whose deadline was past their lease
+}
+
+func (d *leaseChecked) Deliver(ctx context.Context, n Notification) error {
+	stall := false
+	d.first.Do(func() { stall = true })
+	if stall {
+		close(d.entered)
+		<-d.release
+		return errors.New("smtp: stalled")
+	}
+	var lease time.Time
+	if err := d.db.Raw("SELECT next_attempt_at FROM notifications WHERE id = ?", n.ID).Scan(&lease).Error; err != nil {
+		return err
+	}
+	if deadline, ok := ctx.Deadline(); !ok || deadline.After(lease) {
+		d.mu.Lock()
+		d.past = append(d.past, fmt.Sprintf("%s: deadline %v, lease until %v", n.ID, deadline, lease))
+		d.mu.Unlock()
+	}
+	return d.inner.Deliver(ctx, n)
+}
+
+// A notification whose lease ran out while it waited in line (its worker stuck on the one
+// before it) gets no budget past its lease: its delivery's deadline counts from the lease, so it
+// is released, never delivered while another sender may have taken it.
+func TestDeliveryNeverRunsPastItsLease(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	ids := e.pendingMany(t, 2)
+	d := &leaseChecked{inner: e.mailer(t), db: e.db.DB, entered: make(chan struct{}), release: make(chan struct{})}
+	s := e.sender(t, "sender-a", d)
+	s.concurrency = 1
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := runSender(ctx, t, s)
+	wait(t, d.entered, "the first delivery")
+	// The second notification is leased and waits for the worker, until its lease is over.
+	leased := func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE id = ? AND next_attempt_at > now()", ids[1]) == 1
+	}
+	testenv.Eventually(t, 15*time.Second, leased, "the second notification was not leased")
+	testenv.Eventually(t, 15*time.Second, func() bool { return !leased() }, "the second notification's lease did not run out")
+	close(d.release)
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE id = ? AND status = 'sent'", ids[1]) == 1
+	}, "the second notification was not sent")
+	cancel()
+	returned()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.past) != 0 {
+		t.Fatalf("deliveries allowed to run past their lease:\n%s", strings.Join(d.past, "\n"))
+	}
+}
