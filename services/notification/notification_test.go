@@ -238,6 +238,13 @@ func TestRedeliveriesAreSkippedByTheInbox(t *testing.T) {
 	if got := b.kinds(t, orderID); len(got) != 3 {
 		t.Fatalf("notifications %+v, want one of each kind", got)
 	}
+	// Each message is in the inbox once, under this consumer's name: another consumer of the
+	// same database keeps its own record of what it handled.
+	for _, msg := range msgs {
+		if n := testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages WHERE message_id = ? AND consumer = ?", msg.ID, Consumer); n != 1 {
+			t.Fatalf("%s: %d inbox records for the consumer %q, want 1", msg.Type, n, Consumer)
+		}
+	}
 	b.wantRecorded(t, 3, 0)
 }
 
