@@ -104,6 +104,16 @@ func (e *senderEnv) pendingMany(t *testing.T, n int) []uuid.UUID {
 	return ids
 }
 
+// clock reads the database's clock, the one leases and backoffs are written with.
+func (e *senderEnv) clock(t *testing.T) time.Time {
+	t.Helper()
+	var now time.Time
+	if err := e.db.DB.Raw("SELECT clock_timestamp()").Scan(&now).Error; err != nil {
+		t.Fatal(err)
+	}
+	return now
+}
+
 func (e *senderEnv) row(t *testing.T, id uuid.UUID) Notification {
 	t.Helper()
 	var n Notification
@@ -1292,21 +1302,24 @@ func TestBackoffGrowsWithTheAttemptsUpToTheMaximum(t *testing.T) {
 				t.Fatal(err)
 			}
 			s := e.sender(t, "sender-a", failing{})
+			// The failure is recorded between two readings of the database's clock, so its
+			// wait lies between the due time less the second and the due time less the first,
+			// however slow the machine.
+			before := e.clock(t)
 			if o := await(t, start(s)); o.delivered || o.err != nil {
 				t.Fatalf("%+v, want the failure recorded", o)
 			}
-			// The wait left, read at once: the wait recorded, less the few milliseconds since.
-			var left struct {
-				Attempts int
-				LeftMS   float64
+			after := e.clock(t)
+			var due struct {
+				Attempts      int
+				NextAttemptAt time.Time
 			}
-			if err := e.db.DB.Raw("SELECT attempts, extract(epoch FROM next_attempt_at - clock_timestamp()) * 1000 AS left_ms FROM notifications WHERE id = ?", id).
-				Scan(&left).Error; err != nil {
+			if err := e.db.DB.Raw("SELECT attempts, next_attempt_at FROM notifications WHERE id = ?", id).Scan(&due).Error; err != nil {
 				t.Fatal(err)
 			}
-			got := time.Duration(left.LeftMS * float64(time.Millisecond))
-			if left.Attempts != tc.before+1 || got < tc.from-100*time.Millisecond || got > tc.to {
-				t.Fatalf("attempts %d, due again in %v; want %d, in %v to %v", left.Attempts, got, tc.before+1, tc.from, tc.to)
+			longest, shortest := due.NextAttemptAt.Sub(before), due.NextAttemptAt.Sub(after)
+			if due.Attempts != tc.before+1 || longest < tc.from || shortest > tc.to {
+				t.Fatalf("attempts %d, due again in %v to %v after the failure; want %d, in %v to %v", due.Attempts, shortest, longest, tc.before+1, tc.from, tc.to)
 			}
 		})
 	}
@@ -1476,8 +1489,19 @@ func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 	// The next transaction records the second release, waiting for its row, then leases.
 	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
 		"the second release did not wait for its row")
+	// The row lock goes after a while, the database's clock read as it goes: the lease is
+	// taken after that, so a lease counted from its taking lasts until that moment and its
+	// whole length at least.
 	const held = 1500 * time.Millisecond
-	time.AfterFunc(held, func() { locks[1].Rollback() })
+	freed := make(chan time.Time, 1)
+	time.AfterFunc(held, func() {
+		var at time.Time
+		if err := locks[1].Raw("SELECT clock_timestamp()").Scan(&at).Error; err != nil {
+			t.Error(err)
+		}
+		locks[1].Rollback()
+		freed <- at
+	})
 	var rows []pendingRow
 	select {
 	case rows = <-leased:
@@ -1487,13 +1511,10 @@ func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 	if len(rows) != 1 {
 		t.Fatalf("leased %+v, want one notification", rows)
 	}
-	var leftMS float64
-	if err := e.db.DB.Raw("SELECT extract(epoch FROM next_attempt_at - clock_timestamp()) * 1000 FROM notifications WHERE id = ?", rows[0].ID).
-		Scan(&leftMS).Error; err != nil {
-		t.Fatal(err)
-	}
-	if left := time.Duration(leftMS * float64(time.Millisecond)); left < s.leaseFor()-held/2 {
-		t.Fatalf("the lease has %v left once taken, want its whole length, %v: it counted from before the transaction waited %v", left, s.leaseFor(), held)
+	lockFreed := <-freed
+	if until := rows[0].LeasedUntil; until.Before(lockFreed.Add(s.leaseFor())) {
+		t.Fatalf("the lease runs until %v, %v after the row lock went; want its whole length, %v, at least: it counted from before the transaction waited %v",
+			until, until.Sub(lockFreed), s.leaseFor(), held)
 	}
 }
 
