@@ -93,3 +93,47 @@ func TestSlowHeadersAreCutOff(t *testing.T) {
 		}
 	}
 }
+
+// refuseCommits makes every later transaction that inserts an outbox row fail at its commit,
+// after all its statements ran: whatever it wrote is rolled back with it, and only what was
+// written in another transaction stays.
+func (b *testBundle) refuseCommits(t *testing.T) {
+	t.Helper()
+	for _, stmt := range []string{
+		`CREATE FUNCTION refuse_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'commit refused by the test'; END $$`,
+		`CREATE CONSTRAINT TRIGGER refuse_commit AFTER INSERT ON outbox_messages DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_commit()`,
+	} {
+		if err := b.db.Exec(stmt).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// A transaction that fails at its commit, once the order, its lines and its event are all
+// written, leaves none of them: they are one transaction, not an order committed alone or an
+// event committed on its own. Likewise for a cancellation and its OrderCancelled.
+func TestFailedCommitLeavesNeitherOrderNorEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	placed := b.place(t)
+	b.refuseCommits(t)
+
+	resp, body := b.post(t, validBody, "application/json", "key-refused")
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("POST whose commit fails = %d %s, want a 503 problem", resp.StatusCode, body)
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v after a placement whose commit failed, want only the first order's [1 2 1]", c)
+	}
+
+	resp, body = b.cancel(t, placed.ID.String(), `{"reason": "changed my mind"}`, "application/json")
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("cancel whose commit fails = %d %s, want a 503 problem", resp.StatusCode, body)
+	}
+	if n := b.cancellations(t); n != 0 {
+		t.Fatalf("%d OrderCancelled events after a cancellation whose commit failed, want 0", n)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status <> 'placed'"); n != 0 {
+		t.Fatal("a cancellation whose commit failed changed the order")
+	}
+}
