@@ -496,3 +496,32 @@ func TestLoneSurrogate(t *testing.T) {
 		}
 	}
 }
+
+// Each key finds its own order: a replay answers the order its key placed, not another one the
+// database happens to return first.
+func TestIdempotencyKeyFindsItsOwnOrderAmongOthers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	if resp, body := b.post(t, strings.Replace(validBody, "c-42", "c-without-key", 1), "application/json", ""); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("order without a key: %d %s", resp.StatusCode, body)
+	}
+	locations := map[string]string{}
+	for _, key := range []string{"key-a", "key-b", "key-c"} {
+		resp, body := b.post(t, strings.Replace(validBody, "c-42", "c-"+key, 1), "application/json", key)
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("first with %s: %d %s", key, resp.StatusCode, body)
+		}
+		locations[key] = resp.Header.Get("Location")
+	}
+	for _, key := range []string{"key-c", "key-b", "key-a"} {
+		resp, body := b.post(t, strings.Replace(validBody, "c-42", "c-"+key, 1), "application/json", key)
+		var o Order
+		if resp.StatusCode != http.StatusCreated || resp.Header.Get("Idempotent-Replayed") != "true" || resp.Header.Get("Location") != locations[key] ||
+			json.Unmarshal(body, &o) != nil || o.CustomerID != "c-"+key {
+			t.Errorf("replay with %s: %d %s %s, want a replay of %s", key, resp.StatusCode, resp.Header.Get("Location"), body, locations[key])
+		}
+	}
+	if c := b.counts(t); c != [3]int64{4, 8, 4} {
+		t.Fatalf("orders, lines, outbox = %v, want four orders", c)
+	}
+}
