@@ -525,3 +525,31 @@ func TestIdempotencyKeyFindsItsOwnOrderAmongOthers(t *testing.T) {
 		t.Fatalf("orders, lines, outbox = %v, want four orders", c)
 	}
 }
+
+// A key replays only the very command it placed: a change to any of its values, a price or a
+// SKU as much as a quantity, is another command, refused with 422, and places nothing.
+func TestIdempotencyKeyWithAnyOtherCommandIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	if resp, body := b.post(t, validBody, "application/json", "key-1"); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("first: %d %s", resp.StatusCode, body)
+	}
+	for name, body := range map[string]string{
+		"another customer": strings.Replace(validBody, `"c-42"`, `"c-43"`, 1),
+		"another SKU":      strings.Replace(validBody, `"SKU-2"`, `"SKU-3"`, 1),
+		"another price":    strings.Replace(validBody, `"unit_price_cents": 1250`, `"unit_price_cents": 1251`, 1),
+		"another line":     strings.Replace(validBody, `]}`, `, {"sku": "SKU-3", "quantity": 1, "unit_price_cents": 5}]}`, 1),
+		"a line less":      `{"customer_id": "c-42", "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250}]}`,
+	} {
+		if body == validBody {
+			t.Fatalf("%s: the body did not change", name)
+		}
+		resp, raw := b.post(t, body, "application/json", "key-1")
+		if resp.StatusCode != http.StatusUnprocessableEntity || resp.Header.Get("Content-Type") != "application/problem+json" || resp.Header.Get("Idempotent-Replayed") != "" {
+			t.Errorf("same key, %s: %d %s, want a 422 problem", name, resp.StatusCode, raw)
+		}
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want the first order only", c)
+	}
+}
