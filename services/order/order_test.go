@@ -553,3 +553,28 @@ func TestIdempotencyKeyWithAnyOtherCommandIsRefused(t *testing.T) {
 		t.Fatalf("orders, lines, outbox = %v, want the first order only", c)
 	}
 }
+
+// Only a replay says so, and only the first placement is logged: the first request with a key
+// placed the order, the second placed nothing.
+func TestOnlyTheReplayIsMarkedReplayed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	first, body := b.post(t, validBody, "application/json", "key-first")
+	if first.StatusCode != http.StatusCreated {
+		t.Fatalf("first: %d %s", first.StatusCode, body)
+	}
+	if v, ok := first.Header["Idempotent-Replayed"]; ok {
+		t.Errorf("the first request with a key answered Idempotent-Replayed: %q; it placed the order", v)
+	}
+	var o Order
+	if err := json.Unmarshal(body, &o); err != nil {
+		t.Fatal(err)
+	}
+	if again, body := b.post(t, validBody, "application/json", "key-first"); again.StatusCode != http.StatusCreated || again.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %s", again.StatusCode, body)
+	}
+	// Each line is written before its response.
+	if lines := b.logs.Lines(`msg="order placed"`, "order_id="+o.ID.String()); len(lines) != 1 {
+		t.Errorf("%d lines \"order placed\" for one order placed once and replayed once, want 1; logs:\n%s", len(lines), b.logs)
+	}
+}
