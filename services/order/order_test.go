@@ -578,3 +578,47 @@ func TestOnlyTheReplayIsMarkedReplayed(t *testing.T) {
 		t.Errorf("%d lines \"order placed\" for one order placed once and replayed once, want 1; logs:\n%s", len(lines), b.logs)
 	}
 }
+
+// The limits are inclusive: a command at every one of them is placed, with its total.
+// Lengths count characters, not bytes.
+func TestCommandAtEveryLimitIsPlaced(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cmd := PlaceOrder{CustomerID: strings.Repeat("é", MaxIDLength)}
+	for i := range MaxLines {
+		l := Line{SKU: fmt.Sprintf("%s%03d", strings.Repeat("ß", MaxIDLength-3), i), Quantity: MaxQuantity, UnitPriceCents: MaxUnitPriceCents}
+		if i%2 == 1 {
+			l.Quantity, l.UnitPriceCents = 1, 0
+		}
+		cmd.Lines = append(cmd.Lines, l)
+	}
+	raw, err := json.Marshal(cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, body := b.post(t, string(raw), "application/json", "")
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("a command at the limits: %d %s, want 201", resp.StatusCode, body)
+	}
+	var o Order
+	if err := json.Unmarshal(body, &o); err != nil {
+		t.Fatal(err)
+	}
+	if want := int64(MaxLines/2) * MaxQuantity * MaxUnitPriceCents; o.TotalCents != want || len(o.Lines) != MaxLines || o.CustomerID != cmd.CustomerID {
+		t.Fatalf("order of %d lines totalling %d for %q, want %d lines totalling %d", len(o.Lines), o.TotalCents, o.CustomerID, MaxLines, want)
+	}
+	if c := b.counts(t); c != [3]int64{1, MaxLines, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want [1 %d 1]", c, MaxLines)
+	}
+
+	reason := strings.Repeat("ü", MaxReasonLength)
+	cancel, err := json.Marshal(CancelOrder{Reason: reason})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, body = b.cancel(t, o.ID.String(), string(cancel), "application/json")
+	var cancelled Order
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &cancelled) != nil || cancelled.CancelReason != reason {
+		t.Fatalf("a cancellation with a reason of %d characters: %d %s, want 200", MaxReasonLength, resp.StatusCode, body)
+	}
+}
