@@ -243,6 +243,10 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	if resp, _ := b.post(t, validBody, "application/json", "k\tey"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("Idempotency-Key with a tab: status %d, want 400", resp.StatusCode)
 	}
+	// Bytes beyond ASCII reach the server (HTTP allows them as obs-text), and are refused there.
+	if resp, _ := b.post(t, validBody, "application/json", "clé-1"); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("Idempotency-Key with a non-ASCII character: status %d, want 400", resp.StatusCode)
+	}
 	if c := b.counts(t); c != [3]int64{0, 0, 0} {
 		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
 	}
