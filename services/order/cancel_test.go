@@ -258,3 +258,30 @@ func TestTheLogNamesNoCustomer(t *testing.T) {
 		t.Errorf("the log names the customer:\n%s", b.logs)
 	}
 }
+
+// A cancellation changes its own order and no other: the orders placed around it stay placed,
+// and each can still be cancelled, with its own event.
+func TestCancelChangesOnlyItsOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	before, cancelled, after := b.place(t), b.place(t), b.place(t)
+	if resp, raw := b.cancel(t, cancelled.ID.String(), `{"reason": "changed my mind"}`, "application/json"); resp.StatusCode != http.StatusOK {
+		t.Fatalf("cancel: %d %s", resp.StatusCode, raw)
+	}
+	for _, o := range []Order{before, after} {
+		resp, raw := b.get(t, o.ID.String())
+		var got Order
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(raw, &got) != nil || got.Status != StatusPlaced || got.CancelledAt != nil || got.CancelReason != "" {
+			t.Errorf("order %s, never cancelled: %d %s, want it placed", o.ID, resp.StatusCode, raw)
+		}
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status = 'cancelled'"); n != 1 {
+		t.Fatalf("%d orders cancelled by one cancellation, want 1", n)
+	}
+	if resp, raw := b.cancel(t, after.ID.String(), "", ""); resp.StatusCode != http.StatusOK || !strings.Contains(string(raw), `"status":"cancelled"`) {
+		t.Fatalf("cancel of another order: %d %s", resp.StatusCode, raw)
+	}
+	if n := b.cancellations(t); n != 2 {
+		t.Fatalf("%d OrderCancelled events from cancelling two orders, want 2", n)
+	}
+}
