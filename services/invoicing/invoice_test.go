@@ -430,3 +430,24 @@ func TestBatchesOfTheSameOrdersInOppositeOrdersDoNotDeadlock(t *testing.T) {
 		t.Fatalf("%d invoices, want %d: one per order", n, 3*orders)
 	}
 }
+
+// A cancellation voids its own order's invoice and no other: the invoices of the orders around
+// it stay issued.
+func TestCancellationVoidsOnlyItsOrdersInvoice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cancelled, others := uuid.New(), []uuid.UUID{uuid.New(), uuid.New()}
+	for _, msg := range []messaging.Message{orderPlaced(t, others[0], 100), orderPlaced(t, cancelled, 200), orderPlaced(t, others[1], 300), orderCancelled(t, cancelled)} {
+		if _, err := b.deliver(t, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if inv, _ := b.invoiceOf(t, cancelled); inv.Status != StatusVoid {
+		t.Fatalf("the cancelled order's invoice is %s, want void", inv.Status)
+	}
+	for _, id := range others {
+		if inv, _ := b.invoiceOf(t, id); inv.Status != StatusIssued || inv.VoidedAt != nil {
+			t.Errorf("order %s, never cancelled: invoice %s voided at %v, want issued", id, inv.Status, inv.VoidedAt)
+		}
+	}
+}
