@@ -451,3 +451,47 @@ func TestCancellationVoidsOnlyItsOrdersInvoice(t *testing.T) {
 		}
 	}
 }
+
+// The InvoiceIssued written with an invoice describes that invoice: its id, order, customer,
+// amount and time, on the invoicing exchange, with the OrderPlaced's correlation id. The
+// payload's issued_at keeps the nanoseconds the database rounds to microseconds in created_at.
+func TestInvoiceIssuedDescribesTheInvoice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	msg := orderPlaced(t, orderID, 4200)
+	msg.CorrelationID = orderID.String()
+	if _, err := b.deliver(t, msg); err != nil {
+		t.Fatal(err)
+	}
+	inv, issued := b.invoiceOf(t, orderID)
+	if issued != 1 {
+		t.Fatalf("%d InvoiceIssued in the outbox, want 1", issued)
+	}
+	var row struct {
+		Type          string
+		Payload       json.RawMessage
+		CorrelationID string
+		OccurredAt    time.Time
+		Exchange      *string
+	}
+	if err := b.db.Table("outbox_messages").Take(&row, "type = ?", events.InvoiceIssuedType).Error; err != nil {
+		t.Fatal(err)
+	}
+	var ev events.InvoiceIssued
+	if err := json.Unmarshal(row.Payload, &ev); err != nil {
+		t.Fatal(err)
+	}
+	if ev.InvoiceID != inv.ID || ev.OrderID != orderID || ev.CustomerID != inv.CustomerID || inv.CustomerID != "c-42" ||
+		ev.AmountCents != 4200 || ev.IssuedAt.Sub(inv.CreatedAt).Abs() >= time.Microsecond {
+		t.Errorf("InvoiceIssued %+v does not describe invoice %+v", ev, inv)
+	}
+	exchange := "(none)"
+	if row.Exchange != nil {
+		exchange = *row.Exchange
+	}
+	if row.CorrelationID != msg.CorrelationID || !row.OccurredAt.Equal(inv.CreatedAt) || exchange != events.InvoicingExchange {
+		t.Errorf("InvoiceIssued's row: correlation id %q, occurred at %v, exchange %s; want %q, the invoice's %v, %s",
+			row.CorrelationID, row.OccurredAt, exchange, msg.CorrelationID, inv.CreatedAt, events.InvoicingExchange)
+	}
+}
