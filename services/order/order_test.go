@@ -194,6 +194,7 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"negative quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":-3,"unit_price_cents":1}]}`, "application/json", 422},
 		{"huge quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":10001,"unit_price_cents":1}]}`, "application/json", 422},
 		{"negative price", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":-1}]}`, "application/json", 422},
+		{"price over the limit", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":100000001}]}`, "application/json", 422},
 		{"empty customer", `{"customer_id":"  ","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"empty sku", `{"customer_id":"c","lines":[{"sku":"","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"huge customer id", `{"customer_id":"` + strings.Repeat("c", MaxIDLength+1) + `","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
