@@ -83,6 +83,10 @@ func TestCancelWritesTheStatusAndOneEvent(t *testing.T) {
 	if n := b.cancellations(t); n != 1 {
 		t.Fatalf("%d OrderCancelled events, want 1", n)
 	}
+	// Each line is written before its response; the second cancel changed nothing to log.
+	if lines := b.logs.Lines(`msg="order cancelled"`, "order_id="+placed.ID.String()); len(lines) != 1 {
+		t.Fatalf("%d lines \"order cancelled\" for one order cancelled once and asked again, want 1; logs:\n%s", len(lines), b.logs)
+	}
 	ev, err := events.OrderCancelledEvent.Decode(outboxRowOf(t, b.db, events.OrderCancelledType).message())
 	if err != nil {
 		t.Fatal(err)
