@@ -176,13 +176,15 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	})
 }
 
+// newInvoice makes an invoice row. Its time is cut to the microsecond, as PostgreSQL keeps it,
+// so that the InvoiceIssued made from it says the time the row has.
 func newInvoice(orderID uuid.UUID, customerID string, amount int64, status string, msg messaging.Message) (Invoice, error) {
 	id, err := uuid.NewV7()
 	if err != nil {
 		return Invoice{}, err
 	}
 	return Invoice{ID: id, OrderID: orderID, CustomerID: customerID, AmountCents: amount, Status: status,
-		MessageID: msg.ID, CreatedAt: time.Now().UTC()}, nil
+		MessageID: msg.ID, CreatedAt: time.Now().UTC().Truncate(time.Microsecond)}, nil
 }
 
 // insertNewSQL inserts the invoices of a JSON array, in order_id order, skipping those whose
