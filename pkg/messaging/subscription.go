@@ -644,21 +644,33 @@ func (s *Subscription[Tx]) databaseAnswers(ctx context.Context) bool {
 	return err == nil
 }
 
-// deliver runs msg through the inbox and the handlers as a delivery from the queue would be,
-// without a broker (see messagingtest.Deliver).
-func (s *Subscription[Tx]) deliver(ctx context.Context, msg Message) (duplicate bool, err error) {
+// deliver runs msgs through the inbox and the handlers as one batch of deliveries from the
+// queue would be, without a broker (see messagingtest.Deliver and DeliverBatch), and reports
+// which were duplicates.
+func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplicates []bool, err error) {
 	if err := s.Start(); err != nil {
-		return false, err
+		return nil, err
 	}
-	payload, err := s.decode(msg)
+	jobs := make([]job, len(msgs))
+	for i, msg := range msgs {
+		payload, err := s.decode(msg)
+		if err != nil {
+			if len(msgs) > 1 {
+				err = fmt.Errorf("message %s: %w", msg.ID, err)
+			}
+			return nil, Permanent(err)
+		}
+		jobs[i] = job{msg: msg, payload: payload}
+	}
+	claimed, err := s.process(ctx, jobs)
 	if err != nil {
-		return false, Permanent(err)
+		return nil, err
 	}
-	claimed, err := s.process(ctx, []job{{msg: msg, payload: payload}})
-	if err != nil {
-		return false, err
+	duplicates = make([]bool, len(claimed))
+	for i, c := range claimed {
+		duplicates[i] = !c
 	}
-	return !claimed[0], nil
+	return duplicates, nil
 }
 
 type afterCommitKey struct{}

@@ -8,11 +8,11 @@ import (
 
 // deliverer is a subscription of any driver, seen by its unexported deliver.
 type deliverer interface {
-	deliver(ctx context.Context, msg Message) (duplicate bool, err error)
+	deliver(ctx context.Context, msgs []Message) (duplicates []bool, err error)
 }
 
 func init() {
-	testhook.Deliver = func(ctx context.Context, sub, msg any) (bool, error) {
-		return sub.(deliverer).deliver(ctx, msg.(Message))
+	testhook.Deliver = func(ctx context.Context, sub, msgs any) ([]bool, error) {
+		return sub.(deliverer).deliver(ctx, msgs.([]Message))
 	}
 }

@@ -19,7 +19,23 @@ import (
 // not decode (a queue would dead-letter it) or whose type has no handler (a queue would give it
 // back for another replica, and dead-letter it at its last delivery).
 func Deliver[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msg messaging.Message) (duplicate bool, err error) {
-	return testhook.Deliver(ctx, sub, msg)
+	duplicates, err := testhook.Deliver(ctx, sub, []messaging.Message{msg})
+	if err != nil {
+		return false, err
+	}
+	return duplicates[0], nil
+}
+
+// DeliverBatch hands msgs to sub as deliveries waiting in its queue together would be: claimed
+// in the inbox and handled in one transaction, a batch handler's messages given to it together
+// (see [messaging.HandleBatch]), the after-commit hooks run once it commits. duplicates reports,
+// for each message, that sub had handled it already. An error is the batch's: nothing of it
+// was committed (a consumer would then retry its messages one by one, which Deliver does).
+func DeliverBatch[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msgs ...messaging.Message) (duplicates []bool, err error) {
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	return testhook.Deliver(ctx, sub, msgs)
 }
 
 // DeliverTwice delivers msg to sub twice, as a broker's redelivery would, and fails t unless

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -589,4 +590,64 @@ func TestHandlerEnqueueWakesTheRelayOnCommit(t *testing.T) {
 		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL") == 1
 	}, "the relay did not send the row a handler enqueued")
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{next.ID})
+}
+
+// messagingtest.DeliverBatch hands a batch handler the messages given together, in one
+// transaction with their inbox claims, and runs their after-commit hooks once it commits: a
+// message handled already is skipped and reported a duplicate, and a batch that fails commits
+// nothing of it, so that it can be delivered again.
+func TestDeliverBatchHandsABatchHandlerItsMessagesTogether(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	var sizes []int
+	var hooks atomic.Int32
+	refuse := false
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		sizes = append(sizes, len(batch))
+		for _, d := range batch {
+			if err := record(tx, d.Msg); err != nil {
+				return err
+			}
+			if err := messaging.AfterCommit(d.Ctx, func() { hooks.Add(1) }); err != nil {
+				return err
+			}
+		}
+		if refuse {
+			return errors.New("the batch is refused")
+		}
+		return nil
+	}))
+	msgs := make([]messaging.Message, 5)
+	for i := range msgs {
+		msgs[i] = messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i})
+	}
+	ctx := context.Background()
+	if dup, err := messagingtest.Deliver(ctx, s, msgs[0]); err != nil || dup {
+		t.Fatalf("Deliver = %v, %v", dup, err)
+	}
+	dups, err := messagingtest.DeliverBatch(ctx, s, msgs[:3]...)
+	if err != nil || !slices.Equal(dups, []bool{true, false, false}) {
+		t.Fatalf("DeliverBatch = %v, %v; want the first a duplicate, the other two handled", dups, err)
+	}
+	if !slices.Equal(sizes, []int{1, 2}) || hooks.Load() != 3 {
+		t.Fatalf("batches of %v, %d after-commit hooks run; want [1 2] and 3", sizes, hooks.Load())
+	}
+	if n := b.handled(t, "SELECT count(DISTINCT txid) FROM handled"); n != 2 {
+		t.Fatalf("the messages were handled in %d transactions, want 2: one per delivery", n)
+	}
+	refuse = true
+	if _, err := messagingtest.DeliverBatch(ctx, s, msgs[3:]...); err == nil {
+		t.Fatal("a refused batch: DeliverBatch = nil, want its error")
+	}
+	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 3 || hooks.Load() != 3 {
+		t.Fatalf("%d messages handled and %d hooks run after a refused batch, want 3 and 3: nothing of it committed", n, hooks.Load())
+	}
+	refuse = false
+	if dups, err := messagingtest.DeliverBatch(ctx, s, msgs[3:]...); err != nil || !slices.Equal(dups, []bool{false, false}) {
+		t.Fatalf("the refused batch again: DeliverBatch = %v, %v; want both handled", dups, err)
+	}
+	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 5 {
+		t.Fatalf("%d messages handled, want 5", n)
+	}
 }

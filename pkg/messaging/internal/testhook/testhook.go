@@ -4,6 +4,6 @@ package testhook
 
 import "context"
 
-// Deliver runs msg (a messaging.Message) through sub (a *messaging.Subscription) as a delivery
-// from its queue would be, and reports whether sub had handled it already.
-var Deliver func(ctx context.Context, sub, msg any) (duplicate bool, err error)
+// Deliver runs msgs (a []messaging.Message) through sub (a *messaging.Subscription) as one
+// batch of deliveries from its queue would be, and reports which sub had handled already.
+var Deliver func(ctx context.Context, sub, msgs any) (duplicates []bool, err error)
