@@ -495,3 +495,37 @@ func TestInvoiceIssuedDescribesTheInvoice(t *testing.T) {
 			row.CorrelationID, row.OccurredAt, exchange, msg.CorrelationID, inv.CreatedAt, events.InvoicingExchange)
 	}
 }
+
+// A batch of OrderPlaced, handled together as a backlog is, issues each order its own invoice
+// and announces each with its own InvoiceIssued: the batch's rows are not confused with each
+// other.
+func TestABatchIssuesEachOrderItsOwnInvoice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orders := []uuid.UUID{uuid.New(), uuid.New(), uuid.New()}
+	msgs := make([]messaging.Message, len(orders))
+	for i, id := range orders {
+		msgs[i] = orderPlaced(t, id, int64(100*(i+1)))
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), b.sub, msgs...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	for i, id := range orders {
+		inv, issued := b.invoiceOf(t, id)
+		var payload []byte
+		if err := b.db.Raw("SELECT payload FROM outbox_messages WHERE type = ? AND payload->>'order_id' = ?", events.InvoiceIssuedType, id.String()).
+			Row().Scan(&payload); err != nil {
+			t.Fatal(err)
+		}
+		var ev events.InvoiceIssued
+		if err := json.Unmarshal(payload, &ev); err != nil {
+			t.Fatal(err)
+		}
+		if inv.AmountCents != int64(100*(i+1)) || inv.MessageID != msgs[i].ID || issued != 1 || ev.InvoiceID != inv.ID || ev.AmountCents != inv.AmountCents {
+			t.Errorf("order %d: invoice %+v, %d InvoiceIssued %+v; want its own amount and message, announced once as itself", i, inv, issued, ev)
+		}
+	}
+	if n := len(b.logs.Lines("invoice issued")); n != len(orders) {
+		t.Errorf("%d 'invoice issued' lines, want %d", n, len(orders))
+	}
+}
