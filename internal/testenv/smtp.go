@@ -34,6 +34,9 @@ type SMTPServer struct {
 	perSession int
 	// acceptDelay is how long the server takes to answer a message it has accepted.
 	acceptDelay time.Duration
+	// hold, while set, keeps the answer to each message accepted until it is closed (see
+	// HoldAnswers).
+	hold chan struct{}
 	// sessions counts the SMTP sessions (client connections) ever opened, open those not
 	// closed yet.
 	sessions, open atomic.Int64
@@ -110,6 +113,30 @@ func (s *SMTPServer) AnswerLate(delay time.Duration) {
 	s.acceptDelay = delay
 }
 
+// HoldAnswers makes the server keep each message it accepts and say nothing of it until
+// release is called: a relay stalled after the final dot for as long as the test needs, not
+// for a fixed time a loaded machine may outlast. Messages accepted after release are answered
+// as before. release is also called at cleanup.
+func (s *SMTPServer) HoldAnswers() (release func()) {
+	hold := make(chan struct{})
+	s.mu.Lock()
+	s.hold = hold
+	s.mu.Unlock()
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			s.mu.Lock()
+			if s.hold == hold {
+				s.hold = nil
+			}
+			s.mu.Unlock()
+			close(hold)
+		})
+	}
+	s.t.Cleanup(release)
+	return release
+}
+
 // LimitPerSession makes the server take at most n messages in a session (none if n < 0), as
 // Exim's smtp_accept_max_per_connection does: MAIL after them gets 421.
 func (s *SMTPServer) LimitPerSession(n int) {
@@ -173,8 +200,11 @@ func (x *smtpSession) Data(r io.Reader) error {
 	x.server.mu.Lock()
 	x.messages++
 	x.server.mail = append(x.server.mail, Mail{From: x.from, To: x.to, MessageID: m.Header.Get("Message-Id"), Header: m.Header, Body: string(body)})
-	delay := x.server.acceptDelay
+	delay, hold := x.server.acceptDelay, x.server.hold
 	x.server.mu.Unlock()
 	time.Sleep(delay) // the slow relay's own pace, not a wait for anything
+	if hold != nil {
+		<-hold
+	}
 	return nil
 }
