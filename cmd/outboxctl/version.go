@@ -12,7 +12,7 @@ import (
 // buildVersion is what the binary says of its build: its module's version and, when it was
 // built from a checkout with VCS stamping (go build's -buildvcs), the commit.
 type buildVersion struct {
-	Version  string `json:"version"` // "(devel)" when the build recorded no revision
+	Version  string `json:"version"` // a tag, a pseudo-version, or "(devel)" when the build knew neither
 	Revision string `json:"revision,omitempty"`
 	Time     string `json:"revision_time,omitempty"`
 	Modified bool   `json:"modified,omitempty"` // built with changes not committed
@@ -60,8 +60,9 @@ func (c *cli) versionCommand() *cobra.Command {
 		Short: "the version of outboxctl, and the commit it was built from",
 		Long: `version prints what --version prints: the module version of outboxctl, the VCS revision it
 was built from when the build recorded it (go build does in a git checkout, unless
--buildvcs=false), and the Go version. With a revision, the version is the pseudo-version the go
-command derives from it; without one (go run, the images), it is "(devel)".`,
+-buildvcs=false), and the Go version. The version is the module's tag when installed with go
+install ...@vX.Y.Z or built at a tagged commit, else the pseudo-version the go command derives
+from the revision, or "(devel)" where the build knew neither (go run, the images).`,
 		Args: cobra.NoArgs,
 		RunE: action(func(context.Context, []string) error {
 			v := readVersion()
