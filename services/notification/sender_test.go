@@ -1274,10 +1274,14 @@ func TestLeaseRequestsMadeTogetherAreEachAnswered(t *testing.T) {
 	}
 }
 
-// failing fails every delivery, as a mail server that answers 451 to each message.
-type failing struct{}
+// failing fails every delivery, as a mail server that answers 451 to each message; begun, if
+// set, is called as each delivery begins.
+type failing struct{ begun func() }
 
-func (failing) Deliver(context.Context, Notification) error {
+func (f failing) Deliver(context.Context, Notification) error {
+	if f.begun != nil {
+		f.begun()
+	}
 	return errors.New("smtp rcpt to: 451 try again later")
 }
 
@@ -1301,15 +1305,21 @@ func TestBackoffGrowsWithTheAttemptsUpToTheMaximum(t *testing.T) {
 			if err := e.db.DB.Exec("UPDATE notifications SET attempts = ?, last_error = 'smtp: 451' WHERE id = ?", tc.before, id).Error; err != nil {
 				t.Fatal(err)
 			}
-			s := e.sender(t, "sender-a", failing{})
-			// The failure is recorded between two readings of the database's clock, so its
-			// wait lies between the due time less the second and the due time less the first,
-			// however slow the machine.
-			before := e.clock(t)
+			// The failure is recorded between two readings of the database's clock, the first
+			// as the delivery begins, so its wait lies between the due time less the second and
+			// the due time less the first, however slow the machine.
+			var before time.Time
+			var beforeErr error
+			s := e.sender(t, "sender-a", failing{begun: func() {
+				beforeErr = e.db.DB.Raw("SELECT clock_timestamp()").Scan(&before).Error
+			}})
 			if o := await(t, start(s)); o.delivered || o.err != nil {
 				t.Fatalf("%+v, want the failure recorded", o)
 			}
 			after := e.clock(t)
+			if beforeErr != nil || before.IsZero() {
+				t.Fatalf("the clock as the delivery began: %v, %v", before, beforeErr)
+			}
 			var due struct {
 				Attempts      int
 				NextAttemptAt time.Time
