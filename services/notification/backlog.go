@@ -17,8 +17,7 @@ import (
 // pending rows (created_at, id) at once.
 const backlogCountCap = 100_000
 
-// backlogSQL reads the notifications not sent yet, up to backlogCountCap, and the age of the
-// oldest.
+// backlogSQL reads the notifications not sent yet, up to a cap, and the age of the oldest.
 const backlogSQL = `SELECT
     (SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = 'pending' LIMIT $1) AS capped),
     coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM notifications WHERE status = 'pending'), 0)`
@@ -58,7 +57,7 @@ func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
 	v, err, _ := c.reading.Do("backlog", func() (any, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
 		defer cancel()
-		return readBacklog(ctx, c.db)
+		return readBacklog(ctx, c.db, backlogCountCap)
 	})
 	if err != nil {
 		c.log.Warn("could not read the notification backlog; its gauges are left out of this scrape", "error", err)
@@ -77,16 +76,18 @@ func registerBacklog(reg prometheus.Registerer, db messaging.DB, log *slog.Logge
 	return nil
 }
 
-// backlog is how many notifications wait (up to backlogCountCap) and the age of the oldest, in
+// backlog is how many notifications wait (up to the count's cap) and the age of the oldest, in
 // seconds.
 type backlog struct {
 	pending int64
 	age     float64
 }
 
-func readBacklog(ctx context.Context, db messaging.DB) (backlog, error) {
+// readBacklog counts the pending notifications up to countCap: the collector's is
+// backlogCountCap; a test's can be small.
+func readBacklog(ctx context.Context, db messaging.DB, countCap int64) (backlog, error) {
 	var b backlog
-	rows, err := db.Query(ctx, backlogSQL, backlogCountCap)
+	rows, err := db.Query(ctx, backlogSQL, countCap)
 	if err != nil {
 		return b, fmt.Errorf("read the notification backlog: %w", err)
 	}
