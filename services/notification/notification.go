@@ -186,16 +186,19 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 // those whose order has one of their kind already, and returns the ids of those it inserted.
 // A concurrent insert of the same order and kind waits for the other transaction, then skips;
 // the order keeps two batches holding the same ones from waiting for each other in a circle.
+// Among the array's own rows of one order and kind, ord (the batch's order, which a sort need
+// not keep) lets the earlier message's stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,
     next_attempt_at, message_id, created_at, trace_parent, trace_state)
 SELECT id, order_id, customer_id, kind, recipient, subject, body, status, next_attempt_at, message_id, created_at, trace_parent, trace_state
 FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, kind text, recipient text, subject text,
-    body text, status text, next_attempt_at timestamptz, message_id uuid, created_at timestamptz, trace_parent text, trace_state text)
-ORDER BY order_id, kind
+    body text, status text, next_attempt_at timestamptz, message_id uuid, created_at timestamptz, trace_parent text, trace_state text, ord int)
+ORDER BY order_id, kind, ord
 ON CONFLICT (order_id, kind) DO NOTHING
 RETURNING id`
 
-// notificationRow is a notification as insertNewSQL reads it: every column it writes.
+// notificationRow is a notification as insertNewSQL reads it: every column it writes, and its
+// place in the batch.
 type notificationRow struct {
 	ID            uuid.UUID `json:"id"`
 	OrderID       uuid.UUID `json:"order_id"`
@@ -210,6 +213,7 @@ type notificationRow struct {
 	CreatedAt     time.Time `json:"created_at"`
 	TraceParent   string    `json:"trace_parent"`
 	TraceState    string    `json:"trace_state"`
+	Ord           int       `json:"ord"`
 }
 
 // insertNew inserts the notifications whose order has none of their kind, in one statement,
@@ -220,7 +224,7 @@ func insertNew(tx *gorm.DB, ns []Notification) (map[uuid.UUID]bool, error) {
 	for i, n := range ns {
 		rows[i] = notificationRow{ID: n.ID, OrderID: n.OrderID, CustomerID: n.CustomerID, Kind: n.Kind, Recipient: n.Recipient,
 			Subject: n.Subject, Body: n.Body, Status: n.Status, NextAttemptAt: n.NextAttemptAt, MessageID: n.MessageID,
-			CreatedAt: n.CreatedAt, TraceParent: n.TraceParent, TraceState: n.TraceState}
+			CreatedAt: n.CreatedAt, TraceParent: n.TraceParent, TraceState: n.TraceState, Ord: i}
 	}
 	doc, err := json.Marshal(rows)
 	if err != nil {

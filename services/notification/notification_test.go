@@ -298,6 +298,57 @@ func TestSameKindFromAnotherMessageIsNotRecordedAgain(t *testing.T) {
 	b.wantRecorded(t, 3, 3)
 }
 
+// A batch of deliveries waiting together is recorded with one INSERT: each message gets its own
+// order's notification, and a later message of the batch about the same order and kind is
+// skipped as it would be one delivery at a time: the earlier message's notification stands,
+// however many such pairs the batch holds (the INSERT sorts its rows, and a sort need not keep
+// the batch's order among equal keys).
+func TestABatchRecordsEachMessageItsOwnNotification(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	first, second := uuid.New(), uuid.New()
+	batch := []messaging.Message{
+		orderPlaced(t, first, "c-1"), orderPlaced(t, second, "c-2"), invoiceIssued(t, first, "c-1"),
+		orderPlaced(t, first, "c-1"), orderCancelled(t, second, "c-2"),
+	}
+	want := map[uuid.UUID]map[string]messaging.Message{
+		first:  {KindOrderConfirmation: batch[0], KindInvoice: batch[2]},
+		second: {KindOrderConfirmation: batch[1], KindOrderCancelled: batch[4]},
+	}
+	customer := map[uuid.UUID]string{first: "c-1", second: "c-2"}
+	later := []messaging.Message{batch[3]}
+	const pairs = 20
+	for range pairs {
+		order := uuid.New()
+		earlier := orderPlaced(t, order, "c-3")
+		batch = append(batch, earlier)
+		later = append(later, orderPlaced(t, order, "c-3"))
+		want[order], customer[order] = map[string]messaging.Message{KindOrderConfirmation: earlier}, "c-3"
+	}
+	batch = append(batch, later[1:]...)
+	duplicates, err := messagingtest.DeliverBatch(context.Background(), b.sub, batch...)
+	if err != nil || slices.Contains(duplicates, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want no duplicate and no error", duplicates, err)
+	}
+	for order, kinds := range want {
+		got := b.kinds(t, order)
+		if len(got) != len(kinds) {
+			t.Fatalf("order %s has %d notifications, want %d", order, len(got), len(kinds))
+		}
+		for kind, msg := range kinds {
+			if n := got[kind]; n.MessageID != msg.ID || n.CustomerID != customer[order] || n.Recipient != customer[order]+"@customers.example" {
+				t.Errorf("order %s's %s notification = %+v, want the earlier message %s's, to %s", order, kind, n, msg.ID, customer[order])
+			}
+		}
+	}
+	for _, msg := range later {
+		if n := len(b.logs.Lines("level=WARN", "already has a "+KindOrderConfirmation, "message_id="+msg.ID.String())); n != 1 {
+			t.Fatalf("%d 'already has a %s' lines for the later message %s, want 1", n, KindOrderConfirmation, msg.ID)
+		}
+	}
+	b.wantRecorded(t, 4+pairs, 1+pairs)
+}
+
 // Events of one order arrive in any order: a cancellation ahead of its OrderPlaced still
 // leaves both notifications.
 func TestCancellationBeforeTheOrderStillNotifiesBoth(t *testing.T) {
