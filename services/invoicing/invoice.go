@@ -192,17 +192,30 @@ func newInvoice(orderID uuid.UUID, customerID string, amount int64, status strin
 // same order waits for the other transaction, then skips; the order keeps two batches' inserts
 // from waiting for each other in a circle. A cancellation in the same transaction, handled
 // before the batch, can still cross another batch's insert: PostgreSQL then aborts one of the
-// two, and the consumer retries its messages one by one.
+// two, and the consumer retries its messages one by one. Among the array's own rows of one
+// order, ord (the batch's order, which a sort need not keep) lets the earlier message's
+// stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
 SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at
-FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, amount_cents bigint, status text, message_id uuid, created_at timestamptz)
-ORDER BY order_id
+FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, amount_cents bigint, status text, message_id uuid,
+    created_at timestamptz, ord int)
+ORDER BY order_id, ord
 ON CONFLICT (order_id) DO NOTHING
 RETURNING id`
 
+// invoiceRow is an invoice as insertNewSQL reads it, with its place in the batch.
+type invoiceRow struct {
+	Invoice
+	Ord int `json:"ord"`
+}
+
 // insertNew inserts the invoices whose order has none, in one statement, and reports which.
 func insertNew(tx *gorm.DB, invoices []Invoice) (map[uuid.UUID]bool, error) {
-	doc, err := json.Marshal(invoices)
+	rows := make([]invoiceRow, len(invoices))
+	for i, inv := range invoices {
+		rows[i] = invoiceRow{Invoice: inv, Ord: i}
+	}
+	doc, err := json.Marshal(rows)
 	if err != nil {
 		return nil, fmt.Errorf("insert %d invoices: %w", len(invoices), err)
 	}

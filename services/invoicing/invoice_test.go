@@ -529,3 +529,30 @@ func TestABatchIssuesEachOrderItsOwnInvoice(t *testing.T) {
 		t.Errorf("%d 'invoice issued' lines, want %d", n, len(orders))
 	}
 }
+
+// Two OrderPlaced of one order in one batch (an event published twice upstream, both waiting
+// in the queue) issue one invoice, the earlier message's, as one delivery at a time would; the
+// later is logged as done already. The batch holds many such pairs, because the INSERT sorts
+// its rows and a sort need not keep the batch's order among rows of one order.
+func TestABatchKeepsTheEarlierOfTwoMessagesForAnOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const pairs = 20
+	orders := make([]uuid.UUID, pairs)
+	msgs := make([]messaging.Message, 2*pairs)
+	for i := range orders {
+		orders[i] = uuid.New()
+		msgs[i], msgs[pairs+i] = orderPlaced(t, orders[i], 100), orderPlaced(t, orders[i], 100)
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), b.sub, msgs...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	for i, id := range orders {
+		if inv, issued := b.invoiceOf(t, id); inv.MessageID != msgs[i].ID || issued != 1 {
+			t.Errorf("order %d: invoice %+v, announced %d times; want the earlier message %s's, announced once", i, inv, issued, msgs[i].ID)
+		}
+	}
+	if n := len(b.logs.Lines("already invoiced by another message")); n != pairs {
+		t.Errorf("%d 'already invoiced' lines, want one per later message, %d", n, pairs)
+	}
+}
