@@ -410,13 +410,15 @@ func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, 
 			s.cfg.Logger.ErrorContext(ctx, "batch handler panicked", "consumer", s.cfg.Name, "type", msgType, "size", len(items),
 				"panic", r, "stack", string(debug.Stack()))
 		}
-		outcome := outcomeOf(err)
-		for _, it := range items {
-			s.cfg.Metrics.recordHandled(s.cfg.Name, msgType, outcome, time.Since(start))
-			if err == nil {
-				s.cfg.Logger.DebugContext(it.ctx, "message handled", "consumer", s.cfg.Name, "message_id", it.msg.ID, "type", msgType, "batch", len(items))
+		outcome, took := outcomeOf(err), time.Since(start)
+		whenObserved(ctx, func() {
+			for _, it := range items {
+				s.cfg.Metrics.recordHandled(s.cfg.Name, msgType, outcome, took)
+				if err == nil {
+					s.cfg.Logger.DebugContext(it.ctx, "message handled", "consumer", s.cfg.Name, "message_id", it.msg.ID, "type", msgType, "batch", len(items))
+				}
 			}
-		}
+		})
 	}()
 	return s.routes[msgType].batch(ctx, tx, items)
 }
@@ -443,6 +445,12 @@ func (s *Subscription[Tx]) decode(msg Message) (any, error) {
 func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []bool, err error) {
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
+	// A batch that fails is tried again one message at a time: its handlers' outcomes count,
+	// and are logged, only once it commits, so that each message's are as one at a time.
+	observed := &afterCommitHooks{}
+	if len(jobs) > 1 {
+		ctx = context.WithValue(ctx, observedKey{}, observed)
+	}
 	spans := make([]msgSpan, len(jobs))
 	for i, j := range jobs {
 		spans[i].ctx, spans[i].span = s.startSpan(ctx, j.msg)
@@ -462,6 +470,9 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 			err = Unavailable(err)
 		}
 		return nil, err
+	}
+	for _, fn := range observed.fns {
+		fn()
 	}
 	committed := time.Now()
 	for i, j := range jobs {
@@ -674,6 +685,21 @@ func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplica
 }
 
 type afterCommitKey struct{}
+
+// observedKey carries, in the transaction of a batch, the handlers' log lines and metrics,
+// held until it commits (see whenObserved).
+type observedKey struct{}
+
+// whenObserved runs fn, which logs and counts a handler's outcome, at once; in a batch's
+// transaction, only once it commits. A failed batch is tried again one message at a time,
+// which logs and counts each message's outcome then.
+func whenObserved(ctx context.Context, fn func()) {
+	if observed, ok := ctx.Value(observedKey{}).(*afterCommitHooks); ok {
+		observed.fns = append(observed.fns, fn)
+		return
+	}
+	fn()
+}
 
 // afterCommitHooks is what a handler's transaction owes after its work: the functions to run
 // once it has committed.

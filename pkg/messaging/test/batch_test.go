@@ -1,0 +1,71 @@
+package test
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/google/uuid"
+	"gorm.io/gorm"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
+)
+
+// A batch that fails is tried again one message at a time, so its own attempt must count no
+// handler outcome and log no "message handled": each message is counted, and logged, as it
+// would be one at a time. Neither the good message of a refused batch handler's batch (counted
+// "permanent" for its neighbour's fault), nor a plain handler's message that ran before its
+// neighbour failed (counted "ok" twice, logged handled twice).
+func TestAFailedBatchCountsEachMessageAsOneAtATime(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	bad := uuid.New()
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		for _, d := range batch {
+			if d.Payload.OrderID == bad {
+				return messaging.Permanent(errors.New("refused"))
+			}
+			if err := record(tx, d.Msg); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, c cancelled, msg messaging.Message) error {
+		if c.OrderID == bad {
+			return errors.New("refused")
+		}
+		return record(tx, msg)
+	}))
+	goodP, badP := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.placed, placed{OrderID: bad})
+	goodC, badC := messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}), messagingtest.Message(t, b.cancels, cancelled{OrderID: bad})
+	ctx := context.Background()
+	// As a consumer does: the batch, then, once it failed, each of its messages on its own.
+	for _, batch := range [][]messaging.Message{{goodP, badP}, {goodC, badC}} {
+		if _, err := messagingtest.DeliverBatch(ctx, s, batch...); err == nil {
+			t.Fatal("DeliverBatch = nil, want the batch's error")
+		}
+		for _, msg := range batch {
+			_, _ = messagingtest.Deliver(ctx, s, msg)
+		}
+	}
+	for _, c := range []struct {
+		typ, outcome string
+		want         float64
+	}{{"Placed", "ok", 1}, {"Placed", "permanent", 1}, {"Cancelled", "ok", 1}, {"Cancelled", "error", 1}} {
+		got := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "type": c.typ, "outcome": c.outcome})
+		if got != c.want {
+			t.Errorf("consumer_handler_seconds{type=%q,outcome=%q} counts %v, want %v: one per message, as one at a time", c.typ, c.outcome, got, c.want)
+		}
+	}
+	for _, msg := range []messaging.Message{goodP, goodC} {
+		if n := len(b.logs.Lines("message handled", "message_id="+msg.ID.String())); n != 1 {
+			t.Errorf("%d \"message handled\" lines for %s message %s, want 1", n, msg.Type, msg.ID)
+		}
+	}
+	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 2 {
+		t.Fatalf("%d messages handled, want the 2 good ones", n)
+	}
+}
