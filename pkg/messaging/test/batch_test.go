@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/google/uuid"
@@ -67,5 +68,46 @@ func TestAFailedBatchCountsEachMessageAsOneAtATime(t *testing.T) {
 	}
 	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 2 {
 		t.Fatalf("%d messages handled, want the 2 good ones", n)
+	}
+}
+
+// A batch handler that panics fails its batch, as a plain handler's panic fails its message:
+// nothing of the batch commits, the panic is logged, and the process, with the batch's other
+// messages, lives on to handle them one at a time.
+func TestABatchHandlerPanicFailsOnlyItsBatch(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	bad := uuid.New()
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		for _, d := range batch {
+			if err := record(tx, d.Msg); err != nil {
+				return err
+			}
+			if d.Payload.OrderID == bad {
+				panic("bad order")
+			}
+		}
+		return nil
+	}))
+	good, poison := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.placed, placed{OrderID: bad})
+	ctx := context.Background()
+	if _, err := messagingtest.DeliverBatch(ctx, s, good, poison); err == nil || !strings.Contains(err.Error(), "panicked") {
+		t.Fatalf("DeliverBatch = %v, want the batch handler's panic as its error", err)
+	}
+	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 0 {
+		t.Fatalf("%d messages of the panicked batch committed, want none", n)
+	}
+	if dup, err := messagingtest.Deliver(ctx, s, good); err != nil || dup {
+		t.Fatalf("the good message alone: Deliver = %v, %v; want it handled", dup, err)
+	}
+	if _, err := messagingtest.Deliver(ctx, s, poison); err == nil {
+		t.Fatal("the poison alone: Deliver = nil, want its panic as its error")
+	}
+	if n := len(b.logs.Lines("level=ERROR", "batch handler panicked", "stack=")); n != 2 {
+		t.Errorf("%d 'batch handler panicked' lines with the stack, want 2: the batch's and the poison's own", n)
+	}
+	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 1 {
+		t.Fatalf("%d messages handled, want the good one", n)
 	}
 }
