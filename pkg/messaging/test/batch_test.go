@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -109,5 +110,56 @@ func TestABatchHandlerPanicFailsOnlyItsBatch(t *testing.T) {
 	}
 	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 1 {
 		t.Fatalf("%d messages handled, want the good one", n)
+	}
+}
+
+// In a batch, each plain handler's message is handled in the batch's order, as one at a time;
+// a batch handler gets its messages in the batch's order too, after the plain handlers' (see
+// transact).
+func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	if err := b.db.DB.Exec("CREATE TABLE seen (n serial PRIMARY KEY, message_id uuid NOT NULL)").Error; err != nil {
+		t.Fatal(err)
+	}
+	see := func(tx *gorm.DB, msg messaging.Message) error {
+		return tx.Exec("INSERT INTO seen (message_id) VALUES (?)", msg.ID).Error
+	}
+	s := b.subscription(t, nil)
+	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+		return see(tx, msg)
+	}))
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		for _, d := range batch {
+			if err := see(tx, d.Msg); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	var batch, plain, batched []messaging.Message
+	for i := range 8 {
+		msg := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i})
+		if i%2 == 0 {
+			msg = messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
+			plain = append(plain, msg)
+		} else {
+			batched = append(batched, msg)
+		}
+		batch = append(batch, msg)
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	var got []uuid.UUID
+	if err := b.db.DB.Raw("SELECT message_id FROM seen ORDER BY n").Scan(&got).Error; err != nil {
+		t.Fatal(err)
+	}
+	var want []uuid.UUID
+	for _, msg := range append(plain, batched...) {
+		want = append(want, msg.ID)
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("handled in the order %v, want %v: the plain handler's messages in order, then the batch handler's, in order", got, want)
 	}
 }
