@@ -139,11 +139,12 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	}))
 	var batch, plain, batched []messaging.Message
 	for i := range 8 {
-		msg := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i})
+		var msg messaging.Message
 		if i%2 == 0 {
 			msg = messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
 			plain = append(plain, msg)
 		} else {
+			msg = messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i})
 			batched = append(batched, msg)
 		}
 		batch = append(batch, msg)
