@@ -407,8 +407,12 @@ func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, 
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("batch handler panicked: %v", r)
-			s.cfg.Logger.ErrorContext(ctx, "batch handler panicked", "consumer", s.cfg.Name, "type", msgType, "size", len(items),
-				"panic", r, "stack", string(debug.Stack()))
+			// Alone (a failed batch's message tried again), the message is named, in its trace.
+			logCtx, attrs := ctx, []any{"consumer", s.cfg.Name, "type", msgType, "size", len(items)}
+			if len(items) == 1 {
+				logCtx, attrs = items[0].ctx, append(attrs, "message_id", items[0].msg.ID)
+			}
+			s.cfg.Logger.ErrorContext(logCtx, "batch handler panicked", append(attrs, "panic", r, "stack", string(debug.Stack()))...)
 		}
 		outcome, took := outcomeOf(err), time.Since(start)
 		whenObserved(ctx, func() {

@@ -108,6 +108,9 @@ func TestABatchHandlerPanicFailsOnlyItsBatch(t *testing.T) {
 	if n := len(b.logs.Lines("level=ERROR", "batch handler panicked", "stack=")); n != 2 {
 		t.Errorf("%d 'batch handler panicked' lines with the stack, want 2: the batch's and the poison's own", n)
 	}
+	if n := len(b.logs.Lines("level=ERROR", "batch handler panicked", "size=1", "message_id="+poison.ID.String())); n != 1 {
+		t.Errorf("%d 'batch handler panicked' lines naming the poison tried alone, want 1", n)
+	}
 	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 1 {
 		t.Fatalf("%d messages handled, want the good one", n)
 	}
