@@ -450,11 +450,14 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	// A batch that fails is tried again one message at a time: its handlers' outcomes count,
-	// and are logged, only once it commits, so that each message's are as one at a time.
-	observed := &afterCommitHooks{}
+	// and are logged, only once it commits, so that each message's are as one at a time. The
+	// key is set for one message too (nil: at once), so that a context from another
+	// transaction's handler (an after-commit hook's, say) cannot hold this one's outcomes.
+	var observed *afterCommitHooks
 	if len(jobs) > 1 {
-		ctx = context.WithValue(ctx, observedKey{}, observed)
+		observed = &afterCommitHooks{}
 	}
+	ctx = context.WithValue(ctx, observedKey{}, observed)
 	spans := make([]msgSpan, len(jobs))
 	for i, j := range jobs {
 		spans[i].ctx, spans[i].span = s.startSpan(ctx, j.msg)
@@ -475,8 +478,10 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		}
 		return nil, err
 	}
-	for _, fn := range observed.fns {
-		fn()
+	if observed != nil {
+		for _, fn := range observed.fns {
+			fn()
+		}
 	}
 	committed := time.Now()
 	for i, j := range jobs {
@@ -691,14 +696,14 @@ func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplica
 type afterCommitKey struct{}
 
 // observedKey carries, in the transaction of a batch, the handlers' log lines and metrics,
-// held until it commits (see whenObserved).
+// held until it commits (see whenObserved); in a transaction of one message, nil.
 type observedKey struct{}
 
 // whenObserved runs fn, which logs and counts a handler's outcome, at once; in a batch's
 // transaction, only once it commits. A failed batch is tried again one message at a time,
 // which logs and counts each message's outcome then.
 func whenObserved(ctx context.Context, fn func()) {
-	if observed, ok := ctx.Value(observedKey{}).(*afterCommitHooks); ok {
+	if observed, _ := ctx.Value(observedKey{}).(*afterCommitHooks); observed != nil {
 		observed.fns = append(observed.fns, fn)
 		return
 	}

@@ -167,3 +167,35 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 		t.Fatalf("handled in the order %v, want %v: the plain handler's messages in order, then the batch handler's, in order", got, want)
 	}
 }
+
+// A transaction's handler outcomes are its own to count: a message handled with a context
+// that a batch's handler gave on (here, from its after-commit hook, once the batch's outcomes
+// are counted) is counted at once, not held for the batch.
+func TestAMessageHandledFromABatchsHookIsCounted(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	otherName := b.name + "_other"
+	other := b.subscription(t, func(cfg *messaging.SubscriptionConfig) { cfg.Name = otherName })
+	must(t, messaging.Handle(other, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	follow := messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
+	var followErr error
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		return messaging.AfterCommit(batch[0].Ctx, func() { _, followErr = messagingtest.Deliver(batch[0].Ctx, other, follow) })
+	}))
+	batch := []messaging.Message{
+		messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}),
+	}
+	if _, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || followErr != nil {
+		t.Fatalf("DeliverBatch = %v, the message its hook delivers: %v; want both handled", err, followErr)
+	}
+	labels := map[string]string{"consumer": otherName, "type": "Cancelled", "outcome": "ok"}
+	if got := metricValue(t, b.registry, "consumer_handler_seconds", labels); got != 1 {
+		t.Errorf("consumer_handler_seconds{consumer=%q,type=\"Cancelled\",outcome=\"ok\"} counts %v, want 1: the message its hook delivered", otherName, got)
+	}
+	if n := len(b.logs.Lines("message handled", "message_id="+follow.ID.String())); n != 1 {
+		t.Errorf("%d \"message handled\" lines for %s, want 1", n, follow.ID)
+	}
+}
