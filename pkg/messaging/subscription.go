@@ -407,7 +407,8 @@ func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, 
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("batch handler panicked: %v", r)
-			// Alone (a failed batch's message tried again), the message is named, in its trace.
+			// With one message (a failed batch's, tried alone, say), the message is named, in its
+			// trace.
 			logCtx, attrs := ctx, []any{"consumer", s.cfg.Name, "type", msgType, "size", len(items)}
 			if len(items) == 1 {
 				logCtx, attrs = items[0].ctx, append(attrs, "message_id", items[0].msg.ID)

@@ -17,8 +17,11 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
-// The service reads and writes trace contexts with the W3C propagator (see platform).
-func init() { otel.SetTextMapPropagator(propagation.TraceContext{}) }
+// The service reads and writes trace contexts with the propagators platform installs at start,
+// W3C trace context among them; its tests run no start, so the package installs them here.
+func init() {
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+}
 
 // Each InvoiceIssued of a batch belongs to the trace of the OrderPlaced that issued it, and
 // carries its correlation id, as it would one message at a time: not the batch's, nor another
