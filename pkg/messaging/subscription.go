@@ -235,7 +235,8 @@ type Delivered[T any] struct {
 
 // BatchHandler does the work of several messages of one event at once, in tx, the
 // transaction that records all of them in the inbox: set-based statements (one INSERT for the
-// batch) instead of round trips per message. ctx is the transaction's: [AfterCommit] works
+// batch) instead of round trips per message. It gets each run of consecutive messages of its
+// event: a transaction's messages are handled in their queue's order, whatever their handlers. ctx is the transaction's: [AfterCommit] works
 // with it, or with any item's Ctx. An error fails the whole batch; the subscription then
 // handles its messages one by one, each as a batch of one, so a single bad message cannot hold
 // up the others.
@@ -524,19 +525,29 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	if claimed, err = claim(ctx, txe, s.cfg.Name, jobs); err != nil {
 		return nil, err
 	}
-	// Each message to its handler, in order; a batch handler's messages wait, to go to it
-	// together, by event type in the order the types first came.
-	var batchTypes []string
-	batches := map[string][]batchItem{}
+	// Each message to its handler in the batch's order, as one at a time: a batch handler gets
+	// each run of consecutive messages of its event, so that no message is handled before one
+	// that came ahead of it (an order's cancellation before its placement, say).
+	var run []batchItem
+	flush := func() error {
+		if len(run) == 0 {
+			return nil
+		}
+		err := s.runBatch(ctx, tx, run[0].msg.Type, run)
+		run = nil
+		return err
+	}
 	for i, j := range jobs {
 		if !claimed[i] {
 			continue
 		}
-		if s.routes[j.msg.Type].batch != nil {
-			if _, ok := batches[j.msg.Type]; !ok {
-				batchTypes = append(batchTypes, j.msg.Type)
+		if len(run) > 0 && run[0].msg.Type != j.msg.Type {
+			if err := flush(); err != nil {
+				return nil, err
 			}
-			batches[j.msg.Type] = append(batches[j.msg.Type], batchItem{ctx: spans[i].ctx, payload: j.payload, msg: j.msg})
+		}
+		if s.routes[j.msg.Type].batch != nil {
+			run = append(run, batchItem{ctx: spans[i].ctx, payload: j.payload, msg: j.msg})
 			continue
 		}
 		if err := s.chain(spans[i].ctx, tx, j.payload, j.msg); err != nil {
@@ -546,10 +557,8 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			return nil, err
 		}
 	}
-	for _, t := range batchTypes {
-		if err := s.runBatch(ctx, tx, t, batches[t]); err != nil {
-			return nil, err
-		}
+	if err := flush(); err != nil {
+		return nil, err
 	}
 	if err := txe.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("commit inbox transaction: %w", err)

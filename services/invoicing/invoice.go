@@ -190,10 +190,10 @@ func newInvoice(orderID uuid.UUID, customerID string, amount int64, status strin
 // insertNewSQL inserts the invoices of a JSON array, in order_id order, skipping those whose
 // order has one already, and returns the ids of those it inserted. A concurrent insert for the
 // same order waits for the other transaction, then skips; the order keeps two batches' inserts
-// from waiting for each other in a circle. A cancellation in the same transaction, handled
-// before the batch, can still cross another batch's insert: PostgreSQL then aborts one of the
-// two, and the consumer retries its messages one by one. Among the array's own rows of one
-// order, ord (the batch's order, which a sort need not keep) lets the earlier message's
+// from waiting for each other in a circle. A cancellation in the same transaction, or a second
+// run of OrderPlaced after it, can still cross another batch's insert: PostgreSQL then aborts
+// one of the two, and the consumer retries its messages one by one. Among the array's own rows
+// of one order, ord (the batch's order, which a sort need not keep) lets the earlier message's
 // stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
 SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at

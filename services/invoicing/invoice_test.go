@@ -556,3 +556,31 @@ func TestABatchKeepsTheEarlierOfTwoMessagesForAnOrder(t *testing.T) {
 		t.Errorf("%d 'already invoiced' lines, want one per later message, %d", n, pairs)
 	}
 }
+
+// An order placed and then cancelled, both in one batch (a backlog, the order cancelled soon
+// after it was placed), ends as one delivery at a time would: the invoice issued and announced,
+// then voided; and a cancellation before its order, in one batch, as it would too.
+func TestABatchHandlesAPlacementAndItsCancellationInTheirOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	placedFirst, cancelledFirst := uuid.New(), uuid.New()
+	msgs := []messaging.Message{
+		orderPlaced(t, placedFirst, 700), orderCancelled(t, placedFirst),
+		orderCancelled(t, cancelledFirst), orderPlaced(t, cancelledFirst, 800),
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), b.sub, msgs...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	if inv, issued := b.invoiceOf(t, placedFirst); inv.Status != StatusVoid || inv.AmountCents != 700 || issued != 1 ||
+		inv.MessageID != msgs[0].ID || inv.VoidedAt == nil || !inv.VoidedAt.After(inv.CreatedAt) {
+		t.Errorf("placed, then cancelled: invoice %+v with %d InvoiceIssued; want issued from the placement, announced once, then voided", inv, issued)
+	}
+	if inv, issued := b.invoiceOf(t, cancelledFirst); inv.Status != StatusVoid || inv.AmountCents != 800 || issued != 0 {
+		t.Errorf("cancelled, then placed: invoice %+v with %d InvoiceIssued; want void from the start, never announced", inv, issued)
+	}
+	for _, line := range []string{"invoice voided", "cancellation remembered before its order", "its invoice stays void"} {
+		if n := len(b.logs.Lines(line)); n != 1 {
+			t.Errorf("%d %q lines, want 1", n, line)
+		}
+	}
+}

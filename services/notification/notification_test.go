@@ -349,6 +349,30 @@ func TestABatchRecordsEachMessageItsOwnNotification(t *testing.T) {
 	b.wantRecorded(t, 4+pairs, 1+pairs)
 }
 
+// A batch's notifications are queued for the sender (created_at, then id) in the order of
+// their messages, as one delivery at a time would queue them: a customer whose order is
+// placed, invoiced and cancelled in one backlog hears of it in that order, even when another
+// order's cancellation came first in the batch.
+func TestABatchQueuesNotificationsInTheOrderOfTheirMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	other, order := uuid.New(), uuid.New()
+	batch := []messaging.Message{
+		orderCancelled(t, other, "c-1"),
+		orderPlaced(t, order, "c-2"), invoiceIssued(t, order, "c-2"), orderCancelled(t, order, "c-2"),
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), b.sub, batch...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	var got []string
+	if err := b.db.Raw("SELECT kind FROM notifications WHERE order_id = ? ORDER BY created_at, id", order).Scan(&got).Error; err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{KindOrderConfirmation, KindInvoice, KindOrderCancelled}; !slices.Equal(got, want) {
+		t.Fatalf("the order's notifications queue as %v, want %v: their messages' order", got, want)
+	}
+}
+
 // Events of one order arrive in any order: a cancellation ahead of its OrderPlaced still
 // leaves both notifications.
 func TestCancellationBeforeTheOrderStillNotifiesBoth(t *testing.T) {

@@ -116,9 +116,9 @@ func TestABatchHandlerPanicFailsOnlyItsBatch(t *testing.T) {
 	}
 }
 
-// In a batch, each plain handler's message is handled in the batch's order, as one at a time;
-// a batch handler gets its messages in the batch's order too, after the plain handlers' (see
-// transact).
+// A batch's messages are handled in its order, as one at a time, whatever their handlers: a
+// batch handler gets each run of consecutive messages of its event, in order, so that no
+// message is handled before one that came ahead of it (see transact).
 func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
@@ -132,7 +132,9 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
 		return see(tx, msg)
 	}))
+	var runs []int
 	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		runs = append(runs, len(batch))
 		for _, d := range batch {
 			if err := see(tx, d.Msg); err != nil {
 				return err
@@ -140,17 +142,13 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 		}
 		return nil
 	}))
-	var batch, plain, batched []messaging.Message
-	for i := range 8 {
-		var msg messaging.Message
-		if i%2 == 0 {
-			msg = messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
-			plain = append(plain, msg)
+	var batch []messaging.Message
+	for i, kind := range "cppcpppc" {
+		if kind == 'c' {
+			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
 		} else {
-			msg = messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i})
-			batched = append(batched, msg)
+			batch = append(batch, messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i}))
 		}
-		batch = append(batch, msg)
 	}
 	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
 		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
@@ -160,11 +158,14 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	var want []uuid.UUID
-	for _, msg := range append(plain, batched...) {
+	for _, msg := range batch {
 		want = append(want, msg.ID)
 	}
 	if !slices.Equal(got, want) {
-		t.Fatalf("handled in the order %v, want %v: the plain handler's messages in order, then the batch handler's, in order", got, want)
+		t.Fatalf("handled in the order %v, want the batch's, %v", got, want)
+	}
+	if !slices.Equal(runs, []int{2, 3}) {
+		t.Fatalf("the batch handler got runs of %v messages, want [2 3]: each run of its event's consecutive messages", runs)
 	}
 }
 
