@@ -169,6 +169,49 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	}
 }
 
+// Each run of a batch handler's messages is logged and counted, once its transaction commits,
+// as its own: every message handled is logged once, with its own message_id, and counted once,
+// however many runs of its event the transaction holds (a run's items must not be reused for
+// the next run while the first's outcomes wait for the commit; see transact).
+func TestABatchLogsAndCountsEachRunsMessagesAsTheirOwn(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		for _, d := range batch {
+			if err := record(tx, d.Msg); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	var batch []messaging.Message
+	for i, kind := range "ppcpp" {
+		if kind == 'c' {
+			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
+		} else {
+			batch = append(batch, messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i}))
+		}
+	}
+	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
+		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
+	}
+	for _, msg := range batch {
+		if n := len(b.logs.Lines("message handled", "message_id="+msg.ID.String(), "type="+msg.Type)); n != 1 {
+			t.Errorf("%d \"message handled\" lines for %s message %s, want 1", n, msg.Type, msg.ID)
+		}
+	}
+	for typ, want := range map[string]float64{"Placed": 4, "Cancelled": 1} {
+		got := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "type": typ, "outcome": "ok"})
+		if got != want {
+			t.Errorf("consumer_handler_seconds{type=%q,outcome=\"ok\"} counts %v, want %v: one per message", typ, got, want)
+		}
+	}
+}
+
 // A transaction's handler outcomes are its own to count: a message handled with a context
 // that a batch's handler gave on (here, from its after-commit hook, once the batch's outcomes
 // are counted) is counted at once, not held for the batch.
