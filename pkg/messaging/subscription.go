@@ -210,14 +210,14 @@ type Subscription[Tx any] struct {
 }
 
 // route is one event's handler, behind its decoder: handle for each message, or batch for
-// all the messages of the event in one transaction.
+// each run of consecutive messages of the event in one transaction.
 type route[Tx any] struct {
 	decode func(Message) (any, error)
 	handle Handler[Tx, any]
 	batch  func(ctx context.Context, tx Tx, items []batchItem) error
 }
 
-// batchItem is one message of a batch route's share of a transaction.
+// batchItem is one message of a run that a batch route is given.
 type batchItem struct {
 	ctx     context.Context
 	payload any
@@ -235,11 +235,11 @@ type Delivered[T any] struct {
 
 // BatchHandler does the work of several messages of one event at once, in tx, the
 // transaction that records all of them in the inbox: set-based statements (one INSERT for the
-// batch) instead of round trips per message. It gets each run of consecutive messages of its
-// event: a transaction's messages are handled in their queue's order, whatever their handlers. ctx is the transaction's: [AfterCommit] works
-// with it, or with any item's Ctx. An error fails the whole batch; the subscription then
-// handles its messages one by one, each as a batch of one, so a single bad message cannot hold
-// up the others.
+// batch) instead of round trips per message. It is given each run of consecutive messages of
+// its event, since a transaction's messages are handled in their queue's order, whatever
+// their handlers. ctx is the transaction's: [AfterCommit] works with it, or with any item's
+// Ctx. An error fails the whole batch; the subscription then handles its messages one by
+// one, each as a batch of one, so a single bad message cannot hold up the others.
 type BatchHandler[Tx, T any] func(ctx context.Context, tx Tx, batch []Delivered[T]) error
 
 // NewSubscription returns the subscription of cfg.Name on driver d's database. Register its
@@ -271,9 +271,10 @@ func Handle[Tx, T any](s *Subscription[Tx], ev Event[T], fn Handler[Tx, T]) erro
 	})
 }
 
-// HandleBatch registers fn for the events ev names, as [Handle] does, to be given every message
-// of ev that a transaction of the subscription holds (up to [SubscriptionConfig.BatchSize]) at
-// once. It runs inside the built-in logging, metrics and panic recovery, but not the middleware
+// HandleBatch registers fn for the events ev names, as [Handle] does, to be given each run of
+// consecutive messages of ev that a transaction of the subscription holds (up to
+// [SubscriptionConfig.BatchSize]) at once: the messages of one event type waiting in a backlog
+// together. It runs inside the built-in logging, metrics and panic recovery, but not the middleware
 // of [Subscription.Use], which wraps one message's handler.
 func HandleBatch[Tx, T any](s *Subscription[Tx], ev Event[T], fn BatchHandler[Tx, T]) error {
 	return s.register(ev.Type, ev.Binding(), func(msg Message) (any, error) { return ev.Decode(msg) }, route[Tx]{
@@ -534,7 +535,7 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			return nil
 		}
 		err := s.runBatch(ctx, tx, run[0].msg.Type, run)
-		run = nil
+		run = nil // not run[:0]: runBatch's outcomes, logged at the commit, keep the run's items
 		return err
 	}
 	for i, j := range jobs {

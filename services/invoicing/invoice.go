@@ -59,8 +59,8 @@ type invoicer struct {
 }
 
 // subscribe registers the invoicer's handlers. OrderPlaced, the bulk of the traffic, is
-// handled a batch at a time: one INSERT for the batch's invoices, one Enqueue for their
-// InvoiceIssued events.
+// handled a batch at a time (each run of OrderPlaced in a backlog's batch): one INSERT for the
+// batch's invoices, one Enqueue for their InvoiceIssued events.
 func (h invoicer) subscribe(sub *platform.Subscription) error {
 	return errors.Join(
 		messaging.HandleBatch(sub, events.OrderPlacedEvent, h.placed),

@@ -135,7 +135,8 @@ type notifier struct {
 }
 
 // subscribe registers a batch handler per event the notifier turns into a notification; the
-// subscription's queue is bound to each. A batch's notifications are recorded with one INSERT.
+// subscription's queue is bound to each. Each run of one event's messages in a batch is
+// recorded with one INSERT.
 func (h notifier) subscribe(sub *platform.Subscription) error {
 	return errors.Join(
 		messaging.HandleBatch(sub, events.OrderPlacedEvent, recordAll(h, confirmation)),
@@ -185,7 +186,9 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 // insertNewSQL inserts the notifications of a JSON array, in (order_id, kind) order, skipping
 // those whose order has one of their kind already, and returns the ids of those it inserted.
 // A concurrent insert of the same order and kind waits for the other transaction, then skips;
-// the order keeps two batches holding the same ones from waiting for each other in a circle.
+// the order keeps two runs holding the same ones from waiting for each other in a circle.
+// Transactions of several runs of a kind can still cross: PostgreSQL then aborts one, and the
+// consumer retries its messages one by one.
 // Among the array's own rows of one order and kind, ord (the batch's order, which a sort need
 // not keep) lets the earlier message's stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,
