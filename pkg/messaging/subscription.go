@@ -274,8 +274,8 @@ func Handle[Tx, T any](s *Subscription[Tx], ev Event[T], fn Handler[Tx, T]) erro
 // HandleBatch registers fn for the events ev names, as [Handle] does, to be given each run of
 // consecutive messages of ev that a transaction of the subscription holds (up to
 // [SubscriptionConfig.BatchSize]) at once: the messages of one event type waiting in a backlog
-// together. It runs inside the built-in logging, metrics and panic recovery, but not the middleware
-// of [Subscription.Use], which wraps one message's handler.
+// together. It runs inside the built-in logging, metrics and panic recovery, but not the
+// middleware of [Subscription.Use], which wraps one message's handler.
 func HandleBatch[Tx, T any](s *Subscription[Tx], ev Event[T], fn BatchHandler[Tx, T]) error {
 	return s.register(ev.Type, ev.Binding(), func(msg Message) (any, error) { return ev.Decode(msg) }, route[Tx]{
 		batch: func(ctx context.Context, tx Tx, items []batchItem) error {

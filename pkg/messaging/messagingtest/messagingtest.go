@@ -28,9 +28,10 @@ func Deliver[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msg m
 
 // DeliverBatch hands msgs to sub as deliveries waiting in its queue together would be: claimed
 // in the inbox and handled in one transaction in their order, each run of a batch handler's
-// messages given to it together (see [messaging.HandleBatch]), the after-commit hooks run once it commits. duplicates reports,
-// for each message, that sub had handled it already. An error is the batch's: nothing of it
-// was committed (a consumer would then retry its messages one by one, which Deliver does).
+// messages given to it together (see [messaging.HandleBatch]), the after-commit hooks run once
+// it commits. duplicates reports, for each message, that sub had handled it already. An error
+// is the batch's: nothing of it was committed (a consumer would then retry its messages one by
+// one, which Deliver does).
 func DeliverBatch[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msgs ...messaging.Message) (duplicates []bool, err error) {
 	if len(msgs) == 0 {
 		return nil, nil
