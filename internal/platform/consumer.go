@@ -18,6 +18,7 @@ type ConsumerSettings struct {
 	BatchSize      int           // CONSUMER_BATCH_SIZE: messages per transaction at most, default 50 (1: none)
 	Prefetch       int           // CONSUMER_PREFETCH: unacked deliveries per handler, default 2 × batch size
 	InboxRetention time.Duration // INBOX_RETENTION: how long inbox records are kept, default 30 days
+	BatchByType    bool          // set by the service, not the environment: see messaging.SubscriptionConfig
 }
 
 // ReadConsumerSettings reads ConsumerSettings. Every parallel handler holds a database
@@ -56,7 +57,7 @@ type Subscription = messaging.Subscription[*gorm.DB]
 func (b *Base) Subscription(log *slog.Logger, name, amqpURL string, topology messaging.Topology, s ConsumerSettings) (*Subscription, error) {
 	return messaging.NewSubscription(b.WorkDriver, messaging.SubscriptionConfig{
 		Name: name, URL: amqpURL, Topology: topology,
-		Concurrency: s.Concurrency, BatchSize: s.BatchSize, Prefetch: s.Prefetch,
+		Concurrency: s.Concurrency, BatchSize: s.BatchSize, BatchByType: s.BatchByType, Prefetch: s.Prefetch,
 		Logger: log, Metrics: b.Metrics,
 	})
 }

@@ -102,6 +102,13 @@ type SubscriptionConfig struct {
 	// BatchSize is the most waiting messages that share one inbox transaction; 1 turns
 	// batching off. Default [DefaultBatchSize].
 	BatchSize int
+	// BatchByType gives each batch handler every message of its event in a transaction at
+	// once, after the plain handlers' messages, rather than each run of consecutive ones in the
+	// queue's order. Set it only where no handler depends on what a handler of another event
+	// wrote: a backlog that interleaves event types then takes one statement per type, not one
+	// per run (twice as fast for the demo's notification service). Each event's messages still
+	// come in their order.
+	BatchByType bool
 	// Prefetch is how many unacknowledged deliveries the broker sends ahead to each worker
 	// (each has a channel of its own). Default 2 × BatchSize: the batch in progress and the
 	// next.
@@ -528,8 +535,12 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	}
 	// Each message to its handler in the batch's order, as one at a time: a batch handler gets
 	// each run of consecutive messages of its event, so that no message is handled before one
-	// that came ahead of it (an order's cancellation before its placement, say).
+	// that came ahead of it (an order's cancellation before its placement, say). With
+	// BatchByType, a batch handler's messages wait, to go to it together, by event type in the
+	// order the types first came.
 	var run []batchItem
+	var byType []string
+	gathered := map[string][]batchItem{}
 	flush := func() error {
 		if len(run) == 0 {
 			return nil
@@ -548,7 +559,16 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			}
 		}
 		if s.routes[j.msg.Type].batch != nil {
-			run = append(run, batchItem{ctx: spans[i].ctx, payload: j.payload, msg: j.msg})
+			item := batchItem{ctx: spans[i].ctx, payload: j.payload, msg: j.msg}
+			switch {
+			case !s.cfg.BatchByType:
+				run = append(run, item)
+			case gathered[j.msg.Type] == nil:
+				byType = append(byType, j.msg.Type)
+				fallthrough
+			default:
+				gathered[j.msg.Type] = append(gathered[j.msg.Type], item)
+			}
 			continue
 		}
 		if err := s.chain(spans[i].ctx, tx, j.payload, j.msg); err != nil {
@@ -560,6 +580,11 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	}
 	if err := flush(); err != nil {
 		return nil, err
+	}
+	for _, t := range byType {
+		if err := s.runBatch(ctx, tx, t, gathered[t]); err != nil {
+			return nil, err
+		}
 	}
 	if err := txe.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("commit inbox transaction: %w", err)

@@ -23,6 +23,7 @@ func main() { platform.Main("notification", run) }
 func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8082")
 	settings := platform.ReadConsumerSettings(env)
+	settings.BatchByType = batchByType
 	smtpAddr := env.Addr("SMTP_ADDR", "")
 	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
 	_, fromErr := mail.ParseAddress(smtpFrom)

@@ -134,9 +134,16 @@ type notifier struct {
 	alreadyDone func()
 }
 
+// batchByType is the notifier's subscription's messaging.SubscriptionConfig.BatchByType: each
+// of its handlers inserts notifications of its own kind and reads none, so a batch's messages
+// may be gathered by event type, one INSERT per type rather than per run. A backlog fed by two
+// relays interleaves OrderPlaced and InvoiceIssued almost one by one, and drained at half the
+// speed in runs. The price: an order's notifications of one batch are queued by kind.
+const batchByType = true
+
 // subscribe registers a batch handler per event the notifier turns into a notification; the
-// subscription's queue is bound to each. Each run of one event's messages in a batch is
-// recorded with one INSERT.
+// subscription's queue is bound to each. Each event's messages in a batch are recorded with
+// one INSERT (see batchByType).
 func (h notifier) subscribe(sub *platform.Subscription) error {
 	return errors.Join(
 		messaging.HandleBatch(sub, events.OrderPlacedEvent, recordAll(h, confirmation)),
@@ -186,9 +193,8 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 // insertNewSQL inserts the notifications of a JSON array, in (order_id, kind) order, skipping
 // those whose order has one of their kind already, and returns the ids of those it inserted.
 // A concurrent insert of the same order and kind waits for the other transaction, then skips;
-// the order keeps two runs holding the same ones from waiting for each other in a circle.
-// Transactions of several runs of a kind can still cross: PostgreSQL then aborts one, and the
-// consumer retries its messages one by one.
+// the order keeps two batches holding the same ones from waiting for each other in a circle
+// (a batch inserts each kind once: see batchByType).
 // Among the array's own rows of one order and kind, ord (the batch's order, which a sort need
 // not keep) lets the earlier message's stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,

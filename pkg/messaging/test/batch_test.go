@@ -121,6 +121,41 @@ func TestABatchHandlerPanicFailsOnlyItsBatch(t *testing.T) {
 // message is handled before one that came ahead of it (see transact).
 func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	t.Parallel()
+	batch, got, runs := handleMixedBatch(t, nil)
+	if !slices.Equal(got, ids(batch)) {
+		t.Fatalf("handled in the order %v, want the batch's, %v", got, ids(batch))
+	}
+	if !slices.Equal(runs, []int{2, 3}) {
+		t.Fatalf("the batch handler got runs of %v messages, want [2 3]: each run of its event's consecutive messages", runs)
+	}
+}
+
+// With BatchByType, a batch handler gets every message of its event in the transaction at
+// once, in their order, after the plain handlers' messages, in theirs.
+func TestBatchByTypeGivesABatchHandlerAllItsEventsMessagesAtOnce(t *testing.T) {
+	t.Parallel()
+	batch, got, runs := handleMixedBatch(t, func(cfg *messaging.SubscriptionConfig) { cfg.BatchByType = true })
+	var plain, batched []messaging.Message
+	for _, msg := range batch {
+		if msg.Type == batch[0].Type {
+			plain = append(plain, msg)
+		} else {
+			batched = append(batched, msg)
+		}
+	}
+	if want := ids(append(plain, batched...)); !slices.Equal(got, want) {
+		t.Fatalf("handled in the order %v, want %v: the plain handler's messages in order, then the batch handler's", got, want)
+	}
+	if !slices.Equal(runs, []int{5}) {
+		t.Fatalf("the batch handler got runs of %v messages, want [5]: all of its event's at once", runs)
+	}
+}
+
+// handleMixedBatch delivers, as one batch, cancellations (a plain handler) and placements (a
+// batch handler) in the order c p p c p p p c, to a subscription tweak sets up. It returns the
+// batch, the ids in the order they were handled, and the sizes of the batch handler's runs.
+func handleMixedBatch(t *testing.T, tweak func(*messaging.SubscriptionConfig)) (batch []messaging.Message, got []uuid.UUID, runs []int) {
+	t.Helper()
 	b := setupSubscription(t)
 	if err := b.db.DB.Exec("CREATE TABLE seen (n serial PRIMARY KEY, message_id uuid NOT NULL)").Error; err != nil {
 		t.Fatal(err)
@@ -128,11 +163,10 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	see := func(tx *gorm.DB, msg messaging.Message) error {
 		return tx.Exec("INSERT INTO seen (message_id) VALUES (?)", msg.ID).Error
 	}
-	s := b.subscription(t, nil)
+	s := b.subscription(t, tweak)
 	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
 		return see(tx, msg)
 	}))
-	var runs []int
 	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
 		runs = append(runs, len(batch))
 		for _, d := range batch {
@@ -142,7 +176,6 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 		}
 		return nil
 	}))
-	var batch []messaging.Message
 	for i, kind := range "cppcpppc" {
 		if kind == 'c' {
 			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
@@ -153,20 +186,19 @@ func TestABatchHandlesItsMessagesInTheirOrder(t *testing.T) {
 	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
 		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
 	}
-	var got []uuid.UUID
 	if err := b.db.DB.Raw("SELECT message_id FROM seen ORDER BY n").Scan(&got).Error; err != nil {
 		t.Fatal(err)
 	}
-	var want []uuid.UUID
-	for _, msg := range batch {
-		want = append(want, msg.ID)
+	return batch, got, runs
+}
+
+// ids lists msgs' ids.
+func ids(msgs []messaging.Message) []uuid.UUID {
+	out := make([]uuid.UUID, len(msgs))
+	for i, msg := range msgs {
+		out[i] = msg.ID
 	}
-	if !slices.Equal(got, want) {
-		t.Fatalf("handled in the order %v, want the batch's, %v", got, want)
-	}
-	if !slices.Equal(runs, []int{2, 3}) {
-		t.Fatalf("the batch handler got runs of %v messages, want [2 3]: each run of its event's consecutive messages", runs)
-	}
+	return out
 }
 
 // Each run of a batch handler's messages is logged and counted, once its transaction commits,
