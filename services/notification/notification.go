@@ -194,7 +194,9 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 // those whose order has one of their kind already, and returns the ids of those it inserted.
 // A concurrent insert of the same order and kind waits for the other transaction, then skips;
 // the order keeps two batches holding the same ones from waiting for each other in a circle
-// (a batch inserts each kind once: see batchByType).
+// within a kind. A batch inserts its kinds one statement each (see batchByType), in the order
+// its events first came: two whose kinds came in other orders can still cross, and PostgreSQL
+// then aborts one, whose messages the consumer retries one by one.
 // Among the array's own rows of one order and kind, ord (the batch's order, which a sort need
 // not keep) lets the earlier message's stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,
