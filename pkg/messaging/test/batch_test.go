@@ -176,13 +176,7 @@ func handleMixedBatch(t *testing.T, tweak func(*messaging.SubscriptionConfig)) (
 		}
 		return nil
 	}))
-	for i, kind := range "cppcpppc" {
-		if kind == 'c' {
-			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
-		} else {
-			batch = append(batch, messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i}))
-		}
-	}
+	batch = b.mixedBatch(t, "cppcpppc")
 	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
 		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
 	}
@@ -190,6 +184,21 @@ func handleMixedBatch(t *testing.T, tweak func(*messaging.SubscriptionConfig)) (
 		t.Fatal(err)
 	}
 	return batch, got, runs
+}
+
+// mixedBatch makes a message per letter of kinds, in order: a cancellation for each 'c', a
+// placement for any other.
+func (b *subscriptionBundle) mixedBatch(t *testing.T, kinds string) []messaging.Message {
+	t.Helper()
+	var batch []messaging.Message
+	for i, kind := range kinds {
+		if kind == 'c' {
+			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
+		} else {
+			batch = append(batch, messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i}))
+		}
+	}
+	return batch
 }
 
 // ids lists msgs' ids.
@@ -220,14 +229,7 @@ func TestABatchLogsAndCountsEachRunsMessagesAsTheirOwn(t *testing.T) {
 		}
 		return nil
 	}))
-	var batch []messaging.Message
-	for i, kind := range "ppcpp" {
-		if kind == 'c' {
-			batch = append(batch, messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}))
-		} else {
-			batch = append(batch, messagingtest.Message(t, b.placed, placed{OrderID: uuid.New(), N: i}))
-		}
-	}
+	batch := b.mixedBatch(t, "ppcpp")
 	if dups, err := messagingtest.DeliverBatch(context.Background(), s, batch...); err != nil || slices.Contains(dups, true) {
 		t.Fatalf("DeliverBatch = %v, %v; want every message handled", dups, err)
 	}
