@@ -106,8 +106,8 @@ type SubscriptionConfig struct {
 	// once, after the plain handlers' messages, rather than each run of consecutive ones in the
 	// queue's order. Set it only where no handler depends on what a handler of another event
 	// wrote: a backlog that interleaves event types then takes one statement per type, not one
-	// per run (nearly twice as fast for the demo's notification service). Each event's messages still
-	// come in their order.
+	// per run (nearly twice as fast for the demo's notification service). Each event's
+	// messages still come in their order.
 	BatchByType bool
 	// Prefetch is how many unacknowledged deliveries the broker sends ahead to each worker
 	// (each has a channel of its own). Default 2 × BatchSize: the batch in progress and the
