@@ -126,7 +126,8 @@ func TestPerformance(t *testing.T) {
 	phase("latency-notify", func(t *testing.T) { endToEndLatency(t, &r, binDir, true) })
 	phase("latency-poll", func(t *testing.T) { endToEndLatency(t, &r, binDir, false) })
 	phase("overload", func(t *testing.T) { overload(t, &r, binDir) })
-	phase("consumer", func(t *testing.T) { consumerVsDatabase(t, &r, binDir) })
+	phase("consumer", func(t *testing.T) { consumerVsDatabase(t, &r, binDir, invoicingDrain) })
+	phase("consumer-notification", func(t *testing.T) { consumerVsDatabase(t, &r, binDir, notificationDrain) })
 	phase("sender", func(t *testing.T) { senderThroughput(t, &r, binDir) })
 }
 

@@ -80,11 +80,16 @@ func relayBinary(t *testing.T, r *report, binDir string) {
 		fmt.Sprintf("%.0f msg/s", big.rate), "ceiling", fmt.Sprintf("%.2f", big.rate/ceiling), "", true)
 }
 
-// orderPlaced is a message like the order service's: an OrderPlaced event with one line.
+// placedEvent is an OrderPlaced event like the order service's, with one line.
+func placedEvent() events.OrderPlaced {
+	return events.OrderPlaced{OrderID: uuid.New(), CustomerID: "c-42", TotalCents: 2500,
+		Lines: []events.Line{{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 1250}}, PlacedAt: time.Now().UTC()}
+}
+
+// orderPlaced is a message like the order service's.
 func orderPlaced(t *testing.T) messaging.Message {
 	t.Helper()
-	m, err := messaging.NewMessage(events.OrderPlacedType, events.OrderPlaced{OrderID: uuid.New(), CustomerID: "c-42", TotalCents: 2500,
-		Lines: []events.Line{{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 1250}}, PlacedAt: time.Now().UTC()})
+	m, err := messaging.NewMessage(events.OrderPlacedType, placedEvent())
 	if err != nil {
 		t.Fatal(err)
 	}

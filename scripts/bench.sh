@@ -3,7 +3,8 @@
 # shared and noisy: the ratio is the figure that counts). Prints one table at the end.
 # Runs against the RabbitMQ compose ships (scripts/sidroot.sh starts it afresh, and stops it at
 # the end) and the local PostgreSQL (TEST_DATABASE_URL). Takes about 10 minutes; BENCH_PHASES (a regexp of phase names:
-# relay, post, latency-notify, overload, consumer, sender, ...) runs some of them.
+# relay, post, latency-notify, overload, consumer, consumer-notification, sender, ...) runs
+# some of them.
 # Exits non-zero when a figure misses its target (the test fails after printing the table) or
 # the test fails otherwise: with pipefail the pipeline's status is go test's, and grep's own (1
 # when it prints nothing) is left out.
