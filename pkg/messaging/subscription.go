@@ -546,6 +546,7 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 			return nil
 		}
 		err := s.runBatch(ctx, tx, run[0].msg.Type, run)
+		err = runError(err, len(jobs), run)
 		run = nil // not run[:0]: runBatch's outcomes, logged at the commit, keep the run's items
 		return err
 	}
@@ -583,13 +584,25 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	}
 	for _, t := range byType {
 		if err := s.runBatch(ctx, tx, t, gathered[t]); err != nil {
-			return nil, err
+			return nil, runError(err, len(jobs), gathered[t])
 		}
 	}
 	if err := txe.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("commit inbox transaction: %w", err)
 	}
 	return claimed, nil
+}
+
+// runError says which messages of a batch of n a batch handler failed on, as a plain handler's
+// error names its message: those the handler was given, when they are not the whole batch.
+func runError(err error, n int, items []batchItem) error {
+	switch {
+	case err == nil || n == 1:
+		return err
+	case len(items) == 1:
+		return fmt.Errorf("message %s: %w", items[0].msg.ID, err)
+	}
+	return fmt.Errorf("%d %s messages, %s first: %w", len(items), items[0].msg.Type, items[0].msg.ID, err)
 }
 
 // claim records jobs in the inbox in one statement (see statements.ClaimInbox) and reports

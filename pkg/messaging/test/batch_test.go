@@ -50,11 +50,19 @@ func TestAFailedBatchCountsEachMessageAsOneAtATime(t *testing.T) {
 	goodC, badC := messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}), messagingtest.Message(t, b.cancels, cancelled{OrderID: bad})
 	ctx := context.Background()
 	// As a consumer does: the batch, then, once it failed, each of its messages on its own.
-	for _, batch := range [][]messaging.Message{{goodP, badP}, {goodC, badC}} {
-		if _, err := messagingtest.DeliverBatch(ctx, s, batch...); err == nil {
-			t.Fatal("DeliverBatch = nil, want the batch's error")
+	// The batch's error names the messages it failed on, as the consumer's log line gives it:
+	// the batch handler's run, by its size and first message; the plain handler's message.
+	for _, c := range []struct {
+		batch []messaging.Message
+		names string
+	}{
+		{[]messaging.Message{goodP, badP}, "2 Placed messages, " + goodP.ID.String() + " first: "},
+		{[]messaging.Message{goodC, badC}, "message " + badC.ID.String() + ": "},
+	} {
+		if _, err := messagingtest.DeliverBatch(ctx, s, c.batch...); err == nil || !strings.Contains(err.Error(), c.names) {
+			t.Fatalf("DeliverBatch = %v, want the batch's error, naming %q", err, c.names)
 		}
-		for _, msg := range batch {
+		for _, msg := range c.batch {
 			_, _ = messagingtest.Deliver(ctx, s, msg)
 		}
 	}
@@ -74,6 +82,35 @@ func TestAFailedBatchCountsEachMessageAsOneAtATime(t *testing.T) {
 	}
 	if n := b.handled(t, "SELECT count(*) FROM handled"); n != 2 {
 		t.Fatalf("%d messages handled, want the 2 good ones", n)
+	}
+}
+
+// A batch handler's error in a batch of several names the messages it was given: the run's
+// size and first message, or the message alone in its run; with BatchByType, all its event's.
+func TestABatchHandlersErrorNamesItsMessages(t *testing.T) {
+	t.Parallel()
+	for _, byType := range []bool{false, true} {
+		t.Run(fmt.Sprintf("BatchByType=%v", byType), func(t *testing.T) {
+			t.Parallel()
+			b := setupSubscription(t)
+			s := b.subscription(t, func(cfg *messaging.SubscriptionConfig) { cfg.BatchByType = byType })
+			must(t, messaging.HandleBatch(s, b.placed, func(context.Context, *gorm.DB, []messaging.Delivered[placed]) error {
+				return errors.New("refused")
+			}))
+			must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, _ cancelled, msg messaging.Message) error {
+				return record(tx, msg)
+			}))
+			p := func() messaging.Message { return messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}) }
+			c := messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
+			p1, p2 := p(), p()
+			want := "message " + p1.ID.String() + ": refused" // the run [p1] of [p1 c p2]
+			if byType {
+				want = "2 Placed messages, " + p1.ID.String() + " first: refused"
+			}
+			if _, err := messagingtest.DeliverBatch(context.Background(), s, p1, c, p2); err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("DeliverBatch = %v, want an error naming %q", err, want)
+			}
+		})
 	}
 }
 
