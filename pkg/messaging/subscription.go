@@ -594,7 +594,7 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 }
 
 // runError says which messages of a batch of n a batch handler failed on, as a plain handler's
-// error names its message: those the handler was given, when they are not the whole batch.
+// error names its message: in a batch of more than one, those the handler was given.
 func runError(err error, n int, items []batchItem) error {
 	switch {
 	case err == nil || n == 1:
