@@ -320,226 +320,113 @@ func TestAMessageHandledFromABatchsHookIsCounted(t *testing.T) {
 	}
 }
 
-// Two batches that take the same rows in opposite orders deadlock, and PostgreSQL aborts one
-// (SQLSTATE 40P01): its messages are then handled one by one, as the services' batch inserts
-// count on (insertNewSQL in invoicing and in notification), each worked once and none
-// dead-lettered. Two consumers of one database, a queue each, stand in for two workers of one
-// queue, whose messages the broker, not the test, would share out. Each gets a batch of a
-// Placed and a Cancelled, one in that order and one in the other, and each event's batch
-// handler updates its kind's row of tally: a barrier keeps either from taking its second row
-// before both hold their first. Only the batches wait there, not their messages tried one by
-// one after, which would deadlock again.
-//
-// A gate, a message whose handler waits, keeps each consumer busy until its batch's two
-// messages have been sent to it, so that it takes them together. But the client hands
-// deliveries over one at a time, and the second may not be handed over yet when the consumer
-// looks (see collect): a batch that comes apart says so at the barrier, lets the other through,
-// and the test tries again with new messages.
+// Two batches that take the same two rows in opposite orders deadlock, and PostgreSQL aborts
+// one (SQLSTATE 40P01), as the services' batch inserts count on (insertNewSQL in invoicing and
+// in notification). The abort is neither the messages' fault nor an outage, so the consumer
+// retries the batch's messages one by one (that split is tested apart), and each then commits
+// once. Each batch is a Placed and a Cancelled, in opposite orders, whose handlers update their
+// kind's row of tally; on the first attempt, a barrier keeps each batch from its second row
+// until both hold their first.
 func TestABatchAbortedInADeadlockIsRetriedOneByOne(t *testing.T) {
 	t.Parallel()
 	b := setupSubscription(t)
 	must(t, b.db.DB.Exec("CREATE TABLE tally (kind text PRIMARY KEY, n int NOT NULL); INSERT INTO tally VALUES ('Placed', 0), ('Cancelled', 0)").Error)
-	names := [2]string{b.name, testenv.UniqueName("sub")}
-	testenv.CleanupBroker(t, []string{names[1], messaging.DeadLetterQueue(names[1])}, nil)
-	// A round: for each consumer a gate, and a batch that takes its kinds in the consumer's order.
-	type round struct {
-		gates    [2]messaging.Message
-		batches  [2][]messaging.Message
-		gated    [2]chan struct{} // closed once the consumer's gate is in its handler
-		gateOnce [2]sync.Once
-		held     [2]chan struct{} // closed once the consumer's batch holds its first row
-		apart    [2]chan struct{} // closed if the batch's first message came without the second
-		crossing [2]atomic.Bool   // the batch has come to the barrier
-		release  chan struct{}    // opens the gates
-	}
-	newRound := func() *round {
-		r := &round{release: make(chan struct{})}
-		p := func() messaging.Message { return messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}) }
-		c := func() messaging.Message { return messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}) }
-		// Each gate is of the kind its batch takes first: one of the other kind would wait, at
-		// its UPDATE, for the other batch, held at the barrier until this one's comes.
-		r.gates[0], r.batches[0] = p(), []messaging.Message{p(), c()}
-		r.gates[1], r.batches[1] = c(), []messaging.Message{c(), p()}
-		for i := range 2 {
-			r.gated[i], r.held[i], r.apart[i] = make(chan struct{}), make(chan struct{}), make(chan struct{})
+	p, c := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
+	p2, c2 := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})
+	batches := [2][]messaging.Message{{p, c}, {c2, p2}}
+	// held[i] closes once batch i holds its first row; crossing is the batches' first attempt,
+	// the only one to wait at the barrier.
+	held := [2]chan struct{}{make(chan struct{}), make(chan struct{})}
+	var crossing atomic.Bool
+	crossing.Store(true)
+	work := func(ctx context.Context, tx *gorm.DB, msg messaging.Message) error {
+		if err := tx.Exec("UPDATE tally SET n = n + 1 WHERE kind = ?", msg.Type).Error; err != nil {
+			return err
 		}
-		return r
-	}
-	var current atomic.Pointer[round]
-	// await waits up to 10 s for ch to close, or or (nil: never).
-	await := func(ctx context.Context, what string, ch, or <-chan struct{}) error {
-		select {
-		case <-ch:
-		case <-or:
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(10 * time.Second):
-			return fmt.Errorf("after 10 s: %s", what)
+		if err := record(tx, msg); err != nil {
+			return err
+		}
+		for i, batch := range batches {
+			if !crossing.Load() || msg.ID != batch[0].ID {
+				continue
+			}
+			close(held[i])
+			select {
+			case <-held[1-i]:
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(10 * time.Second):
+				return errors.New("after 10 s, the other batch holds no row")
+			}
 		}
 		return nil
 	}
-	work := func(ctx context.Context, i int, tx *gorm.DB, msgs []messaging.Message) error {
-		r := current.Load()
-		gate := msgs[0].ID == r.gates[i].ID
-		if gate {
-			r.gateOnce[i].Do(func() { close(r.gated[i]) })
-			if err := await(ctx, "the gate was not opened", r.release, nil); err != nil {
+	s := b.subscription(t, nil)
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		for _, d := range batch {
+			if err := work(ctx, tx, d.Msg); err != nil {
 				return err
 			}
 		}
-		if err := tx.Exec("UPDATE tally SET n = n + ? WHERE kind = ?", len(msgs), msgs[0].Type).Error; err != nil {
-			return err
-		}
-		for _, msg := range msgs {
-			if err := record(tx, msg); err != nil {
+		return nil
+	}))
+	must(t, messaging.HandleBatch(s, b.cancels, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[cancelled]) error {
+		for _, d := range batch {
+			if err := work(ctx, tx, d.Msg); err != nil {
 				return err
 			}
 		}
-		if msgs[0].ID != r.batches[i][0].ID || !r.crossing[i].CompareAndSwap(false, true) {
-			return nil
-		}
-		// The batch's first message: its transaction holds the second too if it claimed it.
-		var claimed int64
-		if err := tx.Raw("SELECT count(*) FROM inbox_messages WHERE message_id = ? AND consumer = ?", r.batches[i][1].ID, names[i]).Scan(&claimed).Error; err != nil {
-			return err
-		}
-		if claimed == 0 {
-			close(r.apart[i])
-			return nil
-		}
-		close(r.held[i])
-		return await(ctx, "the other batch neither took its first row nor came apart", r.held[1-i], r.apart[1-i])
+		return nil
+	}))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var errs [2]error
+	var wg sync.WaitGroup
+	for i, batch := range batches {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = messagingtest.DeliverBatch(ctx, s, batch...)
+		}()
 	}
-	// Each consumer's queue gets its own messages, straight through the default exchange. Each
-	// is confirmed, so in its queue already when the test looks there: a quorum queue counts a
-	// message only once it is in, and the count would say none wait before they had come.
-	confirms := testenv.Channel(t)
-	must(t, confirms.Confirm(false))
-	send := func(queue string, msg messaging.Message) {
-		dc, err := confirms.PublishWithDeferredConfirmWithContext(context.Background(), "", queue, true, false, publishing(msg))
-		must(t, err)
-		if !dc.Wait() {
-			t.Fatalf("the broker refused message %s", msg.ID)
+	wg.Wait()
+	crossing.Store(false)
+	if (errs[0] == nil) == (errs[1] == nil) {
+		t.Fatalf("DeliverBatch = %v and %v, want exactly one batch aborted", errs[0], errs[1])
+	}
+	failed := 0
+	if errs[1] != nil {
+		failed = 1
+	}
+	err := errs[failed]
+	var coded interface{ SQLState() string }
+	if !errors.As(err, &coded) || coded.SQLState() != "40P01" {
+		t.Fatalf("the aborted batch: %v, want a deadlock, SQLSTATE 40P01", err)
+	}
+	if messaging.IsPermanent(err) || messaging.IsUnavailable(err) {
+		t.Fatalf("the deadlock: IsPermanent=%v, IsUnavailable=%v; want neither, for its messages to be retried one by one, not dead-lettered",
+			messaging.IsPermanent(err), messaging.IsUnavailable(err))
+	}
+	for _, msg := range batches[failed] { // as the consumer does after a failed batch
+		if dup, err := messagingtest.Deliver(ctx, s, msg); err != nil || dup {
+			t.Fatalf("%s message %s alone: Deliver = %v, %v; want it handled", msg.Type, msg.ID, dup, err)
 		}
 	}
-	var stops [2]func() error
-	for i, name := range names {
-		s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
-			c.Name, c.Concurrency = name, 1
-			c.RetryBackoff = messaging.Backoff{Base: 20 * time.Millisecond, Max: 200 * time.Millisecond}
-		})
-		must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
-			return work(ctx, i, tx, envelopes(batch))
-		}))
-		must(t, messaging.HandleBatch(s, b.cancels, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[cancelled]) error {
-			return work(ctx, i, tx, envelopes(batch))
-		}))
-		stops[i] = start(t, s.Run)
-		testenv.Eventually(t, 10*time.Second, s.Ready, "consumer %s not ready", name)
-	}
-	settled := func(queue, outcome string) float64 {
-		return metricValue(t, b.registry, "consumer_messages_total", map[string]string{"queue": queue, "outcome": outcome})
-	}
-
-	const rounds = 10
-	var all []messaging.Message
-	var r *round
-	for n := 1; ; n++ {
-		r = newRound()
-		current.Store(r)
-		for i, name := range names {
-			send(name, r.gates[i])
-			all = append(all, r.gates[i])
+	for i, batch := range batches {
+		want := int64(1) // the batch PostgreSQL let through committed whole; the other's messages one by one
+		if i == failed {
+			want = 2
 		}
-		for i, name := range names {
-			must(t, await(context.Background(), "consumer "+name+" did not take its gate", r.gated[i], nil))
+		if got := testenv.Count(t, b.db.DB, "SELECT count(DISTINCT txid) FROM handled WHERE message_id IN (?, ?)", batch[0].ID, batch[1].ID); got != want {
+			t.Errorf("batch %d (failed: %v) committed in %d transactions, want %d", i, i == failed, got, want)
 		}
-		for i, name := range names {
-			for _, msg := range r.batches[i] {
-				send(name, msg)
+		for _, msg := range batch {
+			if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM handled WHERE message_id = ?", msg.ID); n != 1 {
+				t.Errorf("%s message %s handled %d times, want once", msg.Type, msg.ID, n)
 			}
-			all = append(all, r.batches[i]...)
-		}
-		testenv.Eventually(t, 10*time.Second, func() bool {
-			return testenv.QueueDepth(t, b.ch, names[0]) == 0 && testenv.QueueDepth(t, b.ch, names[1]) == 0
-		}, "the batches' messages did not reach their consumers")
-		close(r.release)
-		testenv.Eventually(t, 20*time.Second, func() bool {
-			for _, name := range names {
-				if settled(name, "acked")+settled(name, "dead_lettered") < float64(3*n) {
-					return false
-				}
-			}
-			return true
-		}, "not every message of round %d was settled", n)
-		if len(b.logs.Lines("batch failed")) > 0 {
-			break
-		}
-		apart := 0
-		for i := range 2 {
-			select {
-			case <-r.apart[i]:
-				apart++
-			default:
-			}
-		}
-		if apart == 0 {
-			break // both batches came whole, and neither failed: the assertions below say so
-		}
-		if n == rounds {
-			t.Fatalf("in each of %d rounds a batch came apart: no two batches to cross", rounds)
-		}
-		t.Logf("round %d: %d of the 2 batches came apart; trying again", n, apart)
-	}
-	for i, stop := range stops {
-		if err := stop(); err != nil {
-			t.Fatalf("Run of %s = %v, want nil", names[i], err)
-		}
-	}
-
-	failed := b.logs.Lines("batch failed; processing its messages one by one")
-	if len(failed) != 1 || !strings.Contains(failed[0], "SQLSTATE 40P01") || !strings.Contains(failed[0], "size=2") {
-		t.Fatalf("want one batch of 2 failed, on a deadlock (SQLSTATE 40P01), got %q", failed)
-	}
-	for _, msg := range all {
-		if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM handled WHERE message_id = ?", msg.ID); n != 1 {
-			t.Errorf("%s message %s worked %d times, want once", msg.Type, msg.ID, n)
 		}
 	}
 	if n := b.handled(t, "SELECT count(*) FROM tally t WHERE n <> (SELECT count(*) FROM handled h WHERE h.type = t.kind)"); n != 0 {
-		t.Errorf("%d kinds' tally differs from their messages handled: the aborted batch's work was kept, or a message's done twice", n)
+		t.Errorf("%d kinds' tally differs from their messages handled: the aborted batch's work was kept", n)
 	}
-	for i, name := range names {
-		// The batch PostgreSQL let through committed whole; the aborted one's messages, one by one.
-		want := int64(1)
-		if strings.Contains(failed[0], "queue="+name+" ") {
-			want = 2
-		}
-		if got := testenv.Count(t, b.db.DB, "SELECT count(DISTINCT txid) FROM handled WHERE message_id IN (?, ?)", r.batches[i][0].ID, r.batches[i][1].ID); got != want {
-			t.Errorf("the batch of %s committed in %d transactions, want %d", name, got, want)
-		}
-		if got, want := settled(name, "acked"), float64(len(all)/2); got != want {
-			t.Errorf("%v of the %v messages of %s acked, want all", got, want, name)
-		}
-		if dead := deadLetters(t, b.ch, name); len(dead) != 0 {
-			t.Errorf("%d messages of %s dead-lettered, want none: %v", len(dead), name, reasonsByID(dead))
-		}
-		wantNothingRequeued(t, b.testBundle, name)
-		// Acknowledged: with the consumer gone, nothing comes back.
-		if back := testenv.Drain(t, b.ch, name, 200*time.Millisecond); len(back) != 0 {
-			t.Errorf("%d messages back in %s after the consumer stopped, want none", len(back), name)
-		}
-	}
-	if lines := b.logs.Lines("retrying message"); len(lines) != 0 {
-		t.Errorf("a message tried one by one failed again: %q", lines)
-	}
-}
-
-// envelopes lists the messages of a batch handler's batch.
-func envelopes[T any](batch []messaging.Delivered[T]) []messaging.Message {
-	msgs := make([]messaging.Message, len(batch))
-	for i, d := range batch {
-		msgs[i] = d.Msg
-	}
-	return msgs
 }
