@@ -309,8 +309,8 @@ const (
 // created_at, both stamped by the services from this machine's one clock. The services run
 // with their defaults, and, with notify, with their spans exported (to a receiver in this
 // process), as a user who traces runs them, beside the same at 25 orders/s (the floor); without,
-// with LISTEN/NOTIFY off, for comparison. With notify it also prints how busy the machine's
-// cores were, and each process's CPU per order.
+// with LISTEN/NOTIFY off, for comparison. Each run also prints how busy the machine's cores
+// were, and each process's CPU per order.
 func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 	t.Helper()
 	baseline := ""
@@ -348,11 +348,7 @@ func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 	}
 	r.add(fmt.Sprintf("order → invoice latency at %d/s for %s, %s (%d orders, %d errors)", latencyRate, latencyDuration, mode, sent, errs),
 		fmt.Sprintf("p50 %s, p99 %s", ms(p50), ms(p99)), baseline, "", target, ok)
-	if !notify {
-		return
-	}
-	stages(t, r, spans)
-	r.add("   the machine's cores during the run (idle: neither busy nor waiting for I/O)",
+	r.add("   the machine's cores during the run (busy: all but idle, waiting for I/O, and stolen)",
 		fmt.Sprintf("%.0f %% busy", 100*float64(busyEnd-busy)/float64(totalEnd-total)), "", "", "", true)
 	// The machine's busy time less the services' is PostgreSQL's, RabbitMQ's, this test's
 	// (the load, the spans' receiver), the kernel's for them, and anything else running.
@@ -360,6 +356,10 @@ func endToEndLatency(t *testing.T, r *report, binDir string, notify bool) {
 	perOrder := func(d time.Duration) string { return ms(d / time.Duration(sent)) }
 	r.add("   CPU per order: order, invoicing, notification; the rest (PostgreSQL, RabbitMQ, this test)",
 		fmt.Sprintf("%s, %s, %s; %s", perOrder(cpu[0]), perOrder(cpu[1]), perOrder(cpu[2]), perOrder(rest)), "", "", "", true)
+	if !notify {
+		return
+	}
+	stages(t, r, spans)
 	for _, s := range services {
 		rss := s.PeakRSS(t)
 		r.add(fmt.Sprintf("   %s service peak RSS during the latency run", s.Name), fmt.Sprintf("%.1f MiB", float64(rss)/(1<<20)), "", "", "≤ 64 MiB", rss <= 64<<20)
