@@ -58,10 +58,13 @@ type Base struct {
 	// messaging library: what requests enqueue, they enqueue in its transactions.
 	DB     *gorm.DB
 	Driver *gormdriver.Driver
-	// Work is the consumers' and the sender's pool (Pools.Work), WorkDriver the same for the
-	// library; nil in a service that consumes nothing.
+	// Work is the consumers' pool (Pools.Work), WorkDriver the same for the library; nil in a
+	// service that consumes nothing.
 	Work       *gorm.DB
 	WorkDriver *gormdriver.Driver
+	// Sender is the notification sender's pool (Pools.Sender), whose sessions plan by index
+	// (IndexPlansURL); nil in a service that sends nothing.
+	Sender *gorm.DB
 	// Background is the relay's, the cleanups' and the backlog gauges' pool
 	// (Pools.Background), on pgx.
 	Background messaging.DB
@@ -131,6 +134,15 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 			return nil, err
 		}
 	}
+	if pools.Sender > 0 {
+		dsn, err := IndexPlansURL(c.DatabaseURL)
+		if err != nil {
+			return nil, err
+		}
+		if b.Sender, err = OpenDB(ctx, log, service+"-sender", dsn, pools.Sender); err != nil {
+			return nil, err
+		}
+	}
 	if pools.Background > 0 {
 		if b.background, err = OpenBackground(ctx, service, c.DatabaseURL, pools.Background); err != nil {
 			return nil, err
@@ -177,7 +189,7 @@ func (b *Base) metrics() error {
 // check's connection: whatever of them Start opened.
 func (b *Base) Close() {
 	stopTracing(b.log, b.tracing)
-	for _, db := range []*gorm.DB{b.DB, b.Work} {
+	for _, db := range []*gorm.DB{b.DB, b.Work, b.Sender} {
 		if db != nil {
 			CloseDB(db)
 		}

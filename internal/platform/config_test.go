@@ -267,8 +267,12 @@ func TestPoolsAreCheckedTogether(t *testing.T) {
 	}
 	// The notification service: a consumer and a sender, whose backlog gauges read over a
 	// background connection of their own, beside the inbox's cleanup.
-	if p := PoolsOf(nil, &consuming, 1); p.Background != 2 || p.Work != 7+1 {
-		t.Fatalf("a consumer and a sender get %d background and %d work connections, want 2 (the cleanup, the sender's gauges) and 8", p.Background, p.Work)
+	p = PoolsOf(nil, &consuming, 1)
+	if p.Background != 2 || p.Work != 7 || p.Sender != 1 {
+		t.Fatalf("a consumer and a sender get %d background, %d work and %d sender connections, want 2 (the cleanup, the sender's gauges), 7 and 1", p.Background, p.Work, p.Sender)
+	}
+	if got := p.Requests(Common{DBMaxConns: 20}); got != 20-1-2-7-1 {
+		t.Fatalf("requests get %d of 20 beside a sender, want what the parts leave", got)
 	}
 	fine := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"})
 	PoolsOf(&relaying, &consuming, 0).Check(fine, ReadCommon(fine, ":8080"))

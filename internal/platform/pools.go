@@ -20,8 +20,10 @@ type Pools struct {
 	// (the outbox's, the sender's) and the cleanups'; see RelayConns and CleanupConns.
 	Background int
 	// Work is the consumers' (a connection per worker, and the check that the database
-	// answers; see ConsumerConns) and the notification sender's.
+	// answers; see ConsumerConns).
 	Work int
+	// Sender is the notification sender's, whose sessions plan by index (see IndexPlansURL).
+	Sender int
 	// explain says, per part, what its connections are for, for the error that DB_MAX_CONNS is
 	// too small.
 	explain []string
@@ -42,7 +44,8 @@ func PoolsOf(relay *RelaySettings, consumer *ConsumerSettings, senders int) Pool
 		p = p.AddWork(ConsumerConns(*consumer), "the consumer (CONSUMER_CONCURRENCY + 1)")
 	}
 	if senders > 0 {
-		p = p.AddWork(senders, "the sender")
+		p.Sender = senders
+		p.explain = append(p.explain, fmt.Sprintf("the sender %d", senders))
 		p = p.AddBackground(1, "the sender's backlog gauges")
 	}
 	return p
@@ -83,11 +86,13 @@ func (p Pools) AddWork(n int, why string) Pools {
 }
 
 // Requests is what the pools leave requests of c's DB_MAX_CONNS.
-func (p Pools) Requests(c Common) int { return c.DBMaxConns - ReadinessConns - p.Background - p.Work }
+func (p Pools) Requests(c Common) int {
+	return c.DBMaxConns - ReadinessConns - p.Background - p.Work - p.Sender
+}
 
 // Check records in env a DB_MAX_CONNS that leaves requests fewer than MinRequestConns.
 func (p Pools) Check(env *Env, c Common) {
-	need := ReadinessConns + p.Background + p.Work + MinRequestConns
+	need := ReadinessConns + p.Background + p.Work + p.Sender + MinRequestConns
 	env.Check(c.DBMaxConns >= need, "DB_MAX_CONNS", fmt.Sprintf("%d is too few: the readiness check %d, %s and requests at least %d need %d",
 		c.DBMaxConns, ReadinessConns, strings.Join(p.explain, ", "), MinRequestConns, need))
 }

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"gorm.io/gorm"
+
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -58,5 +60,31 @@ func TestRelayKeepsItsConnectionsWhenRequestsSaturateTheirs(t *testing.T) {
 	}, "the relay did not publish the event while requests held every connection of theirs")
 	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND application_name LIKE 'svc%'", d.Name); n > int64(conns) {
 		t.Fatalf("the service has %d connections, more than DB_MAX_CONNS = %d", n, conns)
+	}
+}
+
+// The sender's pool plans by index from each session's start (IndexPlansURL), and no other
+// pool does: the settings would cost the requests' statements their sequential scans.
+func TestOnlyTheSendersPoolPlansByIndex(t *testing.T) {
+	t.Parallel()
+	pools := PoolsOf(nil, &ConsumerSettings{Concurrency: 1}, 1)
+	conns := ReadinessConns + pools.Background + pools.Work + pools.Sender + MinRequestConns
+	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
+	d := testenv.NewDatabaseWithPool(t, 2)
+	b, _ := startBase(t, d, conns, pools)
+	settings := func(db *gorm.DB) (s string) {
+		t.Helper()
+		if err := db.Raw("SELECT current_setting('enable_sort') || ',' || current_setting('enable_seqscan')").Scan(&s).Error; err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	if got := settings(b.Sender); got != "off,off" {
+		t.Fatalf("the sender's sessions have enable_sort,enable_seqscan %s, want off,off", got)
+	}
+	for name, db := range map[string]*gorm.DB{"requests'": b.DB, "work": b.Work} {
+		if got := settings(db); got != "on,on" {
+			t.Fatalf("the %s pool's sessions have enable_sort,enable_seqscan %s, want on,on", name, got)
+		}
 	}
 }

@@ -60,7 +60,7 @@ func run(ctx context.Context, env *platform.Env) error {
 		defer mailer.Close()
 		deliverer = mailer
 	}
-	send := newSender(base.Work, deliverer, concurrency, maxBackoff, log)
+	send := newSender(base.Sender, deliverer, concurrency, maxBackoff, log)
 	if err := send.registerMetrics(base.Registry); err != nil {
 		return err
 	}

@@ -45,13 +45,6 @@ FROM due
 WHERE n.id = due.id
 RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_attempt_at AS leased_until, n.trace_parent, n.trace_state`
 
-	// senderPlanSQL comes first in each of the sender's transactions: its statements must find
-	// their rows through their indexes (the pending index in order, the primary key). A generic
-	// plan cached while the table was nearly empty scans it whole instead, and keeps doing so
-	// as it grows, until an ANALYZE: right after a deployment, at 200 orders a second, the
-	// recording of outcomes took 20 ms a statement and most of a core.
-	senderPlanSQL = `SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true)`
-
 	// Record what became of leased notifications (a JSON array of outcomeRow): sent; or not
 	// sent, due again after retry_ms, with an attempt and its error counted if it failed (one
 	// released unstarted at shutdown has none). Each update is fenced by the notification's
@@ -115,6 +108,10 @@ const DefaultConcurrency = 128
 // transaction on it records every outcome that waits and takes the leases the deliveries need
 // (see line), so one commit serves many notifications.
 type sender struct {
+	// db's sessions must plan by index (platform.IndexPlansURL): the statements find their rows
+	// through the pending index in order and the primary key, which a generic plan cached while
+	// the table was nearly empty does not: right after a deployment, at 200 orders a second,
+	// the recording of outcomes took 20 ms a statement and most of a core.
 	db          *gorm.DB
 	deliverer   Deliverer
 	backoff     messaging.Backoff
@@ -664,9 +661,6 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 	var changedIDs []uuid.UUID
 	var leased []pendingRow
 	run := func(tx *gorm.DB) error {
-		if err := tx.Exec(senderPlanSQL).Error; err != nil {
-			return fmt.Errorf("plan settings: %w", err)
-		}
 		if len(rows) > 0 {
 			doc, err := json.Marshal(rows)
 			if err != nil {
@@ -684,6 +678,8 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 		}
 		return nil
 	}
+	// A transaction even for one statement: one that the deadline cut off while it waited
+	// for a lock is rolled back, where alone it would commit later, unseen.
 	if err := s.db.WithContext(ctx).Transaction(run); err != nil {
 		return nil, nil, err
 	}

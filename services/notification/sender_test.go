@@ -66,7 +66,12 @@ func (e *senderEnv) sender(t *testing.T, name string, d Deliverer) *sender {
 // senderOn is sender on a pool of size connections, each with the run-time parameters params.
 func (e *senderEnv) senderOn(t *testing.T, name string, d Deliverer, size int, params map[string]string) *sender {
 	t.Helper()
-	u, err := url.Parse(e.db.URL)
+	// The pool notification's main gives it (platform.Start's Sender).
+	dsn, err := platform.IndexPlansURL(e.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := url.Parse(dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
