@@ -66,7 +66,7 @@ type Base struct {
 	// (IndexPlansURL); nil in a service that sends nothing.
 	Sender *gorm.DB
 	// Background is the relay's, the cleanups' and the backlog gauges' pool
-	// (Pools.Background), on pgx.
+	// (Pools.Background), on pgx, whose sessions plan by index (IndexPlansURL).
 	Background messaging.DB
 	background *pgxpool.Pool
 	// Admission bounds the API requests at work at once (HTTP_MAX_IN_FLIGHT, lowered to hold

@@ -98,11 +98,14 @@ func (p Pools) Check(env *Env, c Common) {
 }
 
 // OpenBackground opens the background pool of size conns, with the pgx driver: the relay's
-// LISTEN needs it, and its statements need no ORM. Its sessions carry
-// application_name=service-background.
+// LISTEN needs it, and its statements need no ORM. Its sessions plan by index
+// (IndexPlansURL; the relay is told so) and carry application_name=service-background.
 func OpenBackground(ctx context.Context, service, rawURL string, conns int) (*pgxpool.Pool, error) {
-	dsn, err := withApplicationName(rawURL, service+"-background")
+	dsn, err := IndexPlansURL(rawURL)
 	if err != nil {
+		return nil, err
+	}
+	if dsn, err = withApplicationName(dsn, service+"-background"); err != nil {
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg, err := pgxpool.ParseConfig(dsn)

@@ -63,28 +63,45 @@ func TestRelayKeepsItsConnectionsWhenRequestsSaturateTheirs(t *testing.T) {
 	}
 }
 
-// The sender's pool plans by index from each session's start (IndexPlansURL), and no other
-// pool does: the settings would cost the requests' statements their sequential scans.
-func TestOnlyTheSendersPoolPlansByIndex(t *testing.T) {
+// The sender's and the background pool's sessions plan by index from their start
+// (IndexPlansURL; the relay is told so, and sets nothing per batch), and no other pool's do:
+// the settings would cost the requests' and the consumers' statements their sequential scans.
+func TestOnlyTheSendersAndTheBackgroundPoolPlanByIndex(t *testing.T) {
 	t.Parallel()
-	pools := PoolsOf(nil, &ConsumerSettings{Concurrency: 1}, 1)
+	pools := PoolsOf(&RelaySettings{Lanes: 1}, &ConsumerSettings{Concurrency: 1}, 1)
 	conns := ReadinessConns + pools.Background + pools.Work + pools.Sender + MinRequestConns
 	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
 	d := testenv.NewDatabaseWithPool(t, 2)
 	b, _ := startBase(t, d, conns, pools)
+	const read = "SELECT concat_ws(',', current_setting('enable_sort'), current_setting('enable_seqscan'), current_setting('jit'))"
 	settings := func(db *gorm.DB) (s string) {
 		t.Helper()
-		if err := db.Raw("SELECT current_setting('enable_sort') || ',' || current_setting('enable_seqscan')").Scan(&s).Error; err != nil {
+		if err := db.Raw(read).Scan(&s).Error; err != nil {
 			t.Fatal(err)
 		}
 		return s
 	}
-	if got := settings(b.Sender); got != "off,off" {
-		t.Fatalf("the sender's sessions have enable_sort,enable_seqscan %s, want off,off", got)
+	rows, err := b.Background.Query(context.Background(), read)
+	if err != nil {
+		t.Fatal(err)
 	}
+	var background string
+	for rows.Next() {
+		if err := rows.Scan(&background); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if got := settings(b.Sender); got != "off,off,off" || background != "off,off,off" {
+		t.Fatalf("the sender's sessions have enable_sort,enable_seqscan,jit %s, the background pool's %s; want off,off,off", got, background)
+	}
+	plain := settings(d.DB)
 	for name, db := range map[string]*gorm.DB{"requests'": b.DB, "work": b.Work} {
-		if got := settings(db); got != "on,on" {
-			t.Fatalf("the %s pool's sessions have enable_sort,enable_seqscan %s, want on,on", name, got)
+		if got := settings(db); got != plain {
+			t.Fatalf("the %s pool's sessions have enable_sort,enable_seqscan,jit %s, want the server's %s", name, got, plain)
 		}
 	}
 }

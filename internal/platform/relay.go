@@ -57,8 +57,9 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topolog
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
 		DB: b.Background, Sender: pub, Exchange: exchange,
 		BatchSize: s.BatchSize, Lanes: s.Lanes, PollInterval: s.PollInterval, DisableNotify: !s.Notify,
-		Backoff: messaging.Backoff{Base: 2 * time.Second, Max: s.MaxBackoff},
-		Logger:  log, Metrics: b.Metrics, Types: routedFrom(topology, exchange),
+		SessionsPlanByIndex: true, // OpenBackground's sessions do
+		Backoff:             messaging.Backoff{Base: 2 * time.Second, Max: s.MaxBackoff},
+		Logger:              log, Metrics: b.Metrics, Types: routedFrom(topology, exchange),
 	})
 	if err != nil {
 		pub.Close()

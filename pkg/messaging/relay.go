@@ -67,6 +67,13 @@ type RelayConfig struct {
 	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
 	DisableNotify bool
+	// SessionsPlanByIndex says every session of DB starts with enable_sort and enable_seqscan
+	// off (runtime parameters of its connection string, say): each batch's transaction then
+	// does without the statement that sets them for it, a round trip per batch. Leave it false
+	// unless every connection of DB has them: without them, the claim on a table without
+	// statistics fetches and sorts the whole backlog, and a generic plan of the marking
+	// scans the whole table.
+	SessionsPlanByIndex bool
 	// ShutdownGrace is how long a batch in progress may go on after Run's context ends, so it
 	// can record what the broker confirmed. Default [DefaultShutdownGrace].
 	ShutdownGrace time.Duration
@@ -283,8 +290,10 @@ func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error)
 // attempts of each so far. unreadable, nil if every row could be read, holds why a row cannot
 // be sent as it is (headers written by hand that are not a JSON object of strings).
 func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempts []int, unreadable []error, err error) {
-	if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
-		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+	if !r.cfg.SessionsPlanByIndex {
+		if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
+			return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+		}
 	}
 	cursor, err := tx.Query(ctx, statements.Claim, r.cfg.BatchSize)
 	if err != nil {

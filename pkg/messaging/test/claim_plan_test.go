@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -273,4 +274,106 @@ func TestOutboxGaugesReadTheOldestRowsAtAnyBacklog(t *testing.T) {
 	if err != nil || exact.Pending != 150000 || exact.MaxAttempts != 30 {
 		t.Fatalf("ReadOutboxStats = %+v, %v; want every row counted: 150000 pending, 30 attempts", exact, err)
 	}
+}
+
+// The relay keeps its claim on the partial index, in order, either way it can be told to: by
+// setting the plan for each batch's transaction, or, with SessionsPlanByIndex, on sessions
+// that start with the settings, when it sends no statement for them. The backlog is 100,000
+// rows the planner has no statistics for; the plan is the one the relay's claim gets, in its
+// own transaction.
+func TestRelayClaimsByIndexWhicheverWayItPlans(t *testing.T) {
+	t.Parallel()
+	for _, sessions := range []bool{false, true} {
+		t.Run(fmt.Sprintf("SessionsPlanByIndex=%t", sessions), func(t *testing.T) {
+			t.Parallel()
+			testenv.Connections(t, testenv.DefaultConnections+2) // the relay's pool besides the database's
+			db := testenv.NewDatabase(t)
+			db.MigrateLibrary(t)
+			must(t, db.DB.Exec(`ALTER TABLE outbox_messages SET (autovacuum_enabled = off)`).Error)
+			must(t, db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at)
+				SELECT gen_random_uuid(), 'OrderPlaced', jsonb_build_object('n', g), now() - (100000 - g) * interval '1 millisecond'
+				FROM generate_series(1, 100000) g`).Error)
+			dsn, err := url.Parse(db.URL)
+			must(t, err)
+			if sessions {
+				q := dsn.Query()
+				q.Set("enable_sort", "off")
+				q.Set("enable_seqscan", "off")
+				dsn.RawQuery = q.Encode()
+			}
+			rec := &claimRecorder{DB: driverOf(t, testenv.OpenPool(t, dsn.String(), 2)).DB()}
+			relay, err := messaging.NewRelay(messaging.RelayConfig{DB: rec, Sender: confirmAll{}, Exchange: "orders", BatchSize: 500,
+				SessionsPlanByIndex: sessions})
+			must(t, err)
+			res, err := relay.ProcessBatch(context.Background())
+			if err != nil || res.Sent != 500 {
+				t.Fatalf("batch: %+v, %v; want 500 sent", res, err)
+			}
+			if rec.setPlan == sessions {
+				t.Errorf("the relay set the plan in its transaction: %t, want %t", rec.setPlan, !sessions)
+			}
+			scan := rec.plan.find("Index Scan")
+			if rec.plan.find("Sort") != nil || scan == nil || scan.IndexName != "outbox_messages_unprocessed_idx" {
+				t.Fatalf("the relay's claim sorts or does not walk the partial index: %v", rec.plan.nodes())
+			}
+		})
+	}
+}
+
+// claimRecorder passes a relay's statements on to DB, and notes, in the batch's transaction,
+// whether the plan settings came first, and the plan the claim got.
+type claimRecorder struct {
+	messaging.DB
+	setPlan bool
+	plan    planNode
+}
+
+func (c *claimRecorder) Begin(ctx context.Context) (messaging.TxExecutor, error) {
+	tx, err := c.DB.Begin(ctx)
+	return recordingTx{TxExecutor: tx, c: c}, err
+}
+
+type recordingTx struct {
+	messaging.TxExecutor
+	c *claimRecorder
+}
+
+func (r recordingTx) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
+	if sql == statements.ClaimPlan {
+		r.c.setPlan = true
+	}
+	return r.TxExecutor.Exec(ctx, sql, args...)
+}
+
+func (r recordingTx) Query(ctx context.Context, sql string, args ...any) (messaging.Rows, error) {
+	if sql == statements.Claim {
+		rows, err := r.TxExecutor.Query(ctx, "EXPLAIN (FORMAT JSON) "+sql, args...)
+		if err != nil {
+			return nil, err
+		}
+		var out string
+		for rows.Next() {
+			if err := rows.Scan(&out); err != nil {
+				rows.Close()
+				return nil, err
+			}
+		}
+		rows.Close()
+		var plans []struct{ Plan planNode }
+		if err := json.Unmarshal([]byte(out), &plans); err != nil {
+			return nil, fmt.Errorf("parse plan %s: %w", out, err)
+		}
+		if len(plans) != 1 {
+			return nil, fmt.Errorf("%d plans in %s, want one", len(plans), out)
+		}
+		r.c.plan = plans[0].Plan
+	}
+	return r.TxExecutor.Query(ctx, sql, args...)
+}
+
+// confirmAll is a broker that confirms every message: the test is of the database's side.
+type confirmAll struct{}
+
+func (confirmAll) Publish(_ context.Context, msgs []messaging.Message) []error {
+	return make([]error, len(msgs))
 }
