@@ -142,12 +142,22 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 		if b.Sender, err = OpenDB(ctx, log, service+"-sender", dsn, pools.Sender); err != nil {
 			return nil, err
 		}
+		drv, err := gormdriver.New(b.Sender)
+		if err != nil {
+			return nil, err
+		}
+		if err := checkIndexPlans(ctx, drv.DB(), "sender's pool"); err != nil {
+			return nil, err
+		}
 	}
 	if pools.Background > 0 {
 		if b.background, err = OpenBackground(ctx, service, c.DatabaseURL, pools.Background); err != nil {
 			return nil, err
 		}
 		b.Background = pgxdriver.New(b.background).DB()
+		if err := checkIndexPlans(ctx, b.Background, "background pool"); err != nil {
+			return nil, err
+		}
 	}
 	if b.readinessDB, err = OpenReadinessDB(service, c.DatabaseURL); err != nil {
 		return nil, err

@@ -274,6 +274,10 @@ func TestPoolsAreCheckedTogether(t *testing.T) {
 	if got := p.Requests(Common{DBMaxConns: 20}); got != 20-1-2-7-1 {
 		t.Fatalf("requests get %d of 20 beside a sender, want what the parts leave", got)
 	}
+	p.Check(env, c)
+	if err := env.Err(); err == nil || !strings.Contains(err.Error(), "the cleanups 1, the consumer (CONSUMER_CONCURRENCY + 1) 7, the sender 1, the sender's backlog gauges 1 and requests at least 2 need 13") {
+		t.Fatalf("error %v, want the sender counted", err)
+	}
 	fine := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"})
 	PoolsOf(&relaying, &consuming, 0).Check(fine, ReadCommon(fine, ":8080"))
 	if err := fine.Err(); err != nil {

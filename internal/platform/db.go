@@ -12,6 +12,8 @@ import (
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // OpenDB opens the service's database, waiting up to a minute for it to answer (containers
@@ -34,7 +36,7 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}
-	// A pool of maxConns for one part (requests, or the consumers' and the sender's work; see
+	// A pool of maxConns for one part (requests, the consumers' work, or the sender's; see
 	// Pools), which no other part's load can take.
 	sqlDB.SetMaxOpenConns(maxConns)
 	sqlDB.SetMaxIdleConns(maxConns)
@@ -80,10 +82,10 @@ func withApplicationName(rawURL, name string) (string, error) {
 
 // IndexPlansURL returns rawURL with the settings that make every statement of its sessions
 // use an index where one serves: enable_sort and enable_seqscan off, from the connection's
-// start. A pool whose statements must walk an index in order and find rows by key (the
-// notification sender's; the background pool's, the relay's claims and marks and the backlog
-// gauges, whose cleanups keep to their indexes too) gets them so, instead of setting them in
-// each transaction: a round trip saved per transaction. Without them, a generic plan cached while the table was nearly
+// start. A pool whose statements must walk an index in order and find rows by key gets them
+// so: the notification sender's, whose transactions then need no statement to set them, and
+// the background pool's, where the relay's batches need none (the backlog gauges and the
+// cleanups, which keep to their indexes too, still set theirs). Without them, a generic plan cached while the table was nearly
 // empty scans it whole, and keeps doing so as it grows, until an ANALYZE; and a planner
 // without statistics sorts the whole backlog. jit is off too: a sequential scan where no index
 // serves still runs, but its prohibitive cost estimate would have PostgreSQL compile the
@@ -99,6 +101,33 @@ func IndexPlansURL(rawURL string) (string, error) {
 	q.Set("jit", "off")
 	u.RawQuery = q.Encode()
 	return u.String(), nil
+}
+
+// indexPlansSQL reads the settings IndexPlansURL gives a session: "off,off,off".
+const indexPlansSQL = `SELECT concat_ws(',', current_setting('enable_sort'), current_setting('enable_seqscan'), current_setting('jit'))`
+
+// checkIndexPlans fails unless db's sessions have the settings IndexPlansURL asks for: a
+// connection pooler between the service and PostgreSQL may drop a connection's startup
+// parameters, and the pool's statements would then plan without them, unseen.
+func checkIndexPlans(ctx context.Context, db messaging.DB, pool string) error {
+	rows, err := db.Query(ctx, indexPlansSQL)
+	if err != nil {
+		return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+	}
+	defer rows.Close()
+	var got string
+	for rows.Next() {
+		if err := rows.Scan(&got); err != nil {
+			return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+	}
+	if got != "off,off,off" {
+		return fmt.Errorf("DATABASE_URL: the sessions of the %s have enable_sort, enable_seqscan and jit %q, where their connection string sets them off: does a connection pooler drop startup parameters?", pool, got)
+	}
+	return nil
 }
 
 // ReadinessConns is how many of DB_MAX_CONNS readiness checks keep for themselves (see

@@ -3,6 +3,7 @@ package platform
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // Requests that hold every connection of their pool leave the relay its own: an event
@@ -73,15 +75,14 @@ func TestOnlyTheSendersAndTheBackgroundPoolPlanByIndex(t *testing.T) {
 	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
 	d := testenv.NewDatabaseWithPool(t, 2)
 	b, _ := startBase(t, d, conns, pools)
-	const read = "SELECT concat_ws(',', current_setting('enable_sort'), current_setting('enable_seqscan'), current_setting('jit'))"
 	settings := func(db *gorm.DB) (s string) {
 		t.Helper()
-		if err := db.Raw(read).Scan(&s).Error; err != nil {
+		if err := db.Raw(indexPlansSQL).Scan(&s).Error; err != nil {
 			t.Fatal(err)
 		}
 		return s
 	}
-	rows, err := b.Background.Query(context.Background(), read)
+	rows, err := b.Background.Query(context.Background(), indexPlansSQL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,5 +104,30 @@ func TestOnlyTheSendersAndTheBackgroundPoolPlanByIndex(t *testing.T) {
 		if got := settings(db); got != plain {
 			t.Fatalf("the %s pool's sessions have enable_sort,enable_seqscan,jit %s, want the server's %s", name, got, plain)
 		}
+	}
+}
+
+// A pool whose sessions did not get the plan settings their connection string asks for (a
+// connection pooler in between that drops startup parameters) stops the service at its start,
+// with an error that names DATABASE_URL, instead of planning without them unseen.
+func TestAPoolWithoutItsPlanSettingsIsRefused(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the pool with the settings
+	d := testenv.NewDatabase(t)
+	err := checkIndexPlans(context.Background(), d.Driver(t).DB(), "background pool")
+	if err == nil || !strings.Contains(err.Error(), "DATABASE_URL: the sessions of the background pool have enable_sort, enable_seqscan and jit") {
+		t.Fatalf("a pool of plain sessions: %v, want refused", err)
+	}
+	dsn, err := IndexPlansURL(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := testenv.OpenPool(t, dsn, 1)
+	drv, err := gormdriver.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := checkIndexPlans(context.Background(), drv.DB(), "background pool"); err != nil {
+		t.Fatalf("a pool opened through IndexPlansURL: %v", err)
 	}
 }

@@ -68,11 +68,13 @@ type RelayConfig struct {
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
 	DisableNotify bool
 	// SessionsPlanByIndex says every session of DB starts with enable_sort and enable_seqscan
-	// off (runtime parameters of its connection string, say): each batch's transaction then
-	// does without the statement that sets them for it, a round trip per batch. Leave it false
-	// unless every connection of DB has them: without them, the claim on a table without
-	// statistics fetches and sorts the whole backlog, and a generic plan of the marking
-	// scans the whole table.
+	// off (runtime parameters of its connection string, say, on a pool of the relay's own,
+	// with jit off too: a statement left with no index to use would carry a prohibitive cost
+	// estimate, which has PostgreSQL compile it): each batch's transaction then does without
+	// the statement that sets them for it, a round trip per batch. Leave it false unless every
+	// connection of DB has them (a connection pooler may drop them): without them, the claim on
+	// a table without statistics fetches and sorts the whole backlog, and a generic plan of
+	// the marking scans the whole table.
 	SessionsPlanByIndex bool
 	// ShutdownGrace is how long a batch in progress may go on after Run's context ends, so it
 	// can record what the broker confirmed. Default [DefaultShutdownGrace].

@@ -157,17 +157,19 @@ func TestClaimReadsTheBatchNotTheBacklogWithoutStatistics(t *testing.T) {
 // The marking finds its rows by primary key however much the table grew since its plan was
 // cached: a generic plan made while the table was nearly empty (what a prepared statement gets
 // after its first executions) scans it whole, and keeps scanning as it grows until an ANALYZE.
-// The relay's plan setting, first in each batch's transaction, rules that out.
+// The relay's plan setting, first in each batch's transaction, rules that out; so do the same
+// settings made for the whole session (RelayConfig.SessionsPlanByIndex), with none in the
+// transaction.
 func TestMarkSentFindsItsRowsByKeyWhateverPlanWasCached(t *testing.T) {
 	t.Parallel()
-	for _, guarded := range []bool{false, true} {
-		t.Run(fmt.Sprintf("guarded=%t", guarded), func(t *testing.T) { markSentPlanAfterGrowth(t, guarded) })
+	for _, guard := range []string{"none", "transaction", "session"} {
+		t.Run("guarded by "+guard, func(t *testing.T) { markSentPlanAfterGrowth(t, guard) })
 	}
 }
 
 // markSentPlanAfterGrowth caches the marking's generic plan on an empty table, fills the table,
-// and looks at the plan the marking then runs with.
-func markSentPlanAfterGrowth(t *testing.T, guarded bool) {
+// and looks at the plan the marking then runs with, the plan settings made where guard says.
+func markSentPlanAfterGrowth(t *testing.T, guard string) {
 	t.Helper()
 	db := testenv.NewDatabase(t)
 	db.MigrateLibrary(t)
@@ -182,6 +184,11 @@ func markSentPlanAfterGrowth(t *testing.T, guarded bool) {
 		if _, err := conn.ExecContext(ctx, q, args...); err != nil {
 			t.Fatalf("%s: %v", q, err)
 		}
+	}
+	guarded := guard == "transaction"
+	if guard == "session" {
+		exec("SET enable_sort = off")
+		exec("SET enable_seqscan = off")
 	}
 	// In a transaction of the relay's shape: its plan setting (if guarded), then the
 	// marking.
@@ -213,9 +220,9 @@ func markSentPlanAfterGrowth(t *testing.T, guarded bool) {
 	must(t, json.Unmarshal([]byte(out), &plans))
 	seq := plans[0].Plan.find("Seq Scan") != nil
 	switch {
-	case guarded && seq:
-		t.Fatalf("with the relay's plan setting the marking scans the table: %s", out)
-	case !guarded:
+	case guard != "none" && seq:
+		t.Fatalf("with the relay's plan setting (in the %s) the marking scans the table: %s", guard, out)
+	case guard == "none":
 		t.Logf("without the plan setting, the marking's cached plan scans the table: %v", seq)
 	}
 }
@@ -330,7 +337,10 @@ type claimRecorder struct {
 
 func (c *claimRecorder) Begin(ctx context.Context) (messaging.TxExecutor, error) {
 	tx, err := c.DB.Begin(ctx)
-	return recordingTx{TxExecutor: tx, c: c}, err
+	if err != nil {
+		return nil, err
+	}
+	return recordingTx{TxExecutor: tx, c: c}, nil
 }
 
 type recordingTx struct {

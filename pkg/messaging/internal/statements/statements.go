@@ -32,7 +32,8 @@ FROM jsonb_to_recordset($1::jsonb) AS r(
 	// Listen subscribes a relay's connection to the notifications.
 	Listen = `LISTEN ` + NotifyChannel
 
-	// ClaimPlan, run first in each batch's transaction: its statements must use their indexes.
+	// ClaimPlan, run first in each batch's transaction (unless the relay's sessions start with
+	// the same settings, RelayConfig.SessionsPlanByIndex): its statements must use their indexes.
 	// The claim must walk the partial index in order and stop after the batch; a planner
 	// without statistics (a new table, a burst before autovacuum's first ANALYZE) guesses
 	// that few rows are unsent and prefers to fetch them all and sort them: at every claim,
