@@ -521,11 +521,30 @@ func (r *Relay) brokerUp(ctx context.Context) {
 	if !ended {
 		return
 	}
-	stats, err := ReadOutboxStats(ctx, r.cfg.DB)
+	waiting, err := r.countWaiting(ctx)
 	if err != nil {
-		stats.Pending = -1 // unknown; the outage is over all the same
+		waiting = -1 // unknown; the outage is over all the same
 	}
-	r.log.Info("broker available again; relay resumed", "outage", lasted.Round(time.Millisecond), "rows_waiting", stats.Pending)
+	r.log.Info("broker available again; relay resumed", "outage", lasted.Round(time.Millisecond), "rows_waiting", waiting)
+}
+
+// countWaiting counts the unsent rows, every one: on sessions that plan by index, in a
+// transaction that lets it scan the table instead (statements.ScanPlan).
+func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
+	if !r.cfg.SessionsPlanByIndex {
+		stats, err := ReadOutboxStats(ctx, r.cfg.DB)
+		return stats.Pending, err
+	}
+	tx, err := r.cfg.DB.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // it only reads
+	if _, err := tx.Exec(ctx, statements.ScanPlan); err != nil {
+		return 0, err
+	}
+	stats, err := ReadOutboxStats(ctx, tx)
+	return stats.Pending, err
 }
 
 // endOutage ends the outage, if one is on, and says how long it lasted.

@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"gorm.io/gorm"
 
@@ -293,22 +295,7 @@ func TestRelayClaimsByIndexWhicheverWayItPlans(t *testing.T) {
 	for _, sessions := range []bool{false, true} {
 		t.Run(fmt.Sprintf("SessionsPlanByIndex=%t", sessions), func(t *testing.T) {
 			t.Parallel()
-			testenv.Connections(t, testenv.DefaultConnections+2) // the relay's pool besides the database's
-			db := testenv.NewDatabase(t)
-			db.MigrateLibrary(t)
-			must(t, db.DB.Exec(`ALTER TABLE outbox_messages SET (autovacuum_enabled = off)`).Error)
-			must(t, db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at)
-				SELECT gen_random_uuid(), 'OrderPlaced', jsonb_build_object('n', g), now() - (100000 - g) * interval '1 millisecond'
-				FROM generate_series(1, 100000) g`).Error)
-			dsn, err := url.Parse(db.URL)
-			must(t, err)
-			if sessions {
-				q := dsn.Query()
-				q.Set("enable_sort", "off")
-				q.Set("enable_seqscan", "off")
-				dsn.RawQuery = q.Encode()
-			}
-			rec := &claimRecorder{DB: driverOf(t, testenv.OpenPool(t, dsn.String(), 2)).DB()}
+			rec := recordedOutbox(t, sessions, 100000)
 			relay, err := messaging.NewRelay(messaging.RelayConfig{DB: rec, Sender: confirmAll{}, Exchange: "orders", BatchSize: 500,
 				SessionsPlanByIndex: sessions})
 			must(t, err)
@@ -316,8 +303,8 @@ func TestRelayClaimsByIndexWhicheverWayItPlans(t *testing.T) {
 			if err != nil || res.Sent != 500 {
 				t.Fatalf("batch: %+v, %v; want 500 sent", res, err)
 			}
-			if rec.setPlan == sessions {
-				t.Errorf("the relay set the plan in its transaction: %t, want %t", rec.setPlan, !sessions)
+			if set := rec.setPlan.Load(); set == sessions {
+				t.Errorf("the relay set the plan in its transaction: %t, want %t", set, !sessions)
 			}
 			scan := rec.plan.find("Index Scan")
 			if rec.plan.find("Sort") != nil || scan == nil || scan.IndexName != "outbox_messages_unprocessed_idx" {
@@ -327,12 +314,77 @@ func TestRelayClaimsByIndexWhicheverWayItPlans(t *testing.T) {
 	}
 }
 
+// At the end of a broker outage the relay counts the rows still waiting, every one of them: on
+// sessions that plan by index, in a transaction that lets the count scan the table
+// (statements.ScanPlan), which with statistics reads a large backlog in a third of the time
+// of the index walk.
+func TestRelayCountsTheRowsThatWaitedWithATableScan(t *testing.T) {
+	t.Parallel()
+	for _, sessions := range []bool{false, true} {
+		t.Run(fmt.Sprintf("SessionsPlanByIndex=%t", sessions), func(t *testing.T) {
+			t.Parallel()
+			rec := recordedOutbox(t, sessions, 10)
+			log, logs := testenv.NewLogger(t)
+			relay, err := messaging.NewRelay(messaging.RelayConfig{DB: rec, Sender: &outageFirst{}, Exchange: "orders",
+				BatchSize: 5, Lanes: 1, DisableNotify: true, PollInterval: 50 * time.Millisecond,
+				BrokerRetry:         messaging.Backoff{Base: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+				SessionsPlanByIndex: sessions, Logger: log})
+			must(t, err)
+			run(t, relay.Run)
+			// The first batch found the broker away; the second sent 5 of the 10 rows.
+			testenv.Eventually(t, 10*time.Second, func() bool {
+				return len(logs.Lines("broker available again; relay resumed", "rows_waiting=5")) == 1
+			}, "the relay did not say how many rows waited")
+			if scanned := rec.scanPlan.Load(); scanned != sessions {
+				t.Errorf("the count let itself scan the table: %t, want %t", scanned, sessions)
+			}
+		})
+	}
+}
+
+// recordedOutbox makes a database with rows unsent outbox rows, which the planner has no
+// statistics for (each a millisecond older than the next), and returns a pool on it for a
+// relay, whose sessions start with the plan settings if sessions, recording its statements.
+func recordedOutbox(t *testing.T, sessions bool, rows int) *claimRecorder {
+	t.Helper()
+	testenv.Connections(t, testenv.DefaultConnections+2) // the relay's pool besides the database's
+	db := testenv.NewDatabase(t)
+	db.MigrateLibrary(t)
+	must(t, db.DB.Exec(`ALTER TABLE outbox_messages SET (autovacuum_enabled = off)`).Error)
+	must(t, db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at)
+		SELECT gen_random_uuid(), 'OrderPlaced', jsonb_build_object('n', g), now() - ($1 - g) * interval '1 millisecond'
+		FROM generate_series(1, $1) g`, rows).Error)
+	dsn, err := url.Parse(db.URL)
+	must(t, err)
+	if sessions {
+		q := dsn.Query()
+		q.Set("enable_sort", "off")
+		q.Set("enable_seqscan", "off")
+		q.Set("jit", "off")
+		dsn.RawQuery = q.Encode()
+	}
+	return &claimRecorder{DB: driverOf(t, testenv.OpenPool(t, dsn.String(), 2)).DB()}
+}
+
+// outageFirst is a broker that is away at the first publish, and confirms every message after.
+type outageFirst struct{ calls atomic.Int32 }
+
+func (o *outageFirst) Publish(_ context.Context, msgs []messaging.Message) []error {
+	verdicts := make([]error, len(msgs))
+	if o.calls.Add(1) == 1 {
+		for i := range verdicts {
+			verdicts[i] = fmt.Errorf("connection refused: %w", messaging.ErrBrokerUnavailable)
+		}
+	}
+	return verdicts
+}
+
 // claimRecorder passes a relay's statements on to DB, and notes, in the batch's transaction,
 // whether the plan settings came first, and the plan the claim got.
 type claimRecorder struct {
 	messaging.DB
-	setPlan bool
-	plan    planNode
+	setPlan, scanPlan atomic.Bool // ClaimPlan, ScanPlan sent in a transaction
+	plan              planNode
 }
 
 func (c *claimRecorder) Begin(ctx context.Context) (messaging.TxExecutor, error) {
@@ -349,8 +401,11 @@ type recordingTx struct {
 }
 
 func (r recordingTx) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
-	if sql == statements.ClaimPlan {
-		r.c.setPlan = true
+	switch sql {
+	case statements.ClaimPlan:
+		r.c.setPlan.Store(true)
+	case statements.ScanPlan:
+		r.c.scanPlan.Store(true)
 	}
 	return r.TxExecutor.Exec(ctx, sql, args...)
 }

@@ -43,6 +43,12 @@ FROM jsonb_to_recordset($1::jsonb) AS r(
 	// sequential scans for the batch's transaction leaves them the indexes.
 	ClaimPlan = `SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true)`
 
+	// ScanPlan undoes ClaimPlan's settings, for a transaction that reads every unsent row on
+	// sessions that start with them: with statistics, a sequential scan of the table reads
+	// 1,000,000 unsent rows of 2,000,000 in 0.3 s, the walk of the partial index they leave
+	// in 0.7-0.9 s.
+	ScanPlan = `SELECT set_config('enable_sort', 'on', true), set_config('enable_seqscan', 'on', true)`
+
 	// Claim takes the oldest due rows, at most $1. FOR UPDATE SKIP LOCKED, inside the batch's
 	// transaction, makes concurrent relays, and the lanes of one relay, take disjoint rows
 	// instead of publishing the same ones.
