@@ -130,4 +130,11 @@ func TestAPoolWithoutItsPlanSettingsIsRefused(t *testing.T) {
 	if err := checkIndexPlans(context.Background(), drv.DB(), "background pool"); err != nil {
 		t.Fatalf("a pool opened through IndexPlansURL: %v", err)
 	}
+	// One setting short is refused too: the pool's one session, jit turned back on.
+	if err := pool.Exec("SET jit = on").Error; err != nil {
+		t.Fatal(err)
+	}
+	if err := checkIndexPlans(context.Background(), drv.DB(), "background pool"); err == nil {
+		t.Fatal("a session with jit on was not refused")
+	}
 }

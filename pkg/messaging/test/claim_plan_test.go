@@ -338,6 +338,12 @@ func TestRelayCountsTheRowsThatWaitedWithATableScan(t *testing.T) {
 			if scanned := rec.scanPlan.Load(); scanned != sessions {
 				t.Errorf("the count let itself scan the table: %t, want %t", scanned, sessions)
 			}
+			// On sessions that plan by index, the count runs in the recorded transaction, with
+			// sequential scans allowed again; otherwise on the pool, as the session has it.
+			got, _ := rec.countPlan.Load().(string)
+			if want := map[bool]string{false: "", true: "on,on"}[sessions]; got != want {
+				t.Errorf("the count ran in a transaction with enable_seqscan,enable_sort %q, want %q", got, want)
+			}
 		})
 	}
 }
@@ -383,7 +389,8 @@ func (o *outageFirst) Publish(_ context.Context, msgs []messaging.Message) []err
 // whether the plan settings came first, and the plan the claim got.
 type claimRecorder struct {
 	messaging.DB
-	setPlan, scanPlan atomic.Bool // ClaimPlan, ScanPlan sent in a transaction
+	setPlan, scanPlan atomic.Bool  // ClaimPlan, ScanPlan sent in a transaction
+	countPlan         atomic.Value // enable_seqscan,enable_sort in the transaction of the count of unsent rows
 	plan              planNode
 }
 
@@ -411,19 +418,18 @@ func (r recordingTx) Exec(ctx context.Context, sql string, args ...any) (int64, 
 }
 
 func (r recordingTx) Query(ctx context.Context, sql string, args ...any) (messaging.Rows, error) {
-	if sql == statements.Claim {
-		rows, err := r.TxExecutor.Query(ctx, "EXPLAIN (FORMAT JSON) "+sql, args...)
+	switch sql {
+	case statements.OutboxStats:
+		settings, err := r.text(ctx, "SELECT current_setting('enable_seqscan') || ',' || current_setting('enable_sort')")
 		if err != nil {
 			return nil, err
 		}
-		var out string
-		for rows.Next() {
-			if err := rows.Scan(&out); err != nil {
-				rows.Close()
-				return nil, err
-			}
+		r.c.countPlan.Store(settings)
+	case statements.Claim:
+		out, err := r.text(ctx, "EXPLAIN (FORMAT JSON) "+sql, args...)
+		if err != nil {
+			return nil, err
 		}
-		rows.Close()
 		var plans []struct{ Plan planNode }
 		if err := json.Unmarshal([]byte(out), &plans); err != nil {
 			return nil, fmt.Errorf("parse plan %s: %w", out, err)
@@ -434,6 +440,22 @@ func (r recordingTx) Query(ctx context.Context, sql string, args ...any) (messag
 		r.c.plan = plans[0].Plan
 	}
 	return r.TxExecutor.Query(ctx, sql, args...)
+}
+
+// text runs a query of one text value in the transaction, and returns the value.
+func (r recordingTx) text(ctx context.Context, sql string, args ...any) (string, error) {
+	rows, err := r.TxExecutor.Query(ctx, sql, args...)
+	if err != nil {
+		return "", err
+	}
+	defer rows.Close()
+	var out string
+	for rows.Next() {
+		if err := rows.Scan(&out); err != nil {
+			return "", err
+		}
+	}
+	return out, rows.Err()
 }
 
 // confirmAll is a broker that confirms every message: the test is of the database's side.
