@@ -85,11 +85,11 @@ func withApplicationName(rawURL, name string) (string, error) {
 // start. A pool whose statements must walk an index in order and find rows by key gets them
 // so: the notification sender's, whose transactions then need no statement to set them, and
 // the background pool's, where the relay's batches need none (the backlog gauges and the
-// cleanups, which keep to their indexes too, still set theirs). Without them, a generic plan cached while the table was nearly
-// empty scans it whole, and keeps doing so as it grows, until an ANALYZE; and a planner
-// without statistics sorts the whole backlog. jit is off too: a sequential scan where no index
-// serves still runs, but its prohibitive cost estimate would have PostgreSQL compile the
-// statement, half a second (seen with sorts in the cleanups).
+// cleanups, which keep to their indexes too, still set theirs). Without them, a generic plan
+// cached while the table was nearly empty scans it whole, and keeps doing so as it grows,
+// until an ANALYZE; and a planner without statistics sorts the whole backlog. jit is off too:
+// a sequential scan where no index serves still runs, but its prohibitive cost estimate would
+// have PostgreSQL compile the statement, half a second (seen with sorts in the cleanups).
 func IndexPlansURL(rawURL string) (string, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
