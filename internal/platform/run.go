@@ -35,16 +35,25 @@ const ShutdownTimeout = 8 * time.Second
 const HardStop = 9 * time.Second
 
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run
-// fails, Main prints one line naming the service and exits 1.
+// fails, Main prints one line naming the service and exits 1. The exit comes at most HardStop
+// after the signal, or after the failure of a part Serve runs, whatever is still running then.
 func Main(service string, run func(ctx context.Context, env *Env) error) {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	// After the first signal, a second one kills the process the default way.
 	context.AfterFunc(ctx, stop)
+	format := strings.ToLower(strings.TrimSpace(os.Getenv("LOG_FORMAT")))
 	hardStop(ctx, HardStop, func() {
-		logHardStop(os.Stderr, service, strings.ToLower(strings.TrimSpace(os.Getenv("LOG_FORMAT"))))
+		logHardStop(os.Stderr, service, format, nil)
 		os.Exit(0)
 	})
-	err := run(ctx, NewEnv())
+	// A failure stops the service as a signal does, and is bounded the same way: what is left
+	// in flight may hold the exit (a request stuck on the database holds its pool's Close).
+	failed, fail := context.WithCancelCause(context.Background())
+	hardStop(failed, HardStop, func() {
+		logHardStop(os.Stderr, service, format, context.Cause(failed))
+		os.Exit(1)
+	})
+	err := run(context.WithValue(ctx, failureKey{}, fail), NewEnv())
 	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		err = nil // stopped by a signal while starting: a clean exit
 	}
@@ -58,8 +67,25 @@ func Main(service string, run func(ctx context.Context, env *Env) error) {
 
 // logHardStop writes the hard stop's line as the service's other lines are written (key=value,
 // or JSON with LOG_FORMAT=json), though the logger its run function made is out of reach here.
-func logHardStop(w io.Writer, service, format string) {
-	NewLogger(w, service, format, "info").Error("still stopping after the signal; abandoning what is in flight (it was not acknowledged)", "after", HardStop)
+// failure is what began the stop, nil for the signal.
+func logHardStop(w io.Writer, service, format string, failure error) {
+	log := NewLogger(w, service, format, "info")
+	if failure == nil {
+		log.Error("still stopping after the signal; abandoning what is in flight (it was not acknowledged)", "after", HardStop)
+		return
+	}
+	log.Error("still stopping after a failure; abandoning what is in flight (it was not acknowledged)", "after", HardStop, "error", failure)
+}
+
+// failureKey holds, in the context Main gives run, what Serve calls when a failure begins the
+// stop: Main's hard stop for failures.
+type failureKey struct{}
+
+// failing tells Main, if it made ctx, that err has begun the stop.
+func failing(ctx context.Context, err error) {
+	if fail, ok := ctx.Value(failureKey{}).(context.CancelCauseFunc); ok {
+		fail(err)
+	}
 }
 
 // hardStop calls exit once after has passed since ctx ended, unless the process ended first.
@@ -111,7 +137,14 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 	})
 	goIntake(func() error {
 		<-gctx.Done()
-		log.Info("shutting down")
+		// gctx ends before Wait returns only by the signal or by a part's failure; its cause
+		// tells which came first, though the other may have followed by now.
+		if cause := context.Cause(gctx); !errors.Is(cause, context.Cause(ctx)) {
+			failing(ctx, cause)
+			log.Error("shutting down after a failure", "error", cause)
+		} else {
+			log.Info("shutting down")
+		}
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
 		if err := srv.Shutdown(shutdownCtx); err != nil {
