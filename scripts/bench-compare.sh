@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=${1:?usage: scripts/bench-compare.sh REV [PHASE_REGEXP]}
 phases=${2:-.}
+. scripts/alone.sh
+alone scripts/bench-compare.sh
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
 work=$(mktemp -d)

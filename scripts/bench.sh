@@ -10,6 +10,8 @@
 # when it prints nothing) is left out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/alone.sh
+alone scripts/bench.sh
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
 trap 'scripts/sidroot.sh stop' EXIT

@@ -164,10 +164,11 @@ version() {
   in_root dpkg-query -W -f '${Package} ${Version}\n' $packages erlang-base
 }
 
+. "$here/alone.sh"
 case "${1:-}" in
-  provision) provision ;;
-  start) start ;;
-  stop) stop ;;
+  provision) alone "scripts/sidroot.sh provision"; provision ;;
+  start) alone "scripts/sidroot.sh start"; start ;;
+  stop) alone "scripts/sidroot.sh stop"; stop ;;
   env) env_lines ;;
   ctl) shift; ctl "$@" ;;
   version) version ;;

@@ -22,6 +22,8 @@ say() { printf '== %s\n' "$*"; }
 die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 
 . scripts/servers.sh
+. scripts/alone.sh
+alone scripts/test.sh
 
 # retry DESCRIPTION COMMAND...: runs COMMAND up to 3 times, 15 s then 30 s apart, for the steps
 # that download: cmd/go does not retry a failed fetch from the module proxy, and a fresh machine
