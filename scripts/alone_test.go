@@ -23,7 +23,8 @@ type lockedRun struct {
 	done chan error
 }
 
-func (r *lockedRun) output() string { return r.out.String() }
+// String is what the run has written so far; a failure message given r reads it when it fails.
+func (r *lockedRun) String() string { return r.out.String() }
 
 func startLocked(t *testing.T, lock, script string) *lockedRun {
 	t.Helper()
@@ -45,16 +46,11 @@ func startLocked(t *testing.T, lock, script string) *lockedRun {
 	return r
 }
 
-// waitFor polls r's output for want, for up to 10 s.
+// waitFor waits up to 10 s for want in r's output.
 func (r *lockedRun) waitFor(t *testing.T, want string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(r.output(), want) {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %q after 10 s in:\n%s", want, r.output())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(r.String(), want) },
+		"no %q in:\n%s", want, r)
 }
 
 // holdLock takes the lock as another run would; closing the file ends that run.
@@ -79,13 +75,9 @@ func waitFree(t *testing.T, lock, msg string) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
-		if time.Now().After(deadline) {
-			t.Fatal(msg)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil
+	}, "%s", msg)
 }
 
 // A second run waits while the first holds the lock, says which run it waits for, and goes on
@@ -99,15 +91,15 @@ func TestASecondRunWaitsForTheFirst(t *testing.T) {
 	}
 	second := startLocked(t, lock, "alone scripts/bench.sh\necho started")
 	second.waitFor(t, "scripts/bench.sh: waiting for another run on this machine to end (pid 1, scripts/test.sh")
-	if strings.Contains(second.output(), "started") {
-		t.Fatalf("the second run went on while the first held the lock:\n%s", second.output())
+	if strings.Contains(second.String(), "started") {
+		t.Fatalf("the second run went on while the first held the lock:\n%s", second.String())
 	}
 	if err := first.Close(); err != nil { // the first run ends: its descriptor closes
 		t.Fatal(err)
 	}
 	second.waitFor(t, "started")
 	if err := <-second.done; err != nil {
-		t.Fatalf("second run: %v\n%s", err, second.output())
+		t.Fatalf("second run: %v\n%s", err, second.String())
 	}
 	if b, _ := os.ReadFile(lock + ".holder"); !regexp.MustCompile(`^pid [0-9]+, scripts/bench.sh\n$`).Match(b) {
 		t.Errorf("the holder file says %q, want the second run's pid and name", b)
@@ -123,9 +115,9 @@ func TestAScriptOfTheRunDoesNotWaitForIt(t *testing.T) {
 bash -c '. scripts/alone.sh; alone "scripts/sidroot.sh start"; echo inner passed'
 echo outer done`)
 	if err := <-run.done; err != nil {
-		t.Fatalf("run: %v\n%s", err, run.output())
+		t.Fatalf("run: %v\n%s", err, run.String())
 	}
-	if out := run.output(); !strings.Contains(out, "inner passed") || !strings.Contains(out, "outer done") || strings.Contains(out, "waiting") {
+	if out := run.String(); !strings.Contains(out, "inner passed") || !strings.Contains(out, "outer done") || strings.Contains(out, "waiting") {
 		t.Fatalf("output:\n%s", out)
 	}
 	if b, _ := os.ReadFile(lock + ".holder"); !strings.HasSuffix(string(b), ", scripts/test.sh\n") {
@@ -146,8 +138,8 @@ echo "daemon $!"
 while [ ! -e '`+done+`' ]; do sleep 0.05; done`)
 	run.waitFor(t, "daemon ")
 	var daemon int
-	if _, err := fmt.Sscanf(run.output(), "daemon %d", &daemon); err != nil {
-		t.Fatalf("output %q: %v", run.output(), err)
+	if _, err := fmt.Sscanf(run.String(), "daemon %d", &daemon); err != nil {
+		t.Fatalf("output %q: %v", run.String(), err)
 	}
 	t.Cleanup(func() { _ = syscall.Kill(daemon, syscall.SIGKILL) })
 	f, err := os.Open(lock)
@@ -162,7 +154,7 @@ while [ ! -e '`+done+`' ]; do sleep 0.05; done`)
 		t.Fatal(err)
 	}
 	if err := <-run.done; err != nil {
-		t.Fatalf("run: %v\n%s", err, run.output())
+		t.Fatalf("run: %v\n%s", err, run.String())
 	}
 	waitFree(t, lock, "the lock is still held 10 s after the run ended, while a process it started runs")
 	if syscall.Kill(daemon, 0) != nil {
