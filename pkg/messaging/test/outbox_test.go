@@ -223,6 +223,44 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 	}
 }
 
+// A payload of JSON null (NewMessage of a nil map, slice or pointer) is a JSON value like any
+// other: stored as jsonb's null, in the caller's transaction, which commits its other work, and
+// sent as the body null.
+func TestEnqueueStoresANullPayloadAndTheRelaySendsIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := b.db.DB
+	must(t, db.Exec("CREATE TABLE orders (id uuid PRIMARY KEY)").Error)
+	msg, err := messaging.NewMessage(eventType, map[string]any(nil))
+	if err != nil || string(msg.Payload) != "null" {
+		t.Fatalf("NewMessage of a nil map = %q, %v; want the payload null", msg.Payload, err)
+	}
+	err = db.Transaction(func(tx *gorm.DB) error {
+		if err := tx.Exec("INSERT INTO orders (id) VALUES (?)", msg.ID).Error; err != nil {
+			return err
+		}
+		return messaging.Enqueue(context.Background(), b.drv, tx, msg)
+	})
+	if err != nil {
+		t.Fatalf("the transaction that enqueued a null payload: %v, want it to commit", err)
+	}
+	if n := testenv.Count(t, db, "SELECT count(*) FROM orders"); n != 1 {
+		t.Errorf("orders = %d, want 1", n)
+	}
+	var stored string
+	if err := db.Raw("SELECT payload::text FROM outbox_messages WHERE id = ?", msg.ID).Scan(&stored).Error; err != nil || stored != "null" {
+		t.Fatalf("stored payload = %q (%v), want null", stored, err)
+	}
+	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
+	if err != nil || res != (messaging.BatchResult{Claimed: 1, Sent: 1}) {
+		t.Fatalf("batch = %+v, %v; want the row claimed and sent", res, err)
+	}
+	got := testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond)
+	if len(got) != 1 || string(got[0].Body) != "null" {
+		t.Fatalf("deliveries = %d, want one with the body null", len(got))
+	}
+}
+
 func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, 1) // a LISTEN connection of the test's own

@@ -14,11 +14,13 @@ const (
 	// InsertOutbox adds the rows of one JSON array ($1) of objects with the keys below, and
 	// wakes the relays (see Notify), in one statement: one round trip. next_attempt_at,
 	// processed_at and attempts take their defaults: due now, by the database's clock. An
-	// INSERT in WITH runs to completion whether or not the query reads it.
+	// INSERT in WITH runs to completion whether or not the query reads it. jsonb_to_recordset
+	// reads a JSON null as SQL NULL, even into a jsonb column: every object carries its
+	// payload, so a NULL there is the payload null, stored as the JSON value it is.
 	InsertOutbox = `WITH inserted AS (
 INSERT INTO outbox_messages
     (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers)
-SELECT id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers
+SELECT id, type, coalesce(payload, 'null'), correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers
 FROM jsonb_to_recordset($1::jsonb) AS r(
     id uuid, type text, payload jsonb, correlation_id text, occurred_at timestamptz,
     trace_parent text, trace_state text, exchange text, routing_key text, headers jsonb))
