@@ -463,7 +463,7 @@ func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempt
 
 // recordFailure backs f's row off, and reads when it is due again.
 func recordFailure(ctx context.Context, tx Executor, f *failure) error {
-	rows, err := tx.Query(ctx, statements.RecordFailure, f.err.Error(), f.delay.Milliseconds(), f.msg.ID)
+	rows, err := tx.Query(ctx, statements.RecordFailure, storableText(f.err.Error()), f.delay.Milliseconds(), f.msg.ID)
 	if err != nil {
 		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
 	}
@@ -475,6 +475,14 @@ func recordFailure(ctx context.Context, tx Executor, f *failure) error {
 		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
 	}
 	return rows.Err()
+}
+
+// storableText is text as a text column takes it: a Sender's error may quote a server's reply,
+// and a broker's reason cut at its length limit may end inside a character. PostgreSQL refuses
+// a NUL or invalid UTF-8, and a refused record of one row's failure would roll back its whole
+// batch, the marks of the rows the broker confirmed included, at every attempt.
+func storableText(s string) string {
+	return strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", ""), "\uFFFD")
 }
 
 // report logs and counts what a committed batch did. A line about one message carries that

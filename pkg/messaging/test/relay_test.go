@@ -1021,3 +1021,47 @@ func TestRelaySendsAnUnroutableRowOnceAQueueIsBound(t *testing.T) {
 	}
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{late.ID})
 }
+
+// refusingSender is a Sender of its own, as a library user may write one: it refuses the
+// messages named in refuse with their error, and accepts the others.
+type refusingSender struct {
+	refuse map[uuid.UUID]error
+}
+
+func (s refusingSender) Publish(_ context.Context, msgs []messaging.Message) []error {
+	errs := make([]error, len(msgs))
+	for i, m := range msgs {
+		errs[i] = s.refuse[m.ID]
+	}
+	return errs
+}
+
+// A refusal's text may hold what a text column cannot (a server's reply quoted as it came, a
+// reason cut inside a character): the row is backed off all the same, with its error made
+// storable, and the batch's other rows are marked sent, once.
+func TestRelayRecordsARefusalWhoseTextPostgreSQLCannotStore(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ids := b.enqueue(t, 2)
+	refused, sent := ids[0], ids[1]
+	r := b.relay(t, refusingSender{refuse: map[uuid.UUID]error{refused: errors.New("refused: \xff\x00 by the server")}}, nil)
+	res, err := r.ProcessBatch(context.Background())
+	if err != nil || res != (messaging.BatchResult{Claimed: 2, Sent: 1, Failed: 1}) {
+		t.Fatalf("batch = %+v, %v; want one row sent and one refused", res, err)
+	}
+	var row outboxRow
+	if err := b.db.DB.First(&row, "id = ?", refused).Error; err != nil {
+		t.Fatal(err)
+	}
+	lastError := ""
+	if row.LastError != nil {
+		lastError = *row.LastError
+	}
+	if row.Attempts != 1 || lastError != "refused: \uFFFD by the server" || row.ProcessedAt != nil {
+		t.Errorf("refused row: attempts %d, last_error %q, sent %v; want one attempt, its error stored, unsent", row.Attempts, lastError, row.ProcessedAt != nil)
+	}
+	var accepted outboxRow
+	if err := b.db.DB.First(&accepted, "id = ?", sent).Error; err != nil || accepted.ProcessedAt == nil {
+		t.Errorf("accepted row: sent %v (%v); want it marked sent", accepted.ProcessedAt != nil, err)
+	}
+}
