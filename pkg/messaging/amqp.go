@@ -153,11 +153,17 @@ func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error
 }
 
 // fromDelivery reads the envelope back. Its errors are Permanent: a delivery without a valid
-// message id or a JSON body will never become handleable, however often it is retried.
+// message id (the nil UUID is none) or a JSON body will never become handleable, however often
+// it is retried.
 func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	id, err := uuid.Parse(d.MessageId)
 	if err != nil {
 		return Message{}, Permanent(fmt.Errorf("invalid message_id %q: %w", truncate(d.MessageId), err))
+	}
+	if id == uuid.Nil {
+		// The inbox knows a message by its id: every message of the nil id after the first would
+		// be taken for a duplicate of it, and acknowledged without its work.
+		return Message{}, Permanent(errors.New("message_id is the nil UUID"))
 	}
 	if d.ContentType != "" {
 		mt, _, err := mime.ParseMediaType(d.ContentType)

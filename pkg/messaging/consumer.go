@@ -168,12 +168,16 @@ type consumerLink struct {
 
 // consume declares the topology on conn, then opens a channel per worker and starts consuming
 // the queue on each. A dead-letter queue an earlier version declared is used as it is (see
-// [ErrLegacyDeadLetterQueue]).
+// [ErrLegacyDeadLetterQueue]), with a warning that names it: the topology may hold other
+// consumers' queues, whose dead-letter queues are the ones to fix then.
 func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 	err := c.cfg.Topology.Declare(conn, c.log)
-	if errors.Is(err, ErrLegacyDeadLetterQueue) {
-		c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
-			"dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "error", err)
+	var legacy *legacyQueues
+	if errors.As(err, &legacy) {
+		for i, dlq := range legacy.names {
+			c.log.Warn("dead-letter queue has the broker's default delivery limit; using it as it is",
+				"dead_letter_queue", dlq, "error", legacy.errs[i])
+		}
 	} else if err != nil {
 		return nil, fmt.Errorf("declare topology: %w", err)
 	}
@@ -517,6 +521,10 @@ func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 		// nack, which RabbitMQ 4.3 does not count against the message: it did not fail.
 		c.confirm(ctx, log, "nack", j.d.Nack(false, true), "")
 	case settleDeadLetter:
+		if p := (*decodePanic)(nil); errors.As(o.reason, &p) {
+			// The reason carries the panic; where it came from is for the developer.
+			log.ErrorContext(ctx, "decoding panicked", "panic", p.value, "stack", string(p.stack))
+		}
 		c.deadLetter(ctx, session, workCtx, log, j.d, o.reason)
 	}
 }

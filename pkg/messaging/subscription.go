@@ -42,13 +42,21 @@ func (e Event[T]) Message(payload T) (Message, error) {
 // Binding is what routes this event to a queue.
 func (e Event[T]) Binding() Binding { return Binding{Exchange: e.Exchange, RoutingKey: e.Type} }
 
-// Decode reads and checks a message of this event. Every error is [Permanent].
-func (e Event[T]) Decode(msg Message) (T, error) {
+// Decode reads and checks a message of this event. Every error is [Permanent], a panic of the
+// payload's UnmarshalJSON or of Validate included: the same bytes would panic again at every
+// delivery, and a consumer's worker has no handler around it to recover. A consumer logs such a
+// panic's stack (`decoding panicked`) before it dead-letters the message.
+func (e Event[T]) Decode(msg Message) (v T, err error) {
 	var zero T
+	defer func() {
+		if p := recover(); p != nil {
+			v, err = zero, Permanent(&decodePanic{event: e.Type, value: p, stack: debug.Stack()})
+		}
+	}()
 	if msg.Type != e.Type {
 		return zero, Permanent(fmt.Errorf("message of type %q is not %s", truncate(msg.Type), e.Type))
 	}
-	v, err := decode[T](msg)
+	v, err = decode[T](msg)
 	if err != nil {
 		return zero, err
 	}
@@ -58,6 +66,17 @@ func (e Event[T]) Decode(msg Message) (T, error) {
 		}
 	}
 	return v, nil
+}
+
+// decodePanic is a panic recovered while a message was decoded, with where it came from.
+type decodePanic struct {
+	event string
+	value any
+	stack []byte
+}
+
+func (p *decodePanic) Error() string {
+	return fmt.Sprintf("decoding %s panicked: %v", p.event, p.value)
 }
 
 // Handler does one message's work in tx, the transaction that records in the inbox that the

@@ -142,8 +142,8 @@ func (t Topology) AllExchanges() []string {
 // That refusal is accepted too, and logged: whether the resource exists is then the
 // deployment's to guarantee.
 //
-// A dead-letter queue declared by an earlier version makes it return an error wrapping
-// [ErrLegacyDeadLetterQueue], once everything else is declared.
+// Dead-letter queues declared by an earlier version make it return an error wrapping
+// [ErrLegacyDeadLetterQueue] that names each of them, once everything else is declared.
 func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 	d := &declarer{conn: conn, log: log}
 	defer d.close()
@@ -157,7 +157,7 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 			return err
 		}
 	}
-	var legacy error
+	var legacy legacyQueues
 	for _, q := range t.Queues {
 		err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments())
@@ -183,13 +183,30 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 		switch {
 		case errors.As(err, &refused) && refused.Code == amqp.PreconditionFailed &&
 			strings.Contains(refused.Reason, "inequivalent arg 'x-delivery-limit'"):
-			legacy = fmt.Errorf("%w: %q: %w", ErrLegacyDeadLetterQueue, dlq, err)
+			legacy.names = append(legacy.names, dlq)
+			legacy.errs = append(legacy.errs, err)
 		case err != nil:
 			return err
 		}
 	}
-	return legacy
+	if len(legacy.names) > 0 {
+		return &legacy
+	}
+	return nil
 }
+
+// legacyQueues is Declare's error when dead-letter queues an earlier version declared are used
+// as they are: it is ErrLegacyDeadLetterQueue, and names them.
+type legacyQueues struct {
+	names []string
+	errs  []error // the broker's refusal of each
+}
+
+func (l *legacyQueues) Error() string {
+	return fmt.Sprintf("%v: %s: %v", ErrLegacyDeadLetterQueue, strings.Join(l.names, ", "), errors.Join(l.errs...))
+}
+
+func (l *legacyQueues) Unwrap() []error { return append([]error{ErrLegacyDeadLetterQueue}, l.errs...) }
 
 func passiveQueue(name string) func(ch *amqp.Channel) error {
 	return func(ch *amqp.Channel) error {

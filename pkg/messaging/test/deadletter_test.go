@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"regexp"
 	"strings"
 	"sync/atomic"
@@ -403,5 +404,95 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueNacks(t *testing.T) {
 	wantReason(t, got[len(got)-1], "body is not valid JSON")
 	if n := testenv.QueueDepth(t, b.ch, b.queue); n != 0 {
 		t.Fatalf("queue still holds %d", n)
+	}
+}
+
+// Declare names every dead-letter queue an earlier version declared, and the consumer warns
+// about each by its own name: here another consumer's, in a topology that holds both queues,
+// as every service of a system declares the whole of it.
+func TestConsumerNamesTheDeadLetterQueueDeclaredWithoutALimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	other := testenv.UniqueName("notification")
+	legacy := messaging.DeadLetterQueue(other)
+	testenv.CleanupBroker(t, []string{other, legacy}, nil)
+	if _, err := b.ch.QueueDeclare(legacy, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum}); err != nil {
+		t.Fatal(err)
+	}
+	b.topology.Queues = append(b.topology.Queues, messaging.ConsumerTopology{Queue: other})
+	err := b.topology.Declare(testenv.Connection(t), nil)
+	if !errors.Is(err, messaging.ErrLegacyDeadLetterQueue) || !strings.Contains(err.Error(), legacy) {
+		t.Fatalf("Declare = %v, want ErrLegacyDeadLetterQueue naming %s", err, legacy)
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	warnings := b.logs.Lines("level=WARN", "default delivery limit")
+	if len(warnings) != 1 || !strings.Contains(warnings[0], "dead_letter_queue="+legacy+" ") {
+		t.Fatalf("warnings about a dead-letter queue's limit: %q; want one naming %s", warnings, legacy)
+	}
+}
+
+// The inbox knows a message by its id: messages that all carry the nil UUID would be taken,
+// after the first, for duplicates of it, and acknowledged with their work undone. Each is
+// dead-lettered instead, and the messages behind them are handled.
+func TestConsumerDeadLettersMessagesOfTheNilID(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	for i := range 2 {
+		p := publishing(newMessage(t, i))
+		p.MessageId = uuid.Nil.String()
+		b.publishRaw(t, p)
+	}
+	b.publishRaw(t, publishing(newMessage(t, 2)))
+	dlq := messaging.DeadLetterQueue(b.queue)
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 2 && b.workDone(t) == 1 },
+		"want both messages of the nil id dead-lettered and the third handled")
+	for _, d := range deadLetters(t, b.ch, b.queue) {
+		wantReason(t, d, "message_id is the nil UUID")
+	}
+	if n := b.workDone(t); n != 1 {
+		t.Fatalf("work done %d times, want once (the message with an id of its own)", n)
+	}
+}
+
+// A payload whose decoding panics (its UnmarshalJSON, or here the event's Validate) would panic
+// at every delivery: the message is dead-lettered with the panic as its reason, and the
+// consumer, its process alive, handles the messages behind it.
+func TestConsumerDeadLettersAMessageWhoseDecodingPanics(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	ev := b.orderPlaced()
+	ev.Validate = func(p payload) error {
+		if p.N == 13 {
+			panic(fmt.Sprintf("no rule for n=%d", p.N)) // a validator's bug
+		}
+		return nil
+	}
+	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(s, ev, workFunc))
+	run(t, s.Run)
+	testenv.Eventually(t, 10*time.Second, s.Ready, "consumer not ready")
+	bad := newMessage(t, 13)
+	b.publishRaw(t, publishing(bad))
+	b.publishRaw(t, publishing(newMessage(t, 2)))
+	dlq := messaging.DeadLetterQueue(b.queue)
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 && b.workDone(t) == 1 },
+		"want the message whose validation panics dead-lettered and the other handled")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 || got[0].MessageId != bad.ID.String() {
+		t.Fatalf("dead-letter queue held %d messages, want the one whose validation panics", len(got))
+	}
+	wantReason(t, got[0], "decoding "+eventType+" panicked: no rule for n=13")
+	// The developer learns where: the stack, down to the validator.
+	if lines := b.logs.Lines("level=ERROR", `msg="decoding panicked"`, "message_id="+bad.ID.String(), "TestConsumerDeadLettersAMessageWhoseDecodingPanics"); len(lines) != 1 {
+		t.Errorf("%d lines with the panic's stack, want 1", len(lines))
 	}
 }
