@@ -130,8 +130,8 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	if err := closeErr.Load(); err != nil {
 		return true, fmt.Errorf("channel closed: %w", err)
 	}
-	// The broker cancelled the consumer (its queue was deleted, say): reconnecting declares it
-	// again.
+	// The broker cancelled a consumer (its queue was deleted, or a delivery outlived the
+	// consumer timeout): reconnecting declares the queue again and consumes anew.
 	return true, errors.New("delivery stream ended")
 }
 
@@ -163,6 +163,7 @@ type consumerLink struct {
 	ch         *amqp.Channel
 	tag        string
 	closed     <-chan *amqp.Error // the channel's close notification
+	cancelled  <-chan string      // the broker's cancel of the consumer (closed with the channel)
 	deliveries <-chan amqp.Delivery
 }
 
@@ -188,6 +189,7 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 			return nil, fmt.Errorf("open channel: %w", err)
 		}
 		closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+		cancelled := ch.NotifyCancel(make(chan string, 1))
 		// Per-consumer prefetch: a global QoS is refused on quorum queues.
 		if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
 			return nil, fmt.Errorf("set prefetch: %w", err)
@@ -197,33 +199,62 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 		if err != nil {
 			return nil, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
 		}
-		links[i] = consumerLink{ch: ch, tag: tag, closed: closed, deliveries: deliveries}
+		links[i] = consumerLink{ch: ch, tag: tag, closed: closed, cancelled: cancelled, deliveries: deliveries}
 	}
 	return links, nil
 }
 
 // endWithChannels marks the consumer not ready and ends the session once any of its channels
-// closes, and returns where the broker's reason for closing it will be kept (nil for a clean
-// close). The other channels' consumers are cancelled first: their streams must end too, for
-// the session to reconnect, and the deliveries their workers hand back must not come straight
-// back to them.
+// closes, or the broker cancels any of its consumers, and returns where the broker's reason for
+// closing a channel will be kept (nil for a clean close or a cancel). The other channels'
+// consumers are cancelled first: their streams must end too, for the session to reconnect, and
+// the deliveries their workers hand back must not come straight back to them. A cancel ends the
+// session as a close does: RabbitMQ 4.3 cancels a consumer whose delivery outlived the
+// consumer timeout where earlier versions closed its channel, and a session left with fewer
+// workers would never get them back.
 func (c *consumer) endWithChannels(session context.Context, endSession context.CancelFunc, links []consumerLink) *atomic.Pointer[amqp.Error] {
 	closeErr := new(atomic.Pointer[amqp.Error])
+	var warn sync.Once // a deleted queue cancels every consumer at once
 	for _, l := range links {
 		go func() {
-			select {
-			case err, ok := <-l.closed:
-				if ok && err != nil {
-					closeErr.CompareAndSwap(nil, err)
-				}
-				c.ready.Store(false)
-				cancelConsumers(links)
-				endSession()
-			case <-session.Done():
+			ended, cancelled := awaitLinkEnd(session, l, closeErr)
+			if !ended {
+				return
 			}
+			if cancelled != "" {
+				warn.Do(func() {
+					c.log.Warn("broker cancelled a consumer; starting a new session", "consumer_tag", cancelled)
+				})
+			}
+			c.ready.Store(false)
+			cancelConsumers(links)
+			endSession()
 		}()
 	}
 	return closeErr
+}
+
+// awaitLinkEnd waits until l's channel closes (its reason kept in closeErr) or the broker
+// cancels its consumer (tag, the consumer's), and reports whether either happened before the
+// session ended.
+func awaitLinkEnd(session context.Context, l consumerLink, closeErr *atomic.Pointer[amqp.Error]) (ended bool, tag string) {
+	cancelled := l.cancelled
+	for {
+		select {
+		case tag, ok := <-cancelled:
+			if ok {
+				return true, tag
+			}
+			cancelled = nil // closed with the channel, whose close notification says why
+		case err, ok := <-l.closed:
+			if ok && err != nil {
+				closeErr.CompareAndSwap(nil, err)
+			}
+			return true, ""
+		case <-session.Done():
+			return false, ""
+		}
+	}
 }
 
 // cancelConsumers stops the flow of new deliveries on every link and ends its delivery stream

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -68,8 +69,8 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "the message was not acknowledged once")
 }
 
-// The queue is deleted under a running consumer: the broker cancels it, and it declares its
-// topology again and carries on.
+// The queue is deleted under a running consumer: the broker cancels each of its workers'
+// consumers, and it says so once, declares its topology again and carries on.
 func TestConsumerRedeclaresItsQueueAfterItIsDeleted(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -83,6 +84,9 @@ func TestConsumerRedeclaresItsQueueAfterItIsDeleted(t *testing.T) {
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("consumer started")) >= 2 && c.Ready() },
 		"consumer did not come back after its queue was deleted")
+	if n := len(b.logs.Lines("level=WARN", "broker cancelled a consumer; starting a new session")); n != 1 {
+		t.Errorf("the broker's cancel of the consumers was logged %d times, want once", n)
+	}
 	b.publishRaw(t, publishing(newMessage(t, 2)))
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 2 }, "message after the redeclare not handled")
 }
@@ -205,6 +209,51 @@ func TestAClosedChannelEndsAWorkersWaitForADependency(t *testing.T) {
 	}, "the consumer did not reconnect while a worker waited for its dependency")
 	down.Store(false)
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 1 }, "the message was not handled once the dependency was back")
+}
+
+// RabbitMQ 4.3 cancels a consumer whose delivery outlived the consumer timeout, and leaves its
+// channel open, where earlier versions closed the channel (the test above). The session ends
+// as on a close, and the consumer comes back with all its workers, instead of going on with
+// one fewer for good.
+func TestConsumerStartsANewSessionWhenTheBrokerCancelsOneOfItsConsumers(t *testing.T) {
+	t.Parallel()
+	if version, _ := testenv.Connection(t).Properties["version"].(string); !releaseAtLeast(version, 4, 3) {
+		t.Skipf("RabbitMQ %s closes the channel of a consumer that timed out", version)
+	}
+	b := setup(t)
+	b.createWorkTable(t)
+	policy := testenv.UniqueName("consumer-timeout")
+	testenv.RabbitMQCtl(t, "set_policy", "-p", "/", "--apply-to", "queues", "--priority", "100", policy,
+		"^"+regexp.QuoteMeta(b.queue)+"$", `{"consumer-timeout":1000}`)
+	t.Cleanup(func() { testenv.RabbitMQCtl(t, "clear_policy", "-p", "/", policy) })
+	var held atomic.Bool
+	release := make(chan struct{})
+	const workers = 2
+	c := b.consumer(t, testenv.AMQPURL(), b.drv, func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		if held.CompareAndSwap(false, true) {
+			<-release // the first delivery, past the consumer timeout
+		}
+		return workFunc(ctx, tx, p, msg)
+	}, func(c *messaging.SubscriptionConfig) { c.Concurrency = workers })
+	b.publishRaw(t, publishing(newMessage(t, 0)))
+	consumers := func() int {
+		q, err := b.ch.QueueDeclarePassive(b.queue, true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return q.Consumers
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool { return consumers() < workers }, "the broker did not cancel the consumer that held a delivery past its timeout")
+	close(release)
+	testenv.Eventually(t, 15*time.Second, func() bool { return consumers() == workers && c.Ready() },
+		"the consumer did not come back with its %d workers after the broker cancelled one", workers)
+	if n := len(b.logs.Lines("level=WARN", "broker cancelled a consumer; starting a new session")); n == 0 {
+		t.Error("the broker's cancel was not logged")
+	}
+	for i := 1; i <= 4; i++ {
+		b.publishRaw(t, publishing(newMessage(t, i)))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) == 5 }, "the messages were not each handled once")
 }
 
 // closeAConsumerChannel makes the broker close one of the channels consuming queue (on the

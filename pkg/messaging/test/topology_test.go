@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -112,11 +113,17 @@ func (v vhostOf) dial(login string) *amqp.Connection {
 // hidesResources reports whether RabbitMQ version refuses a passive declaration to a user
 // with no permission on the resource: 4.2.6 and later 4.2 releases, 4.3 and later.
 func hidesResources(version string) bool {
-	var major, minor, patch int
-	if _, err := fmt.Sscanf(version, "%d.%d.%d", &major, &minor, &patch); err != nil {
+	return releaseAtLeast(version, 4, 2, 6)
+}
+
+// releaseAtLeast reports whether version, a broker's major.minor.patch, is release or later;
+// false if it does not read as one.
+func releaseAtLeast(version string, release ...int) bool {
+	var v [3]int
+	if _, err := fmt.Sscanf(version, "%d.%d.%d", &v[0], &v[1], &v[2]); err != nil {
 		return false
 	}
-	return major > 4 || major == 4 && (minor > 2 || minor == 2 && patch >= 6)
+	return slices.Compare(v[:len(release)], release) >= 0
 }
 
 // The queue's own delivery limit is the backstop behind the consumer's: a message that fails
