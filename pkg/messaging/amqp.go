@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"mime"
+	"net"
 	"strings"
 	"sync"
 	"time"
@@ -37,19 +38,23 @@ func splitURLs(list string) []string {
 
 // dial connects to the first broker of urls (see splitURLs) that answers, trying them in a
 // new random order each time: with no preferred node, clients spread over the cluster, and a
-// node that fails is simply passed over, as RabbitMQ's client guidance advises.
-func dial(urls, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+// node that fails is simply passed over, as RabbitMQ's client guidance advises. It gives up
+// when ctx ends.
+func dial(ctx context.Context, urls, name string, heartbeat time.Duration) (*amqp.Connection, error) {
 	list := splitURLs(urls)
 	if len(list) == 0 {
 		return nil, errors.New("dial rabbitmq: no broker URL")
 	}
 	errs := make([]error, 0, len(list))
 	for _, i := range rand.Perm(len(list)) {
-		conn, err := dialOne(list[i], name, heartbeat)
+		conn, err := dialOne(ctx, list[i], name, heartbeat)
 		if err == nil {
 			return conn, nil
 		}
 		errs = append(errs, err)
+		if ctx.Err() != nil {
+			break
+		}
 	}
 	return nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
 }
@@ -61,8 +66,10 @@ var errUnparseableURL = errors.New("a broker URL does not parse (its text is lef
 	"name or password must be percent-encoded)")
 
 // dialOne opens a connection with heartbeats (so a half-open TCP connection is noticed in
-// bounded time) and a connection name that shows up in the broker's management tools.
-func dialOne(url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+// bounded time) and a connection name that shows up in the broker's management tools. The TCP
+// connection and the AMQP handshake each get dialTimeout, and end with ctx: a broker that
+// accepts and never answers holds a shutdown up no longer than that.
+func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
 	// Parsed here first, since amqp.DialConfig's own parse error would quote the URL.
 	if _, err := amqp.ParseURI(url); err != nil {
 		return nil, errUnparseableURL
@@ -72,12 +79,33 @@ func dialOne(url, name string, heartbeat time.Duration) (*amqp.Connection, error
 	}
 	props := amqp.NewConnectionProperties()
 	props.SetClientConnectionName(name)
+	handshakeOver := func() bool { return true }
 	conn, err := amqp.DialConfig(url, amqp.Config{
 		Heartbeat:  heartbeat,
 		Locale:     "en_US",
 		Properties: props,
-		Dial:       amqp.DefaultDial(dialTimeout),
+		// As amqp.DefaultDial, with ctx: DialConfig calls it and then shakes hands on the
+		// connection, within its deadline, before it returns.
+		Dial: func(network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{Timeout: dialTimeout}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			if err := c.SetDeadline(time.Now().Add(dialTimeout)); err != nil {
+				_ = c.Close()
+				return nil, err
+			}
+			handshakeOver = context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Now()) })
+			return c, nil
+		},
 	})
+	if !handshakeOver() {
+		// ctx ended during the handshake, or just after it, cutting into the connection.
+		if err == nil {
+			_ = conn.CloseDeadline(time.Now())
+		}
+		return nil, fmt.Errorf("dial: %w", ctx.Err())
+	}
 	if err != nil {
 		return nil, err
 	}

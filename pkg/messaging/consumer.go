@@ -85,7 +85,7 @@ func (c *consumer) run(ctx context.Context) {
 
 // session runs one connection's life. consumed reports whether it got as far as consuming.
 func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
-	conn, err := dial(c.cfg.URL, c.cfg.ConnectionName, c.cfg.Heartbeat)
+	conn, err := dial(ctx, c.cfg.URL, c.cfg.ConnectionName, c.cfg.Heartbeat)
 	if err != nil {
 		return false, err
 	}
@@ -93,13 +93,19 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	// session lasted (an error only means the connection was already gone).
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 	watchConnection(conn, c.log, slog.LevelWarn)
+	// A broker that stops answering mid-setup would hold a shutdown up: closing the connection
+	// ends every call of the setup waiting on it.
+	setupOver := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
 	links, err := c.consume(conn)
+	if !setupOver() {
+		return false, fmt.Errorf("set up the consumer: %w", ctx.Err())
+	}
 	if err != nil {
 		return false, err
 	}
 	c.deadLetters = &deadLetterPublisher{
-		dial: func() (*amqp.Connection, error) {
-			return dial(c.cfg.URL, c.cfg.ConnectionName+" (dead letters)", c.cfg.Heartbeat)
+		dial: func(ctx context.Context) (*amqp.Connection, error) {
+			return dial(ctx, c.cfg.URL, c.cfg.ConnectionName+" (dead letters)", c.cfg.Heartbeat)
 		},
 		log:   c.log.With("connection", "dead letters"),
 		queue: DeadLetterQueue(c.cfg.Queue),

@@ -82,7 +82,7 @@ func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing
 // reading from every connection that publishes, acknowledgements and all, and consuming is how
 // a broker comes out of a memory alarm.
 type deadLetterPublisher struct {
-	dial  func() (*amqp.Connection, error)
+	dial  func(ctx context.Context) (*amqp.Connection, error)
 	log   *slog.Logger
 	queue string // the dead-letter queue
 
@@ -111,7 +111,7 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := p.open(); err != nil {
+	if err := p.open(ctx); err != nil {
 		return err
 	}
 	err := p.confirm(ctx, deadLetterCopy(d, reason, time.Now()))
@@ -122,11 +122,11 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 	return err
 }
 
-func (p *deadLetterPublisher) open() error {
+func (p *deadLetterPublisher) open(ctx context.Context) error {
 	if p.ch != nil && !p.ch.IsClosed() {
 		return nil
 	}
-	conn, err := p.connection()
+	conn, err := p.connection(ctx)
 	if err != nil {
 		return err
 	}
@@ -143,7 +143,7 @@ func (p *deadLetterPublisher) open() error {
 }
 
 // connection returns the open connection, dialling one if there is none.
-func (p *deadLetterPublisher) connection() (*amqp.Connection, error) {
+func (p *deadLetterPublisher) connection(ctx context.Context) (*amqp.Connection, error) {
 	p.connMu.Lock()
 	conn, over := p.conn, p.over
 	p.connMu.Unlock()
@@ -153,7 +153,7 @@ func (p *deadLetterPublisher) connection() (*amqp.Connection, error) {
 	case conn != nil && !conn.IsClosed():
 		return conn, nil
 	}
-	conn, err := p.dial()
+	conn, err := p.dial(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("connect for dead letters: %w", err)
 	}

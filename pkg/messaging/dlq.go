@@ -233,7 +233,7 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, settle time.
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	conn, err := dial(cfg.URL, cfg.ConnectionName, 0)
+	conn, err := dial(ctx, cfg.URL, cfg.ConnectionName, 0)
 	if err != nil {
 		return err
 	}

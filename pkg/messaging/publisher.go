@@ -125,7 +125,7 @@ func (p *Publisher) Connect(ctx context.Context) error {
 	if err := p.cfg.check(); err != nil {
 		return err // the configuration's fault, which no broker can mend: not ErrBrokerUnavailable
 	}
-	s, err := p.sessionLocked()
+	s, err := p.sessionLocked(ctx)
 	if err != nil {
 		return err
 	}
@@ -186,7 +186,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*pubSession, []*amqp.DeferredConfirmation) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	s, err := p.sessionLocked()
+	s, err := p.sessionLocked(ctx)
 	if err == nil {
 		err = s.watch.blockedErr()
 	}
@@ -238,9 +238,9 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 	return s, confirms
 }
 
-// sessionLocked returns an open session, dialling if needed, but not more often than the
-// reconnect backoff allows.
-func (p *Publisher) sessionLocked() (*pubSession, error) {
+// sessionLocked returns an open session, dialling if needed (until ctx ends), but not more
+// often than the reconnect backoff allows.
+func (p *Publisher) sessionLocked(ctx context.Context) (*pubSession, error) {
 	if s := p.sess; s != nil && !s.ch.IsClosed() && !s.conn.IsClosed() {
 		return s, nil
 	}
@@ -248,7 +248,11 @@ func (p *Publisher) sessionLocked() (*pubSession, error) {
 	if wait := time.Until(p.nextDial); wait > 0 {
 		return nil, unavailable("next connection attempt in %s: %w", wait.Round(time.Millisecond), p.lastError)
 	}
-	s, err := p.open()
+	s, err := p.open(ctx)
+	if err != nil && ctx.Err() != nil {
+		// The caller gave up, which says nothing of the broker: no backoff for the next caller.
+		return nil, unavailable("%w", err)
+	}
 	if err != nil {
 		p.failures++
 		p.nextDial = time.Now().Add(p.cfg.Reconnect.Delay(p.failures))
@@ -276,19 +280,25 @@ func (c PublisherConfig) check() error {
 	return nil
 }
 
-func (p *Publisher) open() (*pubSession, error) {
+func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 	// Checked here too, where an error is the broker being unavailable to this publisher: as a
 	// verdict on each message, it would charge every row for the configuration's fault.
 	if err := p.cfg.check(); err != nil {
 		return nil, err
 	}
-	conn, err := dial(p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
+	conn, err := dial(ctx, p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
 	if err != nil {
 		return nil, err
 	}
 	// Debug, as its failed reconnections: a relay logs the outage once at each end.
 	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log, slog.LevelDebug)}
-	if err := s.setup(p.cfg, p.log); err != nil {
+	// As the dial, the setup ends with ctx: closing the connection ends every call waiting on it.
+	setupOver := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
+	err = s.setup(p.cfg, p.log)
+	if !setupOver() {
+		err = fmt.Errorf("set up the publisher: %w", ctx.Err())
+	}
+	if err != nil {
 		s.close()
 		return nil, err
 	}

@@ -49,7 +49,7 @@ func testSession(t *testing.T) *pubSession {
 		url = "amqp://guest:guest@127.0.0.1:5672/"
 	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	conn, err := dial(url, t.Name(), 0)
+	conn, err := dial(context.Background(), url, t.Name(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,208 @@
+package test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// stallingBroker is a proxy to the test's broker that passes the conversation on until the
+// client sends a frame on a channel for which stall reports true, and from then on passes
+// nothing either way, holding the connection open: a broker that hangs at that point. stalled
+// receives a value each time a connection stalls. Channel 0 carries the handshake, the first
+// other channel a client opens is its first channel.open.
+func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, stalled <-chan struct{}) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	upstream := testenv.AMQPHost(t)
+	signal := make(chan struct{}, 16)
+	var mu sync.Mutex
+	var held []net.Conn
+	hold := func(c ...net.Conn) {
+		mu.Lock()
+		defer mu.Unlock()
+		held = append(held, c...)
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			_ = c.Close()
+		}
+	})
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", upstream)
+			if err != nil {
+				_ = client.Close()
+				continue
+			}
+			hold(client, server)
+			var isStalled atomic.Bool
+			go func() { // server to client, until the stall
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := server.Read(buf)
+					if isStalled.Load() || err != nil {
+						return
+					}
+					if _, err := client.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}()
+			go func() { // client to server, frame by frame, until the stall
+				if stalledAt(client, server, stall) {
+					isStalled.Store(true)
+					signal <- struct{}{}
+				}
+			}()
+		}
+	}()
+	return testenv.AMQPURLVia(t, ln.Addr().String()), signal
+}
+
+// stalledAt passes the protocol header, then whole frames (type, channel, size, payload, end)
+// from client to server, and reports true at the first frame on a channel stall names, which
+// it keeps; false if the conversation ended first.
+func stalledAt(client io.Reader, server io.Writer, stall func(channel uint16) bool) bool {
+	header := make([]byte, 8)
+	if _, err := io.ReadFull(client, header); err != nil {
+		return false
+	}
+	if _, err := server.Write(header); err != nil {
+		return false
+	}
+	frame := make([]byte, 7)
+	for {
+		if _, err := io.ReadFull(client, frame[:7]); err != nil {
+			return false
+		}
+		if stall(binary.BigEndian.Uint16(frame[1:3])) {
+			return true
+		}
+		rest := make([]byte, binary.BigEndian.Uint32(frame[3:7])+1) // the payload and the frame end
+		if _, err := io.ReadFull(client, rest); err != nil {
+			return false
+		}
+		if _, err := server.Write(append(frame[:7:7], rest...)); err != nil {
+			return false
+		}
+	}
+}
+
+// runUntilStalled runs s against a broker that stalls where stall says, cancels its context
+// once the connection stalled, and returns how long Run then took to return.
+func runUntilStalled(t *testing.T, b *testBundle, stall func(channel uint16) bool) time.Duration {
+	t.Helper()
+	url, stalled := stallingBroker(t, stall)
+	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{Name: b.queue, URL: url, Topology: b.topology, Logger: b.log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(s, b.orderPlaced(), workFunc))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	select {
+	case <-stalled:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the subscription's connection never reached the point where the broker stalls")
+	}
+	start := time.Now()
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run = %v, want nil at a shutdown", err)
+		}
+		return time.Since(start)
+	case <-time.After(time.Minute):
+		t.Fatal("Run did not return within a minute of its context's end")
+		return 0
+	}
+}
+
+// A broker that accepts the connection and never finishes the handshake holds no shutdown up:
+// the dial and the handshake end with Run's context, not at their 10 s timeout.
+func TestSubscriptionStopsWhileItsBrokerStallsTheHandshake(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	if took := runUntilStalled(t, b, func(uint16) bool { return true }); took > 2*time.Second {
+		t.Fatalf("Run returned %s after its context ended, during a stalled handshake; want at once", took.Round(time.Millisecond))
+	}
+}
+
+// Nor one that stalls once connected, while the subscription declares its topology and opens its
+// channels: the connection is closed when Run's context ends, not when heartbeats give up on it.
+func TestSubscriptionStopsWhileItsBrokerStallsTheSetup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	if took := runUntilStalled(t, b, func(channel uint16) bool { return channel != 0 }); took > 2*time.Second {
+		t.Fatalf("Run returned %s after its context ended, during a stalled setup; want at once", took.Round(time.Millisecond))
+	}
+}
+
+// A caller whose context ends during a dial says nothing about the broker: the next caller
+// dials at once, not after a failure's reconnect backoff (a minute here).
+func TestPublisherDoesNotCountACallersEndedContextAsABrokerFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var stalling atomic.Bool
+	stalling.Store(true)
+	url, _ := stallingBroker(t, func(uint16) bool { return stalling.Load() })
+	p := b.publisher(t, url, func(c *messaging.PublisherConfig) {
+		c.Reconnect = messaging.Backoff{Base: time.Minute, Max: time.Minute}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	err := p.Connect(ctx)
+	cancel()
+	if !errors.Is(err, messaging.ErrBrokerUnavailable) {
+		t.Fatalf("Connect with 300 ms to a broker that stalls = %v, want ErrBrokerUnavailable", err)
+	}
+	stalling.Store(false)
+	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := p.Connect(ctx); err != nil {
+		t.Fatalf("Connect after an earlier caller gave up = %v, want a connection at once", err)
+	}
+}
+
+// A publisher whose broker stalls, in the handshake or once connected, gives up when its
+// caller's context ends: Connect and Publish are bounded by it, not by the dial's timeout.
+func TestPublisherGivesUpAStalledConnectionWithItsContext(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for what, stall := range map[string]func(uint16) bool{
+		"the handshake": func(uint16) bool { return true },
+		"the setup":     func(channel uint16) bool { return channel != 0 },
+	} {
+		url, _ := stallingBroker(t, stall)
+		p := b.publisher(t, url)
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		start := time.Now()
+		err := p.Connect(ctx)
+		cancel()
+		if took := time.Since(start); !errors.Is(err, messaging.ErrBrokerUnavailable) || took > 2*time.Second {
+			t.Errorf("Connect with 500 ms to a broker that stalls %s: %v after %s; want ErrBrokerUnavailable at its deadline", what, err, took.Round(time.Millisecond))
+		}
+	}
+}
