@@ -87,8 +87,10 @@ func (p *decodePanic) Error() string {
 // commit with [AfterCommit].
 type Handler[Tx, T any] func(ctx context.Context, tx Tx, payload T, msg Message) error
 
-// Middleware wraps every handler of a subscription with a concern messages share. It sees the
-// handler shape with the payload as any: the decoded payload of whatever event it is.
+// Middleware wraps every handler of a subscription registered with [Handle] with a concern
+// messages share. It sees the handler shape with the payload as any: the decoded payload of
+// whatever event it is. A batch handler ([HandleBatch]) is not wrapped: work every transaction
+// needs (a tenant's SET LOCAL, say) belongs in the batch handler itself.
 type Middleware[Tx any] func(next Handler[Tx, any]) Handler[Tx, any]
 
 // The defaults of a [SubscriptionConfig].
@@ -329,7 +331,7 @@ func (s *Subscription[Tx]) register(msgType string, b Binding, decode func(Messa
 }
 
 // Use adds middleware, in order: the first added runs first, inside the built-in logging,
-// metrics and panic recovery.
+// metrics and panic recovery. It wraps the handlers of [Handle], not those of [HandleBatch].
 func (s *Subscription[Tx]) Use(mw ...Middleware[Tx]) { s.middleware = append(s.middleware, mw...) }
 
 // Topology is what the subscription declares on the broker: [SubscriptionConfig.Topology],
