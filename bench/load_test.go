@@ -2,6 +2,7 @@ package bench
 
 import (
 	"fmt"
+	"maps"
 	"net/http"
 	"os"
 	"slices"
@@ -48,16 +49,47 @@ func (o *outcomes) split(status int) (sorted []time.Duration, others int) {
 	return sorted, others
 }
 
-// post sends one order and records what it got.
-func post(client *http.Client, url string, into *outcomes) {
+// others says how many answers other than status there were, by kind: "none", or "143: 3
+// without an answer, 140 × 503". A phase with a 0-error target then shows whether admission shed
+// them (503) or something failed.
+func (o *outcomes) others(status int) string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	byStatus := map[int]int{}
+	total := 0
+	for _, x := range o.all {
+		if x.status != status {
+			byStatus[x.status]++
+			total++
+		}
+	}
+	if total == 0 {
+		return "none"
+	}
+	parts := make([]string, 0, len(byStatus))
+	for _, s := range slices.Sorted(maps.Keys(byStatus)) {
+		if s == 0 {
+			parts = append(parts, fmt.Sprintf("%d without an answer", byStatus[s]))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d × %d", byStatus[s], s))
+		}
+	}
+	return fmt.Sprintf("%d: %s", total, strings.Join(parts, ", "))
+}
+
+// post sends one order, records what it got, and returns it.
+func post(client *http.Client, url string, into *outcomes) outcome {
 	t0 := time.Now()
 	resp, err := client.Post(url+"/orders", "application/json", strings.NewReader(orderBody))
 	if err != nil {
-		into.add(outcome{took: time.Since(t0)})
-		return
+		x := outcome{took: time.Since(t0)}
+		into.add(x)
+		return x
 	}
 	drainBody(resp)
-	into.add(outcome{took: time.Since(t0), status: resp.StatusCode})
+	x := outcome{took: time.Since(t0), status: resp.StatusCode}
+	into.add(x)
+	return x
 }
 
 // openLoop starts a POST /orders every 1/perSecond, whatever the earlier ones are doing, for
