@@ -332,7 +332,15 @@ func (s *Subscription[Tx]) register(msgType string, b Binding, decode func(Messa
 
 // Use adds middleware, in order: the first added runs first, inside the built-in logging,
 // metrics and panic recovery. It wraps the handlers of [Handle], not those of [HandleBatch].
-func (s *Subscription[Tx]) Use(mw ...Middleware[Tx]) { s.middleware = append(s.middleware, mw...) }
+// It panics once the subscription has started ([Subscription.Start], Run, or a delivery of
+// messagingtest): the handlers' chain is built then, and middleware added later would wrap
+// nothing.
+func (s *Subscription[Tx]) Use(mw ...Middleware[Tx]) {
+	if s.started.Load() {
+		panic(fmt.Sprintf("messaging: subscription %s: Use after it started", s.cfg.Name))
+	}
+	s.middleware = append(s.middleware, mw...)
+}
 
 // Topology is what the subscription declares on the broker: [SubscriptionConfig.Topology],
 // or, without one, its queue bound to the type of every handled event and its dead-letter

@@ -651,3 +651,51 @@ func TestDeliverBatchHandsABatchHandlerItsMessagesTogether(t *testing.T) {
 		t.Fatalf("%d messages handled, want 5", n)
 	}
 }
+
+// Middleware wraps the handlers of Handle in the order it was added, the first outermost, and
+// sees each message and its decoded payload; a batch handler is not wrapped. Use once the
+// subscription has started panics, rather than adding middleware that would wrap nothing.
+func TestSubscriptionMiddlewareWrapsPlainHandlersInOrder(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	var calls []string
+	trace := func(name string) messaging.Middleware[*gorm.DB] {
+		return func(next messaging.Handler[*gorm.DB, any]) messaging.Handler[*gorm.DB, any] {
+			return func(ctx context.Context, tx *gorm.DB, payload any, msg messaging.Message) error {
+				calls = append(calls, fmt.Sprintf("%s %s %T in", name, msg.Type, payload))
+				err := next(ctx, tx, payload, msg)
+				calls = append(calls, name+" out")
+				return err
+			}
+		}
+	}
+	s.Use(trace("first"), trace("second"))
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+		calls = append(calls, "handler")
+		return record(tx, msg)
+	}))
+	must(t, messaging.HandleBatch(s, b.cancels, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[cancelled]) error {
+		calls = append(calls, "batch handler")
+		return nil
+	}))
+	ctx := context.Background()
+	for _, msg := range []messaging.Message{
+		messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}),
+		messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()}),
+	} {
+		if _, err := messagingtest.Deliver(ctx, s, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []string{"first Placed test.placed in", "second Placed test.placed in", "handler", "second out", "first out", "batch handler"}
+	if !slices.Equal(calls, want) {
+		t.Errorf("calls = %q, want %q", calls, want)
+	}
+	defer func() {
+		if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), "Use after it started") {
+			t.Errorf("Use after the subscription started: panic %v, want one saying so", p)
+		}
+	}()
+	s.Use(trace("late"))
+}
