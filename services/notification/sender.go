@@ -156,11 +156,16 @@ func (s *sender) registerMetrics(reg prometheus.Registerer) error {
 	return nil
 }
 
-// count counts one delivery's recorded outcome.
-func (s *sender) count(outcome string) {
-	if s.outcomes != nil {
-		s.outcomes.WithLabelValues(outcome).Inc()
+// count counts one delivery tried, by its outcome.
+func (s *sender) count(sent bool) {
+	if s.outcomes == nil {
+		return
 	}
+	outcome := deliveryFailed
+	if sent {
+		outcome = deliverySent
+	}
+	s.outcomes.WithLabelValues(outcome).Inc()
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
@@ -345,7 +350,10 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		s.release(ctx, row)
 		return false, nil
 	}
+	// Counted as tried whether or not the outcome can be recorded: an e-mail that went out and
+	// will go again, its mark lost, is two e-mails sent.
 	o := &deliveryOutcome{row: row, sent: failure == nil}
+	s.count(o.sent)
 	shown := ""
 	if failure != nil {
 		// A mail server's refusal often quotes the address ("550 5.1.1 <ann@example.org>:
@@ -364,10 +372,8 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	case !changed:
 		s.log.WarnContext(ctx, "lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
 	case failure != nil:
-		s.count(deliveryFailed)
 		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", row.Attempts+1, "retry_in", o.retryIn, "error", shown)
 	default:
-		s.count(deliverySent)
 		s.log.InfoContext(ctx, "notification delivered", "notification_id", row.ID, "order_id", row.OrderID)
 	}
 	return failure == nil, nil

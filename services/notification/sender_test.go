@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"gorm.io/gorm"
@@ -297,6 +299,10 @@ func TestExpiredLeaseChangesNothing(t *testing.T) {
 			id := e.pending(t)
 			first := newStalled(e.mailer(t), true, tc.fail)
 			a := e.sender(t, "sender-a", first)
+			reg := prometheus.NewRegistry()
+			if err := a.registerMetrics(reg); err != nil {
+				t.Fatal(err)
+			}
 			second := newStalled(e.mailer(t), true, nil)
 			b := e.sender(t, "sender-b", second)
 			if tc.bFirst {
@@ -323,6 +329,14 @@ func TestExpiredLeaseChangesNothing(t *testing.T) {
 				t.Fatalf("first sender: %v", o)
 			}
 			sameRow(t, "after the first sender, whose lease ran out, recorded its outcome", e.row(t, id), before)
+			// Its e-mail went out, or was refused, all the same: the metric counts what was tried.
+			outcome := deliverySent
+			if tc.fail != nil {
+				outcome = deliveryFailed
+			}
+			if n := testutil.ToFloat64(a.outcomes.WithLabelValues(outcome)); n != 1 {
+				t.Errorf("the first sender counted %v %s deliveries, want 1: its outcome was not recorded, but it was tried", n, outcome)
+			}
 			if n := len(e.logs.Lines("sender=sender-a", "lease on the notification ran out", id.String())); n != 1 {
 				t.Fatalf("%d 'lease ran out' lines from the first sender, want 1", n)
 			}
