@@ -12,6 +12,8 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
+	"fmt"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -73,7 +75,7 @@ type executor struct{ q Queryer }
 func (e executor) Exec(ctx context.Context, query string, args ...any) (int64, error) {
 	res, err := e.q.ExecContext(ctx, query, args...)
 	if err != nil {
-		return 0, err
+		return 0, withEndedContext(ctx, err)
 	}
 	return res.RowsAffected()
 }
@@ -81,9 +83,20 @@ func (e executor) Exec(ctx context.Context, query string, args ...any) (int64, e
 func (e executor) Query(ctx context.Context, query string, args ...any) (messaging.Rows, error) {
 	r, err := e.q.QueryContext(ctx, query, args...)
 	if err != nil {
-		return nil, err
+		return nil, withEndedContext(ctx, err)
 	}
 	return rows{r}, nil
+}
+
+// withEndedContext names ctx's end in err, a statement's failure, if ctx has ended: pgx's
+// stdlib reports a statement it did not send because ctx had ended as driver.ErrBadConn,
+// and lib/pq one it cancelled by the server's error, so errors.Is(err, context.Canceled) would
+// not see the caller's own cancellation.
+func withEndedContext(ctx context.Context, err error) error {
+	if cause := ctx.Err(); cause != nil && !errors.Is(err, cause) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
 }
 
 type rows struct{ *sql.Rows }

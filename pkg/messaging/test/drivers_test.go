@@ -473,3 +473,77 @@ func checkReadCommitted[Tx any](t *testing.T, name string, drv messaging.Driver[
 		must(t, tx.Rollback(ctx))
 	}
 }
+
+// endsAfterOneLook is a context that ends as soon as it has been looked at once: what a
+// cancellation between database/sql's look at the context and the driver's looks like.
+type endsAfterOneLook struct {
+	context.Context
+	looked bool
+	cancel context.CancelFunc
+}
+
+func lookedAtOnce() *endsAfterOneLook {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &endsAfterOneLook{Context: ctx, cancel: cancel}
+}
+
+func (c *endsAfterOneLook) Done() <-chan struct{} {
+	done := c.Context.Done()
+	if c.looked {
+		c.cancel()
+	}
+	c.looked = true
+	return done
+}
+
+// A statement of a transaction or of a connection whose context ends just before the driver
+// sends it, or while it runs, reports the context's end: pgx's stdlib turns "not sent, the
+// context had ended" into driver.ErrBadConn, which database/sql hands back as it is inside a
+// transaction, and a caller asking errors.Is(err, context.Canceled) (a cleanup cancelled
+// between two batches, a shutdown) would take the cancellation for a broken connection.
+func TestSQLDriverReportsAContextThatEndsJustBeforeAStatement(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+3*driverPool)
+	d := testenv.NewDatabase(t)
+	pool := sqldriver.New(openSQL(t, d.URL)).DB()
+	ctx := context.Background()
+	// Each statement on a transaction or connection of its own: a statement the context
+	// stops while it runs leaves its connection closed.
+	open := map[string]func() messaging.Executor{
+		"transaction": func() messaging.Executor {
+			tx, err := pool.Begin(ctx)
+			must(t, err)
+			t.Cleanup(func() { _ = tx.Rollback(ctx) })
+			return tx
+		},
+		"connection": func() messaging.Executor {
+			conn, err := pool.Conn(ctx)
+			must(t, err)
+			t.Cleanup(conn.Close)
+			return conn
+		},
+	}
+	for name, open := range open {
+		if _, err := open().Exec(lookedAtOnce(), "SELECT 1"); !errors.Is(err, context.Canceled) {
+			t.Errorf("Exec on a %s whose context ended just before it: %v, want context.Canceled", name, err)
+		}
+		if rows, err := open().Query(lookedAtOnce(), "SELECT 1"); !errors.Is(err, context.Canceled) {
+			if err == nil {
+				rows.Close()
+			}
+			t.Errorf("Query on a %s whose context ended just before it: %v, want context.Canceled", name, err)
+		}
+	}
+	// lib/pq reports a statement its context stopped while it ran by the server's error alone.
+	for _, driver := range []string{"pgx", "postgres"} {
+		tx, err := sqldriver.New(openSQLWith(t, driver, d.URL)).DB().Begin(ctx)
+		must(t, err)
+		stop, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		_, err = tx.Exec(stop, "SELECT pg_sleep(5)")
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("over %s, a statement whose context ended while it ran: %v, want context.DeadlineExceeded", driver, err)
+		}
+		_ = tx.Rollback(ctx)
+	}
+}
