@@ -121,7 +121,7 @@ func (s *drainService) serve(t *testing.T, intake ...Worker) (stop stopper) {
 	t.Helper()
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
-		id := uuid.New()
+		id := uuid.Must(uuid.NewV7())
 		err := s.b.DB.WithContext(r.Context()).Transaction(func(tx *gorm.DB) error {
 			return messaging.Enqueue(r.Context(), s.b.Driver, tx, messaging.Message{ID: id, Type: "Placed", Payload: json.RawMessage(`{}`)})
 		})

@@ -52,9 +52,9 @@ const (
 // cancelled ctx stops it between batches, or interrupts the current one, which then deletes
 // nothing; the result counts the batches committed before.
 //
-// It finds the rows through the primary key, so ids must be UUIDv7 as [NewMessage] makes
-// them: a row whose id is not time-ordered may never be found. A row whose id came from a
-// clock ahead of the database's is found at a later run.
+// It finds the rows through the primary key, by the time in their UUIDv7 ids ([Enqueue]
+// refuses any other version). A row whose id came from a clock ahead of the database's is
+// found at a later run.
 func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
 	var after uuid.UUID // the nil UUID, below every id
 	next := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error) {

@@ -33,7 +33,7 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // that trace. A message without an exchange goes to its relay's ([RelayConfig.Exchange]).
 //
 // It writes nothing, and returns an error, if a message lacks an id, a type or a JSON payload,
-// if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
+// if its id is not a UUIDv7 (the cleanup finds sent rows by the time in their ids), if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
 // if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
 // an unpaired surrogate escape or a number beyond numeric's range, all of which
 // encoding/json's Valid lets through. Checked before any statement, so that tx stays usable.
@@ -74,6 +74,11 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 	for i, m := range msgs {
 		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
 			return "", fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
+		}
+		// The cleanup finds sent rows through the primary key, up to the UUIDv7 of its cutoff:
+		// an id of another version sorts anywhere, and its row might never be deleted.
+		if m.ID.Version() != 7 {
+			return "", fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
 		}
 		if m.OccurredAt.IsZero() {
 			m.OccurredAt = now

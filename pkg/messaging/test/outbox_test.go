@@ -118,6 +118,9 @@ func TestEnqueueRefusesToRunOutsideATransaction(t *testing.T) {
 	}
 }
 
+// An id that is not a UUIDv7 is refused too: the cleanup finds sent rows through the primary
+// key up to the UUIDv7 of its cutoff, and a random (v4) or name-based (v5) id sorts anywhere,
+// so its row would stay in the outbox for good.
 func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -125,11 +128,15 @@ func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
 		{Type: eventType, Payload: []byte(`{}`)},
 		{ID: newMessage(t, 0).ID, Type: eventType, Payload: []byte(`not json`)},
 		{ID: newMessage(t, 0).ID, Payload: []byte(`{}`)},
+		{ID: uuid.New(), Type: eventType, Payload: []byte(`{}`)},
+		{ID: uuid.NewSHA1(uuid.NameSpaceURL, []byte("order-42")), Type: eventType, Payload: []byte(`{}`)},
 	}
 	for _, m := range bad {
 		err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, m) })
 		if err == nil {
 			t.Errorf("Enqueue(%+v) succeeded, want an error", m)
+		} else if m.ID != uuid.Nil && m.ID.Version() != 7 && !strings.Contains(err.Error(), "UUIDv7") {
+			t.Errorf("Enqueue of id %s (version %d): %v, want an error that asks for a UUIDv7", m.ID, m.ID.Version(), err)
 		}
 	}
 	if n := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); n != 0 {
