@@ -776,6 +776,50 @@ func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
 	}
 }
 
+// A connection lost once the last message's copy is confirmed, while the acknowledgement of its
+// original is on its way, leaves that message in doubt: an acknowledgement has no answer, and one
+// the broker never got leaves the original in the dead-letter queue. The requests take 3 s to
+// reach the broker from the question on (the answers none), and the connection is cut as soon as
+// the last copy is in the queue: its confirm is back by then, and the acknowledgement under way.
+func TestDlqRedriveCutOffBeforeTheLastAcknowledgementArrivesSaysItMayBeInBoth(t *testing.T) {
+	t.Parallel()
+	proxy, ch := testenv.Proxy(t, testenv.AMQPHost(t)), testenv.Channel(t)
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	dlq := messaging.DeadLetterQueue(queue)
+	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"upstream","attributes":{"latency":3000}}`)); err != nil {
+			t.Error(err)
+		}
+	}}
+	var stdout, stderr bytes.Buffer
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(context.Background(), []string{"dlq", "redrive", queue, "--amqp", testenv.AMQPURLVia(t, proxy.Listen)},
+			streams{in: in, out: &stdout, err: &stderr, interactive: true})
+	}()
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the last copy never reached %s", queue)
+	proxy.Stop()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("redrive did not stop when its connection was cut")
+	}
+
+	if want := "message " + ids[1] + " may be in both " + queue + " and " + dlq; code != exitFailure || !strings.Contains(stderr.String(), want) {
+		t.Errorf("redrive cut off before its last acknowledgement arrived: exit %d, stdout %q, stderr %q; want 1, and %q",
+			code, stdout.String(), stderr.String(), want)
+	}
+	// As it says: the last original is back in the dead-letter queue, and its copy in the queue.
+	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == 1 }, "the last original did not come back to %s", dlq)
+	if got := inDLQ(t, queue); !slices.Equal(got, ids[1:]) {
+		t.Errorf("%s holds %q, want %q", dlq, got, ids[1:])
+	}
+	if got := drainIDs(t, queue); !slices.Equal(got, ids) {
+		t.Errorf("%s holds %q, want %q", queue, got, ids)
+	}
+}
+
 // redriveInFlight is a dlq redrive of three dead letters running through a proxy, stopped at
 // the moment its second copy waits for the broker's confirm.
 type redriveInFlight struct {

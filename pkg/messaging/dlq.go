@@ -38,8 +38,9 @@ var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue
 // ErrRedriveInDoubt is wrapped by the error of [RedriveDeadLetters] when the message it was
 // moving may be in both queues: its copy was published but no confirm came (none within 15 s,
 // or within 5 s of an interrupt; a lost connection), or the broker confirmed it and its
-// acknowledgement in the dead-letter queue failed. It is the first of the picked messages not
-// among those moved.
+// acknowledgement in the dead-letter queue failed or went unanswered (an acknowledgement has
+// none of its own: the answer to the next method on its channel says the broker took it). It is
+// the first of the picked messages not among those moved.
 var ErrRedriveInDoubt = errors.New("the message may be in both queues")
 
 // The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
@@ -168,8 +169,13 @@ func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLette
 				kept = append(kept, held[i:]...)
 				return fmt.Errorf("redrive message %s: %w", dl.MessageID, err)
 			}
+			// Taken before the next copy goes, so that a failure leaves one message in doubt.
 			if err := d.Ack(false); err != nil {
 				return fmt.Errorf("message %s is in %q now, but could not be removed from %q (the inbox recognises the second copy): %w: %w",
+					dl.MessageID, cfg.Queue, dlq, ErrRedriveInDoubt, err)
+			}
+			if err := acknowledged(ch, dlq); err != nil {
+				return fmt.Errorf("message %s is in %q now, but the broker did not answer after its acknowledgement in %q (the inbox recognises a second copy): %w: %w",
 					dl.MessageID, cfg.Queue, dlq, ErrRedriveInDoubt, err)
 			}
 			moved = append(moved, dl)
@@ -177,6 +183,13 @@ func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLette
 		return nil
 	})
 	return moved, err
+}
+
+// acknowledged asks the broker a question on ch: an acknowledgement has no answer, but the
+// broker answers a channel's methods in order, so an answer says those sent before were taken.
+func acknowledged(ch *amqp.Channel, queue string) error {
+	_, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	return err
 }
 
 // DropDeadLetter removes from the dead-letter queue the first message sel.Match picks (it must
@@ -213,9 +226,7 @@ func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSel
 			return fmt.Errorf("acknowledge message %s: %w", d.MessageId, err)
 		}
 		kept = slices.Delete(slices.Clone(held), picked[0], picked[0]+1)
-		// An acknowledgement has no answer; the broker answers the channel's methods in order,
-		// so the answer to this one says the acknowledgement was taken.
-		if _, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil); err != nil {
+		if err := acknowledged(ch, dlq); err != nil {
 			return fmt.Errorf("message %s was acknowledged, but the broker did not answer after it (list %q to see whether it is gone): %w",
 				d.MessageId, dlq, err)
 		}
