@@ -474,6 +474,45 @@ func TestDropDeletesOneUnsentRow(t *testing.T) {
 	}
 }
 
+// An interrupt that comes while a drop commits lets the commit finish and prints the record of
+// the row dropped: interrupted, the commit may have happened or not, and a drop that removed
+// the row but printed nothing would have lost the only copy of its payload. A deferred trigger
+// makes the commit take 2 s.
+func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	id := enqueue(t, d.DB, 1)[0]
+	execSQL(t, d.DB, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$`)
+	execSQL(t, d.DB, `CREATE CONSTRAINT TRIGGER slow_commit AFTER DELETE ON outbox_messages DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	var stdout, stderr bytes.Buffer
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(ctx, []string{"outbox", "drop", "--id", id.String(), "--yes", "-o", "json", "--db", d.URL},
+			streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'PgSleep'") == 1
+	}, "the drop never reached its commit")
+	interrupt()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("drop did not end")
+	}
+	left := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages")
+	if code != exitOK || left != 0 {
+		t.Fatalf("drop interrupted while it committed: exit %d, %d rows left, stdout %q, stderr %q; want it committed and reported",
+			code, left, stdout.String(), stderr.String())
+	}
+	if got := decode[outboxRowResult](t, stdout.String()); got.Row.ID != id || compact(t, got.Row.Payload) != `{"n":0}` {
+		t.Errorf("drop interrupted while it committed printed %+v; want the row with its payload", got)
+	}
+}
+
 // drainIDs takes what waits in queue and returns the message ids in order.
 func drainIDs(t *testing.T, queue string) []string {
 	t.Helper()

@@ -275,14 +275,18 @@ func (r refusal) Error() string { return r.err.Error() }
 
 // inTx runs fn in a transaction and commits it, with a notification to the relays if fn asks
 // for one: as with [Enqueue], they claim the rows at the commit instead of at their next poll.
+// A cancelled ctx interrupts fn's statements, which then change nothing; but not the commit:
+// interrupted, a commit may have happened or not, and an operator who dropped a row would not
+// know whether its payload, returned only on success, was the last copy.
 func inTx(ctx context.Context, db DB, fn func(tx TxExecutor) (notify bool, err error)) (err error) {
-	tx, err := db.Begin(ctx)
+	uncancelled := context.WithoutCancel(ctx)
+	tx, err := db.Begin(uncancelled) // database/sql rolls back a transaction whose ctx ends
 	if err != nil {
 		return err
 	}
 	defer func() {
 		if err != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			_ = tx.Rollback(uncancelled)
 		}
 	}()
 	notify, err := fn(tx)
@@ -294,7 +298,7 @@ func inTx(ctx context.Context, db DB, fn func(tx TxExecutor) (notify bool, err e
 			return fmt.Errorf("notify relay: %w", err)
 		}
 	}
-	return tx.Commit(ctx)
+	return tx.Commit(uncancelled)
 }
 
 // queryOutbox runs a query that returns statements.OutboxColumns, and the payload after them
