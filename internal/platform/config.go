@@ -382,8 +382,10 @@ const MinLatencyTarget = time.Millisecond
 const DefaultDBMaxConns = 20
 
 // ReadCommon reads DATABASE_URL, AMQP_URL, HTTP_ADDR, LOG_FORMAT, LOG_LEVEL, DB_MAX_CONNS,
-// OTEL_EXPORTER_OTLP_ENDPOINT, PPROF_ADDR, HTTP_MAX_IN_FLIGHT and HTTP_LATENCY_TARGET.
+// OTEL_EXPORTER_OTLP_ENDPOINT, PPROF_ADDR, HTTP_MAX_IN_FLIGHT and HTTP_LATENCY_TARGET, and
+// checks OTEL_RESOURCE_ATTRIBUTES.
 func ReadCommon(env *Env, defaultAddr string) Common {
+	checkResourceAttributes(env)
 	return Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
 		AMQPURL:     env.URLList("AMQP_URL", "amqp", "amqps"),

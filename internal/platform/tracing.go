@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -41,6 +42,23 @@ func readOTLPEndpoint(env *Env) string {
 	env.Check(err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "", OTLPEndpointVariable, "must be an http or https URL")
 	env.Check(err != nil || PortsInRange(u), OTLPEndpointVariable, badURLPort)
 	return v
+}
+
+// checkResourceAttributes checks OTEL_RESOURCE_ATTRIBUTES, which the tracer provider's
+// resource reads itself: a pair without its "=" (a trailing comma, say) fails the resource,
+// and with it the start, with an error that names no variable.
+func checkResourceAttributes(env *Env) {
+	v := env.String("OTEL_RESOURCE_ATTRIBUTES", "")
+	if v == "" {
+		return
+	}
+	for pair := range strings.SplitSeq(v, ",") {
+		key, _, found := strings.Cut(pair, "=")
+		if !found || strings.TrimSpace(key) == "" {
+			env.fail("OTEL_RESOURCE_ATTRIBUTES", "must be key=value pairs separated by commas; %q is not one", pair)
+			return
+		}
+	}
 }
 
 // startTracing installs the process's tracer provider as the global one, which the HTTP

@@ -144,3 +144,35 @@ func TestLogLinesOutsideATraceHaveNoTraceID(t *testing.T) {
 		t.Fatalf("lines %q", lines)
 	}
 }
+
+// OTEL_RESOURCE_ATTRIBUTES is checked with the configuration: a value the tracer provider's
+// resource would fail on (a pair without its "=", a trailing comma) stops the service with an
+// error naming the variable, before its start line, and a value it takes starts tracing. Not
+// parallel: the SDK reads the variable from the process's environment.
+func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for value, valid := range map[string]bool{
+		"":                             true,
+		"deployment.environment=prod":  true,
+		"a=b, c = d,e=":                true,
+		"deployment.environment=prod,": false,
+		"deployment.environment":       false,
+		"a=b,,c=d":                     false,
+		"=prod":                        false,
+	} {
+		err := readCommonWith("OTEL_RESOURCE_ATTRIBUTES", value)
+		if valid != (err == nil) || (err != nil && !strings.Contains(err.Error(), "OTEL_RESOURCE_ATTRIBUTES: ")) {
+			t.Errorf("OTEL_RESOURCE_ATTRIBUTES=%q: %v; want it taken: %v, or else an error naming the variable", value, err, valid)
+		}
+		if !valid {
+			continue
+		}
+		t.Setenv("OTEL_RESOURCE_ATTRIBUTES", value)
+		tp, err := startTracing(context.Background(), log, "order", false)
+		if err != nil {
+			t.Errorf("OTEL_RESOURCE_ATTRIBUTES=%q, taken by the configuration: tracing did not start: %v", value, err)
+			continue
+		}
+		stopTracing(log, tp)
+	}
+}
