@@ -162,8 +162,13 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 			defer span.End()
 			req = req.WithContext(ctx)
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
-			// Deferred before the recovery, so it runs after it, also when it panics again.
-			defer func() { describeServerSpan(span, req, ww.Status()) }()
+			// Deferred before the recovery, so they run after it, also when it panics again.
+			defer func() { describeServerSpan(span, req, sentStatus(ww)) }()
+			defer func() {
+				route := routeLabel(req)
+				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(sentStatus(ww))).Inc()
+				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
+			}()
 			defer func() {
 				if p := recover(); p != nil {
 					if err, ok := p.(error); ok && errors.Is(err, http.ErrAbortHandler) {
@@ -177,9 +182,6 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 					}
 					WriteProblem(ww, http.StatusInternalServerError, "internal error")
 				}
-				route := routeLabel(req)
-				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(ww.Status())).Inc()
-				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
 			}()
 			next.ServeHTTP(ww, req)
 		})
@@ -237,9 +239,6 @@ func routeLabel(req *http.Request) string {
 // describeServerSpan names a request's span after its route, as the HTTP semantic conventions
 // do ("POST /orders"), and records its outcome: a 5xx is an error of the server's.
 func describeServerSpan(span trace.Span, req *http.Request, status int) {
-	if status == 0 {
-		status = http.StatusOK // nothing written: net/http answers 200
-	}
 	name := methodLabel(req.Method)
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodKey.String(name), semconv.HTTPResponseStatusCode(status), semconv.URLPath(req.URL.Path)}
 	if name == "other" {
@@ -254,6 +253,15 @@ func describeServerSpan(span trace.Span, req *http.Request, status int) {
 	if status >= 500 {
 		span.SetStatus(codes.Error, http.StatusText(status))
 	}
+}
+
+// sentStatus is the status of w's response: the one written, or, with nothing written, the 200
+// net/http answers.
+func sentStatus(w middleware.WrapResponseWriter) int {
+	if status := w.Status(); status != 0 {
+		return status
+	}
+	return http.StatusOK
 }
 
 // ReadHeaderTimeout is how long a client may take to send its request headers.

@@ -4,10 +4,12 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
@@ -41,5 +43,39 @@ func TestMethodNotAllowedSaysWhichAre(t *testing.T) {
 		if rec.Code != http.StatusMethodNotAllowed || rec.Header().Get("Content-Type") != "application/problem+json" || rec.Header().Get("Allow") != c.allow {
 			t.Errorf("%s %s = %d %s, Allow %q; want a 405 problem with Allow %q", c.method, c.path, rec.Code, rec.Header().Get("Content-Type"), rec.Header().Get("Allow"), c.allow)
 		}
+	}
+}
+
+// Every request is counted in http_requests_total and timed, with the status net/http sent:
+// one whose handler panicked after its response started (aborted, the panic passed on to
+// net/http) as well, and one whose handler wrote nothing as the 200 net/http answers, never
+// as a code "0".
+func TestEveryRequestIsCountedWithTheStatusSent(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	r := NewRouter(log, reg, func(context.Context) error { return nil })
+	r.Get("/started", func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		panic("after the response started")
+	})
+	r.Get("/silent", func(http.ResponseWriter, *http.Request) {})
+	for _, path := range []string{"/started", "/silent"} {
+		func() {
+			defer func() { _ = recover() }() // net/http's to take
+			r.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, path, nil))
+		}()
+	}
+	want := `
+# HELP http_requests_total HTTP requests by route, method and status code.
+# TYPE http_requests_total counter
+http_requests_total{code="200",method="GET",route="/silent"} 1
+http_requests_total{code="200",method="GET",route="/started"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "http_requests_total"); err != nil {
+		t.Error(err)
+	}
+	if n := testutil.CollectAndCount(reg, "http_request_duration_seconds"); n != 2 {
+		t.Errorf("http_request_duration_seconds has %d series, want one per route, 2", n)
 	}
 }
