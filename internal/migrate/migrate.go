@@ -5,17 +5,29 @@ package migrate
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io/fs"
+	"time"
 
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/database"
 	"github.com/pressly/goose/v3/lock"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
+
+// lockRetry is the pause between a migration's attempts to take its locks.
+var lockRetry = messaging.Backoff{Base: time.Second, Max: 30 * time.Second}
 
 // Up applies the migrations at the root of fsys that are not yet recorded in versionTable.
 // A PostgreSQL advisory lock serialises replicas that start at the same moment; the losers
 // wait, then find nothing left to do.
+//
+// Each migration's Up starts with SET LOCAL lock_timeout = '2s': an ALTER TABLE waiting for its
+// table behind a long transaction (a report, a pg_dump) holds up every reader and writer of the
+// table queued behind it, for as long as that transaction lasts. A migration that could not have
+// its locks in time was rolled back; Up tries it again after a pause, until ctx ends.
 func Up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error {
 	// Poll the lock every second (the default is 5 s), for up to five minutes.
 	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, 300))
@@ -34,8 +46,24 @@ func Up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error 
 	if err != nil {
 		return fmt.Errorf("migrations %s: %w", versionTable, err)
 	}
-	if _, err := provider.Up(ctx); err != nil {
-		return fmt.Errorf("migrations %s: up: %w", versionTable, err)
+	for attempt := 1; ; attempt++ {
+		_, err := provider.Up(ctx)
+		if !lockNotAvailable(err) {
+			if err != nil {
+				return fmt.Errorf("migrations %s: up: %w", versionTable, err)
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("migrations %s: %w: after %d attempts, each waiting for a lock another transaction holds: %w", versionTable, ctx.Err(), attempt, err)
+		case <-time.After(lockRetry.Delay(attempt)):
+		}
 	}
-	return nil
+}
+
+// lockNotAvailable reports whether err carries SQLSTATE 55P03, a lock_timeout's.
+func lockNotAvailable(err error) bool {
+	var coded interface{ SQLState() string }
+	return errors.As(err, &coded) && coded.SQLState() == "55P03"
 }

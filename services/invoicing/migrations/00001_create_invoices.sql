@@ -1,4 +1,7 @@
 -- +goose Up
+-- Readers and writers of a table never queue behind a migration that waits for its lock: past
+-- 2 s the migration is rolled back and tried again (internal/migrate).
+SET LOCAL lock_timeout = '2s';
 CREATE TABLE invoices (
     id           uuid        PRIMARY KEY,
     -- One invoice per order, even if two different messages ever announced the same order.

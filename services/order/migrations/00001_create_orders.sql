@@ -1,4 +1,7 @@
 -- +goose Up
+-- Readers and writers of a table never queue behind a migration that waits for its lock: past
+-- 2 s the migration is rolled back and tried again (internal/migrate).
+SET LOCAL lock_timeout = '2s';
 CREATE TABLE orders (
     id              uuid        PRIMARY KEY,
     customer_id     text        NOT NULL,

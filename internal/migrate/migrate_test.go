@@ -1,0 +1,127 @@
+package migrate_test
+
+import (
+	"bufio"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"testing/fstest"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/migrate"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// lockTimeout is the statement each service migration's Up starts with.
+const lockTimeout = "SET LOCAL lock_timeout = '2s';"
+
+// Every migration of every service starts its Up with the lock timeout, in a transaction (under
+// goose's NO TRANSACTION, SET LOCAL would do nothing).
+func TestEveryServiceMigrationBoundsItsWaitForALock(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("../../services/*/migrations/*.sql")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no service migrations found: %v", err)
+	}
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(raw), "+goose NO TRANSACTION") {
+			t.Errorf("%s runs outside a transaction, where its lock timeout would do nothing", f)
+		}
+		if first := firstUpStatement(string(raw)); first != lockTimeout {
+			t.Errorf("%s: its Up starts with %q, want %q", f, first, lockTimeout)
+		}
+	}
+}
+
+// firstUpStatement is the first line after "-- +goose Up" that is neither blank nor a comment.
+func firstUpStatement(sql string) string {
+	s := bufio.NewScanner(strings.NewReader(sql))
+	up := false
+	for s.Scan() {
+		line := strings.TrimSpace(s.Text())
+		switch {
+		case line == "-- +goose Up":
+			up = true
+		case up && line != "" && !strings.HasPrefix(line, "--"):
+			return line
+		}
+	}
+	return ""
+}
+
+// A service migration that waits for its table's lock behind a long transaction (here a report
+// reading orders) holds up no one: the readers and writers that come after it go first, each
+// within its lock timeout, and the migration is applied once that transaction ends. It used to
+// wait as long as the transaction lasted, every INSERT INTO orders queued behind it.
+func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	orders := os.DirFS("../../services/order/migrations")
+	first, err := os.ReadFile("../../services/order/migrations/00001_create_orders.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := migrate.Up(ctx, sqlDB, fstest.MapFS{"00001_create_orders.sql": {Data: first}}, "order_schema"); err != nil {
+		t.Fatal(err)
+	}
+	report, err := sqlDB.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = report.Rollback() }()
+	if _, err := report.ExecContext(ctx, `SELECT count(*) FROM orders`); err != nil {
+		t.Fatal(err)
+	}
+	migrated := make(chan error, 1)
+	go func() {
+		mctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		migrated <- migrate.Up(mctx, sqlDB, orders, "order_schema")
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%ALTER TABLE orders%'`) == 1
+	}, "the migration never waited for the report's lock")
+
+	// A writer, queued behind the waiting ALTER TABLE.
+	ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	if _, err := sqlDB.ExecContext(ictx, `INSERT INTO orders (id, customer_id, total_cents, created_at) VALUES (gen_random_uuid(), 'c-1', 100, now())`); err != nil {
+		t.Fatalf("an insert while the migration waited: %v", err)
+	}
+	if waited := time.Since(start); waited > 4*time.Second {
+		t.Errorf("an insert waited %s behind the migration, want at most its 2 s lock timeout and a margin", waited.Round(time.Millisecond))
+	}
+	select {
+	case err := <-migrated:
+		t.Fatalf("the migration ended while the report held its lock: %v", err)
+	default:
+	}
+
+	if err := report.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-migrated:
+		if err != nil {
+			t.Fatalf("the migration, once the report ended: %v", err)
+		}
+	case <-time.After(40 * time.Second):
+		t.Fatal("the migration was not applied within 40 s of the report's end")
+	}
+	if n := testenv.Count(t, d.DB, `SELECT count(*) FROM orders WHERE status = 'placed'`); n != 1 {
+		t.Errorf("%d placed orders after the migration, want the one inserted", n)
+	}
+}
