@@ -78,8 +78,8 @@ const exitStatusHelp = `Exit status:
   2  a mistake in the command line
   3  nothing matched: no such row or message, or not in a state the command acts on
      (inbox show: no record of the message)
-  4  not confirmed: declined at the prompt, or a drop with no terminal to ask on and no --yes;
-     nothing changed`
+  4  not confirmed: declined or interrupted at the prompt, or a drop with no terminal to ask
+     on and no --yes; nothing changed`
 
 // usageTemplate is cobra's, but for the root it lists every command with its flags, and ends
 // with the exit statuses; a command that holds others shows no line of its own.
@@ -106,7 +106,9 @@ Use "{{.CommandPath}} COMMAND --help" for more about a command.{{end}}
 `
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// A hang-up too (the terminal or the SSH session closed): killed by it, a redrive would
+	// leave what it holds to the broker's order, and its record of what moved unwritten.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	code := run(ctx, os.Args[1:], streams{
 		in: os.Stdin, out: os.Stdout, err: os.Stderr,
 		// The question goes to stderr and the answer comes from stdin: both must be a person's.

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -397,6 +398,35 @@ func TestBinary(t *testing.T) {
 	out, err = exec.Command(bin, "retry", "--db", d.URL).CombinedOutput()
 	if exitOf(err) != 0 || !strings.Contains(string(out), "2 failed outbox rows were waiting") {
 		t.Errorf("retry of 2 rows without a terminal: %v, %q; want both retried", err, out)
+	}
+
+	// A hang-up (the terminal or the SSH session closed) stops a command as an interrupt does:
+	// a drop waiting for its row's lock changes nothing and exits 1. Killed by the signal, a
+	// redrive would have left what it held to the broker's order, and its output unwritten.
+	beforeHangUp := outboxState(t, d)
+	batch := d.DB.Begin()
+	defer batch.Rollback()
+	if err := batch.Exec(`SELECT id FROM outbox_messages WHERE id = ? FOR UPDATE`, ids[0]).Error; err != nil {
+		t.Fatal(err)
+	}
+	drop := exec.Command(bin, "outbox", "drop", "--id", ids[0].String(), "--yes", "--db", d.URL)
+	var dropOut bytes.Buffer
+	drop.Stdout, drop.Stderr = &dropOut, &dropOut
+	if err := drop.Start(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+	}, "the drop never waited for the row's lock")
+	if err := drop.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	if code := exitOf(drop.Wait()); code != exitFailure || !strings.Contains(dropOut.String(), "context canceled") {
+		t.Errorf("drop hung up while it waited: exit %d, %q; want 1, stopped as by an interrupt", code, dropOut.String())
+	}
+	batch.Rollback()
+	if after := outboxState(t, d); after != beforeHangUp {
+		t.Errorf("a drop hung up changed the outbox:\n%s\n%s", beforeHangUp, after)
 	}
 
 	// --version says what the go command recorded: the revision, where it stamped one (not in
