@@ -333,10 +333,29 @@ func TestAPasswordLeftUnescapedIsRefused(t *testing.T) {
 	for name, value := range map[string]string{
 		"DATABASE_URL":                "postgres://app:12%2F" + secret + "%3F%23@db:5432/orders?options=-c%20x%40y",
 		"AMQP_URL":                    "amqp://app:5%2F" + secret + "%23@mq1:5672/,amqp://app:5%3F" + secret + "@mq2:5672/",
-		"OTEL_EXPORTER_OTLP_ENDPOINT": "https://app:12%2F" + secret + "@collector:4318",
+		"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318/otlp%40team",
 	} {
 		if err := readCommonWith(name, value); err != nil {
 			t.Errorf("%s with its password escaped: %v, want it taken", name, err)
+		}
+	}
+}
+
+// OTEL_EXPORTER_OTLP_ENDPOINT is refused with a user or a query: the exporter sends spans to the
+// URL's host and path only, so the credentials of https://user:token@collector:4318 were never
+// sent and every export failed, with nothing to say why. The error says where they go instead,
+// and shows no password.
+func TestOTLPEndpointRefusesWhatTheExporterWouldDrop(t *testing.T) {
+	t.Parallel()
+	const secret = "hunter2"
+	for value, want := range map[string]string{
+		"https://app:" + secret + "@collector:4318": "OTEL_EXPORTER_OTLP_HEADERS",
+		"https://app@collector:4318":                "OTEL_EXPORTER_OTLP_HEADERS",
+		"https://collector:4318/?token=" + secret:   "a query",
+	} {
+		err := readCommonWith("OTEL_EXPORTER_OTLP_ENDPOINT", value)
+		if err == nil || !strings.Contains(err.Error(), "OTEL_EXPORTER_OTLP_ENDPOINT: ") || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), secret) {
+			t.Errorf("OTEL_EXPORTER_OTLP_ENDPOINT=%s: %v; want it refused, naming the variable and %q, and no secret", value, err, want)
 		}
 	}
 }

@@ -27,8 +27,9 @@ const traceFlushTimeout = 2 * time.Second
 
 // readOTLPEndpoint reads OTEL_EXPORTER_OTLP_ENDPOINT, which is optional: "" exports nothing.
 // The name is spelled out in the call, as for every variable, for deploy/compose_test.go to
-// find what the services read. Like DATABASE_URL's, its password, which the start line masks,
-// must not have left a / ? or # unescaped (see AtAfterHost).
+// find what the services read. It takes no user or password, but one left there with a / ? or
+// # unescaped would reach the path, which the exporter's errors quote: that is refused first,
+// as for DATABASE_URL (see AtAfterHost), without the value.
 func readOTLPEndpoint(env *Env) string {
 	v := env.String("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 	if v == "" {
@@ -41,6 +42,12 @@ func readOTLPEndpoint(env *Env) string {
 	u, err := url.Parse(v)
 	env.Check(err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "", OTLPEndpointVariable, "must be an http or https URL")
 	env.Check(err != nil || PortsInRange(u), OTLPEndpointVariable, badURLPort)
+	// The exporter sends to the URL's host and path only: a user, a password or a query
+	// would be dropped without a word, and every export refused.
+	env.Check(err != nil || u.User == nil, OTLPEndpointVariable,
+		"must not hold a user or password, which the exporter does not send: give them as a header in OTEL_EXPORTER_OTLP_HEADERS (Authorization=Basic%20...)")
+	env.Check(err != nil || (u.RawQuery == "" && !u.ForceQuery), OTLPEndpointVariable,
+		"must not have a query, which the exporter does not send: give a token as a header in OTEL_EXPORTER_OTLP_HEADERS")
 	return v
 }
 
