@@ -210,31 +210,38 @@ func expectsContinue(r *http.Request) bool {
 // slowly (a slow uplink, or on purpose) waits without holding one: fourteen clients trickling
 // their bodies held every place of the order service for the server's ReadTimeout (10 s) when
 // bodies were read after admission. The bytes are counted against the body budget as they
-// arrive, in steps, until release: a client must send them to take budget, not declare them.
-// What the budget has no room for (and anything past MaxBufferedBody) is read by the handler,
-// after admission, as before. The handler reads what was read, then the rest and any read
-// error, as it would have from the connection.
+// arrive, with the room the buffer that holds them grows by (at most twice the bytes), until
+// release: a client must send them to take budget, not declare them, and one that sends
+// nothing takes none. What the budget has no room for (and anything past MaxBufferedBody) is
+// read by the handler, after admission, as before. The handler reads what was read, then the
+// rest and any read error, as it would have from the connection.
 func (a *Admission) readBody(r *http.Request) (release func()) {
 	var held int64
 	release = func() { a.bodiesHeld.Add(-held) }
 	if r.Body == nil || r.Body == http.NoBody {
 		return release
 	}
-	var read [][]byte
+	most := int64(MaxBufferedBody + 1) // one byte past the most, to tell a larger body
+	if r.ContentLength >= 0 {
+		most = min(most, r.ContentLength+1) // one more, to see the end
+	}
+	var body, unheld []byte
 	rest := io.Reader(r.Body)
-	for step := int64(bodyStep); held <= MaxBufferedBody; step = min(2*step, maxBodyStep) {
-		step = min(step, MaxBufferedBody+1-held) // one byte past the most, to tell a larger body
-		if r.ContentLength >= 0 {
-			step = min(step, r.ContentLength-held+1) // one more, to see the end
+	// Each read lands here first: net/http's connection reads through a buffer of this size
+	// already, and the bytes are taken into body only once counted.
+	arrived := make([]byte, min(most, bodyReadSize))
+	for int64(len(body)) < most {
+		n, err := r.Body.Read(arrived[:min(int64(len(arrived)), most-int64(len(body)))])
+		if n > 0 {
+			if grow := a.room(body, n, most); grow < 0 {
+				unheld = arrived[:n] // no room: the handler reads them first, after admission
+				break
+			} else if grow > 0 {
+				held += grow
+				body = append(make([]byte, 0, int64(cap(body))+grow), body...)
+			}
+			body = append(body, arrived[:n]...)
 		}
-		if a.bodiesHeld.Add(step) > a.bodyBudget {
-			a.bodiesHeld.Add(-step)
-			break
-		}
-		chunk, err := fill(r.Body, step)
-		a.bodiesHeld.Add(int64(len(chunk)) - step)
-		held += int64(len(chunk))
-		read = append(read, chunk)
 		if errors.Is(err, io.EOF) {
 			rest = http.NoBody
 			break
@@ -244,39 +251,30 @@ func (a *Admission) readBody(r *http.Request) (release func()) {
 			break
 		}
 	}
-	readers := make([]io.Reader, 0, len(read)+1)
-	for _, c := range read {
-		readers = append(readers, bytes.NewReader(c))
-	}
 	r.Body = struct {
 		io.Reader
 		io.Closer
-	}{io.MultiReader(append(readers, rest)...), r.Body}
+	}{io.MultiReader(bytes.NewReader(body), bytes.NewReader(unheld), rest), r.Body}
 	return release
 }
 
-// bodyStep and maxBodyStep are the first and the largest of the steps readBody takes budget
-// in: an order's body fits the first.
-const (
-	bodyStep    = 4 << 10
-	maxBodyStep = 64 << 10
-)
-
-// fill reads up to n bytes from r: all n, or fewer and the error that ended them (io.EOF at
-// the body's end). Fewer are copied out of the n-byte buffer, so that it holds no more memory
-// than the bytes counted.
-func fill(r io.Reader, n int64) ([]byte, error) {
-	buf := make([]byte, n)
-	var got int
-	for got < len(buf) {
-		k, err := r.Read(buf[got:])
-		got += k
-		if err != nil {
-			return bytes.Clone(buf[:got]), err
-		}
+// room takes from the budget what body must grow by to take n more bytes, and returns it: 0
+// when it has room, -1 when the budget has none. It grows to twice its size, or to what the n
+// bytes need, never past most.
+func (a *Admission) room(body []byte, n int, most int64) int64 {
+	if len(body)+n <= cap(body) {
+		return 0
 	}
-	return buf, nil
+	grow := min(max(int64(len(body)+n), 2*int64(cap(body))), most) - int64(cap(body))
+	if a.bodiesHeld.Add(grow) > a.bodyBudget {
+		a.bodiesHeld.Add(-grow)
+		return -1
+	}
+	return grow
 }
+
+// bodyReadSize is the most readBody reads at once.
+const bodyReadSize = 4 << 10
 
 // failedReader fails every read with err: the error reading a body met before the handler.
 type failedReader struct{ err error }

@@ -572,10 +572,9 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	trickled, releaseAll := trickle(srv.URL, places, 7)
 	defer releaseAll() // before the server closes, which waits for their requests
 	// Every trickling request has reached the server, and waits for its body: each has taken
-	// the 8 bytes of budget of its first read (its 7 declared, and one to see the end), which
-	// it does past admission too, had admission come before the body. A fixed wait here was
-	// too short on busy cores for that order to show.
-	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places && a.bodiesHeld.Load() == places*8 },
+	// the budget of the one byte it sent, which it does past admission too, had admission come
+	// before the body. A fixed wait here was too short on busy cores for that order to show.
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= places && a.bodiesHeld.Load() == places },
 		"the trickling requests never reached the server and began reading their bodies")
 	for range 3 {
 		if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
@@ -611,26 +610,37 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
 	t.Parallel()
 	a := newAdmission(t, 4, DefaultLatencyTarget)
-	a.bodyBudget = 10 // room to read one 7-byte body ahead, not two
+	a.bodyBudget = 10
+	proceed := make(chan struct{})
 	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n, _ := io.Copy(io.Discard, r.Body)
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte(strconv.FormatInt(n, 10)))
+		<-proceed
+		readsItsBody(w, r)
 	})))
 	defer srv.Close()
-	results, releaseAll := trickle(srv.URL, 2, 7)
-	defer releaseAll()
-	// One body read ahead, the other admitted to be read by the handler.
+	done := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(srv.URL, "application/json", strings.NewReader(strings.Repeat("x", 100)))
+		if err != nil {
+			done <- err.Error()
+			return
+		}
+		defer resp.Body.Close()
+		got, _ := io.ReadAll(resp.Body)
+		done <- fmt.Sprintf("%d %s", resp.StatusCode, got)
+	}()
+	// Admitted with at most what fitted in the budget read ahead (here none: the body came in
+	// one read larger than it), the rest still to read.
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.bodiesHeld.Load() > 0 && a.bodiesHeld.Load() <= a.bodyBudget && a.inUse == 1
-	}, "want one body held ahead of admission, within the budget, and one request admitted")
-	releaseAll()
-	for range 2 {
-		if got := <-results; got != "201 7" {
-			t.Errorf("a trickled request: %q, want 201 and its 7 bytes read", got)
-		}
+		return a.inUse == 1
+	}, "the request was never admitted")
+	if held := a.bodiesHeld.Load(); held > a.bodyBudget {
+		t.Errorf("a 100-byte body under a budget of %d: %d bytes held ahead of admission, want them within the budget", a.bodyBudget, held)
+	}
+	close(proceed)
+	if got := <-done; got != "201 100" {
+		t.Errorf("a body past the budget: %q, want 201 and its 100 bytes read", got)
 	}
 	if n := a.bodiesHeld.Load(); n != 0 {
 		t.Errorf("%d bytes still counted as held, want 0", n)
@@ -682,12 +692,15 @@ func trickle(url string, n int, declared int64) (results <-chan string, release 
 }
 
 // Budget is taken by the bytes that arrive, not by the lengths declared: sixteen clients that
-// declare a megabyte each and send one byte take a few kilobytes of it, and the next slow
-// uploads still hold no place.
+// declare a megabyte each and send one byte take a byte each, and the next slow uploads still
+// hold no place. The budget is two reads' worth: taken ahead of the bytes, 4 KiB for each of
+// the first two clients' reads filled it, and the small trickles were admitted to read their
+// bodies after admission, holding every place.
 func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
 	t.Parallel()
 	const places = 4
 	a := newAdmission(t, places, DefaultLatencyTarget)
+	a.bodyBudget = 2 * bodyReadSize
 	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.WriteHeader(http.StatusCreated)
@@ -699,13 +712,10 @@ func TestDeclaredLengthsTakeNoBudget(t *testing.T) {
 	defer releaseBig()
 	_, releaseSmall := trickle(srv.URL, places, 7)
 	defer releaseSmall()
-	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 16+places }, "the trickling clients never reached the server")
-	// Long enough for each to take its budget, or its place.
-	for end := time.Now().Add(100 * time.Millisecond); time.Now().Before(end); {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if held := a.bodiesHeld.Load(); held > 1<<20 {
-		t.Errorf("%d bytes of budget taken by %d clients that sent one byte each, want less than a megabyte", held, 16+places)
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 16+places && a.bodiesHeld.Load() >= 16+places },
+		"the trickling clients never reached the server, or their bytes were not counted")
+	if held := a.bodiesHeld.Load(); held != 16+places {
+		t.Errorf("%d bytes of budget taken by %d clients that sent one byte each, want one each", held, 16+places)
 	}
 	for range 3 {
 		if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
