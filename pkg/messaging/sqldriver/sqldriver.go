@@ -88,12 +88,18 @@ func (e executor) Query(ctx context.Context, query string, args ...any) (messagi
 	return rows{r}, nil
 }
 
-// withEndedContext names ctx's end in err, a statement's failure, if ctx has ended: pgx's
-// stdlib reports a statement it did not send because ctx had ended as driver.ErrBadConn,
-// and lib/pq one it cancelled by the server's error, so errors.Is(err, context.Canceled) would
-// not see the caller's own cancellation.
+// withEndedContext names ctx's end in err, a statement's failure, when ctx's end caused it:
+// pgx's stdlib reports a statement it did not send because ctx had ended as
+// driver.ErrBadConn, and lib/pq one it cancelled by the server's query_canceled (57014), so
+// errors.Is(err, context.Canceled) would not see the caller's own cancellation. Other errors
+// (a constraint's, say) are left as they are, even after ctx ended.
 func withEndedContext(ctx context.Context, err error) error {
-	if cause := ctx.Err(); cause != nil && !errors.Is(err, cause) {
+	cause := ctx.Err()
+	if cause == nil || errors.Is(err, cause) {
+		return err
+	}
+	var coded interface{ SQLState() string }
+	if errors.Is(err, driver.ErrBadConn) || (errors.As(err, &coded) && coded.SQLState() == "57014") {
 		return fmt.Errorf("%w: %w", cause, err)
 	}
 	return err

@@ -508,30 +508,40 @@ func TestSQLDriverReportsAContextThatEndsJustBeforeAStatement(t *testing.T) {
 	pool := sqldriver.New(openSQL(t, d.URL)).DB()
 	ctx := context.Background()
 	// Each statement on a transaction or connection of its own: a statement the context
-	// stops while it runs leaves its connection closed.
-	open := map[string]func() messaging.Executor{
-		"transaction": func() messaging.Executor {
+	// stops while it runs leaves its connection closed. A transaction's statement has its
+	// context looked at by database/sql first, a connection's by the driver alone: the context
+	// ends right after database/sql's look, or before the call.
+	ended := func() context.Context {
+		c, cancel := context.WithCancel(ctx)
+		cancel()
+		return c
+	}
+	for _, c := range []struct {
+		name string
+		open func() messaging.Executor
+		ctx  func() context.Context
+	}{
+		{"transaction", func() messaging.Executor {
 			tx, err := pool.Begin(ctx)
 			must(t, err)
 			t.Cleanup(func() { _ = tx.Rollback(ctx) })
 			return tx
-		},
-		"connection": func() messaging.Executor {
+		}, func() context.Context { return lookedAtOnce() }},
+		{"connection", func() messaging.Executor {
 			conn, err := pool.Conn(ctx)
 			must(t, err)
 			t.Cleanup(conn.Close)
 			return conn
-		},
-	}
-	for name, open := range open {
-		if _, err := open().Exec(lookedAtOnce(), "SELECT 1"); !errors.Is(err, context.Canceled) {
-			t.Errorf("Exec on a %s whose context ended just before it: %v, want context.Canceled", name, err)
+		}, ended},
+	} {
+		if _, err := c.open().Exec(c.ctx(), "SELECT 1"); !errors.Is(err, context.Canceled) {
+			t.Errorf("Exec on a %s whose context ended just before it: %v, want context.Canceled", c.name, err)
 		}
-		if rows, err := open().Query(lookedAtOnce(), "SELECT 1"); !errors.Is(err, context.Canceled) {
+		if rows, err := c.open().Query(c.ctx(), "SELECT 1"); !errors.Is(err, context.Canceled) {
 			if err == nil {
 				rows.Close()
 			}
-			t.Errorf("Query on a %s whose context ended just before it: %v, want context.Canceled", name, err)
+			t.Errorf("Query on a %s whose context ended just before it: %v, want context.Canceled", c.name, err)
 		}
 	}
 	// lib/pq reports a statement its context stopped while it ran by the server's error alone.
