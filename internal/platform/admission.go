@@ -212,7 +212,7 @@ func expectsContinue(r *http.Request) bool {
 // bodies were read after admission. The bytes are counted against the body budget as they
 // arrive, with the room the buffer that holds them grows by (at most twice the bytes), until
 // release: a client must send them to take budget, not declare them, and one that sends
-// nothing takes none. What the budget has no room for (and anything past MaxBufferedBody) is
+// nothing takes none (the 4 KiB each read lands in first is outside the budget). What the budget has no room for (and anything past MaxBufferedBody) is
 // read by the handler, after admission, as before. The handler reads what was read, then the
 // rest and any read error, as it would have from the connection.
 func (a *Admission) readBody(r *http.Request) (release func()) {
@@ -230,17 +230,18 @@ func (a *Admission) readBody(r *http.Request) (release func()) {
 	// Each read lands here first: net/http's connection reads through a buffer of this size
 	// already, and the bytes are taken into body only once counted.
 	arrived := make([]byte, min(most, bodyReadSize))
-	for int64(len(body)) < most {
+	for int64(len(body)) < most && unheld == nil {
 		n, err := r.Body.Read(arrived[:min(int64(len(arrived)), most-int64(len(body)))])
 		if n > 0 {
 			if grow := a.room(body, n, most); grow < 0 {
 				unheld = arrived[:n] // no room: the handler reads them first, after admission
-				break
-			} else if grow > 0 {
-				held += grow
-				body = append(make([]byte, 0, int64(cap(body))+grow), body...)
+			} else {
+				if grow > 0 {
+					held += grow
+					body = append(make([]byte, 0, int64(cap(body))+grow), body...)
+				}
+				body = append(body, arrived[:n]...)
 			}
-			body = append(body, arrived[:n]...)
 		}
 		if errors.Is(err, io.EOF) {
 			rest = http.NoBody
