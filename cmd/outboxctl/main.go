@@ -106,9 +106,13 @@ Use "{{.CommandPath}} COMMAND --help" for more about a command.{{end}}
 `
 
 func main() {
-	// A hang-up too (the terminal or the SSH session closed): killed by it, a redrive would
-	// leave what it holds to the broker's order, and its record of what moved unwritten.
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+	ctx, stop := signal.NotifyContext(context.Background(), stopSignals()...)
+	// A second signal kills at once: the first one's orderly stop may wait on a broker or a
+	// database that does not answer.
+	context.AfterFunc(ctx, func() {
+		stop()
+		fmt.Fprintln(os.Stderr, "outboxctl: stopping once what is under way has settled; a second signal stops it at once")
+	})
 	code := run(ctx, os.Args[1:], streams{
 		in: os.Stdin, out: os.Stdout, err: os.Stderr,
 		// The question goes to stderr and the answer comes from stdin: both must be a person's.
@@ -116,6 +120,18 @@ func main() {
 	})
 	stop()
 	os.Exit(code)
+}
+
+// stopSignals are the signals that stop a command in order: an interrupt, a SIGTERM, and a
+// hang-up (the terminal or the SSH session closed: killed by it, a redrive would leave what it
+// holds to the broker's order, and its record of what moved unwritten), unless the hang-up is
+// ignored, as under nohup, which asks to outlive it.
+func stopSignals() []os.Signal {
+	signals := []os.Signal{os.Interrupt, syscall.SIGTERM}
+	if !signal.Ignored(syscall.SIGHUP) {
+		signals = append(signals, syscall.SIGHUP)
+	}
+	return signals
 }
 
 func isTerminal(f *os.File) bool {

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -354,21 +355,8 @@ func TestADatabaseURLWithItsHostInTheQuery(t *testing.T) {
 // refused without --yes and a retry of more than one row done.
 func TestBinary(t *testing.T) {
 	t.Parallel()
-	bin := filepath.Join(t.TempDir(), "outboxctl")
-	// The VCS stamp when the checkout allows it (the test machines' GOFLAGS turn it off).
-	if out, err := exec.Command("go", "build", "-buildvcs=auto", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	exitOf := func(err error) int {
-		var exit *exec.ExitError
-		if errors.As(err, &exit) {
-			return exit.ExitCode()
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		return 0
-	}
+	bin := buildCtl(t)
+	exitOf := func(err error) int { return processExit(t, err) }
 	d := outboxDB(t)
 	if out, err := exec.Command(bin, "status", "--db", d.URL).CombinedOutput(); err != nil || !strings.Contains(string(out), "unsent rows:") {
 		t.Fatalf("status: %v\n%s", err, out)
@@ -424,9 +412,25 @@ func TestBinary(t *testing.T) {
 	if code := exitOf(drop.Wait()); code != exitFailure || !strings.Contains(dropOut.String(), "context canceled") {
 		t.Errorf("drop hung up while it waited: exit %d, %q; want 1, stopped as by an interrupt", code, dropOut.String())
 	}
-	batch.Rollback()
+	// Under nohup the hang-up is ignored, as asked: the drop goes on once the lock is free.
+	nohup := exec.Command("nohup", bin, "outbox", "drop", "--id", ids[0].String(), "--yes", "--db", d.URL)
+	var nohupOut bytes.Buffer
+	nohup.Stdout, nohup.Stderr = &nohupOut, &nohupOut
+	if err := nohup.Start(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+	}, "the drop under nohup never waited for the row's lock")
+	if err := nohup.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
 	if after := outboxState(t, d); after != beforeHangUp {
 		t.Errorf("a drop hung up changed the outbox:\n%s\n%s", beforeHangUp, after)
+	}
+	batch.Rollback()
+	if code := exitOf(nohup.Wait()); code != exitOK || !strings.Contains(nohupOut.String(), "dropped outbox row "+ids[0].String()) {
+		t.Errorf("a drop under nohup, hung up while it waited: exit %d, %q; want it to go on and drop the row", code, nohupOut.String())
 	}
 
 	// --version says what the go command recorded: the revision, where it stamped one (not in
@@ -447,4 +451,82 @@ func TestBinary(t *testing.T) {
 		t.Errorf("--version %q shows a revision the build did not record", version)
 	}
 	t.Logf("--version: %s", version)
+}
+
+// buildCtl builds outboxctl into a directory of t's and returns its path.
+func buildCtl(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "outboxctl")
+	// The VCS stamp when the checkout allows it (the test machines' GOFLAGS turn it off).
+	if out, err := exec.Command("go", "build", "-buildvcs=auto", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// processExit is the exit status of a process that ended with err: -1 if a signal killed it.
+func processExit(t *testing.T, err error) int {
+	t.Helper()
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return exit.ExitCode()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return 0
+}
+
+// The first signal stops a command in order, which may wait on a database that does not
+// answer (here a drop's commit, which an interrupt lets finish); a second one kills it at once.
+func TestASecondSignalKills(t *testing.T) {
+	t.Parallel()
+	bin := buildCtl(t)
+	d := outboxDB(t)
+	id := enqueue(t, d.DB, 1)[0]
+	waiting, _ := holdCommits(t, d)
+	drop := exec.Command(bin, "outbox", "drop", "--id", id.String(), "--yes", "--db", d.URL)
+	var stderr syncBuffer
+	drop.Stderr = &stderr
+	if err := drop.Start(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, waiting, "the drop never reached its commit")
+	if err := drop.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(stderr.String(), "a second signal stops it at once") },
+		"outboxctl did not say that it is stopping")
+	if err := drop.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- drop.Wait() }()
+	select {
+	case err := <-exited:
+		if code := processExit(t, err); code != -1 {
+			t.Errorf("a drop sent SIGTERM twice while its commit waited: exit %d; want killed by the second", code)
+		}
+	case <-time.After(10 * time.Second):
+		_ = drop.Process.Kill()
+		t.Error("a drop sent SIGTERM twice while its commit waited still ran 10 s later; want killed by the second")
+	}
+}
+
+// syncBuffer is a bytes.Buffer a process writes to while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -22,7 +22,8 @@ const latestShown = 10
 
 // dbTimeout bounds each command's work in the database, each of retry's batches on its own: an
 // operator waiting on a database that does not answer learns it, instead of waiting forever. A
-// confirmation prompt is outside it.
+// confirmation prompt is outside it, and so is a commit, which ends only with its answer (or a
+// second signal): cut short, it might have happened or not.
 const dbTimeout = 30 * time.Second
 
 // isNoMatch reports whether err says that nothing matched: exit status 3.

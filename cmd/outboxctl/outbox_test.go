@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -476,15 +477,13 @@ func TestDropDeletesOneUnsentRow(t *testing.T) {
 
 // An interrupt that comes while a drop commits lets the commit finish and prints the record of
 // the row dropped: interrupted, the commit may have happened or not, and a drop that removed
-// the row but printed nothing would have lost the only copy of its payload. A deferred trigger
-// makes the commit take 2 s.
+// the row but printed nothing would have lost the only copy of its payload. The commit waits
+// for a lock the test holds (holdCommits).
 func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
 	id := enqueue(t, d.DB, 1)[0]
-	execSQL(t, d.DB, `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$`)
-	execSQL(t, d.DB, `CREATE CONSTRAINT TRIGGER slow_commit AFTER DELETE ON outbox_messages DEFERRABLE INITIALLY DEFERRED
-		FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
+	waiting, release := holdCommits(t, d)
 	ctx, interrupt := context.WithCancel(context.Background())
 	defer interrupt()
 	var stdout, stderr bytes.Buffer
@@ -493,10 +492,14 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 		codes <- run(ctx, []string{"outbox", "drop", "--id", id.String(), "--yes", "-o", "json", "--db", d.URL},
 			streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
 	}()
-	testenv.Eventually(t, 10*time.Second, func() bool {
-		return testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'PgSleep'") == 1
-	}, "the drop never reached its commit")
+	testenv.Eventually(t, 10*time.Second, waiting, "the drop never reached its commit")
 	interrupt()
+	select {
+	case code := <-codes:
+		t.Fatalf("drop interrupted while it committed returned %d before its commit ended: stdout %q, stderr %q", code, stdout.String(), stderr.String())
+	case <-time.After(200 * time.Millisecond): // time for a wrong return to come; the right one cannot
+	}
+	release()
 	var code int
 	select {
 	case code = <-codes:
@@ -511,6 +514,40 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 	if got := decode[outboxRowResult](t, stdout.String()); got.Row.ID != id || compact(t, got.Row.Payload) != `{"n":0}` {
 		t.Errorf("drop interrupted while it committed printed %+v; want the row with its payload", got)
 	}
+}
+
+// holdCommits makes the commit of a transaction that deletes an outbox row wait, at a deferred
+// trigger, for an advisory lock the test holds, until release; waiting says whether one waits.
+func holdCommits(t *testing.T, d *testenv.Database) (waiting func() bool, release func()) {
+	t.Helper()
+	const key = 4242
+	execSQL(t, d.DB, `CREATE FUNCTION held_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$`)
+	execSQL(t, d.DB, `CREATE CONSTRAINT TRIGGER held_commit AFTER DELETE ON outbox_messages DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW EXECUTE FUNCTION held_commit()`)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := sqlDB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.ExecContext(context.Background(), `SELECT pg_advisory_lock($1)`, key); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			_, _ = holder.ExecContext(context.Background(), `SELECT pg_advisory_unlock($1)`, key)
+			_ = holder.Close()
+		})
+	}
+	t.Cleanup(release)
+	waiting = func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'`) == 1
+	}
+	return waiting, release
 }
 
 // drainIDs takes what waits in queue and returns the message ids in order.

@@ -275,12 +275,18 @@ func (r refusal) Error() string { return r.err.Error() }
 
 // inTx runs fn in a transaction and commits it, with a notification to the relays if fn asks
 // for one: as with [Enqueue], they claim the rows at the commit instead of at their next poll.
-// A cancelled ctx interrupts fn's statements, which then change nothing; but not the commit:
-// interrupted, a commit may have happened or not, and an operator who dropped a row would not
-// know whether its payload, returned only on success, was the last copy.
+// A cancelled ctx interrupts the wait for a connection and fn's statements, which then change
+// nothing; but not the commit: interrupted, a commit may have happened or not, and an operator
+// who dropped a row would not know whether its payload, returned only on success, was the
+// last copy. A commit that never answers holds the caller (outboxctl: until a second signal).
 func inTx(ctx context.Context, db DB, fn func(tx TxExecutor) (notify bool, err error)) (err error) {
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
 	uncancelled := context.WithoutCancel(ctx)
-	tx, err := db.Begin(uncancelled) // database/sql rolls back a transaction whose ctx ends
+	tx, err := conn.Begin(uncancelled) // database/sql rolls back a transaction whose ctx ends
 	if err != nil {
 		return err
 	}
