@@ -12,6 +12,7 @@ import (
 // Message is the envelope every event travels in, from the outbox row to the consumer.
 // ID is what makes redelivery detectable: it is the outbox row's primary key, the AMQP
 // message_id, and the inbox key on the receiving side, and it never changes between attempts.
+// It is a UUIDv7, time-ordered, as NewMessage makes it: Enqueue refuses any other version.
 type Message struct {
 	ID            uuid.UUID
 	Type          string          // e.g. "OrderPlaced"; also the AMQP routing key, unless RoutingKey says otherwise

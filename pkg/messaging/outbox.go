@@ -33,7 +33,8 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // that trace. A message without an exchange goes to its relay's ([RelayConfig.Exchange]).
 //
 // It writes nothing, and returns an error, if a message lacks an id, a type or a JSON payload,
-// if its id is not a UUIDv7 (the cleanup finds sent rows by the time in their ids), if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
+// if its id is not a UUIDv7 (the cleanup finds sent rows by the time in their ids), if AMQP
+// cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
 // if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
 // an unpaired surrogate escape or a number beyond numeric's range, all of which
 // encoding/json's Valid lets through. Checked before any statement, so that tx stays usable.

@@ -1,6 +1,6 @@
 -- +goose Up
--- Readers and writers of a table never queue behind a migration that waits for its lock: past
--- 2 s the migration is rolled back and tried again (internal/migrate).
+-- Readers and writers of a table queue behind a migration that waits for its lock for 2 s at
+-- most: then the migration is rolled back and tried again (internal/migrate).
 SET LOCAL lock_timeout = '2s';
 -- One order confirmation per order. The row is written in the inbox's transaction as
 -- 'pending'; the sender delivers it after the commit and marks it 'sent'. Delivery is work

@@ -1,6 +1,6 @@
 -- +goose Up
--- Readers and writers of a table never queue behind a migration that waits for its lock: past
--- 2 s the migration is rolled back and tried again (internal/migrate).
+-- Readers and writers of a table queue behind a migration that waits for its lock for 2 s at
+-- most: then the migration is rolled back and tried again (internal/migrate).
 SET LOCAL lock_timeout = '2s';
 -- The W3C trace context (traceparent, tracestate) of the message handling that recorded the
 -- notification: the sender delivers it later, from this row, and continues that trace, so the
