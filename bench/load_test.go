@@ -49,16 +49,16 @@ func (o *outcomes) split(status int) (sorted []time.Duration, others int) {
 	return sorted, others
 }
 
-// others says how many answers other than status there were, by kind: "none", or "143: 3
+// errors says how many answers other than 201 Created there were, by kind: "none", or "143: 3
 // without an answer, 140 × 503". A phase with a 0-error target then shows whether admission shed
 // them (503) or something failed.
-func (o *outcomes) others(status int) string {
+func (o *outcomes) errors() string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	byStatus := map[int]int{}
 	total := 0
 	for _, x := range o.all {
-		if x.status != status {
+		if x.status != http.StatusCreated {
 			byStatus[x.status]++
 			total++
 		}
