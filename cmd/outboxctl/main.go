@@ -106,20 +106,27 @@ Use "{{.CommandPath}} COMMAND --help" for more about a command.{{end}}
 `
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), stopSignals()...)
-	// A second signal kills at once: the first one's orderly stop may wait on a broker or a
-	// database that does not answer.
-	context.AfterFunc(ctx, func() {
-		stop()
-		fmt.Fprintln(os.Stderr, "outboxctl: stopping once what is under way has settled; a second signal stops it at once")
-	})
+	ctx, stop := context.WithCancel(context.Background())
+	go stopOnSignals(stop)
 	code := run(ctx, os.Args[1:], streams{
 		in: os.Stdin, out: os.Stdout, err: os.Stderr,
 		// The question goes to stderr and the answer comes from stdin: both must be a person's.
 		interactive: isTerminal(os.Stdin) && isTerminal(os.Stderr),
 	})
-	stop()
 	os.Exit(code)
+}
+
+// stopOnSignals calls stop at the first of stopSignals, and kills the process at the second:
+// the first one's orderly stop may wait on a broker or a database that does not answer.
+func stopOnSignals(stop context.CancelFunc) {
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, stopSignals()...)
+	<-signals
+	fmt.Fprintln(os.Stderr, "outboxctl: stopping once what is under way has settled; a second signal stops it at once")
+	stop()
+	second := (<-signals).(syscall.Signal)
+	signal.Reset()
+	_ = syscall.Kill(os.Getpid(), second)
 }
 
 // stopSignals are the signals that stop a command in order: an interrupt, a SIGTERM, and a

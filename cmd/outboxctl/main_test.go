@@ -412,6 +412,12 @@ func TestBinary(t *testing.T) {
 	if code := exitOf(drop.Wait()); code != exitFailure || !strings.Contains(dropOut.String(), "context canceled") {
 		t.Errorf("drop hung up while it waited: exit %d, %q; want 1, stopped as by an interrupt", code, dropOut.String())
 	}
+	// The drop's session may outlive it, still queued for the lock (the server does not notice
+	// a closed client while it waits): end it, so that the next waiter counted is the next drop.
+	execSQL(t, d.DB, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 0
+	}, "the hung-up drop's session still waits")
 	// Under nohup the hang-up is ignored, as asked: the drop goes on once the lock is free.
 	nohup := exec.Command("nohup", bin, "outbox", "drop", "--id", ids[0].String(), "--yes", "--db", d.URL)
 	var nohupOut bytes.Buffer
