@@ -212,9 +212,10 @@ func expectsContinue(r *http.Request) bool {
 // bodies were read after admission. The bytes are counted against the body budget as they
 // arrive, with the room the buffer that holds them grows by (at most twice the bytes), until
 // release: a client must send them to take budget, not declare them, and one that sends
-// nothing takes none (the 4 KiB each read lands in first is outside the budget). What the budget has no room for (and anything past MaxBufferedBody) is
-// read by the handler, after admission, as before. The handler reads what was read, then the
-// rest and any read error, as it would have from the connection.
+// nothing takes none (the 4 KiB each read lands in first is outside the budget). What the
+// budget has no room for (and anything past MaxBufferedBody) is read by the handler, after
+// admission, as before. The handler reads what was read, then the rest and any read error, as
+// it would have from the connection.
 func (a *Admission) readBody(r *http.Request) (release func()) {
 	var held int64
 	release = func() { a.bodiesHeld.Add(-held) }

@@ -410,8 +410,8 @@ func CloseConnectionsNamed(t testing.TB, name string) int {
 // wait, inside its statement and its transaction, until the returned release is called (it is
 // also called at cleanup): a test's way to hold a transaction at one point while another runs
 // against it. The gate is an advisory lock, held on a connection of its own, that a trigger
-// waits for. Its key is random: advisory locks are the whole server's, and other tests'
-// databases live there too.
+// waits for. Its key is random, so that two gates of one database do not meet (an advisory
+// lock belongs to its database: other tests' databases cannot meet it).
 func HoldAt(t *testing.T, db *gorm.DB, when string) (release func()) {
 	t.Helper()
 	ctx := context.Background()

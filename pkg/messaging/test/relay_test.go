@@ -160,13 +160,13 @@ func TestRelayWaitsOutABrokerOutageWithoutChargingTheRows(t *testing.T) {
 		t.Errorf("want the outage's start logged once, got %d lines", len(lines))
 	}
 	// The count runs once the outage has ended, while the other lane may already send: it is
-	// every row that waited, or a few fewer.
+	// every row that waited, or fewer, down to none.
 	ended := b.logs.Lines("level=INFO", "broker available again; relay resumed", "outage=", "rows_waiting=")
 	if len(ended) != 1 {
 		t.Fatalf("want the outage's end logged once, got %q", b.logs.Lines("broker available again"))
 	}
-	if n, err := strconv.ParseInt(regexp.MustCompile(`rows_waiting=(\d+)`).FindStringSubmatch(ended[0])[1], 10, 64); err != nil || n < 1 || n > waiting {
-		t.Errorf("the outage's end counted rows_waiting=%d (%v), want 1 to the %d that waited: %s", n, err, waiting, ended[0])
+	if n, err := strconv.ParseInt(regexp.MustCompile(`rows_waiting=(\d+)`).FindStringSubmatch(ended[0])[1], 10, 64); err != nil || n < 0 || n > waiting {
+		t.Errorf("the outage's end counted rows_waiting=%d (%v), want at most the %d that waited: %s", n, err, waiting, ended[0])
 	}
 	wantMetric(t, b.registry, `outbox_relay_broker_up{exchange="`+b.exchange+`"} 1`)
 }
