@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -404,7 +403,7 @@ func TestBinary(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+		return lockWaiters(t, d) == 1
 	}, "the drop never waited for the row's lock")
 	if err := drop.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
@@ -416,7 +415,7 @@ func TestBinary(t *testing.T) {
 	// a closed client while it waits): end it, so that the next waiter counted is the next drop.
 	execSQL(t, d.DB, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 0
+		return lockWaiters(t, d) == 0
 	}, "the hung-up drop's session still waits")
 	// Under nohup the hang-up is ignored, as asked: the drop goes on once the lock is free.
 	nohup := exec.Command("nohup", bin, "outbox", "drop", "--id", ids[0].String(), "--yes", "--db", d.URL)
@@ -426,7 +425,7 @@ func TestBinary(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+		return lockWaiters(t, d) == 1
 	}, "the drop under nohup never waited for the row's lock")
 	if err := nohup.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
@@ -492,7 +491,7 @@ func TestASecondSignalKills(t *testing.T) {
 	id := enqueue(t, d.DB, 1)[0]
 	waiting, _ := holdCommits(t, d)
 	drop := exec.Command(bin, "outbox", "drop", "--id", id.String(), "--yes", "--db", d.URL)
-	var stderr syncBuffer
+	var stderr testenv.Logs // a buffer the process writes while the test reads it
 	drop.Stderr = &stderr
 	if err := drop.Start(); err != nil {
 		t.Fatal(err)
@@ -519,20 +518,8 @@ func TestASecondSignalKills(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer a process writes to while the test reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+// lockWaiters counts the sessions of d's database that wait for a lock.
+func lockWaiters(t *testing.T, d *testenv.Database) int64 {
+	t.Helper()
+	return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
 }
