@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"mime/quotedprintable"
 	"net"
 	"net/smtp"
 	"net/textproto"
@@ -89,7 +90,7 @@ type smtpConn struct {
 	client *smtp.Client
 	// pipelining: the server takes a message's commands in one write (RFC 2920, PIPELINING),
 	// so a message costs two round trips instead of five. eightBit: it takes 8-bit bodies
-	// (8BITMIME), which the e-mails declare. utf8: it takes UTF-8 addresses (SMTPUTF8, RFC
+	// (8BITMIME), so a body goes as it is; to one that does not, it goes quoted-printable. utf8: it takes UTF-8 addresses (SMTPUTF8, RFC
 	// 6531), which a customer's may be.
 	pipelining, eightBit, utf8 bool
 	// used: a message went over it already, so the next begins with RSET. broken: a
@@ -465,7 +466,7 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 			return err
 		}
 		w := c.client.Text.DotWriter()
-		if _, err := w.Write(composeEmail(from, n)); err != nil {
+		if _, err := w.Write(composeEmail(from, n, c.eightBit)); err != nil {
 			return fmt.Errorf("smtp write: %w", err)
 		}
 		if err := w.Close(); err != nil {
@@ -543,7 +544,10 @@ func (c *smtpConn) close() { _ = c.conn.Close() }
 // MessageIDDomain qualifies e-mail Message-IDs: <notification-id@MessageIDDomain>.
 const MessageIDDomain = "notification.outbox-inbox"
 
-func composeEmail(from string, n Notification) []byte {
+// composeEmail is n as an e-mail. Its body goes as it is (8bit) to a server that offers
+// 8BITMIME, and quoted-printable to one that does not: an order confirmation's "×" is not
+// 7-bit, and a strict relay refuses an 8-bit body it was not told of (554 5.6.1), every time.
+func composeEmail(from string, n Notification, eightBit bool) []byte {
 	var b strings.Builder
 	fmt.Fprintf(&b, "From: %s\r\n", from)
 	fmt.Fprintf(&b, "To: %s\r\n", n.Recipient)
@@ -552,7 +556,16 @@ func composeEmail(from string, n Notification) []byte {
 	fmt.Fprintf(&b, "X-Notification-ID: %s\r\n", n.ID)
 	fmt.Fprintf(&b, "X-Order-ID: %s\r\n", n.OrderID)
 	fmt.Fprintf(&b, "Date: %s\r\n", time.Now().UTC().Format(time.RFC1123Z))
-	b.WriteString("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n")
-	b.WriteString(n.Body)
+	b.WriteString("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n")
+	if eightBit {
+		b.WriteString("Content-Transfer-Encoding: 8bit\r\n\r\n")
+		b.WriteString(n.Body)
+		return []byte(b.String())
+	}
+	b.WriteString("Content-Transfer-Encoding: quoted-printable\r\n\r\n")
+	w := quotedprintable.NewWriter(&b)
+	// Writes to a strings.Builder do not fail.
+	_, _ = w.Write([]byte(n.Body))
+	_ = w.Close()
 	return []byte(b.String())
 }

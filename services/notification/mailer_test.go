@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"mime/quotedprintable"
 	"net"
 	"slices"
 	"strings"
@@ -530,16 +532,26 @@ func TestIdleConnectionTheServerResetIsReplaced(t *testing.T) {
 // PIPELINING or hides it, and a deliverer of one connection to the proxy.
 func proxiedMailServer(t *testing.T, pipelining bool) (*testenv.SMTPServer, *smtpRecorder, *smtpDeliverer) {
 	t.Helper()
+	if pipelining {
+		return hidingMailServer(t)
+	}
+	return hidingMailServer(t, "PIPELINING")
+}
+
+// hidingMailServer is a running test mail server behind a recording proxy that hides the
+// extensions named, and a deliverer of one connection to the proxy.
+func hidingMailServer(t *testing.T, hide ...string) (*testenv.SMTPServer, *smtpRecorder, *smtpDeliverer) {
+	t.Helper()
 	srv := testenv.NewSMTPServer(t)
 	srv.Start()
-	proxy := newSMTPRecorder(t, srv.Addr, !pipelining)
+	proxy := newSMTPRecorder(t, srv.Addr, hide...)
 	d := newSMTPDeliverer(proxy.addr, "orders@shop.example", 1)
 	t.Cleanup(d.Close)
 	return srv, proxy, d
 }
 
 // smtpRecorder forwards SMTP connections to a server, keeping each read of the client's side
-// as one write; hide renames the server's PIPELINING.
+// as one write; the extensions named in hide are renamed in the server's replies.
 type smtpRecorder struct {
 	addr    string
 	mu      sync.Mutex
@@ -562,7 +574,7 @@ func (r *smtpRecorder) reset(t *testing.T) {
 	r.clients = nil
 }
 
-func newSMTPRecorder(t *testing.T, server string, hide bool) *smtpRecorder {
+func newSMTPRecorder(t *testing.T, server string, hide ...string) *smtpRecorder {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -593,8 +605,8 @@ func newSMTPRecorder(t *testing.T, server string, hide bool) *smtpRecorder {
 						return
 					}
 					out := buf[:n]
-					if hide {
-						out = bytes.ReplaceAll(out, []byte("PIPELINING"), []byte("XPIPELINIX"))
+					for _, ext := range hide {
+						out = bytes.ReplaceAll(out, []byte(ext), []byte("X-HIDDEN-"+ext))
 					}
 					if _, err := client.Write(out); err != nil {
 						return
@@ -627,6 +639,50 @@ func (r *smtpRecorder) writes() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return append([]string(nil), r.seen...)
+}
+
+// A server that offers 8BITMIME gets the body as it is, declared 8bit; one that does not gets
+// it quoted-printable, every byte of the conversation 7-bit: a strict relay refuses an 8-bit
+// body it was not told of, and an order confirmation has a "×" in every line.
+func TestBodyIsQuotedPrintableWhereTheServerTakesNo8BitMIME(t *testing.T) {
+	t.Parallel()
+	n := mailTo("c-1@customers.example")
+	n.Body = "Thank you for your order.\r\n\r\n  2 × SKU-1 at 9.99\r\n" + strings.Repeat("a", 100) + "=\r\n"
+	for _, eightBit := range []bool{true, false} {
+		t.Run(fmt.Sprintf("8bitmime=%v", eightBit), func(t *testing.T) {
+			t.Parallel()
+			srv, proxy, d := hidingMailServer(t)
+			if !eightBit {
+				srv, proxy, d = hidingMailServer(t, "8BITMIME")
+			}
+			if err := deliverNow(d, n); err != nil {
+				t.Fatal(err)
+			}
+			mail := srv.Mail()
+			if len(mail) != 1 {
+				t.Fatalf("%d e-mails, want 1", len(mail))
+			}
+			encoding, body := mail[0].Header.Get("Content-Transfer-Encoding"), mail[0].Body
+			if !eightBit {
+				decoded, err := io.ReadAll(quotedprintable.NewReader(strings.NewReader(body)))
+				if err != nil {
+					t.Fatalf("body %q: %v", body, err)
+				}
+				body = string(decoded)
+			}
+			if want := map[bool]string{true: "8bit", false: "quoted-printable"}[eightBit]; encoding != want || body != n.Body {
+				t.Fatalf("encoding %q, body %q; want %q and %q", encoding, body, want, n.Body)
+			}
+			for _, w := range proxy.writes() {
+				if strings.Contains(w, "MAIL FROM") && strings.Contains(w, "BODY=8BITMIME") != eightBit {
+					t.Errorf("MAIL FROM went as %q to a server whose 8BITMIME is %v", w, eightBit)
+				}
+				if i := strings.IndexFunc(w, func(r rune) bool { return r > 127 }); !eightBit && i >= 0 {
+					t.Errorf("the client wrote an 8-bit byte to a server without 8BITMIME: %q", w)
+				}
+			}
+		})
+	}
 }
 
 // Without SMTP_ADDR the log stands in for the mail server. Its line says which notification was
