@@ -243,27 +243,15 @@ func (d *smtpDeliverer) nextFor(p *smtpPump) *smtpJob {
 // deliver sends job's e-mail on c, or on a new connection if c is nil, idled too long or turns
 // out stale, and returns the connection to keep (nil once it failed) and the outcome.
 func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
-	// The delivery may have been handed over as its deadline passed: an RSET then would fail
-	// and close a healthy idle connection for nothing.
-	if err := job.ctx.Err(); err != nil {
-		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, err)
-	}
-	// Handed over, or taken from the queue, just as Close came: a conversation begun now would
-	// run into a shutdown's grace.
-	select {
-	case <-d.closing:
-		return c, fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
-	default:
-	}
-	if err := d.timeToConverse(job); err != nil {
-		return c, err
-	}
 	if c != nil && time.Since(c.idleSince) >= d.idleTimeout {
 		c.close() // at once, without QUIT: the delivery is not kept waiting for it
 		c = nil
 	}
 	start := time.Now()
 	for {
+		if err := d.mayBegin(job); err != nil {
+			return c, err
+		}
 		if c == nil {
 			var err error
 			if c, err = d.dial(job.ctx); err != nil {
@@ -284,11 +272,28 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		c = nil
 		// A reused connection opens with RSET, and one the server (or the network) dropped
 		// while it idled fails there, before any message was entrusted to it: it is replaced
-		// rather than failing the delivery.
-		if !errors.Is(err, errStale) || job.ctx.Err() != nil {
+		// rather than failing the delivery, if the delivery may still begin on another.
+		if !errors.Is(err, errStale) {
 			return nil, err
 		}
 	}
+}
+
+// mayBegin says whether job may begin a conversation now, wrapping errNotStarted if not: its
+// delivery may have been handed over as its deadline passed (an RSET then would fail and close
+// a healthy idle connection for nothing), or just as Close came (a conversation begun now
+// would run into a shutdown's grace), or it has too little time left (timeToConverse). A
+// delivery whose stale connection was just replaced is asked again: nothing of it was tried.
+func (d *smtpDeliverer) mayBegin(job *smtpJob) error {
+	if err := job.ctx.Err(); err != nil {
+		return fmt.Errorf("smtp: %w: %w", errNotStarted, err)
+	}
+	select {
+	case <-d.closing:
+		return fmt.Errorf("smtp: %w: %w", errNotStarted, errClosed)
+	default:
+	}
+	return d.timeToConverse(job)
 }
 
 // conversed records a conversation begun at start and over now.

@@ -528,6 +528,27 @@ func TestIdleConnectionTheServerResetIsReplaced(t *testing.T) {
 	}
 }
 
+// A reused connection whose RSET goes unanswered until the delivery's deadline is not a failed
+// delivery: nothing of the message was entrusted to it, so the notification is released
+// uncharged rather than counted as a failed attempt and put off by a backoff.
+func TestRSETUnansweredUntilTheDeadlineIsNotStarted(t *testing.T) {
+	t.Parallel()
+	srv, proxy, d := proxiedMailServer(t, true)
+	if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+		t.Fatal(err)
+	}
+	proxy.muted.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	err := d.Deliver(ctx, mailTo("c-1@customers.example"))
+	if !errors.Is(err, errNotStarted) {
+		t.Fatalf("err = %v, want it not started", err)
+	}
+	if n := len(srv.Mail()); n != 1 {
+		t.Fatalf("%d e-mails, want 1", n)
+	}
+}
+
 // proxiedMailServer is a running test mail server behind a recording proxy that offers
 // PIPELINING or hides it, and a deliverer of one connection to the proxy.
 func proxiedMailServer(t *testing.T, pipelining bool) (*testenv.SMTPServer, *smtpRecorder, *smtpDeliverer) {
@@ -554,6 +575,7 @@ func hidingMailServer(t *testing.T, hide ...string) (*testenv.SMTPServer, *smtpR
 // as one write; the extensions named in hide are renamed in the server's replies.
 type smtpRecorder struct {
 	addr    string
+	muted   atomic.Bool // the server's replies are dropped, unseen by the client
 	mu      sync.Mutex
 	seen    []string
 	clients []*net.TCPConn
@@ -607,6 +629,9 @@ func newSMTPRecorder(t *testing.T, server string, hide ...string) *smtpRecorder 
 					out := buf[:n]
 					for _, ext := range hide {
 						out = bytes.ReplaceAll(out, []byte(ext), []byte("X-HIDDEN-"+ext))
+					}
+					if r.muted.Load() {
+						continue
 					}
 					if _, err := client.Write(out); err != nil {
 						return
