@@ -181,9 +181,7 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 	if err != nil {
 		return n, fmt.Errorf("notification id: %w", err)
 	}
-	now := time.Now().UTC()
-	n.ID, n.MessageID, n.Recipient = id, msg.ID, recipient(n.CustomerID, h.domain)
-	n.Status, n.CreatedAt, n.NextAttemptAt = StatusPending, now, now
+	n.ID, n.MessageID, n.Recipient, n.Status = id, msg.ID, recipient(n.CustomerID, h.domain), StatusPending
 	carrier := propagation.MapCarrier{}
 	w3c.Inject(ctx, carrier)
 	n.TraceParent, n.TraceState = carrier.Get("traceparent"), carrier.Get("tracestate")
@@ -199,32 +197,32 @@ func (h notifier) prepare(ctx context.Context, msg messaging.Message, n Notifica
 // then aborts one, whose messages the consumer retries one by one.
 // Among the array's own rows of one order and kind, ord (the batch's order, which a sort need
 // not keep) lets the earlier message's stand, as it would one delivery at a time.
+// A notification is created, and due, at the database's now(): the clock that says when it is
+// due and how old the backlog is, not a consumer replica's, which may run fast or slow.
 const insertNewSQL = `INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status,
     next_attempt_at, message_id, created_at, trace_parent, trace_state)
-SELECT id, order_id, customer_id, kind, recipient, subject, body, status, next_attempt_at, message_id, created_at, trace_parent, trace_state
+SELECT id, order_id, customer_id, kind, recipient, subject, body, status, now(), message_id, now(), trace_parent, trace_state
 FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, kind text, recipient text, subject text,
-    body text, status text, next_attempt_at timestamptz, message_id uuid, created_at timestamptz, trace_parent text, trace_state text, ord int)
+    body text, status text, message_id uuid, trace_parent text, trace_state text, ord int)
 ORDER BY order_id, kind, ord
 ON CONFLICT (order_id, kind) DO NOTHING
 RETURNING id`
 
-// notificationRow is a notification as insertNewSQL reads it: every column it writes, and its
-// place in the batch.
+// notificationRow is a notification as insertNewSQL reads it: every column it writes but the
+// two times, which are the database's, and its place in the batch.
 type notificationRow struct {
-	ID            uuid.UUID `json:"id"`
-	OrderID       uuid.UUID `json:"order_id"`
-	CustomerID    string    `json:"customer_id"`
-	Kind          string    `json:"kind"`
-	Recipient     string    `json:"recipient"`
-	Subject       string    `json:"subject"`
-	Body          string    `json:"body"`
-	Status        string    `json:"status"`
-	NextAttemptAt time.Time `json:"next_attempt_at"`
-	MessageID     uuid.UUID `json:"message_id"`
-	CreatedAt     time.Time `json:"created_at"`
-	TraceParent   string    `json:"trace_parent"`
-	TraceState    string    `json:"trace_state"`
-	Ord           int       `json:"ord"`
+	ID          uuid.UUID `json:"id"`
+	OrderID     uuid.UUID `json:"order_id"`
+	CustomerID  string    `json:"customer_id"`
+	Kind        string    `json:"kind"`
+	Recipient   string    `json:"recipient"`
+	Subject     string    `json:"subject"`
+	Body        string    `json:"body"`
+	Status      string    `json:"status"`
+	MessageID   uuid.UUID `json:"message_id"`
+	TraceParent string    `json:"trace_parent"`
+	TraceState  string    `json:"trace_state"`
+	Ord         int       `json:"ord"`
 }
 
 // insertNew inserts the notifications whose order has none of their kind, in one statement,
@@ -234,8 +232,8 @@ func insertNew(tx *gorm.DB, ns []Notification) (map[uuid.UUID]bool, error) {
 	rows := make([]notificationRow, len(ns))
 	for i, n := range ns {
 		rows[i] = notificationRow{ID: n.ID, OrderID: n.OrderID, CustomerID: n.CustomerID, Kind: n.Kind, Recipient: n.Recipient,
-			Subject: n.Subject, Body: n.Body, Status: n.Status, NextAttemptAt: n.NextAttemptAt, MessageID: n.MessageID,
-			CreatedAt: n.CreatedAt, TraceParent: n.TraceParent, TraceState: n.TraceState, Ord: i}
+			Subject: n.Subject, Body: n.Body, Status: n.Status, MessageID: n.MessageID,
+			TraceParent: n.TraceParent, TraceState: n.TraceState, Ord: i}
 	}
 	doc, err := json.Marshal(rows)
 	if err != nil {

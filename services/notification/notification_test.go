@@ -350,6 +350,26 @@ func TestABatchRecordsEachMessageItsOwnNotification(t *testing.T) {
 	b.wantRecorded(t, 4+pairs, 1+pairs)
 }
 
+// A notification is created and due at the database's clock, the one its lease and the
+// backlog's age are read by: at its transaction's now(), which also stamped the message's inbox
+// row, not at a consumer replica's own time, which may run ahead or behind.
+func TestANotificationIsCreatedAndDueByTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	msg := orderPlaced(t, uuid.New(), "c-1")
+	if b.deliver(t, msg) {
+		t.Fatal("the first delivery was skipped as a duplicate")
+	}
+	var atTheClaim bool
+	if err := b.db.Raw(`SELECT n.created_at = i.processed_at AND n.next_attempt_at = i.processed_at
+FROM notifications n JOIN inbox_messages i ON i.message_id = n.message_id WHERE n.message_id = ?`, msg.ID).Scan(&atTheClaim).Error; err != nil {
+		t.Fatal(err)
+	}
+	if !atTheClaim {
+		t.Fatal("the notification's created_at and next_attempt_at are not its transaction's now(), the inbox row's processed_at")
+	}
+}
+
 // A backlog that interleaves event types is recorded with one INSERT per type, not one per
 // message (see batchByType): each batch handler is given all of its event's messages at once.
 func TestABatchRecordsEachEventTypeAtOnce(t *testing.T) {
