@@ -54,13 +54,22 @@ func run(ctx context.Context, env *platform.Env) error {
 	defer base.Close()
 
 	var deliverer Deliverer = logDeliverer{log: log}
+	var mailer *smtpDeliverer
 	if smtpAddr != "" {
-		mailer := newSMTPDeliverer(smtpAddr, smtpFrom, smtpConns)
-		mailer.closeOnShutdown(ctx)
+		mailer = newSMTPDeliverer(smtpAddr, smtpFrom, smtpConns)
 		defer mailer.Close()
 		deliverer = mailer
 	}
 	send := newSender(base.Sender, deliverer, concurrency, maxBackoff, log)
+	sending := send.Run
+	if mailer != nil {
+		// Closed when the sender is told to stop, by the signal or by another part's failure:
+		// a delivery waiting for a connection then is not started, to be cut off by the grace.
+		sending = func(ctx context.Context) error {
+			mailer.closeOnShutdown(ctx)
+			return send.Run(ctx)
+		}
+	}
 	if err := send.registerMetrics(base.Registry); err != nil {
 		return err
 	}
@@ -76,5 +85,5 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings,
-		platform.Workers{Others: []platform.Worker{send.Run}})
+		platform.Workers{Others: []platform.Worker{sending}})
 }

@@ -296,8 +296,9 @@ type pendingRow struct {
 	leasedAt time.Time
 }
 
-// leaseFor is how long a notification is kept from other senders: its delivery, recording its
-// outcome, and the grace of a shutdown in between.
+// leaseFor is how long a notification is kept from other senders: its delivery and recording
+// its outcome, with a shutdown's grace as slack (a delivery never outlasts its own budget, even
+// in a shutdown, so the grace only widens the margin before another sender may take it).
 func (s *sender) leaseFor() time.Duration { return s.deliver + s.mark + s.grace }
 
 // lease leases up to limit due notifications, oldest first, in the next transaction free to
