@@ -4,6 +4,8 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -60,6 +62,14 @@ func TestConsumerObservesTheEventAgeFromTheTimestamp(t *testing.T) {
 // eventAge reads consumer_event_age_seconds of consumer from the bundle's registry.
 func eventAge(t *testing.T, b *testBundle, consumer string) (count uint64, sum float64) {
 	t.Helper()
+	h := eventAgeHistogram(t, b, consumer)
+	return h.GetSampleCount(), h.GetSampleSum()
+}
+
+// eventAgeHistogram is consumer's consumer_event_age_seconds as b's registry has it now (nil,
+// whose counts read 0, if it has none).
+func eventAgeHistogram(t *testing.T, b *testBundle, consumer string) *dto.Histogram {
+	t.Helper()
 	families, err := b.registry.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -71,12 +81,35 @@ func eventAge(t *testing.T, b *testBundle, consumer string) (count uint64, sum f
 		for _, m := range f.GetMetric() {
 			for _, l := range m.GetLabel() {
 				if l.GetName() == "consumer" && l.GetValue() == consumer {
-					return m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum()
+					return m.GetHistogram()
 				}
 			}
 		}
 	}
-	return 0, 0
+	return nil
+}
+
+// The alert ConsumerEventAgeHigh fires when the 95th percentile of consumer_event_age_seconds
+// is over 60 s, and histogram_quantile interpolates within a bucket: 60 s must be a bucket's
+// bound. Between 32 and 64, events all 33 s old would read 62 s and fire it, and 6 % of them
+// 61 s old would read about 37 s and not.
+func TestEventAgeHasABucketAtTheAlertsMinute(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	in := b.inbox(t, b.drv, b.queue, workFunc)
+	m := newMessage(t, 1)
+	m.OccurredAt = time.Now().Add(-33 * time.Second)
+	if _, err := deliver(in, m); err != nil {
+		t.Fatal(err)
+	}
+	counts := map[float64]uint64{}
+	for _, bucket := range eventAgeHistogram(t, b, b.queue).GetBucket() {
+		counts[bucket.GetUpperBound()] = bucket.GetCumulativeCount()
+	}
+	if n, ok := counts[60]; !ok || n != 1 || counts[32] != 0 {
+		t.Fatalf("buckets %v: want one at 60 s holding the 33 s old event, none of it at 32 s", counts)
+	}
 }
 
 // A producer whose clock runs ahead of ours dates its events in our future: such an event's age
