@@ -8,6 +8,7 @@ require (
 	github.com/outboxkit/outbox-inbox/pkg/messaging v0.0.0
 	github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver v0.0.0
 	github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver v0.0.0
+	golang.org/x/sync v0.22.0
 	gorm.io/driver/postgres v1.6.3
 	gorm.io/gorm v1.31.2
 )
@@ -32,7 +33,6 @@ require (
 	go.opentelemetry.io/otel v1.46.0 // indirect
 	go.opentelemetry.io/otel/metric v1.46.0 // indirect
 	go.opentelemetry.io/otel/trace v1.46.0 // indirect
-	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/sys v0.47.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 	google.golang.org/protobuf v1.36.11 // indirect

@@ -1,19 +1,22 @@
 // Command databasesql is the library on database/sql (with pgx's stdlib driver here; lib/pq
 // works the same): an order and its OrderPlaced event saved in one *sql.Tx, relayed, and handled
-// once by a subscription whose handler writes with its own *sql.Tx. DATABASE_URL and AMQP_URL
-// say where.
+// once by a subscription whose handler writes with its own *sql.Tx. It stops once that is
+// done, or at once on SIGTERM or Ctrl-C. DATABASE_URL and AMQP_URL say where.
 package main
 
 import (
 	"context"
 	"database/sql"
-	"log"
+	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"sync"
+	"syscall"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/stdlib"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/sqldriver"
@@ -27,66 +30,117 @@ type OrderPlaced struct {
 var orderPlaced = messaging.Event[OrderPlaced]{Exchange: "shop", Type: "OrderPlaced"}
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-	defer stop()
+	// SIGTERM is how Docker and Kubernetes ask a container to stop.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx)
+	stop()
+	if err != nil {
+		slog.Error("databasesql failed", "error", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context) error {
 	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
-	check(err)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
 	defer db.Close()
 	// database/sql cannot receive notifications; pgx's connection under it can: the relay then
-	// wakes at each commit instead of polling.
+	// wakes at each commit instead of polling. Another driver (lib/pq) has no *stdlib.Conn
+	// there: ErrNoNotifications makes the relay poll instead.
 	driver := sqldriver.New(db).WithNotifications(func(ctx context.Context, c *sql.Conn) error {
-		return c.Raw(func(dc any) error { _, err := dc.(*stdlib.Conn).Conn().WaitForNotification(ctx); return err })
+		return c.Raw(func(dc any) error {
+			conn, ok := dc.(*stdlib.Conn)
+			if !ok {
+				return messaging.ErrNoNotifications
+			}
+			_, err := conn.Conn().WaitForNotification(ctx)
+			return err
+		})
 	})
-	check(messaging.MigrateOutbox(ctx, driver.DB()))
-	check(messaging.MigrateInbox(ctx, driver.DB()))
-	_, err = db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS orders (id uuid PRIMARY KEY, total_cents bigint NOT NULL);
-		CREATE TABLE IF NOT EXISTS invoices (order_id uuid PRIMARY KEY, amount_cents bigint NOT NULL)`)
-	check(err)
-
-	// The order and its event, in one transaction.
-	order := OrderPlaced{OrderID: uuid.New(), TotalCents: 2500}
-	tx, err := db.BeginTx(ctx, nil)
-	check(err)
-	_, err = tx.ExecContext(ctx, `INSERT INTO orders (id, total_cents) VALUES ($1, $2)`, order.OrderID, order.TotalCents)
-	check(err)
-	msg, err := orderPlaced.Message(order)
-	check(err)
-	check(messaging.Enqueue(ctx, driver, tx, msg))
-	check(tx.Commit())
+	if err := messaging.MigrateOutbox(ctx, driver.DB()); err != nil {
+		return fmt.Errorf("migrate the outbox: %w", err)
+	}
+	if err := messaging.MigrateInbox(ctx, driver.DB()); err != nil {
+		return fmt.Errorf("migrate the inbox: %w", err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS orders (id uuid PRIMARY KEY, total_cents bigint NOT NULL);
+		CREATE TABLE IF NOT EXISTS invoices (order_id uuid PRIMARY KEY, amount_cents bigint NOT NULL)`); err != nil {
+		return fmt.Errorf("create the tables: %w", err)
+	}
+	if err := placeOrder(ctx, db, driver, OrderPlaced{OrderID: uuid.New(), TotalCents: 2500}); err != nil {
+		return err
+	}
 
 	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "billing", Bindings: []messaging.Binding{orderPlaced.Binding()}}}}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: os.Getenv("AMQP_URL"), Topology: topology})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: driver.DB(), Sender: pub, Exchange: orderPlaced.Exchange})
-	check(err)
+	if err != nil {
+		return err
+	}
 	sub, err := messaging.NewSubscription(driver, messaging.SubscriptionConfig{Name: "billing", URL: os.Getenv("AMQP_URL"), Topology: topology})
-	check(err)
+	if err != nil {
+		return err
+	}
 	// Once: an order left in the outbox or the queue by an earlier, interrupted run is
 	// invoiced too, and a second close would panic.
 	invoiced, once := make(chan struct{}), new(sync.Once)
-	check(messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *sql.Tx, o OrderPlaced, m messaging.Message) error {
+	if err := messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *sql.Tx, o OrderPlaced, m messaging.Message) error {
 		// Written with the transaction that records the message in the inbox: once, or not at all.
 		if _, err := tx.ExecContext(ctx, `INSERT INTO invoices (order_id, amount_cents) VALUES ($1, $2)`, o.OrderID, o.TotalCents); err != nil {
-			return err
+			return fmt.Errorf("insert the invoice: %w", err)
 		}
 		return messaging.AfterCommit(ctx, func() {
-			log.Printf("invoiced order %s: %d cents", o.OrderID, o.TotalCents)
+			slog.Info("invoiced", "order_id", o.OrderID, "amount_cents", o.TotalCents, "message_id", m.ID)
 			once.Do(func() { close(invoiced) })
 		})
-	}))
-	var wg sync.WaitGroup
-	wg.Go(func() { check(relay.Run(ctx)) })
-	wg.Go(func() { check(sub.Run(ctx)) })
-	select {
-	case <-invoiced:
-	case <-ctx.Done():
+	}); err != nil {
+		return err
 	}
-	stop()
-	wg.Wait()
+	return runUntil(ctx, invoiced, relay.Run, sub.Run)
 }
 
-func check(err error) {
+// placeOrder saves the order and its event in one transaction.
+func placeOrder(ctx context.Context, db *sql.DB, driver *sqldriver.Driver, order OrderPlaced) error {
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		log.Fatal(err)
+		return fmt.Errorf("begin: %w", err)
 	}
+	defer func() { _ = tx.Rollback() }() // nothing once committed; else frees the connection
+	if _, err := tx.ExecContext(ctx, `INSERT INTO orders (id, total_cents) VALUES ($1, $2)`, order.OrderID, order.TotalCents); err != nil {
+		return fmt.Errorf("insert the order: %w", err)
+	}
+	msg, err := orderPlaced.Message(order)
+	if err != nil {
+		return err
+	}
+	if err := messaging.Enqueue(ctx, driver, tx, msg); err != nil {
+		return fmt.Errorf("enqueue: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit the order: %w", err)
+	}
+	return nil
+}
+
+// runUntil runs each part until done closes or ctx ends, then stops them all and waits; the
+// first part to fail stops the others, and its error is returned.
+func runUntil(ctx context.Context, done <-chan struct{}, parts ...func(context.Context) error) error {
+	g, ctx := errgroup.WithContext(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for _, part := range parts {
+		g.Go(func() error { return part(ctx) })
+	}
+	g.Go(func() error {
+		select {
+		case <-done:
+			cancel()
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	return g.Wait()
 }

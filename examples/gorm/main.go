@@ -1,16 +1,20 @@
 // Command gorm is the library on GORM: an order and its OrderPlaced event saved in one
 // db.Transaction, relayed, and handled once by a subscription whose handler gets its
-// transaction as a *gorm.DB. DATABASE_URL and AMQP_URL say where.
+// transaction as a *gorm.DB. It stops once that is done, or at once on SIGTERM or Ctrl-C.
+// DATABASE_URL and AMQP_URL say where.
 package main
 
 import (
 	"context"
-	"log"
+	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"sync"
+	"syscall"
 
 	"github.com/google/uuid"
+	"golang.org/x/sync/errgroup"
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 
@@ -36,62 +40,98 @@ type OrderPlaced struct {
 var orderPlaced = messaging.Event[OrderPlaced]{Exchange: "shop", Type: "OrderPlaced"}
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-	defer stop()
+	// SIGTERM is how Docker and Kubernetes ask a container to stop.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx)
+	stop()
+	if err != nil {
+		slog.Error("gorm failed", "error", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context) error {
 	db, err := gorm.Open(postgres.Open(os.Getenv("DATABASE_URL")), &gorm.Config{})
-	check(err)
+	if err != nil {
+		return fmt.Errorf("open the database: %w", err)
+	}
+	if sqlDB, err := db.DB(); err == nil {
+		defer sqlDB.Close()
+	}
 	driver, err := gormdriver.New(db)
-	check(err)
-	check(messaging.MigrateOutbox(ctx, driver.DB()))
-	check(messaging.MigrateInbox(ctx, driver.DB()))
-	check(db.AutoMigrate(&Order{}, &Invoice{}))
+	if err != nil {
+		return err
+	}
+	if err := messaging.MigrateOutbox(ctx, driver.DB()); err != nil {
+		return fmt.Errorf("migrate the outbox: %w", err)
+	}
+	if err := messaging.MigrateInbox(ctx, driver.DB()); err != nil {
+		return fmt.Errorf("migrate the inbox: %w", err)
+	}
+	if err := db.WithContext(ctx).AutoMigrate(&Order{}, &Invoice{}); err != nil {
+		return fmt.Errorf("create the tables: %w", err)
+	}
 
 	// The order and its event, in one transaction: Enqueue refuses a *gorm.DB outside one.
 	order := Order{ID: uuid.New(), TotalCents: 2500}
-	check(db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+	if err := db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
 		if err := tx.Create(&order).Error; err != nil {
-			return err
+			return fmt.Errorf("insert the order: %w", err)
 		}
 		msg, err := orderPlaced.Message(OrderPlaced{OrderID: order.ID, TotalCents: order.TotalCents})
 		if err != nil {
 			return err
 		}
 		return messaging.Enqueue(ctx, driver, tx, msg)
-	}))
+	}); err != nil {
+		return fmt.Errorf("place the order: %w", err)
+	}
 
 	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "billing", Bindings: []messaging.Binding{orderPlaced.Binding()}}}}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: os.Getenv("AMQP_URL"), Topology: topology})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: driver.DB(), Sender: pub, Exchange: orderPlaced.Exchange})
-	check(err)
+	if err != nil {
+		return err
+	}
 	sub, err := messaging.NewSubscription(driver, messaging.SubscriptionConfig{Name: "billing", URL: os.Getenv("AMQP_URL"), Topology: topology})
-	check(err)
+	if err != nil {
+		return err
+	}
 	// Once: an order left in the outbox or the queue by an earlier, interrupted run is
 	// invoiced too, and a second close would panic.
 	invoiced, once := make(chan struct{}), new(sync.Once)
-	check(messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *gorm.DB, o OrderPlaced, m messaging.Message) error {
+	if err := messaging.Handle(sub, orderPlaced, func(ctx context.Context, tx *gorm.DB, o OrderPlaced, m messaging.Message) error {
 		// Written with the transaction that records the message in the inbox: once, or not at all.
 		if err := tx.Create(&Invoice{OrderID: o.OrderID, AmountCents: o.TotalCents}).Error; err != nil {
-			return err
+			return fmt.Errorf("insert the invoice: %w", err)
 		}
 		return messaging.AfterCommit(ctx, func() {
-			log.Printf("invoiced order %s: %d cents", o.OrderID, o.TotalCents)
+			slog.Info("invoiced", "order_id", o.OrderID, "amount_cents", o.TotalCents, "message_id", m.ID)
 			once.Do(func() { close(invoiced) })
 		})
-	}))
-	var wg sync.WaitGroup
-	wg.Go(func() { check(relay.Run(ctx)) })
-	wg.Go(func() { check(sub.Run(ctx)) })
-	select {
-	case <-invoiced:
-	case <-ctx.Done():
+	}); err != nil {
+		return err
 	}
-	stop()
-	wg.Wait()
+	return runUntil(ctx, invoiced, relay.Run, sub.Run)
 }
 
-func check(err error) {
-	if err != nil {
-		log.Fatal(err)
+// runUntil runs each part until done closes or ctx ends, then stops them all and waits; the
+// first part to fail stops the others, and its error is returned.
+func runUntil(ctx context.Context, done <-chan struct{}, parts ...func(context.Context) error) error {
+	g, ctx := errgroup.WithContext(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for _, part := range parts {
+		g.Go(func() error { return part(ctx) })
 	}
+	g.Go(func() error {
+		select {
+		case <-done:
+			cancel()
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	return g.Wait()
 }

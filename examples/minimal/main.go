@@ -1,59 +1,109 @@
 // Command minimal is a whole service on the library in one file: it saves an event in its own
-// transaction, relays it to RabbitMQ, handles it once through the inbox, and shuts down.
-// DATABASE_URL and AMQP_URL say where.
+// transaction, relays it to RabbitMQ, handles it once through the inbox, and shuts down, at
+// once on SIGTERM or Ctrl-C. DATABASE_URL and AMQP_URL say where.
 package main
 
 import (
 	"context"
-	"log"
+	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"sync"
+	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sync/errgroup"
+
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 )
 
+type Greeted struct{ Name string }
+
+var greeted = messaging.Event[Greeted]{Exchange: "greetings", Type: "Greeted"}
+
 func main() {
-	type Greeted struct{ Name string }
-	greeted := messaging.Event[Greeted]{Exchange: "greetings", Type: "Greeted"}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-	defer stop()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	check(err)
+	// SIGTERM is how Docker and Kubernetes ask a container to stop.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx)
+	stop()
+	if err != nil {
+		slog.Error("minimal failed", "error", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context) error {
+	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	// What the relay (a connection per lane, one for its LISTEN) and the subscription (one per
+	// worker, one to ask whether the database answers after a failure) hold at most, and one
+	// for the rest: fewer, and workers wait for a connection within their handler timeout.
+	cfg.MaxConns = max(cfg.MaxConns, messaging.DefaultLanes+1+messaging.DefaultConcurrency+1+1)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("open the database: %w", err)
+	}
 	defer pool.Close()
 	db, amqpURL := pgxdriver.New(pool), os.Getenv("AMQP_URL")
-	check(messaging.MigrateOutbox(ctx, db.DB()))
-	check(messaging.MigrateInbox(ctx, db.DB()))
-	msg, err := greeted.Message(Greeted{Name: "world"}) // enqueued in the transaction of the data it describes
-	check(err)
-	check(pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return messaging.Enqueue(ctx, db, tx, msg) }))
+	if err := messaging.MigrateOutbox(ctx, db.DB()); err != nil {
+		return fmt.Errorf("migrate the outbox: %w", err)
+	}
+	if err := messaging.MigrateInbox(ctx, db.DB()); err != nil {
+		return fmt.Errorf("migrate the inbox: %w", err)
+	}
+	msg, err := greeted.Message(Greeted{Name: "world"})
+	if err != nil {
+		return err
+	}
+	// Enqueued in the transaction of the data it describes (here, none).
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return messaging.Enqueue(ctx, db, tx, msg) }); err != nil {
+		return fmt.Errorf("enqueue: %w", err)
+	}
+
 	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "greeter", Bindings: []messaging.Binding{greeted.Binding()}}}}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: amqpURL, Topology: topology})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: db.DB(), Sender: pub, Exchange: greeted.Exchange})
-	check(err)
-	sub, err := messaging.NewSubscription(db, messaging.SubscriptionConfig{Name: "greeter", URL: amqpURL, Topology: topology})
-	check(err)
-	handled, once := make(chan struct{}), new(sync.Once) // once: a message left from an earlier run is handled too
-	check(messaging.Handle(sub, greeted, func(ctx context.Context, tx pgx.Tx, g Greeted, m messaging.Message) error {
-		return messaging.AfterCommit(ctx, func() { log.Printf("hello, %s (message %s)", g.Name, m.ID); once.Do(func() { close(handled) }) })
-	}))
-	var wg sync.WaitGroup
-	wg.Go(func() { check(relay.Run(ctx)) })
-	wg.Go(func() { check(sub.Run(ctx)) })
-	select { // handled once, or interrupted
-	case <-handled:
-	case <-ctx.Done():
+	if err != nil {
+		return err
 	}
-	stop() // shuts the relay and the subscription down
-	wg.Wait()
+	sub, err := messaging.NewSubscription(db, messaging.SubscriptionConfig{Name: "greeter", URL: amqpURL, Topology: topology})
+	if err != nil {
+		return err
+	}
+	handled, once := make(chan struct{}), new(sync.Once) // once: a message left from an earlier run is handled too
+	if err := messaging.Handle(sub, greeted, func(ctx context.Context, tx pgx.Tx, g Greeted, m messaging.Message) error {
+		return messaging.AfterCommit(ctx, func() {
+			slog.Info("hello", "name", g.Name, "message_id", m.ID)
+			once.Do(func() { close(handled) })
+		})
+	}); err != nil {
+		return err
+	}
+	return runUntil(ctx, handled, relay.Run, sub.Run)
 }
 
-func check(err error) {
-	if err != nil {
-		log.Fatal(err)
+// runUntil runs each part until done closes or ctx ends, then stops them all and waits; the
+// first part to fail stops the others, and its error is returned.
+func runUntil(ctx context.Context, done <-chan struct{}, parts ...func(context.Context) error) error {
+	g, ctx := errgroup.WithContext(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for _, part := range parts {
+		g.Go(func() error { return part(ctx) })
 	}
+	g.Go(func() error {
+		select {
+		case <-done:
+			cancel()
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	return g.Wait()
 }

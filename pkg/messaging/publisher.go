@@ -53,7 +53,7 @@ const DefaultMaxMessageBytes = 1 << 20
 
 // PublisherConfig configures a [Publisher]. URL is required.
 type PublisherConfig struct {
-	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list (SplitURLs)
+	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list of the nodes' URLs, all with the same vhost, tried in a random order
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	AppID          string // the AMQP app_id of every message
 	// Topology is declared on every new connection, before the first publish on it (see
