@@ -43,7 +43,21 @@ func TestASessionWhoseLockQueryFailedIsDiscarded(t *testing.T) {
 	}
 }
 
-// lockDB hands out conn, whose every query fails.
+// The migrations' lock taken over a failed statement is treated as the cleanup's: the session
+// is closed for good, not put back in the pool holding the lock every later migration waits
+// for.
+func TestAMigrationSessionWhoseLockFailedIsDiscarded(t *testing.T) {
+	t.Parallel()
+	conn := &lockConn{}
+	if err := migrateSchema(context.Background(), lockDB{conn: conn}, "schema/outbox", "messaging_outbox_schema"); err == nil {
+		t.Fatal("migrateSchema over a failing lock statement: no error")
+	}
+	if !conn.discarded || conn.closed {
+		t.Fatalf("discarded %v, returned to the pool %v; want discarded only", conn.discarded, conn.closed)
+	}
+}
+
+// lockDB hands out conn, whose every statement fails.
 type lockDB struct {
 	DB
 	conn *lockConn
@@ -58,6 +72,9 @@ type lockConn struct {
 
 func (c *lockConn) Query(context.Context, string, ...any) (Rows, error) {
 	return nil, context.Canceled
+}
+func (c *lockConn) Exec(context.Context, string, ...any) (int64, error) {
+	return 0, context.Canceled
 }
 func (c *lockConn) Close()   { c.closed = true }
 func (c *lockConn) Discard() { c.discarded = true }

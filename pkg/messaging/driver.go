@@ -10,6 +10,17 @@ import (
 // are adapters for database/sql (package sqldriver, in this module), pgx v5 (module pgxdriver)
 // and GORM (module gormdriver); another driver needs an adapter of its own, and these
 // interfaces are what it implements. Statements use PostgreSQL's $1, $2 … placeholders.
+//
+// What the library expects of an adapter's errors and calls:
+//   - A server's error keeps its SQLSTATE reachable by errors.As as a value with a
+//     SQLState() string method (pgconn.PgError and pq.Error have one): the library tells by it
+//     a database that cannot take writes now (a lost connection, a failover, a lock timeout)
+//     from a value the database refuses.
+//   - An error a caller's context caused satisfies errors.Is(err, ctx.Err()), whatever the
+//     driver said (a statement not sent, one the server cancelled, a transaction rolled back).
+//   - Rollback after a failed Commit, or after a rollback, is harmless; the library calls it
+//     on every path out of a transaction.
+//   - DB is used by many goroutines at once (relay lanes, consumer workers).
 
 // Driver adapts one PostgreSQL driver. Tx is its transaction type: what [Enqueue] writes into
 // and what handlers receive (pgx.Tx, *sql.Tx, *gorm.DB).
@@ -66,7 +77,8 @@ type Conn interface {
 	// Begin opens a READ COMMITTED transaction on this connection.
 	Begin(ctx context.Context) (TxExecutor, error)
 	// WaitForNotification waits for a notification on a channel this connection listens to,
-	// until ctx ends. It returns [ErrNoNotifications] if the driver cannot receive them.
+	// until ctx ends; one that came before the call counts (it returns at once). It returns an
+	// error wrapping [ErrNoNotifications] if the driver cannot receive them.
 	WaitForNotification(ctx context.Context) error
 	// Close returns the connection to its pool.
 	Close()

@@ -47,10 +47,13 @@ func migrateSchema(ctx context.Context, db DB, dir, versionTable string) (err er
 		return fmt.Errorf("migrations %s: take a connection: %w", versionTable, err)
 	}
 	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrationLockKey); err != nil {
-		conn.Close()
+		// The lock may have been taken all the same (a cancellation between the server's
+		// answer and ours): back in the pool, the session would keep every later migration
+		// waiting.
+		conn.Discard()
 		return fmt.Errorf("migrations %s: take the lock: %w", versionTable, err)
 	}
-	defer unlockMigrations(ctx, conn)
+	defer unlock(ctx, conn, migrationLockKey)
 	applied, err := appliedVersions(ctx, conn, versionTable)
 	if err != nil {
 		return fmt.Errorf("migrations %s: %w", versionTable, err)
@@ -69,15 +72,6 @@ func migrateSchema(ctx context.Context, db DB, dir, versionTable string) (err er
 // migrationLockKey is goose's advisory lock key (4097083626): during a rolling upgrade, a
 // replica that still migrates with goose and one that migrates here wait for each other.
 const migrationLockKey int64 = 4097083626
-
-// unlockMigrations releases the lock, or closes the session when it cannot.
-func unlockMigrations(ctx context.Context, conn Conn) {
-	if _, err := conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1)`, migrationLockKey); err != nil {
-		conn.Discard()
-		return
-	}
-	conn.Close()
-}
 
 // appliedVersions creates versionTable if it is missing, as goose would (with the version 0
 // it records first), and returns the versions whose latest record says applied.

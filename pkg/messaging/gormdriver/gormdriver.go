@@ -52,27 +52,24 @@ func (d *Driver) Executor(tx *gorm.DB) (messaging.Executor, error) {
 	return sqldriver.Executor(q), nil
 }
 
-// Begin opens a READ COMMITTED transaction whose statements run under ctx.
+// Begin opens a READ COMMITTED transaction whose statements run under ctx. It commits and
+// rolls back as sqldriver's do, GORM's own Commit and Rollback calling the same methods of
+// database/sql's transaction underneath.
 func (d *Driver) Begin(ctx context.Context) (*gorm.DB, messaging.TxExecutor, error) {
 	tx := d.db.WithContext(ctx).Begin(&sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if tx.Error != nil {
 		return nil, nil, tx.Error
 	}
-	ex, err := d.Executor(tx)
-	if err != nil {
+	sqlTx, ok := tx.Statement.ConnPool.(interface {
+		sqldriver.Queryer
+		gorm.TxCommitter
+	})
+	if !ok {
 		tx.Rollback()
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("gormdriver: GORM's transaction %T does not run database/sql statements", tx.Statement.ConnPool)
 	}
-	return tx, txExecutor{ex, tx}, nil
+	return tx, sqldriver.Tx(sqlTx), nil
 }
-
-type txExecutor struct {
-	messaging.Executor
-	tx *gorm.DB
-}
-
-func (t txExecutor) Commit(context.Context) error   { return t.tx.Commit().Error }
-func (t txExecutor) Rollback(context.Context) error { return t.tx.Rollback().Error }
 
 // waitPgx receives a notification through pgx, the driver under GORM's postgres dialector.
 func waitPgx(ctx context.Context, c *sql.Conn) error {

@@ -88,18 +88,20 @@ func (e executor) Query(ctx context.Context, query string, args ...any) (messagi
 	return rows{r}, nil
 }
 
-// withEndedContext names ctx's end in err, a statement's failure, when ctx's end caused it:
-// pgx's stdlib reports a statement it did not send because ctx had ended as
-// driver.ErrBadConn, and lib/pq one it cancelled by the server's query_canceled (57014), so
-// errors.Is(err, context.Canceled) would not see the caller's own cancellation. Other errors
-// (a constraint's, say) are left as they are, even after ctx ended.
+// withEndedContext names ctx's end in err, a statement's or a commit's failure, when ctx's end
+// caused it: pgx's stdlib reports a statement it did not send because ctx had ended as
+// driver.ErrBadConn, lib/pq one it cancelled by the server's query_canceled (57014), and
+// database/sql the commit of a transaction it rolled back itself when the context it began
+// under ended as sql.ErrTxDone, so errors.Is(err, context.Canceled) would not see the caller's
+// own cancellation. Other errors (a constraint's, say) are left as they are, even after ctx
+// ended.
 func withEndedContext(ctx context.Context, err error) error {
 	cause := ctx.Err()
-	if cause == nil || errors.Is(err, cause) {
+	if err == nil || cause == nil || errors.Is(err, cause) {
 		return err
 	}
 	var coded interface{ SQLState() string }
-	if errors.Is(err, driver.ErrBadConn) || (errors.As(err, &coded) && coded.SQLState() == "57014") {
+	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrTxDone) || (errors.As(err, &coded) && coded.SQLState() == "57014") {
 		return fmt.Errorf("%w: %w", cause, err)
 	}
 	return err
@@ -123,8 +125,8 @@ type txExecutor struct {
 	commit, rollback func() error
 }
 
-func (t txExecutor) Commit(context.Context) error   { return t.commit() }
-func (t txExecutor) Rollback(context.Context) error { return t.rollback() }
+func (t txExecutor) Commit(ctx context.Context) error { return withEndedContext(ctx, t.commit()) }
+func (t txExecutor) Rollback(context.Context) error   { return t.rollback() }
 
 type pool struct {
 	db   *sql.DB

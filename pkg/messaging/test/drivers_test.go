@@ -557,3 +557,34 @@ func TestSQLDriverReportsAContextThatEndsJustBeforeAStatement(t *testing.T) {
 		_ = tx.Rollback(ctx)
 	}
 }
+
+// database/sql rolls back by itself a transaction whose context ended; the commit that comes
+// after says so as the context's end, over pgx and lib/pq alike, and through GORM, not as a
+// transaction done already (a log line that reads as a bug of the caller's).
+func TestSQLDriverCommitAfterTheContextEndedReportsIt(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2*driverPool)
+	d := testenv.NewDatabase(t)
+	gormDriver := driverOf(t, d.DB)
+	begins := map[string]func(context.Context) (messaging.TxExecutor, error){
+		"pgx":      sqldriver.New(openSQLWith(t, "pgx", d.URL)).DB().Begin,
+		"postgres": sqldriver.New(openSQLWith(t, "postgres", d.URL)).DB().Begin,
+		"gorm": func(ctx context.Context) (messaging.TxExecutor, error) {
+			_, tx, err := gormDriver.Begin(ctx)
+			return tx, err
+		},
+	}
+	for driver, begin := range begins {
+		ctx, cancel := context.WithCancel(context.Background())
+		tx, err := begin(ctx)
+		must(t, err)
+		cancel()
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			_, err := tx.Exec(context.Background(), "SELECT 1")
+			return errors.Is(err, sql.ErrTxDone)
+		}, "over %s, the transaction was not rolled back when its context ended", driver)
+		if err := tx.Commit(ctx); !errors.Is(err, context.Canceled) {
+			t.Errorf("over %s, the commit of a transaction whose context ended: %v, want context.Canceled", driver, err)
+		}
+	}
+}
