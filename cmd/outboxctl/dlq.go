@@ -129,7 +129,8 @@ those of the first --limit that match.
 
 AMQP cannot peek: it takes those messages unacknowledged (never more than --limit at once) and
 hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery limit
-to spend. When --limit took the whole queue, its order is unchanged; when more messages wait
+to spend (but one an earlier version declared, on RabbitMQ 4.0 to 4.2: see docs/outboxctl.md).
+When --limit took the whole queue, its order is unchanged; when more messages wait
 beyond, those shown may move back in the queue (a quorum queue may put messages handed back
 behind the others: seen on RabbitMQ 3.10 and 4.x alike), so the next listing may start
 further on. Messages another client holds at that moment are not shown.`,

@@ -16,8 +16,9 @@ import (
 //     SQLState() string method (pgconn.PgError and pq.Error have one): the library tells by it
 //     a database that cannot take writes now (a lost connection, a failover, a lock timeout)
 //     from a value the database refuses.
-//   - An error a caller's context caused satisfies errors.Is(err, ctx.Err()), whatever the
-//     driver said (a statement not sent, one the server cancelled, a transaction rolled back).
+//   - An error of a statement or a commit that a caller's context caused satisfies
+//     errors.Is(err, ctx.Err()), whatever the driver said (a statement not sent, one the
+//     server cancelled, a transaction rolled back).
 //   - Rollback after a failed Commit, or after a rollback, is harmless; the library calls it
 //     on every path out of a transaction.
 //   - DB is used by many goroutines at once (relay lanes, consumer workers).

@@ -544,6 +544,9 @@ func TestRSETUnansweredUntilTheDeadlineIsNotStarted(t *testing.T) {
 	if !errors.Is(err, errNotStarted) {
 		t.Fatalf("err = %v, want it not started", err)
 	}
+	if !slices.ContainsFunc(proxy.writes(), func(w string) bool { return strings.HasPrefix(w, "RSET") }) {
+		t.Fatalf("no RSET was sent (the delivery was refused before it, and the test shows nothing): %q", proxy.writes())
+	}
 	if n := len(srv.Mail()); n != 1 {
 		t.Fatalf("%d e-mails, want 1", n)
 	}
