@@ -90,8 +90,8 @@ type smtpConn struct {
 	client *smtp.Client
 	// pipelining: the server takes a message's commands in one write (RFC 2920, PIPELINING),
 	// so a message costs two round trips instead of five. eightBit: it takes 8-bit bodies
-	// (8BITMIME), so a body goes as it is; to one that does not, it goes quoted-printable. utf8: it takes UTF-8 addresses (SMTPUTF8, RFC
-	// 6531), which a customer's may be.
+	// (8BITMIME), so a body goes as it is (to one that does not, quoted-printable). utf8: it
+	// takes UTF-8 addresses (SMTPUTF8, RFC 6531), which a customer's may be.
 	pipelining, eightBit, utf8 bool
 	// used: a message went over it already, so the next begins with RSET. broken: a
 	// conversation on it failed or was cut short, so it is closed, never reused.

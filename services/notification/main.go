@@ -64,7 +64,8 @@ func run(ctx context.Context, env *platform.Env) error {
 	sending := send.Run
 	if mailer != nil {
 		// Closed when the sender is told to stop, by the signal or by another part's failure:
-		// a delivery waiting for a connection then is not started, to be cut off by the grace.
+		// a delivery still waiting for a connection then is not started (begun in the grace, it
+		// would be cut off at its end, maybe after the server took the message).
 		sending = func(ctx context.Context) error {
 			mailer.closeOnShutdown(ctx)
 			return send.Run(ctx)
