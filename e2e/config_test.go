@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"errors"
-	"net"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -11,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outboxkit/outbox-inbox/internal/systest"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
@@ -78,43 +78,38 @@ func TestASignalWhileWaitingForTheDatabaseExitsCleanly(t *testing.T) {
 		t.Run(service, func(t *testing.T) {
 			t.Parallel()
 			cmd := exec.Command(filepath.Join(binDir, service))
-			cmd.Env = []string{"PATH=/usr/bin:/bin", "DATABASE_URL=postgres://postgres@" + closedAddr(t) + "/db?sslmode=disable",
-				"AMQP_URL=amqp://guest:guest@" + closedAddr(t) + "/", "HTTP_ADDR=127.0.0.1:0"}
-			var out testenv.Logs // the process's output, read while it runs
-			cmd.Stdout, cmd.Stderr = &out, &out
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			done := make(chan error, 1)
-			go func() { done <- cmd.Wait() }()
-			// A failure below must not leave the service waiting for its database for ever.
-			t.Cleanup(func() { _ = cmd.Process.Kill() })
-			testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(out.String(), `msg="waiting for the database"`) },
-				"the service did not log its wait for the database")
-			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-				t.Fatal(err)
-			}
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatalf("exit after SIGTERM while waiting for the database: %v, want 0; output:\n%s", err, out.String())
-				}
-			case <-time.After(10 * time.Second):
-				_ = cmd.Process.Kill()
-				t.Fatal("still running 10 s after SIGTERM")
-			}
+			cmd.Env = []string{"PATH=/usr/bin:/bin", "DATABASE_URL=postgres://postgres@" + systest.FreeAddr(t) + "/db?sslmode=disable",
+				"AMQP_URL=amqp://guest:guest@" + systest.FreeAddr(t) + "/", "HTTP_ADDR=127.0.0.1:0"}
+			sigtermExitsZero(t, cmd, 10*time.Second, 10*time.Second, "its wait for the database logged",
+				func(out string) bool { return strings.Contains(out, `msg="waiting for the database"`) })
 		})
 	}
 }
 
-// closedAddr is a local address nothing listens on.
-func closedAddr(t *testing.T) string {
+// sigtermExitsZero starts cmd and, once ready (given its output so far) says it is under way,
+// which it must within readyIn, sends it SIGTERM and wants exit status 0 within exitIn. The
+// process is killed when the test ends, whatever happened.
+func sigtermExitsZero(t *testing.T, cmd *exec.Cmd, readyIn, exitIn time.Duration, what string, ready func(out string) bool) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
+	out := new(testenv.Logs) // written by exec's copying goroutine, read here
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
-	_ = ln.Close()
-	return addr
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	name := filepath.Base(cmd.Path)
+	testenv.Eventually(t, readyIn, func() bool { return ready(out.String()) }, "%s: not under way (%s):\n%s", name, what, out)
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("%s after SIGTERM (%s): %v, want exit 0\n%s", name, what, err, out)
+		}
+	case <-time.After(exitIn):
+		t.Fatalf("%s still runs %s after SIGTERM (%s)\n%s", name, exitIn, what, out)
+	}
 }

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -98,33 +97,13 @@ func TestExamplesStopInOrderOnSIGTERM(t *testing.T) {
 			t.Parallel()
 			testenv.Connections(t, 1+1+exampleConns)
 			db := testenv.NewDatabaseWithPool(t, 1)
-			bin := buildExample(t, name)
-			out := new(testenv.Logs) // written by exec's copying goroutine, read here
-			cmd := exec.Command(bin)
+			cmd := exec.Command(buildExample(t, name))
 			cmd.Env = append(cmd.Environ(), "DATABASE_URL="+db.URL, "AMQP_URL=amqp://guest:guest@"+systest.FreeAddr(t)+"/")
-			cmd.Stdout, cmd.Stderr = out, out
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			exited := make(chan error, 1)
-			go func() { exited <- cmd.Wait() }()
-			t.Cleanup(func() { _ = cmd.Process.Kill() })
 			// Its event enqueued: it is past its start, relaying to nowhere.
-			testenv.Eventually(t, 30*time.Second, func() bool {
+			sigtermExitsZero(t, cmd, 30*time.Second, 15*time.Second, "its event enqueued", func(string) bool {
 				var n int64
 				return db.DB.Raw("SELECT count(*) FROM outbox_messages").Scan(&n).Error == nil && n == 1
-			}, "examples/%s enqueued no event:\n%s", name, out)
-			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-				t.Fatal(err)
-			}
-			select {
-			case err := <-exited:
-				if err != nil {
-					t.Fatalf("examples/%s after SIGTERM: %v, want exit 0\n%s", name, err, out)
-				}
-			case <-time.After(15 * time.Second):
-				t.Fatalf("examples/%s still runs 15 s after SIGTERM\n%s", name, out)
-			}
+			})
 		})
 	}
 }

@@ -95,14 +95,7 @@ func eventAgeHistogram(t *testing.T, b *testBundle, consumer string) *dto.Histog
 // 61 s old would read about 37 s and not.
 func TestEventAgeHasABucketAtTheAlertsMinute(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.createWorkTable(t)
-	in := b.inbox(t, b.drv, b.queue, workFunc)
-	m := newMessage(t, 1)
-	m.OccurredAt = time.Now().Add(-33 * time.Second)
-	if _, err := deliver(in, m); err != nil {
-		t.Fatal(err)
-	}
+	b := handledOneOccurredAt(t, time.Now().Add(-33*time.Second))
 	counts := map[float64]uint64{}
 	for _, bucket := range eventAgeHistogram(t, b, b.queue).GetBucket() {
 		counts[bucket.GetUpperBound()] = bucket.GetCumulativeCount()
@@ -117,15 +110,22 @@ func TestEventAgeHasABucketAtTheAlertsMinute(t *testing.T) {
 // averages read off it, below the truth.
 func TestAnEventFromTheFutureIsObservedAsNoDelay(t *testing.T) {
 	t.Parallel()
+	b := handledOneOccurredAt(t, time.Now().Add(time.Hour))
+	if count, sum := eventAge(t, b, b.queue); count != 1 || sum != 0 {
+		t.Fatalf("event age: %d observations summing to %.0f s, want 1 of 0 s", count, sum)
+	}
+}
+
+// handledOneOccurredAt is a test bundle whose inbox has handled one message that occurred at.
+func handledOneOccurredAt(t *testing.T, at time.Time) *testBundle {
+	t.Helper()
 	b := setup(t)
 	b.createWorkTable(t)
 	in := b.inbox(t, b.drv, b.queue, workFunc)
 	m := newMessage(t, 1)
-	m.OccurredAt = time.Now().Add(time.Hour)
+	m.OccurredAt = at
 	if _, err := deliver(in, m); err != nil {
 		t.Fatal(err)
 	}
-	if count, sum := eventAge(t, b, b.queue); count != 1 || sum != 0 {
-		t.Fatalf("event age: %d observations summing to %.0f s, want 1 of 0 s", count, sum)
-	}
+	return b
 }
