@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf16"
@@ -71,14 +73,16 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	if at := loneSurrogate(body); at >= 0 {
 		return zero, &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("malformed JSON at byte %d: an escaped UTF-16 surrogate without its pair", at+1)}
 	}
-	// encoding/json takes "Customer_ID" for customer_id and the last of two "customer_id"s:
-	// a client that sent either is told, not guessed at. checkFields' other errors are the
-	// body's not being JSON, which Decode reports.
+	// encoding/json takes "Customer_ID" for customer_id and the last of two "customer_id"s,
+	// and a field left out for its zero value: a client that sent any of these is told, not
+	// guessed at. checkFields' other errors cannot happen in valid JSON.
 	// A malformed body goes straight to the decoder, which says where (and builds nothing
 	// before it has checked the whole body).
 	var de *DecodeError
 	if json.Valid(body) {
-		if err := checkFields(json.NewDecoder(bytes.NewReader(body)), reflect.TypeFor[T](), ""); errors.As(err, &de) {
+		fields := json.NewDecoder(bytes.NewReader(body))
+		fields.UseNumber() // a number beyond float64's range (1e400) is a token like any other
+		if _, err := checkFields(fields, reflect.TypeFor[T](), ""); errors.As(err, &de) {
 			return zero, de
 		}
 	}
@@ -170,63 +174,84 @@ const maxArrayElements = 10 * MaxLines
 // objects' keys that is not one of the fields of t, the Go type it decodes into, spelled
 // exactly (by its json tag), or is repeated in its object, for an array of more than
 // maxArrayElements, and for an array or object where t has none (a 422, the first of the
-// decoder's own errors: it would go on decoding, and build every line of a million after it);
-// path is where the value is, as fieldAt names it. dec must hold valid JSON. The recursion is
-// as deep as t, whatever the body's nesting.
-func checkFields(dec *json.Decoder, t reflect.Type, path string) error {
+// decoder's own errors: it would go on decoding, and build every line of a million after it),
+// and for a required field left out or null (checkObject); path is where the value is, as
+// fieldAt names it, and null reports a JSON null there. dec must hold valid JSON. The recursion
+// is as deep as t, whatever the body's nesting.
+func checkFields(dec *json.Decoder, t reflect.Type, path string) (null bool, err error) {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
 	tok, err := dec.Token()
 	if err != nil {
-		return err
+		return false, err
 	}
 	switch tok {
 	case json.Delim('['):
 		if t.Kind() != reflect.Slice && t.Kind() != reflect.Array {
-			return wrongShape(path, t, "array")
+			return false, wrongShape(path, t, "array")
 		}
 		for i := 0; dec.More(); i++ {
 			if i == maxArrayElements {
-				return &DecodeError{Status: http.StatusUnprocessableEntity, Field: path, Detail: fmt.Sprintf("at most %d elements", maxArrayElements)}
+				return false, &DecodeError{Status: http.StatusUnprocessableEntity, Field: path, Detail: fmt.Sprintf("at most %d elements", maxArrayElements)}
 			}
-			if err := checkFields(dec, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
-				return err
+			if _, err := checkFields(dec, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
+				return false, err
 			}
 		}
 	case json.Delim('{'):
 		if t.Kind() != reflect.Struct {
-			return wrongShape(path, t, "object")
+			return false, wrongShape(path, t, "object")
 		}
-		fields := jsonFields(t)
-		seen := map[string]bool{}
-		for dec.More() {
-			tok, err := dec.Token()
-			if err != nil {
-				return err
-			}
-			key, _ := tok.(string)
-			at := key
-			if path != "" {
-				at = path + "." + key
-			}
-			field, known := fields[key]
-			switch {
-			case seen[key]:
-				return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("field %q appears twice", printableKey(at))}
-			case !known:
-				return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(printableKey(at), key, fields)}
-			}
-			seen[key] = true
-			if err := checkFields(dec, field, at); err != nil {
-				return err
-			}
+		if err := checkObject(dec, jsonFields(t), path); err != nil {
+			return false, err
 		}
 	default:
-		return nil // a scalar
+		return tok == nil, nil // a scalar
 	}
 	_, err = dec.Token() // the closing delimiter
-	return err
+	return false, err
+}
+
+// checkObject reads an object's keys and values, dec past its opening brace, for checkFields:
+// every key one of fields, none twice, and each required field there and not null. A required
+// field left out would decode as its zero value: a line without its price would be free.
+func checkObject(dec *json.Decoder, fields map[string]jsonField, path string) error {
+	at := func(key string) string {
+		if path == "" {
+			return key
+		}
+		return path + "." + key
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		key, _ := tok.(string)
+		field, known := fields[key]
+		switch {
+		case seen[key]:
+			return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("field %q appears twice", printableKey(at(key)))}
+		case !known:
+			return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(printableKey(at(key)), key, fields)}
+		}
+		seen[key] = true
+		null, err := checkFields(dec, field.typ, at(key))
+		if err != nil {
+			return err
+		}
+		if null && field.required {
+			return &DecodeError{Status: http.StatusUnprocessableEntity, Field: printableKey(at(key)), Detail: "is required, and must not be null"}
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(fields)) {
+		if fields[name].required && !seen[name] {
+			return &DecodeError{Status: http.StatusUnprocessableEntity, Field: at(name), Detail: "is required"}
+		}
+	}
+	return nil
 }
 
 // wrongShape is the problem of an array or object (got) at path where t is something else.
@@ -246,10 +271,17 @@ func printableKey(at string) string {
 	return strings.ToValidUTF8(at[:100], "") + "..."
 }
 
-// jsonFields maps the JSON names of struct t's fields to their types. Embedded structs are
-// not followed: none of the commands has one.
-func jsonFields(t reflect.Type) map[string]reflect.Type {
-	fields := map[string]reflect.Type{}
+// jsonField is a struct field as a body names it: its Go type, and whether a body must give it
+// (tagged required:"true").
+type jsonField struct {
+	typ      reflect.Type
+	required bool
+}
+
+// jsonFields maps the JSON names of struct t's fields to them. Embedded structs are not
+// followed: none of the commands has one.
+func jsonFields(t reflect.Type) map[string]jsonField {
+	fields := map[string]jsonField{}
 	for f := range t.Fields() {
 		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
 		switch {
@@ -258,14 +290,14 @@ func jsonFields(t reflect.Type) map[string]reflect.Type {
 		case name == "":
 			name = f.Name
 		}
-		fields[name] = f.Type
+		fields[name] = jsonField{typ: f.Type, required: f.Tag.Get("required") == "true"}
 	}
 	return fields
 }
 
 // unknownField is the problem of key, at path at, which is none of fields; one that differs
 // from a field only in case says which it would be.
-func unknownField(at, key string, fields map[string]reflect.Type) string {
+func unknownField(at, key string, fields map[string]jsonField) string {
 	for name := range fields {
 		if strings.EqualFold(name, key) {
 			return fmt.Sprintf("unknown field %q: field names are case-sensitive, this one is %q", at, name)

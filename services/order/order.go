@@ -23,17 +23,18 @@ const (
 	MaxIDLength       = 100
 )
 
-// Line is one line of an order. Money is integer cents.
+// Line is one line of an order. Money is integer cents. A body must give each of its fields
+// (required, checked by the decoder): a price left out is not a price of 0.
 type Line struct {
-	SKU            string `json:"sku"`
-	Quantity       int64  `json:"quantity"`
-	UnitPriceCents int64  `json:"unit_price_cents"`
+	SKU            string `json:"sku" required:"true"`
+	Quantity       int64  `json:"quantity" required:"true"`
+	UnitPriceCents int64  `json:"unit_price_cents" required:"true"`
 }
 
 // PlaceOrder is the command a customer sends.
 type PlaceOrder struct {
-	CustomerID string `json:"customer_id"`
-	Lines      []Line `json:"lines"`
+	CustomerID string `json:"customer_id" required:"true"`
+	Lines      []Line `json:"lines" required:"true"`
 }
 
 // Violation is one reason a command is invalid.

@@ -184,6 +184,7 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"line field name in another case", `{"customer_id":"c","lines":[{"SKU":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
 		{"field twice", `{"customer_id":"c","customer_id":"d","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
 		{"line field twice", `{"customer_id":"c","lines":[{"sku":"s","quantity":1,"quantity":2,"unit_price_cents":1}]}`, "application/json", 400},
+		{"field twice after a number beyond float64", `{"customer_id":"c","lines":[{"sku":"s","quantity":1e400,"unit_price_cents":1}],"customer_id":"d"}`, "application/json", 400},
 		{"quantity as string", `{"customer_id":"c","lines":[{"sku":"s","quantity":"2","unit_price_cents":1}]}`, "application/json", 422},
 		{"fractional quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`, "application/json", 422},
 		{"overflowing quantity", `{"customer_id":"c","lines":[{"sku":"s","quantity":1e30,"unit_price_cents":1}]}`, "application/json", 422},
@@ -265,6 +266,12 @@ func TestWrongJSONTypesNameTheirField(t *testing.T) {
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1},{"sku":["x"],"quantity":1,"unit_price_cents":1}]}`: {Field: "lines[1].sku", Message: "must be a string, got JSON array"},
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1e400,"unit_price_cents":1}]}`:                                             {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e400"},
 		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:                                                   {Field: "lines", Message: "must be an array, got JSON object"},
+		// A field left out, or null, would decode as 0: a line without its price would be free.
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":2}]}`:                         {Field: "lines[0].unit_price_cents", Message: "is required"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":2,"unit_price_cents":null}]}`: {Field: "lines[0].unit_price_cents", Message: "is required, and must not be null"},
+		`{"customer_id":"c","lines":[{"sku":"s","unit_price_cents":1}]}`:                 {Field: "lines[0].quantity", Message: "is required"},
+		`{"lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`:                      {Field: "customer_id", Message: "is required"},
+		`{"customer_id":"c","lines":null}`:                                               {Field: "lines", Message: "is required, and must not be null"},
 	} {
 		resp, raw := b.post(t, body, "application/json", "")
 		var p platform.Problem
