@@ -28,6 +28,10 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		Logger: logger.Discard,
 		// The loop below waits for the database instead of failing on the first try.
 		DisableAutomaticPing: true,
+		// A read names its model's columns, never SELECT *: pgx caches each prepared statement,
+		// and a cached SELECT * fails once a migration adds a column to its table, on every
+		// replica still serving while a rolling upgrade migrates.
+		QueryFields: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)

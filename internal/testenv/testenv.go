@@ -174,7 +174,9 @@ func OpenPool(t testing.TB, url string, size int) *gorm.DB {
 // no test to draw them from: a test's child process (its parent draws them), an example
 // (after Reserve).
 func OpenGORM(url string, size int) (*gorm.DB, error) {
-	db, err := gorm.Open(postgres.Open(url), &gorm.Config{Logger: logger.Discard})
+	// QueryFields as the services' handle has it (platform.OpenDB), so that their code is tested
+	// reading as it reads there.
+	db, err := gorm.Open(postgres.Open(url), &gorm.Config{Logger: logger.Discard, QueryFields: true})
 	if err != nil {
 		return nil, err
 	}
