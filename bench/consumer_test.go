@@ -65,8 +65,8 @@ var invoicingDrain = drained{
 	service: events.InvoicingQueue,
 	ceiling: fmt.Sprintf(`BEGIN;
 INSERT INTO inbox_messages (message_id, consumer, processed_at) SELECT %[1]s, 'invoicing', now() FROM generate_series(1, %[2]d);
-INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
-  SELECT %[1]s, %[1]s, 'c-42', 2500, 'issued', %[1]s, now() FROM generate_series(1, %[2]d);
+INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at, placed_message_id)
+  SELECT %[1]s, %[1]s, 'c-42', 2500, 'issued', %[1]s, now(), %[1]s FROM generate_series(1, %[2]d);
 WITH inserted AS (INSERT INTO outbox_messages (id, type, payload, occurred_at, exchange)
   SELECT %[1]s, 'InvoiceIssued', '{"customer_id":"c-42","amount_cents":2500}', now(), 'invoicing' FROM generate_series(1, %[2]d))
   SELECT pg_notify('outbox_messages', '');

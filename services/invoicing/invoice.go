@@ -39,6 +39,9 @@ type Invoice struct {
 	MessageID   uuid.UUID  `json:"message_id" gorm:"type:uuid"`
 	CreatedAt   time.Time  `json:"created_at"`
 	VoidedAt    *time.Time `json:"voided_at,omitempty"`
+	// PlacedMessageID is the OrderPlaced that gave the invoice its amount; nil on a row a
+	// cancellation wrote, until its order arrives.
+	PlacedMessageID *uuid.UUID `json:"placed_message_id,omitempty" gorm:"type:uuid"`
 }
 
 // TableName pins the table the migrations create.
@@ -74,8 +77,9 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 	for i, d := range batch {
 		var err error
 		if invoices[i], err = newInvoice(d.Payload.OrderID, d.Payload.CustomerID, d.Payload.TotalCents, StatusIssued, d.Msg); err != nil {
-			return err
+			return fmt.Errorf("invoice order %s: %w", d.Payload.OrderID, err)
 		}
+		invoices[i].PlacedMessageID = &d.Msg.ID
 	}
 	inserted, err := insertNew(tx, invoices)
 	if err != nil {
@@ -85,7 +89,7 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 	for i, d := range batch {
 		inv := invoices[i]
 		if !inserted[inv.ID] {
-			if err := h.alreadyKnown(d.Ctx, tx, d.Payload); err != nil {
+			if err := h.alreadyKnown(d.Ctx, tx, d.Payload, d.Msg.ID); err != nil {
 				return err
 			}
 			continue
@@ -94,7 +98,7 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 			InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
 		})
 		if err != nil {
-			return err
+			return fmt.Errorf("announce invoice %s of order %s: %w", inv.ID, inv.OrderID, err)
 		}
 		msg.OccurredAt, msg.CorrelationID = inv.CreatedAt, d.Msg.CorrelationID
 		issued = append(issued, msg.WithTrace(d.Ctx))
@@ -108,45 +112,53 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 	return messaging.Enqueue(ctx, h.driver, tx, issued...)
 }
 
-// alreadyKnown handles an OrderPlaced whose order has its invoice row already.
-func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced) error {
+// alreadyKnown handles an OrderPlaced whose order has its invoice row already: the void row a
+// cancellation wrote before its order arrived learns its amount from the first OrderPlaced to
+// come (awaitsItsOrderSQL), and any other finds its work done.
+func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced, msgID uuid.UUID) error {
+	var learned []uuid.UUID
+	err := tx.Raw("UPDATE invoices SET amount_cents = ?, placed_message_id = ? WHERE order_id = ? AND "+awaitsItsOrderSQL+" RETURNING id",
+		ev.TotalCents, msgID, ev.OrderID, StatusVoid).Scan(&learned).Error
+	if err != nil {
+		return fmt.Errorf("record the amount of the void invoice of order %s: %w", ev.OrderID, err)
+	}
+	if len(learned) == 1 {
+		return messaging.AfterCommit(ctx, func() {
+			h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID,
+				"invoice_id", learned[0], "amount_cents", ev.TotalCents, "message_id", msgID)
+		})
+	}
 	var existing Invoice
 	if err := tx.Take(&existing, "order_id = ?", ev.OrderID).Error; err != nil {
 		return fmt.Errorf("load invoice of order %s: %w", ev.OrderID, err)
 	}
-	if !awaitsItsOrder(existing) { // issued, or void with its amount: done already
-		return messaging.AfterCommit(ctx, func() {
-			h.alreadyDone()
-			h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", "order_id", ev.OrderID,
-				"invoice_id", existing.ID, "status", existing.Status)
-		})
-	}
-	if err := tx.Model(&existing).Update("amount_cents", ev.TotalCents).Error; err != nil {
-		return fmt.Errorf("record the amount of void invoice %s: %w", existing.ID, err)
-	}
 	return messaging.AfterCommit(ctx, func() {
-		h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID, "invoice_id", existing.ID)
+		h.alreadyDone()
+		attrs := []any{"order_id", ev.OrderID, "invoice_id", existing.ID, "status", existing.Status,
+			"amount_cents", ev.TotalCents, "invoice_amount_cents", existing.AmountCents, "message_id", msgID}
+		if ev.TotalCents != existing.AmountCents { // not a harmless duplicate: upstream disagrees with itself
+			h.log.ErrorContext(ctx, "order already invoiced by another message, with another amount; nothing done", attrs...)
+			return
+		}
+		h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", attrs...)
 	})
 }
 
-// awaitsItsOrder reports whether inv is the void row a cancellation wrote before its order
-// arrived, and no OrderPlaced has given it its amount yet: voided as it was created (cancelled
-// sets voided_at to created_at), with no amount. A void row that was issued first was voided
-// later, at clock_timestamp(), and keeps the amount it was issued with: another OrderPlaced for
-// its order is a duplicate upstream, not the late order. A row cancelled first whose order's
-// total was 0 still looks as if it awaited its order after that order came: another OrderPlaced
-// for it is taken for the late order again (logged so, not counted as done already), and its
-// total, if it differs, replaces the 0. Telling the two apart needs a column of its own.
-func awaitsItsOrder(inv Invoice) bool {
-	return inv.Status == StatusVoid && inv.VoidedAt != nil && inv.VoidedAt.Equal(inv.CreatedAt) && inv.AmountCents == 0
-}
+// awaitsItsOrderSQL matches (with its one argument StatusVoid) the void row a cancellation
+// wrote before its order arrived, which no OrderPlaced has given its amount yet: no
+// placed_message_id. Rows written before that column (00004) have none either; among them the
+// awaiting row is the one voided as it was created (cancelled sets voided_at to created_at)
+// with no amount yet. A row issued first and voided later, at clock_timestamp(), is none. The
+// WHERE of an UPDATE, so that of two OrderPlaced at once the second, once the first commits,
+// finds the row taken.
+const awaitsItsOrderSQL = "status = ? AND placed_message_id IS NULL AND voided_at = created_at AND amount_cents = 0"
 
 // cancelled voids the order's invoice; if the order has none yet, a void row remembers the
 // cancellation, so that the order's OrderPlaced never issues one.
 func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
 	inv, err := newInvoice(ev.OrderID, ev.CustomerID, 0, StatusVoid, msg)
 	if err != nil {
-		return err
+		return fmt.Errorf("remember the cancellation of order %s: %w", ev.OrderID, err)
 	}
 	inv.VoidedAt = &inv.CreatedAt
 	remembered, err := insertOnce(tx, &inv)
@@ -159,7 +171,7 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		})
 	}
 	var voided Invoice
-	res := tx.Model(&voided).Clauses(clause.Returning{}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
+	res := tx.Model(&voided).Clauses(clause.Returning{Columns: []clause.Column{{Name: "id"}}}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
 		Updates(map[string]any{"status": StatusVoid, "voided_at": gorm.Expr("clock_timestamp()")})
 	if res.Error != nil {
 		return fmt.Errorf("void invoice of order %s: %w", ev.OrderID, res.Error)
@@ -195,10 +207,10 @@ func newInvoice(orderID uuid.UUID, customerID string, amount int64, status strin
 // one of the two, and the consumer retries its messages one by one. Among the array's own rows
 // of one order, ord (the batch's order, which a sort need not keep) lets the earlier message's
 // stand, as it would one delivery at a time.
-const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at)
-SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at
+const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at, placed_message_id)
+SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at, placed_message_id
 FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, amount_cents bigint, status text, message_id uuid,
-    created_at timestamptz, ord int)
+    created_at timestamptz, placed_message_id uuid, ord int)
 ORDER BY order_id, ord
 ON CONFLICT (order_id) DO NOTHING
 RETURNING id`

@@ -126,12 +126,10 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 	b := setup(t)
 	good := orderPlaced(t, uuid.New(), 100)
 	noOrder := orderPlaced(t, uuid.Nil, 100)
-	wrongType := good
-	wrongType.ID, wrongType.Type = uuid.New(), "OrderRefunded"
 	wrongShape := good
 	wrongShape.ID, wrongShape.Payload = uuid.New(), json.RawMessage(`{"order_id": 5}`)
 	negative := orderPlaced(t, uuid.New(), -1)
-	for name, msg := range map[string]messaging.Message{"no order id": noOrder, "wrong type": wrongType, "wrong shape": wrongShape, "negative total": negative} {
+	for name, msg := range map[string]messaging.Message{"no order id": noOrder, "wrong shape": wrongShape, "negative total": negative} {
 		if _, err := b.deliver(t, msg); !messaging.IsPermanent(err) {
 			t.Errorf("%s: err = %v, want a permanent error", name, err)
 		}
@@ -267,16 +265,39 @@ func TestOrderPlacedAgainAfterTheVoidChangesNothing(t *testing.T) {
 	}
 }
 
-// gateInvoiceInserts makes each insert into invoices wait, once its row is written, until
-// release, so the inserting transaction stays open with its row, and another can run into it.
-// held reports whether one waits there.
-func gateInvoiceInserts(t *testing.T, db *gorm.DB) (held func() bool, release func()) {
+// gateInvoices makes each write of invoices that when names ("AFTER INSERT ON invoices") wait,
+// once its row is written, until release, so the writing transaction stays open with its row,
+// and another can run into it. held reports whether one waits there.
+func gateInvoices(t *testing.T, db *gorm.DB, when string) (held func() bool, release func()) {
 	t.Helper()
-	release = testenv.HoldAt(t, db, "AFTER INSERT ON invoices")
+	release = testenv.HoldAt(t, db, when)
 	held = func() bool {
 		return testenv.Count(t, db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'") == 1
 	}
 	return held, release
+}
+
+// deliverCrossing delivers first until it is held at a gate (gateInvoices) with its row written,
+// then second until it waits for first's transaction, then releases the gate, and requires
+// both handled.
+func (b *testBundle) deliverCrossing(t *testing.T, first, second messaging.Message, held func() bool, release func()) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	wg.Go(func() { _, err := b.deliver(t, first); errs <- err })
+	testenv.Eventually(t, 10*time.Second, held, "the %s did not write its invoice row", first.Type) // written, not committed
+	wg.Go(func() { _, err := b.deliver(t, second); errs <- err })
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'") == 1
+	}, "the %s did not wait for the %s's transaction", second.Type, first.Type)
+	release()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // The placement and the cancellation of one order handled at the same moment, each in its own
@@ -287,34 +308,21 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 	testenv.Connections(t, 3*testenv.DefaultConnections) // three databases, one after another
 	for _, first := range []string{events.OrderPlacedType, events.OrderCancelledType} {
 		b := setup(t)
-		held, release := gateInvoiceInserts(t, b.db)
+		held, release := gateInvoices(t, b.db, "AFTER INSERT ON invoices")
 		orderID := uuid.New()
 		msgs := map[string]messaging.Message{events.OrderPlacedType: orderPlaced(t, orderID, 500), events.OrderCancelledType: orderCancelled(t, orderID)}
 		second := events.OrderCancelledType
 		if first == second {
 			second = events.OrderPlacedType
 		}
-		var wg sync.WaitGroup
-		errs := make(chan error, 2)
-		wg.Go(func() { _, err := b.deliver(t, msgs[first]); errs <- err })
-		testenv.Eventually(t, 10*time.Second, held, "the %s did not write its invoice row", first) // written, not committed
-		wg.Go(func() { _, err := b.deliver(t, msgs[second]); errs <- err })
-		testenv.Eventually(t, 10*time.Second, func() bool {
-			return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'") == 1
-		}, "the %s did not wait for the %s's transaction", second, first)
-		release()
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			if err != nil {
-				t.Fatal(err)
-			}
+		b.deliverCrossing(t, msgs[first], msgs[second], held, release)
+		// Issued and announced, then voided; or void from the start, never announced, and
+		// given its amount by the late OrderPlaced.
+		wantIssued := map[string]int64{events.OrderPlacedType: 1, events.OrderCancelledType: 0}[first]
+		if inv, issued := b.invoiceOf(t, orderID); inv.Status != StatusVoid || inv.AmountCents != 500 || issued != wantIssued {
+			t.Fatalf("%s first, %s waiting: invoice %s of %d with %d InvoiceIssued, want void of 500 with %d",
+				first, second, inv.Status, inv.AmountCents, issued, wantIssued)
 		}
-		inv, issued := b.invoiceOf(t, orderID)
-		if inv.Status != StatusVoid {
-			t.Fatalf("%s first, %s waiting: invoice %s, want void", first, second, inv.Status)
-		}
-		t.Logf("%s first, %s waiting for it: invoice %s, %d InvoiceIssued", first, second, inv.Status, issued)
 	}
 
 	// And many times with nothing held: both at once, in whatever order the scheduler picks.
@@ -339,6 +347,64 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 	}
 	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices"); n != 50 {
 		t.Fatalf("%d invoice rows for 50 orders", n)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices WHERE amount_cents <> 500"); n != 0 {
+		t.Fatalf("%d of 50 invoices without the order's amount", n)
+	}
+	// Announced once if issued before it was voided (voided later than created), else never.
+	if n := testenv.Count(t, b.db, `SELECT count(*) FROM invoices i
+		WHERE (SELECT count(*) FROM outbox_messages o WHERE o.type = ? AND o.payload->>'order_id' = i.order_id::text)
+			<> CASE WHEN i.voided_at > i.created_at THEN 1 ELSE 0 END`, events.InvoiceIssuedType); n != 0 {
+		t.Fatalf("%d of 50 orders announced other than once if issued first, never if cancelled first", n)
+	}
+}
+
+// An order cancelled before it arrived, whose total was 0, learns its amount from its first
+// OrderPlaced only: another OrderPlaced for it (a replay upstream, with another total) changes
+// nothing, is counted as done already, and says that the amounts differ. Its amount of 0 used to
+// make it look as if it still awaited its order, and the second total replaced the first.
+func TestAnOrderCancelledFirstLearnsItsAmountOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	late := orderPlaced(t, orderID, 0)
+	replay := orderPlaced(t, orderID, 500)
+	for _, msg := range []messaging.Message{orderCancelled(t, orderID), late, replay} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+	}
+	inv, issued := b.invoiceOf(t, orderID)
+	if inv.Status != StatusVoid || inv.AmountCents != 0 || inv.PlacedMessageID == nil || *inv.PlacedMessageID != late.ID || issued != 0 {
+		t.Fatalf("invoice %+v with %d InvoiceIssued, want void of 0 from message %s, never announced", inv, issued, late.ID)
+	}
+	if n := len(b.logs.Lines("order was cancelled before it arrived", "message_id="+late.ID.String())); n != 1 || b.alreadyDone.Load() != 1 {
+		t.Fatalf("%d 'cancelled before it arrived' lines for the late order and %d counted as done, want 1 of each", n, b.alreadyDone.Load())
+	}
+	if n := len(b.logs.Lines("level=ERROR", "with another amount", "amount_cents=500", "invoice_amount_cents=0", "message_id="+replay.ID.String())); n != 1 {
+		t.Fatalf("%d lines saying the replay's amount differs, want 1:\n%s", n, b.logs)
+	}
+}
+
+// Two OrderPlaced of one order that was cancelled before it arrived, handled at the same moment:
+// the first gives the void row its amount, and the second, once the first commits, finds it
+// given. Both used to read the row as awaiting its order, and the second's total replaced the
+// first's, each logged as the late order.
+func TestTwoOrderPlacedAtOnceForAnOrderCancelledFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	orderID := uuid.New()
+	if _, err := b.deliver(t, orderCancelled(t, orderID)); err != nil {
+		t.Fatal(err)
+	}
+	held, release := gateInvoices(t, b.db, "AFTER UPDATE ON invoices")
+	first, second := orderPlaced(t, orderID, 500), orderPlaced(t, orderID, 700)
+	b.deliverCrossing(t, first, second, held, release)
+	if inv, issued := b.invoiceOf(t, orderID); inv.Status != StatusVoid || inv.AmountCents != 500 || issued != 0 {
+		t.Fatalf("invoice %s of %d with %d InvoiceIssued, want void of the first message's 500, never announced", inv.Status, inv.AmountCents, issued)
+	}
+	if n := len(b.logs.Lines("order was cancelled before it arrived")); n != 1 || b.alreadyDone.Load() != 1 {
+		t.Fatalf("%d 'cancelled before it arrived' lines and %d counted as done, want 1 of each", n, b.alreadyDone.Load())
 	}
 }
 
