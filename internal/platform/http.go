@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -186,6 +187,9 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 			next.ServeHTTP(ww, req)
 		})
 	})
+	// HEAD is GET without its body (RFC 9110 requires it of a general-purpose server): uptime
+	// checkers probe with it.
+	r.Use(middleware.GetHead)
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) { WriteProblem(w, http.StatusNotFound, "no such resource") })
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		// RFC 9110 wants the methods in Allow; chi does not pass them to a handler of one's own.
@@ -206,7 +210,8 @@ var routedMethods = []string{
 	http.MethodDelete, http.MethodOptions, http.MethodConnect, http.MethodTrace,
 }
 
-// allowedMethods are the methods routes has a route for at req's path. routes is the
+// allowedMethods are the methods routes has a route for at req's path, and HEAD where GET is
+// (middleware.GetHead). routes is the
 // top-level router, which finds routes in its subrouters as well, given the whole path.
 func allowedMethods(routes chi.Routes, req *http.Request) []string {
 	path := req.URL.RawPath
@@ -215,7 +220,7 @@ func allowedMethods(routes chi.Routes, req *http.Request) []string {
 	}
 	var allowed []string
 	for _, m := range routedMethods {
-		if routes.Match(chi.NewRouteContext(), m, path) {
+		if routes.Match(chi.NewRouteContext(), m, path) || m == http.MethodHead && slices.Contains(allowed, http.MethodGet) {
 			allowed = append(allowed, m)
 		}
 	}

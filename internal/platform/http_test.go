@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -31,17 +32,41 @@ func TestMethodNotAllowedSaysWhichAre(t *testing.T) {
 	})
 	for _, c := range []struct{ method, path, allow string }{
 		{http.MethodGet, "/orders", "POST"},
-		{http.MethodDelete, "/orders/42", "GET"},
-		{http.MethodHead, "/orders/42", "GET"},
+		{http.MethodDelete, "/orders/42", "GET, HEAD"},
+		{http.MethodHead, "/orders/42/cancel", "POST"},
 		{http.MethodGet, "/orders/42/cancel", "POST"},
-		{http.MethodPost, "/healthz", "GET"},
-		{http.MethodPut, "/readyz", "GET"},
-		{http.MethodPost, "/things/7", "GET, PUT, DELETE"},
+		{http.MethodPost, "/healthz", "GET, HEAD"},
+		{http.MethodPut, "/readyz", "GET, HEAD"},
+		{http.MethodPost, "/things/7", "GET, HEAD, PUT, DELETE"},
 	} {
 		rec := httptest.NewRecorder()
 		r.ServeHTTP(rec, httptest.NewRequest(c.method, c.path, nil))
 		if rec.Code != http.StatusMethodNotAllowed || rec.Header().Get("Content-Type") != "application/problem+json" || rec.Header().Get("Allow") != c.allow {
 			t.Errorf("%s %s = %d %s, Allow %q; want a 405 problem with Allow %q", c.method, c.path, rec.Code, rec.Header().Get("Content-Type"), rec.Header().Get("Allow"), c.allow)
+		}
+	}
+}
+
+// HEAD is answered as GET is, without the body (RFC 9110, section 9.3.2): an uptime checker
+// that probes with it finds the service up.
+func TestHeadIsAnsweredAsGet(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	r := NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil })
+	r.Get("/orders/{id}", func(w http.ResponseWriter, _ *http.Request) {
+		WriteJSON(w, http.StatusOK, map[string]string{"id": "42"})
+	})
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	for _, path := range []string{"/healthz", "/readyz", "/orders/42"} {
+		resp, err := http.Head(srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("Content-Type") != "application/json" || len(body) != 0 {
+			t.Errorf("HEAD %s = %d %q with %d bytes, want 200 application/json without a body", path, resp.StatusCode, resp.Header.Get("Content-Type"), len(body))
 		}
 	}
 }
