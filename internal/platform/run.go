@@ -120,6 +120,11 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)
 	}
 	log.Info("listening", "addr", ln.Addr().String())
+	if srv.ErrorLog == nil {
+		// net/http's own lines (an accept error, a superfluous WriteHeader) as the service's
+		// others are, key=value or JSON, not in the log package's format on stderr.
+		srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	var intake sync.WaitGroup
 	goIntake := func(f func() error) {

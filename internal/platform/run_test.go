@@ -105,6 +105,42 @@ func TestServeTellsMainOfAFailureNotOfTheSignal(t *testing.T) {
 	}
 }
 
+// net/http's own lines reach the service's log, as its others do: a handler that writes its
+// status twice makes net/http say so, and the line is the service's, at WARN.
+func TestTheHTTPServersOwnLinesAreTheServices(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	log, logs := testenv.NewLogger(t)
+	twice := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.WriteHeader(http.StatusTeapot)
+	})
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, log, NewServer("127.0.0.1:0", twice), Workers{}) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Error(err)
+		}
+	})
+	var addr string
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		lines := logs.Lines(`msg=listening`)
+		if len(lines) == 1 {
+			_, addr, _ = strings.Cut(lines[0], "addr=")
+		}
+		return addr != ""
+	}, "the server did not say where it listens")
+	resp, err := http.Get("http://" + strings.TrimSpace(addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(logs.Lines("level=WARN", "superfluous response.WriteHeader")) == 1
+	}, "net/http's line did not reach the service's log:\n%s", logs)
+}
+
 // hardStopChildEnv makes the test below its own child process: a service run by Main.
 const hardStopChildEnv = "PLATFORM_TEST_FAILING_SERVICE"
 
