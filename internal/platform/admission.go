@@ -7,10 +7,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"net/http"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -195,7 +193,7 @@ func (a *Admission) refuse(w http.ResponseWriter, r *http.Request) {
 	}
 	a.shed.Add(1)
 	a.count.Inc()
-	w.Header().Set("Retry-After", strconv.Itoa(1+rand.IntN(3)))
+	SetRetryAfter(w)
 	WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
 }
 

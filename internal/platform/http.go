@@ -291,6 +291,7 @@ func NewServer(addr string, h http.Handler) *http.Server {
 // 1000). A parameter given empty is a 400, not a missing one: a script whose variable is unset
 // must not get every order's items for one order's.
 func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
+	var failures FailureLog
 	return func(w http.ResponseWriter, r *http.Request) {
 		q := r.URL.Query()
 		var orderID *uuid.UUID
@@ -315,8 +316,8 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		defer cancel()
 		items, err := list(ctx, orderID, limit)
 		if err != nil {
-			log.ErrorContext(r.Context(), "list failed", "path", r.URL.Path, "error", err)
-			w.Header().Set("Retry-After", "1")
+			failures.Error(r.Context(), log, "list failed", err, "path", r.URL.Path)
+			SetRetryAfter(w)
 			WriteProblem(w, http.StatusServiceUnavailable, "the database is unavailable; try again")
 			return
 		}

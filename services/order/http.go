@@ -22,8 +22,9 @@ import (
 const requestTimeout = 5 * time.Second
 
 type api struct {
-	store *Store
-	log   *slog.Logger
+	store    *Store
+	log      *slog.Logger
+	failures platform.FailureLog // the database's, logged once per interval
 }
 
 func (a *api) routes(r chi.Router) {
@@ -173,8 +174,8 @@ func placeRetryAdvice(key string) string {
 // through.
 func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op, detail string, err error) {
 	if r.Context().Err() == nil {
-		a.log.ErrorContext(r.Context(), op+" failed", "error", err)
+		a.failures.Error(r.Context(), a.log, op+" failed", err)
 	}
-	w.Header().Set("Retry-After", "1")
+	platform.SetRetryAfter(w)
 	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; "+detail)
 }

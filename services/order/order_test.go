@@ -368,6 +368,19 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 			t.Fatalf("POST with the database gone, Idempotency-Key %q = %d %s, want a 503 problem that says to %s", key, resp.StatusCode, body, advice)
 		}
 	}
+	// An outage fails every request alike: one line says so, not one per request, and the
+	// clients are told to come back at spread-out times.
+	retryAfter := map[string]bool{}
+	for range 50 {
+		resp, _ := b.post(t, validBody, "application/json", "")
+		retryAfter[resp.Header.Get("Retry-After")] = true
+	}
+	if n := len(b.logs.Lines("place order failed")); n != 1 {
+		t.Errorf("%d 'place order failed' lines for 52 failed requests, want 1 (one per 10 s at most)", n)
+	}
+	if len(retryAfter) < 2 {
+		t.Errorf("Retry-After %v over 50 answers, want it spread over 1 to 3 s", retryAfter)
+	}
 	resp, body := do(t, mustRequest(t, http.MethodGet, b.srv.URL+"/readyz"))
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/problem+json" ||
 		!strings.Contains(string(body), `"detail":"the database does not answer"`) {
