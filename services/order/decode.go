@@ -19,7 +19,8 @@ import (
 )
 
 // MaxBodyBytes is the largest request body accepted (413 beyond): as much as admission reads
-// before a request takes its place, so that no accepted body is read while holding one.
+// before a request takes its place, so that a body is not read while holding one, unless
+// admission's read-ahead budget had no room for it.
 const MaxBodyBytes = platform.MaxBufferedBody
 
 // DecodeError is a request body that cannot become a command; Status is its HTTP status. Field
@@ -82,7 +83,7 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	if json.Valid(body) {
 		fields := json.NewDecoder(bytes.NewReader(body))
 		fields.UseNumber() // a number beyond float64's range (1e400) is a token like any other
-		if _, err := checkFields(fields, reflect.TypeFor[T](), ""); errors.As(err, &de) {
+		if err := checkBody(fields, reflect.TypeFor[T]()); errors.As(err, &de) {
 			return zero, de
 		}
 	}
@@ -170,15 +171,26 @@ func decodeError(err error, body []byte) *DecodeError {
 // 200 MB. Ten times the most lines an order may have, so that Validate still says why.
 const maxArrayElements = 10 * MaxLines
 
+// checkBody checks the body dec reads, of Go type t, with checkFields: its first fault, or,
+// if it has none, its first required field left out or null. A malformed body (400) is told
+// as such before its missing values (422), wherever in the body each is.
+func checkBody(dec *json.Decoder, t reflect.Type) error {
+	var missing error
+	if _, err := checkFields(dec, t, "", &missing); err != nil {
+		return err
+	}
+	return missing
+}
+
 // checkFields reads the value dec is at and returns a *DecodeError for the first of its
 // objects' keys that is not one of the fields of t, the Go type it decodes into, spelled
 // exactly (by its json tag), or is repeated in its object, for an array of more than
 // maxArrayElements, and for an array or object where t has none (a 422, the first of the
-// decoder's own errors: it would go on decoding, and build every line of a million after it),
-// and for a required field left out or null (checkObject); path is where the value is, as
-// fieldAt names it, and null reports a JSON null there. dec must hold valid JSON. The recursion
-// is as deep as t, whatever the body's nesting.
-func checkFields(dec *json.Decoder, t reflect.Type, path string) (null bool, err error) {
+// decoder's own errors: it would go on decoding, and build every line of a million after it);
+// path is where the value is, as fieldAt names it, and null reports a JSON null there. The
+// first required field left out or null goes to *missing (checkObject), and the reading goes
+// on. dec must hold valid JSON. The recursion is as deep as t, whatever the body's nesting.
+func checkFields(dec *json.Decoder, t reflect.Type, path string, missing *error) (null bool, err error) {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
@@ -193,9 +205,9 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) (null bool, err
 		}
 		for i := 0; dec.More(); i++ {
 			if i == maxArrayElements {
-				return false, &DecodeError{Status: http.StatusUnprocessableEntity, Field: path, Detail: fmt.Sprintf("at most %d elements", maxArrayElements)}
+				return false, &DecodeError{Status: http.StatusUnprocessableEntity, Field: path, Detail: fmt.Sprintf("far too many elements (over %d)", maxArrayElements)}
 			}
-			if _, err := checkFields(dec, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
+			if _, err := checkFields(dec, t.Elem(), fmt.Sprintf("%s[%d]", path, i), missing); err != nil {
 				return false, err
 			}
 		}
@@ -203,7 +215,7 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) (null bool, err
 		if t.Kind() != reflect.Struct {
 			return false, wrongShape(path, t, "object")
 		}
-		if err := checkObject(dec, jsonFields(t), path); err != nil {
+		if err := checkObject(dec, jsonFields(t), path, missing); err != nil {
 			return false, err
 		}
 	default:
@@ -214,9 +226,10 @@ func checkFields(dec *json.Decoder, t reflect.Type, path string) (null bool, err
 }
 
 // checkObject reads an object's keys and values, dec past its opening brace, for checkFields:
-// every key one of fields, none twice, and each required field there and not null. A required
-// field left out would decode as its zero value: a line without its price would be free.
-func checkObject(dec *json.Decoder, fields map[string]jsonField, path string) error {
+// every key one of fields, none twice; and each required field there and not null, or the
+// first that is not goes to *missing, unless one went there before. A required field left
+// out would decode as its zero value: a line without its price would be free.
+func checkObject(dec *json.Decoder, fields map[string]jsonField, path string, missing *error) error {
 	at := func(key string) string {
 		if path == "" {
 			return key
@@ -238,17 +251,17 @@ func checkObject(dec *json.Decoder, fields map[string]jsonField, path string) er
 			return &DecodeError{Status: http.StatusBadRequest, Detail: unknownField(printableKey(at(key)), key, fields)}
 		}
 		seen[key] = true
-		null, err := checkFields(dec, field.typ, at(key))
+		null, err := checkFields(dec, field.typ, at(key), missing)
 		if err != nil {
 			return err
 		}
-		if null && field.required {
-			return &DecodeError{Status: http.StatusUnprocessableEntity, Field: printableKey(at(key)), Detail: "is required, and must not be null"}
+		if null && field.required && *missing == nil {
+			*missing = &DecodeError{Status: http.StatusUnprocessableEntity, Field: printableKey(at(key)), Detail: "is required, and must not be null"}
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(fields)) {
-		if fields[name].required && !seen[name] {
-			return &DecodeError{Status: http.StatusUnprocessableEntity, Field: at(name), Detail: "is required"}
+		if fields[name].required && !seen[name] && *missing == nil {
+			*missing = &DecodeError{Status: http.StatusUnprocessableEntity, Field: at(name), Detail: "is required"}
 		}
 	}
 	return nil
