@@ -71,6 +71,9 @@ func (c PlaceOrder) Validate() []Violation {
 	return v
 }
 
+// checkID says what is wrong with an id (a customer's, a SKU), or "". An id is compared and
+// shown as sent: one with space around it, or an invisible format character (a zero-width
+// space, a bidirectional override) inside, would be another id that looks the same.
 func checkID(s string) string {
 	switch {
 	case strings.TrimSpace(s) == "":
@@ -81,6 +84,10 @@ func checkID(s string) string {
 		return "at most 100 characters"
 	case strings.IndexFunc(s, unicode.IsControl) >= 0:
 		return "must not contain control characters"
+	case strings.TrimSpace(s) != s:
+		return "must not start or end with white space"
+	case strings.IndexFunc(s, func(r rune) bool { return unicode.Is(unicode.Cf, r) }) >= 0:
+		return "must not contain invisible format characters"
 	}
 	return ""
 }
