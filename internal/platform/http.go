@@ -164,10 +164,10 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 			req = req.WithContext(ctx)
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
 			// Deferred before the recovery, so they run after it, also when it panics again.
-			defer func() { describeServerSpan(span, req, sentStatus(ww)) }()
+			defer func() { describeServerSpan(span, req, sentStatus(ww, req)) }()
 			defer func() {
 				route := routeLabel(req)
-				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(sentStatus(ww))).Inc()
+				requests.WithLabelValues(route, methodLabel(req.Method), strconv.Itoa(sentStatus(ww, req))).Inc()
 				duration.WithLabelValues(route).Observe(time.Since(start).Seconds())
 			}()
 			defer func() {
@@ -260,11 +260,18 @@ func describeServerSpan(span trace.Span, req *http.Request, status int) {
 	}
 }
 
-// sentStatus is the status of w's response: the one written, or, with nothing written, the 200
-// net/http answers.
-func sentStatus(w middleware.WrapResponseWriter) int {
-	if status := w.Status(); status != 0 {
-		return status
+// clientGone is the status counted for a request whose client went away before it was
+// answered, and to which nothing was written: nginx's 499, "client closed request".
+const clientGone = 499
+
+// sentStatus is the status of w's response to req: the one written; with nothing written, the
+// 200 net/http answers, or clientGone if req's client went away (nobody was answered).
+func sentStatus(w middleware.WrapResponseWriter, req *http.Request) int {
+	switch {
+	case w.Status() != 0:
+		return w.Status()
+	case req.Context().Err() != nil:
+		return clientGone
 	}
 	return http.StatusOK
 }
@@ -315,6 +322,9 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 		defer cancel()
 		items, err := list(ctx, orderID, limit)
+		if err != nil && r.Context().Err() != nil {
+			return // the client went away: nobody to answer (counted as clientGone)
+		}
 		if err != nil {
 			failures.Error(r.Context(), log, "list failed", err, "path", r.URL.Path)
 			SetRetryAfter(w)

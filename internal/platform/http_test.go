@@ -47,6 +47,28 @@ func TestMethodNotAllowedSaysWhichAre(t *testing.T) {
 	}
 }
 
+// A request whose client went away before it was answered, and to which nothing was written
+// (admission's wait, a database call its going cut short), is counted as 499, not as the 200
+// net/http would have sent nobody.
+func TestARequestWhoseClientWentAwayIsCountedAs499(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	r := NewRouter(log, reg, func(context.Context) error { return nil })
+	r.Get("/slow", func(http.ResponseWriter, *http.Request) {})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	r.ServeHTTP(httptest.NewRecorder(), httptest.NewRequestWithContext(ctx, http.MethodGet, "/slow", nil))
+	want := `
+# HELP http_requests_total HTTP requests by route, method and status code.
+# TYPE http_requests_total counter
+http_requests_total{code="499",method="GET",route="/slow"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "http_requests_total"); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // HEAD is answered as GET is, without the body (RFC 9110, section 9.3.2): an uptime checker
 // that probes with it finds the service up.
 func TestHeadIsAnsweredAsGet(t *testing.T) {

@@ -170,12 +170,13 @@ func placeRetryAdvice(key string) string {
 }
 
 // unavailable answers a database failure with 503 and detail, which tells the client how to
-// retry. A change may have been saved even so: a commit cut off by the deadline may have gone
-// through.
+// retry, unless the client went away. A change may have been saved even so: a commit cut off by
+// the deadline may have gone through.
 func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op, detail string, err error) {
-	if r.Context().Err() == nil {
-		a.failures.Error(r.Context(), a.log, op+" failed", err)
+	if r.Context().Err() != nil {
+		return // the client went away: nobody to answer, nothing failed (counted as 499)
 	}
+	a.failures.Error(r.Context(), a.log, op+" failed", err)
 	platform.SetRetryAfter(w)
 	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; "+detail)
 }
