@@ -171,6 +171,10 @@ func overload(t *testing.T, r *report, binDir string) {
 	r.add("   accepted latency p50 / p99 at saturation", fmt.Sprintf("%s / %s", ms(percentile(closedOK, .5)), ms(percentile(closedOK, .99))), "", "", "", true)
 
 	target := int(2 * sat)
+	if target < 1 {
+		r.add("overload: twice the saturation rate", fmt.Sprintf("%.1f orders/s at saturation", sat), "", "", "a saturation to double", false)
+		return
+	}
 	got, offered := openLoop(sys.Order.URL, target, 30*time.Second)
 	accepted, _ := got.split(http.StatusCreated)
 	shed, _ := got.split(http.StatusServiceUnavailable)
@@ -178,7 +182,7 @@ func overload(t *testing.T, r *report, binDir string) {
 	other := total - len(accepted) - len(shed)
 	p99 := percentile(accepted, .99)
 	r.add(fmt.Sprintf("overload: %d orders/s offered open loop (2 × saturation; %.0f/s reached), 30 s: accepted p50 / p99", target, offered),
-		fmt.Sprintf("%s / %s", ms(percentile(accepted, .5)), ms(p99)), "", "", "p99 ≤ 100 ms", p99 <= 100*time.Millisecond && other == 0)
+		fmt.Sprintf("%s / %s", ms(percentile(accepted, .5)), ms(p99)), "", "", "p99 ≤ 100 ms", len(accepted) > 0 && p99 <= 100*time.Millisecond && other == 0)
 	shedP99 := percentile(shed, .99)
 	r.add(fmt.Sprintf("   shed (503): share of %d requests, p50 / p99 (%d other answers)", total, other),
 		fmt.Sprintf("%.0f %%, %s / %s", 100*float64(len(shed))/float64(max(total, 1)), ms(percentile(shed, .5)), ms(shedP99)), "", "", "p99 ≤ 50 ms",
