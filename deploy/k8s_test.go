@@ -1232,15 +1232,12 @@ func TestK8sRabbitmqCluster(t *testing.T) {
 	if want := service(t, loadProject(t), "rabbitmq").Image; r.Spec.Image != want {
 		t.Errorf("image = %q, want %q, the image docker-compose.yml runs", r.Spec.Image, want)
 	}
-	for _, line := range []string{
-		`cluster_partition_handling\s*=\s*pause_minority`,
-		// The topology operator may declare the queues before every node has joined.
-		`quorum_queue\.continuous_membership_reconciliation\.enabled\s*=\s*true`,
-		`quorum_queue\.continuous_membership_reconciliation\.target_group_size\s*=\s*` + strconv.Itoa(int(*r.Spec.Replicas)),
-	} {
-		if !regexp.MustCompile(`(?m)^\s*` + line + `\s*$`).MatchString(r.Spec.Rabbitmq.AdditionalConfig) {
-			t.Errorf("additionalConfig = %q, want a line %s", r.Spec.Rabbitmq.AdditionalConfig, line)
-		}
+	conf := parseRabbitConf(t, "deploy/k8s/rabbitmq.yaml additionalConfig", r.Spec.Rabbitmq.AdditionalConfig)
+	checkNoPartitionHandling(t, "deploy/k8s/rabbitmq.yaml additionalConfig", conf)
+	// The topology operator may declare the queues before every node has joined.
+	if conf["quorum_queue.continuous_membership_reconciliation.enabled"] != "true" ||
+		conf["quorum_queue.continuous_membership_reconciliation.target_group_size"] != strconv.Itoa(int(*r.Spec.Replicas)) {
+		t.Errorf("additionalConfig = %q, want quorum_queue.continuous_membership_reconciliation enabled with target_group_size %d", r.Spec.Rabbitmq.AdditionalConfig, *r.Spec.Replicas)
 	}
 	if res := r.Spec.Resources; res == nil || res.Requests.Memory().IsZero() || res.Limits.Memory().IsZero() || res.Requests.Cpu().IsZero() {
 		t.Errorf("resources = %+v, want CPU and memory requests and a memory limit", res)

@@ -20,7 +20,8 @@
 # default 5681-5683), distribution port (AMQP port + 20000) and data directory under
 # CLUSTER_DIR (default: $TMPDIR/outbox-inbox-cluster). They share one Erlang cookie there.
 # `cluster_partition_handling = pause_minority`: a node cut off from the other two pauses
-# instead of going on alone (the default, ignore, stays split after the partition heals).
+# instead of going on alone (the default, ignore, stays split after the partition heals). That
+# is Mnesia's, so 3.x's, the installed RabbitMQ here (3.10): 4.3 accepts the key and ignores it.
 #
 # CLUSTER_NETNS=1 runs each node in a network namespace of its own, because a partition needs
 # a network to cut: on loopback, Erlang distribution goes straight between the nodes' ports
