@@ -33,13 +33,14 @@ type app struct {
 	port     uint32 // HTTP_ADDR, published as is, and the healthcheck's port
 	database string
 	role     string
-	extra    []string // services it waits for besides postgres and rabbitmq
+	consumer bool     // ready only while its broker works: it waits for the broker too
+	extra    []string // services it waits for besides postgres (and the brokers, for a consumer)
 }
 
 var apps = []app{
 	{name: "order", port: 8080, database: "order_db", role: "order"},
-	{name: "invoicing", port: 8081, database: "invoicing_db", role: "invoicing"},
-	{name: "notification", port: 8082, database: "notification_db", role: "notification", extra: []string{"mailpit"}},
+	{name: "invoicing", port: 8081, database: "invoicing_db", role: "invoicing", consumer: true},
+	{name: "notification", port: 8082, database: "notification_db", role: "notification", consumer: true, extra: []string{"mailpit"}},
 }
 
 // loadProject loads docker-compose.yml as `docker compose config` would, but without the
@@ -254,7 +255,8 @@ type appTarget struct {
 }
 
 // checkApp checks that s runs app a as docker-compose.yml must, connected to target: built
-// from the one Dockerfile, started once its dependencies are healthy, configured with what the
+// from the one Dockerfile, started once its dependencies are healthy (the order service never
+// waits for a broker), configured with what the
 // code reads, logged in to PostgreSQL and RabbitMQ as its own role and user, and
 // healthchecked on its HTTP port. defs are the broker's definitions, roles the init scripts'.
 func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs definitions, roles map[string]string) {
@@ -275,10 +277,25 @@ func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs
 		}
 	}
 
-	// Start order: only once the dependencies are healthy.
-	for _, dep := range slices.Concat([]string{"postgres"}, target.brokers, a.extra) {
+	// Start order: only once the dependencies are healthy, and nothing else. The order service
+	// does not wait for the broker: a broker that never comes up must not keep it from taking
+	// orders, which is what the outbox is for.
+	wait := slices.Concat([]string{"postgres"}, a.extra)
+	if a.consumer {
+		wait = append(wait, target.brokers...)
+	}
+	for _, dep := range wait {
 		if d, ok := s.DependsOn[dep]; !ok || d.Condition != types.ServiceConditionHealthy {
 			t.Errorf("depends_on %s: %+v, want condition service_healthy", dep, d)
+		}
+	}
+	for dep := range s.DependsOn {
+		switch {
+		case slices.Contains(wait, dep):
+		case slices.Contains(target.brokers, dep):
+			t.Errorf("depends_on %s: %s consumes nothing and must start whatever the broker does (its outbox keeps the events meanwhile)", dep, a.name)
+		default:
+			t.Errorf("depends_on %s, which it does not need (want %v)", dep, wait)
 		}
 	}
 	if s.Restart == "" || s.Restart == types.RestartPolicyNo {
