@@ -380,6 +380,33 @@ func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs
 	}
 }
 
+// Every service of every profile built from the Dockerfile runs one of the apps, and its
+// environment passes that app's own config readers.
+func TestComposeServiceConfiguration(t *testing.T) {
+	t.Parallel()
+	for name, s := range loadEveryProfile(t).Services {
+		if s.Build == nil {
+			continue
+		}
+		arg := s.Build.Args["SERVICE"]
+		i := slices.IndexFunc(apps, func(a app) bool { return arg != nil && a.name == *arg })
+		if i < 0 {
+			t.Errorf("%s: build arg SERVICE = %v, which names no service of services/", name, deref(arg))
+			continue
+		}
+		vars := map[string]string{}
+		for k, v := range s.Environment {
+			if v != nil {
+				vars[k] = *v
+			}
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			checkConfigReaders(t, apps[i], vars)
+		})
+	}
+}
+
 // publishedPorts are the ports docker-compose.yml publishes: the container port, and the
 // variable that moves the host port (the container port when unset).
 var publishedPorts = []struct {
@@ -769,6 +796,40 @@ func publishes(s types.ServiceConfig, target, published uint32) bool {
 	return slices.ContainsFunc(s.Ports, func(p types.ServicePortConfig) bool {
 		return p.Target == target && p.Published == strconv.Itoa(int(published)) && p.HostIP == "127.0.0.1"
 	})
+}
+
+// checkConfigReaders runs the config readers services/<a.name>/main.go calls on vars, the
+// environment a deployment gives it, and fails t if the service would refuse to start with
+// them. Variables read in a main.go alone (notification's SMTP_*, NOTIFY_*) have no reader to
+// call from here.
+func checkConfigReaders(t *testing.T, a app, vars map[string]string) {
+	t.Helper()
+	src, err := os.ReadFile(filepath.Join(root, "services", a.name, "main.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := platform.EnvFrom(vars)
+	common := platform.ReadCommon(env, ":1")
+	var relaying *platform.RelaySettings
+	var consuming *platform.ConsumerSettings
+	if strings.Contains(string(src), "platform.ReadRelaySettings(") {
+		s := platform.ReadRelaySettings(env)
+		relaying = &s
+	}
+	if strings.Contains(string(src), "platform.ReadConsumerSettings(") {
+		s := platform.ReadConsumerSettings(env)
+		consuming = &s
+	}
+	// The senders main.go gives PoolsOf, a literal count.
+	m := regexp.MustCompile(`platform\.PoolsOf\([^,()]+,[^,()]+,\s*(\d+)\)`).FindSubmatch(src)
+	if m == nil {
+		t.Fatalf("services/%s/main.go: no platform.PoolsOf(relay, consumer, <senders>) call found (has it changed?)", a.name)
+	}
+	senders, _ := strconv.Atoi(string(m[1]))
+	platform.PoolsOf(relaying, consuming, senders).Check(env, common)
+	if err := env.Err(); err != nil {
+		t.Errorf("the service would refuse to start: %v", err)
+	}
 }
 
 // goSources returns the non-test Go files the service's binary reads its configuration in.

@@ -888,31 +888,7 @@ func TestK8sServiceConfiguration(t *testing.T) {
 			}
 			vars := containerEnv(t, m, d.Spec.Template.Spec.Containers[0])
 
-			// The readers main.go calls, with what the pod would get.
-			src, err := os.ReadFile(filepath.Join(root, "services", a.name, "main.go"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			env := platform.EnvFrom(vars)
-			common := platform.ReadCommon(env, ":1")
-			var relaying *platform.RelaySettings
-			var consuming *platform.ConsumerSettings
-			if bytes.Contains(src, []byte("platform.ReadRelaySettings(")) {
-				s := platform.ReadRelaySettings(env)
-				relaying = &s
-			}
-			if bytes.Contains(src, []byte("platform.ReadConsumerSettings(")) {
-				s := platform.ReadConsumerSettings(env)
-				consuming = &s
-			}
-			senders := 0
-			if a.name == "notification" {
-				senders = 1 // its main.go's PoolsOf
-			}
-			platform.PoolsOf(relaying, consuming, senders).Check(env, common)
-			if err := env.Err(); err != nil {
-				t.Errorf("the service would refuse to start: %v", err)
-			}
+			checkConfigReaders(t, a, vars)
 			// Variables read in a service's main.go alone (notification's SMTP_*, NOTIFY_*)
 			// have no reader to call from here; the manifests leave them unset.
 			for _, name := range requiredVars(t, a.name) {
