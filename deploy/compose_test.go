@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -741,15 +742,112 @@ func TestDockerfile(t *testing.T) {
 		}
 	}
 
-	// go mod download runs on go.mod and go.sum alone, before the sources are copied in.
+	// go mod download runs on the go.mod and go.sum files alone, before the sources are copied
+	// in: the root module's, and those of every module a replace of its go.mod points at in this
+	// tree, each where the replace expects it (without one, the download fails).
 	download := slices.IndexFunc(build, func(in instr) bool { return in.cmd == "RUN" && strings.Contains(in.args, "go mod download") })
-	modCopy := slices.IndexFunc(build, func(in instr) bool {
-		return in.cmd == "COPY" && strings.Contains(in.args, "go.mod") && strings.Contains(in.args, "go.sum")
-	})
 	srcCopy := slices.IndexFunc(build, func(in instr) bool { return in.cmd == "COPY" && strings.HasPrefix(in.args, ". ") })
-	if modCopy < 0 || download < modCopy || srcCopy < download {
-		t.Errorf("want COPY go.mod go.sum, then RUN go mod download, then COPY . (at %d, %d, %d)", modCopy, download, srcCopy)
+	if download < 0 || srcCopy < download {
+		t.Errorf("want RUN go mod download, then COPY . (at %d, %d)", download, srcCopy)
 	}
+	if download >= 0 {
+		copied := copiedBefore(t, build, download)
+		for _, f := range goModFiles(t) {
+			if !slices.Contains(copied, f) {
+				t.Errorf("%s is not copied to <WORKDIR>/%s before RUN go mod download", f, f)
+			}
+		}
+	}
+}
+
+// goModFiles returns the files `go mod download` reads, from the repository root: the root
+// module's go.mod and go.sum, and the go.mod (and go.sum, if any) of each module a replace
+// directive of the root go.mod points at in this tree.
+func goModFiles(t *testing.T) []string {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(root, "go.mod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := []string{"go.mod", "go.sum"}
+	block := false
+	for line := range strings.SplitSeq(string(raw), "\n") {
+		line, _, _ = strings.Cut(line, "//")
+		line = strings.TrimSpace(line)
+		switch rest, ok := strings.CutPrefix(line, "replace"); {
+		case ok && strings.TrimSpace(rest) == "(":
+			block = true
+			continue
+		case block && line == ")":
+			block = false
+			continue
+		case ok:
+			line = rest
+		case !block:
+			continue
+		}
+		_, target, _ := strings.Cut(line, "=>")
+		dir := strings.TrimSpace(target)
+		if !strings.HasPrefix(dir, "./") && !strings.HasPrefix(dir, "../") && !strings.HasPrefix(dir, "/") {
+			continue // a module version, which go mod download fetches
+		}
+		if dir = path.Clean(dir); strings.HasPrefix(dir, "../") || path.IsAbs(dir) {
+			t.Errorf("go.mod replaces a module with %s, outside the build context", dir)
+			continue
+		}
+		files = append(files, path.Join(dir, "go.mod"))
+		if _, err := os.Stat(filepath.Join(root, dir, "go.sum")); err == nil {
+			files = append(files, path.Join(dir, "go.sum"))
+		}
+	}
+	return files
+}
+
+// copiedBefore returns the files the COPY instructions of the stage that holds instrs[end]
+// copy from the build context before it, by their path from the repository root, each only
+// if it lands where the same path under the WORKDIR of the moment would be.
+func copiedBefore(t *testing.T, instrs []instr, end int) []string {
+	t.Helper()
+	var copied []string
+	workdir := "/"
+	for _, in := range instrs[lastIndex(instrs[:end], "FROM")+1 : end] {
+		args := strings.Fields(in.args)
+		switch in.cmd {
+		case "WORKDIR":
+			dir := in.args
+			if !path.IsAbs(dir) {
+				dir = path.Join(workdir, dir)
+			}
+			workdir = path.Clean(dir)
+		case "COPY":
+			for len(args) > 0 && strings.HasPrefix(args[0], "--") {
+				if strings.HasPrefix(args[0], "--from=") {
+					args = nil // from another stage or image, not the context
+				} else {
+					args = args[1:]
+				}
+			}
+			if len(args) < 2 {
+				continue
+			}
+			srcs, dest := args[:len(args)-1], args[len(args)-1]
+			// Into a folder: the sources keep their names there.
+			folder := len(srcs) > 1 || strings.HasSuffix(dest, "/") || dest == "."
+			if !path.IsAbs(dest) {
+				dest = path.Join(workdir, dest)
+			}
+			for _, src := range srcs {
+				target := dest
+				if folder {
+					target = path.Join(dest, path.Base(src))
+				}
+				if rel := path.Clean(src); target == path.Join(workdir, rel) {
+					copied = append(copied, rel)
+				}
+			}
+		}
+	}
+	return copied
 }
 
 func TestDockerignore(t *testing.T) {
