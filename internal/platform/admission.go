@@ -189,7 +189,7 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 // shed.
 func (a *Admission) refuse(w http.ResponseWriter, r *http.Request) {
 	if r.Context().Err() != nil {
-		return
+		AbandonResponse()
 	}
 	a.shed.Add(1)
 	a.count.Inc()

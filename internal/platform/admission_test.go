@@ -902,8 +902,10 @@ func TestAClientGoneWhileItWaitsIsNotShed(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	req := httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)
-	a.Middleware(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { t.Error("a request with no place was handled") })).
-		ServeHTTP(httptest.NewRecorder(), req)
+	rec := httptest.NewRecorder()
+	if p := serveRecovering(a.Middleware(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { t.Error("a request with no place was handled") })), rec, req); p != http.ErrAbortHandler || rec.Code != http.StatusOK || rec.Body.Len() != 0 {
+		t.Fatalf("panic %v, response %d with %d bytes; want the response abandoned (http.ErrAbortHandler), nothing written", p, rec.Code, rec.Body.Len())
+	}
 	if n, shed := testutil.ToFloat64(a.count), a.shed.Load(); n != 0 || shed != 0 {
 		t.Fatalf("http_requests_shed_total %v, %d in the log's count; want 0: the client went away", n, shed)
 	}

@@ -261,7 +261,8 @@ func describeServerSpan(span trace.Span, req *http.Request, status int) {
 }
 
 // clientGone is the status counted for a request whose client went away before it was
-// answered, and to which nothing was written: nginx's 499, "client closed request".
+// answered, and to which nothing was written (AbandonResponse): nginx's 499, "client closed
+// request".
 const clientGone = 499
 
 // sentStatus is the status of w's response to req: the one written; with nothing written, the
@@ -323,10 +324,12 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		defer cancel()
 		items, err := list(ctx, orderID, limit)
 		if err != nil && r.Context().Err() != nil {
-			return // the client went away: nobody to answer (counted as clientGone)
+			// Logged still: a stalled database whose clients give up first shows only here.
+			failures.Log(r.Context(), log, slog.LevelWarn, "list abandoned: its client went away", err, "path", r.URL.Path)
+			AbandonResponse()
 		}
 		if err != nil {
-			failures.Error(r.Context(), log, "list failed", err, "path", r.URL.Path)
+			failures.Log(r.Context(), log, slog.LevelError, "list failed", err, "path", r.URL.Path)
 			SetRetryAfter(w)
 			WriteProblem(w, http.StatusServiceUnavailable, "the database is unavailable; try again")
 			return

@@ -3,10 +3,12 @@ package platform
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
@@ -55,10 +57,12 @@ func TestARequestWhoseClientWentAwayIsCountedAs499(t *testing.T) {
 	log, _ := testenv.NewLogger(t)
 	reg := prometheus.NewRegistry()
 	r := NewRouter(log, reg, func(context.Context) error { return nil })
-	r.Get("/slow", func(http.ResponseWriter, *http.Request) {})
+	r.Get("/slow", func(http.ResponseWriter, *http.Request) { AbandonResponse() })
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	r.ServeHTTP(httptest.NewRecorder(), httptest.NewRequestWithContext(ctx, http.MethodGet, "/slow", nil))
+	if p := serveRecovering(r, httptest.NewRecorder(), httptest.NewRequestWithContext(ctx, http.MethodGet, "/slow", nil)); p != http.ErrAbortHandler {
+		t.Fatalf("panic %v reached net/http, want http.ErrAbortHandler, which aborts the response", p)
+	}
 	want := `
 # HELP http_requests_total HTTP requests by route, method and status code.
 # TYPE http_requests_total counter
@@ -67,6 +71,45 @@ http_requests_total{code="499",method="GET",route="/slow"} 1
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "http_requests_total"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A client that half-closes its connection after its request ends the request's context, yet
+// still reads: an abandoned response must reach it as a closed connection, never as the 200
+// net/http sends for a handler that wrote nothing (a failed order read as placed).
+func TestAnAbandonedResponseReachesAHalfClosedClientAsNoAnswer(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	r := NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil })
+	r.Get("/wait", func(_ http.ResponseWriter, req *http.Request) {
+		<-req.Context().Done()
+		AbandonResponse()
+	})
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte("GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(conn)
+	if err != nil || len(got) != 0 {
+		t.Fatalf("the half-closed client read %q (%v), want the connection closed without an answer", got, err)
+	}
+}
+
+// serveRecovering serves req with h, and returns what h panicked with, as net/http would
+// recover it (nil if nothing).
+func serveRecovering(h http.Handler, w http.ResponseWriter, req *http.Request) (p any) {
+	defer func() { p = recover() }()
+	h.ServeHTTP(w, req)
+	return nil
 }
 
 // HEAD is answered as GET is, without the body (RFC 9110, section 9.3.2): an uptime checker

@@ -24,7 +24,7 @@ const requestTimeout = 5 * time.Second
 type api struct {
 	store    *Store
 	log      *slog.Logger
-	failures platform.FailureLog // the database's, logged once per interval
+	failures platform.FailureLog // the database's, each operation's logged once per interval
 }
 
 func (a *api) routes(r chi.Router) {
@@ -170,13 +170,16 @@ func placeRetryAdvice(key string) string {
 }
 
 // unavailable answers a database failure with 503 and detail, which tells the client how to
-// retry, unless the client went away. A change may have been saved even so: a commit cut off by
-// the deadline may have gone through.
+// retry, or, if the client went away, abandons the response; logged either way, once per
+// interval. A change may have been saved even so: a commit cut off by the deadline, or by the
+// client's going, may have gone through.
 func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op, detail string, err error) {
 	if r.Context().Err() != nil {
-		return // the client went away: nobody to answer, nothing failed (counted as 499)
+		// Logged still: a stalled database whose clients give up first shows only here.
+		a.failures.Log(r.Context(), a.log, slog.LevelWarn, op+" abandoned: its client went away", err)
+		platform.AbandonResponse()
 	}
-	a.failures.Error(r.Context(), a.log, op+" failed", err)
+	a.failures.Log(r.Context(), a.log, slog.LevelError, op+" failed", err)
 	platform.SetRetryAfter(w)
 	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; "+detail)
 }
