@@ -40,7 +40,7 @@ type Invoice struct {
 	CreatedAt   time.Time  `json:"created_at"`
 	VoidedAt    *time.Time `json:"voided_at,omitempty"`
 	// PlacedMessageID is the OrderPlaced that gave the invoice its amount; nil on a row a
-	// cancellation wrote, until its order arrives.
+	// cancellation wrote, until its order arrives, and on every row written before 00004.
 	PlacedMessageID *uuid.UUID `json:"placed_message_id,omitempty" gorm:"type:uuid"`
 }
 
@@ -148,7 +148,9 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 // wrote before its order arrived, which no OrderPlaced has given its amount yet: no
 // placed_message_id. Rows written before that column (00004) have none either; among them the
 // awaiting row is the one voided as it was created (cancelled sets voided_at to created_at)
-// with no amount yet. A row issued first and voided later, at clock_timestamp(), is none. The
+// with no amount yet. A row issued first and voided later, at clock_timestamp(), is none; but a
+// row of before 00004 whose late order's total was 0 still looks as if it awaited it, as it did
+// then (another OrderPlaced for it would be taken for the late order). The
 // WHERE of an UPDATE, so that of two OrderPlaced at once the second, once the first commits,
 // finds the row taken.
 const awaitsItsOrderSQL = "status = ? AND placed_message_id IS NULL AND voided_at = created_at AND amount_cents = 0"
