@@ -92,15 +92,15 @@ func postSteadily(orderURL string, perSecond int, stop <-chan struct{}) *outcome
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}, Timeout: 10 * time.Second}
 	var got outcomes
 	var wg sync.WaitGroup
-	tick := time.NewTicker(time.Second / time.Duration(perSecond))
-	defer tick.Stop()
-	for {
+	stopped := func() bool {
 		select {
 		case <-stop:
-			wg.Wait()
-			return &got
-		case <-tick.C:
+			return true
+		default:
+			return false
 		}
-		wg.Go(func() { post(client, orderURL, &got) })
 	}
+	paced(perSecond, stopped, func(due time.Time) { wg.Go(func() { postDue(client, orderURL, &got, due) }) })
+	wg.Wait()
+	return &got
 }

@@ -79,7 +79,12 @@ func (o *outcomes) errors() string {
 
 // post sends one order, records what it got, and returns it.
 func post(client *http.Client, url string, into *outcomes) outcome {
-	t0 := time.Now()
+	return postDue(client, url, into, time.Now())
+}
+
+// postDue sends one order that was due at t0, records what it got, timed from t0, and returns
+// it.
+func postDue(client *http.Client, url string, into *outcomes, t0 time.Time) outcome {
 	resp, err := client.Post(url+"/orders", "application/json", strings.NewReader(orderBody))
 	if err != nil {
 		x := outcome{took: time.Since(t0)}
@@ -99,21 +104,31 @@ func openLoop(url string, perSecond int, d time.Duration) (*outcomes, float64) {
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}, Timeout: 30 * time.Second}
 	var got outcomes
 	var wg sync.WaitGroup
-	interval := time.Second / time.Duration(perSecond)
 	start := time.Now()
-	sent := 0
-	// A request is due every interval from the start: a late tick sends what is due at once,
-	// so the offered rate holds even when a tick is missed.
-	for time.Since(start) < d {
-		due := int(time.Since(start)/interval) + 1
-		for ; sent < due; sent++ {
-			wg.Go(func() { post(client, url, &got) })
-		}
-		time.Sleep(interval)
-	}
+	sent := paced(perSecond, func() bool { return time.Since(start) >= d }, func(due time.Time) {
+		wg.Go(func() { postDue(client, url, &got, due) })
+	})
 	offered := rate(sent, time.Since(start))
 	wg.Wait()
 	return &got, offered
+}
+
+// paced calls send every 1/perSecond from now, with the time each call was due, until done
+// says so, and returns how many it made. A request is due every interval from the start: a late
+// tick sends what is due at once, so the offered rate holds when the generator falls behind,
+// and each request is timed from when it was due, so that the delay counts against the
+// latency, as a real client's would (no coordinated omission).
+func paced(perSecond int, done func() bool, send func(due time.Time)) int {
+	interval := time.Second / time.Duration(perSecond)
+	start := time.Now()
+	sent := 0
+	for !done() {
+		for due := int(time.Since(start)/interval) + 1; sent < due; sent++ {
+			send(start.Add(time.Duration(sent) * interval))
+		}
+		time.Sleep(interval)
+	}
+	return sent
 }
 
 // saturationClients keep the order service busy: about as many as its requests' pool has
