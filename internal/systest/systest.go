@@ -314,9 +314,13 @@ func FreeAddr(t *testing.T) string {
 	return ln.Addr().String()
 }
 
+// httpClient is the test's HTTP client of the services. Its timeout bounds each request, so that
+// a service that accepts a request and never answers cannot hold Eventually past its deadline.
+var httpClient = &http.Client{Timeout: 10 * time.Second}
+
 func (s *Service) Status(t *testing.T, path string) int {
 	t.Helper()
-	resp, err := http.Get(s.URL + path)
+	resp, err := httpClient.Get(s.URL + path)
 	if err != nil {
 		return 0
 	}
@@ -326,7 +330,7 @@ func (s *Service) Status(t *testing.T, path string) int {
 
 func (s *Service) GetJSON(t *testing.T, path string, v any) {
 	t.Helper()
-	resp, err := http.Get(s.URL + path)
+	resp, err := httpClient.Get(s.URL + path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +365,7 @@ func (s *Service) Counter(t *testing.T, name string) float64 {
 
 func (s *Service) sample(t *testing.T, name string) (float64, bool) {
 	t.Helper()
-	resp, err := http.Get(s.URL + "/metrics")
+	resp, err := httpClient.Get(s.URL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -407,7 +411,7 @@ func (s *Service) PlaceOrderWith(t *testing.T, customer string, header http.Head
 		req.Header[http.CanonicalHeaderKey(k)] = v
 	}
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := httpClient.Do(req)
 	if err != nil {
 		t.Error(err)
 		return uuid.Nil
@@ -437,7 +441,7 @@ func (s *System) CancelOrder(t *testing.T, id uuid.UUID, reason string) bool {
 // order cancelled (as a repeated cancellation is too); any other answer fails the test.
 func (s *Service) CancelOrder(t *testing.T, id uuid.UUID, reason string) bool {
 	t.Helper()
-	code, body, err := postCancel(http.DefaultClient, s.URL, id, reason)
+	code, body, err := postCancel(httpClient, s.URL, id, reason)
 	switch {
 	case err != nil:
 		t.Error(err)
@@ -775,7 +779,7 @@ func (s *System) DuplicatesSuppressed(t *testing.T) int {
 	t.Helper()
 	total := 0
 	for _, c := range append(append([]*Service{}, s.Invoicers...), s.Notifiers...) {
-		resp, err := http.Get(c.URL + "/metrics")
+		resp, err := httpClient.Get(c.URL + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
