@@ -470,6 +470,15 @@ func (s *Service) InFlightOrder(t *testing.T, customer string) (finish func() (s
 	if _, err := io.WriteString(conn, head+body[:half]); err != nil {
 		t.Fatalf("start POST /orders: %v", err)
 	}
+	// Dialled is not accepted: a connection still in the listener's backlog when the service
+	// is stopped is reset, not drained. The service accepts connections in the order they
+	// came, so an answer on a new connection, dialled after this one, shows it accepted.
+	probe := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := probe.Get(s.URL + "/readyz")
+	if err != nil {
+		t.Fatalf("%s did not answer a request after the one in flight: %v", s.Name, err)
+	}
+	_ = resp.Body.Close()
 	return func() (int, uuid.UUID) {
 		t.Helper()
 		if _, err := io.WriteString(conn, body[half:]); err != nil {
