@@ -701,16 +701,18 @@ func (s *System) WaitExactlyOnce(t *testing.T, want int64, timeout time.Duration
 
 // queuesIdle reports whether the consumers' queues hold no message, ready or unacknowledged:
 // a declare (QueueDepth) counts only the ready ones, so a redelivery in flight would pass.
+// Both queues must be listed: output it cannot read (renamed queues, another format) is not idle.
 func (s *System) queuesIdle(t *testing.T) bool {
 	t.Helper()
 	out := s.ctl(t, "list_queues", "-q", "-p", s.VHost, "--no-table-headers", "name", "messages_ready", "messages_unacknowledged")
+	idle := map[string]bool{}
 	for line := range strings.SplitSeq(out, "\n") {
 		f := strings.Fields(line)
-		if len(f) == 3 && (f[0] == "invoicing" || f[0] == "notification") && (f[1] != "0" || f[2] != "0") {
-			return false
+		if len(f) == 3 && (f[0] == "invoicing" || f[0] == "notification") {
+			idle[f[0]] = f[1] == "0" && f[2] == "0"
 		}
 	}
-	return true
+	return idle["invoicing"] && idle["notification"]
 }
 
 // Unhandled returns what each consumer still has to do with the order service's events about
