@@ -212,7 +212,8 @@ func Start(t *testing.T, opts Options) *System {
 	return s
 }
 
-// newService prepares a service, stopped until Start; it is stopped when the test ends.
+// newService prepares a service, stopped until Start; it is stopped when the test ends, and
+// fails the test if any of its runs reported a data race.
 func newService(t *testing.T, binDir, name string, db *testenv.Database, env []string) *Service {
 	t.Helper()
 	s := &Service{Name: name, DB: db, bin: filepath.Join(binDir, name), done: make(chan struct{}), env: env, conns: dbConns(t, env),
@@ -220,7 +221,14 @@ func newService(t *testing.T, binDir, name string, db *testenv.Database, env []s
 	close(s.done) // not running
 	s.URL = "http://" + FreeAddr(t)
 	_, s.Logs = testenv.NewLogger(t)
-	t.Cleanup(func() { s.Stop(t) })
+	t.Cleanup(func() {
+		s.Stop(t)
+		// The race detector's exit status (66) dies with a process the test SIGKILLed; its
+		// report, written when it found the race, is in the logs.
+		if strings.Contains(s.Logs.String(), "WARNING: DATA RACE") {
+			t.Errorf("%s: the race detector reported a data race (see its logs)", s.Name)
+		}
+	})
 	return s
 }
 
