@@ -6,6 +6,7 @@ package systest
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -94,7 +96,29 @@ func (s *Service) AlreadyDone(t *testing.T) float64 {
 	if !s.consumer {
 		return 0
 	}
-	return s.alreadyDone + s.Metric(t, fmt.Sprintf("%s{consumer=%q}", alreadyDoneMetric, s.Name))
+	return s.alreadyDone + s.Metric(t, s.alreadyDoneSample())
+}
+
+func (s *Service) alreadyDoneSample() string {
+	return fmt.Sprintf("%s{consumer=%q}", alreadyDoneMetric, s.Name)
+}
+
+// keepAlreadyDone adds the running process's count of work found done already to what
+// survives it, before the test ends the process. It waits 5 s at most and fails t without
+// stopping it: the signal that follows must be sent whatever the read does.
+func (s *Service) keepAlreadyDone(t *testing.T) {
+	t.Helper()
+	if !s.consumer {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	n, err := s.metric(ctx, s.alreadyDoneSample())
+	if err != nil {
+		t.Errorf("%s's count of work found done already dies with the process, unread: %v", s.Name, err)
+		return
+	}
+	s.alreadyDone += n
 }
 
 // System is the three services, each kind with its own database, on a private RabbitMQ vhost
@@ -237,7 +261,7 @@ func newService(t *testing.T, binDir, name string, db *testenv.Database, env []s
 func (s *Service) Kill(t *testing.T) {
 	t.Helper()
 	// Its count of work found done already dies with it: keep what it had so far.
-	s.alreadyDone = s.AlreadyDone(t)
+	s.keepAlreadyDone(t)
 	s.ended = true
 	if err := s.cmd.Process.Kill(); err != nil {
 		t.Fatalf("kill %s: %v", s.Name, err)
@@ -262,12 +286,29 @@ func (s *Service) Start(t *testing.T) {
 	if s.discardLogs {
 		s.cmd.Stdout, s.cmd.Stderr = io.Discard, io.Discard
 	}
-	if err := s.cmd.Start(); err != nil {
+	// The kernel SIGKILLs the service when the thread that started it ends, so that no service
+	// outlives a test binary killed or timed out. The thread, not the process (Pdeathsig,
+	// go.dev/issue/27505), and Go ends a thread when a goroutine locked to it exits: this
+	// goroutine keeps the thread it starts the service on locked to itself until the service
+	// has exited, so no other goroutine can take that thread down with it.
+	dieWithTest(s.cmd)
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := s.cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		s.err = s.cmd.Wait()
+		close(s.done)
+	}()
+	if err := <-started; err != nil {
 		s.ended = true // nothing runs: the cleanup's Stop has nothing to signal
 		close(s.done)
 		t.Fatalf("start %s: %v", s.Name, err)
 	}
-	go func() { s.err = s.cmd.Wait(); close(s.done) }()
 	testenv.Eventually(t, 30*time.Second, func() bool {
 		select {
 		case <-s.done:
@@ -301,7 +342,7 @@ func (s *Service) Terminate(t *testing.T) (wait func() time.Duration) {
 	s.ended = true
 	// The count dies with the process: keep it. (Work during the shutdown itself still shows
 	// in the log lines Tally also reads.)
-	s.alreadyDone = s.AlreadyDone(t)
+	s.keepAlreadyDone(t)
 	start := time.Now()
 	_ = s.cmd.Process.Signal(syscall.SIGTERM)
 	return func() time.Duration { return s.waitExit(t, start) }
@@ -367,9 +408,9 @@ func (s *Service) GetJSON(t *testing.T, path string, v any) {
 // it, labels included (outbox_relay_broker_up{exchange="orders"}); a missing sample fails t.
 func (s *Service) Metric(t *testing.T, name string) float64 {
 	t.Helper()
-	v, ok := s.sample(t, name)
-	if !ok {
-		t.Fatalf("%s's /metrics has no sample %s", s.Name, name)
+	v, err := s.metric(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return v
 }
@@ -378,31 +419,49 @@ func (s *Service) Metric(t *testing.T, name string) float64 {
 // value it has not counted reads as 0.
 func (s *Service) Counter(t *testing.T, name string) float64 {
 	t.Helper()
-	v, _ := s.sample(t, name)
-	return v
-}
-
-func (s *Service) sample(t *testing.T, name string) (float64, bool) {
-	t.Helper()
-	resp, err := httpClient.Get(s.URL + "/metrics")
+	v, _, err := s.sample(context.Background(), name)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return v
+}
+
+// metric is Metric's read, with an error for the sample missing.
+func (s *Service) metric(ctx context.Context, name string) (float64, error) {
+	v, ok, err := s.sample(ctx, name)
+	if err == nil && !ok {
+		err = fmt.Errorf("%s's /metrics has no sample %s", s.Name, name)
+	}
+	return v, err
+}
+
+func (s *Service) sample(ctx context.Context, name string) (v float64, ok bool, err error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/metrics", http.NoBody)
+	if err != nil {
+		return 0, false, fmt.Errorf("GET %s/metrics: %w", s.Name, err)
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		return 0, false, fmt.Errorf("GET %s/metrics: %w", s.Name, err)
+	}
 	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, false, fmt.Errorf("GET %s/metrics: %w", s.Name, err)
+	}
 	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET %s/metrics = %d %s", s.Name, resp.StatusCode, body)
+		return 0, false, fmt.Errorf("GET %s/metrics = %d %s", s.Name, resp.StatusCode, body)
 	}
 	for line := range strings.SplitSeq(string(body), "\n") {
 		if value, ok := strings.CutPrefix(line, name+" "); ok {
 			v, err := strconv.ParseFloat(value, 64)
 			if err != nil {
-				t.Fatalf("%s's /metrics: %s: %v", s.Name, line, err)
+				return 0, false, fmt.Errorf("%s's /metrics: %s: %w", s.Name, line, err)
 			}
-			return v, true
+			return v, true, nil
 		}
 	}
-	return 0, false
+	return 0, false, nil
 }
 
 // PlaceOrder posts an order to the first order replica; see Service.PlaceOrder.

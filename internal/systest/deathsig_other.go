@@ -1,0 +1,9 @@
+//go:build !linux
+
+package systest
+
+import "os/exec"
+
+// dieWithTest does nothing: Pdeathsig is Linux's. Elsewhere a service outlives a test binary
+// killed before its cleanups ran.
+func dieWithTest(*exec.Cmd) {}
