@@ -28,14 +28,14 @@ func TestWalkthrough(t *testing.T) {
 	// 2. Make the order relay send an OrderPlaced again, as a broker redelivery would look:
 	// both consumers skip the duplicate and nothing else changes.
 	redeliver(t, s.Order.DB, "OrderPlaced", s.Invoicing, s.Notification)
-	if got := s.WaitExactlyOnce(t, 3, 10*time.Second); got.Invoices != 3 {
+	if got := s.WaitExactlyOnce(t, 3, 30*time.Second); got.Invoices != 3 {
 		t.Fatalf("after the redelivery of an OrderPlaced: %+v", got)
 	}
 
 	// 3. The same one hop down the chain: the invoicing service's own relay sends an
 	// InvoiceIssued again; notification skips it, and no order gets a second invoice notice.
 	redeliver(t, s.Invoicing.DB, "InvoiceIssued", s.Notification)
-	if got := s.WaitExactlyOnce(t, 3, 10*time.Second); got.Invoices != 3 {
+	if got := s.WaitExactlyOnce(t, 3, 30*time.Second); got.Invoices != 3 {
 		t.Fatalf("after the redelivery of an InvoiceIssued: %+v", got)
 	}
 
@@ -74,7 +74,7 @@ func TestWalkthrough(t *testing.T) {
 		cancelled.String()); n != 1 {
 		t.Errorf("order %s has %d OrderCancelled events after two cancellations, want 1", cancelled, n)
 	}
-	if got := s.WaitExactlyOnce(t, 3, 10*time.Second); got.Cancelled != 1 {
+	if got := s.WaitExactlyOnce(t, 3, 30*time.Second); got.Cancelled != 1 {
 		t.Fatalf("after the cancellation: %+v", got)
 	}
 

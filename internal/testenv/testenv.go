@@ -208,12 +208,19 @@ func UUIDv7SQL(ts, n string) string {
 // Eventually polls cond every 20 ms until it holds, failing t after timeout.
 func Eventually(t testing.TB, timeout time.Duration, cond func() bool, format string, args ...any) {
 	t.Helper()
+	EventuallyEvery(t, 20*time.Millisecond, timeout, cond, format, args...)
+}
+
+// EventuallyEvery is Eventually polling every interval: for a cond whose cost would take
+// from what the test is waiting for.
+func EventuallyEvery(t testing.TB, interval, timeout time.Duration, cond func() bool, format string, args ...any) {
+	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("after %s: "+format, append([]any{timeout}, args...)...)
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(interval)
 	}
 }
 
