@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -329,8 +330,19 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 		t.Skip("restarts the shared PostgreSQL; set TEST_SERVER_RESTARTS=1 and run alone")
 	}
 	cluster := testenv.PostgreSQLCluster(t)
-	t.Cleanup(func() { _ = exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start").Run() })
 	s := startSystem(t, systest.Options{})
+	// A restart that failed half-way leaves PostgreSQL stopped: start it again. Registered
+	// after startSystem, so that it runs before the system's cleanups drop its databases.
+	t.Cleanup(func() {
+		out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start").CombinedOutput()
+		// It exits 2 when the cluster runs already: the restart went through.
+		var exit *exec.ExitError
+		if err != nil && (!errors.As(err, &exit) || exit.ExitCode() != 2) {
+			t.Errorf("start PostgreSQL again: %v\n%s", err, out)
+		}
+		testenv.Eventually(t, time.Minute, func() bool { return s.Order.DB.DB.Exec("SELECT 1").Error == nil },
+			"PostgreSQL does not answer after the test")
+	})
 	started := func() time.Time {
 		var at time.Time
 		if err := s.Order.DB.DB.Raw("SELECT pg_postmaster_start_time()").Scan(&at).Error; err != nil {
