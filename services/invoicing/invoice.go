@@ -88,12 +88,14 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 	issued := make([]messaging.Message, 0, len(batch))
 	for i, d := range batch {
 		inv := invoices[i]
-		if !inserted[inv.ID] {
+		createdAt, ok := inserted[inv.ID]
+		if !ok {
 			if err := h.alreadyKnown(d.Ctx, tx, d.Payload, d.Msg.ID); err != nil {
 				return err
 			}
 			continue
 		}
+		inv.CreatedAt = createdAt
 		msg, err := events.InvoiceIssuedEvent.Message(events.InvoiceIssued{
 			InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
 		})
@@ -162,12 +164,12 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	if err != nil {
 		return fmt.Errorf("remember the cancellation of order %s: %w", ev.OrderID, err)
 	}
-	inv.VoidedAt = &inv.CreatedAt
-	remembered, err := insertOnce(tx, &inv)
+	var remembered []uuid.UUID
+	err = tx.Raw(rememberSQL, inv.ID, inv.OrderID, inv.CustomerID, inv.Status, inv.MessageID).Scan(&remembered).Error
 	if err != nil {
-		return err
+		return fmt.Errorf("remember the cancellation of order %s: %w", ev.OrderID, err)
 	}
-	if remembered {
+	if len(remembered) == 1 {
 		return messaging.AfterCommit(ctx, func() {
 			h.log.InfoContext(ctx, "cancellation remembered before its order", "order_id", ev.OrderID, "invoice_id", inv.ID, "message_id", msg.ID)
 		})
@@ -190,19 +192,27 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	})
 }
 
-// newInvoice makes an invoice row. Its time is cut to the microsecond, as PostgreSQL keeps it,
-// so that the InvoiceIssued made from it says the time the row has.
+// newInvoice makes an invoice row to insert. The database stamps its created_at (now(), the
+// transaction's start), as it stamps voided_at: one clock for the rows of every replica.
 func newInvoice(orderID uuid.UUID, customerID string, amount int64, status string, msg messaging.Message) (Invoice, error) {
 	id, err := uuid.NewV7()
 	if err != nil {
 		return Invoice{}, err
 	}
-	return Invoice{ID: id, OrderID: orderID, CustomerID: customerID, AmountCents: amount, Status: status,
-		MessageID: msg.ID, CreatedAt: time.Now().UTC().Truncate(time.Microsecond)}, nil
+	return Invoice{ID: id, OrderID: orderID, CustomerID: customerID, AmountCents: amount, Status: status, MessageID: msg.ID}, nil
 }
 
+// rememberSQL inserts the void row that remembers a cancellation, unless the order has its row
+// already (a concurrent insert for the same order waits here for the other transaction, then
+// finds its row), and returns its id if it did. Voided as it was created, by the one clock:
+// what tells the row of a cancellation that came first from one voided later.
+const rememberSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at, voided_at)
+VALUES (?, ?, ?, 0, ?, ?, now(), now())
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id`
+
 // insertNewSQL inserts the invoices of a JSON array, in order_id order, skipping those whose
-// order has one already, and returns the ids of those it inserted. A concurrent insert for the
+// order has one already, and returns the ids and created_at of those it inserted. A concurrent insert for the
 // same order waits for the other transaction, then skips; the order keeps two batches' inserts
 // from waiting for each other in a circle. A cancellation in the same transaction, or a second
 // run of OrderPlaced after it, can still cross another batch's insert: PostgreSQL then aborts
@@ -210,12 +220,12 @@ func newInvoice(orderID uuid.UUID, customerID string, amount int64, status strin
 // of one order, ord (the batch's order, which a sort need not keep) lets the earlier message's
 // stand, as it would one delivery at a time.
 const insertNewSQL = `INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at, placed_message_id)
-SELECT id, order_id, customer_id, amount_cents, status, message_id, created_at, placed_message_id
+SELECT id, order_id, customer_id, amount_cents, status, message_id, now(), placed_message_id
 FROM jsonb_to_recordset(?::jsonb) AS r(id uuid, order_id uuid, customer_id text, amount_cents bigint, status text, message_id uuid,
-    created_at timestamptz, placed_message_id uuid, ord int)
+    placed_message_id uuid, ord int)
 ORDER BY order_id, ord
 ON CONFLICT (order_id) DO NOTHING
-RETURNING id`
+RETURNING id, created_at`
 
 // invoiceRow is an invoice as insertNewSQL reads it, with its place in the batch.
 type invoiceRow struct {
@@ -223,8 +233,9 @@ type invoiceRow struct {
 	Ord int `json:"ord"`
 }
 
-// insertNew inserts the invoices whose order has none, in one statement, and reports which.
-func insertNew(tx *gorm.DB, invoices []Invoice) (map[uuid.UUID]bool, error) {
+// insertNew inserts the invoices whose order has none, in one statement, and returns the
+// created_at of each it inserted, by id.
+func insertNew(tx *gorm.DB, invoices []Invoice) (map[uuid.UUID]time.Time, error) {
 	rows := make([]invoiceRow, len(invoices))
 	for i, inv := range invoices {
 		rows[i] = invoiceRow{Invoice: inv, Ord: i}
@@ -233,23 +244,16 @@ func insertNew(tx *gorm.DB, invoices []Invoice) (map[uuid.UUID]bool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("insert %d invoices: %w", len(invoices), err)
 	}
-	var ids []uuid.UUID
-	if err := tx.Raw(insertNewSQL, string(doc)).Scan(&ids).Error; err != nil {
+	var written []struct {
+		ID        uuid.UUID
+		CreatedAt time.Time
+	}
+	if err := tx.Raw(insertNewSQL, string(doc)).Scan(&written).Error; err != nil {
 		return nil, fmt.Errorf("insert %d invoices: %w", len(invoices), err)
 	}
-	inserted := make(map[uuid.UUID]bool, len(ids))
-	for _, id := range ids {
-		inserted[id] = true
+	inserted := make(map[uuid.UUID]time.Time, len(written))
+	for _, w := range written {
+		inserted[w.ID] = w.CreatedAt
 	}
 	return inserted, nil
-}
-
-// insertOnce inserts the order's invoice row unless the order has one; a concurrent insert for
-// the same order waits here for the other transaction, then finds its row.
-func insertOnce(tx *gorm.DB, inv *Invoice) (bool, error) {
-	res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "order_id"}}, DoNothing: true}).Create(inv)
-	if res.Error != nil {
-		return false, fmt.Errorf("insert invoice of order %s: %w", inv.OrderID, res.Error)
-	}
-	return res.RowsAffected == 1, nil
 }

@@ -359,6 +359,37 @@ func TestPlacementAndCancellationTogether(t *testing.T) {
 	}
 }
 
+// An invoice's times are the database's, the clock voided_at is read by: created_at is its
+// transaction's now(), the inbox row's processed_at, for an issued row and for a cancellation's
+// row (voided as created), and InvoiceIssued says the same time. They were the replica's clock:
+// a replica whose clock ran ahead issued invoices "after" a later void of another's.
+func TestAnInvoiceIsStampedByTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	placed, cancelled := orderPlaced(t, uuid.New(), 2500), orderCancelled(t, uuid.New())
+	for _, msg := range []messaging.Message{placed, cancelled} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+		var atTheClaim bool
+		if err := b.db.Raw(`SELECT v.created_at = i.processed_at AND (v.status = 'issued' OR v.voided_at = i.processed_at)
+FROM invoices v JOIN inbox_messages i ON i.message_id = v.message_id WHERE v.message_id = ?`, msg.ID).Scan(&atTheClaim).Error; err != nil {
+			t.Fatal(err)
+		}
+		if !atTheClaim {
+			t.Errorf("%s: the invoice's times are not its transaction's now(), the inbox row's processed_at", msg.Type)
+		}
+	}
+	var announced bool
+	if err := b.db.Raw(`SELECT (o.payload->>'issued_at')::timestamptz = v.created_at AND o.occurred_at = v.created_at
+FROM outbox_messages o JOIN invoices v ON o.payload->>'invoice_id' = v.id::text WHERE v.message_id = ?`, placed.ID).Scan(&announced).Error; err != nil {
+		t.Fatal(err)
+	}
+	if !announced {
+		t.Error("InvoiceIssued does not say the invoice's created_at")
+	}
+}
+
 // An order cancelled before it arrived, whose total was 0, learns its amount from its first
 // OrderPlaced only: another OrderPlaced for it (a replay upstream, with another total) changes
 // nothing, is counted as done already, and says that the amounts differ. Its amount of 0 used to
