@@ -617,7 +617,7 @@ type Tally struct {
 	Cancelled                    int // orders cancelled
 	Invoices                     int
 	MissingInvoice, ExtraInvoice int
-	UnvoidedCancelled            int // cancelled orders whose invoice is not void
+	WrongInvoiceStatus           int // invoices not void for a cancelled order, or void for one that is not
 	Notifications, Expected      int // notifications held, and earned
 	WrongNotices                 int // (order, kind) pairs held more or fewer times than earned
 	Sent, Mails                  int
@@ -684,10 +684,10 @@ func (s *System) Tally(t *testing.T) Tally {
 	for _, n := range invoices {
 		r.Invoices += n
 	}
-	notVoid := countByOrder(t, s.Invoicing.DB, "SELECT order_id, count(*) AS n FROM invoices WHERE status <> 'void' GROUP BY order_id")
-	for id := range cancelled {
-		if notVoid[id] > 0 {
-			r.UnvoidedCancelled++
+	void := countByOrder(t, s.Invoicing.DB, "SELECT order_id, count(*) AS n FROM invoices WHERE status = 'void' GROUP BY order_id")
+	for id, n := range invoices {
+		if (cancelled[id] > 0) != (void[id] == n) {
+			r.WrongInvoiceStatus++
 		}
 	}
 	for kind, want := range map[string]map[uuid.UUID]int{"order_confirmation": one, "invoice": issued, "order_cancelled": cancelled} {
@@ -748,7 +748,7 @@ const quietPeriod = 5 * time.Second
 // Message-ID) only if repeats allows them.
 func (r Tally) exact(want int64, repeats bool) bool {
 	return r.Orders == want && r.Unsent == 0 &&
-		r.Invoices == int(want) && r.MissingInvoice+r.ExtraInvoice+r.UnvoidedCancelled == 0 &&
+		r.Invoices == int(want) && r.MissingInvoice+r.ExtraInvoice+r.WrongInvoiceStatus == 0 &&
 		r.WrongNotices == 0 && r.Notifications == r.Expected &&
 		r.Sent == r.Expected && r.Mails-r.DuplicateMails == r.Expected && (repeats || r.DuplicateMails == 0) &&
 		r.StrayMails == 0 && r.RedundantWork == 0
