@@ -95,7 +95,7 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 			}
 			continue
 		}
-		inv.CreatedAt = createdAt
+		inv.CreatedAt = createdAt.UTC() // pgx reads it in the local zone; events say UTC
 		msg, err := events.InvoiceIssuedEvent.Message(events.InvoiceIssued{
 			InvoiceID: inv.ID, OrderID: inv.OrderID, CustomerID: inv.CustomerID, AmountCents: inv.AmountCents, IssuedAt: inv.CreatedAt,
 		})
@@ -176,7 +176,9 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 	}
 	var voided Invoice
 	res := tx.Model(&voided).Clauses(clause.Returning{Columns: []clause.Column{{Name: "id"}}}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
-		Updates(map[string]any{"status": StatusVoid, "voided_at": gorm.Expr("clock_timestamp()")})
+		// Later than created by construction, even if the database's clock steps back: a void row
+		// voided as it was created is the one a cancellation wrote before its order.
+		Updates(map[string]any{"status": StatusVoid, "voided_at": gorm.Expr("greatest(clock_timestamp(), created_at + interval '1 microsecond')")})
 	if res.Error != nil {
 		return fmt.Errorf("void invoice of order %s: %w", ev.OrderID, res.Error)
 	}

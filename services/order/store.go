@@ -185,9 +185,10 @@ func load(db *gorm.DB, row orderRow) (Order, error) {
 	return o, nil
 }
 
-// commandHash identifies a command's content, whatever the JSON's spacing or key order. It
-// hashes the command as Go encodes it: a field added to PlaceOrder or Line must be omitted
-// when unset (omitempty), or a request sent before the deploy and retried after it, with its
+// commandHash identifies a command's content, whatever the client's JSON spacing or key order.
+// It hashes the command as Go encodes it: a field added to PlaceOrder or Line must be omitted
+// when unset (omitempty, or omitzero for a struct), and the fields there are keep their names
+// and order, or a request sent before the deploy and retried after it, with its
 // Idempotency-Key, hashes otherwise and is refused as another body.
 func commandHash(cmd PlaceOrder) (string, error) {
 	b, err := json.Marshal(cmd)
