@@ -323,15 +323,8 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 		defer cancel()
 		items, err := list(ctx, orderID, limit)
-		if err != nil && r.Context().Err() != nil {
-			// Logged still: a stalled database whose clients give up first shows only here.
-			failures.Log(r.Context(), log, slog.LevelWarn, "list abandoned: its client went away", err, "path", r.URL.Path)
-			AbandonResponse()
-		}
 		if err != nil {
-			failures.Log(r.Context(), log, slog.LevelError, "list failed", err, "path", r.URL.Path)
-			SetRetryAfter(w)
-			WriteProblem(w, http.StatusServiceUnavailable, "the database is unavailable; try again")
+			failures.Unavailable(w, r, log, "list", "the database is unavailable; try again", err, "path", r.URL.Path)
 			return
 		}
 		WriteJSON(w, http.StatusOK, items)

@@ -105,6 +105,30 @@ func TestAnAbandonedResponseReachesAHalfClosedClientAsNoAnswer(t *testing.T) {
 	}
 }
 
+// A database failure is a 503 with a Retry-After, logged as the operation's failure; the same
+// failure of a request whose client went away is no answer at all, logged as abandoned.
+func TestUnavailableAnswersOrAbandons(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	var failures FailureLog
+	failed := errors.New("database stalled")
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		failures.Unavailable(w, r, log, "list", "the database is unavailable", failed)
+	})
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
+	if rec.Code != http.StatusServiceUnavailable || rec.Header().Get("Retry-After") == "" || len(logs.Lines("level=ERROR", `msg="list failed"`)) != 1 {
+		t.Fatalf("with its client there: %d, Retry-After %q, logs:\n%s; want a 503 with a Retry-After, logged as failed", rec.Code, rec.Header().Get("Retry-After"), logs)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	rec = httptest.NewRecorder()
+	if p := serveRecovering(h, rec, httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)); !isAbort(p) || rec.Body.Len() != 0 ||
+		len(logs.Lines("level=WARN", `msg="list abandoned: its client went away"`)) != 1 {
+		t.Fatalf("with its client gone: panic %v, %d bytes written, logs:\n%s; want the response abandoned, logged at WARN", p, rec.Body.Len(), logs)
+	}
+}
+
 // serveRecovering serves req with h, and returns what h panicked with, as net/http would
 // recover it (nil if nothing).
 func serveRecovering(h http.Handler, w http.ResponseWriter, req *http.Request) (p any) {

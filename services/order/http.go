@@ -174,12 +174,5 @@ func placeRetryAdvice(key string) string {
 // interval. A change may have been saved even so: a commit cut off by the deadline, or by the
 // client's going, may have gone through.
 func (a *api) unavailable(w http.ResponseWriter, r *http.Request, op, detail string, err error) {
-	if r.Context().Err() != nil {
-		// Logged still: a stalled database whose clients give up first shows only here.
-		a.failures.Log(r.Context(), a.log, slog.LevelWarn, op+" abandoned: its client went away", err)
-		platform.AbandonResponse()
-	}
-	a.failures.Log(r.Context(), a.log, slog.LevelError, op+" failed", err)
-	platform.SetRetryAfter(w)
-	platform.WriteProblem(w, http.StatusServiceUnavailable, "the order database is unavailable; "+detail)
+	a.failures.Unavailable(w, r, a.log, op, "the order database is unavailable; "+detail, err)
 }

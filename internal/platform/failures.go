@@ -53,6 +53,20 @@ func (f *FailureLog) Log(ctx context.Context, log *slog.Logger, level slog.Level
 	log.Log(ctx, level, msg, append(attrs, "error", err, "held_back_after_last_line", held)...)
 }
 
+// Unavailable answers a request whose database work failed with err: a 503 with detail and a
+// spread Retry-After, the failure logged as "<op> failed"; or, if the request's client went
+// away, no answer (AbandonResponse), logged at WARN as "<op> abandoned: its client went away",
+// so that a stalled database whose clients give up first still shows.
+func (f *FailureLog) Unavailable(w http.ResponseWriter, r *http.Request, log *slog.Logger, op, detail string, err error, attrs ...any) {
+	if r.Context().Err() != nil {
+		f.Log(r.Context(), log, slog.LevelWarn, op+" abandoned: its client went away", err, attrs...)
+		AbandonResponse()
+	}
+	f.Log(r.Context(), log, slog.LevelError, op+" failed", err, attrs...)
+	SetRetryAfter(w)
+	WriteProblem(w, http.StatusServiceUnavailable, detail)
+}
+
 // SetRetryAfter sets a 503's Retry-After to one to three seconds, drawn at random, so that the
 // clients it turns away come back spread out rather than all in the same second.
 func SetRetryAfter(w http.ResponseWriter) {
