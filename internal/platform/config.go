@@ -320,9 +320,9 @@ func RedactList(list string) string {
 	return strings.Join(urls, ",")
 }
 
-// Addr returns a listen or dial address (host:port, host optional, port a number from 0 to
-// 65535), or def when unset. A bad port is refused at start, with the variable named, not
-// when the address is first listened on or dialled (SMTP_ADDR: at the first e-mail).
+// Addr returns a listen address (host:port, host optional, port a number from 0 to 65535, 0
+// for any free one), or def when unset. A bad port is refused at start, with the variable
+// named, not when the address is first listened on.
 func (e *Env) Addr(name, def string) string {
 	v := e.String(name, def)
 	if v == "" {
@@ -335,6 +335,26 @@ func (e *Env) Addr(name, def string) string {
 	}
 	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
 		e.fail(name, "port must be a number from 0 to 65535")
+		return def
+	}
+	return v
+}
+
+// DialAddr returns an address to dial (host:port, both required, the port a number from 1 to
+// 65535), or def when unset: a missing host or port 0 is refused at start, with the variable
+// named, where the dial would fail only at its first use (SMTP_ADDR: the first e-mail).
+func (e *Env) DialAddr(name, def string) string {
+	v := e.String(name, def)
+	if v == "" {
+		return v
+	}
+	host, port, err := net.SplitHostPort(v)
+	if err != nil || host == "" || port == "" {
+		e.fail(name, "must be host:port")
+		return def
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		e.fail(name, "port must be a number from 1 to 65535")
 		return def
 	}
 	return v

@@ -158,7 +158,7 @@ func TestDatabaseURLMayGiveItsHostInTheQuery(t *testing.T) {
 // An address's port is a number from 0 to 65535, checked at start like every other setting.
 func TestAddrChecksItsPort(t *testing.T) {
 	t.Parallel()
-	for v, want := range map[string]string{
+	checkAddrs(t, "PPROF_ADDR", (*Env).Addr, map[string]string{
 		":8080":         "",
 		"0.0.0.0:0":     "",
 		"[::1]:65535":   "",
@@ -169,14 +169,38 @@ func TestAddrChecksItsPort(t *testing.T) {
 		":http":         "PPROF_ADDR: port must be a number from 0 to 65535",
 		"8080":          "PPROF_ADDR: must be host:port or :port",
 		"host:":         "PPROF_ADDR: must be host:port or :port",
-	} {
-		env := EnvFrom(map[string]string{"PPROF_ADDR": v})
-		got := env.Addr("PPROF_ADDR", "")
+	})
+}
+
+// An address to dial needs its host and a port a dial can reach: SMTP_ADDR=:25 or mail:0 was
+// taken at start and failed at every e-mail.
+func TestDialAddrNeedsAHostAndAPort(t *testing.T) {
+	t.Parallel()
+	checkAddrs(t, "SMTP_ADDR", (*Env).DialAddr, map[string]string{
+		"mail:25":     "",
+		"[::1]:65535": "",
+		"127.0.0.1:1": "",
+		":25":         "SMTP_ADDR: must be host:port",
+		"mail":        "SMTP_ADDR: must be host:port",
+		"mail:":       "SMTP_ADDR: must be host:port",
+		"mail:0":      "SMTP_ADDR: port must be a number from 1 to 65535",
+		"mail:65536":  "SMTP_ADDR: port must be a number from 1 to 65535",
+		"mail:smtp":   "SMTP_ADDR: port must be a number from 1 to 65535",
+	})
+}
+
+// checkAddrs reads each value of name with read: one whose want is "" must be taken, any other
+// refused with want in the error, leaving the default "".
+func checkAddrs(t *testing.T, name string, read func(*Env, string, string) string, cases map[string]string) {
+	t.Helper()
+	for v, want := range cases {
+		env := EnvFrom(map[string]string{name: v})
+		got := read(env, name, "")
 		switch err := env.Err(); {
 		case want == "" && (err != nil || got != v):
-			t.Errorf("PPROF_ADDR=%q: %q, %v; want it taken", v, got, err)
+			t.Errorf("%s=%q: %q, %v; want it taken", name, v, got, err)
 		case want != "" && (err == nil || !strings.Contains(err.Error(), want) || got != ""):
-			t.Errorf("PPROF_ADDR=%q: %q, %v; want the default and %q", v, got, err, want)
+			t.Errorf("%s=%q: %q, %v; want the default and %q", name, v, got, err, want)
 		}
 	}
 }

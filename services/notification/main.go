@@ -24,7 +24,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	common := platform.ReadCommon(env, ":8082")
 	settings := platform.ReadConsumerSettings(env)
 	settings.BatchByType = batchByType
-	smtpAddr := env.Addr("SMTP_ADDR", "")
+	smtpAddr := env.DialAddr("SMTP_ADDR", "")
 	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
 	_, fromErr := mail.ParseAddress(smtpFrom)
 	env.Check(fromErr == nil && !strings.ContainsAny(smtpFrom, "<>\r\n"), "SMTP_FROM", "must be a plain e-mail address")

@@ -8,7 +8,7 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
 
-// A bad sender setting stops the service before it connects to anything, with an error naming
+// A bad sender setting (SMTP_ADDR's port 0 too, which failed only at the first e-mail) stops the service before it connects to anything, with an error naming
 // the variable.
 func TestBadSenderSettingsAreNamed(t *testing.T) {
 	t.Parallel()
@@ -16,11 +16,12 @@ func TestBadSenderSettingsAreNamed(t *testing.T) {
 		err := run(context.Background(), platform.EnvFrom(map[string]string{
 			// Nothing listens there: the service must stop before it tries.
 			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
-			"NOTIFY_CONCURRENCY": value, "SMTP_MAX_CONNS": "0",
+			"NOTIFY_CONCURRENCY": value, "SMTP_MAX_CONNS": "0", "SMTP_ADDR": "mail:0",
 		}))
 		if err == nil || !strings.Contains(err.Error(), "NOTIFY_CONCURRENCY: must be an integer from 1 to 1000") ||
-			!strings.Contains(err.Error(), "SMTP_MAX_CONNS: must be an integer from 1 to 100") {
-			t.Errorf("NOTIFY_CONCURRENCY=%s SMTP_MAX_CONNS=0: err = %v, want both named with their ranges", value, err)
+			!strings.Contains(err.Error(), "SMTP_MAX_CONNS: must be an integer from 1 to 100") ||
+			!strings.Contains(err.Error(), "SMTP_ADDR: port must be a number from 1 to 65535") {
+			t.Errorf("NOTIFY_CONCURRENCY=%s SMTP_MAX_CONNS=0 SMTP_ADDR=mail:0: err = %v, want all three named with their ranges", value, err)
 		}
 	}
 }
