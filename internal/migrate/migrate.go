@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"time"
 
 	"github.com/pressly/goose/v3"
@@ -27,8 +28,9 @@ var lockRetry = messaging.Backoff{Base: time.Second, Max: 30 * time.Second}
 // Each migration's Up starts with SET LOCAL lock_timeout = '2s': an ALTER TABLE waiting for its
 // table behind a long transaction (a report, a pg_dump) holds up every reader and writer of the
 // table queued behind it, for as long as that transaction lasts. A migration that could not have
-// its locks in time was rolled back; Up tries it again after a pause, until ctx ends.
-func Up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error {
+// its locks in time was rolled back; Up logs it and tries again after a pause, until ctx ends:
+// a start that seems to hang says what it waits for.
+func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTable string) error {
 	// Poll the lock every second (the default is 5 s), for up to five minutes.
 	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, 300))
 	if err != nil {
@@ -54,10 +56,13 @@ func Up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error 
 			}
 			return nil
 		}
+		pause := lockRetry.Delay(attempt)
+		log.WarnContext(ctx, "migration waits for a lock another transaction holds; trying again",
+			"version_table", versionTable, "attempt", attempt, "retry_in", pause, "err", err)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("migrations %s: %w: after %d attempts, each waiting for a lock another transaction holds: %w", versionTable, ctx.Err(), attempt, err)
-		case <-time.After(lockRetry.Delay(attempt)):
+		case <-time.After(pause):
 		}
 	}
 }

@@ -3,6 +3,7 @@ package migrate_test
 import (
 	"bufio"
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -73,7 +74,7 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := migrate.Up(ctx, sqlDB, fstest.MapFS{"00001_create_orders.sql": {Data: first}}, "order_schema"); err != nil {
+	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, fstest.MapFS{"00001_create_orders.sql": {Data: first}}, "order_schema"); err != nil {
 		t.Fatal(err)
 	}
 	report, err := sqlDB.BeginTx(ctx, nil)
@@ -85,10 +86,11 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 		t.Fatal(err)
 	}
 	migrated := make(chan error, 1)
+	log, logs := testenv.NewLogger(t)
 	go func() {
 		mctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		migrated <- migrate.Up(mctx, sqlDB, orders, "order_schema")
+		migrated <- migrate.Up(mctx, log, sqlDB, orders, "order_schema")
 	}()
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
@@ -110,6 +112,10 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 		t.Fatalf("the migration ended while the report held its lock: %v", err)
 	default:
 	}
+	// A start that seems to hang says what it waits for.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return strings.Contains(logs.String(), `msg="migration waits for a lock another transaction holds; trying again" version_table=order_schema attempt=1`)
+	}, "the migration's retry was not logged")
 
 	if err := report.Commit(); err != nil {
 		t.Fatal(err)
@@ -186,7 +192,7 @@ func TestServiceSchemasEndWithEveryConstraintValidated(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := migrate.Up(context.Background(), sqlDB, os.DirFS(dir), "schema_versions"); err != nil {
+		if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, os.DirFS(dir), "schema_versions"); err != nil {
 			t.Fatalf("%s: %v", dir, err)
 		}
 		var unvalidated []string

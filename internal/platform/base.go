@@ -21,11 +21,11 @@ import (
 )
 
 // Migration brings one part of a service's schema up to date.
-type Migration func(ctx context.Context, db *gorm.DB) error
+type Migration func(ctx context.Context, log *slog.Logger, db *gorm.DB) error
 
 // Migrations applies the goose files in dir of fsys, recording them in versionTable.
 func Migrations(fsys fs.FS, dir, versionTable string) Migration {
-	return func(ctx context.Context, db *gorm.DB) error {
+	return func(ctx context.Context, log *slog.Logger, db *gorm.DB) error {
 		sub, err := fs.Sub(fsys, dir)
 		if err != nil {
 			return err
@@ -34,14 +34,14 @@ func Migrations(fsys fs.FS, dir, versionTable string) Migration {
 		if err != nil {
 			return err
 		}
-		return migrate.Up(ctx, sqlDB, sub, versionTable)
+		return migrate.Up(ctx, log, sqlDB, sub, versionTable)
 	}
 }
 
 // Library is one of the messaging library's migrations (messaging.MigrateOutbox,
 // messaging.MigrateInbox).
 func Library(m func(ctx context.Context, db messaging.DB) error) Migration {
-	return func(ctx context.Context, db *gorm.DB) error {
+	return func(ctx context.Context, _ *slog.Logger, db *gorm.DB) error {
 		d, err := gormdriver.New(db)
 		if err != nil {
 			return err
@@ -122,7 +122,7 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 		return nil, err
 	}
 	for _, m := range migrations {
-		if err := m(ctx, b.DB); err != nil {
+		if err := m(ctx, log, b.DB); err != nil {
 			return nil, err
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -258,7 +259,7 @@ func TestStartThatFailsClosesWhatItOpened(t *testing.T) {
 	}
 
 	d := testenv.NewDatabase(t)
-	failing := func(context.Context, *gorm.DB) error { return errors.New("migration refused") }
+	failing := func(context.Context, *slog.Logger, *gorm.DB) error { return errors.New("migration refused") }
 	pools := Pools{Work: 2, Background: 2}
 	if _, err := Start(context.Background(), log, "svc-failed", Common{DatabaseURL: d.URL, DBMaxConns: 10}, pools, failing); err == nil || !strings.Contains(err.Error(), "migration refused") {
 		t.Fatalf("Start with a failing migration: %v, want its error", err)

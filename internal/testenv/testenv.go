@@ -123,10 +123,11 @@ func NewDatabaseWithPool(t testing.TB, pool int) *Database {
 
 // Migrate applies migrations to the database, in order: a service's (platform.Migrations),
 // or the library's (platform.Library(messaging.MigrateOutbox)).
-func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *gorm.DB) error) {
+func (d *Database) Migrate(t testing.TB, migrations ...func(context.Context, *slog.Logger, *gorm.DB) error) {
 	t.Helper()
+	log, _ := NewLogger(t)
 	for _, m := range migrations {
-		if err := m(context.Background(), d.DB); err != nil {
+		if err := m(context.Background(), log, d.DB); err != nil {
 			t.Fatalf("migrate %s: %v", d.Name, err)
 		}
 	}

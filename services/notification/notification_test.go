@@ -463,7 +463,7 @@ func TestMigrationToKindsKeepsExistingConfirmations(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := migrate.Up(context.Background(), sqlDB, fstest.MapFS{"00001_create_notifications.sql": {Data: first}}, "notification_schema"); err != nil {
+	if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, fstest.MapFS{"00001_create_notifications.sql": {Data: first}}, "notification_schema"); err != nil {
 		t.Fatal(err)
 	}
 	orderID := uuid.New()

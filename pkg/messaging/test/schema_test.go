@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"io/fs"
+	"log/slog"
 	"testing"
 	"testing/fstest"
 	"time"
@@ -26,7 +27,7 @@ func TestUpgradeMakesParkedRowsDueNow(t *testing.T) {
 		t.Fatal(err)
 	}
 	v1 := fstest.MapFS{"00001_create_outbox_messages.sql": {Data: first}}
-	if err := migrate.Up(context.Background(), sqlDB, v1, "messaging_outbox_schema"); err != nil {
+	if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, v1, "messaging_outbox_schema"); err != nil {
 		t.Fatal(err)
 	}
 	if err := db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at, attempts, last_error, next_attempt_at, processed_at)
@@ -65,7 +66,7 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 		}
 		upTo4[name] = &fstest.MapFile{Data: raw}
 	}
-	if err := migrate.Up(ctx, sqlDB, upTo4, "messaging_outbox_schema"); err != nil {
+	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, upTo4, "messaging_outbox_schema"); err != nil {
 		t.Fatal(err)
 	}
 	const insert = `INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now())`
