@@ -58,7 +58,7 @@ func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTa
 		}
 		pause := lockRetry.Delay(attempt)
 		log.WarnContext(ctx, "migration waits for a lock another transaction holds; trying again",
-			"version_table", versionTable, "attempt", attempt, "retry_in", pause, "err", err)
+			"version_table", versionTable, "attempt", attempt, "retry_in", pause, "error", err)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("migrations %s: %w: after %d attempts, each waiting for a lock another transaction holds: %w", versionTable, ctx.Err(), attempt, err)
