@@ -981,7 +981,7 @@ func requiredVars(t *testing.T, svc string) []string {
 // readVars are all the variables the service reads through Env.
 func readVars(t *testing.T, svc string) []string {
 	t.Helper()
-	return varsMatching(t, svc, regexp.MustCompile(`\.(?:URL|URLList|String|OneOf|Int|Duration|Bool|Addr)\(\s*"([A-Z][A-Z0-9_]*)"`))
+	return varsMatching(t, svc, regexp.MustCompile(`\.(?:URL|URLList|String|OneOf|Int|Duration|Bool|Addr|DialAddr)\(\s*"([A-Z][A-Z0-9_]*)"`))
 }
 
 // initScripts returns the text of the SQL and shell scripts mounted as the postgres image's
