@@ -384,6 +384,7 @@ func dlqScope(dlq string, limit int) string {
 
 func (c *cli) dlqDropCommand() *cobra.Command {
 	var amqpFlag, idFlag string
+	var limit int
 	var withoutID, dryRun, yes bool
 	cmd := &cobra.Command{
 		Use:   "drop QUEUE (--id ID | --without-id)",
@@ -395,22 +396,28 @@ id that is not one (a message dead-lettered for that) matches as written, exactl
 -o json shows it (the table shortens and cleans it), and --without-id picks a message that
 has none. The output shows the message with its headers and whole body,
 as the last record of it. If two copies share the id, the first goes. It takes the whole queue
-unacknowledged meanwhile, as a listing of it all does, so that the others keep their order. It
-asks on a terminal first, and without one refuses unless given --yes.
+unacknowledged meanwhile, as a listing of it all does, so that the others keep their order; or
+the first --limit only, for a queue too long to hold, which may move those it looked at back
+in the queue (see dlq list --help). It asks on a terminal first, and without one refuses unless
+given --yes.
 
-Exit status 3: no message in QUEUE.dlq has the id (messages another client holds
-unacknowledged at that moment are not seen).`,
+Exit status 3: no message in QUEUE.dlq has the id (of the first --limit; messages another
+client holds unacknowledged at that moment are not seen).`,
 		Example: `  outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --dry-run
   outboxctl dlq drop invoicing --id 01a22da8-7b60-74ff-a842-0e78a2a15d84 --yes -o json > dropped.json
   outboxctl dlq drop invoicing --without-id --dry-run`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
-			return c.dlqDrop(ctx, amqpFlag, args[0], dlqFilter{id: idFlag, withoutID: withoutID}, dryRun, yes)
+			if limit < 0 {
+				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
+			}
+			return c.dlqDrop(ctx, amqpFlag, args[0], limit, dlqFilter{id: idFlag, withoutID: withoutID}, dryRun, yes)
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
 	cmd.Flags().StringVar(&idFlag, "id", "", "the message to drop")
 	cmd.Flags().BoolVar(&withoutID, "without-id", false, "drop the first message that has no message id")
+	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (0: all of them)")
 	cmd.MarkFlagsOneRequired("id", "without-id")
 	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
@@ -418,16 +425,17 @@ unacknowledged at that moment are not seen).`,
 	return cmd
 }
 
-func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, f dlqFilter, dryRun, yes bool) error {
+func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f dlqFilter, dryRun, yes bool) error {
 	cfg, err := deadLetterConfig(amqpFlag, queue)
 	if err != nil {
 		return err
 	}
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
 	var found messaging.DeadLetter
-	// The whole queue is held, so that the others keep their order, and while the question
-	// waits for its answer: what is confirmed is what goes.
-	dropped, err := messaging.DropDeadLetter(ctx, cfg, messaging.DeadLetterSelection{Match: f.match, Confirm: func(p []messaging.DeadLetter, _ int) error {
+	// The whole queue (or the first limit) is held, so that the others keep their order, and
+	// while the question waits for its answer: what is confirmed is what goes.
+	sel := messaging.DeadLetterSelection{Limit: limit, Match: f.match}
+	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
 		found = p[0]
 		if dryRun {
 			return errDryRun
@@ -436,12 +444,13 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, f dlqFilter, 
 			printDeadLetter(c.err, found, true, wholeBody)
 		}
 		return c.confirm(ctx, yes, fmt.Sprintf("drop the message %s from %s for good", f, dlq))
-	}})
+	}
+	dropped, err := messaging.DropDeadLetter(ctx, cfg, sel)
 	switch {
 	case errors.Is(err, errDryRun):
 		return c.printDropped(queue, dlq, found, true)
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
-		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlq)
+		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
 	case err != nil:
 		return err
 	}

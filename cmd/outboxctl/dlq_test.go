@@ -470,6 +470,32 @@ func TestDlqDropRemovesExactlyOne(t *testing.T) {
 	}
 }
 
+// drop --limit, a brake for a queue too long to hold, looks at the first messages only: one
+// beyond them is not found, and nothing changes, but for the order of those it looked at.
+func TestDlqDropLooksAtTheFirstLimitOnly(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "a producer's bug"), deadMessage("OrderPlaced", "a producer's bug"),
+		deadMessage("OrderPlaced", "a producer's bug"))
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	wantExit(t, exitNoMatch, []string{"dlq", "drop", queue, "--id", ids[2], "--limit", "2", "--yes", "--amqp", amqpURL},
+		"no message with id "+ids[2]+" in "+dlq+" (of the first 2 messages, --limit)")
+	if got := inDLQ(t, queue); !sameElements(got, ids) {
+		t.Fatalf("after a drop that found nothing the dead-letter queue holds %q, want %q", got, ids)
+	}
+	first := inDLQ(t, queue)[0]
+	if got := decode[dlqDropResult](t, ok(t, "dlq", "drop", "-o", "json", queue, "--id", first, "--limit", "1", "--yes", "--amqp", amqpURL)); got.Message.MessageID != first {
+		t.Errorf("drop --limit 1 of the first message: %+v", got)
+	}
+	if got, want := inDLQ(t, queue), slices.DeleteFunc(slices.Clone(ids), func(id string) bool { return id == first }); !sameElements(got, want) {
+		t.Fatalf("after the drop the dead-letter queue holds %q, want %q", got, want)
+	}
+}
+
+// sameElements reports whether a and b hold the same strings, in any order.
+func sameElements(a, b []string) bool {
+	return len(a) == len(b) && !slices.ContainsFunc(a, func(s string) bool { return !slices.Contains(b, s) })
+}
+
 // The consumer dead-letters a message whose id is not a UUID, or that has none: drop takes
 // those too, by the id as written or with --without-id. What it prints is the last record of
 // the message, its body whole.

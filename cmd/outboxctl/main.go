@@ -11,7 +11,7 @@
 //	outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
 //	outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
 //	outboxctl dlq redrive QUEUE [--id ID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
-//	outboxctl dlq drop QUEUE (--id ID | --without-id) [--dry-run] [--yes] [--amqp URL]
+//	outboxctl dlq drop QUEUE (--id ID | --without-id) [--limit N] [--dry-run] [--yes] [--amqp URL]
 //	outboxctl version
 //
 // Every command takes -o json for output a script reads, and --help. --db defaults to
@@ -69,7 +69,7 @@ const synopsis = `  outboxctl status [--db URL]
   outboxctl inbox show --id UUID [--consumer NAME] [--db URL]
   outboxctl dlq list QUEUE [--limit N] [--type TYPE] [--reason TEXT] [--show-body] [--show-headers] [--amqp URL]
   outboxctl dlq redrive QUEUE [--id ID | --type TYPE --reason TEXT] [--limit N] [--dry-run] [--yes] [--amqp URL]
-  outboxctl dlq drop QUEUE (--id ID | --without-id) [--dry-run] [--yes] [--amqp URL]
+  outboxctl dlq drop QUEUE (--id ID | --without-id) [--limit N] [--dry-run] [--yes] [--amqp URL]
   outboxctl version`
 
 const exitStatusHelp = `Exit status:

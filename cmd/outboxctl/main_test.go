@@ -163,6 +163,7 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"dlq", "redrive", "invoicing", "--id", id, "--reason", "x", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
+		{"dlq", "drop", "invoicing", "--id", id, "--limit", "-1", "--yes", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
 		{"status", "--db", "postgres://127.0.0.1:99999/x"},
 		{"status", "--db", "postgres:///x?host=/run/postgresql&port=0"},
@@ -203,7 +204,7 @@ func TestHelpOfEachCommand(t *testing.T) {
 		{[]string{"inbox", "show", "--help"}, []string{"outboxctl inbox show --id UUID [flags]", "--consumer string", "status 3"}},
 		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default 100)"}},
 		{[]string{"dlq", "redrive", "invoicing", "--help"}, []string{"outboxctl dlq redrive QUEUE [flags]", "--reason string", "--dry-run"}},
-		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE (--id ID | --without-id) [flags]", "purge_queue"}},
+		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE (--id ID | --without-id) [flags]", "purge_queue", "--limit int"}},
 		{[]string{"version", "--help"}, []string{"outboxctl version [flags]", "-buildvcs"}},
 	} {
 		out := ok(t, tc.args...)
