@@ -444,8 +444,8 @@ func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*a
 	return blocked
 }
 
-// await collects the confirms into errs. It returns true, leaving the rest of errs as
-// ErrBrokerUnavailable, as soon as the broker blocks the connection.
+// await collects the confirms into errs. It returns true, leaving the verdicts still awaited
+// as ErrBrokerUnavailable, as soon as the broker blocks the connection.
 func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
 	for i, dc := range confirms {
 		if dc == nil {
@@ -454,10 +454,12 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 		select {
 		case <-dc.Done():
 		case <-ctx.Done():
-			fill(errs[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
+			noVerdict(errs[i:], confirms[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
 			return false
 		case <-s.watch.blockedC():
-			fill(errs[i:], s.watch.blockedErr())
+			// Not blockedErr: the broker may have unblocked the connection since, and its nil
+			// would count every message still awaited as sent.
+			noVerdict(errs[i:], confirms[i:], unavailable("the broker blocked the connection before the confirms came"))
 			return true
 		}
 		switch {
@@ -620,5 +622,15 @@ func unavailable(format string, args ...any) error {
 func fill(errs []error, err error) {
 	for i := range errs {
 		errs[i] = err
+	}
+}
+
+// noVerdict sets err for each message published and not yet confirmed: the others have their
+// verdicts already (too large, refused before publishing).
+func noVerdict(errs []error, confirms []*amqp.DeferredConfirmation, err error) {
+	for i, dc := range confirms {
+		if dc != nil {
+			errs[i] = err
+		}
 	}
 }

@@ -3,6 +3,7 @@ package messaging
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -95,6 +96,48 @@ func TestUnroutableIsNotSentWhenBlockedMidWindow(t *testing.T) {
 			t.Fatalf("the unconfirmed message's verdict = %v, want no verdict", errs[1])
 		}
 		s.watch.set(amqp.Blocking{Active: false})
+	}
+}
+
+// A block stops the wait for a window's confirms with no verdict on the messages still
+// awaited, even when the broker unblocks the connection at once (an alarm flapping at its
+// watermark): the state read after the wake-up said "not blocked", and every message still
+// awaited counted as sent. Nor does it touch the verdicts of messages never published (too
+// large), which it overwrote. The alarm flaps throughout, so that the wake-up and the unblock
+// race in many of the windows tried.
+func TestABlockThatEndsAtOnceLeavesTheAwaitedUnsent(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	stop := make(chan struct{})
+	flapped := make(chan struct{})
+	go func() {
+		defer close(flapped)
+		for {
+			select {
+			case <-stop:
+				s.watch.set(amqp.Blocking{Active: false})
+				return
+			default:
+				s.watch.set(amqp.Blocking{Active: true, Reason: "test"})
+				s.watch.set(amqp.Blocking{Active: false})
+			}
+		}
+	}()
+	defer func() { close(stop); <-flapped }()
+	for range 300 {
+		tooLarge := fmt.Errorf("%w: test", ErrTooLarge)
+		// The first message's confirm never comes; the second was never published.
+		msgs := []Message{{ID: uuid.New()}, {ID: uuid.New()}}
+		errs := []error{nil, tooLarge}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		s.await(ctx, msgs, []*amqp.DeferredConfirmation{{}, nil}, errs, 20*time.Millisecond)
+		cancel()
+		if !errors.Is(errs[0], ErrBrokerUnavailable) {
+			t.Fatalf("the unconfirmed message's verdict = %v, want no verdict", errs[0])
+		}
+		if errs[1] != tooLarge {
+			t.Fatalf("the unpublished message's verdict = %v, want its own, %v", errs[1], tooLarge)
+		}
 	}
 }
 
