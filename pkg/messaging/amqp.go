@@ -149,8 +149,8 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 const maxShortString = 255
 
 // checkEnvelope returns an error wrapping [ErrInvalidEnvelope] when p, published to exchange
-// with key, cannot travel over AMQP: a short string over 255 bytes, or properties (headers
-// included) that do not fit in one frame of frameSize bytes. The client would fail mid-frame,
+// with key, cannot travel over AMQP: a short string over 255 bytes, properties (headers
+// included) that do not fit in one frame of frameSize bytes, or a header named CC or BCC. The client would fail mid-frame,
 // or the broker close the connection, either way taking every other message in flight with it.
 func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error {
 	type field struct{ name, value string }
@@ -165,6 +165,11 @@ func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error
 	}
 	shortStrings := append([]field{{"exchange", exchange}, {"routing key", key}}, properties...)
 	for k, v := range p.Headers {
+		if k == "CC" || k == "BCC" {
+			// RabbitMQ reads these as more routing keys (sender-selected distribution), an array:
+			// a string makes it close the channel, and with it every confirm in flight.
+			return fmt.Errorf("%w: the header %q is RabbitMQ's list of extra routing keys, which a string cannot be", ErrInvalidEnvelope, k)
+		}
 		shortStrings = append(shortStrings, field{"header name", k})
 		s, _ := v.(string) // toPublishing writes strings only
 		size += 1 + len(k) + 1 + 4 + len(s)

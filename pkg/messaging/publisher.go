@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -23,7 +24,8 @@ var (
 	ErrUnroutable = errors.New("message unroutable")
 	// ErrNacked: the broker refused the message on a channel that stayed open.
 	ErrNacked = errors.New("message nacked by the broker")
-	// ErrTooLarge: the message is over PublisherConfig.MaxMessageBytes; it was not sent.
+	// ErrTooLarge: the message is over PublisherConfig.MaxMessageBytes, or the broker closed
+	// the channel for a body over its own max_message_size; it was not sent.
 	ErrTooLarge = errors.New("message too large")
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")
@@ -31,11 +33,11 @@ var (
 	// write permission on it (or, by a topic permission, with the message's routing key), or,
 	// for an exchange outside the Topology, none to check that it exists (from RabbitMQ 4.3.1
 	// any one permission; on 4.2.6 and 4.3.0 configure, so there a user that may only write
-	// must have the exchange in its Topology); it was not sent.
+	// must have the exchange in its Topology), or the exchange is internal; it was not sent.
 	ErrAccessRefused = errors.New("access refused")
 	// ErrInvalidEnvelope: the message cannot travel over AMQP (a type, routing key, exchange,
-	// correlation id or header name over 255 bytes, or headers larger than a frame); it was
-	// not sent. [Enqueue] refuses such messages; this verdict catches rows written otherwise.
+	// correlation id or header name over 255 bytes, headers larger than a frame, or a header
+	// CC or BCC, which RabbitMQ takes as an array of routing keys only); it was not sent. [Enqueue] refuses such messages; this verdict catches rows written otherwise.
 	ErrInvalidEnvelope = errors.New("message envelope not valid for AMQP")
 )
 
@@ -482,8 +484,18 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 // refused an exchange.
 var writeRefused = regexp.MustCompile(`^ACCESS_REFUSED - (?:write )?access to (?:topic '(.*)' in )?exchange '(.*)' in vhost '.*' refused for user '.*'$`)
 
+// internalRefused is the reason RabbitMQ gives when it closes a channel for a publish to an
+// internal exchange (one only other exchanges may route to), which a passive declare does not
+// tell apart.
+var internalRefused = regexp.MustCompile(`^ACCESS_REFUSED - cannot publish to internal exchange '(.*)' in vhost '.*'$`)
+
+// tooLargeForBroker is the reason RabbitMQ gives when it closes a channel for a body over its
+// max_message_size (16 MiB by default on 4.x): PublisherConfig.MaxMessageBytes may be larger.
+var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size \d+ is larger than configured max size (\d+)$`)
+
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
-// closed ch for a publish to m's exchange (with m's routing key, for a topic permission), else
+// closed ch for a publish to m's exchange (with m's routing key, for a topic permission; or an
+// internal exchange), ErrTooLarge if for a body larger than the broker takes and m's is, else
 // none. Every such message would close it again, batch after batch, and with it the confirms of
 // all the others.
 func (s *pubSession) closedVerdict(m Message) error {
@@ -498,6 +510,9 @@ func (s *pubSession) closedVerdict(m Message) error {
 	s.returnsMu.Unlock()
 	if refuses(reason, m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
+	}
+	if most, ok := brokerMaxSize(reason); ok && len(m.Payload) > most {
+		return fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)
 	}
 	return unavailable("channel closed before the confirm")
 }
@@ -519,7 +534,7 @@ func refuses(reason *amqp.Error, m Message) bool {
 	if x == "" {
 		x = "amq.default"
 	}
-	for _, refused := range []string{"ACCESS_REFUSED - access to ", "ACCESS_REFUSED - write access to "} {
+	for _, refused := range []string{"ACCESS_REFUSED - access to ", "ACCESS_REFUSED - write access to ", "ACCESS_REFUSED - cannot publish to internal "} {
 		for _, what := range []string{"exchange '" + x + "'", "topic '" + m.routingKey() + "' in exchange '" + x + "'"} {
 			if head := refused + what + " in vhost '"; strings.HasPrefix(head, cut) || strings.HasPrefix(cut, head) {
 				return true
@@ -551,18 +566,35 @@ func readRefusal(reason *amqp.Error) (writeRefusal, bool) {
 		return writeRefusal{}, false
 	}
 	text := reason.Reason
-	x := writeRefused.FindStringSubmatchIndex(text)
-	if x == nil {
+	var r writeRefusal
+	if x := writeRefused.FindStringSubmatchIndex(text); x != nil {
+		r.exchange = text[x[4]:x[5]]
+		if x[2] >= 0 {
+			r.key, r.byKey = text[x[2]:x[3]], true
+		}
+	} else if x := internalRefused.FindStringSubmatch(text); x != nil {
+		r.exchange = x[1]
+	} else {
 		return writeRefusal{}, false
-	}
-	r := writeRefusal{exchange: text[x[4]:x[5]]}
-	if x[2] >= 0 {
-		r.key, r.byKey = text[x[2]:x[3]], true
 	}
 	if r.exchange == "amq.default" {
 		r.exchange = "" // the default exchange's name in permissions and reasons
 	}
 	return r, true
+}
+
+// brokerMaxSize reads the broker's max_message_size from the reason it closed a channel for a
+// body over it.
+func brokerMaxSize(reason *amqp.Error) (int, bool) {
+	if reason == nil || reason.Code != amqp.PreconditionFailed {
+		return 0, false
+	}
+	x := tooLargeForBroker.FindStringSubmatch(reason.Reason)
+	if x == nil {
+		return 0, false
+	}
+	most, err := strconv.Atoi(x[1])
+	return most, err == nil
 }
 
 // matchReturns turns the confirmed messages that came back with a basic.return into

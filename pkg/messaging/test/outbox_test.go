@@ -145,7 +145,8 @@ func TestEnqueueRejectsMessagesWithoutIDOrJSONPayload(t *testing.T) {
 }
 
 // AMQP carries the type, routing key, correlation id and header names as short strings of at
-// most 255 bytes, and all the properties in one frame: Enqueue refuses a message that breaks
+// most 255 bytes, and all the properties in one frame, and RabbitMQ takes a header CC or BCC as
+// an array only: Enqueue refuses a message that breaks
 // either, writing nothing, instead of leaving the relay a row that can never be sent.
 func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 	t.Parallel()
@@ -157,6 +158,9 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 		"correlation id": func(m *messaging.Message) { m.CorrelationID = long },
 		"header name":    func(m *messaging.Message) { m.Headers = map[string]string{long: "v"} },
 		"headers":        func(m *messaging.Message) { m.Headers = map[string]string{"big": strings.Repeat("x", 128<<10)} },
+		// RabbitMQ's extra routing keys, an array: a string closes the relay's channel.
+		"CC header":  func(m *messaging.Message) { m.Headers = map[string]string{"CC": "audit"} },
+		"BCC header": func(m *messaging.Message) { m.Headers = map[string]string{"BCC": "audit"} },
 	}
 	for what, spoil := range bad {
 		m := newMessage(t, 0)

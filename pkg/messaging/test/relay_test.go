@@ -726,9 +726,16 @@ func TestRelayBacksOffARowAMQPCannotCarryAndSendsTheRest(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	bad = append(bad, newMessage(t, 5))
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, bad[2]) }); err != nil {
+		t.Fatal(err)
+	}
 	spoil := map[uuid.UUID]string{
 		bad[0].ID: "UPDATE outbox_messages SET correlation_id = repeat('x', 300) WHERE id = ?",
 		bad[1].ID: `UPDATE outbox_messages SET headers = jsonb_build_object('big', repeat('x', 200000)) WHERE id = ?`,
+		// Written before Enqueue refused it: the broker closed the channel at its publish, and
+		// the relay took that for an outage, for ever, sending nothing.
+		bad[2].ID: `UPDATE outbox_messages SET headers = '{"CC": "audit"}' WHERE id = ?`,
 	}
 	for id, stmt := range spoil {
 		if err := b.db.DB.Exec(stmt, id).Error; err != nil {
@@ -736,8 +743,8 @@ func TestRelayBacksOffARowAMQPCannotCarryAndSendsTheRest(t *testing.T) {
 		}
 	}
 	res, err := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil).ProcessBatch(context.Background())
-	if err != nil || res != (messaging.BatchResult{Claimed: 4, Sent: 2, Failed: 2}) {
-		t.Fatalf("batch = %+v, %v; want the 2 good rows sent and the 2 others failed", res, err)
+	if err != nil || res != (messaging.BatchResult{Claimed: 5, Sent: 2, Failed: 3}) {
+		t.Fatalf("batch = %+v, %v; want the 2 good rows sent and the 3 others failed", res, err)
 	}
 	for id := range spoil {
 		var row outboxRow
@@ -817,15 +824,69 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 		t.Fatal(err)
 	}
 	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1)
-	relay := b.relay(t, b.publisher(t, url), nil)
-	// A channel the broker closes takes the confirms still awaited with it, and the publishes
-	// after it: those rows wait for the next batch, uncharged.
+	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, url), nil), bad, good, "access refused")
+}
+
+// A row naming an internal exchange (one only other exchanges route to, which the relay's check
+// that the exchange exists does not tell apart) makes the broker close the channel at its
+// publish. Taken as the broker's absence, it headed every batch and the relay sent nothing: it
+// is charged and backed off, and the others go out.
+func TestRelayBacksOffARowForAnInternalExchangeAndSendsTheRest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	internal := testenv.UniqueName("internal")
+	testenv.CleanupBroker(t, nil, []string{internal})
+	if err := b.ch.ExchangeDeclare(internal, amqp.ExchangeTopic, true, false, true, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2)}
+	bad := []messaging.Message{newMessage(t, 1)}
+	bad[0].Exchange = internal
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad[0], good[1])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil), bad, good, "cannot publish to internal exchange")
+}
+
+// A body larger than the broker's max_message_size (16 MiB by default on RabbitMQ 4.x; 128 MiB
+// on 3.x, which takes this one) makes the broker close the channel at its publish, when the
+// publisher's MaxMessageBytes allows more: the row is charged as too large, not taken for an
+// outage that heads every batch for ever.
+func TestRelayBacksOffARowLargerThanTheBrokerTakes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2)}
+	big := newMessage(t, 1)
+	big.Payload = []byte(`"` + strings.Repeat("x", 16<<20) + `"`)
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], big, good[1])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	relay := b.relay(t, b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.MaxMessageBytes = 32 << 20 }), nil)
+	if version, _ := testenv.Connection(t).Properties["version"].(string); strings.HasPrefix(version, "3.") {
+		if _, err := relay.ProcessBatch(context.Background()); err != nil || b.unprocessed(t) != 0 {
+			t.Fatalf("RabbitMQ %s: %d rows unsent, %v; want all three sent under its 128 MiB limit", version, b.unprocessed(t), err)
+		}
+		return
+	}
+	b.sendPastChannelClosers(t, relay, []messaging.Message{big}, good, "the broker's limit is")
+}
+
+// sendPastChannelClosers runs relay's batches until every row but the bad ones is sent, each of
+// those charged once with an error that holds errText: a channel the broker closes takes the
+// confirms still awaited with it, and the publishes after it, so those rows wait for the next
+// batch, uncharged.
+func (b *testBundle) sendPastChannelClosers(t *testing.T, relay *messaging.Relay, bad, good []messaging.Message, errText string) {
+	t.Helper()
 	charged := func() bool {
 		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE attempts > 0") == int64(len(bad))
 	}
 	for i := 0; b.unprocessed(t) > int64(len(bad)) || !charged(); i++ {
 		if i == 5 {
-			t.Fatalf("%d rows unsent after %d batches; want only the 2 refused ones, each charged", b.unprocessed(t), i)
+			t.Fatalf("%d rows unsent after %d batches; want only the %d refused ones, each charged", b.unprocessed(t), i, len(bad))
 		}
 		res, err := relay.ProcessBatch(context.Background())
 		t.Logf("batch %d: %+v, %v", i, res, err)
@@ -835,16 +896,17 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 		if err := b.db.DB.Take(&row, "id = ?", m.ID).Error; err != nil {
 			t.Fatal(err)
 		}
-		if row.LastError != nil {
-			t.Logf("%s: %s", m.Exchange, *row.LastError)
-		}
-		if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, "access refused") ||
+		if row.ProcessedAt != nil || row.Attempts != 1 || row.LastError == nil || !strings.Contains(*row.LastError, errText) ||
 			!strings.Contains(*row.LastError, m.Exchange) || time.Until(row.NextAttemptAt) <= 0 {
-			t.Fatalf("row for %s: processed %v, attempts %d, last error %v, due in %s; want backed off once as refused",
-				m.Exchange, row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond))
+			t.Fatalf("row for %q: processed %v, attempts %d, last error %v, due in %s; want backed off once with %q",
+				m.Exchange, row.ProcessedAt, row.Attempts, row.LastError, time.Until(row.NextAttemptAt).Round(time.Millisecond), errText)
 		}
 	}
-	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{good[0].ID, good[1].ID, good[2].ID})
+	ids := make([]uuid.UUID, len(good))
+	for i, m := range good {
+		ids[i] = m.ID
+	}
+	missing, _, unexpected := countIDs(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
 	if missing > 0 || unexpected > 0 {
 		t.Fatalf("%d good rows missing from the queue, %d unexpected messages", missing, unexpected)
 	}
