@@ -76,8 +76,9 @@ type RelayConfig struct {
 	// a table without statistics fetches and sorts the whole backlog, and a generic plan of
 	// the marking scans the whole table.
 	SessionsPlanByIndex bool
-	// ShutdownGrace is how long a batch in progress may go on after Run's context ends, so it
-	// can record what the broker confirmed. Default [DefaultShutdownGrace].
+	// ShutdownGrace is how long a batch in progress may wait for the broker's confirms after
+	// Run's context ends; what the broker confirmed by then is still recorded, within 2 s
+	// more. Default [DefaultShutdownGrace].
 	ShutdownGrace time.Duration
 	Logger        *slog.Logger
 	Metrics       *Metrics // optional
@@ -216,15 +217,23 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	}
 }
 
+// settleWait is how long a batch's transaction outlives the wait for its confirms, ended by
+// the shutdown grace: time for the few statements that record what the broker confirmed, and
+// the commit. Ended with the wait, the transaction (which database/sql rolls back when its
+// context ends) took the confirmed rows with it, to be sent again at the next start.
+const settleWait = 2 * time.Second
+
 // ProcessBatch claims, publishes and settles one batch of due rows in one transaction. When
 // the broker gave no verdict on some rows (see [ErrBrokerUnavailable]), the rest is still
 // settled and committed, those rows stay due, and the error says why.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
 	defer cancel()
+	txCtx, cancelTx := withGrace(ctx, settleWait)
+	defer cancelTx()
 
 	var s settlement
-	s, err := r.batch(ctx)
+	s, err := r.batch(txCtx, ctx)
 	if err != nil {
 		return BatchResult{Claimed: s.res.Claimed}, err
 	}
@@ -232,8 +241,10 @@ func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	return s.res, s.brokerErr
 }
 
-// batch is ProcessBatch's transaction: claim, publish, settle, commit.
-func (r *Relay) batch(ctx context.Context) (s settlement, err error) {
+// batch is ProcessBatch's transaction: claim, publish, settle, commit. The transaction's
+// statements run under ctx; the publish, and so the wait for its confirms, under publishCtx,
+// which ends first.
+func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error) {
 	tx, err := r.cfg.DB.Begin(ctx)
 	if err != nil {
 		return s, fmt.Errorf("begin outbox batch: %w", err)
@@ -248,7 +259,7 @@ func (r *Relay) batch(ctx context.Context) (s settlement, err error) {
 	if err != nil || len(msgs) == 0 {
 		return settlement{}, err
 	}
-	verdicts := r.publish(ctx, msgs, unreadable)
+	verdicts := r.publish(publishCtx, msgs, unreadable)
 	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
 		return s, err
 	}

@@ -96,6 +96,46 @@ func TestRelayFinishesTheBatchInFlightAtShutdown(t *testing.T) {
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
 }
 
+// confirmedAtTheCut publishes its first window and then holds its verdicts until the grace
+// ends: a broker whose confirms came just as it did.
+type confirmedAtTheCut struct {
+	messaging.Sender
+	begun chan struct{}
+	once  sync.Once
+}
+
+func (c *confirmedAtTheCut) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	first := false
+	c.once.Do(func() { first = true })
+	if !first {
+		return c.Sender.Publish(ctx, msgs)
+	}
+	verdicts := c.Sender.Publish(context.WithoutCancel(ctx), msgs)
+	close(c.begun)
+	<-ctx.Done()
+	return verdicts
+}
+
+// What the broker confirmed as the shutdown grace ended is recorded: the grace ended the
+// batch's transaction with the wait for the confirms, and the confirmed rows, rolled back,
+// went out again at the next start.
+func TestRelayRecordsWhatWasConfirmedAsTheGraceEnded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cut := &confirmedAtTheCut{Sender: b.publisher(t, testenv.AMQPURL()), begun: make(chan struct{})}
+	r := b.relay(t, cut, func(c *messaging.RelayConfig) { c.Lanes, c.ShutdownGrace = 1, 200*time.Millisecond })
+	ids := b.enqueue(t, 3)
+	stop := start(t, r.Run)
+	<-cut.begun
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if n := b.unprocessed(t); n != 0 {
+		t.Fatalf("%d of the 3 rows confirmed as the grace ended are unsent, want 0: they would go out again", n)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
+
 // A handler the end of the grace cuts off did not fail on its own: the message is handed back
 // (a nack), not rejected as failed, which would spend one of its deliveries (or, on its last,
 // dead-letter it with "context canceled" as its reason).
