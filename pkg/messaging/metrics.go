@@ -60,7 +60,7 @@ func NewMetrics(reg prometheus.Registerer, namespace string) (*Metrics, error) {
 		handled: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace,
 			Name:      "consumer_handler_seconds",
-			Help:      "Time handlers took per message, by consumer, type and outcome (ok, error, permanent).",
+			Help:      "Time handlers took per message (a batch handler's, shared among its messages), by consumer, type and outcome (ok, error, permanent), as their transaction ended.",
 			Buckets:   prometheus.ExponentialBuckets(0.0005, 4, 9), // 0.5 ms to about 33 s
 		}, []string{"consumer", "type", "outcome"}),
 		cleanupDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{

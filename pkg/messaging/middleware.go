@@ -26,14 +26,16 @@ func recoverPanics[Tx any](log *slog.Logger) Middleware[Tx] {
 }
 
 // observe logs each message's outcome (at debug level when it succeeds) and counts it, with
-// its handling time, by consumer, type and outcome: in a batch, once it commits.
+// its handling time, by consumer, type and outcome, once its transaction has ended: a handler
+// that succeeded counts as the commit did.
 func observe[Tx any](consumer string, log *slog.Logger, m *Metrics) Middleware[Tx] {
 	return func(next Handler[Tx, any]) Handler[Tx, any] {
 		return func(ctx context.Context, tx Tx, payload any, msg Message) error {
 			start := time.Now()
 			err := next(ctx, tx, payload, msg)
-			took, outcome := time.Since(start), outcomeOf(err)
-			whenObserved(ctx, func() {
+			took := time.Since(start)
+			whenObserved(ctx, func(txErr error) {
+				outcome := finalOutcome(err, txErr)
 				if outcome == handlerOK {
 					log.DebugContext(ctx, "message handled", "consumer", consumer, "message_id", msg.ID, "type", msg.Type, "took", took)
 				}

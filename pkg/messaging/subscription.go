@@ -439,7 +439,7 @@ func (s *Subscription[Tx]) handlerChain() Handler[Tx, any] {
 }
 
 // runBatch gives items to the batch handler of msgType, behind the built-in panic recovery,
-// logging and metrics (each message counted with the batch's time).
+// logging and metrics (each message counted with its share of the batch's time).
 func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, items []batchItem) (err error) {
 	start := time.Now()
 	defer func() {
@@ -453,11 +453,13 @@ func (s *Subscription[Tx]) runBatch(ctx context.Context, tx Tx, msgType string, 
 			}
 			s.cfg.Logger.ErrorContext(logCtx, "batch handler panicked", append(attrs, "panic", r, "stack", string(debug.Stack()))...)
 		}
-		outcome, took := outcomeOf(err), time.Since(start)
-		whenObserved(ctx, func() {
+		// Each message's share, so that the histogram's sum is the time the handler took.
+		handlerErr, took := err, time.Since(start)/time.Duration(len(items))
+		whenObserved(ctx, func(txErr error) {
+			outcome := finalOutcome(handlerErr, txErr)
 			for _, it := range items {
 				s.cfg.Metrics.recordHandled(s.cfg.Name, msgType, outcome, took)
-				if err == nil {
+				if outcome == handlerOK {
 					s.cfg.Logger.DebugContext(it.ctx, "message handled", "consumer", s.cfg.Name, "message_id", it.msg.ID, "type", msgType, "batch", len(items))
 				}
 			}
@@ -488,14 +490,11 @@ func (s *Subscription[Tx]) decode(msg Message) (any, error) {
 func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []bool, err error) {
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
-	// A batch that fails is tried again one message at a time: its handlers' outcomes count,
-	// and are logged, only once it commits, so that each message's are as one at a time. The
-	// key is set for one message too (nil: at once), so that a context from another
-	// transaction's handler (an after-commit hook's, say) cannot hold this one's outcomes.
-	var observed *afterCommitHooks
-	if len(jobs) > 1 {
-		observed = &afterCommitHooks{}
-	}
+	// The handlers' outcomes count, and are logged, once the transaction has ended: a handler
+	// that succeeded in a transaction whose commit failed did not. A batch that fails is tried
+	// again one message at a time, which counts each message's outcome then; one message's
+	// transaction that fails counts its outcome with the failure.
+	observed := &observations{}
 	ctx = context.WithValue(ctx, observedKey{}, observed)
 	spans := make([]msgSpan, len(jobs))
 	for i, j := range jobs {
@@ -515,13 +514,12 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		case databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}
+		if len(jobs) == 1 {
+			observed.run(err)
+		}
 		return nil, err
 	}
-	if observed != nil {
-		for _, fn := range observed.fns {
-			fn()
-		}
-	}
+	observed.run(nil)
 	committed := time.Now()
 	for i, j := range jobs {
 		if !claimed[i] {
@@ -773,19 +771,37 @@ func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplica
 
 type afterCommitKey struct{}
 
-// observedKey carries, in the transaction of a batch, the handlers' log lines and metrics,
-// held until it commits (see whenObserved); in a transaction of one message, nil.
+// observedKey carries, in an inbox transaction, the handlers' log lines and metrics, held
+// until it ends (see whenObserved).
 type observedKey struct{}
 
-// whenObserved runs fn, which logs and counts a handler's outcome, at once; in a batch's
-// transaction, only once it commits. A failed batch is tried again one message at a time,
-// which logs and counts each message's outcome then.
-func whenObserved(ctx context.Context, fn func()) {
-	if observed, _ := ctx.Value(observedKey{}).(*afterCommitHooks); observed != nil {
-		observed.fns = append(observed.fns, fn)
-		return
+// observations are the handlers' outcomes of one inbox transaction, to log and count once it
+// has ended.
+type observations struct {
+	fns []func(txErr error)
+}
+
+// run logs and counts the outcomes, given how the transaction ended (nil: committed).
+func (o *observations) run(txErr error) {
+	for _, fn := range o.fns {
+		fn(txErr)
 	}
-	fn()
+}
+
+// whenObserved holds fn, which logs and counts a handler's outcome given how its transaction
+// ended, until the transaction has ended.
+func whenObserved(ctx context.Context, fn func(txErr error)) {
+	observed, _ := ctx.Value(observedKey{}).(*observations)
+	observed.fns = append(observed.fns, fn)
+}
+
+// finalOutcome is the outcome of a handler that returned err in a transaction that ended with
+// txErr: its own failure, or else the transaction's.
+func finalOutcome(err, txErr error) string {
+	if err != nil {
+		return outcomeOf(err)
+	}
+	return outcomeOf(txErr)
 }
 
 // afterCommitHooks is what a handler's transaction owes after its work: the functions to run

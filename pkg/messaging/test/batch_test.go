@@ -85,6 +85,67 @@ func TestAFailedBatchCountsEachMessageAsOneAtATime(t *testing.T) {
 	}
 }
 
+// A handler that succeeded in a transaction whose commit failed (a deferred constraint, a
+// connection lost at the commit) did not handle its message: it counts as the commit's failure,
+// and is not logged handled. One message's was counted "ok" and logged at once, before the
+// commit, at every delivery until the message was dead-lettered.
+func TestAHandlerWhoseCommitFailsIsNotCountedHandled(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	if err := b.db.DB.Exec(`CREATE TABLE parent (id int PRIMARY KEY);
+		CREATE TABLE child (parent_id int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`).Error; err != nil {
+		t.Fatal(err)
+	}
+	s := b.subscription(t, nil)
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return tx.Exec("INSERT INTO child VALUES (42)").Error // no parent 42: refused at the commit
+	}))
+	must(t, messaging.HandleBatch(s, b.cancels, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[cancelled]) error {
+		return tx.Exec("INSERT INTO child VALUES (42)").Error
+	}))
+	ctx := context.Background()
+	for _, msg := range []messaging.Message{messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()}), messagingtest.Message(t, b.cancels, cancelled{OrderID: uuid.New()})} {
+		if _, err := messagingtest.Deliver(ctx, s, msg); err == nil || !strings.Contains(err.Error(), "commit inbox transaction") {
+			t.Fatalf("Deliver of a %s = %v, want the commit's failure", msg.Type, err)
+		}
+		for outcome, want := range map[string]float64{"ok": 0, "error": 1} {
+			if got := metricValue(t, b.registry, "consumer_handler_seconds", map[string]string{"consumer": b.name, "type": msg.Type, "outcome": outcome}); got != want {
+				t.Errorf("consumer_handler_seconds{type=%q,outcome=%q} counts %v, want %v", msg.Type, outcome, got, want)
+			}
+		}
+		if n := len(b.logs.Lines("message handled", "message_id="+msg.ID.String())); n != 0 {
+			t.Errorf("%d \"message handled\" lines for the %s whose commit failed, want 0", n, msg.Type)
+		}
+	}
+}
+
+// A batch handler's time is shared out among its messages: the histogram's sum is the time the
+// handler took, not that time once for every message of the batch.
+func TestABatchHandlersTimeIsSharedOutAmongItsMessages(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, nil)
+	const took = 200 * time.Millisecond
+	must(t, messaging.HandleBatch(s, b.placed, func(ctx context.Context, tx *gorm.DB, batch []messaging.Delivered[placed]) error {
+		time.Sleep(took) // the handler's time is what is measured
+		return nil
+	}))
+	msgs := make([]messaging.Message, 10)
+	for i := range msgs {
+		msgs[i] = messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()})
+	}
+	if _, err := messagingtest.DeliverBatch(context.Background(), s, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	labels := map[string]string{"consumer": b.name, "type": "Placed", "outcome": "ok"}
+	if n := metricValue(t, b.registry, "consumer_handler_seconds", labels); n != 10 {
+		t.Fatalf("consumer_handler_seconds counts %v, want one per message, 10", n)
+	}
+	if sum := histogramSum(t, b.registry, "consumer_handler_seconds", labels); sum < took.Seconds() || sum > 2*took.Seconds() {
+		t.Errorf("consumer_handler_seconds_sum = %.3f s, want the handler's %.1f s (and a margin), shared among the 10", sum, took.Seconds())
+	}
+}
+
 // A batch handler's error in a batch of several names the messages it was given: the run's
 // size and first message, or the message alone in its run; with BatchByType, all its event's.
 func TestABatchHandlersErrorNamesItsMessages(t *testing.T) {

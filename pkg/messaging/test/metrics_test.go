@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -54,6 +55,19 @@ func TestMetricsExportEverySeriesAtZeroFromTheStart(t *testing.T) {
 // whose labels include labels, or 0 when there is none.
 func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
 	t.Helper()
+	return metricOf(t, reg, name, labels, func(h *dto.Histogram) float64 { return float64(h.GetSampleCount()) })
+}
+
+// histogramSum is the sum of the first series of the histogram name with labels, 0 if none.
+func histogramSum(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+	t.Helper()
+	return metricOf(t, reg, name, labels, (*dto.Histogram).GetSampleSum)
+}
+
+// metricOf is the value of the first series of name with labels, 0 if none; of a histogram, as
+// of reads it.
+func metricOf(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string, of func(*dto.Histogram) float64) float64 {
+	t.Helper()
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -74,7 +88,7 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 				}
 			}
 			if h := m.GetHistogram(); h != nil {
-				return float64(h.GetSampleCount())
+				return of(h)
 			}
 			if g := m.GetGauge(); g != nil {
 				return g.GetValue()
