@@ -191,8 +191,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, ErrBrokerUnavailable):
-			r.brokerDown(err)
-			r.awaitBroker(ctx)
+			r.awaitBroker(ctx, r.brokerDown(err))
 		case err != nil:
 			r.log.Error("relay batch failed", "error", err)
 			sleep(ctx, nil, jittered(r.cfg.PollInterval))
@@ -200,10 +199,10 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// An empty claim never reached the broker: look for it, so that its return is
 			// known (and outbox_relay_broker_up says so) before the next row. A Sender that
 			// cannot be probed learns it from the next row's publish.
-			r.awaitBroker(ctx)
+			r.awaitBroker(ctx, 1)
 		case res.Claimed == 0 && r.lostWhileIdle(ctx):
 			// Nor does it see the broker go: the outage begins now, not at the next row.
-			r.awaitBroker(ctx)
+			r.awaitBroker(ctx, 1)
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
@@ -515,21 +514,24 @@ func (r *Relay) report(ctx context.Context, s settlement) {
 
 // outage is the relay's view of the broker, shared by its lanes.
 type outage struct {
-	mu    sync.Mutex
-	since time.Time // zero while the broker is up
+	mu       sync.Mutex
+	since    time.Time // zero while the broker is up
+	failures int       // the batches it failed so far, which pace the retries of a Sender without a probe
 }
 
 // brokerDown starts an outage, unless one is on: logged once, however many lanes and batches
 // run into it.
-func (r *Relay) brokerDown(err error) {
+func (r *Relay) brokerDown(err error) (failures int) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, false)
+	r.outage.failures++
 	if !r.outage.since.IsZero() {
-		return
+		return r.outage.failures
 	}
 	r.outage.since = time.Now()
 	r.log.Warn("broker unavailable; relay paused, rows wait in the outbox", "error", err)
+	return r.outage.failures
 }
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
@@ -575,7 +577,7 @@ func (r *Relay) endOutage() (lasted time.Duration, ended bool) {
 		return 0, false
 	}
 	lasted = time.Since(r.outage.since)
-	r.outage.since = time.Time{}
+	r.outage.since, r.outage.failures = time.Time{}, 0
 	return lasted, true
 }
 
@@ -600,10 +602,11 @@ func (r *Relay) lostWhileIdle(ctx context.Context) bool {
 	return true
 }
 
-// awaitBroker returns once the broker looks available again, or ctx ends. Without a probe on
-// the Sender, it returns after one retry delay, and the next batch finds out.
-func (r *Relay) awaitBroker(ctx context.Context) {
-	for failures := 1; ; failures++ {
+// awaitBroker returns once the broker looks available again, or ctx ends; the outage has
+// failed failures times so far. Without a probe on the Sender, it returns after one retry
+// delay, the next for each batch the outage fails, and the next batch finds out.
+func (r *Relay) awaitBroker(ctx context.Context, failures int) {
+	for ; ; failures++ {
 		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || r.probe == nil || !r.isBrokerDown() {
 			return
 		}

@@ -355,6 +355,31 @@ func (tx countedTx) Rollback(ctx context.Context) error {
 	return tx.TxExecutor.Rollback(ctx)
 }
 
+// A Sender that cannot be probed for the broker: its relay's retries during an outage, each a
+// claim of a batch and a publish, double as BrokerRetry says (100 ms, 200, 400, … up to 2 s).
+// They stayed at the first step, a batch claimed every 100 ms for as long as the outage lasted.
+func TestRelayWithoutAProbeBacksOffDuringAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	unprobed := struct{ messaging.Sender }{b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen))}
+	proxy.Stop()
+	db := &countingDB{DB: b.drv.DB()}
+	b.enqueue(t, 1)
+	run(t, b.relay(t, unprobed, func(c *messaging.RelayConfig) { c.DB, c.Lanes, c.DisableNotify = db, 1, true }).Run)
+	began := time.Now()
+	for time.Since(began) < 3*time.Second { // a window of observation, not a wait for anything
+		time.Sleep(100 * time.Millisecond)
+	}
+	// 100 + 200 + 400 + 800 + 1,600 ms, jittered below each step: about 6; at 100 ms, about 30.
+	if n := db.begun.Load(); n > 10 {
+		t.Fatalf("%d batches in 3 s of an outage, want the broker retry's doubling (about 6)", n)
+	}
+	if n := b.unprocessed(t); n != 1 {
+		t.Fatalf("%d rows unsent, want the one enqueued, waiting", n)
+	}
+}
+
 // A Sender that cannot be probed for the broker: its relay learns the broker is back from the
 // next row's publish, and meanwhile, with nothing to send, claims at its poll's pace, not at
 // the broker retry's.
