@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"net/url"
 	"os"
 	"strings"
@@ -295,22 +296,44 @@ func Proxy(t testing.TB, upstream string) *toxiproxy.Proxy {
 // AMQPURLVia returns AMQPURL with its host and port replaced by addr.
 func AMQPURLVia(t testing.TB, addr string) string {
 	t.Helper()
-	u, err := url.Parse(AMQPURL())
-	if err != nil {
-		t.Fatalf("parse TEST_AMQP_URL: %v", err)
-	}
-	u.Host = addr
-	return u.String()
+	return URLVia(t, AMQPURL(), addr)
 }
 
 // AMQPHost returns the host:port of AMQPURL.
 func AMQPHost(t testing.TB) string {
 	t.Helper()
-	u, err := url.Parse(AMQPURL())
-	if err != nil {
-		t.Fatalf("parse TEST_AMQP_URL: %v", err)
+	return parseURL(t, AMQPURL()).Host
+}
+
+// DatabaseHost returns the host:port of DatabaseURL, the port 5432 unless it names one; it
+// fails a test whose database is not reached over TCP.
+func DatabaseHost(t testing.TB) string {
+	t.Helper()
+	u := parseURL(t, DatabaseURL())
+	if u.Hostname() == "" || u.Query().Has("host") {
+		t.Fatalf("TEST_DATABASE_URL %s names no TCP host to proxy", u.Redacted())
+	}
+	if u.Port() == "" {
+		return net.JoinHostPort(u.Hostname(), "5432")
 	}
 	return u.Host
+}
+
+// URLVia returns rawURL with its host and port replaced by addr.
+func URLVia(t testing.TB, rawURL, addr string) string {
+	t.Helper()
+	u := parseURL(t, rawURL)
+	u.Host = addr
+	return u.String()
+}
+
+func parseURL(t testing.TB, rawURL string) *url.URL {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatalf("parse a test server's URL: %v", err)
+	}
+	return u
 }
 
 // Connection opens a plain AMQP connection for the test's own declarations, closed when the

@@ -3,6 +3,7 @@ package messaging
 import (
 	"context"
 	"errors"
+	"time"
 )
 
 // The database seam. The library runs each of its statements through these few interfaces,
@@ -91,3 +92,16 @@ type Conn interface {
 // ErrNoNotifications is returned by [Conn.WaitForNotification] of a driver that cannot receive
 // PostgreSQL notifications; a relay on it polls instead.
 var ErrNoNotifications = errors.New("the database driver cannot receive notifications")
+
+// rollbackWait bounds a rollback, which runs whether or not its caller's context has ended (the
+// work failed, timed out, or was cut off at shutdown): a database that stops answering would
+// otherwise hold it, and its worker, for as long as the connection lives (pgx sets no read
+// deadline of its own); past it, the driver gives the connection up.
+const rollbackWait = 2 * time.Second
+
+// rollback rolls tx back, within rollbackWait even after ctx has ended.
+func rollback(ctx context.Context, tx TxExecutor) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackWait)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}

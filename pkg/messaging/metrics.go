@@ -294,7 +294,7 @@ func (c *outboxStatsCollector) read() (s OutboxStats, err error) {
 	if err != nil {
 		return s, fmt.Errorf("read outbox stats: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // read only: nothing to commit
+	defer rollback(ctx, tx) // read only: nothing to commit
 	if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL statement_timeout = %d", statsStatementTimeout.Milliseconds())); err != nil {
 		return s, fmt.Errorf("set statement_timeout: %w", err)
 	}

@@ -251,7 +251,7 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 	committed := false
 	defer func() {
 		if !committed { // an error, or nothing to claim
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			rollback(ctx, tx)
 		}
 	}()
 	msgs, attempts, unreadable, err := r.claim(ctx, tx)
@@ -560,7 +560,7 @@ func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // it only reads
+	defer rollback(ctx, tx) // it only reads
 	if _, err := tx.Exec(ctx, statements.ScanPlan); err != nil {
 		return 0, err
 	}

@@ -554,7 +554,7 @@ func (s *Subscription[Tx]) transact(ctx context.Context, jobs []job, spans []msg
 	}
 	defer func() {
 		if err != nil {
-			_ = txe.Rollback(context.WithoutCancel(ctx))
+			rollback(ctx, txe)
 		}
 	}()
 	if claimed, err = claim(ctx, txe, s.cfg.Name, jobs); err != nil {

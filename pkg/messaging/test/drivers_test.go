@@ -152,6 +152,62 @@ func TestASessionTheServerEndsIsAnOutage(t *testing.T) {
 	}
 }
 
+// A handler that fails as the database stops answering (a partition, a proxy that holds the
+// data) leaves a rollback that the database never answers either: pgx waits as long as its
+// connection lives, and the worker, and so the subscription's shutdown, waited with it. The
+// rollback is bounded, and the message's failure reported as the database's.
+func TestARollbackTheDatabaseNeverAnswersIsBounded(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+	cfg, err := pgxpool.ParseConfig(testenv.URLVia(t, d.URL, proxy.Listen))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Reset) // its connections, held by the proxy, are not waited for
+	drv := pgxdriver.New(pool)
+	must(t, messaging.MigrateInbox(context.Background(), drv.DB()))
+	ev := messaging.Event[payload]{Exchange: testenv.UniqueName("orders"), Type: eventType}
+	queue := testenv.UniqueName("silent")
+	sub, err := messaging.NewSubscription(drv, messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(),
+		Topology: messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: queue, Bindings: []messaging.Binding{ev.Binding()}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(sub, ev, func(ctx context.Context, tx pgx.Tx, _ payload, _ messaging.Message) error {
+		if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+			return err
+		}
+		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"silence","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+			return fmt.Errorf("test: %w", err)
+		}
+		return errors.New("a call outside the database failed")
+	}))
+	m, err := ev.Message(payload{OrderID: uuid.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	delivered := make(chan error, 1)
+	go func() {
+		_, err := messagingtest.Deliver(context.Background(), sub, m)
+		delivered <- err
+	}()
+	select {
+	case err := <-delivered:
+		if !messaging.IsUnavailable(err) {
+			t.Errorf("the handler's failure with the database silent: %v, want the database unavailable", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the delivery still waits for its rollback after 15 s")
+	}
+}
+
 func TestGormDriver(t *testing.T) {
 	t.Parallel()
 	d := testenv.NewDatabase(t)
