@@ -188,24 +188,29 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 	} else if err != nil {
 		return nil, fmt.Errorf("declare topology: %w", err)
 	}
+	// Every channel is open, with its prefetch, before the first consumer starts: a channel
+	// refused after some consumers started (a user's channel limit, say) would close the
+	// connection on the deliveries they held, and the broker would count each of them a
+	// delivery, at every reconnection, up to the delivery limit.
 	links := make([]consumerLink, c.cfg.Concurrency)
 	for i := range links {
 		ch, err := conn.Channel()
 		if err != nil {
 			return nil, fmt.Errorf("open channel: %w", err)
 		}
-		closed := ch.NotifyClose(make(chan *amqp.Error, 1))
-		cancelled := ch.NotifyCancel(make(chan string, 1))
 		// Per-consumer prefetch: a global QoS is refused on quorum queues.
 		if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
 			return nil, fmt.Errorf("set prefetch: %w", err)
 		}
-		tag := c.cfg.Queue + "-" + uuid.NewString()
-		deliveries, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
+		links[i] = consumerLink{ch: ch, closed: ch.NotifyClose(make(chan *amqp.Error, 1)), cancelled: ch.NotifyCancel(make(chan string, 1))}
+	}
+	for i := range links {
+		links[i].tag = c.cfg.Queue + "-" + uuid.NewString()
+		deliveries, err := links[i].ch.Consume(c.cfg.Queue, links[i].tag, false, false, false, false, nil)
 		if err != nil {
 			return nil, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
 		}
-		links[i] = consumerLink{ch: ch, tag: tag, closed: closed, cancelled: cancelled, deliveries: deliveries}
+		links[i].deliveries = deliveries
 	}
 	return links, nil
 }

@@ -294,3 +294,46 @@ func TestServerRestartMemoryAlarmHoldsNeitherReconnectionNorShutdown(t *testing.
 	}
 	t.Logf("%d copies of the 2 poison messages in the dead-letter queue after two sessions ended during the alarm", len(copies))
 }
+
+// A channel refused while the consumer sets up (a user's channel limit, met by a replica of a
+// rolling deploy) charges no message: every channel is open before the first consumer starts.
+// Consumers started first held their prefetch when the connection closed on the refusal, and
+// the broker counted each of those messages a delivery at every reconnection, up to the
+// delivery limit.
+func TestAChannelRefusedAtSetupChargesNoMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	user := testenv.UniqueName("limited")
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_user", user) })
+	testenv.RabbitMQCtl(t, "add_user", user, "secret")
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", "/", user, ".*", ".*", ".*")
+	testenv.RabbitMQCtl(t, "set_user_limits", user, `{"max-channels": 2}`)
+	must(t, b.topology.Declare(testenv.Connection(t), b.log))
+	for i := range 10 {
+		b.publishRaw(t, publishing(newMessage(t, i)))
+	}
+	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
+		Name: b.queue, URL: strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1), Topology: b.topology,
+		Concurrency: 3, Prefetch: 10, Logger: b.log, Reconnect: messaging.Backoff{Base: 100 * time.Millisecond, Max: 500 * time.Millisecond},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(s, b.orderPlaced(), workFunc))
+	stop := start(t, s.Run)
+	testenv.Eventually(t, 20*time.Second, func() bool { return len(b.logs.Lines("open channel")) >= 3 },
+		"the consumer did not try to set up three times")
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	held := testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond)
+	if len(held) != 10 {
+		t.Fatalf("%d messages in the queue after the refused setups, want the 10 published", len(held))
+	}
+	for _, d := range held {
+		if n := timesDelivered(d); n > 0 {
+			t.Fatalf("message %s was charged %d deliveries by setups that never consumed", d.MessageId, n)
+		}
+	}
+}
+
