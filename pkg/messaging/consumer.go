@@ -125,7 +125,9 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	closeErr := c.endWithChannels(session, endSession, links)
 	stopConsuming := c.stopAtShutdown(ctx, endSession, over, conn, links)
 	defer stopConsuming()
-	workCtx, cancel := withGrace(ctx, c.cfg.ShutdownGrace)
+	// Without the span of Run's context, if it has one: a delivery that came untraced starts a
+	// trace of its own (see traceUntraced), not a child of a span as long as the process.
+	workCtx, cancel := withGrace(trace.ContextWithSpanContext(ctx, trace.SpanContext{}), c.cfg.ShutdownGrace)
 	defer cancel()
 	closeDeadLettersWithSession(ctx, session, workCtx, over, c.deadLetters)
 

@@ -311,14 +311,17 @@ func TestMessageWithoutTraceContextStartsATrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	b.publish(t, b.exchange, msg)
-	run(t, s.Run)
+	// Run under a span of the service's own (as long as the process): not the message's parent.
+	_, service := tr.tp.Tracer("test").Start(context.Background(), "service")
+	defer service.End()
+	run(t, func(ctx context.Context) error { return s.Run(trace.ContextWithSpan(ctx, service)) })
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		_, ok := seen.get(msg.ID)
 		return ok && b.handled(t, "SELECT count(*) FROM outbox_messages") == 1
 	}, "message not handled")
 	sc, _ := seen.get(msg.ID)
-	if !sc.IsValid() || !sc.IsSampled() {
-		t.Fatalf("the handler's context has span context %+v, want a new sampled trace", sc)
+	if !sc.IsValid() || !sc.IsSampled() || sc.TraceID() == service.SpanContext().TraceID() {
+		t.Fatalf("the handler's context has span context %+v, want a new sampled trace, not Run's %s", sc, service.SpanContext().TraceID())
 	}
 	receive := tr.span(t, sc.TraceID(), "receive "+b.name)
 	if receive.Parent.IsValid() {
