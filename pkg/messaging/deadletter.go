@@ -181,11 +181,21 @@ func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) 
 	}
 	// The broker sends a basic.return before the confirm, and the client hands it over before
 	// it resolves the confirm: if there is one, it is here now.
-	select {
-	case r := <-p.returns:
+	if r, ok := returnedNow(p.returns); ok {
 		return fmt.Errorf("%w: unroutable, does queue %q exist? %d %s", errDeadLetterNotConfirmed, p.queue, r.ReplyCode, r.ReplyText)
+	}
+	return nil
+}
+
+// returnedNow returns the basic.return waiting in returns after a confirm, if there is one.
+// The client closes returns when the channel closes (the connection was lost after the
+// confirm): that is no return, not one of zero values.
+func returnedNow(returns <-chan amqp.Return) (amqp.Return, bool) {
+	select {
+	case r, ok := <-returns:
+		return r, ok
 	default:
-		return nil
+		return amqp.Return{}, false
 	}
 }
 

@@ -1,6 +1,7 @@
 package messaging
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -43,5 +44,27 @@ func TestDeadLetterCopyLeavesTheDeliveryCountsOut(t *testing.T) {
 	}
 	if headers["tenant"] != "a" || headers[HeaderDeadLetterReason] != "poison" {
 		t.Errorf("the copy's headers are %v", headers)
+	}
+}
+
+// A confirmed copy whose channel closed right after (a node restarting) was taken for an
+// unroutable one: the client closes the returns channel with the channel, and a read of it
+// gives a return of zero values. A redrive so reported no doubt about a message in both queues,
+// and a dead-letter copy was published a second time.
+func TestAClosedReturnsChannelIsNoReturn(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	q, err := s.ch.QueueDeclare("", false, true, true, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := make(chan amqp.Return)
+	close(closed)
+	if err := redrive(context.Background(), s.ch, closed, q.Name, amqp.Delivery{MessageId: "m", Body: []byte(`{}`)}); err != nil {
+		t.Errorf("redrive of a confirmed copy, its returns closed: %v, want moved", err)
+	}
+	p := &deadLetterPublisher{queue: q.Name, watch: s.watch, ch: s.ch, returns: closed}
+	if err := p.confirm(context.Background(), amqp.Publishing{Body: []byte(`{}`)}); err != nil {
+		t.Errorf("a dead-letter copy confirmed, its returns closed: %v, want confirmed", err)
 	}
 }

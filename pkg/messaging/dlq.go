@@ -374,12 +374,10 @@ func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, 
 	case !acked:
 		return fmt.Errorf("the broker nacked it")
 	}
-	select {
-	case r := <-returns:
+	if r, ok := returnedNow(returns); ok {
 		return fmt.Errorf("unroutable: %d %s", r.ReplyCode, r.ReplyText)
-	default:
-		return nil
 	}
+	return nil
 }
 
 // redriveCopy is d as it was first delivered: the same body, properties and message id, and

@@ -336,4 +336,3 @@ func TestAChannelRefusedAtSetupChargesNoMessage(t *testing.T) {
 		}
 	}
 }
-
