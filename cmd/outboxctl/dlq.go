@@ -109,6 +109,7 @@ type dlqResult struct {
 // dlqDropResult is what dlq drop prints in -o json.
 type dlqDropResult struct {
 	DryRun          bool       `json:"dry_run"`
+	InDoubt         bool       `json:"in_doubt,omitempty"` // acknowledged, but the broker's answer after it never came
 	Queue           string     `json:"queue"`
 	DeadLetterQueue string     `json:"dead_letter_queue"`
 	Message         deadLetter `json:"message"` // with its headers and body
@@ -448,23 +449,39 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	dropped, err := messaging.DropDeadLetter(ctx, cfg, sel)
 	switch {
 	case errors.Is(err, errDryRun):
-		return c.printDropped(queue, dlq, found, true)
+		return c.printDropped(queue, dlq, found, dropDryRun)
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
 		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
+	case errors.Is(err, messaging.ErrDropInDoubt):
+		// It may be gone: its record is printed all the same, the last there may be.
+		return errors.Join(err, c.printDropped(queue, dlq, dropped, dropInDoubt))
 	case err != nil:
 		return err
 	}
-	return c.printDropped(queue, dlq, dropped, false)
+	return c.printDropped(queue, dlq, dropped, dropDone)
 }
 
-// printDropped prints the message dlq drop dropped, or would drop, in full.
-func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, dryRun bool) error {
+// dropOutcome is what became of the message dlq drop prints.
+type dropOutcome int
+
+const (
+	dropDone    dropOutcome = iota
+	dropDryRun              // it would be dropped
+	dropInDoubt             // acknowledged, and the broker's answer after it never came
+)
+
+// printDropped prints the message dlq drop dropped, would drop, or may have dropped, in full.
+func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, outcome dropOutcome) error {
 	if c.json() {
-		return writeJSON(c.out, dlqDropResult{DryRun: dryRun, Queue: queue, DeadLetterQueue: dlq, Message: toDeadLetter(d, true, true)})
+		return writeJSON(c.out, dlqDropResult{DryRun: outcome == dropDryRun, InDoubt: outcome == dropInDoubt, Queue: queue, DeadLetterQueue: dlq,
+			Message: toDeadLetter(d, true, true)})
 	}
-	if dryRun {
+	switch outcome {
+	case dropDryRun:
 		fmt.Fprintf(c.out, "would drop from %s (dry run: nothing changed):\n", dlq)
-	} else {
+	case dropInDoubt:
+		fmt.Fprintf(c.out, "may have dropped from %s (the broker did not answer after the acknowledgement):\n", dlq)
+	default:
 		fmt.Fprintf(c.out, "dropped from %s, for good:\n", dlq)
 	}
 	printDeadLetter(c.out, d, true, wholeBody)

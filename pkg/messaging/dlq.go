@@ -43,6 +43,11 @@ var ErrDeadLetterNotFound = errors.New("no such message in the dead-letter queue
 // the first of the picked messages not among those moved.
 var ErrRedriveInDoubt = errors.New("the message may be in both queues")
 
+// ErrDropInDoubt is wrapped by the error of [DropDeadLetter] when the message's acknowledgement
+// was sent but the broker's answer after it never came: the message may be gone. The message is
+// returned with it, the last record of it.
+var ErrDropInDoubt = errors.New("the message may have been dropped")
+
 // The headers that record a dead-lettering: the broker's and the consumer's. A redriven message
 // goes without them, so that it is handled like any other.
 var deadLetterHeaders = []string{
@@ -196,7 +201,8 @@ func acknowledged(ch *amqp.Channel, queue string) error {
 // be given), for good, and hands the others it looked at back in their order; sel.Confirm sees
 // that one message. Give it no limit unless the queue is too long to hold: a limit that leaves
 // messages behind may move those it looked at back in the queue. It returns the message it
-// removed, or [ErrDeadLetterNotFound].
+// removed, or [ErrDeadLetterNotFound]; the message with an error wrapping [ErrDropInDoubt] when
+// it may have been removed.
 func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) (DeadLetter, error) {
 	if sel.Match == nil {
 		return DeadLetter{}, errors.New("drop a dead letter: no match given")
@@ -226,11 +232,11 @@ func DropDeadLetter(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSel
 			return fmt.Errorf("acknowledge message %s: %w", d.MessageId, err)
 		}
 		kept = slices.Delete(slices.Clone(held), picked[0], picked[0]+1)
+		dropped = readDeadLetter(d) // from here on it may be gone: the caller keeps its record
 		if err := acknowledged(ch, dlq); err != nil {
-			return fmt.Errorf("message %s was acknowledged, but the broker did not answer after it (list %q to see whether it is gone): %w",
-				d.MessageId, dlq, err)
+			return fmt.Errorf("message %s was acknowledged, but the broker did not answer after it (list %q to see whether it is gone): %w: %w",
+				d.MessageId, dlq, ErrDropInDoubt, err)
 		}
-		dropped = readDeadLetter(d)
 		return nil
 	})
 	return dropped, err

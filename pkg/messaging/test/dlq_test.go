@@ -90,6 +90,36 @@ func TestADropShowsAndRemovesTheFirstMatchOnly(t *testing.T) {
 	}
 }
 
+// A drop whose acknowledgement went out but whose answer from the broker never came (the
+// connection lost just then) may have removed the message: it returns the message all the
+// same, the last record of it, with an error that says so. It used to return nothing.
+func TestADropWhoseAnswerNeverComesReturnsItsMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	id := uuid.NewString()
+	must(t, b.ch.PublishWithContext(context.Background(), "", dlq, true, false,
+		amqp.Publishing{MessageId: id, Type: eventType, ContentType: "application/json", Body: []byte(`{"n":1}`)}))
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "the message did not reach %s", dlq)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	dropped, err := messaging.DropDeadLetter(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURLVia(t, proxy.Listen), Queue: b.queue},
+		messaging.DeadLetterSelection{
+			Match: func(d messaging.DeadLetter) bool { return d.MessageID == id },
+			Confirm: func([]messaging.DeadLetter, int) error {
+				// The broker's answers are held from here on, and the connection is lost a second later.
+				if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"silence","type":"timeout","stream":"downstream","attributes":{"timeout":0}}`)); err != nil {
+					return err
+				}
+				time.AfterFunc(time.Second, proxy.Stop)
+				return nil
+			},
+		})
+	if !errors.Is(err, messaging.ErrDropInDoubt) || dropped.MessageID != id || string(dropped.Body) != `{"n":1}` {
+		t.Fatalf("a drop whose answer never came: %+v, %v; want the message and ErrDropInDoubt", dropped, err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 0 }, "the acknowledged message is still in %s", dlq)
+}
+
 // A redrive interrupted while the broker does not confirm the copy under way (here the
 // consumer queue's process is suspended once the messages are held: it takes the copy and
 // confirms nothing) gives that confirm up a while after the interrupt, in doubt, and still
