@@ -150,8 +150,9 @@ const maxShortString = 255
 
 // checkEnvelope returns an error wrapping [ErrInvalidEnvelope] when p, published to exchange
 // with key, cannot travel over AMQP: a short string over 255 bytes, properties (headers
-// included) that do not fit in one frame of frameSize bytes, or a header named CC or BCC. The client would fail mid-frame,
-// or the broker close the connection, either way taking every other message in flight with it.
+// included) that do not fit in one frame of frameSize bytes, or a header named CC or BCC. The
+// client would fail mid-frame, or the broker close the connection (the channel, for CC or BCC),
+// either way taking every other message in flight with it.
 func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error {
 	type field struct{ name, value string }
 	properties := []field{{"type", p.Type}, {"correlation id", p.CorrelationId}, {"app id", p.AppId},

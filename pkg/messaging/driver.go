@@ -96,7 +96,8 @@ var ErrNoNotifications = errors.New("the database driver cannot receive notifica
 // rollbackWait bounds a rollback, which runs whether or not its caller's context has ended (the
 // work failed, timed out, or was cut off at shutdown): a database that stops answering would
 // otherwise hold it, and its worker, for as long as the connection lives (pgx sets no read
-// deadline of its own); past it, the driver gives the connection up.
+// deadline of its own); past it, pgx gives the connection up. database/sql's Rollback takes no
+// context: there the transaction's own context (the begin's) bounds it.
 const rollbackWait = 2 * time.Second
 
 // rollback rolls tx back, within rollbackWait even after ctx has ended.

@@ -98,9 +98,9 @@ func (e unavailableError) Unwrap() error { return e.err }
 
 // Unavailable marks err as caused by a dependency being down. A [Subscription] keeps retrying such
 // a message with backoff for as long as it takes, without counting the attempts against it,
-// so an outage does not push good messages into the dead-letter queue; but the broker counts a
-// delivery each time its consumer timeout (30 min by default) takes back the deliveries held
-// through the outage, and at the delivery limit dead-letters them itself.
+// so an outage does not push good messages into the dead-letter queue; but before RabbitMQ 4.3
+// the broker counts a delivery each time its consumer timeout (30 min by default) takes back
+// the deliveries held through the outage, and at the delivery limit dead-letters them itself.
 func Unavailable(err error) error {
 	if err == nil {
 		return nil

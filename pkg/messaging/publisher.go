@@ -490,8 +490,9 @@ var writeRefused = regexp.MustCompile(`^ACCESS_REFUSED - (?:write )?access to (?
 var internalRefused = regexp.MustCompile(`^ACCESS_REFUSED - cannot publish to internal exchange '(.*)' in vhost '.*'$`)
 
 // tooLargeForBroker is the reason RabbitMQ gives when it closes a channel for a body over its
-// max_message_size (16 MiB by default on 4.x): PublisherConfig.MaxMessageBytes may be larger.
-var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size \d+ is larger than configured max size (\d+)$`)
+// max_message_size (16 MiB by default on 4.x; without "configured" at its hard cap, 512 MiB):
+// PublisherConfig.MaxMessageBytes may be larger.
+var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size \d+ is larger than (?:configured )?max size (\d+)$`)
 
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
 // closed ch for a publish to m's exchange (with m's routing key, for a topic permission; or an
