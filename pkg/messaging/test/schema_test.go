@@ -4,6 +4,8 @@ import (
 	"context"
 	"io/fs"
 	"log/slog"
+	"path"
+	"strconv"
 	"testing"
 	"testing/fstest"
 	"time"
@@ -58,15 +60,7 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	upTo4 := fstest.MapFS{}
-	for _, name := range []string{"00001_create_outbox_messages.sql", "00002_due_parked_rows_now.sql", "00003_trace_context.sql", "00004_destination_and_headers.sql"} {
-		raw, err := fs.ReadFile(messaging.Schema, "schema/outbox/"+name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		upTo4[name] = &fstest.MapFile{Data: raw}
-	}
-	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, upTo4, "messaging_outbox_schema"); err != nil {
+	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, outboxMigrationsUpTo(t, 4), "messaging_outbox_schema"); err != nil {
 		t.Fatal(err)
 	}
 	const insert = `INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now())`
@@ -140,5 +134,58 @@ func TestAVersionRolledBackInGoosesLayoutIsAppliedAgain(t *testing.T) {
 	must(t, messaging.MigrateInbox(ctx, drv))
 	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_tables WHERE tablename = 'inbox_messages'`); n != 1 {
 		t.Fatal("the rolled back version 1 was not applied again: no inbox_messages")
+	}
+}
+
+// outboxMigrationsUpTo is the outbox's migrations up to version last, as files for goose.
+func outboxMigrationsUpTo(t *testing.T, last int) fstest.MapFS {
+	t.Helper()
+	files, err := fs.Glob(messaging.Schema, "schema/outbox/*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	upTo := fstest.MapFS{}
+	for _, f := range files {
+		name := path.Base(f)
+		if version, err := strconv.Atoi(name[:5]); err != nil || version > last {
+			continue
+		}
+		raw, err := fs.ReadFile(messaging.Schema, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		upTo[name] = &fstest.MapFile{Data: raw}
+	}
+	if len(upTo) != last {
+		t.Fatalf("%d outbox migrations up to version %d, want %d", len(upTo), last, last)
+	}
+	return upTo
+}
+
+// The library's tables end their migrations with every constraint validated: one added NOT
+// VALID (00005's, so as not to read the table under ALTER TABLE's lock) is validated by a
+// migration of its own, which first makes due a row that would fail it (never due and not
+// parked, as a version before 00002 could leave it), so that the check cannot stop the upgrade.
+func TestTheLibrarysTablesEndWithEveryConstraintValidated(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	sqlDB, err := db.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, outboxMigrationsUpTo(t, 4), "messaging_outbox_schema"); err != nil {
+		t.Fatal(err)
+	}
+	must(t, db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at, next_attempt_at)
+		VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now(), 'infinity')`).Error)
+	must(t, messaging.MigrateOutbox(ctx, db.Driver(t).DB()))
+	must(t, messaging.MigrateInbox(ctx, db.Driver(t).DB()))
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM pg_constraint
+		WHERE NOT convalidated AND conrelid IN ('outbox_messages'::regclass, 'inbox_messages'::regclass)`); n != 0 {
+		t.Errorf("%d constraints of the library's tables not validated after the migrations, want 0", n)
+	}
+	if n := testenv.Count(t, db.DB, "SELECT count(*) FROM outbox_messages WHERE next_attempt_at <= now()"); n != 1 {
+		t.Errorf("the row never due and not parked is not due after the upgrade")
 	}
 }
