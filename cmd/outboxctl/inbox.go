@@ -30,8 +30,9 @@ func (c *cli) inboxCommand() *cobra.Command {
 		Use:   "show --id UUID",
 		Short: "was a message handled, by which consumer, and when",
 		Long: `show answers "was message X handled by consumer Y, and when?" from the inbox (inbox_messages)
-of the consumer's database: the time its work committed, for each consumer that handled it, or
-for the one --consumer names (the consumer's name, as its queue). It changes nothing.
+of the consumer's database: the time the transaction of its work began (it committed a
+handler's time later), for each consumer that handled it, or for the one --consumer names (the
+consumer's name, as its queue). It changes nothing.
 
 No record means not handled, or handled longer ago than the inbox keeps its records
 (INBOX_RETENTION, 30 days by default): then it says so and exits with status 3.`,

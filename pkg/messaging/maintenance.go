@@ -339,10 +339,12 @@ func queryOutbox(ctx context.Context, db Executor, withPayload bool, query strin
 	return out, rows.Err()
 }
 
-// InboxRecord says that a consumer handled a message, and when its work committed.
+// InboxRecord says that a consumer handled a message, and when.
 type InboxRecord struct {
-	MessageID   uuid.UUID
-	Consumer    string
+	MessageID uuid.UUID
+	Consumer  string
+	// ProcessedAt is when the transaction of its work began (the claim is its first
+	// statement, stamped with the transaction's now()): it committed a handler's time later.
 	ProcessedAt time.Time
 }
 
