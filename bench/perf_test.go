@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"slices"
@@ -200,7 +201,7 @@ func orderTraces(spans *testenv.OTLPReceiver) map[string]*orderTrace {
 func databaseCeiling(t *testing.T, r *report) float64 {
 	t.Helper()
 	db := testenv.NewDatabase(t)
-	db.Migrate(t, platform.Library(messaging.MigrateOutbox), func(ctx context.Context, gdb *gorm.DB) error {
+	db.Migrate(t, platform.Library(messaging.MigrateOutbox), func(ctx context.Context, _ *slog.Logger, gdb *gorm.DB) error {
 		return gdb.WithContext(ctx).Exec(`CREATE TABLE orders (id uuid PRIMARY KEY, customer_id text NOT NULL, total_cents bigint NOT NULL,
 			created_at timestamptz NOT NULL, idempotency_key text UNIQUE, request_hash text);
 			CREATE TABLE order_lines (order_id uuid NOT NULL REFERENCES orders (id), line_no int NOT NULL, sku text NOT NULL,

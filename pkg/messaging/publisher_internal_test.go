@@ -137,7 +137,7 @@ func TestABlockThatEndsAtOnceLeavesTheAwaitedUnsent(t *testing.T) {
 		if !errors.Is(errs[0], ErrBrokerUnavailable) {
 			t.Fatalf("the unconfirmed message's verdict = %v, want no verdict", errs[0])
 		}
-		if errs[1] != tooLarge {
+		if !errors.Is(errs[1], ErrTooLarge) {
 			t.Fatalf("the unpublished message's verdict = %v, want its own, %v", errs[1], tooLarge)
 		}
 	}
