@@ -349,7 +349,11 @@ func (s *Subscription[Tx]) Use(mw ...Middleware[Tx]) {
 func (s *Subscription[Tx]) Topology() (Topology, error) {
 	own := ConsumerTopology{Queue: s.cfg.Name, Bindings: s.bindings, DeliveryLimit: s.cfg.DeliveryLimit}
 	if len(s.cfg.Topology.Queues) == 0 && len(s.cfg.Topology.Exchanges) == 0 {
-		return Topology{Queues: []ConsumerTopology{own}}, nil
+		t := Topology{Queues: []ConsumerTopology{own}}
+		if err := t.check(); err != nil {
+			return Topology{}, fmt.Errorf("subscription %s: %w", s.cfg.Name, err)
+		}
+		return t, nil
 	}
 	q, ok := s.cfg.Topology.Queue(s.cfg.Name)
 	if !ok {
@@ -366,6 +370,9 @@ func (s *Subscription[Tx]) Topology() (Topology, error) {
 			return Topology{}, fmt.Errorf("the topology binds queue %q to %s from exchange %q, which subscription %s has no handler for",
 				s.cfg.Name, b.RoutingKey, b.Exchange, s.cfg.Name)
 		}
+	}
+	if err := s.cfg.Topology.check(); err != nil {
+		return Topology{}, fmt.Errorf("subscription %s: %w", s.cfg.Name, err)
 	}
 	return s.cfg.Topology, nil
 }

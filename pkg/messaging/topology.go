@@ -145,6 +145,9 @@ func (t Topology) AllExchanges() []string {
 // Dead-letter queues declared by an earlier version make it return an error wrapping
 // [ErrLegacyDeadLetterQueue] that names each of them, once everything else is declared.
 func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
+	if err := t.check(); err != nil {
+		return err
+	}
 	d := &declarer{conn: conn, log: log}
 	defer d.close()
 	for _, x := range t.AllExchanges() {
@@ -191,6 +194,26 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 	}
 	if len(legacy.names) > 0 {
 		return &legacy
+	}
+	return nil
+}
+
+// check refuses what the broker cannot take as declared: a binding to the default exchange,
+// which takes none of its own (it routes each queue's name there, and refuses the bind for lack
+// of permission, which Declare would take for the deployment's doing: the queue would be bound
+// to nothing, its events lost); and a delivery limit past 32 bits, which AMQP carries in 32 (a
+// larger one arrives negative, which RabbitMQ 3.x reads as a limit below every count).
+func (t Topology) check() error {
+	for _, q := range t.Queues {
+		if q.DeliveryLimit > math.MaxInt32 {
+			return fmt.Errorf("queue %q: DeliveryLimit %d is more than x-delivery-limit's 32 bits carry", q.Queue, q.DeliveryLimit)
+		}
+		for _, b := range q.Bindings {
+			if b.Exchange == "" {
+				return fmt.Errorf("queue %q: a binding of %q to the default exchange, which takes none (RabbitMQ routes each queue's name there): give the event its exchange",
+					q.Queue, b.RoutingKey)
+			}
+		}
 	}
 	return nil
 }
