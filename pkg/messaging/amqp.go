@@ -41,22 +41,30 @@ func splitURLs(list string) []string {
 // node that fails is simply passed over, as RabbitMQ's client guidance advises. It gives up
 // when ctx ends.
 func dial(ctx context.Context, urls, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+	conn, _, err := dialSocket(ctx, urls, name, heartbeat)
+	return conn, err
+}
+
+// dialSocket is dial, and also returns the connection's socket: closing it is the one way to
+// end a write the broker does not read once the client has given the connection up (see
+// Publisher.write).
+func dialSocket(ctx context.Context, urls, name string, heartbeat time.Duration) (*amqp.Connection, net.Conn, error) {
 	list := splitURLs(urls)
 	if len(list) == 0 {
-		return nil, errors.New("dial rabbitmq: no broker URL")
+		return nil, nil, errors.New("dial rabbitmq: no broker URL")
 	}
 	errs := make([]error, 0, len(list))
 	for _, i := range rand.Perm(len(list)) {
-		conn, err := dialOne(ctx, list[i], name, heartbeat)
+		conn, sock, err := dialOne(ctx, list[i], name, heartbeat)
 		if err == nil {
-			return conn, nil
+			return conn, sock, nil
 		}
 		errs = append(errs, err)
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	return nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
+	return nil, nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
 }
 
 // errUnparseableURL stands for a broker URL that does not parse. net/url's error quotes the
@@ -69,10 +77,10 @@ var errUnparseableURL = errors.New("a broker URL does not parse (its text is lef
 // bounded time) and a connection name that shows up in the broker's management tools. The TCP
 // connection and the AMQP handshake each get dialTimeout, and end with ctx: a broker that
 // accepts and never answers holds a shutdown up no longer than that.
-func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*amqp.Connection, error) {
+func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*amqp.Connection, net.Conn, error) {
 	// Parsed here first, since amqp.DialConfig's own parse error would quote the URL.
 	if _, err := amqp.ParseURI(url); err != nil {
-		return nil, errUnparseableURL
+		return nil, nil, errUnparseableURL
 	}
 	if heartbeat <= 0 {
 		heartbeat = defaultHeartbeat
@@ -80,6 +88,7 @@ func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*a
 	props := amqp.NewConnectionProperties()
 	props.SetClientConnectionName(name)
 	handshakeOver := func() bool { return true }
+	var sock net.Conn
 	conn, err := amqp.DialConfig(url, amqp.Config{
 		Heartbeat:  heartbeat,
 		Locale:     "en_US",
@@ -96,6 +105,7 @@ func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*a
 				return nil, err
 			}
 			handshakeOver = context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Now()) })
+			sock = c
 			return c, nil
 		},
 	})
@@ -104,12 +114,12 @@ func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*a
 		if err == nil {
 			_ = conn.CloseDeadline(time.Now())
 		}
-		return nil, fmt.Errorf("dial: %w", ctx.Err())
+		return nil, nil, fmt.Errorf("dial: %w", ctx.Err())
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return conn, nil
+	return conn, sock, nil
 }
 
 // toPublishing puts the envelope into AMQP properties, so consumers (and people reading a

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"regexp"
 	"strconv"
 	"strings"
@@ -192,19 +193,29 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 	if err == nil {
 		err = s.watch.blockedErr()
 	}
+	if err == nil && ctx.Err() != nil {
+		// The wait for the lock outlasted the window: publish nothing, close nothing.
+		err = unavailable("no time left to publish: %w", ctx.Err())
+	}
 	if err != nil {
 		fill(errs, err)
 		return nil, nil
 	}
-	// A broker that stops reading blocks the socket write itself, and the context is only
-	// checked before writing. Closing the connection at the deadline unblocks it, and fails
-	// the confirms still awaited.
-	conn := s.conn
-	context.AfterFunc(ctx, func() {
-		if ctx.Err() == context.DeadlineExceeded {
-			_ = conn.CloseDeadline(time.Now())
+	// A broker that stops reading (a memory alarm, a half-open connection) blocks the socket
+	// write itself, and the context is only checked before writing. Closing the connection
+	// would not end it once the client's reader has given the connection up for a missed
+	// heartbeat (it is closed already, and waits for the channel the write holds): the
+	// context's end, while the window is still being written, closes the socket itself.
+	writing := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		select {
+		case <-writing:
+		default:
+			_ = s.sock.Close()
 		}
 	})
+	defer stop()
+	defer close(writing) // before stop: an end that comes after the writes closes nothing
 	confirms := make([]*amqp.DeferredConfirmation, len(msgs))
 	for i, m := range msgs {
 		if len(m.Payload) > p.cfg.MaxMessageBytes {
@@ -288,12 +299,12 @@ func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 	if err := p.cfg.check(); err != nil {
 		return nil, err
 	}
-	conn, err := dial(ctx, p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
+	conn, sock, err := dialSocket(ctx, p.cfg.URL, p.cfg.ConnectionName, p.cfg.Heartbeat)
 	if err != nil {
 		return nil, err
 	}
 	// Debug, as its failed reconnections: a relay logs the outage once at each end.
-	s := &pubSession{conn: conn, watch: watchConnection(conn, p.log, slog.LevelDebug)}
+	s := &pubSession{conn: conn, sock: sock, watch: watchConnection(conn, p.log, slog.LevelDebug)}
 	// As the dial, the setup ends with ctx: closing the connection ends every call waiting on it.
 	setupOver := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
 	err = s.setup(p.cfg, p.log)
@@ -333,6 +344,7 @@ func (p *Publisher) Close() {
 // pubSession is one connection with its confirm-mode channel.
 type pubSession struct {
 	conn  *amqp.Connection
+	sock  net.Conn // conn's socket
 	ch    *amqp.Channel
 	watch *connWatch
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,9 +19,10 @@ import (
 // stallingBroker is a proxy to the test's broker that passes the conversation on until the
 // client sends a frame on a channel for which stall reports true, and from then on passes
 // nothing either way, holding the connection open: a broker that hangs at that point. stalled
-// receives a value each time a connection stalls. Channel 0 carries the handshake, the first
-// other channel a client opens is its first channel.open.
-func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, stalled <-chan struct{}) {
+// receives a value each time a connection stalls; release closes the connections it holds (as
+// the test's end does). Channel 0 carries the handshake, the first other channel a client opens
+// is its first channel.open.
+func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, stalled <-chan struct{}, release func()) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -35,13 +37,16 @@ func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, 
 		defer mu.Unlock()
 		held = append(held, c...)
 	}
-	t.Cleanup(func() {
-		_ = ln.Close()
+	release = func() {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, c := range held {
 			_ = c.Close()
 		}
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		release()
 	})
 	go func() {
 		for {
@@ -76,7 +81,7 @@ func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, 
 			}()
 		}
 	}()
-	return testenv.AMQPURLVia(t, ln.Addr().String()), signal
+	return testenv.AMQPURLVia(t, ln.Addr().String()), signal, release
 }
 
 // stalledAt passes the protocol header, then whole frames (type, channel, size, payload, end)
@@ -112,7 +117,7 @@ func stalledAt(client io.Reader, server io.Writer, stall func(channel uint16) bo
 // once the connection stalled, and returns how long Run then took to return.
 func runUntilStalled(t *testing.T, b *testBundle, stall func(channel uint16) bool) time.Duration {
 	t.Helper()
-	url, stalled := stallingBroker(t, stall)
+	url, stalled, _ := stallingBroker(t, stall)
 	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{Name: b.queue, URL: url, Topology: b.topology, Logger: b.log})
 	if err != nil {
 		t.Fatal(err)
@@ -168,7 +173,7 @@ func TestPublisherDoesNotCountACallersEndedContextAsABrokerFailure(t *testing.T)
 	b := setup(t)
 	var stalling atomic.Bool
 	stalling.Store(true)
-	url, _ := stallingBroker(t, func(uint16) bool { return stalling.Load() })
+	url, _, _ := stallingBroker(t, func(uint16) bool { return stalling.Load() })
 	p := b.publisher(t, url, func(c *messaging.PublisherConfig) {
 		c.Reconnect = messaging.Backoff{Base: time.Minute, Max: time.Minute}
 	})
@@ -195,7 +200,7 @@ func TestPublisherGivesUpAStalledConnectionWithItsContext(t *testing.T) {
 		"the handshake": func(uint16) bool { return true },
 		"the setup":     func(channel uint16) bool { return channel != 0 },
 	} {
-		url, _ := stallingBroker(t, stall)
+		url, _, _ := stallingBroker(t, stall)
 		p := b.publisher(t, url)
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		start := time.Now()
@@ -204,5 +209,47 @@ func TestPublisherGivesUpAStalledConnectionWithItsContext(t *testing.T) {
 		if took := time.Since(start); !errors.Is(err, messaging.ErrBrokerUnavailable) || took > 2*time.Second {
 			t.Errorf("Connect with 500 ms to a broker that stalls %s: %v after %s; want ErrBrokerUnavailable at its deadline", what, err, took.Round(time.Millisecond))
 		}
+	}
+}
+
+// A broker that stops reading in the middle of a window larger than the socket's buffers (a
+// partition, a half-open connection) holds the write; the client's reader gives the connection
+// up at its missed heartbeats, before the window's timeout, and waits for the channel the write
+// holds. Closing the connection then did nothing (it was closed already): Publish hung until TCP
+// gave up, minutes later, and with it the relay's lane, its transaction and its shutdown.
+func TestPublishGivesUpAWriteTheBrokerStoppedReading(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var armed atomic.Bool
+	url, stalled, release := stallingBroker(t, func(channel uint16) bool { return armed.Load() && channel != 0 })
+	p := b.publisher(t, url, func(c *messaging.PublisherConfig) { c.ConfirmTimeout, c.Heartbeat = 6*time.Second, time.Second })
+	must(t, p.Connect(context.Background()))
+	armed.Store(true)
+	msgs := make([]messaging.Message, 500) // 20 MB: more than the sockets' buffers hold
+	for i := range msgs {
+		m, err := messaging.NewMessage(eventType, map[string]string{"pad": strings.Repeat("x", 40_000)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.RoutingKey = b.queue // through the default exchange, which needs no check
+		msgs[i] = m
+	}
+	done := make(chan []error, 1)
+	go func() { done <- p.Publish(context.Background(), msgs) }()
+	select {
+	case <-stalled:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the publisher's connection never reached the point where the broker stalls")
+	}
+	select {
+	case errs := <-done:
+		for i, err := range errs {
+			if !errors.Is(err, messaging.ErrBrokerUnavailable) {
+				t.Fatalf("message %d's verdict = %v, want no verdict", i, err)
+			}
+		}
+	case <-time.After(20 * time.Second):
+		release() // so that the publisher, stuck, can be closed at the cleanup
+		t.Fatal("Publish still writing to a broker that stopped reading, 20 s after, with a 6 s confirm timeout")
 	}
 }
