@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"database/sql"
 	"io/fs"
 	"log/slog"
 	"path"
@@ -54,15 +55,8 @@ func TestUpgradeMakesParkedRowsDueNow(t *testing.T) {
 // them up for as long as that batch lasts, and is applied once the batch ends.
 func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	t.Parallel()
-	db := testenv.NewDatabase(t)
-	sqlDB, err := db.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
+	db, sqlDB := outboxDatabaseAt(t, 4)
 	ctx := context.Background()
-	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, outboxMigrationsUpTo(t, 4), "messaging_outbox_schema"); err != nil {
-		t.Fatal(err)
-	}
 	const insert = `INSERT INTO outbox_messages (id, type, payload, occurred_at) VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now())`
 	if _, err := sqlDB.ExecContext(ctx, insert); err != nil {
 		t.Fatal(err)
@@ -137,6 +131,21 @@ func TestAVersionRolledBackInGoosesLayoutIsAppliedAgain(t *testing.T) {
 	}
 }
 
+// outboxDatabaseAt is a new database whose outbox is migrated up to version last, and its
+// database/sql handle.
+func outboxDatabaseAt(t *testing.T, last int) (*testenv.Database, *sql.DB) {
+	t.Helper()
+	db := testenv.NewDatabase(t)
+	sqlDB, err := db.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, outboxMigrationsUpTo(t, last), "messaging_outbox_schema"); err != nil {
+		t.Fatal(err)
+	}
+	return db, sqlDB
+}
+
 // outboxMigrationsUpTo is the outbox's migrations up to version last, as files for goose.
 func outboxMigrationsUpTo(t *testing.T, last int) fstest.MapFS {
 	t.Helper()
@@ -168,15 +177,8 @@ func outboxMigrationsUpTo(t *testing.T, last int) fstest.MapFS {
 // parked, as a version before 00002 could leave it), so that the check cannot stop the upgrade.
 func TestTheLibrarysTablesEndWithEveryConstraintValidated(t *testing.T) {
 	t.Parallel()
-	db := testenv.NewDatabase(t)
-	sqlDB, err := db.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
+	db, _ := outboxDatabaseAt(t, 4)
 	ctx := context.Background()
-	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, outboxMigrationsUpTo(t, 4), "messaging_outbox_schema"); err != nil {
-		t.Fatal(err)
-	}
 	must(t, db.DB.Exec(`INSERT INTO outbox_messages (id, type, payload, occurred_at, next_attempt_at)
 		VALUES (gen_random_uuid(), 'OrderPlaced', '{}', now(), 'infinity')`).Error)
 	must(t, messaging.MigrateOutbox(ctx, db.Driver(t).DB()))
