@@ -97,7 +97,8 @@ var ErrNoNotifications = errors.New("the database driver cannot receive notifica
 // work failed, timed out, or was cut off at shutdown): a database that stops answering would
 // otherwise hold it, and its worker, for as long as the connection lives (pgx sets no read
 // deadline of its own); past it, pgx gives the connection up. database/sql's Rollback takes no
-// context: there the transaction's own context (the begin's) bounds it.
+// context: its adapter ends the context the transaction began under instead, which pgx's
+// stdlib rolls back under (lib/pq's rollback is not bounded).
 const rollbackWait = 2 * time.Second
 
 // rollback rolls tx back, within rollbackWait even after ctx has ended.

@@ -56,19 +56,19 @@ func (d *Driver) Executor(tx *gorm.DB) (messaging.Executor, error) {
 // rolls back as sqldriver's do, GORM's own Commit and Rollback calling the same methods of
 // database/sql's transaction underneath.
 func (d *Driver) Begin(ctx context.Context) (*gorm.DB, messaging.TxExecutor, error) {
+	ctx, end := context.WithCancel(ctx)
 	tx := d.db.WithContext(ctx).Begin(&sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if tx.Error != nil {
+		end()
 		return nil, nil, tx.Error
 	}
-	sqlTx, ok := tx.Statement.ConnPool.(interface {
-		sqldriver.Queryer
-		gorm.TxCommitter
-	})
+	sqlTx, ok := tx.Statement.ConnPool.(sqldriver.Transaction)
 	if !ok {
 		tx.Rollback()
+		end()
 		return nil, nil, fmt.Errorf("gormdriver: GORM's transaction %T does not run database/sql statements", tx.Statement.ConnPool)
 	}
-	return tx, sqldriver.Tx(sqlTx), nil
+	return tx, sqldriver.TxWithEnd(sqlTx, end), nil
 }
 
 // waitPgx receives a notification through pgx, the driver under GORM's postgres dialector.

@@ -53,11 +53,19 @@ func (d *Driver) Executor(tx *sql.Tx) (messaging.Executor, error) {
 
 // Begin opens a READ COMMITTED transaction.
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, messaging.TxExecutor, error) {
-	tx, err := d.db.BeginTx(ctx, readCommitted)
+	return begin(ctx, d.db.BeginTx)
+}
+
+// begin opens a READ COMMITTED transaction under a context of its own, which the library's
+// Rollback ends when its own context ends first (see TxWithEnd).
+func begin(ctx context.Context, beginTx func(context.Context, *sql.TxOptions) (*sql.Tx, error)) (*sql.Tx, messaging.TxExecutor, error) {
+	ctx, end := context.WithCancel(ctx)
+	tx, err := beginTx(ctx, readCommitted)
 	if err != nil {
+		end()
 		return nil, nil, err
 	}
-	return tx, Tx(tx), nil
+	return tx, TxWithEnd(tx, end), nil
 }
 
 // Queryer is what runs database/sql statements: an *sql.DB, *sql.Conn or *sql.Tx, or a
@@ -111,22 +119,43 @@ type rows struct{ *sql.Rows }
 
 func (r rows) Close() { _ = r.Rows.Close() }
 
-// Tx adapts a transaction of database/sql, or of anything that commits and rolls back like one.
-func Tx(tx interface {
+// Transaction is a transaction of database/sql, or anything that commits and rolls back like
+// one (GORM's).
+type Transaction interface {
 	Queryer
 	Commit() error
 	Rollback() error
-}) messaging.TxExecutor {
-	return txExecutor{executor{tx}, tx.Commit, tx.Rollback}
+}
+
+// Tx adapts tx. Its Rollback is not bounded by the context it is given: see TxWithEnd.
+func Tx(tx Transaction) messaging.TxExecutor { return TxWithEnd(tx, func() {}) }
+
+// TxWithEnd adapts tx, where end cancels the context tx began under. database/sql's Rollback
+// takes no context, but pgx's stdlib rolls back under the one its transaction began with: so
+// Rollback ends that context if its own ends first, and a rollback the database never answers
+// gives up with its connection (lib/pq's rollback waits regardless). Commit and Rollback call
+// end once done, which frees the context.
+func TxWithEnd(tx Transaction, end context.CancelFunc) messaging.TxExecutor {
+	return txExecutor{executor{tx}, tx.Commit, tx.Rollback, end}
 }
 
 type txExecutor struct {
 	executor
 	commit, rollback func() error
+	end              context.CancelFunc
 }
 
-func (t txExecutor) Commit(ctx context.Context) error { return withEndedContext(ctx, t.commit()) }
-func (t txExecutor) Rollback(context.Context) error   { return t.rollback() }
+func (t txExecutor) Commit(ctx context.Context) error {
+	defer t.end()
+	return withEndedContext(ctx, t.commit())
+}
+
+func (t txExecutor) Rollback(ctx context.Context) error {
+	defer t.end()
+	stop := context.AfterFunc(ctx, t.end)
+	defer stop()
+	return t.rollback()
+}
 
 type pool struct {
 	db   *sql.DB
@@ -142,11 +171,8 @@ func (p pool) Query(ctx context.Context, query string, args ...any) (messaging.R
 }
 
 func (p pool) Begin(ctx context.Context) (messaging.TxExecutor, error) {
-	tx, err := p.db.BeginTx(ctx, readCommitted)
-	if err != nil {
-		return nil, err
-	}
-	return Tx(tx), nil
+	_, tx, err := begin(ctx, p.db.BeginTx)
+	return tx, err
 }
 
 func (p pool) Conn(ctx context.Context) (messaging.Conn, error) {
@@ -164,11 +190,8 @@ type conn struct {
 }
 
 func (c conn) Begin(ctx context.Context) (messaging.TxExecutor, error) {
-	tx, err := c.c.BeginTx(ctx, readCommitted)
-	if err != nil {
-		return nil, err
-	}
-	return Tx(tx), nil
+	_, tx, err := begin(ctx, c.c.BeginTx)
+	return tx, err
 }
 
 func (c conn) WaitForNotification(ctx context.Context) error {

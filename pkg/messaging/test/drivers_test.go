@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/sqldriver"
@@ -155,23 +157,60 @@ func TestASessionTheServerEndsIsAnOutage(t *testing.T) {
 // A handler that fails as the database stops answering (a partition, a proxy that holds the
 // data) leaves a rollback that the database never answers either: pgx waits as long as its
 // connection lives, and the worker, and so the subscription's shutdown, waited with it. The
-// rollback is bounded, and the message's failure reported as the database's.
+// rollback is bounded on each driver, database/sql's (whose Rollback takes no context) and
+// GORM's among them, and the message's failure reported as the database's.
 func TestARollbackTheDatabaseNeverAnswersIsBounded(t *testing.T) {
 	t.Parallel()
-	testenv.Connections(t, testenv.DefaultConnections+driverPool)
-	d := testenv.NewDatabase(t)
-	proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
-	cfg, err := pgxpool.ParseConfig(testenv.URLVia(t, d.URL, proxy.Listen))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Reset) // its connections, held by the proxy, are not waited for
-	drv := pgxdriver.New(pool)
+	t.Run("pgx", func(t *testing.T) {
+		t.Parallel()
+		testenv.Connections(t, testenv.DefaultConnections+2)
+		d := testenv.NewDatabase(t)
+		proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+		cfg, err := pgxpool.ParseConfig(testenv.URLVia(t, d.URL, proxy.Listen))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.MaxConns = 2
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Reset) // its connections, held by the proxy, are not waited for
+		testSilentRollback(t, proxy, pgxdriver.New(pool), func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT 1")
+			return err
+		})
+	})
+	t.Run("sql", func(t *testing.T) {
+		t.Parallel()
+		testenv.Connections(t, testenv.DefaultConnections+driverPool)
+		d := testenv.NewDatabase(t)
+		proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+		db := openSQL(t, testenv.URLVia(t, d.URL, proxy.Listen))
+		testSilentRollback(t, proxy, sqldriver.New(db), func(ctx context.Context, tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, "SELECT 1")
+			return err
+		})
+	})
+	t.Run("gorm", func(t *testing.T) {
+		t.Parallel()
+		testenv.Connections(t, testenv.DefaultConnections+2)
+		d := testenv.NewDatabase(t)
+		proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+		drv, err := gormdriver.New(testenv.OpenPool(t, testenv.URLVia(t, d.URL, proxy.Listen), 2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		testSilentRollback(t, proxy, drv, func(ctx context.Context, tx *gorm.DB) error {
+			return tx.WithContext(ctx).Exec("SELECT 1").Error
+		})
+	})
+}
+
+// testSilentRollback delivers a message whose handler runs statement, silences proxy (the
+// database's only way to drv), and fails: its delivery must end within 15 s.
+func testSilentRollback[Tx any](t *testing.T, proxy *toxiproxy.Proxy, drv messaging.Driver[Tx], statement func(context.Context, Tx) error) {
+	t.Helper()
 	must(t, messaging.MigrateInbox(context.Background(), drv.DB()))
 	ev := messaging.Event[payload]{Exchange: testenv.UniqueName("orders"), Type: eventType}
 	queue := testenv.UniqueName("silent")
@@ -180,8 +219,8 @@ func TestARollbackTheDatabaseNeverAnswersIsBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	must(t, messaging.Handle(sub, ev, func(ctx context.Context, tx pgx.Tx, _ payload, _ messaging.Message) error {
-		if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+	must(t, messaging.Handle(sub, ev, func(ctx context.Context, tx Tx, _ payload, _ messaging.Message) error {
+		if err := statement(ctx, tx); err != nil {
 			return err
 		}
 		if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"silence","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
