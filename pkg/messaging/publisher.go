@@ -454,7 +454,7 @@ func (s *pubSession) checkExchange(exchange string) error {
 // block that came back unroutable is not counted as sent: its return came before its confirm.
 func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
 	blocked = s.await(ctx, msgs, confirms, errs, timeout)
-	s.matchReturns(msgs, errs)
+	s.matchReturns(msgs, confirms, errs)
 	return blocked
 }
 
@@ -611,12 +611,17 @@ func brokerMaxSize(reason *amqp.Error) (int, bool) {
 }
 
 // matchReturns turns the confirmed messages that came back with a basic.return into
-// ErrUnroutable.
-func (s *pubSession) matchReturns(msgs []Message, errs []error) {
+// ErrUnroutable. Only the window's own publishes take a return: a copy it did not publish (its
+// id in flight in another window) would take the return of the other's, which would then count
+// its unroutable message as sent.
+func (s *pubSession) matchReturns(msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error) {
 	s.returnsMu.Lock()
 	defer s.returnsMu.Unlock()
 	s.collectReturnsLocked()
 	for i, m := range msgs {
+		if confirms[i] == nil {
+			continue
+		}
 		r, ok := s.returned[m.ID.String()]
 		if !ok {
 			continue
@@ -650,7 +655,7 @@ func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Me
 			<-dc.Done()
 		}
 	}
-	s.matchReturns(msgs, make([]error, len(msgs)))
+	s.matchReturns(msgs, confirms, make([]error, len(msgs)))
 	s.release(msgs, confirms)
 }
 

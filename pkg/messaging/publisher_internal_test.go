@@ -100,6 +100,38 @@ func TestUnroutableIsNotSentWhenBlockedMidWindow(t *testing.T) {
 	}
 }
 
+// A window that did not publish a message, because another window has the same id in flight,
+// does not take that message's return: the window that published it, unroutable, would count
+// it as sent.
+func TestAWindowTakesOnlyTheReturnsOfItsOwnPublishes(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	ctx := context.Background()
+	// The default exchange routes by queue name: no queue has this one.
+	x := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}
+	if !s.reserve(x.ID) {
+		t.Fatal("a fresh id is in flight")
+	}
+	dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, "", x.routingKey(), true, false, toPublishing(x, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-dc.Done() // its return came before its confirm
+	if s.reserve(x.ID) {
+		t.Fatal("an id in flight was reserved again")
+	}
+	other := []error{unavailable("test: an earlier publish of it is not confirmed yet")}
+	s.verdicts(ctx, []Message{x}, []*amqp.DeferredConfirmation{nil}, other, time.Second)
+	own := make([]error, 1)
+	s.verdicts(ctx, []Message{x}, []*amqp.DeferredConfirmation{dc}, own, time.Second)
+	if !errors.Is(own[0], ErrUnroutable) {
+		t.Fatalf("the verdict on the unroutable message = %v, want ErrUnroutable", own[0])
+	}
+	if !errors.Is(other[0], ErrBrokerUnavailable) {
+		t.Fatalf("the verdict on the copy never published = %v, want no verdict", other[0])
+	}
+}
+
 // A block stops the wait for a window's confirms with no verdict on the messages still
 // awaited, even when the broker unblocks the connection at once (an alarm flapping at its
 // watermark): the state read after the wake-up said "not blocked", and every message still
