@@ -293,6 +293,7 @@ func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error)
 	}
 	for j, i := range at {
 		unreadable[i] = verdicts[j]
+		msgs[i] = send[j] // with the publish span's trace context, which its lines are logged in
 	}
 	return unreadable
 }
@@ -367,6 +368,9 @@ func parseHeaders(raw string) (map[string]string, error) {
 // its consumers', carry one. The spans are returned by message index; nil altogether without a
 // tracer provider, when no message had a trace context to pass on.
 func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.Span {
+	// Without the span of the caller's context, if it has one (Run's, say): an untraced row
+	// starts a trace of its own, not a child of a span as long as the process.
+	ctx = trace.ContextWithSpanContext(ctx, trace.SpanContext{})
 	var spans []trace.Span
 	for i := range msgs {
 		m := &msgs[i]

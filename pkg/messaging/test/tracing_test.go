@@ -405,7 +405,8 @@ func TestTraceContextPassesThroughWithoutATracerProvider(t *testing.T) {
 }
 
 // A message the broker refuses is logged in its trace, and its publish span fails. One
-// enqueued outside any trace is logged in a trace its publish span starts.
+// enqueued outside any trace is logged in a trace its publish span starts, not in the span of
+// the relay's caller, and so when a row of its batch could not be read as a message.
 func TestRefusedPublishIsLoggedInItsTrace(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -426,17 +427,30 @@ func TestRefusedPublishIsLoggedInItsTrace(t *testing.T) {
 	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, untraced) }); err != nil {
 		t.Fatal(err)
 	}
+	unreadable, err := messaging.NewMessage("NobodyListens", map[string]int{"n": 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, unreadable) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Exec(`UPDATE outbox_messages SET headers = '[1]' WHERE id = ?`, unreadable.ID).Error; err != nil {
+		t.Fatal(err)
+	}
 	request.End()
 	relay := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.TracerProvider, c.Logger = tr.tp, log })
-	if res, err := relay.ProcessBatch(context.Background()); err != nil || res.Failed != 2 {
-		t.Fatalf("relay batch = %+v, %v; want 2 refused", res, err)
+	// Under a span of the service's own (as long as the process): not the untraced row's parent.
+	_, service := tr.tp.Tracer("test").Start(context.Background(), "service")
+	defer service.End()
+	if res, err := relay.ProcessBatch(trace.ContextWithSpan(context.Background(), service)); err != nil || res.Failed != 3 {
+		t.Fatalf("relay batch = %+v, %v; want 3 refused", res, err)
 	}
 	lines := b.logs.Lines(`msg="outbox publish failed"`, "message_id="+untraced.ID.String())
 	m := regexp.MustCompile(`trace_id=([0-9a-f]{32})`).FindStringSubmatch(strings.Join(lines, "\n"))
 	if len(lines) != 1 || m == nil {
 		t.Fatalf("the untraced message's failure lines carry no trace id: %q", lines)
 	}
-	if root, _ := trace.TraceIDFromHex(m[1]); tr.span(t, root, "publish "+b.exchange).Parent.IsValid() {
+	if root, _ := trace.TraceIDFromHex(m[1]); root == service.SpanContext().TraceID() || tr.span(t, root, "publish "+b.exchange).Parent.IsValid() {
 		t.Fatal("the publish span of an untraced message has a parent, want a trace of its own")
 	}
 	tid := request.SpanContext().TraceID()
