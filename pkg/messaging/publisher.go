@@ -50,6 +50,12 @@ var (
 // have been delivered (at-least-once); the relay does not count it against the row.
 var ErrBrokerUnavailable = errors.New("broker unavailable")
 
+// errNotAnOutage marks a message given no verdict although the broker answers: another
+// message of its window made the broker close the channel (a refused exchange or routing key,
+// a body over the broker's limit), or a publish of the same message is in flight already. A
+// relay sends it again at its next batch instead of pausing for an outage.
+var errNotAnOutage = errors.New("the broker answers")
+
 // DefaultMaxMessageBytes is the largest message body a publisher sends and a consumer accepts
 // unless configured otherwise.
 const DefaultMaxMessageBytes = 1 << 20
@@ -228,7 +234,7 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 			continue
 		}
 		if !s.reserve(m.ID) {
-			errs[i] = unavailable("message %s: an earlier publish of it on this connection is not confirmed yet", m.ID)
+			errs[i] = unavailable("message %s: an earlier publish of it on this connection is not confirmed yet: %w", m.ID, errNotAnOutage)
 			continue
 		}
 		if err := s.checkExchange(m.Exchange); err != nil {
@@ -243,7 +249,11 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.routingKey(), true, false, pub)
 		if err != nil {
 			s.unreserve(m.ID)
-			fill(errs[i:], unavailable("publish: %w", err))
+			err = unavailable("publish: %w", err)
+			if closedForRefusal(s.closeReason()) {
+				err = fmt.Errorf("%w: the channel closed for an earlier message's refusal: %w", err, errNotAnOutage)
+			}
+			fill(errs[i:], err)
 			break
 		}
 		confirms[i] = dc
@@ -512,22 +522,38 @@ var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size 
 // none. Every such message would close it again, batch after batch, and with it the confirms of
 // all the others.
 func (s *pubSession) closedVerdict(m Message) error {
-	s.returnsMu.Lock()
-	if s.closeErr == nil {
-		select {
-		case s.closeErr = <-s.closes:
-		default: // closed by the client, or not yet said
-		}
-	}
-	reason := s.closeErr
-	s.returnsMu.Unlock()
+	reason := s.closeReason()
 	if refuses(reason, m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
 	}
 	if most, ok := brokerMaxSize(reason); ok && len(m.Payload) > most {
 		return fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)
 	}
+	if closedForRefusal(reason) {
+		return unavailable("channel closed before the confirm, for another message's refusal: %w", errNotAnOutage)
+	}
 	return unavailable("channel closed before the confirm")
+}
+
+// closeReason is why the broker closed the channel; nil if it did not (the client closed it),
+// or has not said yet.
+func (s *pubSession) closeReason() *amqp.Error {
+	s.returnsMu.Lock()
+	defer s.returnsMu.Unlock()
+	if s.closeErr == nil {
+		select {
+		case s.closeErr = <-s.closes:
+		default:
+		}
+	}
+	return s.closeErr
+}
+
+// closedForRefusal reports whether the broker closed a channel for reason, one message's fault: on a
+// channel that only publishes, a refused exchange or routing key, or a body over its limit.
+func closedForRefusal(reason *amqp.Error) bool {
+	_, tooLarge := brokerMaxSize(reason)
+	return tooLarge || reason != nil && reason.Code == amqp.AccessRefused
 }
 
 // refuses reports whether the broker closed a channel for reason, a publish of m's. A reason

@@ -102,7 +102,7 @@ type BatchResult struct {
 	Claimed int // rows claimed
 	Sent    int // confirmed by the broker and marked processed
 	Failed  int // refused by the broker: attempts recorded with a backoff
-	Unsent  int // no verdict, the broker being unavailable: still due, attempts untouched
+	Unsent  int // no verdict (the broker unavailable, or the channel closed for another row): still due, attempts untouched
 }
 
 // Relay moves outbox rows to the broker: it claims due rows, publishes them, marks those the
@@ -224,7 +224,9 @@ const settleWait = 2 * time.Second
 
 // ProcessBatch claims, publishes and settles one batch of due rows in one transaction. When
 // the broker gave no verdict on some rows (see [ErrBrokerUnavailable]), the rest is still
-// settled and committed, those rows stay due, and the error says why.
+// settled and committed, those rows stay due, and the error says why; but not when the broker
+// is there, and closed the channel for another row's refusal: those rows, counted in Unsent,
+// go at the next batch.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
 	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
 	defer cancel()
@@ -454,7 +456,7 @@ func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempt
 			s.sentTypes = append(s.sentTypes, msgs[i].Type)
 		case errors.Is(err, ErrBrokerUnavailable):
 			s.res.Unsent++
-			if s.brokerErr == nil {
+			if s.brokerErr == nil && !errors.Is(err, errNotAnOutage) {
 				s.brokerErr = err
 			}
 		default:
