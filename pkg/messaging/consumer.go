@@ -368,6 +368,7 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 		}
 		jobs = append(jobs, j)
 	}
+	tried := false
 	if len(jobs) > 1 && session.Err() == nil {
 		err := c.attempt(workCtx, jobs)
 		if err == nil {
@@ -377,9 +378,10 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 		if session.Err() == nil {
 			c.log.Warn("batch failed; processing its messages one by one", "size", len(jobs), "error", err)
 		}
+		tried = true
 	}
 	for _, j := range jobs {
-		c.settle(session, workCtx, j, c.process(session, workCtx, j))
+		c.settle(session, workCtx, j, c.process(session, workCtx, j, tried))
 	}
 }
 
@@ -466,13 +468,22 @@ func (c *consumer) onLastDelivery(d amqp.Delivery) bool {
 // process processes one job, retrying it in place, and says how to settle it: acked once its
 // work committed; dead-lettered on a permanent error or a failure on its last allowed
 // delivery; rejected back to the queue after Retries failures; handed back when the session
-// ends first.
-func (c *consumer) process(session, workCtx context.Context, j job) outcome {
+// ends first. tried says that an attempt (its batch's) had j already.
+func (c *consumer) process(session, workCtx context.Context, j job, tried bool) outcome {
 	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
 	failures, outages := 0, 0
-	for {
+	for ; ; tried = true {
 		if session.Err() != nil {
 			return handedBack
+		}
+		if tried {
+			// A failed attempt's rollback does not undo what its handler changed in the payload
+			// it was given (through a pointer, a slice, a map): each attempt decodes its own.
+			payload, err := c.work.decode(j.msg)
+			if err != nil {
+				return c.undecodable(j.d, Permanent(err))
+			}
+			j.payload = payload
 		}
 		err := c.attempt(workCtx, []job{j})
 		var delay time.Duration

@@ -85,6 +85,13 @@ func (p *decodePanic) Error() string {
 // errors no retry can fix with [Permanent] and dependency outages with [Unavailable]. ctx
 // carries the message's trace and the handler's deadline; register work to run after the
 // commit with [AfterCommit].
+//
+// A handler may run several times for one delivery: each retry, and each message of a failed
+// batch tried again alone, runs it again after a rollback. So every write goes through tx (a
+// write on another connection or transaction commits however the attempt ends, and is
+// repeated), and other effects (a call out, an e-mail) go after the commit, through
+// [AfterCommit] or an outbox message. Each attempt gets the payload decoded anew: changes an
+// attempt that failed made to it do not reach the next.
 type Handler[Tx, T any] func(ctx context.Context, tx Tx, payload T, msg Message) error
 
 // Middleware wraps every handler of a subscription registered with [Handle] with a concern

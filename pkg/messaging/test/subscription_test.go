@@ -149,6 +149,63 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
 }
 
+// An attempt that fails leaves nothing to the next: its transaction rolls back, and the payload
+// it was given, which its handler may have changed (here through a pointer), is decoded again
+// for the next attempt: a message tried alone after its batch failed, and one retried in place.
+func TestAnAttemptAfterAFailureGetsThePayloadAsItCame(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.Concurrency = 1
+		c.RetryBackoff = messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}
+	})
+	if err := b.db.DB.Exec("CREATE TABLE counted (message_id uuid NOT NULL, n int NOT NULL)").Error; err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	failed := map[uuid.UUID]bool{}
+	failOnce := map[uuid.UUID]bool{}
+	ev := messaging.Event[*placed]{Exchange: b.exchange, Type: b.placed.Type}
+	must(t, messaging.Handle(s, ev, func(ctx context.Context, tx *gorm.DB, p *placed, msg messaging.Message) error {
+		p.N++
+		if err := tx.Exec("INSERT INTO counted (message_id, n) VALUES (?, ?)", msg.ID, p.N).Error; err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if failOnce[msg.ID] && !failed[msg.ID] {
+			failed[msg.ID] = true
+			return errors.New("test: the first attempt fails")
+		}
+		return nil
+	}))
+	declareSubscription(t, s)
+	send := func(fail bool) {
+		m, err := ev.Message(&placed{OrderID: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		failOnce[m.ID] = fail
+		mu.Unlock()
+		b.publish(t, b.exchange, m)
+	}
+	// Waiting before the subscription starts, so that they are tried as a batch first.
+	for i := range 10 {
+		send(i == 5)
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM counted") == 10 }, "not every message was handled")
+	send(true) // alone: retried in place
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM counted") == 11 }, "the last message was not handled")
+	if n := b.handled(t, "SELECT count(*) FROM counted WHERE n <> 1"); n != 0 {
+		t.Fatalf("%d messages were handled with the payload a failed attempt had changed", n)
+	}
+	if n := b.handled(t, "SELECT count(DISTINCT message_id) FROM counted"); n != 11 {
+		t.Fatalf("%d messages handled, want 11 once each", n)
+	}
+}
+
 // A payload its event's checks refuse goes to the dead-letter queue at once, and a type nobody
 // on the queue handles at its last allowed delivery, within seconds and without holding up the
 // messages behind it, each with its reason logged; the messages around them are handled.
