@@ -655,7 +655,7 @@ func claim(ctx context.Context, ex Executor, consumer string, jobs []job) ([]boo
 	}
 	rows, err := ex.Query(ctx, statements.ClaimInbox, uuidArray(ids), consumer)
 	if err != nil {
-		return nil, fmt.Errorf("claim %d inbox messages: %w", len(jobs), err)
+		return nil, inboxUnusable(fmt.Errorf("claim %d inbox messages: %w", len(jobs), err))
 	}
 	defer rows.Close()
 	fresh := make(map[uuid.UUID]bool, len(jobs))
@@ -667,7 +667,7 @@ func claim(ctx context.Context, ex Executor, consumer string, jobs []job) ([]boo
 		fresh[id] = true
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("claim inbox messages: %w", err)
+		return nil, inboxUnusable(fmt.Errorf("claim inbox messages: %w", err))
 	}
 	claimed := make([]bool, len(jobs))
 	for i, j := range jobs {
@@ -676,6 +676,17 @@ func claim(ctx context.Context, ex Executor, consumer string, jobs []job) ([]boo
 		delete(fresh, j.msg.ID)
 	}
 	return claimed, nil
+}
+
+// inboxUnusable makes err, a claim's failure, an outage when the database says that the inbox
+// cannot be used at all (class 42: no table, a column missing, no right on it; 3F000: no such
+// schema): the deployment's fault (MigrateInbox not run, the role's grants), which no message
+// should pay for with its deliveries, all the way to the dead-letter queue.
+func inboxUnusable(err error) error {
+	if code := sqlState(err); strings.HasPrefix(code, "42") || code == "3F000" {
+		return Unavailable(fmt.Errorf("the inbox cannot be used (is MigrateInbox run, may the role write inbox_messages?): %w", err))
+	}
+	return err
 }
 
 // msgSpan is one message's span and the context that carries it.

@@ -149,6 +149,51 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
 }
 
+// An inbox the database cannot find (MigrateInbox not run yet), or that the role may not write,
+// is the deployment's fault: the messages wait, each retried as for a dependency unavailable,
+// instead of spending their deliveries to the dead-letter queue; once the table is there, they
+// are handled.
+func TestAnInboxTheDatabaseCannotFindIsAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.DeliveryLimit, c.Retries = 2, 1
+		c.RetryBackoff = messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}
+	})
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		return record(tx, msg)
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	if err := b.db.DB.Exec("ALTER TABLE inbox_messages RENAME TO inbox_messages_later").Error; err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		m, err := b.placed.Message(placed{OrderID: uuid.New(), N: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.publish(t, b.exchange, m)
+	}
+	run(t, s.Run)
+	// Past a delivery limit of 2, with one try per delivery: a failure each would have
+	// dead-lettered them by now.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines(`msg="dependency unavailable; retrying message"`, "MigrateInbox")) >= 6
+	}, "the missing inbox was not waited out as an outage")
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered for the missing inbox", n)
+	}
+	if err := b.db.DB.Exec("ALTER TABLE inbox_messages_later RENAME TO inbox_messages").Error; err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 3 },
+		"the messages were not handled once the inbox was there")
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered", n)
+	}
+}
+
 // An attempt that fails leaves nothing to the next: its transaction rolls back, and the payload
 // it was given, which its handler may have changed (here through a pointer), is decoded again
 // for the next attempt: a message tried alone after its batch failed, and one retried in place.
