@@ -29,7 +29,8 @@ type Message struct {
 	// Exchange and RoutingKey say where the message is published: an [Event]'s exchange, with
 	// the message's Type as the routing key unless RoutingKey is set. A message enqueued without
 	// an exchange goes to its relay's ([RelayConfig.Exchange]). On the consuming side they tell
-	// where the delivery came through.
+	// where the delivery came through. A [Subscription] binds its queue by type (see
+	// [Event.Binding]): a RoutingKey of another value is for consumers of other making.
 	Exchange   string
 	RoutingKey string
 }

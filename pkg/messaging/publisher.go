@@ -90,6 +90,10 @@ type PublisherConfig struct {
 // connection that it opens on first use and opens again, by itself, after it breaks.
 // It is safe for concurrent use: calls write their messages one call at a time on one channel,
 // and wait for their confirms side by side.
+//
+// It is the relay's [Sender]. An event that a transaction's work causes goes through [Enqueue]
+// in that transaction, never straight to Publish after the commit: a crash or a broker outage
+// between the two would lose it, the dual write the outbox exists to avoid.
 type Publisher struct {
 	cfg      PublisherConfig
 	log      *slog.Logger
