@@ -36,7 +36,9 @@ type Sender interface {
 }
 
 // brokerProbe is what a [Sender] may also offer (a [Publisher] does): a cheap check that the
-// broker takes messages again, so a relay waiting out an outage claims no rows to find out.
+// broker takes messages again, so a relay waiting out an outage claims no rows to find out. An
+// error that does not wrap [ErrBrokerUnavailable] says that no broker will do (the
+// configuration's fault): [Relay.Run] returns it.
 type brokerProbe interface {
 	Connect(ctx context.Context) error
 }
@@ -162,10 +164,15 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
 // lane drains without pause while its batches come back full, and otherwise waits for a
 // NOTIFY from a committed [Enqueue] or the next poll. While the broker is unavailable the
-// lanes claim nothing; they look for the broker again and resume as soon as it is back.
+// lanes claim nothing; they look for the broker again and resume as soon as it is back. A
+// Sender that cannot connect for a reason no broker can mend (a [Publisher] whose
+// configuration names no broker) makes Run return that error at once.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.probe != nil {
 		if err := r.probe.Connect(ctx); err != nil {
+			if !errors.Is(err, ErrBrokerUnavailable) && ctx.Err() == nil {
+				return fmt.Errorf("relay: %w", err)
+			}
 			r.brokerDown(err)
 		} else {
 			r.brokerUp(ctx)

@@ -982,7 +982,7 @@ func relayBacksOffARowWhoseRoutingKeyItMayNotWrite(t *testing.T, key string) {
 
 // A relay's exchange or a publisher's app id AMQP cannot carry is the configuration's fault,
 // not each row's: NewRelay refuses the one; the other keeps the publisher from connecting
-// (Connect says why), so the relay charges no row for it.
+// (Connect says why, and Run returns it), so the relay charges no row for it.
 func TestConfigurationAMQPCannotCarryIsRefused(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -994,6 +994,12 @@ func TestConfigurationAMQPCannotCarryIsRefused(t *testing.T) {
 	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.AppID = long })
 	if err := pub.Connect(context.Background()); err == nil || !strings.Contains(err.Error(), "AppID") || errors.Is(err, messaging.ErrBrokerUnavailable) {
 		t.Fatalf("Connect with a 256-byte app id: %v, want an error naming AppID, not the broker unavailable", err)
+	}
+	// Run returns it, rather than waiting for a broker for ever.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := b.relay(t, pub, nil).Run(ctx); err == nil || !strings.Contains(err.Error(), "AppID") || ctx.Err() != nil {
+		t.Fatalf("Run with a 256-byte app id: %v (context: %v), want at once an error naming AppID", err, ctx.Err())
 	}
 	ids := b.enqueue(t, 1)
 	res, err := b.relay(t, pub, nil).ProcessBatch(context.Background())
