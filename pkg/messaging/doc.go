@@ -5,7 +5,8 @@
 // A database and a broker cannot share a transaction. So the write side saves each event in
 // the same transaction as the data it describes ([Enqueue], the outbox), and a [Relay] moves
 // the saved events to RabbitMQ: it claims rows with FOR UPDATE SKIP LOCKED (two replicas never
-// send a row at once), waits for the broker's publisher confirms before it counts a row as sent,
+// claim a row at once; one whose confirm never came is sent again, and may arrive twice), waits
+// for the broker's publisher confirms before it counts a row as sent,
 // and backs off, without ever giving up, a row the broker refuses. That is at-least-once
 // delivery, so the read side claims every message in an inbox table in the transaction of its
 // work and acknowledges it only after that commits ([Subscription], the inbox): a message that

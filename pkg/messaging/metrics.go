@@ -40,7 +40,7 @@ func NewMetrics(reg prometheus.Registerer, namespace string) (*Metrics, error) {
 		publishFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace,
 			Name:      "outbox_publish_failures_total",
-			Help:      "Outbox messages the broker refused (nacked, returned, too large); each is retried with backoff.",
+			Help:      "Publishes of outbox messages refused for the message itself (the broker nacked, returned or refused it; too large, or its envelope or headers unusable); each refused row is retried with backoff and counts at each attempt.",
 		}, []string{"type"}),
 		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace,

@@ -70,8 +70,9 @@ type PublisherConfig struct {
 	// published before a queue that should take it exists, every consumer's queue. A deleted
 	// exchange comes back after the next reconnect.
 	Topology Topology
-	// ConfirmTimeout bounds the wait for one call's confirms: a broker that stops reading or a
-	// half-open connection must not hold the caller forever. Default 15 s.
+	// ConfirmTimeout bounds each window of up to MaxInFlight messages of a call (the wait for
+	// room, the writes and the confirms): a broker that stops reading or a half-open connection
+	// must not hold the caller forever. A window's bytes must be written within it. Default 15 s.
 	ConfirmTimeout time.Duration
 	Heartbeat      time.Duration // default 10 s
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
