@@ -72,7 +72,8 @@ type PublisherConfig struct {
 	Topology Topology
 	// ConfirmTimeout bounds each window of up to MaxInFlight messages of a call (the wait for
 	// room, the writes and the confirms): a broker that stops reading or a half-open connection
-	// must not hold the caller forever. A window's bytes must be written within it. Default 15 s.
+	// must not hold the caller forever. What the broker confirmed within it counts; a single
+	// message the link cannot carry within it never does. Default 15 s.
 	ConfirmTimeout time.Duration
 	Heartbeat      time.Duration // default 10 s
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
