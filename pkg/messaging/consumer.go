@@ -363,7 +363,9 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 			receives = append(receives, span)
 		}
 		if err != nil {
-			c.settle(session, workCtx, j, c.undecodable(d, err))
+			o := c.undecodable(d, err)
+			c.traceUndecodable(workCtx, j, o)
+			c.settle(session, workCtx, j, o)
 			continue
 		}
 		jobs = append(jobs, j)
@@ -402,6 +404,22 @@ func (c *consumer) traceUntraced(ctx context.Context, j *job) trace.Span {
 	}
 	j.msg.withTraceOf(spanCtx, c.cfg.Propagator)
 	return span
+}
+
+// traceUndecodable records a delivery that did not decode as a span of its trace (under the
+// receive span, for one that came without): no handler's span starts for it, and one
+// dead-lettered so must show among the trace's errors.
+func (c *consumer) traceUndecodable(ctx context.Context, j job, o outcome) {
+	if c.cfg.Tracer == nil {
+		return
+	}
+	_, span := c.cfg.Tracer.Start(j.msg.traced(ctx, c.cfg.Propagator), "process "+c.cfg.Queue, trace.WithSpanKind(trace.SpanKindConsumer))
+	messageAttributes(span, j.msg)
+	var failed error
+	if o.settle == settleDeadLetter {
+		failed = o.reason
+	}
+	endSpan(span, failed)
 }
 
 // ackAll acknowledges jobs, a batch whose work committed, with one basic.ack of its last

@@ -341,8 +341,14 @@ func TestMessageWithoutTraceContextStartsATrace(t *testing.T) {
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.logs.Lines("message dead-lettered", "message_id="+poison)) == 1 },
 		"the undecodable message was not dead-lettered")
-	if lines := b.logs.Lines("message dead-lettered", "message_id="+poison, "trace_id="); len(lines) != 1 {
+	lines := b.logs.Lines("message dead-lettered", "message_id="+poison, "trace_id=")
+	if len(lines) != 1 {
 		t.Fatalf("the dead-letter line of an untraced message carries no trace id: %q", b.logs.Lines("message dead-lettered", "message_id="+poison))
+	}
+	// Its trace shows the failure: no handler's span starts for it.
+	tid, _ := trace.TraceIDFromHex(regexp.MustCompile(`trace_id=([0-9a-f]{32})`).FindStringSubmatch(lines[0])[1])
+	if process := tr.span(t, tid, "process "+b.name); process.Status.Code != codes.Error {
+		t.Fatalf("the undecodable message's process span has status %+v, want an error", process.Status)
 	}
 }
 
