@@ -64,10 +64,12 @@ type consumerConfig struct {
 // its reason when it can never be handled, and otherwise retried: in place with backoff, then
 // through the queue, up to the delivery limit.
 type consumer struct {
-	cfg   consumerConfig
-	work  work
-	log   *slog.Logger
-	ready atomic.Bool
+	cfg  consumerConfig
+	work work
+	log  *slog.Logger
+	// live is the connection of the session that is consuming, nil between sessions. A session
+	// clears only its own: a goroutine of the last one, late, must not undo the next one's.
+	live atomic.Pointer[amqp.Connection]
 	// deadLetters is the current session's. A session sets it before its workers start, and
 	// they have all stopped before the next session sets it again.
 	deadLetters *deadLetterPublisher
@@ -112,8 +114,8 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	}
 	defer c.deadLetters.close()
 	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
-	c.ready.Store(true)
-	defer c.ready.Store(false)
+	c.live.Store(conn)
+	defer c.live.CompareAndSwap(conn, nil)
 
 	// session ends with the process (ctx) or with any channel: then no worker keeps retrying a
 	// delivery it could no longer acknowledge. At shutdown it ends only once the consumers are
@@ -122,7 +124,7 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	over := make(chan struct{})
 	defer close(over)
 	defer endSession()
-	closeErr := c.endWithChannels(session, endSession, links)
+	closeErr := c.endWithChannels(session, endSession, conn, links)
 	stopConsuming := c.stopAtShutdown(ctx, endSession, over, conn, links)
 	defer stopConsuming()
 	// Without the span of Run's context, if it has one: a delivery that came untraced starts a
@@ -217,15 +219,15 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 	return links, nil
 }
 
-// endWithChannels marks the consumer not ready and ends the session once any of its channels
-// closes, or the broker cancels any of its consumers, and returns where the broker's reason for
-// closing a channel will be kept (nil for a clean close or a cancel). The other channels'
-// consumers are cancelled first: their streams must end too, for the session to reconnect, and
-// the deliveries their workers hand back must not come straight back to them. A cancel ends the
-// session as a close does: RabbitMQ 4.3 cancels a consumer whose delivery outlived the
-// consumer timeout where earlier versions closed its channel, and a session left with fewer
-// workers would never get them back.
-func (c *consumer) endWithChannels(session context.Context, endSession context.CancelFunc, links []consumerLink) *atomic.Pointer[amqp.Error] {
+// endWithChannels marks the consumer not ready (unless a later session is live already) and
+// ends the session once any of its channels closes, or the broker cancels any of its
+// consumers, and returns where the broker's reason for closing a channel will be kept (nil for
+// a clean close or a cancel). The other channels' consumers are cancelled first: their
+// streams must end too, for the session to reconnect, and the deliveries their workers hand
+// back must not come straight back to them. A cancel ends the session as a close does: RabbitMQ
+// 4.3 cancels a consumer whose delivery outlived the consumer timeout where earlier versions
+// closed its channel, and a session left with fewer workers would never get them back.
+func (c *consumer) endWithChannels(session context.Context, endSession context.CancelFunc, conn *amqp.Connection, links []consumerLink) *atomic.Pointer[amqp.Error] {
 	closeErr := new(atomic.Pointer[amqp.Error])
 	var warn sync.Once // a deleted queue cancels every consumer at once
 	for _, l := range links {
@@ -239,7 +241,7 @@ func (c *consumer) endWithChannels(session context.Context, endSession context.C
 					c.log.Warn("broker cancelled a consumer; starting a new session", "consumer_tag", cancelled)
 				})
 			}
-			c.ready.Store(false)
+			c.live.CompareAndSwap(conn, nil)
 			cancelConsumers(links)
 			endSession()
 		}()

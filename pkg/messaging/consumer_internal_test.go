@@ -79,3 +79,21 @@ func canceled() context.Context {
 	cancel()
 	return ctx
 }
+
+// A goroutine of a session whose channel closed, late (after the next session started
+// consuming), leaves the consumer ready: it marked it not ready, and Ready said false while the
+// next session consumed, until that one ended.
+func TestALateEndOfAnOldSessionLeavesTheNextOneReady(t *testing.T) {
+	old := testSession(t) // a real channel, which the old session's end cancels its consumer on
+	c := &consumer{log: slog.New(slog.DiscardHandler)}
+	next := new(amqp.Connection) // the next session's: only which one it is counts
+	c.live.Store(next)
+	closed := make(chan *amqp.Error)
+	close(closed) // the old channel's close, come late
+	session, endSession := context.WithCancel(context.Background())
+	c.endWithChannels(session, endSession, old.conn, []consumerLink{{ch: old.ch, tag: "old", closed: closed}})
+	<-session.Done() // the old session's goroutine ran to its end
+	if c.live.Load() != next {
+		t.Fatal("the end of an old session marked the next one's consumer not ready")
+	}
+}

@@ -436,7 +436,7 @@ func (s *Subscription[Tx]) Run(ctx context.Context) error {
 // Ready reports whether the subscription is consuming.
 func (s *Subscription[Tx]) Ready() bool {
 	c := s.consumer.Load()
-	return c != nil && c.ready.Load()
+	return c != nil && c.live.Load() != nil
 }
 
 // handlerChain is each message's way to its handler, behind the middleware: logging and
