@@ -474,8 +474,9 @@ func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*a
 	return blocked
 }
 
-// await collects the confirms into errs. It returns true, leaving the verdicts still awaited
-// as ErrBrokerUnavailable, as soon as the broker blocks the connection.
+// await collects the confirms into errs. It returns true as soon as the broker blocks the
+// connection, and false when ctx ends, either way with the confirms not come yet as
+// ErrBrokerUnavailable.
 func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
 	for i, dc := range confirms {
 		if dc == nil {
@@ -484,26 +485,49 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 		select {
 		case <-dc.Done():
 		case <-ctx.Done():
-			noVerdict(errs[i:], confirms[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
+			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
 			return false
 		case <-s.watch.blockedC():
 			// Not blockedErr: the broker may have unblocked the connection since, and its nil
 			// would count every message still awaited as sent.
-			noVerdict(errs[i:], confirms[i:], unavailable("the broker blocked the connection before the confirms came"))
+			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], unavailable("the broker blocked the connection before the confirms came"))
 			return true
 		}
-		switch {
-		case dc.Acked():
-		case s.ch.IsClosed():
-			// The channel closed (the exchange is gone, or the connection): every pending
-			// confirm resolves as a nack, which says nothing about the message, unless the
-			// broker closed it for a publish to the message's exchange.
-			errs[i] = s.closedVerdict(msgs[i])
-		default:
-			errs[i] = ErrNacked
-		}
+		errs[i] = s.confirmed(msgs[i], dc)
 	}
 	return false
+}
+
+// settledOrNot gives each message still awaited when the wait stopped early the verdict its
+// confirm has if it came (the select that stopped the wait picks at random among what is
+// ready, and a confirm in hand must count), and err, no verdict, if not.
+func (s *pubSession) settledOrNot(msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, err error) {
+	for i, dc := range confirms {
+		if dc == nil {
+			continue
+		}
+		select {
+		case <-dc.Done():
+			errs[i] = s.confirmed(msgs[i], dc)
+		default:
+			errs[i] = err
+		}
+	}
+}
+
+// confirmed is the verdict of m's confirm dc, which came.
+func (s *pubSession) confirmed(m Message, dc *amqp.DeferredConfirmation) error {
+	switch {
+	case dc.Acked():
+		return nil
+	case s.ch.IsClosed():
+		// The channel closed (the exchange is gone, or the connection): every pending confirm
+		// resolves as a nack, which says nothing about the message, unless the broker closed it
+		// for a publish to the message's exchange.
+		return s.closedVerdict(m)
+	default:
+		return ErrNacked
+	}
 }
 
 // writeRefused is the reason RabbitMQ gives when it closes a channel for a publish to an
@@ -704,15 +728,5 @@ func unavailable(format string, args ...any) error {
 func fill(errs []error, err error) {
 	for i := range errs {
 		errs[i] = err
-	}
-}
-
-// noVerdict sets err for each message published and not yet confirmed: the others have their
-// verdicts already (too large, refused before publishing).
-func noVerdict(errs []error, confirms []*amqp.DeferredConfirmation, err error) {
-	for i, dc := range confirms {
-		if dc != nil {
-			errs[i] = err
-		}
 	}
 }
