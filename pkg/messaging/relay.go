@@ -214,9 +214,15 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			if res.Claimed > 0 { // an empty claim never reached the broker
 				r.brokerUp(ctx)
 			}
-			if res.Claimed == r.cfg.BatchSize {
+			switch {
+			case res.Unsent > 0:
+				// The broker answered but took some rows nowhere (a channel it closed for
+				// another row, a row whose earlier publish is still in flight): paced as a
+				// retry, not claimed again at once, which spins while those rows wait.
+				sleep(ctx, nil, r.cfg.BrokerRetry.Delay(1))
+			case res.Claimed == r.cfg.BatchSize:
 				wake.signal() // more is waiting: another lane may join
-			} else {
+			default:
 				sleep(ctx, wake, jittered(r.cfg.PollInterval))
 			}
 		}

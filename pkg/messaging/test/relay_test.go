@@ -888,6 +888,56 @@ func TestRelayBacksOffARowForAnInternalExchangeAndSendsTheRest(t *testing.T) {
 	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil), bad, good, "cannot publish to internal exchange")
 }
 
+// callTimes is a Sender that notes when each of its calls began.
+type callTimes struct {
+	messaging.Sender
+	mu    sync.Mutex
+	began []time.Time
+}
+
+func (s *callTimes) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	s.mu.Lock()
+	s.began = append(s.began, time.Now())
+	s.mu.Unlock()
+	return s.Sender.Publish(ctx, msgs)
+}
+
+// A full batch whose rows the broker answered for but took nowhere (the channel it closed for
+// another row's refusal took them) is not followed at once by the next: the lane paces it as a
+// retry. Signalled as a full batch, it claimed the same rows again at once, in a tight loop
+// while they could not go (a row whose earlier publish is still in flight).
+func TestRelayPacesTheBatchAfterRowsTheBrokerTookNowhere(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	internal := testenv.UniqueName("internal")
+	testenv.CleanupBroker(t, nil, []string{internal})
+	if err := b.ch.ExchangeDeclare(internal, amqp.ExchangeTopic, true, false, true, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	bad := newMessage(t, 0)
+	bad.Exchange = internal
+	msgs := []messaging.Message{bad, newMessage(t, 1), newMessage(t, 2), newMessage(t, 3)}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, msgs...) }); err != nil {
+		t.Fatal(err)
+	}
+	const pace = 300 * time.Millisecond
+	sender := &callTimes{Sender: b.publisher(t, testenv.AMQPURL())}
+	r := b.relay(t, sender, func(c *messaging.RelayConfig) {
+		c.BatchSize, c.Lanes = len(msgs), 1
+		c.BrokerRetry = messaging.Backoff{Base: pace, Max: pace, Jitter: 0.01}
+	})
+	run(t, r.Run)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.unprocessed(t) == 1 }, "the good rows were not sent")
+	sender.mu.Lock()
+	defer sender.mu.Unlock()
+	if len(sender.began) < 2 {
+		t.Fatalf("%d batches published, want the refused row's and the next", len(sender.began))
+	}
+	if gap := sender.began[1].Sub(sender.began[0]); gap < pace*9/10 {
+		t.Fatalf("the next batch began %s after the one the closed channel cut short, want a retry's %s", gap.Round(time.Millisecond), pace)
+	}
+}
+
 // A body larger than the broker's max_message_size (16 MiB by default on RabbitMQ 4.x; 128 MiB
 // on 3.x, which takes this one) makes the broker close the channel at its publish, when the
 // publisher's MaxMessageBytes allows more: the row is charged as too large, not taken for an
