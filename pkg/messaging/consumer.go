@@ -416,7 +416,9 @@ func (c *consumer) traceUndecodable(ctx context.Context, j job, o outcome) {
 		return
 	}
 	_, span := c.cfg.Tracer.Start(j.msg.traced(ctx, c.cfg.Propagator), "process "+c.cfg.Queue, trace.WithSpanKind(trace.SpanKindConsumer))
-	messageAttributes(span, j.msg)
+	if j.msg.ID != uuid.Nil { // an envelope that did not decode has none
+		messageAttributes(span, j.msg)
+	}
 	var failed error
 	if o.settle == settleDeadLetter {
 		failed = o.reason

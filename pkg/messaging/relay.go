@@ -30,7 +30,10 @@ const (
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message
 // (see [Publisher.Publish]). An error wrapping [ErrBrokerUnavailable] is no verdict: the row
 // stays due and its attempts untouched. Any other error is the message's own fault, and backs
-// the row off.
+// the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has: the
+// relay then asks it, not a row, whether the broker is back; an error of it at [Relay.Run]'s
+// start that does not wrap ErrBrokerUnavailable is taken for the configuration's, and Run
+// returns it.
 type Sender interface {
 	Publish(ctx context.Context, msgs []Message) []error
 }

@@ -91,7 +91,8 @@ func (p *decodePanic) Error() string {
 // write on another connection or transaction commits however the attempt ends, and is
 // repeated), and other effects (a call out, an e-mail) go after the commit, through
 // [AfterCommit] or an outbox message. Each attempt gets the payload decoded anew: changes an
-// attempt that failed made to it do not reach the next.
+// attempt that failed made to it do not reach the next. msg is the same for every attempt: do
+// not change it (its Headers, its Payload's bytes).
 type Handler[Tx, T any] func(ctx context.Context, tx Tx, payload T, msg Message) error
 
 // Middleware wraps every handler of a subscription registered with [Handle] with a concern
