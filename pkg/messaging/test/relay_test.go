@@ -865,6 +865,17 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, url), nil), bad, good, "access refused")
 }
 
+// internalExchange declares an exchange of the test's that only other exchanges may route to.
+func (b *testBundle) internalExchange(t *testing.T) string {
+	t.Helper()
+	internal := testenv.UniqueName("internal")
+	testenv.CleanupBroker(t, nil, []string{internal})
+	if err := b.ch.ExchangeDeclare(internal, amqp.ExchangeTopic, true, false, true, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	return internal
+}
+
 // A row naming an internal exchange (one only other exchanges route to, which the relay's check
 // that the exchange exists does not tell apart) makes the broker close the channel at its
 // publish. Taken as the broker's absence, it headed every batch and the relay sent nothing: it
@@ -872,11 +883,7 @@ func TestRelayBacksOffARowWhoseExchangeItMayNotWriteAndSendsTheRest(t *testing.T
 func TestRelayBacksOffARowForAnInternalExchangeAndSendsTheRest(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	internal := testenv.UniqueName("internal")
-	testenv.CleanupBroker(t, nil, []string{internal})
-	if err := b.ch.ExchangeDeclare(internal, amqp.ExchangeTopic, true, false, true, false, nil); err != nil {
-		t.Fatal(err)
-	}
+	internal := b.internalExchange(t)
 	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2)}
 	bad := []messaging.Message{newMessage(t, 1)}
 	bad[0].Exchange = internal
@@ -909,11 +916,7 @@ func (s *callTimes) Publish(ctx context.Context, msgs []messaging.Message) []err
 func TestRelayPacesTheBatchAfterRowsTheBrokerTookNowhere(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	internal := testenv.UniqueName("internal")
-	testenv.CleanupBroker(t, nil, []string{internal})
-	if err := b.ch.ExchangeDeclare(internal, amqp.ExchangeTopic, true, false, true, false, nil); err != nil {
-		t.Fatal(err)
-	}
+	internal := b.internalExchange(t)
 	bad := newMessage(t, 0)
 	bad.Exchange = internal
 	msgs := []messaging.Message{bad, newMessage(t, 1), newMessage(t, 2), newMessage(t, 3)}
