@@ -127,11 +127,7 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 		}
 	}
 	if pools.Work > 0 {
-		dsn, err := WorkURL(c.DatabaseURL)
-		if err != nil {
-			return nil, err
-		}
-		if b.Work, err = OpenDB(ctx, log, service+"-work", dsn, pools.Work); err != nil {
+		if b.Work, err = OpenDB(ctx, log, service+"-work", c.DatabaseURL, pools.Work); err != nil {
 			return nil, err
 		}
 		if b.WorkDriver, err = gormdriver.New(b.Work); err != nil {

@@ -107,28 +107,6 @@ func IndexPlansURL(rawURL string) (string, error) {
 	return u.String(), nil
 }
 
-// WorkLockTimeout is how long a statement of the consumers' work waits for a lock, unless
-// DATABASE_URL sets lock_timeout itself: below the handler's 30 s timeout, so that a table
-// locked for long (a VACUUM FULL, an index built without CONCURRENTLY) ends the wait with
-// 55P03, which the library waits out as an outage, not at the handler's timeout, which counts
-// against the message.
-const WorkLockTimeout = "10s"
-
-// WorkURL returns rawURL with the consumers' work pool's lock_timeout (WorkLockTimeout), unless
-// rawURL sets one.
-func WorkURL(rawURL string) (string, error) {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "", fmt.Errorf("DATABASE_URL: %w", err)
-	}
-	q := u.Query()
-	if q.Get("lock_timeout") == "" {
-		q.Set("lock_timeout", WorkLockTimeout)
-	}
-	u.RawQuery = q.Encode()
-	return u.String(), nil
-}
-
 // indexPlansSQL reads the settings IndexPlansURL gives a session: "off,off,off".
 const indexPlansSQL = `SELECT concat_ws(',', current_setting('enable_sort'), current_setting('enable_seqscan'), current_setting('jit'))`
 

@@ -65,23 +65,16 @@ func TestRelayKeepsItsConnectionsWhenRequestsSaturateTheirs(t *testing.T) {
 	}
 }
 
-// startSmallBase starts a service's base with every pool, each of the fewest connections.
-func startSmallBase(t *testing.T) (*Base, *testenv.Database) {
-	t.Helper()
-	pools := PoolsOf(&RelaySettings{Lanes: 1}, &ConsumerSettings{Concurrency: 1}, 1)
-	conns := ReadinessConns + pools.Background + pools.Work + pools.Sender + MinRequestConns
-	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
-	d := testenv.NewDatabaseWithPool(t, 2)
-	b, _ := startBase(t, d, conns, pools)
-	return b, d
-}
-
 // The sender's and the background pool's sessions plan by index from their start
 // (IndexPlansURL; the relay is told so, and sets nothing per batch), and no other pool's do:
 // the settings would cost the requests' and the consumers' statements their sequential scans.
 func TestOnlyTheSendersAndTheBackgroundPoolPlanByIndex(t *testing.T) {
 	t.Parallel()
-	b, d := startSmallBase(t)
+	pools := PoolsOf(&RelaySettings{Lanes: 1}, &ConsumerSettings{Concurrency: 1}, 1)
+	conns := ReadinessConns + pools.Background + pools.Work + pools.Sender + MinRequestConns
+	testenv.Connections(t, 3+conns) // the database's creation, the test's handle (2), the service
+	d := testenv.NewDatabaseWithPool(t, 2)
+	b, _ := startBase(t, d, conns, pools)
 	settings := func(db *gorm.DB) (s string) {
 		t.Helper()
 		if err := db.Raw(indexPlansSQL).Scan(&s).Error; err != nil {
@@ -100,32 +93,6 @@ func TestOnlyTheSendersAndTheBackgroundPoolPlanByIndex(t *testing.T) {
 		if got := settings(db); got != plain {
 			t.Fatalf("the %s pool's sessions have enable_sort,enable_seqscan,jit %s, want the server's %s", name, got, plain)
 		}
-	}
-}
-
-// The consumers' work waits for a lock at most WorkLockTimeout, below the handlers' timeout: a
-// table locked for long then ends a handler's wait with 55P03, an outage the library waits out,
-// not at the handler's timeout, counted against the message. The other pools keep the
-// server's setting, and a lock_timeout DATABASE_URL sets is kept.
-func TestTheConsumersWorkWaitsForALockLessThanItsHandlers(t *testing.T) {
-	t.Parallel()
-	b, d := startSmallBase(t)
-	lockTimeout := func(db *gorm.DB) (s string) {
-		t.Helper()
-		if err := db.Raw("SHOW lock_timeout").Scan(&s).Error; err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
-	if got := lockTimeout(b.Work); got != WorkLockTimeout {
-		t.Fatalf("the work pool's sessions have lock_timeout %s, want %s", got, WorkLockTimeout)
-	}
-	if got, plain := lockTimeout(b.DB), lockTimeout(d.DB); got != plain {
-		t.Fatalf("the requests' sessions have lock_timeout %s, want the server's %s", got, plain)
-	}
-	set, err := WorkURL("postgres://db/x?lock_timeout=3s")
-	if err != nil || !strings.Contains(set, "lock_timeout=3s") || strings.Contains(set, WorkLockTimeout) {
-		t.Fatalf("WorkURL of a URL with its own lock_timeout = %q, %v; want it kept", set, err)
 	}
 }
 
