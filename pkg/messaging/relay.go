@@ -30,10 +30,11 @@ const (
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message
 // (see [Publisher.Publish]). An error wrapping [ErrBrokerUnavailable] is no verdict: the row
 // stays due and its attempts untouched. Any other error is the message's own fault, and backs
-// the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has: the
-// relay then asks it, not a row, whether the broker is back; an error of it at [Relay.Run]'s
-// start that does not wrap ErrBrokerUnavailable is taken for the configuration's, and Run
-// returns it.
+// the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has (a
+// wrapper that embeds a Sender loses it: give the wrapper one): the relay then asks it, not a
+// row, whether the broker is back, and after every empty claim whether it still has it, so it
+// must cost no round trip while connected; an error of it at [Relay.Run]'s start that does not
+// wrap ErrBrokerUnavailable is taken for the configuration's, and Run returns it.
 type Sender interface {
 	Publish(ctx context.Context, msgs []Message) []error
 }
@@ -67,8 +68,10 @@ type RelayConfig struct {
 	// Backoff schedules retries of a row the broker refused (nacked, returned, too large):
 	// 2 s, 4 s, 8 s … up to [DefaultMaxBackoff] by default, jittered.
 	Backoff Backoff
-	// BrokerRetry paces the relay's checks for the broker during an outage. Default 100 ms
-	// doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's return.
+	// BrokerRetry paces the relay's checks for the broker during an outage, and, at its first
+	// step, the batch after one whose rows the broker answered for but took nowhere. Default
+	// 100 ms doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's
+	// return.
 	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
 	DisableNotify bool
@@ -165,8 +168,9 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 }
 
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
-// lane drains without pause while its batches come back full, and otherwise waits for a
-// NOTIFY from a committed [Enqueue] or the next poll. While the broker is unavailable the
+// lane drains without pause while its batches come back full and sent, and otherwise waits for
+// a NOTIFY from a committed [Enqueue] or the next poll (a batch with rows left unsent, for
+// BrokerRetry's first step). While the broker is unavailable the
 // lanes claim nothing; they look for the broker again and resume as soon as it is back. A
 // Sender that cannot connect for a reason no broker can mend (a [Publisher] whose
 // configuration names no broker) makes Run return that error at once.

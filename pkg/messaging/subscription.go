@@ -262,7 +262,8 @@ type batchItem struct {
 
 // Delivered is one message of a batch: its decoded, checked payload, its envelope, and Ctx,
 // the context of its own span. Log what concerns one message with its Ctx, and enqueue what it
-// causes with it, so both belong to the message's trace.
+// causes with it, so both belong to the message's trace. As for a [Handler], each attempt gets
+// the payload decoded anew, and Msg is the same for every attempt: do not change it.
 type Delivered[T any] struct {
 	Ctx     context.Context
 	Payload T
