@@ -114,7 +114,8 @@ const (
 // SubscriptionConfig configures a [Subscription]. Name and URL are required.
 type SubscriptionConfig struct {
 	// Name is the consumer's name: its queue, its inbox records and, with ".dlq", its
-	// dead-letter queue.
+	// dead-letter queue. Renamed, a subscription starts an inbox of its own: a message handled
+	// under the old name that comes again (a redelivery, a redrive) is handled again.
 	Name string
 	// URL is RabbitMQ's, vhost included; for a cluster, a comma-separated list of them, one per
 	// node, which the subscription tries in a random order at every (re)connect.
