@@ -56,6 +56,15 @@ func setupSubscription(t *testing.T) *subscriptionBundle {
 	return b
 }
 
+// noDeadLetters fails t if b's dead-letter queue holds any message; when, if not empty, says
+// at which point of the test.
+func (b *subscriptionBundle) noDeadLetters(t *testing.T, ch *amqp.Channel, when string) {
+	t.Helper()
+	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
+		t.Fatalf("%d messages dead-lettered%s, want none", n, strings.TrimRight(" "+when, " "))
+	}
+}
+
 func (b *subscriptionBundle) subscription(t *testing.T, tweak func(*messaging.SubscriptionConfig)) *messaging.Subscription[*gorm.DB] {
 	t.Helper()
 	cfg := messaging.SubscriptionConfig{Name: b.name, URL: testenv.AMQPURL(), Concurrency: 2, Logger: b.log, Metrics: b.metrics}
@@ -143,9 +152,7 @@ func TestSubscriptionRoutesTwoTypesFromTwoExchangesInBatches(t *testing.T) {
 		t.Fatalf("every message had a transaction of its own: no batch formed")
 	}
 	t.Logf("largest batch: %d messages in one transaction", biggest)
-	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
-		t.Fatalf("%d messages dead-lettered", n)
-	}
+	b.noDeadLetters(t, ch, "")
 	wantMetric(t, b.registry, `inbox_duplicates_total{consumer="`+b.name+`"} 1`)
 }
 
@@ -181,17 +188,13 @@ func TestAnInboxTheDatabaseCannotFindIsAnOutage(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		return len(b.logs.Lines(`msg="dependency unavailable; retrying message"`, "MigrateInbox")) >= 6
 	}, "the missing inbox was not waited out as an outage")
-	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
-		t.Fatalf("%d messages dead-lettered for the missing inbox", n)
-	}
+	b.noDeadLetters(t, ch, "for the missing inbox")
 	if err := b.db.DB.Exec("ALTER TABLE inbox_messages_later RENAME TO inbox_messages").Error; err != nil {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 3 },
 		"the messages were not handled once the inbox was there")
-	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
-		t.Fatalf("%d messages dead-lettered", n)
-	}
+	b.noDeadLetters(t, ch, "")
 }
 
 // An attempt that fails leaves nothing to the next: its transaction rolls back, and the payload
@@ -529,17 +532,13 @@ CREATE TRIGGER refuse_writes BEFORE INSERT ON handled FOR EACH ROW EXECUTE FUNCT
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		return len(b.logs.Lines("dependency unavailable; retrying message", "message_id="+m.ID.String(), "read-only")) >= 5
 	}, "the refused writes were not taken for an outage")
-	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
-		t.Fatalf("%d messages dead-lettered during the outage, want none", n)
-	}
+	b.noDeadLetters(t, ch, "during the outage")
 	if err := b.db.DB.Exec("UPDATE outage SET on_now = false").Error; err != nil {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 1 },
 		"the message was not handled once writes came back")
-	if n := testenv.QueueDepth(t, ch, messaging.DeadLetterQueue(b.name)); n != 0 {
-		t.Fatalf("%d messages dead-lettered, want none", n)
-	}
+	b.noDeadLetters(t, ch, "")
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
