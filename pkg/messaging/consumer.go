@@ -272,12 +272,32 @@ func awaitLinkEnd(session context.Context, l consumerLink, closeErr *atomic.Poin
 	}
 }
 
-// cancelConsumers stops the flow of new deliveries on every link and ends its delivery stream
-// once what was delivered is taken. noWait: the cancel must not wait on a dead channel or
-// connection, and one that is dead delivers nothing more anyway.
+// cancelWait bounds the wait for the broker's confirmation of a consumer's cancel: a broker
+// that does not answer must not hold a shutdown or a reconnection up.
+const cancelWait = time.Second
+
+// cancelConsumers stops the flow of new deliveries on every link, and returns once the broker
+// has confirmed each cancel, or after cancelWait. Until its confirmation the broker may still
+// send a consumer what it had on its way, and the client passes it on to the link's worker;
+// a cancel that did not wait would make the client drop it, left unacknowledged for the
+// closing connection to return, which RabbitMQ 4.3 counts as a failed delivery. Once
+// confirmed, the link's delivery stream ends when what was delivered is taken. A dead channel
+// or connection answers at once, with an error: it delivers nothing more anyway.
 func cancelConsumers(links []consumerLink) {
+	var wg sync.WaitGroup
 	for _, l := range links {
-		_ = l.ch.Cancel(l.tag, true)
+		wg.Go(func() { _ = l.ch.Cancel(l.tag, false) })
+	}
+	confirmed := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(confirmed)
+	}()
+	t := time.NewTimer(cancelWait)
+	defer t.Stop()
+	select {
+	case <-confirmed:
+	case <-t.C:
 	}
 }
 
@@ -290,10 +310,10 @@ func cancelConsumers(links []consumerLink) {
 // function disarms it.
 func (c *consumer) stopAtShutdown(ctx context.Context, endSession context.CancelFunc, over <-chan struct{}, conn *amqp.Connection, links []consumerLink) (stop func() bool) {
 	return context.AfterFunc(ctx, func() {
+		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second) // the cancels' wait within it
+		defer t.Stop()
 		cancelConsumers(links)
 		endSession()
-		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second)
-		defer t.Stop()
 		select {
 		case <-t.C:
 			_ = conn.CloseDeadline(time.Now())

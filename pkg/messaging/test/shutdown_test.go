@@ -302,11 +302,18 @@ func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
 	if lines := b.logs.Lines("could not nack"); len(lines) != 0 {
 		t.Fatalf("a hand-back failed, so the broker took the message back by itself: %q", lines)
 	}
+	b.wantBackUncharged(t, ids)
+}
 
+// wantBackUncharged takes the messages ids back from the queue, where a stopped consumer
+// handed them back, and fails t for each whose delivery count grew more than a plain nack
+// makes it grow: the broker counted its return as a failure.
+func (b *testBundle) wantBackUncharged(t *testing.T, ids []string) {
+	t.Helper()
 	// takeAll gets every message back from the queue, by id.
 	takeAll := func() map[string]amqp.Delivery {
 		t.Helper()
-		got := make(map[string]amqp.Delivery, workers)
+		got := make(map[string]amqp.Delivery, len(ids))
 		testenv.Eventually(t, 5*time.Second, func() bool {
 			d, ok, err := b.ch.Get(b.queue, false)
 			if err != nil {
@@ -315,7 +322,7 @@ func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
 			if ok {
 				got[d.MessageId] = d
 			}
-			return len(got) == workers
+			return len(got) == len(ids)
 		}, "the messages are not all back in the queue")
 		return got
 	}
@@ -337,4 +344,41 @@ func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
 			t.Errorf("message %s: the hand-back at shutdown added %d to its delivery count, a nack adds %d: it was charged as a failure", id, byConsumer, byNack)
 		}
 	}
+}
+
+// Deliveries still on the wire when the consumers are cancelled at shutdown reach the workers
+// and are handed back as not failed, as those they held already: a cancel that did not wait for
+// the broker's confirmation made the client drop them, unacknowledged until the closing
+// connection returned them, which RabbitMQ 4.3 counts as failed deliveries. The
+// broker-to-client stream is slowed down, so that they are sent before the cancel and arrive
+// after it; the handler waits out a dependency, so that none is done before the hand-back.
+func TestConsumerHandsBackDeliveriesOnTheWireAtShutdownUncharged(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	away := func(context.Context, *gorm.DB, payload, messaging.Message) error {
+		return messaging.Unavailable(errors.New("database away"))
+	}
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	stop := b.startConsumer(t, away, func(c *messaging.SubscriptionConfig) {
+		c.URL = testenv.AMQPURLVia(t, proxy.Listen)
+		c.Concurrency, c.Prefetch = 1, 10
+	})
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":300}}`)); err != nil {
+		t.Fatal(err)
+	}
+	ids := make([]string, 5)
+	for i := range ids {
+		msg := newMessage(t, i)
+		ids[i] = msg.ID.String()
+		b.publishRaw(t, publishing(msg))
+	}
+	// Delivered, as far as the broker knows: none is left ready in the queue.
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 }, "the messages were not delivered")
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if lines := b.logs.Lines("could not nack"); len(lines) != 0 {
+		t.Fatalf("a hand-back failed, so the broker took the message back by itself: %q", lines)
+	}
+	b.wantBackUncharged(t, ids)
 }
