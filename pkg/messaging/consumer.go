@@ -229,7 +229,7 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 // closed its channel, and a session left with fewer workers would never get them back.
 func (c *consumer) endWithChannels(session context.Context, endSession context.CancelFunc, conn *amqp.Connection, links []consumerLink) *atomic.Pointer[amqp.Error] {
 	closeErr := new(atomic.Pointer[amqp.Error])
-	var warn sync.Once // a deleted queue cancels every consumer at once
+	var warn, cancel sync.Once // a deleted queue cancels every consumer at once
 	for _, l := range links {
 		go func() {
 			ended, cancelled := awaitLinkEnd(session, l, closeErr)
@@ -242,7 +242,7 @@ func (c *consumer) endWithChannels(session context.Context, endSession context.C
 				})
 			}
 			c.live.CompareAndSwap(conn, nil)
-			cancelConsumers(links)
+			cancel.Do(func() { cancelConsumers(links) })
 			endSession()
 		}()
 	}
@@ -281,24 +281,45 @@ const cancelWait = time.Second
 // send a consumer what it had on its way, and the client passes it on to the link's worker;
 // a cancel that did not wait would make the client drop it, left unacknowledged for the
 // closing connection to return, which RabbitMQ 4.3 counts as a failed delivery. Once
-// confirmed, the link's delivery stream ends when what was delivered is taken. A dead channel
-// or connection answers at once, with an error: it delivers nothing more anyway.
+// confirmed, the link's delivery stream ends when what was delivered is taken; one the broker
+// did not confirm in time is ended regardless. A dead channel or connection answers at once,
+// with an error: it delivers nothing more anyway.
 func cancelConsumers(links []consumerLink) {
-	var wg sync.WaitGroup
-	for _, l := range links {
-		wg.Go(func() { _ = l.ch.Cancel(l.tag, false) })
+	confirmed := make([]chan struct{}, len(links))
+	for i, l := range links {
+		confirmed[i] = make(chan struct{})
+		go func() {
+			_ = l.ch.Cancel(l.tag, false)
+			close(confirmed[i])
+		}()
 	}
-	confirmed := make(chan struct{})
-	go func() {
-		wg.Wait()
-		close(confirmed)
-	}()
 	t := time.NewTimer(cancelWait)
 	defer t.Stop()
-	select {
-	case <-confirmed:
-	case <-t.C:
+	expired := false
+	for i, l := range links {
+		if !expired {
+			select {
+			case <-confirmed[i]:
+				continue
+			case <-t.C:
+				expired = true
+			}
+		}
+		select {
+		case <-confirmed[i]:
+		default:
+			// Unconfirmed: end its stream now, as a cancel that does not wait does, or a broker
+			// that keeps the connection alive but never answers would keep it open for good.
+			_ = l.ch.Cancel(l.tag, true)
+		}
 	}
+}
+
+// stopping reports whether the session's work is over: the session ended (a shutdown, a lost
+// channel), or a shutdown's grace did, which can come first while the broker has yet to
+// confirm the consumers' cancels. A message in hand then goes back uncounted.
+func stopping(session, workCtx context.Context) bool {
+	return session.Err() != nil || workCtx.Err() != nil
 }
 
 // stopAtShutdown arranges that, once ctx ends, the flow of new deliveries stops, and only then
@@ -393,13 +414,13 @@ func (c *consumer) handle(session, workCtx context.Context, batch []amqp.Deliver
 		jobs = append(jobs, j)
 	}
 	tried := false
-	if len(jobs) > 1 && session.Err() == nil {
+	if len(jobs) > 1 && !stopping(session, workCtx) {
 		err := c.attempt(workCtx, jobs)
 		if err == nil {
 			c.ackAll(workCtx, jobs)
 			return
 		}
-		if session.Err() == nil {
+		if !stopping(session, workCtx) {
 			c.log.Warn("batch failed; processing its messages one by one", "size", len(jobs), "error", err)
 		}
 		tried = true
@@ -515,7 +536,7 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
 	failures, outages := 0, 0
 	for ; ; tried = true {
-		if session.Err() != nil {
+		if stopping(session, workCtx) {
 			return handedBack
 		}
 		if tried {
@@ -539,7 +560,7 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 			outages++
 			delay = c.cfg.RetryBackoff.Delay(outages)
 			c.log.WarnContext(ctx, "dependency unavailable; retrying message", "message_id", j.msg.ID, "type", j.msg.Type, "error", err, "retry_in", delay)
-		case session.Err() != nil:
+		case stopping(session, workCtx):
 			// The shutdown or a lost channel may be what cut it off: not the message's failure
 			// to count (a reject would spend one of its deliveries, or dead-letter it).
 			return handedBack
@@ -596,7 +617,7 @@ func deadLetter(reason error) outcome { return outcome{settle: settleDeadLetter,
 // settle is the one place a delivery is settled. Its lines are in the message's trace.
 func (c *consumer) settle(session, workCtx context.Context, j job, o outcome) {
 	ctx := j.msg.traced(workCtx, c.cfg.Propagator)
-	if o.settle == settleElsewhere && session.Err() != nil {
+	if o.settle == settleElsewhere && stopping(session, workCtx) {
 		o = handedBack // shutting down: back uncounted, as any message in hand
 	}
 	log := c.log.With("message_id", j.msg.ID, "type", truncate(j.msg.Type))
@@ -659,7 +680,7 @@ func (c *consumer) deadLetter(ctx, session, workCtx context.Context, log *slog.L
 		if err == nil {
 			break
 		}
-		if session.Err() != nil {
+		if stopping(session, workCtx) {
 			c.confirm(ctx, log, "nack", d.Nack(false, true), "")
 			return
 		}

@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -138,30 +139,73 @@ func TestRelayRecordsWhatWasConfirmedAsTheGraceEnded(t *testing.T) {
 
 // A handler the end of the grace cuts off did not fail on its own: the message is handed back
 // (a nack), not rejected as failed, which would spend one of its deliveries (or, on its last,
-// dead-letter it with "context canceled" as its reason).
+// dead-letter it with "context canceled" as its reason). Also when the grace ends before the
+// broker has confirmed the consumers' cancels (the broker-to-client stream slowed down to a
+// second), while the session is still on.
 func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	begun := make(chan struct{})
-	var once sync.Once
-	stuck := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
-		once.Do(func() { close(begun) })
-		<-ctx.Done()
-		return ctx.Err()
+	for _, tc := range []struct {
+		name    string
+		latency int // ms, from the broker to the client, once the handler runs
+	}{{"cancel confirmed at once", 0}, {"cancel confirmed after the grace", 1000}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			begun := make(chan struct{})
+			var once sync.Once
+			stuck := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+				once.Do(func() { close(begun) })
+				<-ctx.Done()
+				return ctx.Err()
+			}
+			proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+			stop := b.startConsumer(t, stuck, func(c *messaging.SubscriptionConfig) {
+				c.URL = testenv.AMQPURLVia(t, proxy.Listen)
+				c.Retries, c.ShutdownGrace = 1, 300*time.Millisecond
+			})
+			msg := newMessage(t, 0)
+			b.publishRaw(t, publishing(msg))
+			<-begun
+			if tc.latency > 0 {
+				toxic := fmt.Sprintf(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":%d}}`, tc.latency)
+				if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(toxic)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := stop(); err != nil {
+				t.Fatalf("Run = %v, want nil", err)
+			}
+			id := "message_id=" + msg.ID.String()
+			if lines := append(b.logs.Lines(id, "returning message to the queue"), b.logs.Lines(id, "dead-lettered")...); len(lines) != 0 {
+				t.Fatalf("the message cut off by the shutdown was charged as failed: %q", lines)
+			}
+			testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
+				"the message is not back in its queue")
+		})
 	}
-	stop := b.startConsumer(t, stuck, func(c *messaging.SubscriptionConfig) { c.Retries, c.ShutdownGrace = 1, 300*time.Millisecond })
-	msg := newMessage(t, 0)
-	b.publishRaw(t, publishing(msg))
-	<-begun
+}
+
+// A broker slower to confirm the consumers' cancels than the consumer waits for (a second)
+// does not hold the shutdown up until it does: the streams it has not confirmed are ended
+// regardless, and Run returns within that second and the connection's close deadline (another).
+func TestConsumerStopsWithoutTheBrokersLateCancelConfirmation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	stop := b.startConsumer(t, workFunc, func(c *messaging.SubscriptionConfig) {
+		c.URL = testenv.AMQPURLVia(t, proxy.Listen)
+		c.ShutdownGrace = 5 * time.Second
+	})
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":4000}}`)); err != nil {
+		t.Fatal(err)
+	}
+	begin := time.Now()
 	if err := stop(); err != nil {
 		t.Fatalf("Run = %v, want nil", err)
 	}
-	id := "message_id=" + msg.ID.String()
-	if lines := append(b.logs.Lines(id, "returning message to the queue"), b.logs.Lines(id, "dead-lettered")...); len(lines) != 0 {
-		t.Fatalf("the message cut off by the shutdown was charged as failed: %q", lines)
+	if took := time.Since(begin); took > 3*time.Second {
+		t.Fatalf("Run returned %s after the cancellation, waiting for the broker's confirmations (4 s away); want within the cancels' 1 s and the close's 1 s", took.Round(time.Millisecond))
 	}
-	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
-		"the message is not back in its queue")
 }
 
 // A message whose handler runs at shutdown is committed and acknowledged within the grace
