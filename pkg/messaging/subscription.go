@@ -500,7 +500,8 @@ func (s *Subscription[Tx]) decode(msg Message) (any, error) {
 // process does the work of jobs in one transaction: it claims them in the inbox, runs the
 // handler of each that was not handled before, and commits, all or nothing. A duplicate runs
 // nothing and is logged once, after the commit. Any failure while the database does not
-// answer is wrapped with [Unavailable]: the outage is not the messages' fault.
+// answer is wrapped with [Unavailable]: the outage is not the messages' fault. An attempt
+// called off (ctx cancelled, not timed out) is not asked about: it is handed back.
 //
 // Each message has its own span, and its handler a context that carries it: one transaction,
 // as many traces as messages. claimed reports which jobs were not duplicates.
@@ -528,6 +529,9 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		case IsPermanent(err), IsUnavailable(err):
 		case dataException(err):
 			err = Permanent(err)
+		case errors.Is(ctx.Err(), context.Canceled):
+			// Called off (a shutdown's grace is over): no verdict to give, nor to wait for from
+			// a database that may not answer, while the message waits to be handed back.
 		case databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}

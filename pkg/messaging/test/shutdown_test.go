@@ -15,6 +15,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
 
@@ -172,17 +173,51 @@ func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if err := stop(); err != nil {
-				t.Fatalf("Run = %v, want nil", err)
-			}
-			id := "message_id=" + msg.ID.String()
-			if lines := append(b.logs.Lines(id, "returning message to the queue"), b.logs.Lines(id, "dead-lettered")...); len(lines) != 0 {
-				t.Fatalf("the message cut off by the shutdown was charged as failed: %q", lines)
-			}
+			b.stopWantHandedBack(t, stop, msg)
 			testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 1 },
 				"the message is not back in its queue")
 		})
 	}
+}
+
+// A message whose attempt the end of the grace cuts off while the database does not answer
+// (its traffic swallowed) is handed back at once, uncharged: the attempt was called off, and
+// asking the silent database whether it is there (up to 2 s) would take the hand-back past the
+// connection's close, a second after the grace, which RabbitMQ 4.3 counts as a failure.
+func TestConsumerHandsBackAMessageTheGraceCutOffWhileTheDatabaseIsSilent(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2)
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+	drv, err := gormdriver.New(testenv.OpenPool(t, testenv.URLVia(t, b.db.URL, proxy.Listen), 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub, err := messaging.NewSubscription(drv, messaging.SubscriptionConfig{Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology,
+		Logger: b.log, Metrics: b.metrics, Retries: 1, ShutdownGrace: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	begun := make(chan struct{})
+	var once sync.Once
+	must(t, messaging.Handle(sub, b.orderPlaced(), func(ctx context.Context, tx *gorm.DB, _ payload, _ messaging.Message) error {
+		if err := tx.WithContext(ctx).Exec("SELECT 1").Error; err != nil {
+			return err
+		}
+		once.Do(func() { close(begun) })
+		<-ctx.Done()
+		return ctx.Err()
+	}))
+	stop := start(t, sub.Run)
+	testenv.Eventually(t, 10*time.Second, sub.Ready, "consumer not ready")
+	msg := newMessage(t, 0)
+	b.publishRaw(t, publishing(msg))
+	<-begun
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"silence","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+		t.Fatal(err)
+	}
+	b.stopWantHandedBack(t, stop, msg)
+	b.wantBackUncharged(t, []string{msg.ID.String()})
 }
 
 // A broker slower to confirm the consumers' cancels than the consumer waits for (a second)
@@ -347,6 +382,23 @@ func TestConsumerHandsBackMessagesAtShutdownUncharged(t *testing.T) {
 		t.Fatalf("a hand-back failed, so the broker took the message back by itself: %q", lines)
 	}
 	b.wantBackUncharged(t, ids)
+}
+
+// stopWantHandedBack stops a consumer that holds msg and fails t unless msg was handed back:
+// not returned to the queue as failed, nor dead-lettered, nor left to the closing connection.
+func (b *testBundle) stopWantHandedBack(t *testing.T, stop func() error, msg messaging.Message) {
+	t.Helper()
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	id := "message_id=" + msg.ID.String()
+	var lines []string
+	for _, charged := range []string{"returning message to the queue", "dead-lettered", "could not nack"} {
+		lines = append(lines, b.logs.Lines(id, charged)...)
+	}
+	if len(lines) != 0 {
+		t.Fatalf("the message cut off by the shutdown was not handed back: %q", lines)
+	}
 }
 
 // wantBackUncharged takes the messages ids back from the queue, where a stopped consumer
