@@ -95,11 +95,24 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	// session lasted (an error only means the connection was already gone).
 	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 	watchConnection(conn, c.log, slog.LevelWarn)
-	// A broker that stops answering mid-setup would hold a shutdown up: closing the connection
-	// ends every call of the setup waiting on it.
-	setupOver := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	links, err := c.consume(conn)
-	if !setupOver() {
+	// A shutdown stops the setup before its next consumer starts. A broker that stops answering
+	// mid-setup would hold the shutdown up: past cancelWait, closing the connection ends every
+	// call of the setup waiting on it.
+	setupDone := make(chan struct{})
+	setupOver := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(cancelWait)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			_ = conn.CloseDeadline(time.Now())
+		case <-setupDone:
+		}
+	})
+	links, err := c.consume(ctx, conn)
+	close(setupDone)
+	setupOver()
+	if ctx.Err() != nil {
+		handBackSent(links)
 		return false, fmt.Errorf("set up the consumer: %w", ctx.Err())
 	}
 	if err != nil {
@@ -180,8 +193,9 @@ type consumerLink struct {
 // consume declares the topology on conn, then opens a channel per worker and starts consuming
 // the queue on each. A dead-letter queue an earlier version declared is used as it is (see
 // [ErrLegacyDeadLetterQueue]), with a warning that names it: the topology may hold other
-// consumers' queues, whose dead-letter queues are the ones to fix then.
-func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
+// consumers' queues, whose dead-letter queues are the ones to fix then. Once ctx ends it starts
+// no more consumers, and returns with the links of those it started, and ctx's error.
+func (c *consumer) consume(ctx context.Context, conn *amqp.Connection) ([]consumerLink, error) {
 	err := c.cfg.Topology.Declare(conn, c.log)
 	var legacy *legacyQueues
 	if errors.As(err, &legacy) {
@@ -198,6 +212,9 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 	// delivery, at every reconnection, up to the delivery limit.
 	links := make([]consumerLink, c.cfg.Concurrency)
 	for i := range links {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
 		ch, err := conn.Channel()
 		if err != nil {
 			return nil, fmt.Errorf("open channel: %w", err)
@@ -209,6 +226,9 @@ func (c *consumer) consume(conn *amqp.Connection) ([]consumerLink, error) {
 		links[i] = consumerLink{ch: ch, closed: ch.NotifyClose(make(chan *amqp.Error, 1)), cancelled: ch.NotifyCancel(make(chan string, 1))}
 	}
 	for i := range links {
+		if ctx.Err() != nil { // shutting down: the consumers started so far, for their hand-back
+			return links[:i], ctx.Err()
+		}
 		links[i].tag = c.cfg.Queue + "-" + uuid.NewString()
 		deliveries, err := links[i].ch.Consume(c.cfg.Queue, links[i].tag, false, false, false, false, nil)
 		if err != nil {
@@ -312,6 +332,18 @@ func cancelConsumers(links []consumerLink) {
 			// that keeps the connection alive but never answers would keep it open for good.
 			_ = l.ch.Cancel(l.tag, true)
 		}
+	}
+}
+
+// handBackSent cancels links' consumers, which a setup the shutdown cut short had started, and
+// hands back, as not failed, what the broker sent them before any worker could take it: once a
+// cancel is confirmed, every delivery of its consumer is outstanding on its channel, and a nack
+// of all of them (tag 0, multiple) returns them uncounted, where the closing connection would
+// count them (RabbitMQ 4.3).
+func handBackSent(links []consumerLink) {
+	cancelConsumers(links)
+	for _, l := range links {
+		_ = l.ch.Nack(0, true, true)
 	}
 }
 
