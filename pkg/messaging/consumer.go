@@ -313,23 +313,15 @@ func cancelConsumers(links []consumerLink) {
 			close(confirmed[i])
 		}()
 	}
-	t := time.NewTimer(cancelWait)
-	defer t.Stop()
-	expired := false
+	wait, stop := context.WithTimeout(context.Background(), cancelWait)
+	defer stop()
 	for i, l := range links {
-		if !expired {
-			select {
-			case <-confirmed[i]:
-				continue
-			case <-t.C:
-				expired = true
-			}
-		}
 		select {
 		case <-confirmed[i]:
-		default:
-			// Unconfirmed: end its stream now, as a cancel that does not wait does, or a broker
-			// that keeps the connection alive but never answers would keep it open for good.
+		case <-wait.Done():
+			// Unconfirmed in time: end its stream now, as a cancel that does not wait does, or a
+			// broker that keeps the connection alive but never answers would keep it open for
+			// good. (Confirmed just now, the second cancel is of a consumer gone: a no-op.)
 			_ = l.ch.Cancel(l.tag, true)
 		}
 	}
