@@ -109,7 +109,7 @@ type Admission struct {
 	limit       float64
 	inUse       int
 	waiting     []chan struct{} // first come, first given a place
-	limitSet    time.Time       // when limit last changed
+	lastCut     time.Time       // when limit was last cut
 	window      []time.Duration
 	windowStart time.Time
 	peak        int           // the most places in use since windowStart
@@ -299,7 +299,7 @@ func (a *Admission) enter(ctx context.Context) bool {
 		a.mu.Unlock()
 		return true
 	}
-	if waitsInVain(len(a.waiting), a.places(), a.mean) {
+	if waitsInVain(len(a.waiting), a.inUse, a.places(), a.mean) {
 		a.mu.Unlock()
 		return false
 	}
@@ -374,11 +374,13 @@ func (a *Admission) handOn() {
 }
 
 // observe adds a latency to the window and, once the window has run its time and holds enough
-// requests, sets the limit from its p99 and starts the next. Only requests admitted under the
-// limit now count: the ones admitted under a larger limit before it would cut it again for a
-// queue it has already cut, down to a single place.
+// requests, sets the limit from its p99 and starts the next. Only requests admitted since the
+// last cut count: the ones admitted under a larger limit before it would cut it again for a
+// queue it has already cut, down to a single place. A growth by one keeps the requests admitted
+// before it: a slow one that outlasts a window must still count, or the limit would climb past
+// any tail longer than the window.
 func (a *Admission) observe(admitted time.Time, took time.Duration) {
-	if admitted.Before(a.limitSet) {
+	if admitted.Before(a.lastCut) {
 		return
 	}
 	if len(a.window) < windowSamples {
@@ -395,9 +397,11 @@ func (a *Admission) observe(admitted time.Time, took time.Duration) {
 		a.floor = min(a.floor, a.window[(len(a.window)-1)/10])
 	}
 	target := max(a.target, 2*min(a.floor, 2*a.target))
-	if next := nextLimit(a.limit, a.peak, a.max, target, a.window[(len(a.window)-1)*99/100]); next != a.limit {
-		a.limit, a.limitSet = next, now
+	next := nextLimit(a.limit, a.peak, a.max, target, a.window[(len(a.window)-1)*99/100])
+	if next < a.limit {
+		a.lastCut = now
 	}
+	a.limit = next
 	a.window = a.window[:0]
 	a.windowStart = now
 	a.peak = a.inUse
@@ -415,14 +419,16 @@ func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64
 }
 
 // waitsInVain reports whether a request with ahead requests waiting before it should not wait,
-// with places places freeing up every mean: ahead is at least twice the places expected to
-// free in AdmissionWait. The first to wait always waits; a mean of 0, before any request is
-// done, knows nothing: all wait.
-func waitsInVain(ahead, places int, mean time.Duration) bool {
-	if mean <= 0 {
+// with inUse requests at work, each done after mean, under places places: ahead is at least
+// twice the places expected to free in AdmissionWait. After a cut more are at work than the
+// places, and the first departures free nothing. The first to wait always waits; a mean of 0,
+// before any request is done, knows nothing: all wait.
+func waitsInVain(ahead, inUse, places int, mean time.Duration) bool {
+	if mean <= 0 || ahead == 0 {
 		return false
 	}
-	frees := float64(places) * float64(AdmissionWait) / float64(mean)
+	departures := float64(inUse) * float64(AdmissionWait) / float64(mean)
+	frees := departures - float64(max(0, inUse-places))
 	return float64(ahead) >= 2*frees
 }
 
@@ -435,18 +441,25 @@ func runningMean(mean, took time.Duration) time.Duration {
 	return mean + time.Duration(latencyWeight*float64(min(took, latencyCap*mean)-mean))
 }
 
-// Run logs, once per interval, how many requests were shed in it, until ctx ends.
+// Run logs, once per interval, how many requests were shed in it, until ctx ends, and then
+// those shed since the last line: a burst just before a shutdown is logged too.
 func (a *Admission) Run(ctx context.Context) error {
 	tick := time.NewTicker(a.interval)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
+			a.logShed()
 			return nil
 		case <-tick.C:
-			if n := a.shed.Swap(0); n > 0 {
-				a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max)
-			}
+			a.logShed()
 		}
+	}
+}
+
+// logShed logs how many requests were shed since it last did, if any.
+func (a *Admission) logShed() {
+	if n := a.shed.Swap(0); n > 0 {
+		a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max)
 	}
 }

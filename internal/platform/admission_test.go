@@ -206,24 +206,29 @@ func waitsWithin(t *testing.T, a *Admission, admitted <-chan bool, deadline time
 }
 
 // A request waits for a place only while the requests waiting before it can be given theirs
-// within the wait: it stops at twice the places expected to free up in it, and at one.
+// within the wait: it stops at twice the places expected to free up in it, and at one. After a
+// cut, the departures that bring those at work down to the places free none.
 func TestWaitsInVain(t *testing.T) {
 	t.Parallel()
 	ms := time.Millisecond
 	for _, c := range []struct {
-		ahead, places int
-		mean          time.Duration
-		want          bool
-		situation     string
+		ahead, inUse, places int
+		mean                 time.Duration
+		want                 bool
+		situation            string
 	}{
-		{0, 1, 100 * ms, false, "the first to wait always waits"},
-		{1, 1, 100 * ms, true, "one place, free every 100 ms: the second waits in vain"},
-		{15, 16, 20 * ms, false, "16 places of 20 ms free 8 in the wait: fewer than 16 ahead wait"},
-		{16, 16, 20 * ms, true, "twice the places that free in the wait"},
-		{1000, 16, 0, false, "before any request is done nothing is known: all wait"},
+		{0, 1, 1, 100 * ms, false, "the first to wait always waits"},
+		{1, 1, 1, 100 * ms, true, "one place, free every 100 ms: the second waits in vain"},
+		{15, 16, 16, 20 * ms, false, "16 places of 20 ms free 8 in the wait: fewer than 16 ahead wait"},
+		{16, 16, 16, 20 * ms, true, "twice the places that free in the wait"},
+		{1000, 16, 16, 0, false, "before any request is done nothing is known: all wait"},
+		{1, 32, 16, 20 * ms, true, "cut from 32 places to 16: the 16 departures in the wait free none"},
+		{0, 32, 16, 20 * ms, false, "the first to wait always waits, after a cut too"},
+		{7, 24, 16, 20 * ms, false, "cut to 16 with 24 at work: 12 leave in the wait and free 4"},
+		{8, 24, 16, 20 * ms, true, "twice the 4 places that free"},
 	} {
-		if got := waitsInVain(c.ahead, c.places, c.mean); got != c.want {
-			t.Errorf("%s: waitsInVain(%d ahead, %d places, mean %s) = %v, want %v", c.situation, c.ahead, c.places, c.mean, got, c.want)
+		if got := waitsInVain(c.ahead, c.inUse, c.places, c.mean); got != c.want {
+			t.Errorf("%s: waitsInVain(%d ahead, %d in use, %d places, mean %s) = %v, want %v", c.situation, c.ahead, c.inUse, c.places, c.mean, got, c.want)
 		}
 	}
 }
@@ -480,6 +485,50 @@ func TestLimitIsJudgedByTheRequestsAdmittedUnderIt(t *testing.T) {
 	}
 	if n := finish(time.Now()); n != 8 {
 		t.Fatalf("a request admitted after the cut, as slow: %d places, want 8", n)
+	}
+}
+
+// The sheds since the last line are logged when Run ends too: a burst in the last interval before
+// a shutdown is not lost to the logs.
+func TestSheddingJustBeforeAShutdownIsLogged(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.interval = time.Hour
+	a.shed.Add(5)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := a.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(logs.Lines("at capacity: requests shed", "shed=5")); n != 1 {
+		t.Fatalf("%d lines of the 5 sheds before the shutdown, want 1", n)
+	}
+}
+
+// A request slower than a window, admitted after the last cut, counts when it is done though the
+// places grew by one meanwhile: if each growth forgot the requests admitted before it, the places
+// would climb past any tail longer than a window, up to the most, and swing from there.
+func TestASlowTailCountsWhileThePlacesGrow(t *testing.T) {
+	t.Parallel()
+	a := newAdmission(t, 16, time.Second)
+	a.limit = 10
+	admitted := time.Now()
+	if n := runWindow(a, 10, 5*time.Millisecond); n != 11 {
+		t.Fatalf("after a window of fast requests: %d places, want 11", n)
+	}
+	a.windowStart, a.peak = time.Now().Add(-admissionWindow), 11
+	for range 4 {
+		a.observe(admitted, 1600*time.Millisecond) // admitted before the growth, done after it
+	}
+	for range minWindowSamples - 4 {
+		a.observe(time.Now(), 5*time.Millisecond)
+	}
+	if n := a.places(); n >= 11 {
+		t.Fatalf("after a window at p99 1.6 s against a target of 1 s: %d places, want fewer than 11", n)
 	}
 }
 
