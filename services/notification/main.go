@@ -26,8 +26,10 @@ func run(ctx context.Context, env *platform.Env) error {
 	settings.BatchByType = batchByType
 	smtpAddr := env.DialAddr("SMTP_ADDR", "")
 	smtpFrom := env.String("SMTP_FROM", "orders@shop.example")
-	_, fromErr := mail.ParseAddress(smtpFrom)
-	env.Check(fromErr == nil && !strings.ContainsAny(smtpFrom, "<>\r\n"), "SMTP_FROM", "must be a plain e-mail address")
+	// A comment ("a@b.example (Shop)") or a group ("Shop: a@b.example;") parses as an address
+	// too, and would reach MAIL FROM and the From header as it is, refused by strict relays.
+	from, fromErr := mail.ParseAddress(smtpFrom)
+	env.Check(fromErr == nil && from.Address == smtpFrom, "SMTP_FROM", "must be a plain e-mail address")
 	domain := env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example")
 	_, domainErr := mail.ParseAddress("x@" + domain)
 	env.Check(domainErr == nil && !strings.ContainsAny(domain, "@<> "), "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name")

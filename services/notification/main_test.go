@@ -25,3 +25,18 @@ func TestBadSenderSettingsAreNamed(t *testing.T) {
 		}
 	}
 }
+
+// SMTP_FROM is the envelope's sender and the From header as written: only a bare address will
+// do, not the forms of one that mail.ParseAddress also reads.
+func TestASenderAddressThatIsNotBareIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, value := range []string{"orders@shop.example (Shop)", "Shop: orders@shop.example;", "Shop <orders@shop.example>", "orders"} {
+		err := run(context.Background(), platform.EnvFrom(map[string]string{
+			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
+			"SMTP_FROM": value,
+		}))
+		if err == nil || !strings.Contains(err.Error(), "SMTP_FROM: must be a plain e-mail address") {
+			t.Errorf("SMTP_FROM=%q: err = %v, want it named", value, err)
+		}
+	}
+}

@@ -55,11 +55,14 @@ RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_a
 	// key). "status <>
 	// 'sent'" is "status = 'pending'" (the only other status) written so that the planner cannot
 	// use the partial index of pending rows, which it would scan whole when it underestimates
-	// them (a backlog not yet analyzed). A sent outcome whose row is sent under the same lease
-	// already counts as recorded: an earlier attempt committed it, and its answer was lost (a
-	// commit that timed out on the client after the server had done it).
+	// them (a backlog not yet analyzed). An outcome its row holds already counts as recorded:
+	// an earlier attempt committed it, and its answer was lost (a commit that timed out on the
+	// client after the server had done it). A sent one is its row sent under the same lease; a
+	// failure, its row due after the lease with this attempt counted and its error kept (so
+	// also a failure just like it recorded by a sender that took over, after this lease ran
+	// out: the row holds that outcome either way).
 	recordOutcomesSQL = `WITH outcome AS (
-    SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, sent boolean, failure text, retry_ms bigint)),
+    SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, attempts int, sent boolean, failure text, retry_ms bigint)),
 sent AS (
     UPDATE notifications n SET status = 'sent', sent_at = clock_timestamp()
     FROM outcome o
@@ -75,7 +78,10 @@ returned AS (
     RETURNING n.id),
 recorded AS (
     SELECT n.id FROM notifications n JOIN outcome o ON n.id = o.id
-    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND o.sent AND n.status = 'sent' AND n.next_attempt_at = o.leased_until)
+    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome))
+      AND (o.sent AND n.status = 'sent' AND n.next_attempt_at = o.leased_until
+        OR o.failure IS NOT NULL AND n.status <> 'sent' AND n.next_attempt_at > o.leased_until
+          AND n.attempts = o.attempts + 1 AND n.last_error = o.failure))
 SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM recorded`
 )
 
@@ -457,6 +463,7 @@ type recordResult struct {
 type outcomeRow struct {
 	ID          uuid.UUID `json:"id"`
 	LeasedUntil time.Time `json:"leased_until"`
+	Attempts    int       `json:"attempts"` // as leased
 	Sent        bool      `json:"sent"`
 	Failure     *string   `json:"failure"`
 	RetryMS     int64     `json:"retry_ms"`
@@ -647,7 +654,7 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 	}
 	rows := make([]outcomeRow, len(outcomes))
 	for i, o := range outcomes {
-		rows[i] = outcomeRow{ID: o.row.ID, LeasedUntil: o.row.LeasedUntil, Sent: o.sent, RetryMS: o.retryIn.Milliseconds()}
+		rows[i] = outcomeRow{ID: o.row.ID, LeasedUntil: o.row.LeasedUntil, Attempts: o.row.Attempts, Sent: o.sent, RetryMS: o.retryIn.Milliseconds()}
 		if o.failure != "" {
 			rows[i].Failure = &o.failure
 		}

@@ -1232,20 +1232,54 @@ func TestSenderFindsItsRowsByIndexWhateverPlanWasCached(t *testing.T) {
 func TestMarkTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
+	s, row := e.leasedOne(t)
+	id := row.ID
+	if changed, err := s.record(&deliveryOutcome{row: row, sent: true}); !changed || err != nil {
+		t.Fatalf("first mark = %v, %v; want recorded", changed, err)
+	}
+	marked := e.row(t, id)
+	if changed, err := s.record(&deliveryOutcome{row: row, sent: true}); !changed || err != nil {
+		t.Fatalf("the mark again = %v, %v; want it recognised as recorded", changed, err)
+	}
+	sameRow(t, "after the mark was tried again", e.row(t, id), marked)
+}
+
+// So is a failure recorded again after its answer was lost: the row, already due again with
+// the attempt counted, is left as it is, and the sender is told it holds the outcome, not that
+// another sender took the notification over.
+func TestAFailureTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	s, row := e.leasedOne(t)
+	id := row.ID
+	failed := func() *deliveryOutcome {
+		return &deliveryOutcome{row: row, failure: "451 4.3.0 try again later", retryIn: time.Minute}
+	}
+	if changed, err := s.record(failed()); !changed || err != nil {
+		t.Fatalf("first record = %v, %v; want recorded", changed, err)
+	}
+	recorded := e.row(t, id)
+	if changed, err := s.record(failed()); !changed || err != nil {
+		t.Fatalf("the record again = %v, %v; want it recognised as recorded", changed, err)
+	}
+	sameRow(t, "after the failure was recorded again", e.row(t, id), recorded)
+	other := failed()
+	other.failure = "421 4.7.0 closing"
+	if changed, err := s.record(other); changed || err != nil {
+		t.Fatalf("a different failure under the lease that ran out = %v, %v; want it not recorded", changed, err)
+	}
+}
+
+// leasedOne is a sender of a pending notification, and that notification leased by it.
+func (e *senderEnv) leasedOne(t *testing.T) (*sender, pendingRow) {
+	t.Helper()
 	id := e.pending(t)
 	s := e.sender(t, "sender-a", e.mailer(t))
 	rows, err := s.lease(1)
 	if err != nil || len(rows) != 1 || rows[0].ID != id {
 		t.Fatalf("lease = %+v, %v; want the notification %s", rows, err, id)
 	}
-	if changed, err := s.record(&deliveryOutcome{row: rows[0], sent: true}); !changed || err != nil {
-		t.Fatalf("first mark = %v, %v; want recorded", changed, err)
-	}
-	marked := e.row(t, id)
-	if changed, err := s.record(&deliveryOutcome{row: rows[0], sent: true}); !changed || err != nil {
-		t.Fatalf("the mark again = %v, %v; want it recognised as recorded", changed, err)
-	}
-	sameRow(t, "after the mark was tried again", e.row(t, id), marked)
+	return s, rows[0]
 }
 
 // Lease requests made while a transaction runs each get their answer, in turn: one made beside
