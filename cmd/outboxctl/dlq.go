@@ -412,6 +412,11 @@ client holds unacknowledged at that moment are not seen).`,
 			if limit < 0 {
 				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
 			}
+			// Given, --without-id=false passes the flags' check and would leave a filter of
+			// nothing, which picks the first message of all.
+			if idFlag == "" && !withoutID {
+				return usageError{"--without-id=false names no message: give --id, or --without-id"}
+			}
 			return c.dlqDrop(ctx, amqpFlag, args[0], limit, dlqFilter{id: idFlag, withoutID: withoutID}, dryRun, yes)
 		}),
 	}

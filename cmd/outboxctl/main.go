@@ -36,6 +36,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/url"
 	"os"
 	"os/signal"
@@ -198,8 +199,9 @@ func run(ctx context.Context, args []string, s streams) int {
 			fmt.Fprintf(s.err, "\n%s", cmd.UsageString())
 		}
 	default:
-		// One line, whatever the error holds (pgx errors span several).
-		fmt.Fprintf(s.err, "%s: %s\n", name, strings.Join(strings.Fields(hideSecrets(err.Error(), args)), " "))
+		// One line, whatever the error holds (pgx errors span several), without control
+		// characters: it may quote a message id or a queue name, which a terminal would act on.
+		fmt.Fprintf(s.err, "%s: %s\n", name, printable(hideSecrets(err.Error(), args), math.MaxInt))
 	}
 	return code
 }

@@ -162,6 +162,7 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"dlq", "drop", "invoicing", "--id", "x", "--without-id", "--amqp", amqpURL},
 		{"dlq", "redrive", "invoicing", "--id", id, "--reason", "x", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
+		{"dlq", "drop", "invoicing", "--without-id=false", "--yes", "--amqp", amqpURL},
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--id", id, "--limit", "-1", "--yes", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
@@ -523,4 +524,18 @@ func TestASecondSignalKills(t *testing.T) {
 func lockWaiters(t *testing.T, d *testenv.Database) int64 {
 	t.Helper()
 	return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`)
+}
+
+// A failure is printed on one line without control characters: its error may quote what an
+// operator did not type (a message id from the broker, a database name escaped in a URL from a
+// script), and a terminal would act on an escape sequence in it.
+func TestAFailurePrintsNoControlCharacters(t *testing.T) {
+	t.Parallel()
+	code, _, stderr := ctl(t, "status", "--db", "postgres://postgres@127.0.0.1:1/nowhere%1B%5D0%3Bowned%07")
+	if code != 1 || !strings.Contains(stderr, "nowhere") {
+		t.Fatalf("status of a database that does not answer: exit %d, stderr %q; want a failure naming it", code, stderr)
+	}
+	if strings.ContainsAny(stderr, "\x1b\a") {
+		t.Errorf("the failure's line holds control characters: %q", stderr)
+	}
 }

@@ -112,7 +112,8 @@ func (c *cli) status(ctx context.Context, dbFlag string) error {
 	if len(failing) == 0 {
 		fmt.Fprintln(c.out, "no unsent row has failed")
 	} else {
-		fmt.Fprintf(c.out, "\nlatest errors (%d unsent rows that failed, latest next attempt first):\n", len(failing))
+		// At most latestShown: the count is of those shown, not of all that failed.
+		fmt.Fprintf(c.out, "\nlatest errors (the latest %d of the unsent rows that failed, latest next attempt first):\n", len(failing))
 		if err := printOutboxRows(c.out, failing); err != nil {
 			return err
 		}

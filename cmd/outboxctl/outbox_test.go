@@ -140,7 +140,7 @@ func TestStatusShowsTheBacklogItsAgeAttemptsErrorsAndParkedRows(t *testing.T) {
 	out = ok(t, "status", "--db", d.URL)
 	for _, want := range []string{
 		"unsent rows:            3", "oldest unsent row:      10m", "highest attempt count:  7", "parked rows:            1",
-		"latest errors (2 unsent rows that failed",
+		"latest errors (the latest 2 of the unsent rows that failed",
 		ids[1].String(), `message unroutable: exchange "orders" routing key "OrderPlaced": 312 NO_ROUTE`,
 		ids[2].String(), "message nacked by the broker (second line)",
 		"parked rows (1 of 1", ids[4].String(), "over the broker's max message size", "message too large",

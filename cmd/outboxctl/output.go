@@ -9,6 +9,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -225,14 +227,48 @@ func deref(s *string) string {
 
 // deadLetter is a dead-lettered message in -o json.
 type deadLetter struct {
-	MessageID      string         `json:"message_id"`
-	Type           string         `json:"type"`
-	Reason         string         `json:"reason"`
-	DeadLetteredAt *time.Time     `json:"dead_lettered_at"` // null when unknown
-	ContentType    string         `json:"content_type"`
-	Headers        map[string]any `json:"headers,omitempty"`     // with --show-headers, and for dlq drop
-	Body           *string        `json:"body,omitempty"`        // the body when it is UTF-8 text (--show-body, dlq drop)
-	BodyBase64     *string        `json:"body_base64,omitempty"` // or else the body in base64
+	MessageID      string          `json:"message_id"`
+	Type           string          `json:"type"`
+	Reason         string          `json:"reason"`
+	DeadLetteredAt *time.Time      `json:"dead_lettered_at"` // null when unknown
+	ContentType    string          `json:"content_type"`
+	Headers        *map[string]any `json:"headers,omitempty"`     // with --show-headers, and for dlq drop: {} when none
+	Body           *string         `json:"body,omitempty"`        // the body when it is UTF-8 text (--show-body, dlq drop)
+	BodyBase64     *string         `json:"body_base64,omitempty"` // or else the body in base64
+}
+
+// jsonTable is t as JSON can write it, never nil: a number it cannot write (NaN or an infinity,
+// which another language's producer may send) becomes its text. dlq drop prints its record
+// after the message is gone: it must not fail on what the message holds.
+func jsonTable(t amqp.Table) map[string]any {
+	out := make(map[string]any, len(t))
+	for k, v := range t {
+		out[k] = jsonValue(v)
+	}
+	return out
+}
+
+// jsonValue is v as JSON can write it (see jsonTable).
+func jsonValue(v any) any {
+	switch v := v.(type) {
+	case float64:
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return strconv.FormatFloat(v, 'g', -1, 64)
+		}
+	case float32:
+		if f := float64(v); math.IsNaN(f) || math.IsInf(f, 0) {
+			return strconv.FormatFloat(f, 'g', -1, 64)
+		}
+	case amqp.Table:
+		return jsonTable(v)
+	case []any:
+		out := make([]any, len(v))
+		for i, x := range v {
+			out[i] = jsonValue(x)
+		}
+		return out
+	}
+	return v
 }
 
 // toDeadLetter is d for -o json, with its headers and body if asked for.
@@ -242,10 +278,8 @@ func toDeadLetter(d messaging.DeadLetter, headers, body bool) deadLetter {
 		out.DeadLetteredAt = utc(&d.DeadLetteredAt)
 	}
 	if headers {
-		out.Headers = map[string]any(d.Headers)
-		if out.Headers == nil {
-			out.Headers = map[string]any{}
-		}
+		h := jsonTable(d.Headers)
+		out.Headers = &h
 	}
 	if body {
 		if utf8.Valid(d.Body) {

@@ -2,10 +2,13 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
+	"math"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
@@ -52,5 +55,41 @@ func TestRowStreamWritesWhatWriteJSONWrites(t *testing.T) {
 		if streamed.String() != whole.String() {
 			t.Errorf("%s: streamed\n%s\nwant\n%s", tc.name, streamed.String(), whole.String())
 		}
+	}
+}
+
+// dlq drop prints its record of a message after acknowledging it: a header JSON cannot write as
+// a number (NaN, an infinity, from a producer in another language, nested too) is written as its
+// text, and the record is not lost to an encoding error. A message without headers has them
+// as {}, as the record's shape says.
+func TestADroppedMessagesRecordIsWrittenWhateverItsHeadersHold(t *testing.T) {
+	t.Parallel()
+	var out bytes.Buffer
+	format := "json"
+	c := &cli{streams: streams{out: &out}, format: &format}
+	var none bytes.Buffer
+	if err := (&cli{streams: streams{out: &none}, format: &format}).printDropped("invoicing", "invoicing.dlq", messaging.DeadLetter{MessageID: "m0"}, dropDone); err != nil ||
+		!bytes.Contains(none.Bytes(), []byte(`"headers": {}`)) {
+		t.Errorf("the record of a message without headers: %v\n%s\nwant \"headers\": {}", err, none.String())
+	}
+	d := messaging.DeadLetter{MessageID: "m1", Headers: amqp.Table{
+		"ratio": math.NaN(), "limit": float32(math.Inf(1)), "score": 0.5,
+		"nested": amqp.Table{"low": math.Inf(-1)}, "list": []any{math.NaN(), "x"},
+	}}
+	if err := c.printDropped("invoicing", "invoicing.dlq", d, dropDone); err != nil {
+		t.Fatalf("the record of a dropped message with NaN headers: %v", err)
+	}
+	var got struct {
+		Message struct {
+			Headers map[string]any `json:"headers"`
+		} `json:"message"`
+	}
+	if err := json.Unmarshal(out.Bytes(), &got); err != nil {
+		t.Fatalf("%v: %s", err, out.String())
+	}
+	h := got.Message.Headers
+	if h["ratio"] != "NaN" || h["limit"] != "+Inf" || h["score"] != 0.5 ||
+		h["nested"].(map[string]any)["low"] != "-Inf" || h["list"].([]any)[0] != "NaN" {
+		t.Errorf("headers = %v, want NaN, +Inf, 0.5, -Inf and NaN", h)
 	}
 }
