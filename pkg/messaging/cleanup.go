@@ -144,7 +144,7 @@ func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next 
 	}
 	defer func() {
 		if err != nil {
-			_ = tx.Rollback(uncancelled)
+			rollback(ctx, tx)
 		}
 	}()
 	if _, err := tx.Exec(ctx, statements.CleanupPlan); err != nil {

@@ -3,6 +3,7 @@ package messaging
 import (
 	"bytes"
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -78,3 +79,72 @@ func (c *lockConn) Exec(context.Context, string, ...any) (int64, error) {
 }
 func (c *lockConn) Close()   { c.closed = true }
 func (c *lockConn) Discard() { c.discarded = true }
+
+// Every rollback is bounded, not only the relay's and the subscription's: a cleanup batch, an
+// operator's action or a migration whose statement failed as the database stopped answering
+// would otherwise wait on its rollback as long as the connection lives (pgx sets no read
+// deadline, and database/sql's adapter bounds it only through a deadline), holding the
+// cleanup's lock or the operator with it.
+func TestEveryRollbackIsBounded(t *testing.T) {
+	t.Parallel()
+	boom := errors.New("the statement failed")
+	for name, run := range map[string]func(context.Context, *rollbackConn) error{
+		"cleanup batch": func(ctx context.Context, c *rollbackConn) error {
+			_, _, err := runBatch(ctx, c, time.Now(), 10, func(context.Context, Executor, time.Time, int) (int64, int64, error) { return 0, 0, boom })
+			return err
+		},
+		"operator action": func(ctx context.Context, c *rollbackConn) error {
+			return inTx(ctx, rollbackDB{c}, func(TxExecutor) (bool, error) { return false, boom })
+		},
+		"migration": func(ctx context.Context, c *rollbackConn) error {
+			return migration{version: 1, up: "SELECT 1"}.applyOnce(ctx, c, "versions")
+		},
+	} {
+		c := &rollbackConn{fail: boom}
+		if err := run(context.Background(), c); !errors.Is(err, boom) {
+			t.Fatalf("%s: %v, want the statement's failure", name, err)
+		}
+		if !c.rolledBack || !c.bounded {
+			t.Errorf("%s: rolled back %v, within a deadline %v; want a bounded rollback", name, c.rolledBack, c.bounded)
+		}
+	}
+}
+
+// rollbackDB hands out its conn.
+type rollbackDB struct{ conn *rollbackConn }
+
+func (d rollbackDB) Conn(context.Context) (Conn, error) { return d.conn, nil }
+func (d rollbackDB) Begin(context.Context) (TxExecutor, error) {
+	return nil, errors.New("rollbackDB: Begin")
+}
+func (d rollbackDB) Exec(context.Context, string, ...any) (int64, error) {
+	return 0, errors.New("rollbackDB: Exec")
+}
+func (d rollbackDB) Query(context.Context, string, ...any) (Rows, error) {
+	return nil, errors.New("rollbackDB: Query")
+}
+
+// rollbackConn is its own transaction: its first statement succeeds and every later one fails
+// with fail; Rollback records whether its context had a deadline.
+type rollbackConn struct {
+	Conn
+	fail                error
+	statements          int
+	rolledBack, bounded bool
+}
+
+func (c *rollbackConn) Begin(context.Context) (TxExecutor, error) { return c, nil }
+func (c *rollbackConn) Exec(context.Context, string, ...any) (int64, error) {
+	c.statements++
+	if c.statements > 1 {
+		return 0, c.fail
+	}
+	return 0, nil
+}
+func (c *rollbackConn) Commit(context.Context) error { return errors.New("rollbackConn: Commit") }
+func (c *rollbackConn) Rollback(ctx context.Context) error {
+	_, c.bounded = ctx.Deadline()
+	c.rolledBack = true
+	return nil
+}
+func (c *rollbackConn) Close() {}

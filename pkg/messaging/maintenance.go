@@ -292,7 +292,7 @@ func inTx(ctx context.Context, db DB, fn func(tx TxExecutor) (notify bool, err e
 	}
 	defer func() {
 		if err != nil {
-			_ = tx.Rollback(uncancelled)
+			rollback(ctx, tx)
 		}
 	}()
 	notify, err := fn(tx)

@@ -37,7 +37,9 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
 // if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
 // an unpaired surrogate escape or a number beyond numeric's range, all of which
-// encoding/json's Valid lets through. Checked before any statement, so that tx stays usable.
+// encoding/json's Valid lets through; an OccurredAt outside the years 1 to 9999; or if two of
+// msgs share an id. Checked before any statement, so that tx stays usable. An id stored
+// already (a message enqueued again) is found by the insert, whose failure aborts tx.
 //
 // The payload is stored as jsonb: consumers get the same JSON value, not the same bytes (jsonb
 // orders the keys, drops the whitespace and keeps the last of duplicate keys).
@@ -70,6 +72,10 @@ const enqueueFrameSize = 128<<10 - maxShortString
 func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, error) {
 	var trace traceCarrier
 	injectTrace(ctx, globalPropagator(), &trace)
+	var ids map[uuid.UUID]int // of the messages before, when there are several
+	if len(msgs) > 1 {
+		ids = make(map[uuid.UUID]int, len(msgs))
+	}
 	b := make([]byte, 0, 256*len(msgs))
 	b = append(b, '[')
 	for i, m := range msgs {
@@ -80,6 +86,11 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 		// an id of another version sorts anywhere, and its row might never be deleted.
 		if m.ID.Version() != 7 {
 			return "", fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
+		}
+		if first, ok := ids[m.ID]; ok {
+			return "", fmt.Errorf("outbox: enqueue message %d (%s): message %d has its id already", i, m.ID, first)
+		} else if ids != nil {
+			ids[m.ID] = i
 		}
 		if m.OccurredAt.IsZero() {
 			m.OccurredAt = now
@@ -140,6 +151,11 @@ func unstorable(m Message) string {
 	}
 	if why := jsonbRefusal(m.Payload); why != "" {
 		return "its payload holds " + why + ", which PostgreSQL's jsonb cannot store"
+	}
+	if y := m.OccurredAt.UTC().Year(); y < 1 || y > 9999 {
+		// PostgreSQL stores none before the year 1; RFC 3339, in which JSON carries times (and
+		// encoding/json writes them), none after 9999.
+		return "its occurred-at time is in the year " + strconv.Itoa(y) + ", outside the years 1 to 9999"
 	}
 	return ""
 }

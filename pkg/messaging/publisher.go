@@ -189,10 +189,14 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		return
 	}
 	s.release(msgs, confirms)
-	p.inFlight.Release(int64(len(msgs)))
 	if ctx.Err() != nil || s.ch.IsClosed() {
+		// Retired before its places are given back: its messages' returns may still come, and
+		// a window given those places must not publish where they would fill the returns'
+		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
+		// message count as routed.
 		p.discard(s)
 	}
+	p.inFlight.Release(int64(len(msgs)))
 }
 
 // write publishes the window on the current session (connecting first if needed), under the

@@ -176,13 +176,14 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // configuration names no broker) makes Run return that error at once.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.probe != nil {
+		tried := time.Now()
 		if err := r.probe.Connect(ctx); err != nil {
 			if !errors.Is(err, ErrBrokerUnavailable) && ctx.Err() == nil {
 				return fmt.Errorf("relay: %w", err)
 			}
 			r.brokerDown(err)
 		} else {
-			r.brokerUp(ctx)
+			r.brokerUp(ctx, tried)
 		}
 	}
 	wake := newWakeup()
@@ -200,6 +201,7 @@ func (r *Relay) Run(ctx context.Context) error {
 // lane runs batches one after another until ctx ends.
 func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	for ctx.Err() == nil {
+		started := time.Now()
 		res, err := r.ProcessBatch(ctx)
 		switch {
 		case ctx.Err() != nil:
@@ -219,7 +221,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			r.awaitBroker(ctx, 1)
 		default:
 			if res.Claimed > 0 { // an empty claim never reached the broker
-				r.brokerUp(ctx)
+				r.brokerUp(ctx, started)
 			}
 			switch {
 			case res.Unsent > 0:
@@ -561,10 +563,11 @@ func (r *Relay) brokerDown(err error) (failures int) {
 }
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
-// waited (they go out now). The count reads every unsent row, so it runs after the lock is
-// let go: the other lanes, which ask whether the broker is down at each turn, go on meanwhile.
-func (r *Relay) brokerUp(ctx context.Context) {
-	lasted, ended := r.endOutage()
+// waited (they go out now); the broker answered something begun at since. The count reads
+// every unsent row, so it runs after the lock is let go: the other lanes, which ask whether
+// the broker is down at each turn, go on meanwhile.
+func (r *Relay) brokerUp(ctx context.Context, since time.Time) {
+	lasted, ended := r.endOutage(since)
 	if !ended {
 		return
 	}
@@ -595,9 +598,15 @@ func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
 }
 
 // endOutage ends the outage, if one is on, and says how long it lasted.
-func (r *Relay) endOutage() (lasted time.Duration, ended bool) {
+// endOutage ends the outage, unless it began after since: a batch whose confirms came in as
+// another lane's connection failed says nothing about the broker after that failure, and
+// ending the outage on it would let the lanes claim rows again and log it twice.
+func (r *Relay) endOutage(since time.Time) (lasted time.Duration, ended bool) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
+	if r.outage.since.After(since) {
+		return 0, false
+	}
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
 	if r.outage.since.IsZero() {
 		return 0, false
@@ -636,8 +645,8 @@ func (r *Relay) awaitBroker(ctx context.Context, failures int) {
 		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || r.probe == nil || !r.isBrokerDown() {
 			return
 		}
-		if r.probe.Connect(ctx) == nil {
-			r.brokerUp(ctx)
+		if tried := time.Now(); r.probe.Connect(ctx) == nil {
+			r.brokerUp(ctx, tried)
 			return
 		}
 	}

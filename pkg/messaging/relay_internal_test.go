@@ -23,7 +23,7 @@ func TestTheOutagesEndCountsWithoutHoldingTheLanes(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		r.brokerUp(context.Background())
+		r.brokerUp(context.Background(), time.Now())
 	}()
 	<-db.entered
 	asked := make(chan bool)
@@ -38,6 +38,34 @@ func TestTheOutagesEndCountsWithoutHoldingTheLanes(t *testing.T) {
 	}
 	close(db.release)
 	<-done
+}
+
+// A batch that began before another lane found the broker gone, and whose confirms came in
+// all the same, does not end that outage: it says nothing of the broker since. Only what began
+// after the outage did, a probe or a batch, ends it.
+func TestABatchBegunBeforeAnOutageDoesNotEndIt(t *testing.T) {
+	t.Parallel()
+	r, err := NewRelay(RelayConfig{DB: failingDB{}, Sender: nopSender{}, Exchange: "x", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	begun := time.Now()
+	r.brokerDown(errors.New("test outage"))
+	r.brokerUp(context.Background(), begun)
+	if !r.isBrokerDown() {
+		t.Fatal("a batch begun before the outage ended it")
+	}
+	r.brokerUp(context.Background(), time.Now())
+	if r.isBrokerDown() {
+		t.Fatal("a batch begun after the outage began did not end it")
+	}
+}
+
+// failingDB is a database whose every query fails at once.
+type failingDB struct{ DB }
+
+func (failingDB) Query(context.Context, string, ...any) (Rows, error) {
+	return nil, errors.New("failingDB")
 }
 
 // slowCount is a database whose every query waits until released, then fails.

@@ -97,7 +97,7 @@ func appliedVersions(ctx context.Context, conn Conn, versionTable string) (map[i
 		if err == nil {
 			err = tx.Commit(ctx)
 		} else {
-			_ = tx.Rollback(ctx)
+			rollback(ctx, tx)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("create the version table: %w", err)
@@ -158,15 +158,15 @@ func (m migration) applyOnce(ctx context.Context, conn Conn, versionTable string
 		return err
 	}
 	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, migrationLockTimeout.Milliseconds())); err != nil {
-		_ = tx.Rollback(ctx)
+		rollback(ctx, tx)
 		return err
 	}
 	if _, err := tx.Exec(ctx, m.up); err != nil {
-		_ = tx.Rollback(ctx)
+		rollback(ctx, tx)
 		return err
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO `+versionTable+` (version_id, is_applied) VALUES ($1, true)`, m.version); err != nil {
-		_ = tx.Rollback(ctx)
+		rollback(ctx, tx)
 		return err
 	}
 	return tx.Commit(ctx)

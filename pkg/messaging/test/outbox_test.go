@@ -182,9 +182,10 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 
 // PostgreSQL cannot store everything a Message can hold: a NUL character in text or jsonb, and
 // in jsonb an unpaired surrogate, invalid UTF-8 or a number beyond numeric's range, which
-// encoding/json's Valid all lets through. Enqueue refuses such a message, saying what, before
-// any statement: the caller's transaction is not aborted, and its other work and messages
-// commit. A payload with an escaped backslash before u0000 holds no NUL and is stored.
+// encoding/json's Valid all lets through; nor an occurred-at time outside the years 1 to
+// 9999, nor two rows of one id. Enqueue refuses such a message, saying what, before any
+// statement: the caller's transaction is not aborted, and its other work and messages commit.
+// A payload with an escaped backslash before u0000 holds no NUL and is stored.
 func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -203,6 +204,8 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 		{payload(`{"n":1e131072}`), "its payload holds the number 1e131072, beyond PostgreSQL's numeric range"},
 		{func(m *messaging.Message) { m.CorrelationID = "a\x00b" }, "its correlation id holds a NUL character"},
 		{func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\x00b"} }, `its header "tenant" holds a NUL character`},
+		{func(m *messaging.Message) { m.OccurredAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) }, "in the year 10000, outside the years 1 to 9999"},
+		{func(m *messaging.Message) { m.OccurredAt = time.Date(0, 12, 31, 0, 0, 0, 0, time.UTC) }, "in the year 0, outside the years 1 to 9999"},
 	}
 	kept := newMessage(t, 0)
 	kept.Payload = []byte(`{"path":"C:\\u0000","n":1e131071}`)
@@ -216,6 +219,10 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 			if err := messaging.Enqueue(context.Background(), b.drv, tx, m); err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("Enqueue = %v, want an error saying %q", err, tc.want)
 			}
+		}
+		twice := newMessage(t, 0)
+		if err := messaging.Enqueue(context.Background(), b.drv, tx, twice, newMessage(t, 0), twice); err == nil || !strings.Contains(err.Error(), "message 0 has its id already") {
+			t.Errorf("Enqueue of one message twice = %v, want an error saying the id is message 0's", err)
 		}
 		return messaging.Enqueue(context.Background(), b.drv, tx, kept)
 	})
