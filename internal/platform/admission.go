@@ -60,8 +60,8 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // http_requests_shed_total and logged once per interval while they last.
 //
 // The places number at most max, and fewer while the admitted requests are slow: every
-// admissionWindow, when the p99 of the requests admitted under the current limit that finished
-// in it exceeds the target, the most places in use in it are scaled by target/p99 (halved at
+// admissionWindow, when the p99 of the requests admitted since the limit was last cut that
+// finished in it exceeds the target, the most places in use in it are scaled by target/p99 (halved at
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count; nor does the wait for the request's body, which is the client's pace: the body is
@@ -83,7 +83,8 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 //
 // A request does not wait at all when the requests already waiting are at least twice the
 // places expected to free up in AdmissionWait (the places over the admitted requests' mean
-// latency): those places go to the requests ahead of it first, so it would be shed at the end
+// latency, less the departures that only bring the requests at work down to a limit just
+// cut): those places go to the requests ahead of it first, so it would be shed at the end
 // of the wait about as often as served, and a place it got would be one a request ahead of it
 // no longer needed. As many are admitted either way; the shed ones learn it 10 ms sooner.
 //
@@ -421,14 +422,15 @@ func nextLimit(limit float64, peak, most int, target, p99 time.Duration) float64
 // waitsInVain reports whether a request with ahead requests waiting before it should not wait,
 // with inUse requests at work, each done after mean, under places places: ahead is at least
 // twice the places expected to free in AdmissionWait. After a cut more are at work than the
-// places, and the first departures free nothing. The first to wait always waits; a mean of 0,
+// places: the first departures, inUse of them each mean, only bring them down to the places
+// and free nothing; then places free each mean. The first to wait always waits; a mean of 0,
 // before any request is done, knows nothing: all wait.
 func waitsInVain(ahead, inUse, places int, mean time.Duration) bool {
 	if mean <= 0 || ahead == 0 {
 		return false
 	}
-	departures := float64(inUse) * float64(AdmissionWait) / float64(mean)
-	frees := departures - float64(max(0, inUse-places))
+	excess := float64(max(0, inUse-places)) / float64(max(1, inUse))
+	frees := float64(places) * (float64(AdmissionWait)/float64(mean) - excess)
 	return float64(ahead) >= 2*frees
 }
 

@@ -224,8 +224,10 @@ func TestWaitsInVain(t *testing.T) {
 		{1000, 16, 16, 0, false, "before any request is done nothing is known: all wait"},
 		{1, 32, 16, 20 * ms, true, "cut from 32 places to 16: the 16 departures in the wait free none"},
 		{0, 32, 16, 20 * ms, false, "the first to wait always waits, after a cut too"},
-		{7, 24, 16, 20 * ms, false, "cut to 16 with 24 at work: 12 leave in the wait and free 4"},
-		{8, 24, 16, 20 * ms, true, "twice the 4 places that free"},
+		{5, 24, 16, 20 * ms, false, "cut to 16 with 24 at work: 8 leave in 6.7 ms, then 16 places free 2.7 in the rest"},
+		{6, 24, 16, 20 * ms, true, "twice the 2.7 places that free"},
+		{143, 32, 16, 2 * ms, false, "cut to 16 with 32 at work, fast: 16 leave in 1 ms, then 72 places free"},
+		{144, 32, 16, 2 * ms, true, "twice the 72 places that free"},
 	} {
 		if got := waitsInVain(c.ahead, c.inUse, c.places, c.mean); got != c.want {
 			t.Errorf("%s: waitsInVain(%d ahead, %d in use, %d places, mean %s) = %v, want %v", c.situation, c.ahead, c.inUse, c.places, c.mean, got, c.want)

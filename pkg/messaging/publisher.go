@@ -193,7 +193,8 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		// Retired before its places are given back: its messages' returns may still come, and
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
-		// message count as routed.
+		// message count as routed. The places wait for the lock meanwhile, a second at most
+		// beyond whoever holds it.
 		p.discard(s)
 	}
 	p.inFlight.Release(int64(len(msgs)))

@@ -597,10 +597,10 @@ func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
 	return stats.Pending, err
 }
 
-// endOutage ends the outage, if one is on, and says how long it lasted.
-// endOutage ends the outage, unless it began after since: a batch whose confirms came in as
-// another lane's connection failed says nothing about the broker after that failure, and
-// ending the outage on it would let the lanes claim rows again and log it twice.
+// endOutage ends the outage, if one is on, and says how long it lasted; unless it began after
+// since: a batch whose confirms came in as another lane's connection failed says nothing about
+// the broker after that failure, and ending the outage on it would let the lanes claim rows
+// again and log it twice.
 func (r *Relay) endOutage(since time.Time) (lasted time.Duration, ended bool) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()

@@ -58,9 +58,9 @@ RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_a
 	// them (a backlog not yet analyzed). An outcome its row holds already counts as recorded:
 	// an earlier attempt committed it, and its answer was lost (a commit that timed out on the
 	// client after the server had done it). A sent one is its row sent under the same lease; a
-	// failure, its row due after the lease with this attempt counted and its error kept (so
-	// also a failure just like it recorded by a sender that took over, after this lease ran
-	// out: the row holds that outcome either way).
+	// failure, its row no longer at this lease, with this attempt counted and its error kept (so
+	// also a failure just like it recorded by a sender that took over after this lease ran out,
+	// or leased it when it was due again: the row holds that outcome either way).
 	recordOutcomesSQL = `WITH outcome AS (
     SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, attempts int, sent boolean, failure text, retry_ms bigint)),
 sent AS (
@@ -80,7 +80,7 @@ recorded AS (
     SELECT n.id FROM notifications n JOIN outcome o ON n.id = o.id
     WHERE n.id = ANY (ARRAY(SELECT id FROM outcome))
       AND (o.sent AND n.status = 'sent' AND n.next_attempt_at = o.leased_until
-        OR o.failure IS NOT NULL AND n.status <> 'sent' AND n.next_attempt_at > o.leased_until
+        OR o.failure IS NOT NULL AND n.status <> 'sent' AND n.next_attempt_at <> o.leased_until
           AND n.attempts = o.attempts + 1 AND n.last_error = o.failure))
 SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM recorded`
 )

@@ -1252,8 +1252,8 @@ func TestAFailureTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
 	e := newSenderEnv(t)
 	s, row := e.leasedOne(t)
 	id := row.ID
-	failed := func() *deliveryOutcome {
-		return &deliveryOutcome{row: row, failure: "451 4.3.0 try again later", retryIn: time.Minute}
+	failed := func() *deliveryOutcome { // due again before the lease would have ended, as early failures are
+		return &deliveryOutcome{row: row, failure: "451 4.3.0 try again later", retryIn: 100 * time.Millisecond}
 	}
 	if changed, err := s.record(failed()); !changed || err != nil {
 		t.Fatalf("first record = %v, %v; want recorded", changed, err)
