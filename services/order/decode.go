@@ -326,9 +326,9 @@ func expectedJSON(t reflect.Type) string {
 		return "a string"
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
 		bits := t.Bits() - 1
-		return fmt.Sprintf("a whole number from -%d to %d", uint64(1)<<bits, uint64(1)<<bits-1)
+		return fmt.Sprintf("a whole number in digits (no fraction or exponent, not even .0) from -%d to %d", uint64(1)<<bits, uint64(1)<<bits-1)
 	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		return fmt.Sprintf("a whole number from 0 to %d", uint64(1)<<(t.Bits()-1)<<1-1)
+		return fmt.Sprintf("a whole number in digits (no fraction or exponent, not even .0) from 0 to %d", uint64(1)<<(t.Bits()-1)<<1-1)
 	case reflect.Float32, reflect.Float64:
 		return "a number"
 	case reflect.Bool:

@@ -38,6 +38,13 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json")
 		return
 	}
+	// Given, a key must be one and not empty: a client whose key came from an unset variable
+	// believes its retries safe, and each would place an order of its own.
+	keys := r.Header.Values("Idempotency-Key")
+	if len(keys) > 1 || len(keys) == 1 && keys[0] == "" {
+		platform.WriteProblem(w, http.StatusBadRequest, "Idempotency-Key, when given, must be one non-empty key")
+		return
+	}
 	key := r.Header.Get("Idempotency-Key")
 	if len(key) > 255 || strings.IndexFunc(key, func(c rune) bool { return c > unicode.MaxASCII || unicode.IsControl(c) }) >= 0 {
 		platform.WriteProblem(w, http.StatusBadRequest, "Idempotency-Key must be at most 255 printable ASCII characters")

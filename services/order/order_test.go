@@ -252,6 +252,17 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	if resp, _ := b.post(t, validBody, "application/json", "clé-1"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("Idempotency-Key with a non-ASCII character: status %d, want 400", resp.StatusCode)
 	}
+	// A key given empty (an unset variable) or twice is not the absence of one: its client
+	// believes its retries safe.
+	for name, keys := range map[string][]string{"empty": {""}, "blank": {"  "}, "given twice": {"k-1", "k-2"}} {
+		req := mustRequest(t, http.MethodPost, b.srv.URL+"/orders")
+		req.Body = io.NopCloser(strings.NewReader(validBody))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header["Idempotency-Key"] = keys
+		if resp, body := do(t, req); resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "Idempotency-Key") {
+			t.Errorf("Idempotency-Key %s: %d %s, want a 400 that names it", name, resp.StatusCode, body)
+		}
+	}
 	if c := b.counts(t); c != [3]int64{0, 0, 0} {
 		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
 	}
@@ -264,10 +275,10 @@ func TestWrongJSONTypesNameTheirField(t *testing.T) {
 	b := setup(t)
 	for body, want := range map[string]platform.FieldError{
 		`{"customer_id":5,"lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`:                                                   {Field: "customer_id", Message: "must be a string, got JSON number"},
-		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:                                               {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1.5"},
-		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`:                                              {Field: "lines[0].unit_price_cents", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e20"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1.5,"unit_price_cents":1}]}`:                                               {Field: "lines[0].quantity", Message: "must be a whole number in digits (no fraction or exponent, not even .0) from -9223372036854775808 to 9223372036854775807, got JSON number 1.5"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1e20}]}`:                                              {Field: "lines[0].unit_price_cents", Message: "must be a whole number in digits (no fraction or exponent, not even .0) from -9223372036854775808 to 9223372036854775807, got JSON number 1e20"},
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":1,"unit_price_cents":1},{"sku":["x"],"quantity":1,"unit_price_cents":1}]}`: {Field: "lines[1].sku", Message: "must be a string, got JSON array"},
-		`{"customer_id":"c","lines":[{"sku":"s","quantity":1e400,"unit_price_cents":1}]}`:                                             {Field: "lines[0].quantity", Message: "must be a whole number from -9223372036854775808 to 9223372036854775807, got JSON number 1e400"},
+		`{"customer_id":"c","lines":[{"sku":"s","quantity":1e400,"unit_price_cents":1}]}`:                                             {Field: "lines[0].quantity", Message: "must be a whole number in digits (no fraction or exponent, not even .0) from -9223372036854775808 to 9223372036854775807, got JSON number 1e400"},
 		`{"customer_id":"c","lines":{"sku":"s","quantity":1,"unit_price_cents":1}}`:                                                   {Field: "lines", Message: "must be an array, got JSON object"},
 		// A field left out, or null, would decode as 0: a line without its price would be free.
 		`{"customer_id":"c","lines":[{"sku":"s","quantity":2}]}`:                         {Field: "lines[0].unit_price_cents", Message: "is required"},
@@ -314,7 +325,34 @@ func TestIdempotencyKeyReturnsTheFirstOrder(t *testing.T) {
 
 func TestConcurrentRequestsWithOneIdempotencyKeyPlaceOneOrder(t *testing.T) {
 	t.Parallel()
+	placeConcurrentlyWithOneKey(t, setup(t))
+}
+
+// The unique key decides under READ COMMITTED, where a request that waited for the first one's
+// commit then sees its row: the store's transactions ask for it, so a database whose default is
+// REPEATABLE READ answers the waiting requests with the first order, not serialization failures.
+func TestOneIdempotencyKeyPlacesOneOrderWhateverTheDatabasesDefaultIsolation(t *testing.T) {
+	t.Parallel()
 	b := setup(t)
+	if err := b.db.Exec("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L', current_database(), 'repeatable read'); END $$").Error; err != nil {
+		t.Fatal(err)
+	}
+	sqlDB, err := b.db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sqlDB.SetMaxIdleConns(0) // the connections opened from now on take the new default
+	var isolation string
+	if err := b.db.Raw("SHOW default_transaction_isolation").Scan(&isolation).Error; err != nil || isolation != "repeatable read" {
+		t.Fatalf("default_transaction_isolation = %q, %v; want repeatable read", isolation, err)
+	}
+	placeConcurrentlyWithOneKey(t, b)
+}
+
+// placeConcurrentlyWithOneKey posts one order ten times at once with one Idempotency-Key: each
+// must be answered 201 with the same order, and one order written.
+func placeConcurrentlyWithOneKey(t *testing.T, b *testBundle) {
+	t.Helper()
 	const n = 10
 	locations := make(chan string, n)
 	var wg sync.WaitGroup

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"embed"
 	"encoding/hex"
 	"encoding/json"
@@ -60,6 +61,11 @@ type Store struct {
 	driver *gormdriver.Driver
 }
 
+// readCommitted is the isolation the store's transactions ask for, whatever the database's
+// default: a request that waits on another's idempotency key, or on another's cancel, must see
+// the row committed meanwhile, not fail to serialize.
+var readCommitted = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+
 // Place saves a new order from cmd, or, when key was used before with the same command,
 // returns that first order with replayed=true and writes nothing.
 func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Order, replayed bool, err error) {
@@ -109,7 +115,7 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 		}
 		msg.OccurredAt, msg.CorrelationID = order.CreatedAt, order.ID.String()
 		return messaging.Enqueue(ctx, s.driver, tx, msg)
-	})
+	}, readCommitted)
 	if err != nil {
 		return Order{}, false, err
 	}
@@ -145,7 +151,7 @@ func (s *Store) Cancel(ctx context.Context, id uuid.UUID, cmd CancelOrder) (orde
 		}
 		msg.OccurredAt, msg.CorrelationID = *order.CancelledAt, order.ID.String()
 		return messaging.Enqueue(ctx, s.driver, tx, msg)
-	})
+	}, readCommitted)
 	if err != nil {
 		return Order{}, false, err
 	}
