@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"mime"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -119,7 +120,20 @@ func dialOne(ctx context.Context, url, name string, heartbeat time.Duration) (*a
 	if err != nil {
 		return nil, nil, err
 	}
+	awaitFirstFrame(conn, sock)
 	return conn, sock, nil
+}
+
+// awaitFirstFrame gives the connection the read deadline its heartbeats would: the client
+// clears its deadlines at the end of the handshake, after its heartbeater may already have set
+// one, and sets the next only when a frame arrives. A broker that stalls right after the
+// handshake sent none, and every call on the connection (the setup's first channel) waited for
+// ever, heartbeats or not. The heartbeater moves the deadline on at each frame that arrives, as
+// it would have: three of its half-heartbeat intervals.
+func awaitFirstFrame(conn *amqp.Connection, sock net.Conn) {
+	if hb := conn.Config.Heartbeat; hb > 0 && sock != nil {
+		_ = sock.SetReadDeadline(time.Now().Add(3 * hb / 2))
+	}
 }
 
 // toPublishing puts the envelope into AMQP properties, so consumers (and people reading a
@@ -158,6 +172,11 @@ func toPublishing(m Message, appID string) amqp.Publishing {
 // exchange, the routing key, the app id and every header name travel as one.
 const maxShortString = 255
 
+// routingHeaders are RabbitMQ's extra routing keys of a message (sender-selected distribution):
+// a copy the library publishes again, to a dead-letter queue or back to its queue, leaves them
+// out, or it would go to every queue they name once more.
+var routingHeaders = []string{"CC", "BCC"}
+
 // checkEnvelope returns an error wrapping [ErrInvalidEnvelope] when p, published to exchange
 // with key, cannot travel over AMQP: a short string over 255 bytes, properties (headers
 // included) that do not fit in one frame of frameSize bytes, or a header named CC or BCC. The
@@ -176,7 +195,7 @@ func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error
 	}
 	shortStrings := append([]field{{"exchange", exchange}, {"routing key", key}}, properties...)
 	for k, v := range p.Headers {
-		if k == "CC" || k == "BCC" {
+		if slices.Contains(routingHeaders, k) {
 			// RabbitMQ reads these as more routing keys (sender-selected distribution), an array:
 			// a string makes it close the channel, and with it every confirm in flight.
 			return fmt.Errorf("%w: the header %q is RabbitMQ's list of extra routing keys, which a string cannot be", ErrInvalidEnvelope, k)

@@ -73,7 +73,9 @@ type PublisherConfig struct {
 	// ConfirmTimeout bounds each window of up to MaxInFlight messages of a call (the wait for
 	// room, the writes and the confirms): a broker that stops reading or a half-open connection
 	// must not hold the caller forever. What the broker confirmed within it counts; a single
-	// message the link cannot carry within it never does. Default 15 s.
+	// message the link cannot carry within it never does. The wait behind another call's
+	// connection attempt counts too: a broker that accepts a connection and then stalls holds
+	// no relay lane's claimed rows longer than this. Default 15 s.
 	ConfirmTimeout time.Duration
 	Heartbeat      time.Duration // default 10 s
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
@@ -101,7 +103,9 @@ type Publisher struct {
 	log      *slog.Logger
 	inFlight *semaphore.Weighted // messages awaiting a verdict, over all calls
 
-	mu        sync.Mutex // guards the fields below and serialises writes to the channel
+	// lock guards the fields below and serialises writes to the channel. A caller's wait for
+	// it ends with the caller's context: the holder may be dialling a broker that stalls.
+	lock      *semaphore.Weighted
 	sess      *pubSession
 	failures  int
 	nextDial  time.Time
@@ -123,7 +127,7 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher"), inFlight: semaphore.NewWeighted(int64(cfg.MaxInFlight))}
+	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher"), inFlight: semaphore.NewWeighted(int64(cfg.MaxInFlight)), lock: semaphore.NewWeighted(1)}
 }
 
 // Connect opens the connection and declares the topology now, instead of at the first Publish,
@@ -132,14 +136,16 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 // but for a configuration no broker can mend (no broker URL, an AppID over 255 bytes), which
 // Connect returns as it is.
 func (p *Publisher) Connect(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	if err := p.cfg.check(); err != nil {
 		return err // the configuration's fault, which no broker can mend: not ErrBrokerUnavailable
 	}
+	if err := p.lock.Acquire(ctx, 1); err != nil {
+		return unavailable("wait for another call's connection attempt or writes: %w", err)
+	}
+	defer p.lock.Release(1)
 	s, err := p.sessionLocked(ctx)
 	if err != nil {
 		return err
@@ -193,8 +199,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		// Retired before its places are given back: its messages' returns may still come, and
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
-		// message count as routed. The places wait for the lock meanwhile, a second at most
-		// beyond whoever holds it.
+		// message count as routed. The places wait for the lock meanwhile.
 		p.discard(s)
 	}
 	p.inFlight.Release(int64(len(msgs)))
@@ -204,8 +209,11 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 // lock: concurrent calls interleave whole windows, not single messages. A nil session means
 // nothing was published; errs says why.
 func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*pubSession, []*amqp.DeferredConfirmation) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	if err := p.lock.Acquire(ctx, 1); err != nil {
+		fill(errs, unavailable("wait for another call's connection attempt or writes: %w", err))
+		return nil, nil
+	}
+	defer p.lock.Release(1)
 	s, err := p.sessionLocked(ctx)
 	if err == nil {
 		err = s.watch.blockedErr()
@@ -341,8 +349,8 @@ func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 
 // discard closes s if it is still the current session; a newer one is left alone.
 func (p *Publisher) discard(s *pubSession) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.lockAlways()
+	defer p.lock.Release(1)
 	if p.sess == s {
 		p.discardLocked()
 	}
@@ -357,9 +365,15 @@ func (p *Publisher) discardLocked() {
 
 // Close closes the connection. Publish after Close opens a new one.
 func (p *Publisher) Close() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.lockAlways()
+	defer p.lock.Release(1)
 	p.discardLocked()
+}
+
+// lockAlways takes the lock however long its holder keeps it: a window, for its ConfirmTimeout
+// at most, or a Connect, for as long as its dial and setup (their timeouts and heartbeats).
+func (p *Publisher) lockAlways() {
+	_ = p.lock.Acquire(context.Background(), 1) // fails only with its context, which never ends
 }
 
 // pubSession is one connection with its confirm-mode channel.

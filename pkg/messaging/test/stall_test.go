@@ -166,6 +166,33 @@ func TestSubscriptionStopsWhileItsBrokerStallsTheSetup(t *testing.T) {
 	}
 }
 
+// A broker that stalls right after the handshake, before its first answer to the setup, is
+// given up within the heartbeats' bound and dialled again. The client sets no read deadline
+// until a frame arrives after its handshake: on RabbitMQ 4.3 the subscription waited for its
+// first channel for ever, neither consuming nor trying another connection.
+func TestSubscriptionDialsAgainABrokerThatStallsItsSetup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	url, stalled, _ := stallingBroker(t, func(channel uint16) bool { return channel != 0 })
+	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{Name: b.queue, URL: url, Topology: b.topology, Logger: b.log,
+		Heartbeat: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must(t, messaging.Handle(s, b.orderPlaced(), workFunc))
+	stop := start(t, s.Run)
+	for i := 1; i <= 2; i++ {
+		select {
+		case <-stalled:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("connection %d never stalled within 15 s: the one before was not given up (2 s heartbeats)", i)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Errorf("Run = %v, want nil at a shutdown", err)
+	}
+}
+
 // A caller whose context ends during a dial says nothing about the broker: the next caller
 // dials at once, not after a failure's reconnect backoff (a minute here).
 func TestPublisherDoesNotCountACallersEndedContextAsABrokerFailure(t *testing.T) {
@@ -209,6 +236,45 @@ func TestPublisherGivesUpAStalledConnectionWithItsContext(t *testing.T) {
 		if took := time.Since(start); !errors.Is(err, messaging.ErrBrokerUnavailable) || took > 2*time.Second {
 			t.Errorf("Connect with 500 ms to a broker that stalls %s: %v after %s; want ErrBrokerUnavailable at its deadline", what, err, took.Round(time.Millisecond))
 		}
+	}
+}
+
+// A relay's lane that claimed its rows waits for the connection another call is opening no
+// longer than its own context: a broker that accepts the connection and then stalls held the
+// publisher's lock, and the lane's transaction with its row locks, until heartbeats gave up on
+// the connection (30-40 s at the default heartbeat).
+func TestPublishDoesNotWaitBehindAStalledConnect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	url, stalled, release := stallingBroker(t, func(channel uint16) bool { return channel != 0 })
+	p := b.publisher(t, url, func(c *messaging.PublisherConfig) { c.Heartbeat = 2 * time.Second })
+	connected := make(chan error, 1)
+	go func() { connected <- p.Connect(context.Background()) }()
+	select {
+	case <-stalled:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the publisher's connection never reached the point where the broker stalls")
+	}
+	m, err := messaging.NewMessage(eventType, map[string]string{"n": "1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.RoutingKey = b.queue
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	errs := p.Publish(ctx, []messaging.Message{m})
+	if took := time.Since(start); !errors.Is(errs[0], messaging.ErrBrokerUnavailable) || took > time.Second {
+		t.Errorf("Publish with 200 ms behind a Connect to a broker that stalls: %v after %s; want ErrBrokerUnavailable at its deadline", errs[0], took.Round(time.Millisecond))
+	}
+	select {
+	case err := <-connected:
+		if !errors.Is(err, messaging.ErrBrokerUnavailable) {
+			t.Errorf("Connect to a broker that stalls = %v, want ErrBrokerUnavailable", err)
+		}
+	case <-time.After(15 * time.Second):
+		release() // so that Connect ends, and the publisher can be closed at the cleanup
+		t.Error("Connect still waiting for a broker that stalls, 15 s after, with 2 s heartbeats")
 	}
 }
 
