@@ -538,18 +538,23 @@ func (c *consumer) undecodable(d amqp.Delivery, err error) outcome {
 	if !errors.Is(err, errNoHandler) {
 		return deadLetter(err)
 	}
-	switch {
-	case d.Redelivered && !counted(d):
-		return deadLetter(fmt.Errorf("redelivered by a queue that does not count deliveries: %w", err))
-	case c.onLastDelivery(d):
-		return deadLetter(fmt.Errorf("on each of %d deliveries: %w", c.cfg.DeliveryLimit, err))
+	if last, why := c.lastDelivery(d); last {
+		return deadLetter(fmt.Errorf("%s: %w", why, err))
 	}
 	return outcome{settle: settleElsewhere, reason: err}
 }
 
-// onLastDelivery reports whether d is the last delivery its queue allows.
-func (c *consumer) onLastDelivery(d amqp.Delivery) bool {
-	return deliveryCount(d)+1 >= c.cfg.DeliveryLimit
+// lastDelivery reports whether d is the last delivery its queue allows, and why: its count,
+// or a redelivery by a queue that does not count deliveries (not a quorum queue, declared by
+// a deployment), which would give a failing message back for ever.
+func (c *consumer) lastDelivery(d amqp.Delivery) (bool, string) {
+	switch {
+	case d.Redelivered && !counted(d):
+		return true, "on a redelivery by a queue that does not count deliveries"
+	case deliveryCount(d)+1 >= c.cfg.DeliveryLimit:
+		return true, fmt.Sprintf("on each of %d deliveries", c.cfg.DeliveryLimit)
+	}
+	return false, ""
 }
 
 // process processes one job, retrying it in place, and says how to settle it: acked once its
@@ -591,8 +596,8 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
-				if c.onLastDelivery(j.d) {
-					return deadLetter(fmt.Errorf("failed on each of %d deliveries, last: %w", c.cfg.DeliveryLimit, err))
+				if last, why := c.lastDelivery(j.d); last {
+					return deadLetter(fmt.Errorf("failed %s, last: %w", why, err))
 				}
 				return rejected(err, failures)
 			}

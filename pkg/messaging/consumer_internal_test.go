@@ -2,10 +2,12 @@ package messaging
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -19,25 +21,49 @@ import (
 func TestATypeWithoutAHandlerGoesBackUntilItsLastDelivery(t *testing.T) {
 	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20}}
 	noHandler := fmt.Errorf("%w %q", errNoHandler, "Refunded")
-	for _, tc := range []struct {
-		name    string
-		d       amqp.Delivery
-		want    settleKind
-		because string
-	}{
+	wantSettled(t, func(d amqp.Delivery) outcome { return c.undecodable(d, noHandler) }, []settleCase{
 		{"first delivery", amqp.Delivery{}, settleElsewhere, ""},
 		{"3.10, redelivered", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(3)}}, settleElsewhere, ""},
 		{"4.3, redelivered after a nack", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-acquired-count": int64(1)}}, settleElsewhere, ""},
 		{"last delivery", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(19), "x-acquired-count": int64(19)}}, settleDeadLetter, "on each of 20 deliveries"},
 		{"a queue that does not count", amqp.Delivery{Redelivered: true}, settleDeadLetter, "does not count deliveries"},
-	} {
-		o := c.undecodable(tc.d, noHandler)
+	})
+	if o := c.undecodable(amqp.Delivery{}, Permanent(fmt.Errorf("invalid"))); o.settle != settleDeadLetter {
+		t.Errorf("an invalid payload settled as %d, want dead-lettered at once", o.settle)
+	}
+}
+
+// A message whose handler fails on every try is dead-lettered at its last delivery, and on a
+// queue that does not count deliveries (a classic queue a deployment declared) at its first
+// redelivery, as one of a type without a handler is: rejected there, it came back for ever.
+func TestAFailingMessageIsDeadLetteredWhereItsQueueGivesItNoMoreDeliveries(t *testing.T) {
+	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20, Retries: 1, HandlerTimeout: time.Second}, log: slog.New(slog.DiscardHandler),
+		work: work{process: func(context.Context, []job) error { return errors.New("no such customer") }}}
+	wantSettled(t, func(d amqp.Delivery) outcome {
+		return c.process(context.Background(), context.Background(), job{d: d}, false)
+	}, []settleCase{
+		{"first delivery", amqp.Delivery{}, settleReject, ""},
+		{"counted, not the last", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(3)}}, settleReject, ""},
+		{"the last", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(19)}}, settleDeadLetter, "on each of 20 deliveries"},
+		{"a queue that does not count", amqp.Delivery{Redelivered: true}, settleDeadLetter, "does not count deliveries"},
+	})
+}
+
+// settleCase is a delivery, and how it must be settled: want, for a reason holding because.
+type settleCase struct {
+	name    string
+	d       amqp.Delivery
+	want    settleKind
+	because string
+}
+
+func wantSettled(t *testing.T, decide func(amqp.Delivery) outcome, cases []settleCase) {
+	t.Helper()
+	for _, tc := range cases {
+		o := decide(tc.d)
 		if o.settle != tc.want || (tc.because != "" && !strings.Contains(o.reason.Error(), tc.because)) {
 			t.Errorf("%s: settled as %d (%v), want %d (%q)", tc.name, o.settle, o.reason, tc.want, tc.because)
 		}
-	}
-	if o := c.undecodable(amqp.Delivery{}, Permanent(fmt.Errorf("invalid"))); o.settle != settleDeadLetter {
-		t.Errorf("an invalid payload settled as %d, want dead-lettered at once", o.settle)
 	}
 }
 

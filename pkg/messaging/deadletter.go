@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -44,12 +45,13 @@ var errDeadLetterNotConfirmed = errors.New("dead-letter queue did not take the m
 // message id unchanged (so a redriven message is still recognised by the inbox), and its
 // headers plus the reason. Left out: x-delivery-count and x-acquired-count, which the
 // dead-letter queue keeps for itself; expiration, which the broker too removes when it
-// dead-letters, so that the copy does not expire there; and user_id, which the broker checks
-// against the user publishing it, here the consumer's and not the original publisher's.
+// dead-letters, so that the copy does not expire there; user_id, which the broker checks
+// against the user publishing it, here the consumer's and not the original publisher's; and
+// the routing headers (CC), which would send the copy to the queues they name as well.
 func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing {
 	headers := make(amqp.Table, len(d.Headers)+4)
 	for k, v := range d.Headers {
-		if k != deliveryCountHeader && k != acquiredCountHeader {
+		if k != deliveryCountHeader && k != acquiredCountHeader && !slices.Contains(routingHeaders, k) {
 			headers[k] = v
 		}
 	}

@@ -47,6 +47,22 @@ func TestDeadLetterCopyLeavesTheDeliveryCountsOut(t *testing.T) {
 	}
 }
 
+// Neither copy the library publishes again keeps RabbitMQ's routing headers: published through
+// the default exchange, a CC naming another queue would put the copy there too.
+func TestCopiesLeaveTheRoutingHeadersOut(t *testing.T) {
+	d := amqp.Delivery{Headers: amqp.Table{"CC": []any{"other"}, "BCC": []any{"hidden"}, "tenant": "a"}}
+	for name, headers := range map[string]amqp.Table{
+		"dead-letter copy": deadLetterCopy(d, errors.New("poison"), time.Now()).Headers,
+		"redrive copy":     redriveCopy(d).Headers,
+	} {
+		_, cc := headers["CC"]
+		_, bcc := headers["BCC"]
+		if cc || bcc || headers["tenant"] != "a" {
+			t.Errorf("the %s's headers are %v; want tenant and no CC or BCC", name, headers)
+		}
+	}
+}
+
 // A confirmed copy whose channel closed right after (a node restarting) was taken for an
 // unroutable one: the client closes the returns channel with the channel, and a read of it
 // gives a return of zero values. A redrive so reported no doubt about a message in both queues,

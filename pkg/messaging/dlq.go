@@ -387,13 +387,14 @@ func redrive(ctx context.Context, ch *amqp.Channel, returns <-chan amqp.Return, 
 }
 
 // redriveCopy is d as it was first delivered: the same body, properties and message id, and
-// none of the headers its dead-lettering added.
+// none of the headers its dead-lettering added, nor routing headers (CC), which would send it to
+// other queues than its own.
 func redriveCopy(d amqp.Delivery) amqp.Publishing {
 	headers := make(amqp.Table, len(d.Headers))
 	for k, v := range d.Headers {
 		headers[k] = v
 	}
-	for _, k := range deadLetterHeaders {
+	for _, k := range slices.Concat(deadLetterHeaders, routingHeaders) {
 		delete(headers, k)
 	}
 	return amqp.Publishing{

@@ -55,11 +55,18 @@ func TestConsumerDeadLetterCarriesTheMessageAndItsReason(t *testing.T) {
 	b := setup(t)
 	b.createWorkTable(t)
 	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	// A queue the message's CC names, which its topic exchange does not route to, but the
+	// default exchange, through which the copy goes, would.
+	other := testenv.UniqueName("cc")
+	testenv.CleanupBroker(t, []string{other}, nil)
+	if _, err := b.ch.QueueDeclare(other, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
 	occurred := time.Now().Add(-time.Hour).Truncate(time.Second)
 	sent := amqp.Publishing{
 		MessageId: uuid.NewString(), Type: eventType, ContentType: "application/json", AppId: "order",
 		CorrelationId: "corr-1", Timestamp: occurred, DeliveryMode: amqp.Persistent,
-		Headers: amqp.Table{"correlation_id": "corr-1", "tenant": "acme"},
+		Headers: amqp.Table{"correlation_id": "corr-1", "tenant": "acme", "CC": []any{other}},
 		Body:    []byte(`{"n":1}`), // no order_id: doWork says no retry can help
 	}
 	b.publishRaw(t, sent)
@@ -80,6 +87,9 @@ func TestConsumerDeadLetterCarriesTheMessageAndItsReason(t *testing.T) {
 	}
 	if _, ok := d.Headers["x-death"]; ok {
 		t.Errorf("x-death %v: the broker dead-lettered it, not the consumer", d.Headers["x-death"])
+	}
+	if n := testenv.QueueDepth(t, b.ch, other); n != 0 || d.Headers["CC"] != nil {
+		t.Errorf("the dead-letter copy went to the queue its CC named too (%d there), or kept its CC (%v)", n, d.Headers["CC"])
 	}
 	// The consumer logs and counts it once the broker confirmed the copy, which the queue may
 	// show a moment before.

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -67,6 +68,91 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	}
 	acked := `consumer_messages_total{outcome="acked",queue="` + b.queue + `"} 1`
 	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "the message was not acknowledged once")
+}
+
+// A batch's deliveries stay unacknowledged while its transaction is open: its one ack comes
+// after the commit. The handler holds the first transaction that reaches a second message open;
+// every message is with the consumer by then, so all that are not committed must be
+// unacknowledged, that batch's included. Batches form from what the client has handed over at
+// once, which is not certain: in each round a first message holds the only worker until the
+// broker has sent the others, and rounds go on until one forms.
+func TestConsumerBatchIsNotAckedBeforeItsCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	const n, rounds = 6, 10
+	var mu sync.Mutex
+	var lastTx int64
+	inTx := 0
+	opened, releaseOpener := make(chan struct{}), make(chan struct{})
+	var holding sync.Once
+	held, release := make(chan struct{}), make(chan struct{})
+	work := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
+		if err := doWork(tx, p, msg); err != nil {
+			return err
+		}
+		// Each wait ends with the handler's context too: a failed test's consumer must stop.
+		if p.N == 0 { // a round's opener
+			select {
+			case opened <- struct{}{}:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			select {
+			case <-releaseOpener:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			return nil
+		}
+		var txid int64
+		if err := tx.Raw("SELECT txid_current()").Scan(&txid).Error; err != nil {
+			return err
+		}
+		mu.Lock()
+		if txid != lastTx {
+			lastTx, inTx = txid, 0
+		}
+		inTx++
+		second := inTx == 2
+		mu.Unlock()
+		if second {
+			holding.Do(func() {
+				close(held)
+				select {
+				case <-release:
+				case <-ctx.Done():
+				}
+			})
+		}
+		return nil
+	}
+	b.consumer(t, testenv.AMQPURL(), b.drv, work, func(c *messaging.SubscriptionConfig) { c.BatchSize, c.Concurrency = n, 1 })
+	published := 0
+	for round := 0; round < rounds; round++ {
+		b.publishRaw(t, publishing(newMessage(t, 0)))
+		<-opened
+		for i := 1; i <= n; i++ {
+			b.publishRaw(t, publishing(newMessage(t, round*n+i)))
+		}
+		published += n + 1
+		testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 },
+			"the broker did not send the consumer the round's messages")
+		releaseOpener <- struct{}{}
+		select {
+		case <-held:
+			committed := int(b.workDone(t))
+			testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == published-committed },
+				"%d messages not committed, a batch's among them, but not as many unacknowledged: acked before its commit", published-committed)
+			close(release)
+			testenv.Eventually(t, 15*time.Second, func() bool {
+				return b.workDone(t) == int64(published) && unacked(t, b.queue) == 0
+			}, "the messages were not all done and acknowledged after their commits")
+			return
+		case <-time.After(5 * time.Second): // the round went one message at a time
+		}
+	}
+	t.Fatalf("no batch of two or more formed in %d rounds", rounds)
 }
 
 // The queue is deleted under a running consumer: the broker cancels each of its workers'

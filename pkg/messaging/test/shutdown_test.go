@@ -146,9 +146,10 @@ func TestRelayRecordsWhatWasConfirmedAsTheGraceEnded(t *testing.T) {
 func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		name    string
-		latency int // ms, from the broker to the client, once the handler runs
-	}{{"cancel confirmed at once", 0}, {"cancel confirmed after the grace", 1000}} {
+		name      string
+		latency   int  // ms, from the broker to the client, once the handler runs
+		permanent bool // the handler calls its cut-off permanent, as a failed lookup may
+	}{{"cancel confirmed at once", 0, false}, {"cancel confirmed after the grace", 1000, false}, {"the handler's cut-off called permanent", 0, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
@@ -157,6 +158,9 @@ func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 			stuck := func(ctx context.Context, tx *gorm.DB, p payload, msg messaging.Message) error {
 				once.Do(func() { close(begun) })
 				<-ctx.Done()
+				if tc.permanent {
+					return messaging.Permanent(fmt.Errorf("look the customer up: %w", ctx.Err()))
+				}
 				return ctx.Err()
 			}
 			proxy := testenv.Proxy(t, testenv.AMQPHost(t))
