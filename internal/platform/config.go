@@ -10,6 +10,9 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Env reads configuration from environment variables and collects every problem, each naming
@@ -70,8 +73,8 @@ func (e *Env) OneOf(name, def string, allowed ...string) string {
 }
 
 // URL returns a required URL whose scheme is one of schemes, that names a host (see
-// NamesHost), and that has no @ after it (see AtAfterHost). Errors never echo the value: it
-// may hold a password.
+// NamesHost), that has no @ after it (see AtAfterHost), and that its client reads (see
+// clientRefusal). Errors never echo the value: it may hold a password.
 func (e *Env) URL(name string, schemes ...string) string {
 	v, ok := e.get(name)
 	if !ok {
@@ -91,9 +94,53 @@ func (e *Env) URL(name string, schemes ...string) string {
 	case !PortsInRange(u):
 		e.fail(name, "%s", badURLPort)
 	default:
+		if why := clientRefusal(u, v); why != "" {
+			e.fail(name, "%s", why)
+			return ""
+		}
 		return v
 	}
 	return ""
+}
+
+// clientRefusal says why the client that will use raw, pgx or the AMQP client, refuses to read
+// it (an sslmode or a heartbeat it does not know, a space in a vhost), "" if it reads it: such a
+// URL passes url.Parse, and would otherwise fail at the first connection, in an error that
+// names no variable, or, for the broker, at every reconnection. The files a PostgreSQL URL
+// names (sslrootcert, sslcert, sslkey) are left to the pool's own start, which reads them
+// (a deployment's test renders URLs whose files exist only in the container); emptied, not
+// removed, so that PGSSLROOTCERT and the like do not stand in for them. The reason never
+// holds the URL's password.
+func clientRefusal(u *url.URL, raw string) string {
+	var err error
+	switch u.Scheme {
+	case "postgres", "postgresql":
+		checked := *u
+		q := checked.Query()
+		for _, file := range []string{"sslrootcert", "sslcert", "sslkey"} {
+			if q.Has(file) {
+				q.Set(file, "")
+			}
+		}
+		checked.RawQuery = q.Encode()
+		_, err = pgx.ParseConfig(checked.String())
+	case "amqp", "amqps":
+		_, err = amqp.ParseURI(raw)
+	}
+	if err == nil {
+		return ""
+	}
+	why := err.Error()
+	// pgx's text quotes the URL first, its password masked as well as pgx can: left out.
+	if i := strings.Index(why, "`: "); strings.HasPrefix(why, "cannot parse `") && i >= 0 {
+		why = why[i+len("`: "):]
+	}
+	if password, ok := u.User.Password(); ok && password != "" {
+		// Masked wherever its text appears, which may mangle the reason for a short password:
+		// the safe side.
+		why = strings.ReplaceAll(why, password, "xxxxx")
+	}
+	return "the client refuses it: " + why
 }
 
 // NamesHost reports whether u names the server to connect to: a host after //, or, in a
@@ -197,6 +244,10 @@ func (e *Env) URLList(name string, schemes ...string) string {
 		}
 		if !PortsInRange(u) {
 			e.fail(name, "%s%s", entry, badURLPort)
+			return ""
+		}
+		if why := clientRefusal(u, raw); why != "" {
+			e.fail(name, "%s%s", entry, why)
 			return ""
 		}
 		if i > 0 && vhostOf(u) != vhost {
@@ -412,8 +463,8 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		HTTPAddr:    env.Addr("HTTP_ADDR", defaultAddr),
 		LogFormat:   env.OneOf("LOG_FORMAT", "text", "text", "json"),
 		LogLevel:    env.OneOf("LOG_LEVEL", "info", "debug", "info", "warn", "error"),
-		// 4 is the least any service can run on; Pools.Check works out what the settings
-		// given need.
+		// 4 is a floor for the variable alone; Pools.Check works out what the settings given
+		// need (7 for order's smallest, more for the consumers'), and names them if short.
 		DBMaxConns:    env.Int("DB_MAX_CONNS", DefaultDBMaxConns, 4, 1000),
 		OTLPEndpoint:  readOTLPEndpoint(env),
 		PprofAddr:     env.Addr("PPROF_ADDR", ""),

@@ -209,9 +209,7 @@ func checkAddrs(t *testing.T, name string, read func(*Env, string, string) strin
 // 99999 or 0 failed at each reconnection with an error naming no variable.
 func TestURLPortsAreInRange(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name, value, want string
-	}{
+	wantReadCommon(t, []envCase{
 		{"DATABASE_URL", "postgres://db:5432/x", ""},
 		{"DATABASE_URL", "postgres://db/x", ""},
 		{"DATABASE_URL", "postgres://h1:5432,h2:65535/x", ""},
@@ -232,12 +230,43 @@ func TestURLPortsAreInRange(t *testing.T) {
 		{"AMQP_URL", "amqp://a:5672/,amqp://b:0/", "AMQP_URL: entry 2 of 2: a port in the URL must be a number from 1 to 65535"},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318", ""},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:431800", "OTEL_EXPORTER_OTLP_ENDPOINT: a port in the URL must be a number from 1 to 65535"},
-	} {
+	})
+}
+
+// A URL that url.Parse takes but its client does not (a heartbeat in Go's duration syntax, an
+// sslmode misspelt) is refused at start, naming its variable and the client's reason without
+// the password: the broker's would otherwise fail at every reconnection, in a loop that names
+// no variable, and the database's at its first connection. Files a URL names are read later.
+func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
+	wantReadCommon(t, []envCase{
+		{"AMQP_URL", "amqp://app:hunter2@mq:5672/?heartbeat=10s", "AMQP_URL: the client refuses it: heartbeat is not an uint16"},
+		{"AMQP_URL", "amqp://mq/?connection_timeout=5s", "AMQP_URL: the client refuses it: connection_timeout is not an integer"},
+		{"AMQP_URL", "amqp://a/shop,amqp://app:hunter2@b/shop?channel_max=70000", "AMQP_URL: entry 2 of 2: the client refuses it: channel_max is not an uint16"},
+		{"AMQP_URL", "amqp://mq/?heartbeat=10", ""},
+		{"DATABASE_URL", "postgres://app:hunter2@db/x?sslmode=requir", "DATABASE_URL: the client refuses it: failed to configure TLS (sslmode is invalid)"},
+		{"DATABASE_URL", "postgres://app:hunter2@db/x?connect_timeout=5s", "DATABASE_URL: the client refuses it: invalid connect_timeout"},
+		{"DATABASE_URL", "postgres://app:hunter2@db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""},
+		{"AMQP_URL", "amqp://app:p@mq/?heartbeat=10s", "AMQP_URL: the client refuses it: heartbeat is not an uint16"},
+	})
+	// Left for the pool to read, a file the URL names is not replaced by the environment's.
+	t.Setenv("PGSSLROOTCERT", "/nowhere/else.crt")
+	wantReadCommon(t, []envCase{{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""}})
+}
+
+// envCase is a variable's value, and what ReadCommon must say of it: "" to take it, else a
+// part of its error.
+type envCase struct{ name, value, want string }
+
+// wantReadCommon reads each case beside a valid environment; no error may quote a password
+// (the cases' is hunter2).
+func wantReadCommon(t *testing.T, cases []envCase) {
+	t.Helper()
+	for _, tc := range cases {
 		switch err := readCommonWith(tc.name, tc.value); {
 		case tc.want == "" && err != nil:
 			t.Errorf("%s=%s: %v, want it taken", tc.name, tc.value, err)
-		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
-			t.Errorf("%s=%s: %v, want %q", tc.name, tc.value, err, tc.want)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "hunter2")):
+			t.Errorf("%s=%s: %v, want %q and no password", tc.name, tc.value, err, tc.want)
 		}
 	}
 }

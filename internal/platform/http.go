@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -297,11 +298,22 @@ func NewServer(addr string, h http.Handler) *http.Server {
 // ListByOrder serves a list endpoint such as GET /invoices: ?order_id= (a UUID) selects one
 // order's items, otherwise the most recent come first; ?limit= caps them (default 100, at most
 // 1000). A parameter given empty is a 400, not a missing one: a script whose variable is unset
-// must not get every order's items for one order's.
+// must not get every order's items for one order's. So is one given twice, and a query that
+// does not parse, of which url.Values would keep only the pairs it could read.
 func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
 	var failures FailureLog
 	return func(w http.ResponseWriter, r *http.Request) {
-		q := r.URL.Query()
+		q, err := url.ParseQuery(r.URL.RawQuery)
+		if err != nil {
+			WriteProblem(w, http.StatusBadRequest, "the query string does not parse: separate parameters with & and percent-encode reserved characters")
+			return
+		}
+		for _, name := range []string{"order_id", "limit"} {
+			if len(q[name]) > 1 {
+				WriteProblem(w, http.StatusBadRequest, name+" is given more than once")
+				return
+			}
+		}
 		var orderID *uuid.UUID
 		if q.Has("order_id") {
 			id, err := uuid.Parse(q.Get("order_id"))

@@ -182,8 +182,10 @@ func TestListInvoices(t *testing.T) {
 			t.Fatalf("order %s: %d %+v, want an empty array", unknown, status, list)
 		}
 	}
-	// Given empty, as by a script whose variable is unset: an error, not every order's invoices.
-	for _, q := range []string{"?order_id=nope", "?order_id=", "?limit=0", "?limit=x", "?limit="} {
+	// Given empty, as by a script whose variable is unset, given twice, or in a query that does
+	// not parse (whose unreadable pairs url.Values drops): an error, not every order's invoices.
+	for _, q := range []string{"?order_id=nope", "?order_id=", "?limit=0", "?limit=x", "?limit=", "?order_id=%zz",
+		"?order_id=" + orderID.String() + ";", "?order_id=" + orderID.String() + "&order_id=" + uuid.NewString(), "?limit=1&limit=2"} {
 		if status, _ := get(q); status != 400 {
 			t.Errorf("%s: status %d, want 400", q, status)
 		}
