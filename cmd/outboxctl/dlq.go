@@ -311,6 +311,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
 	}
 	if errors.Is(err, errNotConfirmed) { // declined, or interrupted at the question: nothing moved
+		result.Messages = []deadLetter{} // a list, as every other answer's, for a script to read
 		if c.json() {
 			if werr := writeJSON(c.out, result); werr != nil {
 				return werr

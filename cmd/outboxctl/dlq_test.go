@@ -396,6 +396,10 @@ func TestDlqRedriveDryRunFiltersLimitAndConfirmation(t *testing.T) {
 		!strings.Contains(stderr, ids[4]) || !strings.Contains(stderr, "? [y/N]") || stdout != "" {
 		t.Errorf("redrive declined at a terminal: exit %d, stdout %q, stderr %q; want 4, asked, nothing on stdout", code, stdout, stderr)
 	}
+	if code, stdout, _ := ctlAt(t, &terminal{"no\n"}, "dlq", "redrive", queue, "--reason", "price", "--amqp", amqpURL, "-o", "json"); code != exitNotConfirmed ||
+		!strings.Contains(stdout, `"messages": []`) || decode[dlqResult](t, stdout).Count != 0 {
+		t.Errorf("redrive declined at a terminal, -o json: exit %d, stdout %q; want 4 and no message moved, as an empty list", code, stdout)
+	}
 	noneMoved("a refusal", order)
 
 	// Of the first 3 looked at, those whose reason matches move; then, asked and confirmed,
