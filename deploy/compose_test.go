@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
@@ -302,8 +303,8 @@ func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs
 	if s.Restart == "" || s.Restart == types.RestartPolicyNo {
 		t.Errorf("restart = %q, want a restart policy", s.Restart)
 	}
-	if s.StopGracePeriod == nil {
-		t.Error("no stop_grace_period")
+	if s.StopGracePeriod == nil || time.Duration(*s.StopGracePeriod) < shutdownContract*time.Second {
+		t.Errorf("stop_grace_period = %v, want at least the %d s a service may take to stop: Docker kills it after that", s.StopGracePeriod, shutdownContract)
 	}
 
 	// Configuration: what the code requires is there, and nothing it does not read.

@@ -114,6 +114,11 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	if fired := r.watch.firedBetween(r.started, time.Now()); len(fired) != 0 {
 		t.Fatalf("alerts fired while orders flowed without a fault: %v", fired)
 	}
+	// The rules held for longer than this window (30 s and 3 min, scaled) cannot fire within
+	// it: their condition must not hold at its end, or they would fire later without a fault.
+	if active := r.prom.query(t, "ALERTS"); len(active) != 0 {
+		t.Fatalf("alerts pending at the end of %s of steady orders without a fault: %v", time.Since(r.started).Round(time.Second), active)
+	}
 	if up = r.prom.query(t, "up"); len(up) != 6 {
 		t.Fatalf("after %s, Prometheus scrapes %d targets, want the default stack's 6: %v", time.Since(r.started).Round(time.Second), len(up), up)
 	}

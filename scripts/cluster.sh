@@ -180,11 +180,18 @@ stop() {
   rm -rf "$dir"
 }
 
-# kill_node N: SIGKILL node N's Erlang VM (the node writes its OS pid to its pid file).
+# kill_node N: SIGKILL node N's Erlang VM (the node writes its OS pid to its pid file, which a
+# SIGKILL leaves behind). The pid must still be that VM's, started with the node's name in its
+# environment (the VM's command line does not hold it): a pid the system gave to another
+# process since must not be killed.
 kill_node() {
-  local pidfile="$dir/node$1/pid"
-  [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null || return 1
-  kill -9 "$(cat "$pidfile")"
+  local pidfile="$dir/node$1/pid" pid environ
+  [ -s "$pidfile" ] || return 1
+  pid=$(cat "$pidfile")
+  environ=$(tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ") || return 1
+  grep -qxF -- "RABBITMQ_NODENAME=$(node "$1")" <<<"$environ" || return 1
+  kill -9 "$pid"
+  rm -f "$pidfile"
 }
 
 # cut N, heal N: node N's link to the bridge goes down, or up. Down, nothing reaches the node

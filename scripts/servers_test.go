@@ -4,6 +4,7 @@
 package scripts_test
 
 import (
+	"errors"
 	"net"
 	"os"
 	"os/exec"
@@ -163,4 +164,18 @@ func hostPort(url string) ([]byte, error) {
 	cmd := exec.Command("bash", "-c", `. scripts/servers.sh && host_port "$1"`, "host_port", url)
 	cmd.Dir = ".."
 	return cmd.Output()
+}
+
+// A shell that holds scripts/sidroot.sh env's variables, as a focused test leaves it, is refused
+// before the run starts anything: its phases meant for the machine's broker would reach the 4.3
+// node.
+func TestTheTestCommandRefusesAShellWithTheSidrootVariables(t *testing.T) {
+	t.Parallel()
+	cmd := exec.Command("bash", "test.sh")
+	cmd.Env = append(os.Environ(), "TEST_SIDROOT=/nowhere")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(string(out), "TEST_SIDROOT is set") || strings.Contains(string(out), "==") {
+		t.Errorf("scripts/test.sh with TEST_SIDROOT set: %v, %q; want exit 1 at once, naming the variable", err, out)
+	}
 }

@@ -112,13 +112,24 @@ EOF
 
 running() { ctl -q ping >/dev/null 2>&1; }
 
+# shut_down stops the node and waits until it no longer answers: a node left running would keep
+# its name, so that the next start's wait would find the old node, data and all.
+shut_down() {
+  ctl -q shutdown >/dev/null 2>&1 || true
+  for _ in $(seq 30); do
+    running || return 0
+    sleep 1
+  done
+  die "RabbitMQ $node still answers 30 s after its shutdown; stop it (scripts/sidroot.sh ctl shutdown) and try again"
+}
+
 start() {
   provision
   mount_proc
   configure
   if running; then
     say "stopping the node left running by an earlier run"
-    ctl -q shutdown >/dev/null 2>&1 || true
+    shut_down
   fi
   # A fresh data directory each time: no queue, vhost or user left over from an earlier run.
   rm -rf "$root/var/lib/rabbitmq/mnesia" "$root/var/log/rabbitmq"/*
@@ -136,7 +147,7 @@ start() {
 stop() {
   [ -d "$root" ] || return 0
   if running; then
-    ctl -q shutdown >/dev/null 2>&1 || true
+    shut_down
   fi
   release
 }

@@ -21,6 +21,10 @@ export TEST_AMQP_URL="${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
 say() { printf '== %s\n' "$*"; }
 die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 
+# A shell that ran `eval "$(scripts/sidroot.sh env)"` for a focused test would send the machine
+# broker's phases to the 4.3 node, under the 3.10 node's name: this run starts its own nodes.
+[ -z "${TEST_SIDROOT:-}" ] || die "TEST_SIDROOT is set: this shell holds scripts/sidroot.sh env's variables (TEST_AMQP_URL, TEST_RABBITMQCTL, TEST_SIDROOT, TEST_RABBITMQ_PROMETHEUS_URL); run scripts/test.sh from a shell without them, as it starts its own nodes"
+
 . scripts/servers.sh
 . scripts/alone.sh
 alone scripts/test.sh
@@ -204,7 +208,7 @@ with_broker() { # with_broker 4.3|4.0|machine COMMAND...
   elif [ "$1" = 4.0 ]; then
     (eval "$trixie_env"; shift; "$@")
   else
-    (export TEST_AMQP_URL="$machine_amqp_url"; unset TEST_RABBITMQCTL; shift; "$@")
+    (export TEST_AMQP_URL="$machine_amqp_url"; unset TEST_RABBITMQCTL TEST_SIDROOT TEST_RABBITMQ_PROMETHEUS_URL; shift; "$@")
   fi
 }
 

@@ -262,6 +262,9 @@ say "5. Stopping the broker for ${OUTAGE_SECONDS} s while orders keep coming"
 paused="broker unavailable; relay paused" resumed="broker available again; relay resumed" failed="outbox publish failed"
 paused_before=$(log_count order "$paused") resumed_before=$(log_count order "$resumed") failed_before=$(log_count order "$failed")
 since=$(order_sql "SELECT now()") # this outage's rows: older ones may carry an earlier broker's verdict
+# A failure or a Ctrl-C during the outage must not leave the broker stopped: on a developer's
+# machine it is their own RabbitMQ.
+trap 'broker start || true' EXIT
 broker stop
 info "RabbitMQ stopped"
 outage=()
@@ -278,6 +281,7 @@ expect_one_more order "$paused_before" "$paused"
 [ "$(charged_rows "$since")" = 0 ] || fail "$(charged_rows "$since") outbox rows were charged an attempt for the broker's outage"
 info "$(order_sql "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL") rows wait, none charged an attempt: the outage is the broker's fault, not theirs"
 broker start
+trap - EXIT
 info "RabbitMQ started again; nobody restarts anything"
 wait_exactly_once 120 "${ids[@]}" "${outage[@]}"
 info "all $(( ${#ids[@]} + ${#outage[@]} )) orders have exactly one invoice and one sent notification of each kind they earned"
