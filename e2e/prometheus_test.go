@@ -300,6 +300,31 @@ type activeAlert struct {
 	State  string            `json:"state"`
 }
 
+// ruleHolds returns how long each alert rule's condition must hold before it fires (its for:,
+// as the scaled rules have it), by alert name.
+func (p *livePrometheus) ruleHolds(t *testing.T) map[string]time.Duration {
+	t.Helper()
+	var data struct {
+		Groups []struct {
+			Rules []struct {
+				Name     string  `json:"name"`
+				Duration float64 `json:"duration"` // seconds
+			} `json:"rules"`
+		} `json:"groups"`
+	}
+	p.api(t, "/api/v1/rules", url.Values{"type": {"alert"}}, &data)
+	holds := map[string]time.Duration{}
+	for _, g := range data.Groups {
+		for _, r := range g.Rules {
+			holds[r.Name] = time.Duration(r.Duration * float64(time.Second))
+		}
+	}
+	if len(holds) == 0 {
+		t.Fatal("Prometheus lists no alert rule")
+	}
+	return holds
+}
+
 // checkRulesHealthy requires every alert of the rules to be loaded and evaluated without
 // error.
 func (p *livePrometheus) checkRulesHealthy(t *testing.T) {

@@ -107,10 +107,10 @@ func (e *Env) URL(name string, schemes ...string) string {
 // it (an sslmode or a heartbeat it does not know, a space in a vhost), "" if it reads it: such a
 // URL passes url.Parse, and would otherwise fail at the first connection, in an error that
 // names no variable, or, for the broker, at every reconnection. The files a PostgreSQL URL
-// names (sslrootcert, sslcert, sslkey) are left to the pool's own start, which reads them
-// (a deployment's test renders URLs whose files exist only in the container); emptied, not
-// removed, so that PGSSLROOTCERT and the like do not stand in for them. The reason never
-// holds the URL's password.
+// or the environment names (sslrootcert, sslcert, sslkey) are left to the pool's own start,
+// which reads them (a deployment's test renders URLs whose files exist only in the container):
+// all three are emptied for the check, which PGSSLROOTCERT and the like do not override. The
+// reason never holds the URL's password.
 func clientRefusal(u *url.URL, raw string) string {
 	var err error
 	switch u.Scheme {
@@ -118,9 +118,7 @@ func clientRefusal(u *url.URL, raw string) string {
 		checked := *u
 		q := checked.Query()
 		for _, file := range []string{"sslrootcert", "sslcert", "sslkey"} {
-			if q.Has(file) {
-				q.Set(file, "")
-			}
+			q.Set(file, "")
 		}
 		checked.RawQuery = q.Encode()
 		_, err = pgx.ParseConfig(checked.String())

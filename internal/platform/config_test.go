@@ -248,9 +248,15 @@ func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
 		{"DATABASE_URL", "postgres://app:hunter2@db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""},
 		{"AMQP_URL", "amqp://app:p@mq/?heartbeat=10s", "AMQP_URL: the client refuses it: heartbeat is not an uint16"},
 	})
-	// Left for the pool to read, a file the URL names is not replaced by the environment's.
+	// The files are left for the pool to read, whether the URL or the environment names them,
+	// and a certificate named in one with its key in the other is not taken for half a pair.
 	t.Setenv("PGSSLROOTCERT", "/nowhere/else.crt")
-	wantReadCommon(t, []envCase{{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""}})
+	t.Setenv("PGSSLKEY", "/nowhere/client.key")
+	wantReadCommon(t, []envCase{
+		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""},
+		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full", ""},
+		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslcert=/nowhere/client.crt", ""},
+	})
 }
 
 // envCase is a variable's value, and what ReadCommon must say of it: "" to take it, else a

@@ -75,7 +75,7 @@ type PublisherConfig struct {
 	// must not hold the caller forever. What the broker confirmed within it counts; a single
 	// message the link cannot carry within it never does. The wait behind another call's
 	// connection attempt counts too: a broker that accepts a connection and then stalls holds
-	// no relay lane's claimed rows longer than this. Default 15 s.
+	// no relay lane's claimed rows much longer than this. Default 15 s.
 	ConfirmTimeout time.Duration
 	Heartbeat      time.Duration // default 10 s
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
@@ -199,8 +199,9 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		// Retired before its places are given back: its messages' returns may still come, and
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
-		// message count as routed. The places wait for the lock meanwhile.
-		p.discard(s)
+		// message count as routed. Closed, not taken out under the lock, which a Connect to a
+		// stalled broker may hold: the next call finds it closed and dials again.
+		s.close()
 	}
 	p.inFlight.Release(int64(len(msgs)))
 }
@@ -345,15 +346,6 @@ func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 		return nil, err
 	}
 	return s, nil
-}
-
-// discard closes s if it is still the current session; a newer one is left alone.
-func (p *Publisher) discard(s *pubSession) {
-	p.lockAlways()
-	defer p.lock.Release(1)
-	if p.sess == s {
-		p.discardLocked()
-	}
 }
 
 func (p *Publisher) discardLocked() {

@@ -70,10 +70,10 @@ func TestConsumerSessionKilledMidTransactionIsNotAcked(t *testing.T) {
 	testenv.Eventually(t, 5*time.Second, func() bool { return hasMetric(t, b.registry, acked) }, "the message was not acknowledged once")
 }
 
-// A batch's deliveries stay unacknowledged while its transaction is open: its one ack comes
-// after the commit. The handler holds the first transaction that reaches a second message open;
-// every message is with the consumer by then, so all that are not committed must be
-// unacknowledged, that batch's included. Batches form from what the client has handed over at
+// A batch's deliveries stay unacknowledged while its handlers run in its open transaction (an
+// ack sent before them would show). The handler holds the first transaction that reaches a
+// second message open; every message is with the consumer by then, so all that are not
+// committed must be unacknowledged, that batch's included. Batches form from what the client has handed over at
 // once, which is not certain: in each round a first message holds the only worker until the
 // broker has sent the others, and rounds go on until one forms.
 func TestConsumerBatchIsNotAckedBeforeItsCommit(t *testing.T) {
@@ -131,7 +131,11 @@ func TestConsumerBatchIsNotAckedBeforeItsCommit(t *testing.T) {
 	published := 0
 	for round := 0; round < rounds; round++ {
 		b.publishRaw(t, publishing(newMessage(t, 0)))
-		<-opened
+		select {
+		case <-opened:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("round %d's first message was not handled within 15 s", round)
+		}
 		for i := 1; i <= n; i++ {
 			b.publishRaw(t, publishing(newMessage(t, round*n+i)))
 		}
@@ -139,20 +143,43 @@ func TestConsumerBatchIsNotAckedBeforeItsCommit(t *testing.T) {
 		testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 },
 			"the broker did not send the consumer the round's messages")
 		releaseOpener <- struct{}{}
-		select {
-		case <-held:
-			committed := int(b.workDone(t))
-			testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == published-committed },
-				"%d messages not committed, a batch's among them, but not as many unacknowledged: acked before its commit", published-committed)
-			close(release)
-			testenv.Eventually(t, 15*time.Second, func() bool {
-				return b.workDone(t) == int64(published) && unacked(t, b.queue) == 0
-			}, "the messages were not all done and acknowledged after their commits")
-			return
-		case <-time.After(5 * time.Second): // the round went one message at a time
+		if !batchFormed(t, b, held, published) {
+			continue
 		}
+		committed := int(b.workDone(t))
+		testenv.Eventually(t, 15*time.Second, func() bool { return unacked(t, b.queue) == published-committed },
+			"%d messages not committed, a batch's among them, but not as many unacknowledged: acked before its commit", published-committed)
+		close(release)
+		testenv.Eventually(t, 15*time.Second, func() bool {
+			return b.workDone(t) == int64(published) && unacked(t, b.queue) == 0
+		}, "the messages were not all done and acknowledged after their commits")
+		return
 	}
 	t.Fatalf("no batch of two or more formed in %d rounds", rounds)
+}
+
+// batchFormed waits until held closes (a batch of two or more is held open: true) or all
+// published messages are done, one at a time (false): the next round must not begin while a
+// late batch could still hold the only worker.
+func batchFormed(t *testing.T, b *testBundle, held <-chan struct{}, published int) bool {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
+		select {
+		case <-held:
+			return true
+		case <-time.After(100 * time.Millisecond):
+		}
+		if b.workDone(t) == int64(published) {
+			select {
+			case <-held:
+				return true
+			default:
+				return false
+			}
+		}
+	}
+	t.Fatalf("the round's %d messages were neither done nor held as a batch within 30 s", published)
+	return false
 }
 
 // The queue is deleted under a running consumer: the broker cancels each of its workers'

@@ -241,8 +241,8 @@ func TestPublisherGivesUpAStalledConnectionWithItsContext(t *testing.T) {
 
 // A relay's lane that claimed its rows waits for the connection another call is opening no
 // longer than its own context: a broker that accepts the connection and then stalls held the
-// publisher's lock, and the lane's transaction with its row locks, until heartbeats gave up on
-// the connection (30-40 s at the default heartbeat).
+// publisher's lock, and the lane's transaction with its row locks, as long as the Connect
+// lasted: until heartbeats gave up on it, or for ever after a stall right after the handshake.
 func TestPublishDoesNotWaitBehindAStalledConnect(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
