@@ -36,6 +36,10 @@ func (s RelaySettings) LogAttrs() []any {
 		"outbox_max_backoff", s.MaxBackoff, "outbox_notify", s.Notify, "outbox_retention", s.Retention}
 }
 
+// inFlight is the relay's publisher's MaxInFlight: room for every lane's whole batch (and no
+// less than the publisher's default), so no lane waits, its rows locked, for another's confirms.
+func (s RelaySettings) inFlight() int { return max(1000, s.Lanes*s.BatchSize) }
+
 // Outbox is a service's way out: the relay of its outbox to its own exchange, and the hourly
 // cleanup of sent rows. Run both; Close the publisher when done.
 type Outbox struct {
@@ -53,6 +57,7 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topolog
 	}
 	pub := messaging.NewPublisher(messaging.PublisherConfig{
 		URL: amqpURL, ConnectionName: appID + "-relay", AppID: appID, Topology: topology, Logger: log,
+		MaxInFlight: s.inFlight(),
 	})
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
 		DB: b.Background, Sender: pub, Exchange: exchange,

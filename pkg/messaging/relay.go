@@ -27,8 +27,9 @@ const (
 	DefaultMaxBackoff     = 5 * time.Minute
 )
 
-// Sender publishes a batch, each message to its exchange, and reports one verdict per message
-// (see [Publisher.Publish]). An error wrapping [ErrBrokerUnavailable] is no verdict: the row
+// Sender publishes a batch, each message to its exchange, and reports one verdict per message,
+// in their order (see [Publisher.Publish]); any other number of verdicts fails the batch, its
+// rows left due. An error wrapping [ErrBrokerUnavailable] is no verdict: the row
 // stays due and its attempts untouched. Any other error is the message's own fault, and backs
 // the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has (a
 // wrapper that embeds a Sender loses it: give the wrapper one): the relay then asks it, not a
@@ -59,7 +60,9 @@ type RelayConfig struct {
 	BatchSize int
 	// Lanes is how many batches may be in progress at once, each in its own transaction:
 	// while one waits for its confirms, the next is claimed and published. Default
-	// [DefaultLanes].
+	// [DefaultLanes]. Give a [Publisher] a MaxInFlight of at least Lanes × BatchSize: a lane
+	// whose batch finds no room waits, its rows locked, for the other lanes' confirms, and a
+	// wait past the publisher's ConfirmTimeout is taken for an outage.
 	Lanes int
 	// PollInterval is how often the relay looks for due rows when nothing wakes it (a NOTIFY
 	// from a committed Enqueue, if the driver can receive them). Default
@@ -201,6 +204,12 @@ func (r *Relay) Run(ctx context.Context) error {
 // lane runs batches one after another until ctx ends.
 func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	for ctx.Err() == nil {
+		if r.probe != nil && r.isBrokerDown() {
+			// Run's first look, or another lane, found the broker gone: claim nothing, which
+			// would hold the rows locked while the publish dials, until the probe finds it.
+			r.awaitBroker(ctx, 1)
+			continue
+		}
 		started := time.Now()
 		res, err := r.ProcessBatch(ctx)
 		switch {
@@ -282,7 +291,10 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 	if err != nil || len(msgs) == 0 {
 		return settlement{}, err
 	}
-	verdicts := r.publish(publishCtx, msgs, unreadable)
+	verdicts, err := r.publish(publishCtx, msgs, unreadable)
+	if err != nil {
+		return settlement{res: BatchResult{Claimed: len(msgs)}}, err
+	}
 	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
 		return s, err
 	}
@@ -295,8 +307,10 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 
 // publish sends the messages and returns their verdicts. A row that could not be read as a
 // message is not sent, and the reason is its verdict: backed off like any refused row, it
-// cannot head every claim and hold up the rows behind it.
-func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) []error {
+// cannot head every claim and hold up the rows behind it. A Sender that answers for a
+// different number of messages than it was given is an error: no verdict can be matched to
+// its row, so the batch is rolled back and every row stays due, its attempts untouched.
+func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) ([]error, error) {
 	send, at := msgs, []int(nil)
 	if unreadable != nil {
 		send = make([]Message, 0, len(msgs))
@@ -310,16 +324,21 @@ func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error)
 	if len(send) > 0 {
 		spans := r.startPublishSpans(ctx, send)
 		verdicts = r.cfg.Sender.Publish(ctx, send)
+		if len(verdicts) != len(send) {
+			err := fmt.Errorf("relay: the Sender gave %d verdicts for %d messages", len(verdicts), len(send))
+			endPublishSpans(spans, slices.Repeat([]error{err}, len(send)))
+			return nil, err
+		}
 		endPublishSpans(spans, verdicts)
 	}
 	if unreadable == nil {
-		return verdicts
+		return verdicts, nil
 	}
 	for j, i := range at {
 		unreadable[i] = verdicts[j]
 		msgs[i] = send[j] // with the publish span's trace context, which its lines are logged in
 	}
-	return unreadable
+	return unreadable, nil
 }
 
 // claim locks the oldest due rows, up to a batch, and returns them as the messages to publish

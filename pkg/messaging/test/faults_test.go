@@ -414,6 +414,31 @@ func TestRelayStartedInAnOutageSeesTheBrokerBackWithoutARow(t *testing.T) {
 	}
 }
 
+// A relay started in an outage, with rows due, claims none of them until its probe finds the
+// broker: a claim would hold them locked while the publish dials a broker known to be gone.
+// Once it is back, they go.
+func TestRelayStartedInAnOutageClaimsNothingUntilTheBrokerIsBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	proxy.Stop()
+	ids := b.enqueue(t, 2)
+	db := &countingDB{DB: b.drv.DB()}
+	run(t, b.relay(t, b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen)), func(c *messaging.RelayConfig) { c.DB = db }).Run)
+	gauge := `outbox_relay_broker_up{exchange="` + b.exchange + `"}`
+	testenv.Eventually(t, 10*time.Second, func() bool { return hasMetric(t, b.registry, gauge+" 0") }, "the relay did not report the broker down")
+	began := time.Now()
+	for time.Since(began) < time.Second { // a window of observation, not a wait for anything
+		time.Sleep(100 * time.Millisecond)
+	}
+	if n := db.begun.Load(); n != 0 {
+		t.Fatalf("%d transactions begun while the broker was known to be down; want none", n)
+	}
+	must(t, proxy.Start())
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.unprocessed(t) == 0 }, "the rows were not sent once the broker was back")
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), ids)
+}
+
 // A relay with nothing to send sees the broker go, as it sees it come back: the outage is
 // logged and outbox_relay_broker_up says so when it begins, not at the next row.
 func TestRelayWithNothingToSendSeesTheBrokerGo(t *testing.T) {

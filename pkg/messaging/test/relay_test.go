@@ -1238,3 +1238,61 @@ func TestRelayRecordsARefusalWhoseTextPostgreSQLCannotStore(t *testing.T) {
 		t.Errorf("accepted row: sent %v (%v); want it marked sent", accepted.ProcessedAt != nil, err)
 	}
 }
+
+// verdictless is a Sender of its own with a bug: it answers for none of the messages.
+type verdictless struct{}
+
+func (verdictless) Publish(context.Context, []messaging.Message) []error { return nil }
+
+// A Sender that answers for fewer messages than it was given leaves no verdict to match to a
+// row: the batch fails with an error that says so, every row stays due with its attempts
+// untouched, and a row carrying a trace context (whose publish span ends with its verdict)
+// does not crash the relay.
+func TestRelayRefusesASenderThatGivesTheWrongNumberOfVerdicts(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ids := b.enqueue(t, 2)
+	if err := b.db.DB.Exec("UPDATE outbox_messages SET trace_parent = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01' WHERE id = ?", ids[0]).Error; err != nil {
+		t.Fatal(err)
+	}
+	r := b.relay(t, verdictless{}, nil)
+	res, err := r.ProcessBatch(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "the Sender gave 0 verdicts for 2 messages") {
+		t.Fatalf("batch = %+v, %v; want an error naming the verdicts missing", res, err)
+	}
+	var rows []outboxRow
+	if err := b.db.DB.Find(&rows, "id IN ?", ids).Error; err != nil {
+		t.Fatal(err)
+	}
+	for _, row := range rows {
+		if row.Attempts != 0 || row.ProcessedAt != nil || row.LastError != nil {
+			t.Errorf("row %s: attempts %d, sent %v, last_error %v; want it due as it was", row.ID, row.Attempts, row.ProcessedAt != nil, row.LastError)
+		}
+	}
+	if len(rows) != 2 {
+		t.Errorf("%d rows; want 2", len(rows))
+	}
+}
+
+// A payload within the publisher's limit when it was enqueued is sent, though PostgreSQL gives
+// its jsonb back half as long again (a space after every ',' and ':'): measured compact, as the
+// consumer's own limit measures what arrives.
+func TestRelaySendsAPayloadThatOnlyTheDatabasesSpacingTakesOverTheLimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	payload := "[" + strings.Repeat("0,", 450_000) + "0]" // 900,003 bytes; about 1.35 MB as jsonb prints it
+	m := newMessage(t, 0)
+	m.Payload = json.RawMessage(payload)
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, m) }); err != nil {
+		t.Fatal(err)
+	}
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil)
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res != (messaging.BatchResult{Claimed: 1, Sent: 1}) {
+		t.Fatalf("batch = %+v, %v; want the row sent", res, err)
+	}
+	got := testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond)
+	assertExactlyOnce(t, got, []uuid.UUID{m.ID})
+	if string(got[0].Body) != payload {
+		t.Errorf("body of %d bytes; want the payload as enqueued, %d bytes", len(got[0].Body), len(payload))
+	}
+}
