@@ -295,6 +295,21 @@ func NewServer(addr string, h http.Handler) *http.Server {
 	}
 }
 
+// ParseUUID parses a UUID in its canonical text only, 8-4-4-4-12 hex digits in either case
+// (RFC 9562, section 4): uuid.Parse also takes 32 bare digits, urn:uuid: and, at 38
+// characters, any two around the 36 (it never checks they are braces), so x<id>y would name
+// the order <id>.
+func ParseUUID(s string) (uuid.UUID, error) {
+	if len(s) != 36 {
+		return uuid.Nil, fmt.Errorf("parse UUID: %d characters, not 36", len(s))
+	}
+	id, err := uuid.Parse(s)
+	if err != nil {
+		return uuid.Nil, fmt.Errorf("parse UUID: %w", err)
+	}
+	return id, nil
+}
+
 // ListByOrder serves a list endpoint such as GET /invoices: ?order_id= (a UUID) selects one
 // order's items, otherwise the most recent come first; ?limit= caps them (default 100, at most
 // 1000). A parameter given empty is a 400, not a missing one: a script whose variable is unset
@@ -316,9 +331,9 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		}
 		var orderID *uuid.UUID
 		if q.Has("order_id") {
-			id, err := uuid.Parse(q.Get("order_id"))
+			id, err := ParseUUID(q.Get("order_id"))
 			if err != nil {
-				WriteProblem(w, http.StatusBadRequest, "order_id must be a UUID")
+				WriteProblem(w, http.StatusBadRequest, "order_id must be a UUID (8-4-4-4-12 hex digits)")
 				return
 			}
 			orderID = &id

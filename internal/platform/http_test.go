@@ -7,11 +7,13 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-chi/chi/v5"
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -198,5 +200,38 @@ http_requests_total{code="200",method="GET",route="/started"} 1
 	}
 	if n := testutil.CollectAndCount(reg, "http_request_duration_seconds"); n != 2 {
 		t.Errorf("http_request_duration_seconds has %d series, want one per route, 2", n)
+	}
+}
+
+// order_id is a UUID in its canonical text only, in either case: x<id>y, {<id>}, urn:uuid:<id>
+// and the bare 32 digits, which uuid.Parse takes, are a 400 that lists nothing.
+func TestListByOrderTakesOnlyCanonicalUUIDs(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	var listed []uuid.UUID
+	h := ListByOrder(log, func(_ context.Context, orderID *uuid.UUID, _ int) ([]string, error) {
+		listed = append(listed, *orderID)
+		return []string{}, nil
+	})
+	id := uuid.New()
+	for _, other := range []string{"x" + id.String() + "y", "{" + id.String() + "}", "urn:uuid:" + id.String(), strings.ReplaceAll(id.String(), "-", "")} {
+		rec := httptest.NewRecorder()
+		h(rec, httptest.NewRequest(http.MethodGet, "/things?order_id="+url.QueryEscape(other), nil))
+		if rec.Code != http.StatusBadRequest || rec.Header().Get("Content-Type") != "application/problem+json" || !strings.Contains(rec.Body.String(), "order_id") {
+			t.Errorf("order_id=%s: %d %s, want a 400 problem that names order_id", other, rec.Code, rec.Body)
+		}
+	}
+	if len(listed) != 0 {
+		t.Fatalf("ids not in canonical form listed the items of %v", listed)
+	}
+	for _, canonical := range []string{id.String(), strings.ToUpper(id.String())} {
+		rec := httptest.NewRecorder()
+		h(rec, httptest.NewRequest(http.MethodGet, "/things?order_id="+canonical, nil))
+		if rec.Code != http.StatusOK {
+			t.Errorf("order_id=%s: %d %s, want 200", canonical, rec.Code, rec.Body)
+		}
+	}
+	if len(listed) != 2 || listed[0] != id || listed[1] != id {
+		t.Fatalf("canonical ids listed the items of %v, want %s twice", listed, id)
 	}
 }

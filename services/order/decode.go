@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net"
 	"net/http"
+	"os"
 	"reflect"
 	"slices"
 	"strconv"
@@ -62,7 +64,7 @@ func decodeStrict[T any](r io.Reader) (T, error) {
 	// first fault the decoder meets before the limit.
 	body, err := io.ReadAll(r)
 	if err != nil {
-		return zero, decodeError(err, nil)
+		return zero, readError(err)
 	}
 	// encoding/json would replace each invalid byte with U+FFFD and store and publish a string
 	// the client never sent; JSON between systems is UTF-8 (RFC 8259, section 8.1).
@@ -135,16 +137,33 @@ func escapedRune(b []byte) (rune, bool) {
 	return rune(n), err == nil
 }
 
-// decodeError is err's problem; body is what was decoded, to name a field by its path.
-func decodeError(err error, body []byte) *DecodeError {
+// readError is the problem of err, the error reading a body: over the limit, or the
+// connection's (a stalled upload, a body cut short, a reset). The connection's error names the
+// server's address (read tcp 10.0.0.5:8080->...), which is not the client's to see, and is no
+// fault of the JSON.
+func readError(err error) *DecodeError {
 	var (
-		syntax   *json.SyntaxError
-		typ      *json.UnmarshalTypeError
 		tooLarge *http.MaxBytesError
+		netErr   net.Error
 	)
 	switch {
 	case errors.As(err, &tooLarge):
 		return &DecodeError{Status: http.StatusRequestEntityTooLarge, Detail: fmt.Sprintf("body exceeds %d bytes", tooLarge.Limit)}
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
+		return &DecodeError{Status: http.StatusRequestTimeout, Detail: "the request body did not arrive in time"}
+	default:
+		return &DecodeError{Status: http.StatusBadRequest, Detail: "the request body could not be read"}
+	}
+}
+
+// decodeError is the problem of err, an error decoding body, in which it names a field by its
+// path.
+func decodeError(err error, body []byte) *DecodeError {
+	var (
+		syntax *json.SyntaxError
+		typ    *json.UnmarshalTypeError
+	)
+	switch {
 	case errors.As(err, &syntax):
 		return &DecodeError{Status: http.StatusBadRequest, Detail: fmt.Sprintf("malformed JSON at byte %d", syntax.Offset)}
 	case errors.Is(err, io.EOF):

@@ -1,9 +1,15 @@
 package main
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
+	"errors"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,24 +49,31 @@ func TestLockedDatabaseGives503WithinTheDeadline(t *testing.T) {
 	}
 }
 
-// A client that trickles its headers is cut off by ReadHeaderTimeout instead of holding a
-// connection (slowloris).
-func TestSlowHeadersAreCutOff(t *testing.T) {
-	t.Parallel()
-	log, _ := testenv.NewLogger(t)
-	srv := platform.NewServer("127.0.0.1:0", platform.NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil }))
+// serveAndDial serves srv on a port of its own until the test ends, and returns a connection to
+// it, closed then too.
+func serveAndDial(t *testing.T, srv *http.Server) net.Conn {
+	t.Helper()
 	ln, err := net.Listen("tcp", srv.Addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
-
 	conn, err := net.Dial("tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// A client that trickles its headers is cut off by ReadHeaderTimeout instead of holding a
+// connection (slowloris).
+func TestSlowHeadersAreCutOff(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	srv := platform.NewServer("127.0.0.1:0", platform.NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil }))
+	conn := serveAndDial(t, srv)
 	start := time.Now()
 	if _, err := conn.Write([]byte("GET /healthz HTTP/1.1\r\nHost: x\r\n")); err != nil {
 		t.Fatal(err)
@@ -93,6 +106,94 @@ func TestSlowHeadersAreCutOff(t *testing.T) {
 		case <-deadline:
 			t.Fatalf("a client trickling headers still holds its connection after %s", 3*platform.ReadHeaderTimeout)
 		}
+	}
+}
+
+// A client that sends its headers and then trickles its body, or stops sending it, is cut off
+// by the server's ReadTimeout instead of holding a connection (and, its body read ahead of
+// admission, a share of the body budget): the request is answered 408 once it runs out. The
+// test runs the server at a tenth of the ReadTimeout NewServer sets, to be quick; none set is
+// none cut.
+func TestSlowBodiesAreCutOff(t *testing.T) {
+	t.Parallel()
+	h := withoutDatabase(t, 4)
+	srv := platform.NewServer("127.0.0.1:0", h)
+	srv.ReadTimeout /= 10
+	conn := serveAndDial(t, srv)
+	start := time.Now()
+	// Headers complete, 10 of the 100 bytes declared, then nothing.
+	if _, err := conn.Write([]byte("POST /orders HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"customer")); err != nil {
+		t.Fatal(err)
+	}
+	const wait = 3 * time.Second
+	if err := conn.SetReadDeadline(start.Add(wait)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	took := time.Since(start)
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		t.Fatalf("a client that stopped sending its body still holds its connection after %s, with ReadTimeout %s", wait, srv.ReadTimeout)
+	case err != nil:
+		t.Fatalf("after %s, no response: %v; want a 408", took, err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout {
+		t.Errorf("the stalled body was answered %d, want 408", resp.StatusCode)
+	}
+	if took < srv.ReadTimeout-250*time.Millisecond || took > srv.ReadTimeout+time.Second {
+		t.Errorf("the stalled body was cut off after %s, want at the ReadTimeout, %s", took, srv.ReadTimeout)
+	}
+}
+
+// The API is behind admission control, as main serves it: with every place taken, by a request
+// held at a locked table, the next is shed at once with a 503 and Retry-After, not queued
+// behind the lock until its database deadline.
+func TestTheAPIIsBehindAdmission(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	adm, err := platform.NewAdmission(log, reg, 1, 0) // HTTP_MAX_IN_FLIGHT=1
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(handler(log, &platform.Base{DB: b.db, Driver: b.store.driver, Registry: reg, Admission: adm,
+		DatabaseReady: platform.DatabaseReady(b.readiness)}))
+	t.Cleanup(srv.Close)
+
+	locker := b.db.Begin()
+	t.Cleanup(func() { locker.Rollback() })
+	if err := locker.Exec("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE").Error; err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan int, 1)
+	go func() {
+		resp, err := http.Get(srv.URL + "/orders/" + o.ID.String())
+		if err != nil {
+			held <- 0
+			return
+		}
+		resp.Body.Close()
+		held <- resp.StatusCode
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(b.lockWaits(t)) > 0 }, "the first request did not reach the locked table")
+
+	start := time.Now()
+	resp, raw := do(t, mustRequest(t, http.MethodGet, srv.URL+"/orders/"+o.ID.String()))
+	took := time.Since(start)
+	var p platform.Problem
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || json.Unmarshal(raw, &p) != nil ||
+		!strings.Contains(p.Detail, "capacity") || took > requestTimeout/2 {
+		t.Errorf("a request with the one place taken: %d, Retry-After %q, %s after %s; want shed at once: a 503 at capacity with Retry-After",
+			resp.StatusCode, resp.Header.Get("Retry-After"), raw, took)
+	}
+	if err := locker.Rollback().Error; err != nil {
+		t.Fatal(err)
+	}
+	if status := <-held; status != http.StatusOK {
+		t.Fatalf("the request that held the place: %d, want 200 once the lock is gone", status)
 	}
 }
 

@@ -12,7 +12,6 @@ import (
 	"unicode"
 
 	"github.com/go-chi/chi/v5"
-	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
@@ -36,6 +35,9 @@ func (a *api) routes(r chi.Router) {
 func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
 		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json")
+		return
+	}
+	if !unencoded(w, r) {
 		return
 	}
 	// Given, a key must be one and not empty: a client whose key came from an unset variable
@@ -78,9 +80,9 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 }
 
 func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
-	id, err := uuid.Parse(chi.URLParam(r, "id"))
+	id, err := platform.ParseUUID(chi.URLParam(r, "id"))
 	if err != nil {
-		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID")
+		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID (8-4-4-4-12 hex digits)")
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
@@ -97,9 +99,12 @@ func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
 }
 
 func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
-	id, err := uuid.Parse(chi.URLParam(r, "id"))
+	id, err := platform.ParseUUID(chi.URLParam(r, "id"))
 	if err != nil {
-		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID")
+		platform.WriteProblem(w, http.StatusBadRequest, "id must be a UUID (8-4-4-4-12 hex digits)")
+		return
+	}
+	if !unencoded(w, r) {
 		return
 	}
 	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
@@ -126,6 +131,22 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 		a.log.InfoContext(ctx, "order cancelled", "order_id", order.ID)
 	}
 	platform.WriteJSON(w, http.StatusOK, order)
+}
+
+// unencoded reports whether r's body has no content coding (none named, or only identity), and
+// answers 415 if it has one: the service decodes none, and would read a gzip body as JSON that
+// is not UTF-8. Accept-Encoding says which it takes (RFC 9110, section 15.5.16).
+func unencoded(w http.ResponseWriter, r *http.Request) bool {
+	for _, v := range r.Header.Values("Content-Encoding") {
+		for coding := range strings.SplitSeq(v, ",") {
+			if c := strings.TrimSpace(coding); c != "" && !strings.EqualFold(c, "identity") {
+				w.Header().Set("Accept-Encoding", "identity")
+				platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Encoding is not supported: send the body uncompressed")
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // jsonOrNoBody reports whether a request body is JSON, or absent: a body without a content type

@@ -5,6 +5,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"net/http"
 	"os"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
@@ -37,14 +39,19 @@ func run(ctx context.Context, env *platform.Env) error {
 	}
 	defer outbox.Publisher.Close()
 
+	workers := platform.Workers{Relay: outbox.Relay, Others: []platform.Worker{outbox.Cleanup, base.Profiler(), base.Admission.Run}}
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, handler(log, base)), workers); err != nil {
+		return fmt.Errorf("run: %w", err)
+	}
+	return nil
+}
+
+// handler is the service's HTTP handler: the operational endpoints, and the order API behind
+// base's admission control.
+func handler(log *slog.Logger, base *platform.Base) http.Handler {
 	// Ready while the database works, whatever the broker does: taking orders while the
 	// broker is down is what the outbox is for.
 	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
 	(&api{store: &Store{db: base.DB, driver: base.Driver}, log: log}).routes(base.API(router))
-
-	workers := platform.Workers{Relay: outbox.Relay, Others: []platform.Worker{outbox.Cleanup, base.Profiler(), base.Admission.Run}}
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, router), workers); err != nil {
-		return fmt.Errorf("run: %w", err)
-	}
-	return nil
+	return router
 }

@@ -2,16 +2,21 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
+	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -686,5 +691,157 @@ func TestCommandAtEveryLimitIsPlaced(t *testing.T) {
 	var cancelled Order
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &cancelled) != nil || cancelled.CancelReason != reason {
 		t.Fatalf("a cancellation with a reason of %d characters: %d %s, want 200", MaxReasonLength, resp.StatusCode, body)
+	}
+}
+
+// An id is a UUID in its canonical text, 8-4-4-4-12 hex digits, in either case: not the other
+// forms uuid.Parse takes, which would let x<id>y, {<id>}, urn:uuid:<id> and the bare 32 digits
+// name the order <id>. Neither a read nor a cancel goes through with one.
+func TestIdsInAnyOtherFormAreRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	id := o.ID.String()
+	for name, other := range map[string]string{
+		"between two other characters": "x" + id + "y",
+		"in braces":                    "{" + id + "}",
+		"as a URN":                     "urn:uuid:" + id,
+		"without hyphens":              strings.ReplaceAll(id, "-", ""),
+	} {
+		var p platform.Problem
+		if resp, raw := b.get(t, other); resp.StatusCode != http.StatusBadRequest || resp.Header.Get("Content-Type") != "application/problem+json" || json.Unmarshal(raw, &p) != nil || p.Status != http.StatusBadRequest {
+			t.Errorf("GET of the id %s (%s): %d %s, want a 400 problem", name, other, resp.StatusCode, raw)
+		}
+		if resp, raw := b.cancel(t, other, "", ""); resp.StatusCode != http.StatusBadRequest || resp.Header.Get("Content-Type") != "application/problem+json" || json.Unmarshal(raw, &p) != nil || p.Status != http.StatusBadRequest {
+			t.Errorf("cancel of the id %s (%s): %d %s, want a 400 problem", name, other, resp.StatusCode, raw)
+		}
+	}
+	if n := b.cancellations(t); n != 0 {
+		t.Fatalf("%d OrderCancelled events after cancels of ids not in canonical form, want 0", n)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status <> 'placed'"); n != 0 {
+		t.Fatal("a cancel of an id not in canonical form cancelled the order")
+	}
+	if resp, raw := b.get(t, strings.ToUpper(id)); resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET of the id in upper case: %d %s, want 200: hex digits are case-insensitive", resp.StatusCode, raw)
+	}
+}
+
+// gzipped compresses s.
+func gzipped(t *testing.T, s string) string {
+	t.Helper()
+	var buf bytes.Buffer
+	zw := gzip.NewWriter(&buf)
+	if _, err := zw.Write([]byte(s)); err != nil {
+		t.Fatal(err)
+	}
+	if err := zw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.String()
+}
+
+// A body with a content coding is refused with 415 and Accept-Encoding: identity, not read as
+// JSON (a gzip body is not UTF-8), and writes nothing; identity is no coding, and is taken.
+func TestEncodedBodiesAreRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	send := func(path, body, encoding string) (*http.Response, []byte) {
+		req, err := http.NewRequest(http.MethodPost, b.srv.URL+path, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Content-Encoding", encoding)
+		return do(t, req)
+	}
+	for _, c := range []struct{ path, body, encoding string }{
+		{"/orders", gzipped(t, validBody), "gzip"},
+		{"/orders", validBody, "identity, br"},
+		{"/orders/" + o.ID.String() + "/cancel", gzipped(t, `{"reason": "x"}`), "gzip"},
+		{"/orders/" + o.ID.String() + "/cancel", `{"reason": "x"}`, "deflate"},
+	} {
+		resp, raw := send(c.path, c.body, c.encoding)
+		var p platform.Problem
+		if resp.StatusCode != http.StatusUnsupportedMediaType || resp.Header.Get("Content-Type") != "application/problem+json" ||
+			json.Unmarshal(raw, &p) != nil || !strings.Contains(p.Detail, "Content-Encoding") || resp.Header.Get("Accept-Encoding") != "identity" {
+			t.Errorf("POST %s with Content-Encoding %s: %d %s %s, want a 415 problem that names Content-Encoding, with Accept-Encoding: identity",
+				c.path, c.encoding, resp.StatusCode, resp.Header, raw)
+		}
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v after encoded bodies, want only the first order's [1 2 1]", c)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status <> 'placed'"); n != 0 {
+		t.Fatal("an encoded cancel cancelled the order")
+	}
+	if resp, raw := send("/orders", validBody, "Identity"); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST with Content-Encoding Identity: %d %s, want 201", resp.StatusCode, raw)
+	}
+}
+
+// withoutDatabase is the service's handler, built as main builds it, with a database that
+// requests never reach: what these tests send fails before.
+func withoutDatabase(t *testing.T, inFlight int) http.Handler {
+	t.Helper()
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	adm, err := platform.NewAdmission(log, reg, inFlight, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := &platform.Base{Registry: reg, Admission: adm, DatabaseReady: func(context.Context) error { return nil }}
+	return handler(log, base)
+}
+
+// failingBody sends its prefix, then fails with err.
+type failingBody struct {
+	prefix io.Reader
+	err    error
+}
+
+func (f failingBody) Read(p []byte) (int, error) {
+	if n, _ := f.prefix.Read(p); n > 0 {
+		return n, nil
+	}
+	return 0, f.err
+}
+
+// A body the connection fails to deliver is the connection's fault, not a malformed one: a
+// stalled upload is a 408, another failure a 400, and neither problem carries the connection's
+// error, which names the server's address.
+func TestUnreadableBodiesGetAProblemWithoutTheConnectionsError(t *testing.T) {
+	t.Parallel()
+	h := withoutDatabase(t, 4)
+	server := &net.TCPAddr{IP: net.IPv4(172, 18, 0, 5), Port: 8080}
+	client := &net.TCPAddr{IP: net.IPv4(10, 1, 2, 3), Port: 51234}
+	opError := func(err error) error {
+		return &net.OpError{Op: "read", Net: "tcp", Source: server, Addr: client, Err: err}
+	}
+	for _, c := range []struct {
+		name   string
+		err    error
+		status int
+	}{
+		{"timeout", opError(os.ErrDeadlineExceeded), http.StatusRequestTimeout},
+		{"reset", opError(&os.SyscallError{Syscall: "read", Err: syscall.ECONNRESET}), http.StatusBadRequest},
+		{"cut short", io.ErrUnexpectedEOF, http.StatusBadRequest},
+	} {
+		for _, path := range []string{"/orders", "/orders/" + uuid.NewString() + "/cancel"} {
+			req := httptest.NewRequest(http.MethodPost, path, failingBody{strings.NewReader(`{"customer_id": "c-`), c.err})
+			req.Header.Set("Content-Type", "application/json")
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, req)
+			var p platform.Problem
+			if rec.Code != c.status || rec.Header().Get("Content-Type") != "application/problem+json" || json.Unmarshal(rec.Body.Bytes(), &p) != nil || p.Detail == "" {
+				t.Errorf("%s, POST %s: %d %s, want a %d problem", c.name, path, rec.Code, rec.Body, c.status)
+			}
+			for _, leak := range []string{"tcp", server.IP.String(), client.IP.String(), "8080", "EOF", "connection reset"} {
+				if strings.Contains(rec.Body.String(), leak) {
+					t.Errorf("%s, POST %s: the problem %s gives away %q", c.name, path, rec.Body, leak)
+				}
+			}
+		}
 	}
 }
