@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"mime"
 	"mime/quotedprintable"
 	"net"
 	"net/smtp"
@@ -90,7 +91,7 @@ type smtpConn struct {
 	client *smtp.Client
 	// pipelining: the server takes a message's commands in one write (RFC 2920, PIPELINING),
 	// so a message costs two round trips instead of five. eightBit: it takes 8-bit bodies
-	// (8BITMIME), so a body goes as it is (to one that does not, quoted-printable). utf8: it
+	// (8BITMIME), so a body may go as it is (see composeEmail). utf8: it
 	// takes UTF-8 addresses (SMTPUTF8, RFC 6531), which a customer's may be.
 	pipelining, eightBit, utf8 bool
 	// used: a message went over it already, so the next begins with RSET. broken: a
@@ -446,8 +447,10 @@ var errStale = errors.New("reused SMTP connection no longer takes messages")
 // write and their replies are read after it. A failure once the conversation began breaks the
 // connection: a server that refused a command may be in any state.
 func (c *smtpConn) send(ctx context.Context, from string, n Notification) error {
-	if strings.ContainsAny(from+n.Recipient, "\r\n<>") {
-		return fmt.Errorf("smtp: address %q or %q is not a plain mailbox", from, n.Recipient)
+	// Before any command: a message refused here leaves the connection as it was.
+	msg, err := composeEmail(from, n, c.eightBit)
+	if err != nil {
+		return err
 	}
 	params := ""
 	if c.eightBit {
@@ -471,7 +474,7 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 			return err
 		}
 		w := c.client.Text.DotWriter()
-		if _, err := w.Write(composeEmail(from, n, c.eightBit)); err != nil {
+		if _, err := w.Write(msg); err != nil {
 			return fmt.Errorf("smtp write: %w", err)
 		}
 		if err := w.Close(); err != nil {
@@ -549,28 +552,62 @@ func (c *smtpConn) close() { _ = c.conn.Close() }
 // MessageIDDomain qualifies e-mail Message-IDs: <notification-id@MessageIDDomain>.
 const MessageIDDomain = "notification.outbox-inbox"
 
-// composeEmail is n as an e-mail. Its body goes as it is (8bit) to a server that offers
-// 8BITMIME, and quoted-printable to one that does not: an order confirmation's "×" is not
-// 7-bit, and a strict relay refuses an 8-bit body it was not told of (554 5.6.1), every time.
-func composeEmail(from string, n Notification, eightBit bool) []byte {
+// errNotAMailbox refuses an address that would reach a command or a header as more than a
+// mailbox: a CR or LF would start a line of its own (another recipient, another header), and
+// "<" or ">" would end the envelope's address early. Sending it again changes nothing.
+var errNotAMailbox = errors.New("not a plain mailbox (CR, LF, '<' or '>'); it is never sent")
+
+// composeEmail is n as an e-mail, or errNotAMailbox. Its body goes as it is (8bit) to a server
+// that offers 8BITMIME, if it is 8-bit text as SMTP carries it (eightBitText); otherwise
+// quoted-printable: an order confirmation's "×" is not 7-bit, and a strict relay refuses an
+// 8-bit body it was not told of (554 5.6.1), every time. The subject is encoded (RFC 2047) if
+// it has anything but printable ASCII: a line break in it then stays text, not a new header.
+func composeEmail(from string, n Notification, eightBit bool) ([]byte, error) {
+	if strings.ContainsAny(from, "\r\n<>") {
+		return nil, fmt.Errorf("smtp: sender %q: %w", from, errNotAMailbox)
+	}
+	// Not the recipient itself: the error reaches the log, which keeps no customer's address.
+	if strings.ContainsAny(n.Recipient, "\r\n<>") {
+		return nil, fmt.Errorf("smtp: recipient: %w", errNotAMailbox)
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "From: %s\r\n", from)
 	fmt.Fprintf(&b, "To: %s\r\n", n.Recipient)
-	fmt.Fprintf(&b, "Subject: %s\r\n", n.Subject)
+	fmt.Fprintf(&b, "Subject: %s\r\n", mime.QEncoding.Encode("utf-8", n.Subject))
 	fmt.Fprintf(&b, "Message-ID: <%s@%s>\r\n", n.ID, MessageIDDomain)
 	fmt.Fprintf(&b, "X-Notification-ID: %s\r\n", n.ID)
 	fmt.Fprintf(&b, "X-Order-ID: %s\r\n", n.OrderID)
 	fmt.Fprintf(&b, "Date: %s\r\n", time.Now().UTC().Format(time.RFC1123Z))
 	b.WriteString("MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n")
-	if eightBit {
+	if eightBit && eightBitText(n.Body) {
 		b.WriteString("Content-Transfer-Encoding: 8bit\r\n\r\n")
 		b.WriteString(n.Body)
-		return []byte(b.String())
+		return []byte(b.String()), nil
 	}
 	b.WriteString("Content-Transfer-Encoding: quoted-printable\r\n\r\n")
 	w := quotedprintable.NewWriter(&b)
 	// Writes to a strings.Builder do not fail.
 	_, _ = w.Write([]byte(n.Body))
 	_ = w.Close()
-	return []byte(b.String())
+	return []byte(b.String()), nil
+}
+
+// maxLine is the most octets a line of a message may have before its CRLF (RFC 5322 2.1.1,
+// RFC 5321 4.5.3.1.6).
+const maxLine = 998
+
+// eightBitText says whether body may go as it is: no line longer than maxLine, and no CR but
+// in a CRLF (the dot-writer makes a bare LF CRLF, but passes a bare CR through, and does not
+// dot-stuff a "." after it, which a server that ends lines at a bare CR would take for the end
+// of the data). A body that is not goes quoted-printable, whose soft line breaks give back a
+// long line whole; a bare CR, which text/plain carries in neither encoding, becomes the line
+// break a reader would have seen.
+func eightBitText(body string) bool {
+	for line := range strings.SplitSeq(body, "\n") {
+		line = strings.TrimSuffix(line, "\r")
+		if len(line) > maxLine || strings.Contains(line, "\r") {
+			return false
+		}
+	}
+	return true
 }

@@ -1,13 +1,18 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"mime/quotedprintable"
 	"net"
+	"net/mail"
+	"net/textproto"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -17,6 +22,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
@@ -711,6 +717,127 @@ func TestBodyIsQuotedPrintableWhereTheServerTakesNo8BitMIME(t *testing.T) {
 			}
 		})
 	}
+}
+
+// onTheWire is msg as send writes it after DATA: through the dot-writer, ended by a lone dot.
+func onTheWire(t *testing.T, msg []byte) string {
+	t.Helper()
+	var b bytes.Buffer
+	w := textproto.NewWriter(bufio.NewWriter(&b)).DotWriter()
+	if _, err := w.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.String()
+}
+
+// lineEnd is what a server may take for the end of a line: CRLF, or, a lenient one, a bare CR
+// or LF.
+var lineEnd = regexp.MustCompile("\r\n|\r|\n")
+
+// A body goes as it is, declared 8bit, only if SMTP carries it so: no line over 998 octets, no
+// CR but in a CRLF. Otherwise it goes quoted-printable, its text kept: a cancellation's reason
+// of 500 "あ" is one line of 1,508 octets, and an SKU with a bare CR would go out as it is, the
+// "." after it not dot-stuffed (to a server that ends lines at a bare CR, the end of the data).
+func TestBodyGoes8BitOnlyAsSMTPCarriesIt(t *testing.T) {
+	t.Parallel()
+	reason := cancellation(events.OrderCancelled{OrderID: uuid.New(), CustomerID: "c-1", Reason: strings.Repeat("あ", 500)}).Body
+	sku := confirmation(events.OrderPlaced{OrderID: uuid.New(), CustomerID: "c-1", TotalCents: 100,
+		Lines: []events.Line{{SKU: "a\r.\r\nX", Quantity: 1, UnitPriceCents: 100}}}).Body
+	for name, tc := range map[string]struct {
+		body, encoding string
+		text           string // as the recipient reads it
+	}{
+		"a line of 998 octets":  {strings.Repeat("a", 998) + "\r\n", "8bit", strings.Repeat("a", 998) + "\r\n"},
+		"a line of 999 octets":  {strings.Repeat("a", 999) + "\r\n", "quoted-printable", strings.Repeat("a", 999) + "\r\n"},
+		"a reason of 500 あ":     {reason, "quoted-printable", reason},
+		"an SKU with a bare CR": {sku, "quoted-printable", strings.Replace(sku, "a\r.", "a\r\n.", 1)},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			n := mailTo("c-1@customers.example")
+			n.Body = tc.body
+			msg, err := composeEmail("orders@shop.example", n, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wire := onTheWire(t, msg)
+			for line := range strings.SplitSeq(wire, "\r\n") {
+				if len(line) > maxLine {
+					t.Errorf("a line of %d octets on the wire, want %d at most", len(line), maxLine)
+				}
+			}
+			if i := regexp.MustCompile("\r([^\n]|$)").FindStringIndex(wire); i != nil {
+				t.Errorf("a bare CR on the wire at %d: %q", i[0], wire[max(i[0]-10, 0):min(i[1]+10, len(wire))])
+			}
+			lines := lineEnd.Split(wire, -1)
+			if i := slices.Index(lines, "."); i != len(lines)-2 {
+				t.Errorf("a lone dot on the wire at line %d of %d, before the end of the data", i+1, len(lines)-1)
+			}
+			m, err := mail.ReadMessage(bytes.NewReader(msg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			body := m.Body
+			if tc.encoding == "quoted-printable" {
+				body = quotedprintable.NewReader(body)
+			}
+			text, err := io.ReadAll(body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if encoding := m.Header.Get("Content-Transfer-Encoding"); encoding != tc.encoding || string(text) != tc.text {
+				t.Errorf("encoding %q, text %q; want %q and %q", encoding, text, tc.encoding, tc.text)
+			}
+		})
+	}
+}
+
+// No header value puts a line of its own on the wire: a recipient with a line break in it (it
+// would reach RCPT TO and the To header) is refused before any command, and a subject with one
+// is encoded (RFC 2047), its text kept.
+func TestHeaderValuesPutNoLineOfTheirOwnOnTheWire(t *testing.T) {
+	t.Parallel()
+	const injected = "Bcc: y@example.org"
+	noInjectedLine := func(t *testing.T, proxy *smtpRecorder) {
+		t.Helper()
+		for _, line := range lineEnd.Split(strings.Join(proxy.writes(), ""), -1) {
+			if strings.HasPrefix(strings.ToLower(line), "bcc:") {
+				t.Errorf("the client wrote the line %q", line)
+			}
+		}
+	}
+	t.Run("recipient", func(t *testing.T) {
+		t.Parallel()
+		srv, proxy, d := hidingMailServer(t)
+		if err := deliverNow(d, mailTo("c-1@customers.example\r\n"+injected)); !errors.Is(err, errNotAMailbox) {
+			t.Errorf("err = %v, want %v", err, errNotAMailbox)
+		}
+		if n := len(srv.Mail()); n != 0 {
+			t.Errorf("%d e-mails, want none", n)
+		}
+		noInjectedLine(t, proxy)
+	})
+	t.Run("subject", func(t *testing.T) {
+		t.Parallel()
+		srv, proxy, d := hidingMailServer(t)
+		n := mailTo("c-1@customers.example")
+		n.Subject = "x\r\n" + injected
+		if err := deliverNow(d, n); err != nil {
+			t.Fatal(err)
+		}
+		got := srv.Mail()
+		if len(got) != 1 {
+			t.Fatalf("%d e-mails, want 1", len(got))
+		}
+		subject, err := new(mime.WordDecoder).DecodeHeader(got[0].Header.Get("Subject"))
+		if bcc := got[0].Header.Get("Bcc"); bcc != "" || err != nil || subject != n.Subject {
+			t.Errorf("Bcc %q, subject %q (%v); want no Bcc and the subject %q", bcc, subject, err, n.Subject)
+		}
+		noInjectedLine(t, proxy)
+	})
 }
 
 // Without SMTP_ADDR the log stands in for the mail server. Its line says which notification was

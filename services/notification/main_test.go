@@ -40,3 +40,21 @@ func TestASenderAddressThatIsNotBareIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// NOTIFY_RECIPIENT_DOMAIN is the domain of every recipient derived from a customer id: it must
+// be a domain name as SMTP carries it, not merely what mail.ParseAddress reads after an "@".
+func TestARecipientDomainThatIsNoDomainNameIsRefused(t *testing.T) {
+	t.Parallel()
+	// Cancelled: a domain let through ends the run at once, not waiting for the database.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, value := range []string{"shop!", "b_c.example", "-x.example", "[192.0.2.1]", strings.Repeat("d", 64) + ".example"} {
+		err := run(ctx, platform.EnvFrom(map[string]string{
+			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
+			"NOTIFY_RECIPIENT_DOMAIN": value,
+		}))
+		if err == nil || !strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN: must be a domain name") {
+			t.Errorf("NOTIFY_RECIPIENT_DOMAIN=%q: err = %v, want it named", value, err)
+		}
+	}
+}

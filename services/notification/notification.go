@@ -14,6 +14,7 @@ import (
 
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
+	"golang.org/x/net/idna"
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
@@ -98,13 +99,14 @@ var w3c propagation.TraceContext
 
 func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%100) }
 
-// recipient is the customer id when it is an e-mail address, otherwise a mailbox derived from
-// it at domain. Only letters, digits, '.', '-' and '_' survive: nothing from a message can
-// inject an SMTP header. The dots are those a mailbox may have (none first, last or twice in a
-// row), and a mailbox has at least one character: a server refuses "@domain" or "a..b@domain"
-// as syntax, every time, and the notification would be retried for ever.
+// recipient is the customer id when it is a mailbox as SMTP carries it (mailbox), otherwise a
+// mailbox derived from it at domain. Only letters, digits, '.', '-' and '_' survive: nothing
+// from a message can inject an SMTP header. The dots are those a mailbox may have (none first,
+// last or twice in a row), and a mailbox has at least one character: a server refuses
+// "@domain" or "a..b@domain" as syntax, every time, and the notification would be retried for
+// ever.
 func recipient(customerID, domain string) string {
-	if a, err := mail.ParseAddress(customerID); err == nil && a.Address == customerID && !strings.ContainsAny(customerID, "\r\n<>") {
+	if mailbox(customerID) {
 		return customerID
 	}
 	local := strings.Map(func(r rune) rune {
@@ -122,6 +124,55 @@ func recipient(customerID, domain string) string {
 		local = "_"
 	}
 	return local + "@" + domain
+}
+
+// maxLocalPart is the most octets of a mailbox's local part (RFC 5321 4.5.3.1.1).
+const maxLocalPart = 64
+
+// mailbox says whether address is one mailbox that SMTP carries as it is: mail.ParseAddress
+// reads it whole, with no '<' or '>' (which would end the envelope's address early), and within
+// what RFC 5321 carries, which is less than what RFC 5322 lets it read: a local part of
+// maxLocalPart octets at most, at a domain name (domainName). Not at a domain literal
+// ("a@[192.0.2.1]"): no customer's address is one, relays commonly refuse them, and one that
+// is refused is refused every time.
+func mailbox(address string) bool {
+	a, err := mail.ParseAddress(address)
+	if err != nil || a.Address != address || strings.ContainsAny(address, "\r\n<>") {
+		return false
+	}
+	at := strings.LastIndexByte(address, '@') // a quoted local part may hold '@'; a domain may not
+	return at <= maxLocalPart && domainName(address[at+1:])
+}
+
+// domainName says whether domain is a name RFC 5321 carries: labels of letters, digits and
+// '-' (none first or last), of 1 to 63 octets, 255 in all. A label of other letters (a U-label:
+// a customer's address may be UTF-8, which the mailer sends with SMTPUTF8) counts as the
+// A-label it stands for, and must be a valid one.
+func domainName(domain string) bool {
+	total := -1 // the first label has no dot before it
+	for label := range strings.SplitSeq(domain, ".") {
+		if !ldhLabel(label) {
+			var err error
+			if label, err = idna.Registration.ToASCII(label); err != nil || !ldhLabel(label) {
+				return false
+			}
+		}
+		total += 1 + len(label)
+	}
+	return total <= 255
+}
+
+// ldhLabel says whether label is 1 to 63 letters, digits and '-', with no '-' first or last.
+func ldhLabel(label string) bool {
+	if len(label) == 0 || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+		return false
+	}
+	for _, r := range label {
+		if (r < 'a' || r > 'z') && (r < 'A' || r > 'Z') && (r < '0' || r > '9') && r != '-' {
+			return false
+		}
+	}
+	return true
 }
 
 // notifier turns events into pending notifications. Its handlers run inside the inbox's

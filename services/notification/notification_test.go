@@ -582,6 +582,42 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 	}
 }
 
+// A customer id is kept as the recipient only if it is a mailbox SMTP carries, as RFC 5321
+// bounds it (RFC 5322, which mail.ParseAddress reads, allows more): otherwise a server refuses
+// it as syntax, every time, and a mailbox derived from it at the configured domain is used.
+func TestRecipientIsKeptOnlyIfSMTPCarriesIt(t *testing.T) {
+	t.Parallel()
+	label := strings.Repeat("d", 63)
+	domain255 := strings.Join([]string{label, label, label, label}, ".") // 4 × 63 + 3 dots
+	domain256 := "d." + strings.Join([]string{label, label, label, label[1:]}, ".")
+	for address, kept := range map[string]bool{
+		strings.Repeat("a", 64) + "@example.org": true,
+		strings.Repeat("a", 65) + "@example.org": false,
+		"a@" + label + ".example":                true,
+		"a@" + label + "d.example":               false,
+		"a@" + domain255:                         true,
+		"a@" + domain256:                         false,
+		"a@shop!":                                false,
+		"a@b_c.example":                          false,
+		"a@{x}":                                  false,
+		"a@-x.example":                           false,
+		"a@x-.example":                           false,
+		"a@[x]":                                  false,
+		"a@[192.0.2.1]":                          false, // a domain literal
+		"ann@bücher.example":                     true,  // a U-label, whose A-label is a name
+		"ann@xn--bcher-kva.example":              true,
+		"ann@ｅxample.org":                        false, // fullwidth: no U-label
+	} {
+		got := recipient(address, "customers.example")
+		if (got == address) != kept {
+			t.Errorf("recipient(%q) = %q, want it kept: %v", address, got, kept)
+		}
+		if a, err := mail.ParseAddress(got); err != nil || a.Address != got || !mailbox(got) {
+			t.Errorf("recipient(%q) = %q, not a mailbox: %v", address, got, err)
+		}
+	}
+}
+
 // A mail server that accepts connections and then says nothing: the delivery gives up at its
 // deadline, and the failure is still recorded (attempts, last_error, a backoff), because
 // recording has a budget of its own.

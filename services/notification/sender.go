@@ -175,7 +175,8 @@ func (s *sender) count(sent bool) {
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
-// recording its outcome gets its own budget (mark), even while the database is away.
+// recording its outcome gets its own budget (mark), even while the database is away. The grace
+// is no shorter than mark, or a sent e-mail's recording could outlast its lease (leaseFor).
 func newSender(db *gorm.DB, d Deliverer, concurrency int, maxBackoff time.Duration, log *slog.Logger) *sender {
 	s := &sender{
 		db: db, deliverer: d, concurrency: concurrency,
@@ -303,8 +304,9 @@ type pendingRow struct {
 }
 
 // leaseFor is how long a notification is kept from other senders: its delivery and recording
-// its outcome, with a shutdown's grace as slack (a delivery never outlasts its own budget, even
-// in a shutdown, so the grace only widens the margin before another sender may take it).
+// its outcome (a delivery never outlasts its own budget, even in a shutdown), and the grace,
+// which must be mark at least: leasedAt, from which both count (recordBy), may come up to one
+// transaction's budget (mark) after the database took the lease.
 func (s *sender) leaseFor() time.Duration { return s.deliver + s.mark + s.grace }
 
 // lease leases up to limit due notifications, oldest first, in the next transaction free to
@@ -432,16 +434,24 @@ func inTrace(ctx context.Context, row pendingRow) context.Context {
 // e-mail, also when an earlier attempt whose answer was lost recorded it): false if the lease
 // had run out, which is right, the notification belonging to another sender now. A
 // database that is away is waited for, within one recording budget (mark); for an e-mail that
-// went out, as long as the lease keeps other senders away, less its grace: giving up on that
+// went out, as long as the lease keeps other senders away (recordBy): giving up on that
 // sends it again, where giving up on a failure or a release only delays the next attempt.
 func (s *sender) record(o *deliveryOutcome) (changed bool, err error) {
-	o.deadline, o.done = time.Now().Add(s.mark), make(chan recordResult, 1)
-	if lease := o.row.leasedAt.Add(s.deliver + s.mark); o.sent && lease.After(o.deadline) {
-		o.deadline = lease
-	}
+	o.deadline, o.done = s.recordBy(o, time.Now()), make(chan recordResult, 1)
 	s.line.add(o, nil)
 	r := <-o.done
 	return r.changed, r.err
+}
+
+// recordBy is when recording o, asked for at now, gives up: one recording budget from now, or,
+// for an e-mail that went out, from the end of its delivery's budget if that is later. The
+// lease covers that only while grace >= mark (see newSender).
+func (s *sender) recordBy(o *deliveryOutcome, now time.Time) time.Time {
+	deadline := now.Add(s.mark)
+	if lease := o.row.leasedAt.Add(s.deliver + s.mark); o.sent && lease.After(deadline) {
+		return lease
+	}
+	return deadline
 }
 
 // deliveryOutcome is what became of a leased notification, waiting to be recorded.
@@ -644,6 +654,11 @@ func scanLeased(rows *sql.Rows, err error) ([]pendingRow, error) {
 	return leased, rows.Err()
 }
 
+// readCommitted is the isolation of the sender's transactions, whatever the database's default:
+// under a snapshot taken before another sender leased a row, the lease's FOR UPDATE fails to
+// serialize (SKIP LOCKED skips only rows locked now), rolling back the outcomes recorded with it.
+var readCommitted = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+
 // transact records outcomes and takes the leases r asks for, in one transaction that ends by
 // the earlier of their latest deadline and one recording budget from now. It returns the ids of
 // the rows the outcomes changed, and the rows leased.
@@ -694,7 +709,7 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 	}
 	// A transaction even for one statement: one that the deadline cut off while it waited
 	// for a lock is rolled back, where alone it would commit later, unseen.
-	if err := s.db.WithContext(ctx).Transaction(run); err != nil {
+	if err := s.db.WithContext(ctx).Transaction(run, readCommitted); err != nil {
 		return nil, nil, err
 	}
 	changed := make(map[uuid.UUID]bool, len(changedIDs))

@@ -82,7 +82,8 @@ func (e *senderEnv) senderOn(t *testing.T, name string, d Deliverer, size int, p
 	for k, v := range params {
 		q.Set(k, v)
 	}
-	u.RawQuery = q.Encode()
+	// A space as %20: a connection URI's query, as libpq reads it, takes "+" for itself.
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
 	db := testenv.OpenPool(t, u.String(), size)
 	s := newSender(db, d, DefaultConcurrency, time.Second, e.log.With("sender", name))
 	s.deliver, s.mark, s.grace, s.poll = 500*time.Millisecond, time.Second, 500*time.Millisecond, 50*time.Millisecond
@@ -1571,6 +1572,75 @@ func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 	if until := rows[0].LeasedUntil; until.Before(lockFreed.Add(s.leaseFor())) {
 		t.Fatalf("the lease runs until %v, %v after the row lock went; want its whole length, %v, at least: it counted from before the transaction waited %v",
 			until, until.Sub(lockFreed), s.leaseFor(), held)
+	}
+}
+
+// A sent e-mail's mark may wait until its delivery's budget and a recording's have passed since
+// leasedAt, which may come a whole transaction's budget (mark) after the database took the
+// lease: the lease, as the sender is configured, lasts at least that long, or another sender
+// could take the notification while its mark still waits, and e-mail it again.
+func TestSentMarkWaitsNoLongerThanItsLease(t *testing.T) {
+	t.Parallel()
+	s := newSender(nil, nil, DefaultConcurrency, time.Minute, slog.New(slog.DiscardHandler))
+	took := time.Now() // the lease statement, first in its transaction
+	row := pendingRow{LeasedUntil: took.Add(s.leaseFor()), leasedAt: took.Add(s.mark)}
+	delivered := row.leasedAt.Add(s.deliver) // the delivery used its whole budget
+	if by := s.recordBy(&deliveryOutcome{row: row, sent: true}, delivered); by.After(row.LeasedUntil) {
+		t.Fatalf("a sent mark may wait %v past its lease (deliver %v, mark %v, grace %v); want it over by the lease's end",
+			by.Sub(row.LeasedUntil), s.deliver, s.mark, s.grace)
+	}
+}
+
+// The sender's transactions are READ COMMITTED whatever the database's default. Under
+// repeatable read, a transaction whose snapshot came before another sender leased a row fails
+// to serialize when its own lease locks that row, and rolls back the outcomes it recorded. Here
+// sender B's transaction takes its snapshot recording a release that waits for a row the test
+// locks; sender A leases the other notification meanwhile.
+func TestSenderTransactionsReadCommittedWhateverTheDefault(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	ids := e.pendingMany(t, 2)
+	a := e.sender(t, "sender-a", e.mailer(t))
+	b := e.senderOn(t, "sender-b", e.mailer(t), 1, map[string]string{"default_transaction_isolation": "repeatable read"})
+	b.mark = 10 * time.Second // the budget of its transaction: the one held is seen through, not cut short
+	var isolation string
+	if err := b.db.Raw("SHOW default_transaction_isolation").Scan(&isolation).Error; err != nil || isolation != "repeatable read" {
+		t.Fatalf("sender B's default isolation: %q, %v; want repeatable read", isolation, err)
+	}
+	leased, err := b.lease(1)
+	if err != nil || len(leased) != 1 || leased[0].ID != ids[0] {
+		t.Fatalf("sender B's lease = %+v, %v; want the notification %s", leased, err, ids[0])
+	}
+	lock := e.db.DB.Begin()
+	t.Cleanup(func() { lock.Rollback() })
+	if err := lock.Exec("SELECT 1 FROM notifications WHERE id = ? FOR UPDATE", ids[0]).Error; err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		changed map[uuid.UUID]bool
+		leased  []pendingRow
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		deadline := time.Now().Add(b.mark)
+		changed, rows, err := b.transact([]*deliveryOutcome{{row: leased[0], deadline: deadline}}, &leaseRequest{limit: 1, deadline: deadline})
+		done <- result{changed, rows, err}
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-b")) == 1 },
+		"sender B's release did not wait for its row")
+	if rows, err := a.lease(1); err != nil || len(rows) != 1 || rows[0].ID != ids[1] {
+		t.Fatalf("sender A's lease = %+v, %v; want the notification %s", rows, err, ids[1])
+	}
+	lock.Rollback()
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("sender B's transaction did not end")
+	}
+	if r.err != nil || !r.changed[ids[0]] || len(r.leased) != 0 {
+		t.Fatalf("sender B's transaction: changed %v, leased %+v, %v; want its release recorded and nothing leased", r.changed, r.leased, r.err)
 	}
 }
 
