@@ -140,14 +140,11 @@ further on. Messages another client holds at that moment are not shown.`,
   outboxctl dlq list invoicing --limit 1000 -o json`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
-			if limit < 0 {
-				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
-			}
 			return c.dlqList(ctx, amqpFlag, args[0], limit, dlqFilter{typ: typeFlag, reason: reason}, showHeaders, showBody)
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
-	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "show the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "show the messages whose reason has this text only, in any case")
 	cmd.Flags().BoolVar(&showBody, "show-body", false, "show each message's body")
@@ -243,9 +240,6 @@ another client holds unacknowledged at that moment are not seen.`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
 			f := dlqFilter{id: idFlag, typ: typeFlag, reason: reason}
-			if limit < 0 {
-				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
-			}
 			return c.dlqRedrive(ctx, amqpFlag, args[0], limit, f, dryRun, yes)
 		}),
 	}
@@ -253,7 +247,7 @@ another client holds unacknowledged at that moment are not seen.`,
 	cmd.Flags().StringVar(&idFlag, "id", "", "move the message with this id only")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "move the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "move the messages whose reason has this text only, in any case")
-	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (default: all of them)")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and change nothing")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before moving more than one message")
 	cmd.MarkFlagsMutuallyExclusive("id", "type")
@@ -325,11 +319,16 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	var inDoubt *messaging.DeadLetter
 	if errors.Is(err, messaging.ErrRedriveInDoubt) && len(moved) < len(picked) {
 		inDoubt = &picked[len(moved)]
-		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit 0 shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
-			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, dlq, printable(inDoubt.MessageID, 64), queue)
+		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit %d shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
+			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, result.Waiting, dlq, printable(inDoubt.MessageID, 64), queue)
 	}
 	if interrupted {
 		err = fmt.Errorf("interrupted: %w", err)
+	}
+	if err != nil && len(picked) == 0 {
+		// Stopped before it picked a message (no broker, no dead-letter queue, no permission):
+		// nothing moved, and stdout shows no result that could pass for one, as for dlq list.
+		return err
 	}
 	result.Count, result.Messages, result.Interrupted = len(moved), toDeadLetters(moved, false, false), interrupted
 	if inDoubt != nil {
@@ -353,10 +352,6 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		if interrupted {
 			stopped = "interrupted"
 		}
-		if len(picked) == 0 {
-			fmt.Fprintf(c.out, "%s before any message was picked: nothing moved\n", stopped)
-			return err
-		}
 		fmt.Fprintf(c.out, "%s: moved %d of the %d messages picked from %s to %s; the others are still in %s\n",
 			stopped, len(moved), len(picked), dlq, queue, dlq)
 		return err
@@ -368,7 +363,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	return nil
 }
 
-// window is how many of waiting messages a limit looks at (0: all).
+// window is how many of waiting messages a limit looks at (0, --limit left out: all).
 func window(waiting, limit int) int {
 	if limit > 0 {
 		return min(waiting, limit)
@@ -410,9 +405,6 @@ client holds unacknowledged at that moment are not seen).`,
   outboxctl dlq drop invoicing --without-id --dry-run`,
 		Args: exactArgs("QUEUE"),
 		RunE: action(func(ctx context.Context, args []string) error {
-			if limit < 0 {
-				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
-			}
 			// Given, --without-id=false passes the flags' check and would leave a filter of
 			// nothing, which picks the first message of all.
 			if idFlag == "" && !withoutID {
@@ -424,7 +416,7 @@ client holds unacknowledged at that moment are not seen).`,
 	amqpFlags(cmd, &amqpFlag)
 	cmd.Flags().StringVar(&idFlag, "id", "", "the message to drop")
 	cmd.Flags().BoolVar(&withoutID, "without-id", false, "drop the first message that has no message id")
-	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (default: all of them)")
 	cmd.MarkFlagsOneRequired("id", "without-id")
 	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
@@ -511,7 +503,7 @@ func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.
 func deadLetterConfig(flagValue, queue string) (messaging.DeadLetterConfig, error) {
-	amqpURL, err := urlListFrom("amqp", flagValue, "AMQP_URL", "amqp", "amqps")
+	amqpURL, err := urlListFrom("amqp", flagValue, "AMQP_URL", parseAMQPURL, "amqp", "amqps")
 	if err != nil {
 		return messaging.DeadLetterConfig{}, err
 	}

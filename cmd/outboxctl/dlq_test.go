@@ -169,10 +169,13 @@ func fillDLQ(t *testing.T, msgs ...amqp.Publishing) (queue string, ids []string)
 	return queue, ids
 }
 
+// wholeQueue is a --limit beyond any test's dead-letter queue: a listing of all of it.
+const wholeQueue = "100000"
+
 // inDLQ lists the whole dead-letter queue of queue through outboxctl: the ids, in order.
 func inDLQ(t *testing.T, queue string) []string {
 	t.Helper()
-	return ids2(okJSON[dlqResult](t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL()).Messages)
+	return ids2(okJSON[dlqResult](t, "dlq", "list", queue, "--limit", wholeQueue, "--amqp", testenv.AMQPURL()).Messages)
 }
 
 // Listing takes nothing away and changes no order: twice, with the flags before and after the
@@ -419,6 +422,82 @@ func TestDlqRedriveDryRunFiltersLimitAndConfirmation(t *testing.T) {
 	}
 	if got := inDLQ(t, queue); !sameSet(got, []string{ids[1], ids[3]}) {
 		t.Errorf("the dead-letter queue holds %q, want the two others", got)
+	}
+}
+
+// A --limit of 0, as a script's --limit "$N" with N computed as 0 gives it, is a usage error
+// that moves nothing: left out, a redrive moves every message, and 0 must not do the same.
+func TestDlqRedriveRefusesALimitOfZero(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	for _, limit := range []string{"0", "-1"} {
+		// No terminal: without the check, the redrive would go on without asking.
+		code, stdout, stderr := ctl(t, "dlq", "redrive", queue, "--limit", limit, "--amqp", testenv.AMQPURL())
+		if code != exitUsage || stdout != "" || !strings.Contains(stderr, "--limit "+limit+": want 1 or more, or leave it out for all") {
+			t.Errorf("redrive --limit %s: exit %d, stdout %q, stderr %q; want 2 naming --limit", limit, code, stdout, stderr)
+		}
+	}
+	if got := inDLQ(t, queue); !slices.Equal(got, ids) {
+		t.Errorf("after redrive --limit 0 the dead-letter queue holds %q, want all 3: %q", got, ids)
+	}
+	if n := testenv.QueueDepth(t, testenv.Channel(t), queue); n != 0 {
+		t.Errorf("after redrive --limit 0, %d messages are in %s, want none", n, queue)
+	}
+}
+
+// A redrive that fails before it picked a message prints no result, in either format, as dlq
+// list and drop print none: a document of zero counts would pass for "nothing to move". Here
+// no broker answers, or the dead-letter queue is missing.
+func TestDlqRedriveThatFailsBeforePickingPrintsNothing(t *testing.T) {
+	t.Parallel()
+	_, missing := brokerNames(t) // never declared
+	for _, args := range [][]string{
+		{"dlq", "redrive", "q", "--amqp", "amqp://g@127.0.0.1:1/", "-o", "json"},
+		{"dlq", "redrive", "q", "--amqp", "amqp://g@127.0.0.1:1/", "-o", "json", "--dry-run"},
+		{"dlq", "redrive", "q", "--amqp", "amqp://g@127.0.0.1:1/", "--yes"},
+		{"dlq", "redrive", missing, "--amqp", testenv.AMQPURL(), "-o", "json"},
+		{"dlq", "redrive", missing, "--amqp", testenv.AMQPURL()},
+	} {
+		if code, stdout, stderr := ctl(t, args...); code != exitFailure || stdout != "" || stderr == "" {
+			t.Errorf("outboxctl %s: exit %d, stdout %q, stderr %q; want 1, the error on stderr and nothing on stdout",
+				strings.Join(args, " "), code, stdout, stderr)
+		}
+	}
+}
+
+// A copy the broker nacks (its queue is full and rejects publishes) is no move: the redrive
+// fails, and the message stays in the dead-letter queue, acknowledged there only after a
+// confirm.
+func TestDlqRedriveOfACopyTheBrokerNacksKeepsTheMessage(t *testing.T) {
+	t.Parallel()
+	_, queue := brokerNames(t)
+	dlq, ch := messaging.DeadLetterQueue(queue), testenv.Channel(t)
+	// The redrive publishes its copy through the default exchange straight into queue, which
+	// holds one message already and refuses another with a nack.
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	first := uuid.NewString()
+	publishTo(t, ch, "", queue, amqp.Publishing{MessageId: first, Type: "OrderPlaced", ContentType: "application/json", Body: []byte(`{}`)})
+	dead := deadMessage("OrderPlaced", "no price")
+	publishTo(t, ch, "", dlq, dead)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.QueueDepth(t, ch, queue) == 1 && testenv.QueueDepth(t, ch, dlq) == 1
+	}, "the queues did not fill")
+
+	code, stdout, stderr := ctl(t, "dlq", "redrive", queue, "--amqp", testenv.AMQPURL())
+	if code != exitFailure || !strings.Contains(stderr, "redrive message "+dead.MessageId+": the broker nacked it") ||
+		!strings.Contains(stdout, "stopped by a failure: moved 0 of the 1 messages picked") {
+		t.Errorf("redrive into a full queue: exit %d, stdout %q, stderr %q; want 1, the nack named, nothing moved", code, stdout, stderr)
+	}
+	if got := inDLQ(t, queue); !slices.Equal(got, []string{dead.MessageId}) {
+		t.Errorf("after a nacked redrive the dead-letter queue holds %q, want the message %s", got, dead.MessageId)
+	}
+	if got := drainIDs(t, queue); !slices.Equal(got, []string{first}) {
+		t.Errorf("%s holds %q, want only the message it held before", queue, got)
 	}
 }
 
@@ -672,7 +751,7 @@ func TestDlqToolsKeepTheOrderOfALongQueue(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
 
 	for i := range 2 {
-		if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL())); !slices.Equal(got, ids) {
+		if got := listed(t, ok(t, "dlq", "list", queue, "--limit", wholeQueue, "--amqp", testenv.AMQPURL())); !slices.Equal(got, ids) {
 			t.Fatalf("listing %d: %d messages, first out of order at %d", i+1, len(got), firstDifference(got, ids))
 		}
 	}

@@ -24,7 +24,8 @@
 //
 // Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line; 3 nothing
 // matched (no such row or message, or not in a state the command acts on; inbox show: no
-// record); 4 not confirmed, so nothing was changed. A failure is one line on stderr.
+// record); 4 not confirmed, so nothing was changed. A failure is one line on stderr; a mistake
+// in the command line is followed by the command's usage.
 //
 // The command line is cobra's: the subcommand tree, the help of each command, flags wherever
 // they stand, as in the river CLI.
@@ -45,7 +46,10 @@ import (
 	"syscall"
 	"unicode"
 
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/mattn/go-isatty"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -252,6 +256,9 @@ they lose nothing (the inbox skips what was handled already), and a drop refuses
 			if err := noEmptyFlags(cmd); err != nil {
 				return err
 			}
+			if err := noZeroLimit(cmd); err != nil {
+				return err
+			}
 			if format != "table" && format != "json" {
 				return usageError{fmt.Sprintf("-o %q: want table or json", printable(format, 32))}
 			}
@@ -285,6 +292,25 @@ func noEmptyFlags(cmd *cobra.Command) error {
 		return usageError{fmt.Sprintf("%s given an empty value: leave it out, or give it one", strings.Join(empty, ", "))}
 	}
 	return nil
+}
+
+// noZeroLimit refuses a --limit given as 0 or less. Left out, --limit is its default (all, or
+// dlq list's first 100); given 0, as a script's computed --limit "$N" gives it, it must not
+// mean all: it would move a whole dead-letter queue or backlog.
+func noZeroLimit(cmd *cobra.Command) error {
+	f := cmd.Flags().Lookup("limit")
+	if f == nil || !f.Changed {
+		return nil
+	}
+	n, err := cmd.Flags().GetInt("limit")
+	if err != nil || n > 0 {
+		return err
+	}
+	def := "all"
+	if f.DefValue != "0" {
+		def = "its default, " + f.DefValue
+	}
+	return usageError{fmt.Sprintf("--limit %d: want 1 or more, or leave it out for %s", n, def)}
 }
 
 // cli is what every command shares: the streams and the output format.
@@ -380,28 +406,28 @@ func (c *cli) confirm(ctx context.Context, yes bool, question string) error {
 }
 
 // urlFrom returns the flag's value, or else the environment variable's: one URL, with one of
-// schemes. A missing or malformed URL is a usage error that names where it came from, never
-// its value: it may hold a password. Malformed includes a password with a / ? or # left
-// unescaped (see platform.AtAfterHost), which hideSecrets could not find to hide. (A
-// PostgreSQL URL may name several hosts, commas and all, or a Unix socket's directory in
-// host=, as the services accept it.)
-func urlFrom(flagName, value, variable string, schemes ...string) (string, error) {
+// schemes, that parse (the client's own parser) accepts. A missing or malformed URL is a usage
+// error that names where it came from, never its value: it may hold a password. Malformed
+// includes a password with a / ? or # left unescaped (see platform.AtAfterHost), which
+// hideSecrets could not find to hide. (A PostgreSQL URL may name several hosts, commas and
+// all, or a Unix socket's directory in host=, as the services accept it.)
+func urlFrom(flagName, value, variable string, parse func(string) error, schemes ...string) (string, error) {
 	one := func(v string) []string { return []string{v} }
-	return checkedURLs(flagName, value, variable, one, "a URL", schemes)
+	return checkedURLs(flagName, value, variable, one, "a URL", parse, schemes)
 }
 
 // urlListFrom is urlFrom for a broker's URL, which may list one URL per node of a cluster,
 // comma-separated, as AMQP_URL does.
-func urlListFrom(flagName, value, variable string, schemes ...string) (string, error) {
-	return checkedURLs(flagName, value, variable, platform.SplitURLs, "a URL, or a comma-separated list of URLs,", schemes)
+func urlListFrom(flagName, value, variable string, parse func(string) error, schemes ...string) (string, error) {
+	return checkedURLs(flagName, value, variable, platform.SplitURLs, "a URL, or a comma-separated list of URLs,", parse, schemes)
 }
 
 // checkedURLs is urlFrom with split cutting the value into the URLs it holds, and what saying
 // what it should be.
-func checkedURLs(flagName, value, variable string, split func(string) []string, what string, schemes []string) (string, error) {
+func checkedURLs(flagName, value, variable string, split func(string) []string, what string, parse func(string) error, schemes []string) (string, error) {
 	source := "--" + flagName
 	if value == "" {
-		value, source = os.Getenv(variable), variable
+		value, source = os.Getenv(variable), fmt.Sprintf("%s (the default of --%s)", variable, flagName)
 	}
 	if value == "" {
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
@@ -413,8 +439,35 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 		if u, err := url.Parse(one); err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u) {
 			return "", usageError{fmt.Sprintf("%s is not %s with scheme %s", source, what, strings.Join(schemes, " or "))}
 		}
+		// A parameter the client refuses (connect_timeout=x, heartbeat=abc) is the command
+		// line's mistake too, found before anything is done rather than at the connection.
+		if err := parse(one); err != nil {
+			return "", usageError{fmt.Sprintf("%s does not parse: %v", source, err)}
+		}
 	}
 	return value, nil
+}
+
+// parsePostgresURL parses rawURL as openDB's pgxpool will. pgx's error quotes the URL, its
+// password masked at best: only what is wrong, which follows it, is kept.
+func parsePostgresURL(rawURL string) error {
+	_, err := pgxpool.ParseConfig(rawURL)
+	var parseErr *pgconn.ParseConfigError
+	if !errors.As(err, &parseErr) {
+		return err
+	}
+	msg := err.Error()
+	if i := strings.LastIndex(msg, "`: "); i >= 0 {
+		msg = msg[i+len("`: "):]
+	}
+	return errors.New(msg)
+}
+
+// parseAMQPURL parses one broker URL as the library's dial will. Its errors do not quote the
+// URL once net/url has accepted it, as checkedURLs makes sure first.
+func parseAMQPURL(rawURL string) error {
+	_, err := amqp.ParseURI(rawURL)
+	return err
 }
 
 // hideSecrets replaces in msg every password of a URL given in args, in DATABASE_URL or in

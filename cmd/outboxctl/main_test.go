@@ -164,6 +164,8 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"dlq", "drop", "invoicing", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--without-id=false", "--yes", "--amqp", amqpURL},
 		{"dlq", "list", "invoicing", "--limit", "-5", "--amqp", amqpURL},
+		{"dlq", "list", "invoicing", "--limit", "0", "--amqp", amqpURL},
+		{"dlq", "drop", "invoicing", "--id", id, "--limit", "0", "--yes", "--amqp", amqpURL},
 		{"dlq", "drop", "invoicing", "--id", id, "--limit", "-1", "--yes", "--amqp", amqpURL},
 		{"status", "--db", "http://127.0.0.1/x"},
 		{"status", "--db", "postgres://127.0.0.1:99999/x"},
@@ -322,6 +324,34 @@ func TestErrorsHideEveryPasswordParameter(t *testing.T) {
 		msg := hideSecrets(`connect: unrecognized configuration parameter "PassWord" = "`+secret+`"`, []string{"status", "--db", arg})
 		if strings.Contains(msg, secret) {
 			t.Errorf("with %s: %q; want the password hidden", arg, msg)
+		}
+	}
+}
+
+// A URL whose parameters the client refuses is a usage error, found before anything connects,
+// that names the flag and its variable and never shows the password. Not parallel: it sets the
+// process's variables.
+func TestAURLTheClientRefusesIsAUsageError(t *testing.T) {
+	const secret = "hunter2-s3cret"
+	t.Setenv("DATABASE_URL", "postgres://u:"+secret+"@h/db?connect_timeout=x")
+	t.Setenv("AMQP_URL", "amqp://g@127.0.0.1:1/,amqp://u:"+secret+"@h/v?channel_max=x")
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"status"}, []string{"DATABASE_URL (the default of --db) does not parse: invalid connect_timeout"}},
+		{[]string{"retry", "--db", "postgres://u:" + secret + "@h/db?sslmode=bogus"}, []string{"--db does not parse: ", "sslmode is invalid", "$DATABASE_URL"}},
+		{[]string{"dlq", "list", "q"}, []string{"AMQP_URL (the default of --amqp) does not parse: channel_max"}},
+		{[]string{"dlq", "redrive", "q", "--amqp", "amqp://u:" + secret + "@h/v?heartbeat=abc", "-o", "json"}, []string{"--amqp does not parse: heartbeat", "$AMQP_URL"}},
+	} {
+		code, stdout, stderr := ctl(t, tc.args...)
+		if code != exitUsage || stdout != "" || strings.Contains(stderr, secret) {
+			t.Errorf("outboxctl %s: exit %d, stdout %q, stderr %q; want 2, nothing on stdout, no password", strings.Join(tc.args, " "), code, stdout, stderr)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(stderr, w) {
+				t.Errorf("outboxctl %s: stderr %q lacks %q", strings.Join(tc.args, " "), stderr, w)
+			}
 		}
 	}
 }

@@ -159,9 +159,6 @@ Exit status 3: --id names no unsent row, or a parked one; or --type matches no w
 				}
 				return c.retryOne(ctx, dbFlag, id, dryRun)
 			}
-			if limit < 0 {
-				return usageError{fmt.Sprintf("--limit %d: want 0 (all) or more", limit)}
-			}
 			if batch < 1 {
 				return usageError{fmt.Sprintf("--batch %d: want 1 or more", batch)}
 			}
@@ -171,7 +168,7 @@ Exit status 3: --id names no unsent row, or a parked one; or --type matches no w
 	dbFlags(cmd, &dbFlag)
 	cmd.Flags().StringVar(&idFlag, "id", "", "retry this row only (an unsent row, not parked)")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "retry rows of this message type only")
-	cmd.Flags().IntVar(&limit, "limit", 0, "retry at most this many rows, the oldest first (0: all)")
+	cmd.Flags().IntVar(&limit, "limit", 0, "retry at most this many rows, the oldest first (default: all)")
 	cmd.Flags().IntVar(&batch, "batch", defaultRetryBatch, "make the rows due this many at a time, each batch in its own transaction")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the rows it would retry, and change nothing")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before retrying more than one row")
@@ -248,6 +245,11 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 			}
 		}
 		if err := c.confirmBulk(ctx, yes, fmt.Sprintf("make these %d outbox rows due now", len(ids))); err != nil {
+			if c.json() { // not confirmed: a result, as a redrive's, that says none was made due
+				if werr := (&rowStream{w: c.out, json: true}).end("", false); werr != nil {
+					return werr
+				}
+			}
 			return err
 		}
 	}
@@ -580,7 +582,7 @@ func idFlagFor(cmd *cobra.Command, idFlag *string, usage string) {
 // openDB connects to the database --db or DATABASE_URL names, and returns its URL, the
 // library's handle on it, and what closes it.
 func openDB(ctx context.Context, flagValue string) (string, messaging.DB, func(), error) {
-	rawURL, err := urlFrom("db", flagValue, "DATABASE_URL", "postgres", "postgresql")
+	rawURL, err := urlFrom("db", flagValue, "DATABASE_URL", parsePostgresURL, "postgres", "postgresql")
 	if err != nil {
 		return "", nil, nil, err
 	}

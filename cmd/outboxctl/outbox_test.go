@@ -256,8 +256,28 @@ func TestRetryDryRunTypeAndLimit(t *testing.T) {
 	wantExit(t, exitNoMatch, []string{"retry", "--type", "NoSuchType", "--db", d.URL, "--yes"}, `no unsent row of type "NoSuchType"`)
 }
 
+// A --limit of 0, as a script's --limit "$N" with N computed as 0 gives it, is a usage error
+// that changes nothing: left out, a retry makes every row due, and 0 must not do the same.
+func TestRetryRefusesALimitOfZero(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 3)
+	for _, id := range ids {
+		fail(t, d.DB, id, 1, "message nacked by the broker")
+	}
+	before := outboxState(t, d)
+	// No terminal: without the check, the retry would go on without asking.
+	code, stdout, stderr := ctl(t, "retry", "--limit", "0", "--db", d.URL)
+	if code != exitUsage || stdout != "" || !strings.Contains(stderr, "--limit 0: want 1 or more, or leave it out for all") {
+		t.Errorf("retry --limit 0: exit %d, stdout %q, stderr %q; want 2 naming --limit", code, stdout, stderr)
+	}
+	if after := outboxState(t, d); after != before {
+		t.Fatalf("retry --limit 0 changed the outbox:\n%s\n%s", before, after)
+	}
+}
+
 // At a terminal, retry asks before it acts on more than one row, and does nothing unless the
-// answer is yes.
+// answer is yes; declined, -o json prints a result of no rows, as a declined redrive does.
 func TestRetryAsksAtATerminal(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
@@ -271,6 +291,10 @@ func TestRetryAsksAtATerminal(t *testing.T) {
 			!strings.Contains(stderr, ids[0].String()) || stdout != "" {
 			t.Errorf("retry answered %q: exit %d, stdout %q, stderr %q; want 4 after listing the rows and asking", answer, code, stdout, stderr)
 		}
+	}
+	if code, stdout, _ := ctlAt(t, &terminal{"n\n"}, "retry", "--db", d.URL, "-o", "json"); code != exitNotConfirmed ||
+		!strings.Contains(stdout, `"rows": []`) || decode[outboxRowsResult](t, stdout).Count != 0 {
+		t.Errorf("retry declined, -o json: exit %d, stdout %q; want 4 and a result of no rows", code, stdout)
 	}
 	if after := outboxState(t, d); after != before {
 		t.Fatalf("a declined retry changed the outbox:\n%s\n%s", before, after)
