@@ -158,8 +158,9 @@ const MaxBufferedBody = 1 << 20
 const DefaultBodyBudget = 16 << 20
 
 // Middleware admits or sheds each request once its body has arrived; a request whose client
-// waits for 100 Continue is shed before that if no place is near. A body declared larger than
-// MaxBufferedBody is answered 413 at once, unread.
+// waits for 100 Continue is shed before that if no place is near, and one whose body finds no
+// room in the body budget as it arrives. A body declared larger than MaxBufferedBody is
+// answered 413 at once, unread.
 func (a *Admission) Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.ContentLength > MaxBufferedBody {
@@ -173,8 +174,13 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 			a.refuse(w, r)
 			return
 		}
-		release := a.readBody(r)
+		release, read := a.readBody(r)
 		defer release()
+		if !read {
+			w.Header().Set("Connection", "close") // the rest of the body is left unread
+			a.refuse(w, r)
+			return
+		}
 		if !a.enter(r.Context()) {
 			a.refuse(w, r)
 			return
@@ -211,37 +217,39 @@ func expectsContinue(r *http.Request) bool {
 // bodies were read after admission. The bytes are counted against the body budget as they
 // arrive, with the room the buffer that holds them grows by (at most twice the bytes), until
 // release: a client must send them to take budget, not declare them, and one that sends
-// nothing takes none (the 4 KiB each read lands in first is outside the budget). What the
-// budget has no room for (and anything past MaxBufferedBody) is read by the handler, after
-// admission, as before. The handler reads what was read, then the rest and any read error, as
-// it would have from the connection.
-func (a *Admission) readBody(r *http.Request) (release func()) {
+// nothing takes none (the 4 KiB each read lands in first is outside the budget). A body the
+// budget has no room for is not read on: read reports false, and the request is shed, holding
+// no place (admitted to read its body after admission, such requests took every place while
+// slow uploads held the budget). Past MaxBufferedBody is the handler's to read, and refuse.
+// The handler reads what was read, then the rest and any read error, as it would have from the
+// connection.
+func (a *Admission) readBody(r *http.Request) (release func(), read bool) {
 	var held int64
 	release = func() { a.bodiesHeld.Add(-held) }
 	if r.Body == nil || r.Body == http.NoBody {
-		return release
+		return release, true
 	}
 	most := int64(MaxBufferedBody + 1) // one byte past the most, to tell a larger body
 	if r.ContentLength >= 0 {
 		most = min(most, r.ContentLength+1) // one more, to see the end
 	}
-	var body, unheld []byte
+	var body []byte
 	rest := io.Reader(r.Body)
 	// Each read lands here first: net/http's connection reads through a buffer of this size
 	// already, and the bytes are taken into body only once counted.
 	arrived := make([]byte, min(most, bodyReadSize))
-	for int64(len(body)) < most && unheld == nil {
+	for int64(len(body)) < most {
 		n, err := r.Body.Read(arrived[:min(int64(len(arrived)), most-int64(len(body)))])
 		if n > 0 {
-			if grow := a.room(body, n, most); grow < 0 {
-				unheld = arrived[:n] // no room: the handler reads them first, after admission
-			} else {
-				if grow > 0 {
-					held += grow
-					body = append(make([]byte, 0, int64(cap(body))+grow), body...)
-				}
-				body = append(body, arrived[:n]...)
+			grow := a.room(body, n, most)
+			if grow < 0 {
+				return release, false
 			}
+			if grow > 0 {
+				held += grow
+				body = append(make([]byte, 0, int64(cap(body))+grow), body...)
+			}
+			body = append(body, arrived[:n]...)
 		}
 		if errors.Is(err, io.EOF) {
 			rest = http.NoBody
@@ -255,8 +263,8 @@ func (a *Admission) readBody(r *http.Request) (release func()) {
 	r.Body = struct {
 		io.Reader
 		io.Closer
-	}{io.MultiReader(bytes.NewReader(body), bytes.NewReader(unheld), rest), r.Body}
-	return release
+	}{io.MultiReader(bytes.NewReader(body), rest), r.Body}
+	return release, true
 }
 
 // room takes from the budget what body must grow by to take n more bytes, and returns it: 0

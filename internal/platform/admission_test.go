@@ -2,6 +2,7 @@ package platform
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -372,9 +373,12 @@ func TestABodyCutShortIsAnErrorForTheHandler(t *testing.T) {
 	for _, declared := range []int64{100, -1} {
 		r := httptest.NewRequest(http.MethodPost, "/", io.MultiReader(strings.NewReader(`{"a":1}`), failedReader{io.ErrUnexpectedEOF}))
 		r.ContentLength = declared
-		release := a.readBody(r)
+		release, read := a.readBody(r)
 		got, err := io.ReadAll(r.Body)
 		release()
+		if !read {
+			t.Errorf("declared %d: a body within the budget was not read", declared)
+		}
 		if string(got) != `{"a":1}` || !errors.Is(err, io.ErrUnexpectedEOF) {
 			t.Errorf("declared %d: the handler read %q, %v; want the 7 bytes that came, then io.ErrUnexpectedEOF", declared, got, err)
 		}
@@ -656,45 +660,53 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 	resp.Body.Close()
 }
 
-// The bodies read ahead of admission hold at most the budget's bytes at once: a body past it
-// is read by the handler, after admission, as before; and each request gives its bytes back.
-func TestBodiesReadAheadStayWithinTheBudget(t *testing.T) {
+// The bodies read ahead of admission hold at most the budget's bytes at once: a request whose
+// body finds no room is shed at once, holding no place, and gives back what it took. Admitted
+// to read its body after admission instead, slow uploads that filled the budget had every
+// later request take a place with its body unread, and held them all.
+func TestABodyPastTheBudgetIsShed(t *testing.T) {
 	t.Parallel()
 	a := newAdmission(t, 4, DefaultLatencyTarget)
-	a.bodyBudget = 10
-	proceed := make(chan struct{})
-	srv := httptest.NewServer(a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		<-proceed
-		readsItsBody(w, r)
-	})))
+	a.bodyBudget = 3 * bodyReadSize
+	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(readsItsBody)))
+	active := countRequests(srv)
+	srv.Start()
 	defer srv.Close()
-	done := make(chan string, 1)
-	go func() {
-		resp, err := http.Post(srv.URL, "application/json", strings.NewReader(strings.Repeat("x", 100)))
-		if err != nil {
-			done <- err.Error()
-			return
-		}
-		defer resp.Body.Close()
-		got, _ := io.ReadAll(resp.Body)
-		done <- fmt.Sprintf("%d %s", resp.StatusCode, got)
-	}()
-	// Admitted with at most what fitted in the budget read ahead (here none: the body came in
-	// one read larger than it), the rest still to read.
-	testenv.Eventually(t, 5*time.Second, func() bool {
+	// A slow upload that holds half the budget or more (its buffer grows to twice its bytes at
+	// most, so it fits whole): 6,000 bytes of the megabyte it declares.
+	filling, releaseFilling := trickleBytes(srv.URL, 1, MaxBufferedBody, 6000)
+	defer releaseFilling()
+	testenv.Eventually(t, 5*time.Second, func() bool { return a.bodiesHeld.Load() >= 6000 },
+		"the slow upload never took its bytes of the budget")
+	held := a.bodiesHeld.Load()
+	// The next slow uploads, of 7,000 bytes each, find no room for them: shed, not admitted to
+	// wait for their bodies.
+	past, releasePast := trickleBytes(srv.URL, 4, MaxBufferedBody, 7000)
+	defer releasePast()
+	inUse := func() int {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.inUse == 1
-	}, "the request was never admitted")
-	if held := a.bodiesHeld.Load(); held > a.bodyBudget {
-		t.Errorf("a 100-byte body under a budget of %d: %d bytes held ahead of admission, want them within the budget", a.bodyBudget, held)
+		return a.inUse
 	}
-	close(proceed)
-	if got := <-done; got != "201 100" {
-		t.Errorf("a body past the budget: %q, want 201 and its 100 bytes read", got)
+	for range 4 {
+		select {
+		case got := <-past:
+			if !strings.HasPrefix(got, "503 ") {
+				t.Errorf("a slow upload past the budget: %q, want 503", got)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("a slow upload past the budget still unanswered after 5 s, %d places in use", inUse())
+		}
 	}
-	if n := a.bodiesHeld.Load(); n != 0 {
-		t.Errorf("%d bytes still counted as held, want 0", n)
+	if n := inUse(); n != 0 || a.bodiesHeld.Load() != held {
+		t.Errorf("%d places in use, %d bytes held; want none in use and the first upload's %d only", n, a.bodiesHeld.Load(), held)
+	}
+	releaseFilling()
+	<-filling
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 5 && a.bodiesHeld.Load() == 0 },
+		"the budget was not given back")
+	if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
+		t.Fatalf("a request once the budget is free: %d, want 201", code)
 	}
 }
 
@@ -713,13 +725,18 @@ func countRequests(srv *httptest.Server) *atomic.Int64 {
 // once and the rest only once release is called (a body of 7 bytes, {"a":1}; any other length
 // ends there, short); each one's status and response body, or error, come on results.
 func trickle(url string, n int, declared int64) (results <-chan string, release func()) {
+	return trickleBytes(url, n, declared, 1)
+}
+
+// trickleBytes is trickle with first bytes sent at once.
+func trickleBytes(url string, n int, declared int64, first int) (results <-chan string, release func()) {
 	released := make(chan struct{})
 	var once sync.Once
 	out := make(chan string, n)
 	for range n {
 		pr, pw := io.Pipe()
 		go func() {
-			_, _ = pw.Write([]byte("{")) // the first byte, then nothing until released
+			_, _ = pw.Write(append([]byte("{"), bytes.Repeat([]byte(" "), first-1)...)) // then nothing until released
 			<-released
 			if declared == 7 {
 				_, _ = pw.Write([]byte(`"a":1}`))
