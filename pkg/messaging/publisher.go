@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -83,8 +84,10 @@ type PublisherConfig struct {
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
 	// calls. Default 1000.
 	MaxInFlight int
-	// MaxMessageBytes: a larger body is refused with [ErrTooLarge] before publishing. Default
-	// [DefaultMaxMessageBytes], what a [Subscription] accepts by default.
+	// MaxMessageBytes: a larger body is refused with [ErrTooLarge] before publishing; one
+	// that is JSON is measured, and sent, without its insignificant white space first (the
+	// spaces PostgreSQL's jsonb adds). Default [DefaultMaxMessageBytes], what a [Subscription]
+	// accepts by default.
 	MaxMessageBytes int
 	// Reconnect paces the dial attempts after failures. Default 100 ms doubling up to 2 s,
 	// jittered: a broker that comes back is found within about 2 s.
@@ -178,6 +181,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 	// messages and the writes included.
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
 	defer cancel()
+	msgs = compactOversized(msgs, p.cfg.MaxMessageBytes)
 	if err := p.inFlight.Acquire(ctx, int64(len(msgs))); err != nil {
 		fill(errs, unavailable("wait for room among the messages in flight: %w", err))
 		return
@@ -246,9 +250,6 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 	defer close(writing) // before stop: an end that comes after the writes closes nothing
 	confirms := make([]*amqp.DeferredConfirmation, len(msgs))
 	for i, m := range msgs {
-		if len(m.Payload) > p.cfg.MaxMessageBytes {
-			m.Payload = compacted(m.Payload)
-		}
 		if len(m.Payload) > p.cfg.MaxMessageBytes {
 			errs[i] = fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(m.Payload), p.cfg.MaxMessageBytes)
 			continue
@@ -741,16 +742,28 @@ func unavailable(format string, args ...any) error {
 	return fmt.Errorf("%w: %w", ErrBrokerUnavailable, fmt.Errorf(format, args...))
 }
 
-// compacted is payload without its insignificant white space, or payload itself if it is no
-// JSON. PostgreSQL gives a jsonb column back with a space after every ':' and ',', half as long
-// again for an array of numbers: a payload within the limit when it was enqueued is measured
-// so, not as the database prints it.
-func compacted(payload json.RawMessage) json.RawMessage {
-	var b bytes.Buffer
-	if json.Compact(&b, payload) != nil {
-		return payload
+// compactOversized returns msgs with each payload over most that is JSON without its
+// insignificant white space (a copy of msgs, if any changed; before the lock, which a large
+// payload's compaction would hold). PostgreSQL gives a jsonb column back with a space after
+// every ':' and ',', half as long again at most (an array of small numbers): a payload within
+// the limit when it was enqueued is measured, and sent, as it was. One longer than that cannot
+// fit, and is not compacted at each retry in vain.
+func compactOversized(msgs []Message, most int) []Message {
+	out, copied := msgs, false
+	for i, m := range msgs {
+		if len(m.Payload) <= most || len(m.Payload) > most+most/2+1 {
+			continue
+		}
+		var b bytes.Buffer
+		if json.Compact(&b, m.Payload) != nil {
+			continue // not JSON: measured as it is
+		}
+		if !copied {
+			out, copied = slices.Clone(msgs), true
+		}
+		out[i].Payload = b.Bytes()
 	}
-	return b.Bytes()
+	return out
 }
 
 func fill(errs []error, err error) {

@@ -2,6 +2,7 @@ package messaging
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -298,5 +299,30 @@ func TestARefusalCoversTheMessagesItNames(t *testing.T) {
 		if got := refuses(&amqp.Error{Code: code, Reason: c.reason}, c.m); got != c.want {
 			t.Errorf("%q covers exchange %q key %q: %v, want %v", c.reason, c.m.Exchange, c.m.routingKey(), got, c.want)
 		}
+	}
+}
+
+// Only a JSON payload over the limit, and within what jsonb's spaces can add to one that fits,
+// is compacted, in a copy of the messages; the others are left as they are, and a window with
+// none of them is not copied.
+func TestCompactOversized(t *testing.T) {
+	const most = 20
+	spaced := json.RawMessage(`[1, 2, 3, 4, 5, 6, 7, 8]`)             // 24 bytes, 17 compact
+	tooLong := json.RawMessage(`[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]`) // 35 bytes: past 1.5 × 20 + 1
+	notJSON := json.RawMessage(`{not json at all, though long}`)
+	fits := json.RawMessage(`[1, 2]`)
+	msgs := []Message{{Payload: fits}, {Payload: spaced}, {Payload: tooLong}, {Payload: notJSON}}
+	got := compactOversized(msgs, most)
+	want := []string{string(fits), `[1,2,3,4,5,6,7,8]`, string(tooLong), string(notJSON)}
+	for i := range got {
+		if string(got[i].Payload) != want[i] {
+			t.Errorf("message %d: %s, want %s", i, got[i].Payload, want[i])
+		}
+	}
+	if string(msgs[1].Payload) != string(spaced) {
+		t.Errorf("the caller's message changed: %s", msgs[1].Payload)
+	}
+	if untouched := []Message{{Payload: fits}}; &compactOversized(untouched, most)[0] != &untouched[0] {
+		t.Error("a window with nothing to compact was copied")
 	}
 }

@@ -29,7 +29,7 @@ const (
 
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message,
 // in their order (see [Publisher.Publish]); any other number of verdicts fails the batch, its
-// rows left due. An error wrapping [ErrBrokerUnavailable] is no verdict: the row
+// rows left due, and the relay logs it and tries again at its poll interval, for ever. An error wrapping [ErrBrokerUnavailable] is no verdict: the row
 // stays due and its attempts untouched. Any other error is the message's own fault, and backs
 // the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has (a
 // wrapper that embeds a Sender loses it: give the wrapper one): the relay then asks it, not a
@@ -221,9 +221,10 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			r.log.Error("relay batch failed", "error", err)
 			sleep(ctx, nil, jittered(r.cfg.PollInterval))
 		case res.Claimed == 0 && r.isBrokerDown() && r.probe != nil:
-			// An empty claim never reached the broker: look for it, so that its return is
-			// known (and outbox_relay_broker_up says so) before the next row. A Sender that
-			// cannot be probed learns it from the next row's publish.
+			// Another lane found the broker gone while this one claimed nothing: an empty
+			// claim never reached the broker, so look for it, that its return is known (and
+			// outbox_relay_broker_up says so) before the next row. A Sender that cannot be
+			// probed learns it from the next row's publish.
 			r.awaitBroker(ctx, 1)
 		case res.Claimed == 0 && r.lostWhileIdle(ctx):
 			// Nor does it see the broker go: the outage begins now, not at the next row.
