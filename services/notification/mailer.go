@@ -596,7 +596,8 @@ func composeEmail(from string, n Notification, eightBit bool) ([]byte, error) {
 // RFC 5321 4.5.3.1.6).
 const maxLine = 998
 
-// eightBitText says whether body may go as it is: no line longer than maxLine, and no CR but
+// eightBitText says whether body may go as it is: no line longer than maxLine, no NUL (which
+// 8bit data never holds, RFC 6152), and no CR but
 // in a CRLF (the dot-writer makes a bare LF CRLF, but passes a bare CR through, and does not
 // dot-stuff a "." after it, which a server that ends lines at a bare CR would take for the end
 // of the data). A body that is not goes quoted-printable, whose soft line breaks give back a
@@ -605,7 +606,7 @@ const maxLine = 998
 func eightBitText(body string) bool {
 	for line := range strings.SplitSeq(body, "\n") {
 		line = strings.TrimSuffix(line, "\r")
-		if len(line) > maxLine || strings.Contains(line, "\r") {
+		if len(line) > maxLine || strings.ContainsAny(line, "\r\x00") {
 			return false
 		}
 	}

@@ -754,6 +754,7 @@ func TestBodyGoes8BitOnlyAsSMTPCarriesIt(t *testing.T) {
 		"a line of 999 octets":  {strings.Repeat("a", 999) + "\r\n", "quoted-printable", strings.Repeat("a", 999) + "\r\n"},
 		"a reason of 500 あ":     {reason, "quoted-printable", reason},
 		"an SKU with a bare CR": {sku, "quoted-printable", strings.Replace(sku, "a\r.", "a\r\n.", 1)},
+		"a NUL":                 {"a\x00b\r\n", "quoted-printable", "a\x00b\r\n"}, // 8bit data has none (RFC 6152)
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

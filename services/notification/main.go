@@ -32,7 +32,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	domain := env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example")
 	// Every recipient derived from a customer id is at it: a name a server could refuse as
 	// syntax would fail each of those e-mails for ever.
-	env.Check(domainName(domain), "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name")
+	env.Check(domainName(domain) && len(domain) <= maxAddress-2, "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name, with room for a mailbox at it (252 octets at most)")
 	maxBackoff := env.Duration("NOTIFY_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
 	// The deliveries hold no database connection: the sender uses one for all of them, whatever
 	// NOTIFY_CONCURRENCY is. Nor do they hold an SMTP connection while their outcome is

@@ -117,8 +117,8 @@ func recipient(customerID, domain string) string {
 		return '_'
 	}, customerID)
 	local = strings.Join(slices.DeleteFunc(strings.Split(local, "."), func(s string) bool { return s == "" }), ".")
-	if len(local) > 64 {
-		local = strings.TrimRight(local[:64], ".")
+	if room := min(maxLocalPart, maxAddress-1-len(domain)); len(local) > room {
+		local = strings.TrimRight(local[:room], ".")
 	}
 	if local == "" {
 		local = "_"
@@ -126,13 +126,18 @@ func recipient(customerID, domain string) string {
 	return local + "@" + domain
 }
 
-// maxLocalPart is the most octets of a mailbox's local part (RFC 5321 4.5.3.1.1).
-const maxLocalPart = 64
+// maxLocalPart is the most octets of a mailbox's local part (RFC 5321 4.5.3.1.1), and
+// maxAddress of the whole address: a path is 256 octets at most, its '<' and '>' included
+// (4.5.3.1.3).
+const (
+	maxLocalPart = 64
+	maxAddress   = 254
+)
 
 // mailbox says whether address is one mailbox that SMTP carries as it is: mail.ParseAddress
 // reads it whole, with no '<' or '>' (which would end the envelope's address early), and within
 // what RFC 5321 carries, which is less than what RFC 5322 lets it read: a local part of
-// maxLocalPart octets at most, at a domain name (domainName). Not at a domain literal
+// maxLocalPart octets at most, at a domain name (domainName), maxAddress in all. Not at a domain literal
 // ("a@[192.0.2.1]"): no customer's address is one, relays commonly refuse them, and one that
 // is refused is refused every time.
 func mailbox(address string) bool {
@@ -141,11 +146,12 @@ func mailbox(address string) bool {
 		return false
 	}
 	at := strings.LastIndexByte(address, '@') // a quoted local part may hold '@'; a domain may not
-	return at <= maxLocalPart && domainName(address[at+1:])
+	return len(address) <= maxAddress && at <= maxLocalPart && domainName(address[at+1:])
 }
 
 // domainName says whether domain is a name RFC 5321 carries: labels of letters, digits and
-// '-' (none first or last), of 1 to 63 octets, 255 in all. A label of other letters (a U-label:
+// '-' (none first or last), of 1 to 63 octets, 253 in all (a name's text form: its 255
+// octets on the wire count a length before each label and a root's 0 after). A label of other letters (a U-label:
 // a customer's address may be UTF-8, which the mailer sends with SMTPUTF8) counts as the
 // A-label it stands for, and must be a valid one.
 func domainName(domain string) bool {
@@ -159,7 +165,7 @@ func domainName(domain string) bool {
 		}
 		total += 1 + len(label)
 	}
-	return total <= 255
+	return total <= 253
 }
 
 // ldhLabel says whether label is 1 to 63 letters, digits and '-', with no '-' first or last.

@@ -588,15 +588,16 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 func TestRecipientIsKeptOnlyIfSMTPCarriesIt(t *testing.T) {
 	t.Parallel()
 	label := strings.Repeat("d", 63)
-	domain255 := strings.Join([]string{label, label, label, label}, ".") // 4 × 63 + 3 dots
-	domain256 := "d." + strings.Join([]string{label, label, label, label[1:]}, ".")
+	domain253 := strings.Join([]string{label, label, label, label[2:]}, ".") // 3 × 63 + 61 + 3 dots
+	domain254 := strings.Join([]string{label, label, label, label[1:]}, ".")
 	for address, kept := range map[string]bool{
 		strings.Repeat("a", 64) + "@example.org": true,
 		strings.Repeat("a", 65) + "@example.org": false,
 		"a@" + label + ".example":                true,
 		"a@" + label + "d.example":               false,
-		"a@" + domain255:                         true,
-		"a@" + domain256:                         false,
+		"a@" + domain253[2:]:                     true,  // 251 octets, the address 253
+		"a@" + domain253:                         false, // the address 255 octets: past a path's 256 with '<' and '>'
+		"a@" + domain254:                         false, // a name past 253 octets
 		"a@shop!":                                false,
 		"a@b_c.example":                          false,
 		"a@{x}":                                  false,
@@ -615,6 +616,11 @@ func TestRecipientIsKeptOnlyIfSMTPCarriesIt(t *testing.T) {
 		if a, err := mail.ParseAddress(got); err != nil || a.Address != got || !mailbox(got) {
 			t.Errorf("recipient(%q) = %q, not a mailbox: %v", address, got, err)
 		}
+	}
+	// A mailbox derived at a long domain is cut to fit the path with it.
+	long := domain253[3:] // 250 octets
+	if got := recipient(strings.Repeat("c", 100), long); !mailbox(got) || got != "ccc@"+long {
+		t.Errorf("recipient of a long id at a domain of %d octets = %q (%d octets), want a mailbox of 254 at most", len(long), got, len(got))
 	}
 }
 
