@@ -6,9 +6,9 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
@@ -41,10 +41,12 @@ func (f dlqFilter) match(d messaging.DeadLetter) bool {
 	return (f.typ == "" || d.Type == f.typ) && (f.reason == "" || strings.Contains(strings.ToLower(d.Reason), strings.ToLower(f.reason)))
 }
 
-// sameID says whether a message's id is the one an operator gave.
+// sameID says whether a message's id is the one an operator gave: the same UUID in either case,
+// each in its canonical text (x<id>y, which uuid.Parse takes for <id>, is not it), or else the
+// same text.
 func sameID(given, id string) bool {
-	want, werr := uuid.Parse(given)
-	got, gerr := uuid.Parse(id)
+	want, werr := platform.ParseUUID(given)
+	got, gerr := platform.ParseUUID(id)
 	if werr == nil && gerr == nil {
 		return want == got
 	}
@@ -144,7 +146,7 @@ further on. Messages another client holds at that moment are not shown.`,
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
-	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more")
+	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more (0: all of them)")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "show the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "show the messages whose reason has this text only, in any case")
 	cmd.Flags().BoolVar(&showBody, "show-body", false, "show each message's body")
@@ -319,8 +321,8 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	var inDoubt *messaging.DeadLetter
 	if errors.Is(err, messaging.ErrRedriveInDoubt) && len(moved) < len(picked) {
 		inDoubt = &picked[len(moved)]
-		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit %d shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
-			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, result.Waiting, dlq, printable(inDoubt.MessageID, 64), queue)
+		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit 0 shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
+			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, dlq, printable(inDoubt.MessageID, 64), queue)
 	}
 	if interrupted {
 		err = fmt.Errorf("interrupted: %w", err)

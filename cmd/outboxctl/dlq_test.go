@@ -169,13 +169,10 @@ func fillDLQ(t *testing.T, msgs ...amqp.Publishing) (queue string, ids []string)
 	return queue, ids
 }
 
-// wholeQueue is a --limit beyond any test's dead-letter queue: a listing of all of it.
-const wholeQueue = "100000"
-
 // inDLQ lists the whole dead-letter queue of queue through outboxctl: the ids, in order.
 func inDLQ(t *testing.T, queue string) []string {
 	t.Helper()
-	return ids2(okJSON[dlqResult](t, "dlq", "list", queue, "--limit", wholeQueue, "--amqp", testenv.AMQPURL()).Messages)
+	return ids2(okJSON[dlqResult](t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL()).Messages)
 }
 
 // Listing takes nothing away and changes no order: twice, with the flags before and after the
@@ -751,7 +748,7 @@ func TestDlqToolsKeepTheOrderOfALongQueue(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == len(ids) }, "the messages did not reach %s", dlq)
 
 	for i := range 2 {
-		if got := listed(t, ok(t, "dlq", "list", queue, "--limit", wholeQueue, "--amqp", testenv.AMQPURL())); !slices.Equal(got, ids) {
+		if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "0", "--amqp", testenv.AMQPURL())); !slices.Equal(got, ids) {
 			t.Fatalf("listing %d: %d messages, first out of order at %d", i+1, len(got), firstDifference(got, ids))
 		}
 	}

@@ -37,6 +37,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math"
 	"net/url"
 	"os"
@@ -294,9 +295,10 @@ func noEmptyFlags(cmd *cobra.Command) error {
 	return nil
 }
 
-// noZeroLimit refuses a --limit given as 0 or less. Left out, --limit is its default (all, or
-// dlq list's first 100); given 0, as a script's computed --limit "$N" gives it, it must not
-// mean all: it would move a whole dead-letter queue or backlog.
+// noZeroLimit refuses a --limit given as 0 or less on a command that changes something. Left
+// out, --limit is its default (all); given 0, as a script's computed --limit "$N" gives it, it
+// must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which
+// changes nothing, takes 0 for all of them, and refuses only less.
 func noZeroLimit(cmd *cobra.Command) error {
 	f := cmd.Flags().Lookup("limit")
 	if f == nil || !f.Changed {
@@ -306,11 +308,13 @@ func noZeroLimit(cmd *cobra.Command) error {
 	if err != nil || n > 0 {
 		return err
 	}
-	def := "all"
-	if f.DefValue != "0" {
-		def = "its default, " + f.DefValue
+	if cmd.CommandPath() == "outboxctl dlq list" {
+		if n == 0 {
+			return nil
+		}
+		return usageError{fmt.Sprintf("--limit %d: want 0 (all of them) or more", n)}
 	}
-	return usageError{fmt.Sprintf("--limit %d: want 1 or more, or leave it out for %s", n, def)}
+	return usageError{fmt.Sprintf("--limit %d: want 1 or more, or leave it out for all", n)}
 }
 
 // cli is what every command shares: the streams and the output format.
@@ -449,12 +453,17 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 }
 
 // parsePostgresURL parses rawURL as openDB's pgxpool will. pgx's error quotes the URL, its
-// password masked at best: only what is wrong, which follows it, is kept.
+// password masked at best: only what is wrong, which follows it, is kept. A file it names that
+// cannot be read (a certificate, a service file) is the environment's fault, not the command
+// line's: openDB meets it again and fails with it.
 func parsePostgresURL(rawURL string) error {
 	_, err := pgxpool.ParseConfig(rawURL)
 	var parseErr *pgconn.ParseConfigError
 	if !errors.As(err, &parseErr) {
 		return err
+	}
+	if _, unreadable := errors.AsType[*fs.PathError](err); unreadable {
+		return nil
 	}
 	msg := err.Error()
 	if i := strings.LastIndex(msg, "`: "); i >= 0 {

@@ -561,7 +561,7 @@ func unsentRow(ctx context.Context, db messaging.Executor, id uuid.UUID) (messag
 
 // parseID reads --id.
 func parseID(value string) (uuid.UUID, error) {
-	id, err := uuid.Parse(value)
+	id, err := platform.ParseUUID(value) // not x<id>y, which uuid.Parse takes for <id>
 	if err != nil {
 		return uuid.Nil, usageError{fmt.Sprintf("--id %q is not a UUID", printable(value, 64))}
 	}
