@@ -350,10 +350,15 @@ func (w *connWatch) blockedC() <-chan struct{} {
 
 // blockedErr is ErrBrokerUnavailable while the connection is blocked, else nil.
 func (w *connWatch) blockedErr() error {
+	if reason := w.blockReason(); reason != "" {
+		return unavailable("the broker blocked the connection: %s", reason)
+	}
+	return nil
+}
+
+// blockReason is why the broker blocks the connection now, or "" if it does not.
+func (w *connWatch) blockReason() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.reason == "" {
-		return nil
-	}
-	return unavailable("the broker blocked the connection: %s", w.reason)
+	return w.reason
 }

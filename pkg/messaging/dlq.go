@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
+	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -140,7 +142,9 @@ func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq s
 // before the next message is published; the confirm of one published already is waited for,
 // so that an interrupt leaves that message moved, not in doubt, but for 5 s at most once ctx
 // has ended, nor 15 s in all: a confirm that does not come by then leaves that message in
-// doubt, and the others held are handed back in their order all the same.
+// doubt, and the others held are handed back in their order all the same. A connection the
+// broker blocks for a resource alarm is closed after 5 s of it: the message under way is then
+// in doubt, and the broker takes back the others it held, in an order of its own.
 func RedriveDeadLetters(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) ([]DeadLetter, error) {
 	var moved []DeadLetter
 	err := withDeadLetterQueue(ctx, cfg, redriveConfirmGrace, func(ch *amqp.Channel, dlq string, waiting int) error {
@@ -268,6 +272,58 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, settle time.
 		}
 	})
 	defer func() { close(done); stop() }()
+	blocked := closeWhileBlocked(conn, done)
+	err = withChannel(conn, cfg, fn)
+	if reason := blocked(); reason != "" && err != nil {
+		return fmt.Errorf("%w (the broker blocked the connection, a resource alarm: %s; it publishes nothing until the alarm clears)", err, reason)
+	}
+	return err
+}
+
+// blockedWait is how long a dead-letter operation waits for the broker to unblock its
+// connection before it closes it.
+const blockedWait = 5 * time.Second
+
+// closeWhileBlocked closes conn once the broker has blocked it (a memory or disk alarm, met
+// at a publish) for blockedWait, until done: the broker then reads nothing more from it, and an
+// acknowledgement, a hand-back or the question after them would wait for the alarm to clear,
+// however long that takes. It returns what tells the block's reason, once it closed conn
+// for it ("" if it did not).
+func closeWhileBlocked(conn *amqp.Connection, done <-chan struct{}) (reason func() string) {
+	watch := watchConnection(conn, slog.New(slog.DiscardHandler), slog.LevelDebug)
+	var mu sync.Mutex
+	var why string
+	go func() {
+		for {
+			select {
+			case <-watch.blockedC():
+			case <-done:
+				return
+			}
+			select {
+			case <-time.After(blockedWait):
+			case <-done:
+				return
+			}
+			if r := watch.blockReason(); r != "" {
+				mu.Lock()
+				why = r
+				mu.Unlock()
+				_ = conn.CloseDeadline(time.Now())
+				return
+			}
+		}
+	}()
+	return func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return why
+	}
+}
+
+// withChannel opens a channel on conn, checks that the dead-letter queue of cfg.Queue exists,
+// and runs fn with it.
+func withChannel(conn *amqp.Connection, cfg DeadLetterConfig, fn func(ch *amqp.Channel, dlq string, waiting int) error) error {
 	ch, err := conn.Channel()
 	if err != nil {
 		return fmt.Errorf("open channel: %w", err)

@@ -336,3 +336,55 @@ func TestAChannelRefusedAtSetupChargesNoMessage(t *testing.T) {
 		}
 	}
 }
+
+// A redrive during a memory alarm: its first copy gets the connection blocked, after which the
+// broker reads nothing from it, neither the acknowledgement nor the hand-back nor the question
+// after them. It ends within seconds, saying so, rather than when the alarm clears; and once
+// it has, every message is in one queue or the other, none lost.
+func TestServerRestartMemoryAlarmEndsARedrive(t *testing.T) {
+	requireServerRestarts(t)
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	ids := fillDeadLetterQueue(t, b.ch, dlq, 3)
+	type result struct {
+		moved []messaging.DeadLetter
+		err   error
+	}
+	held, raised, done := make(chan struct{}), make(chan struct{}), make(chan result, 1)
+	go func() {
+		moved, err := messaging.RedriveDeadLetters(context.Background(), messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue},
+			messaging.DeadLetterSelection{Confirm: func([]messaging.DeadLetter, int) error {
+				close(held) // the messages are held; the first copy goes once the alarm is up
+				<-raised
+				return nil
+			}})
+		done <- result{moved, err}
+	}()
+	<-held
+	clearAlarm := raiseMemoryAlarm(t) // cleared by the test's cleanup too, which a hung redrive waits for
+	close(raised)
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the redrive still waits for the blocked connection 30 s into the alarm")
+	}
+	clearAlarm()
+	if r.err == nil || !strings.Contains(r.err.Error(), "blocked the connection") {
+		t.Fatalf("redrive in a memory alarm: moved %d, error %v; want an error that names the block", len(r.moved), r.err)
+	}
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return testenv.QueueDepth(t, b.ch, dlq)+testenv.QueueDepth(t, b.ch, b.queue) >= len(ids)
+	}, "messages missing from both queues after the alarm")
+	in := map[string]bool{}
+	for _, q := range []string{dlq, b.queue} {
+		for _, d := range testenv.Drain(t, b.ch, q, 300*time.Millisecond) {
+			in[d.MessageId] = true
+		}
+	}
+	for _, id := range ids {
+		if !in[id] {
+			t.Errorf("message %s is in neither queue after the redrive in the alarm", id)
+		}
+	}
+}
