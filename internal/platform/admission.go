@@ -121,6 +121,7 @@ type Admission struct {
 	bodiesHeld atomic.Int64 // and how many are
 
 	shed     atomic.Int64
+	bodyShed atomic.Int64 // of shed, those whose bodies found the budget full
 	count    prometheus.Counter
 	log      *slog.Logger
 	interval time.Duration // of the shed lines
@@ -134,7 +135,7 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 		window: make([]time.Duration, 0, windowSamples), log: log, interval: shedLogInterval,
 		count: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "http_requests_shed_total",
-			Help: "Requests answered 503 at once because every place of admission control was taken.",
+			Help: "Requests answered 503 at once because every place of admission control was taken, or the bodies read ahead of admission filled their budget.",
 		})}
 	limit := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "http_admission_limit",
@@ -179,6 +180,7 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 		if !read {
 			w.Header().Set("Connection", "close") // the rest of the body is left unread
 			a.refuse(w, r)
+			a.bodyShed.Add(1)
 			return
 		}
 		if !a.enter(r.Context()) {
@@ -217,7 +219,8 @@ func expectsContinue(r *http.Request) bool {
 // bodies were read after admission. The bytes are counted against the body budget as they
 // arrive, with the room the buffer that holds them grows by (at most twice the bytes), until
 // release: a client must send them to take budget, not declare them, and one that sends
-// nothing takes none (the 4 KiB each read lands in first is outside the budget). A body the
+// nothing takes none (the 4 KiB each read lands in first is outside the budget, and so is a
+// body that arrives whole in it). A body the
 // budget has no room for is not read on: read reports false, and the request is shed, holding
 // no place (admitted to read its body after admission, such requests took every place while
 // slow uploads held the budget). Past MaxBufferedBody is the handler's to read, and refuse.
@@ -240,7 +243,12 @@ func (a *Admission) readBody(r *http.Request) (release func(), read bool) {
 	arrived := make([]byte, min(most, bodyReadSize))
 	for int64(len(body)) < most {
 		n, err := r.Body.Read(arrived[:min(int64(len(arrived)), most-int64(len(body)))])
-		if n > 0 {
+		if n > 0 && len(body) == 0 && errors.Is(err, io.EOF) {
+			// The whole body in its first read (net/http gives the end with the last bytes):
+			// it stays in the buffer every request has, outside the budget, so small requests
+			// still go through while slow uploads hold all of it.
+			body = arrived[:n]
+		} else if n > 0 {
 			grow := a.room(body, n, most)
 			if grow < 0 {
 				return release, false
@@ -470,6 +478,7 @@ func (a *Admission) Run(ctx context.Context) error {
 // logShed logs how many requests were shed since it last did, if any.
 func (a *Admission) logShed() {
 	if n := a.shed.Swap(0); n > 0 {
-		a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max)
+		a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max,
+			"body_budget_full", a.bodyShed.Swap(0))
 	}
 }

@@ -661,26 +661,26 @@ func TestSlowUploadsHoldNoPlace(t *testing.T) {
 }
 
 // The bodies read ahead of admission hold at most the budget's bytes at once: a request whose
-// body finds no room is shed at once, holding no place, and gives back what it took. Admitted
-// to read its body after admission instead, slow uploads that filled the budget had every
-// later request take a place with its body unread, and held them all.
+// body finds no room is shed at once, holding no place, and gives back what it took; a body
+// that arrives whole in its first read needs none, so small requests still go through.
+// Admitted to read its body after admission instead, slow uploads that filled the budget had
+// every later request take a place with its body unread, and held them all.
 func TestABodyPastTheBudgetIsShed(t *testing.T) {
 	t.Parallel()
 	a := newAdmission(t, 4, DefaultLatencyTarget)
-	a.bodyBudget = 3 * bodyReadSize
+	a.bodyBudget = 6001
 	srv := httptest.NewUnstartedServer(a.Middleware(http.HandlerFunc(readsItsBody)))
 	active := countRequests(srv)
 	srv.Start()
 	defer srv.Close()
-	// A slow upload that holds half the budget or more (its buffer grows to twice its bytes at
-	// most, so it fits whole): 6,000 bytes of the megabyte it declares.
-	filling, releaseFilling := trickleBytes(srv.URL, 1, MaxBufferedBody, 6000)
+	// A slow upload that holds the budget, all but a byte or two: 5,999 of the 6,000 bytes it
+	// declares (its buffer grows to the declared length and one more at most).
+	filling, releaseFilling := trickleBytes(srv.URL, 1, 6000, 5999)
 	defer releaseFilling()
-	testenv.Eventually(t, 5*time.Second, func() bool { return a.bodiesHeld.Load() >= 6000 },
+	testenv.Eventually(t, 5*time.Second, func() bool { return a.bodiesHeld.Load() >= 5999 },
 		"the slow upload never took its bytes of the budget")
 	held := a.bodiesHeld.Load()
-	// The next slow uploads, of 7,000 bytes each, find no room for them: shed, not admitted to
-	// wait for their bodies.
+	// The next slow uploads find no room for their bytes: shed, not admitted to wait for them.
 	past, releasePast := trickleBytes(srv.URL, 4, MaxBufferedBody, 7000)
 	defer releasePast()
 	inUse := func() int {
@@ -701,13 +701,14 @@ func TestABodyPastTheBudgetIsShed(t *testing.T) {
 	if n := inUse(); n != 0 || a.bodiesHeld.Load() != held {
 		t.Errorf("%d places in use, %d bytes held; want none in use and the first upload's %d only", n, a.bodiesHeld.Load(), held)
 	}
+	// A request whose small body came at once is served all the same.
+	if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
+		t.Errorf("a small request while slow uploads hold the budget: %d, want 201", code)
+	}
 	releaseFilling()
 	<-filling
-	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 5 && a.bodiesHeld.Load() == 0 },
+	testenv.Eventually(t, 5*time.Second, func() bool { return active.Load() >= 6 && a.bodiesHeld.Load() == 0 },
 		"the budget was not given back")
-	if code, _ := postTo(t, http.DefaultClient, srv.URL); code != http.StatusCreated {
-		t.Fatalf("a request once the budget is free: %d, want 201", code)
-	}
 }
 
 // countRequests counts, from when srv starts, the connections that have begun a request.
