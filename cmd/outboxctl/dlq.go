@@ -23,9 +23,9 @@ func (c *cli) dlqCommand() *cobra.Command {
 
 // dlqFilter picks messages of a dead-letter queue; its zero value picks them all.
 type dlqFilter struct {
-	// id is a message id: a UUID matches the same UUID however it is written (in capitals,
-	// say); anything else matches that text exactly, since a message is dead-lettered for
-	// lacking a valid id too.
+	// id is a message id: a UUID in its canonical form matches the same UUID in either case;
+	// anything else matches that text exactly, since a message is dead-lettered for lacking a
+	// valid id too.
 	id        string
 	withoutID bool // the messages that have no message id at all
 	typ       string
@@ -122,8 +122,9 @@ func (c *cli) dlqListCommand() *cobra.Command {
 	var limit int
 	var showBody, showHeaders bool
 	cmd := &cobra.Command{
-		Use:   "list QUEUE",
-		Short: "what waits in QUEUE.dlq: message id, type, when and why",
+		Use:         "list QUEUE",
+		Short:       "what waits in QUEUE.dlq: message id, type, when and why",
+		Annotations: map[string]string{limitZeroIsAll: "it changes nothing"},
 		Long: `list shows the first --limit messages of QUEUE's dead-letter queue, QUEUE.dlq, in queue order:
 each one's message id, type, when and why it was dead-lettered (the consumer's reason header,
 or, for a message the broker dead-lettered at the delivery limit, delivery_limit from x-death),
@@ -390,7 +391,7 @@ func (c *cli) dlqDropCommand() *cobra.Command {
 		Short: "remove one message from QUEUE.dlq for good",
 		Long: `drop removes the message with --id from QUEUE's dead-letter queue, for good, and leaves the
 others there in their order: for a message no consumer must ever handle (a producer's bug),
-where rabbitmqctl purge_queue would drop them all. A UUID matches however it is written; an
+where rabbitmqctl purge_queue would drop them all. A UUID matches in either case; an
 id that is not one (a message dead-lettered for that) matches as written, exactly as dlq list
 -o json shows it (the table shortens and cleans it), and --without-id picks a message that
 has none. The output shows the message with its headers and whole body,

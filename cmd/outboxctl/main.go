@@ -295,6 +295,9 @@ func noEmptyFlags(cmd *cobra.Command) error {
 	return nil
 }
 
+// limitZeroIsAll marks a command, by its annotations, whose --limit 0 means all of them.
+const limitZeroIsAll = "limit-zero-is-all"
+
 // noZeroLimit refuses a --limit given as 0 or less on a command that changes something. Left
 // out, --limit is its default (all); given 0, as a script's computed --limit "$N" gives it, it
 // must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which
@@ -308,7 +311,7 @@ func noZeroLimit(cmd *cobra.Command) error {
 	if err != nil || n > 0 {
 		return err
 	}
-	if cmd.CommandPath() == "outboxctl dlq list" {
+	if cmd.Annotations[limitZeroIsAll] != "" {
 		if n == 0 {
 			return nil
 		}
@@ -453,9 +456,10 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 }
 
 // parsePostgresURL parses rawURL as openDB's pgxpool will. pgx's error quotes the URL, its
-// password masked at best: only what is wrong, which follows it, is kept. A file it names that
-// cannot be read (a certificate, a service file) is the environment's fault, not the command
-// line's: openDB meets it again and fails with it.
+// password masked at best: only what is wrong, which follows it, is kept. A certificate it
+// names that cannot be read is the environment's fault, not the command line's: openDB meets
+// it again and fails with it. (pgx reports a service file it cannot read without the file's
+// error, so that is exit 2.)
 func parsePostgresURL(rawURL string) error {
 	_, err := pgxpool.ParseConfig(rawURL)
 	var parseErr *pgconn.ParseConfigError

@@ -85,9 +85,9 @@ type PublisherConfig struct {
 	// calls. Default 1000.
 	MaxInFlight int
 	// MaxMessageBytes: a larger body is refused with [ErrTooLarge] before publishing; one
-	// that is JSON is measured, and sent, without its insignificant white space first (the
-	// spaces PostgreSQL's jsonb adds). Default [DefaultMaxMessageBytes], what a [Subscription]
-	// accepts by default.
+	// that is JSON, up to half again as large (what PostgreSQL's jsonb adds in spaces), is
+	// measured, and sent, without its insignificant white space first. Default
+	// [DefaultMaxMessageBytes], what a [Subscription] accepts by default.
 	MaxMessageBytes int
 	// Reconnect paces the dial attempts after failures. Default 100 ms doubling up to 2 s,
 	// jittered: a broker that comes back is found within about 2 s.
