@@ -179,8 +179,9 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 		defer release()
 		if !read {
 			w.Header().Set("Connection", "close") // the rest of the body is left unread
-			a.refuse(w, r)
+			// Counted before the shed it is part of, which the log line reads first.
 			a.bodyShed.Add(1)
+			a.refuse(w, r)
 			return
 		}
 		if !a.enter(r.Context()) {
@@ -479,6 +480,6 @@ func (a *Admission) Run(ctx context.Context) error {
 func (a *Admission) logShed() {
 	if n := a.shed.Swap(0); n > 0 {
 		a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max,
-			"body_budget_full", a.bodyShed.Swap(0))
+			"body_budget_full", min(a.bodyShed.Swap(0), n))
 	}
 }

@@ -291,6 +291,7 @@ type connWatch struct {
 	mu          sync.Mutex
 	reason      string        // why the broker blocked the connection; "" while it does not
 	blocked     chan struct{} // closed while the connection is blocked
+	blockedAt   time.Time     // when the broker last blocked it
 	unblockedAt time.Time     // when the broker last unblocked it
 }
 
@@ -326,6 +327,7 @@ func (w *connWatch) set(b amqp.Blocking) {
 		if w.reason == "" {
 			w.reason = "unknown"
 		}
+		w.blockedAt = time.Now()
 		close(w.blocked)
 	case !b.Active && w.reason != "":
 		w.reason = ""
@@ -350,15 +352,15 @@ func (w *connWatch) blockedC() <-chan struct{} {
 
 // blockedErr is ErrBrokerUnavailable while the connection is blocked, else nil.
 func (w *connWatch) blockedErr() error {
-	if reason := w.blockReason(); reason != "" {
+	if reason, _ := w.block(); reason != "" {
 		return unavailable("the broker blocked the connection: %s", reason)
 	}
 	return nil
 }
 
-// blockReason is why the broker blocks the connection now, or "" if it does not.
-func (w *connWatch) blockReason() string {
+// block is why the broker blocks the connection now, and since when; "" if it does not.
+func (w *connWatch) block() (reason string, since time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.reason
+	return w.reason, w.blockedAt
 }

@@ -275,7 +275,7 @@ func withDeadLetterQueue(ctx context.Context, cfg DeadLetterConfig, settle time.
 	blocked := closeWhileBlocked(conn, done)
 	err = withChannel(conn, cfg, fn)
 	if reason := blocked(); reason != "" && err != nil {
-		return fmt.Errorf("%w (the broker blocked the connection, a resource alarm: %s; it publishes nothing until the alarm clears)", err, reason)
+		return fmt.Errorf("%w (the broker blocked the connection for a resource alarm, %s: it takes no publishes until the alarm clears)", err, reason)
 	}
 	return err
 }
@@ -300,14 +300,19 @@ func closeWhileBlocked(conn *amqp.Connection, done <-chan struct{}) (reason func
 			case <-done:
 				return
 			}
+			// A block that clears and comes back starts its wait again.
+			r, since := watch.block()
+			if r == "" {
+				continue
+			}
 			select {
-			case <-time.After(blockedWait):
+			case <-time.After(time.Until(since.Add(blockedWait))):
 			case <-done:
 				return
 			}
-			if r := watch.blockReason(); r != "" {
+			if now, again := watch.block(); now != "" && again.Equal(since) {
 				mu.Lock()
-				why = r
+				why = now
 				mu.Unlock()
 				_ = conn.CloseDeadline(time.Now())
 				return
