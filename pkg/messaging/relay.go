@@ -29,13 +29,14 @@ const (
 
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message,
 // in their order (see [Publisher.Publish]); any other number of verdicts fails the batch, its
-// rows left due, and the relay logs it and tries again at its poll interval, for ever. An error wrapping [ErrBrokerUnavailable] is no verdict: the row
-// stays due and its attempts untouched. Any other error is the message's own fault, and backs
-// the row off. A Sender may also have a method Connect(ctx) error, as a [Publisher] has (a
-// wrapper that embeds a Sender loses it: give the wrapper one): the relay then asks it, not a
-// row, whether the broker is back, and after every empty claim whether it still has it, so it
-// must cost no round trip while connected; an error of it at [Relay.Run]'s start that does not
-// wrap ErrBrokerUnavailable is taken for the configuration's, and Run returns it.
+// rows left due, and the relay logs it and tries again at its poll interval, for ever. An error
+// wrapping [ErrBrokerUnavailable] is no verdict: the row stays due and its attempts untouched.
+// Any other error is the message's own fault, and backs the row off. A Sender may also have a
+// method Connect(ctx) error, as a [Publisher] has (a wrapper that embeds a Sender loses it:
+// give the wrapper one): the relay then asks it, not a row, whether the broker is back, and
+// after every empty claim whether it still has it, so it must cost no round trip while
+// connected; an error of it at [Relay.Run]'s start that does not wrap ErrBrokerUnavailable is
+// taken for the configuration's, and Run returns it.
 type Sender interface {
 	Publish(ctx context.Context, msgs []Message) []error
 }
