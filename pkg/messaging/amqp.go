@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -240,7 +241,7 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	if !json.Valid(d.Body) {
 		return Message{}, Permanent(errors.New("body is not valid JSON"))
 	}
-	m := Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: d.CorrelationId,
+	m := Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: travelling(d.CorrelationId),
 		Exchange: d.Exchange, RoutingKey: d.RoutingKey}
 	for k, v := range d.Headers {
 		s, ok := v.(string)
@@ -252,7 +253,7 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 			m.TraceState = s
 		case k == correlationIDHeader:
 			if m.CorrelationID == "" {
-				m.CorrelationID = s
+				m.CorrelationID = travelling(s)
 			}
 		default:
 			if m.Headers == nil {
@@ -262,6 +263,18 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 		}
 	}
 	return m, nil
+}
+
+// travelling is a delivery's correlation id if a message can carry it on, or "". A handler
+// copies it to the messages its work enqueues, and Enqueue refuses one over AMQP's 255 bytes
+// (a header may be longer) or holding a NUL (a property may): its work would fail on every
+// delivery, for an id only there to be passed on. Invalid UTF-8 would be stored as U+FFFD,
+// longer.
+func travelling(id string) string {
+	if len(id) > maxShortString || strings.IndexByte(id, 0) >= 0 || !utf8.ValidString(id) {
+		return ""
+	}
+	return id
 }
 
 // deliveryMessage is what can be read of a delivery that never became a Message, for the

@@ -73,6 +73,11 @@ func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duratio
 // duplicate can arrive (the relay's longest possible retry, the broker's redelivery window): a
 // message whose record is gone would be handled again.
 func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
+	if olderThan <= 0 {
+		// An unset setting would delete every record, even that of a batch whose ack is yet to
+		// reach the broker: its redelivery would be handled again.
+		return CleanupResult{}, fmt.Errorf("clean up inbox_messages: olderThan is %s, want a retention longer than any duplicate can arrive", olderThan)
+	}
 	var after time.Time // year 1, before every record
 	next := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error) {
 		var last sql.NullTime

@@ -146,7 +146,7 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	defer cancel()
 	closeDeadLettersWithSession(ctx, session, workCtx, over, c.deadLetters)
 
-	c.workers(session, workCtx, links)
+	c.workers(session, workCtx, ctx.Done(), links)
 	if ctx.Err() != nil {
 		return true, nil
 	}
@@ -369,16 +369,34 @@ func (c *consumer) stopAtShutdown(ctx context.Context, endSession context.Cancel
 
 // workers runs a worker per channel and returns once every delivery stream has ended (the
 // consumer was cancelled or a channel closed) and every worker settled what it held.
-func (c *consumer) workers(session, workCtx context.Context, links []consumerLink) {
+// shutdown closes when the process stops: from then on no worker starts on another batch.
+func (c *consumer) workers(session, workCtx context.Context, shutdown <-chan struct{}, links []consumerLink) {
 	var wg sync.WaitGroup
 	for _, l := range links {
 		wg.Go(func() {
 			for d := range l.deliveries {
-				c.handle(session, workCtx, collect(d, l.deliveries, c.cfg.BatchSize))
+				batch := collect(d, l.deliveries, c.cfg.BatchSize)
+				awaitSessionEndAtShutdown(session, workCtx, shutdown)
+				c.handle(session, workCtx, batch)
 			}
 		})
 	}
 	wg.Wait()
+}
+
+// awaitSessionEndAtShutdown holds a worker that took deliveries after the shutdown began until
+// the session ends (once the broker confirmed the consumers' cancels, see stopAtShutdown), so
+// that it hands them back instead of starting their work, which the grace might cut off;
+// handed back sooner, they could be delivered to this consumer again.
+func awaitSessionEndAtShutdown(session, workCtx context.Context, shutdown <-chan struct{}) {
+	select {
+	case <-shutdown:
+		select {
+		case <-session.Done():
+		case <-workCtx.Done():
+		}
+	default:
+	}
 }
 
 // collect returns first and whatever else is waiting in deliveries right now, up to limit: a
@@ -527,13 +545,14 @@ func (c *consumer) decode(d amqp.Delivery) (job, error) {
 }
 
 // undecodable says how to settle a delivery that did not decode: dead-lettered, since no retry
-// changes its bytes, unless only a handler for its type is missing here. In a rolling deploy
-// that adds an event, the replicas of the older version share the queue with the newer ones
-// that bound it: such a message goes back to the queue at once, for one of them that has room
-// for it then, and is dead-lettered at its last allowed delivery. Neither waits: the messages behind it go on, and
-// a type no replica handles reaches the dead-letter queue within its deliveries' round trips.
-// A queue that does not count deliveries (not a quorum queue) would give it back for ever:
-// there it is dead-lettered at its first redelivery.
+// changes its bytes, unless only a handler for its type is missing here. In a rolling deploy that
+// adds an event, the replicas of the older version share the queue with the newer ones that bound
+// it: such a message goes back to the queue at once, for one of them that has room for it then,
+// and is dead-lettered at its last allowed delivery (which as many older workers as the limit
+// allows can reach first: deploy a new event's consumers before its producers). Neither waits: the
+// messages behind it go on, and a type no replica handles reaches the dead-letter queue within its
+// deliveries' round trips. A queue that does not count deliveries (not a quorum queue) would give
+// it back for ever: there it is dead-lettered at its first redelivery.
 func (c *consumer) undecodable(d amqp.Delivery, err error) outcome {
 	if !errors.Is(err, errNoHandler) {
 		return deadLetter(err)
@@ -579,11 +598,11 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 		}
 		err := c.attempt(workCtx, []job{j})
 		var delay time.Duration
+		// Unavailable and stopping before Permanent: a handler that called its failed lookup
+		// permanent could not know that the database was away, or that the shutdown cut it off.
 		switch {
 		case err == nil:
 			return acked
-		case IsPermanent(err):
-			return deadLetter(err)
 		case IsUnavailable(err):
 			// Not the message's fault: wait for the dependency without spending its retries.
 			outages++
@@ -593,6 +612,8 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 			// The shutdown or a lost channel may be what cut it off: not the message's failure
 			// to count (a reject would spend one of its deliveries, or dead-letter it).
 			return handedBack
+		case IsPermanent(err):
+			return deadLetter(err)
 		default:
 			failures++
 			if failures >= c.cfg.Retries {
@@ -612,7 +633,13 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 	ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
 	defer cancel()
-	return c.work.process(ctx, jobs)
+	err := c.work.process(ctx, jobs)
+	if IsPermanent(err) && !IsUnavailable(err) && ctx.Err() != nil && workCtx.Err() == nil {
+		// Cut off by the timeout: a failure to count, as any stuck attempt's, whatever the
+		// handler called it (the next attempt may not be stuck). Its text stays, not its mark.
+		return fmt.Errorf("timed out after %s: %s", c.cfg.HandlerTimeout, err.Error())
+	}
+	return err
 }
 
 // outcome says how a delivery is settled.

@@ -123,3 +123,38 @@ func TestALateEndOfAnOldSessionLeavesTheNextOneReady(t *testing.T) {
 		t.Fatal("the end of an old session marked the next one's consumer not ready")
 	}
 }
+
+// An attempt cut off by the handler timeout is a failure to retry, whatever the handler called
+// it: a Permanent mark goes, its text stays. An Unavailable the subscription found (the
+// database silent past the deadline) stays, and a Permanent of an attempt that was not cut off
+// stays too.
+func TestAnAttemptCutOffByTheTimeoutLosesOnlyItsPermanentMark(t *testing.T) {
+	const timeout = 20 * time.Millisecond
+	for _, tc := range []struct {
+		name                   string
+		process                func(ctx context.Context) error
+		permanent, unavailable bool
+	}{
+		{"cut off, called permanent", func(ctx context.Context) error {
+			<-ctx.Done()
+			return Permanent(fmt.Errorf("look the customer up: %w", ctx.Err()))
+		}, false, false},
+		{"cut off, the database silent", func(ctx context.Context) error {
+			<-ctx.Done()
+			return Unavailable(Permanent(fmt.Errorf("look the customer up: %w", ctx.Err())))
+		}, true, true},
+		{"permanent in time", func(context.Context) error { return Permanent(errors.New("no such customer")) }, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &consumer{cfg: consumerConfig{HandlerTimeout: timeout},
+				work: work{process: func(ctx context.Context, _ []job) error { return tc.process(ctx) }}}
+			err := c.attempt(context.Background(), nil)
+			if IsPermanent(err) != tc.permanent || IsUnavailable(err) != tc.unavailable {
+				t.Fatalf("attempt = %v: permanent %v, unavailable %v; want %v, %v", err, IsPermanent(err), IsUnavailable(err), tc.permanent, tc.unavailable)
+			}
+			if !strings.Contains(err.Error(), "look the customer up") && !strings.Contains(err.Error(), "no such customer") {
+				t.Fatalf("attempt = %v: the handler's text is gone", err)
+			}
+		})
+	}
+}

@@ -14,11 +14,13 @@ import (
 // message_id, and the inbox key on the receiving side, and it never changes between attempts.
 // It is a UUIDv7, time-ordered, as NewMessage makes it: Enqueue refuses any other version.
 type Message struct {
-	ID            uuid.UUID
-	Type          string          // e.g. "OrderPlaced"; also the AMQP routing key, unless RoutingKey says otherwise
-	Payload       json.RawMessage // the event itself, JSON
-	OccurredAt    time.Time
-	CorrelationID string // optional; carried as the AMQP correlation_id and a header
+	ID         uuid.UUID
+	Type       string          // e.g. "OrderPlaced"; also the AMQP routing key, unless RoutingKey says otherwise
+	Payload    json.RawMessage // the event itself, JSON
+	OccurredAt time.Time
+	// CorrelationID is optional; carried as the AMQP correlation_id and a header. A delivery's
+	// that no message could carry on (over 255 bytes, a NUL, invalid UTF-8) reads as "".
+	CorrelationID string
 	// TraceParent and TraceState are the W3C trace context the message belongs to, and Headers
 	// its other AMQP headers: what else the trace propagator writes (baggage, B3), and the
 	// caller's own. [Enqueue] fills the trace context from its ctx unless the message has one;
@@ -77,7 +79,10 @@ func (e permanentError) Error() string { return e.err.Error() }
 func (e permanentError) Unwrap() error { return e.err }
 
 // Permanent marks err as one that no retry can fix (an undecodable or invalid message). A
-// [Subscription] sends such a message to its dead-letter queue at once and logs the reason.
+// [Subscription] sends such a message to its dead-letter queue at once and logs the reason;
+// but not when err carries a database outage's SQLSTATE (waited out), nor when the handler
+// timeout cut the attempt off (a failure, tried again); and at shutdown any failed message is
+// handed back, whatever its error.
 func Permanent(err error) error {
 	if err == nil {
 		return nil

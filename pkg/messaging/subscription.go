@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"math"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -288,6 +289,11 @@ func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscriptio
 	}
 	limitSet := cfg.DeliveryLimit > 0
 	cfg = cfg.withDefaults()
+	// AMQP carries the prefetch in 16 bits: the client would send what is left of it, 65536 as
+	// 0, no limit. (Twice a BatchSize near the int's range overflows below 1.)
+	if cfg.Prefetch > math.MaxUint16 || cfg.Prefetch < 1 {
+		return nil, fmt.Errorf("subscription: Prefetch %d is over AMQP's %d (the default is twice BatchSize)", cfg.Prefetch, math.MaxUint16)
+	}
 	return &Subscription[Tx]{
 		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
 		tracer: newTracer(cfg.TracerProvider), spanName: "process " + cfg.Name,
@@ -526,13 +532,20 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 	claimed, err = s.transact(ctx, jobs, spans)
 	if err != nil {
 		switch {
-		case IsPermanent(err), IsUnavailable(err):
-		case dataException(err):
-			err = Permanent(err)
 		case errors.Is(ctx.Err(), context.Canceled):
 			// Called off (a shutdown's grace is over): no verdict to give, nor to wait for from
 			// a database that may not answer, while the message waits to be handed back.
-		case databaseOutage(err) || !s.databaseAnswers(context.WithoutCancel(ctx)):
+		case IsUnavailable(err):
+		case databaseOutage(err):
+			// Even if the handler called it permanent, as a lookup that failed may: it could not
+			// tell a message it can never handle from a database that was away.
+			err = Unavailable(err)
+		case IsPermanent(err) && ctx.Err() == nil:
+			// The handler's verdict, unless its attempt was cut off: then it is judged below, as
+			// any attempt cut off, since the handler could not know why.
+		case dataException(err):
+			err = Permanent(err)
+		case !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}
 		if len(jobs) == 1 {

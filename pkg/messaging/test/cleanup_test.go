@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -181,6 +182,23 @@ func TestDeleteInboxMessagesInBatches(t *testing.T) {
 	}
 	if got := e.deletedMetric(t, "inbox_messages"); got != 300_000 {
 		t.Errorf("outbox_cleanup_deleted_total{table=\"inbox_messages\"} = %v, want 300,000", got)
+	}
+}
+
+// An inbox cleanup without a retention (an unset setting) is refused and deletes nothing: it
+// would delete the record of a batch whose ack has yet to reach the broker, and its
+// redelivery would be handled again.
+func TestInboxCleanupRefusesNoRetention(t *testing.T) {
+	t.Parallel()
+	e := newCleanupEnv(t)
+	e.addInboxRecords(t, 10, "1 s", "1 ms")
+	for _, olderThan := range []time.Duration{0, -time.Hour} {
+		if _, err := messaging.DeleteInboxMessages(context.Background(), e.pool, olderThan, e.opts); err == nil || !strings.Contains(err.Error(), "olderThan") {
+			t.Errorf("DeleteInboxMessages(%s) = %v, want an error naming olderThan", olderThan, err)
+		}
+	}
+	if left := testenv.Count(t, e.db, "SELECT count(*) FROM inbox_messages"); left != 20 {
+		t.Fatalf("%d records left, want all 20", left)
 	}
 }
 

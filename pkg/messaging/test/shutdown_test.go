@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -182,6 +183,54 @@ func TestConsumerHandsBackAMessageTheGraceCutOff(t *testing.T) {
 				"the message is not back in its queue")
 		})
 	}
+}
+
+// Once the shutdown begins no new batch starts, even while the broker has yet to confirm the
+// consumer's cancel (slowed here to 600 ms, within the second the consumer waits for it): the
+// worker that finishes its message in that moment hands the deliveries waiting in its prefetch
+// back, unstarted, rather than starting work the grace may cut off.
+func TestConsumerStartsNoWorkOnceTheShutdownBegins(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
+	sub, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{Name: b.queue, URL: testenv.AMQPURLVia(t, proxy.Listen),
+		Topology: b.topology, Logger: b.log, Metrics: b.metrics, Concurrency: 1, BatchSize: 1, Prefetch: 10, ShutdownGrace: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	begun, shutdown := make(chan struct{}), make(chan struct{})
+	var started atomic.Int32
+	must(t, messaging.Handle(sub, b.orderPlaced(), func(ctx context.Context, tx *gorm.DB, _ payload, _ messaging.Message) error {
+		if started.Add(1) == 1 {
+			close(begun)
+			<-shutdown // finished once the shutdown began, while the cancel is on its way
+		}
+		return tx.Exec("SELECT 1").Error
+	}))
+	stop := start(t, func(ctx context.Context) error {
+		context.AfterFunc(ctx, func() { close(shutdown) })
+		return sub.Run(ctx)
+	})
+	testenv.Eventually(t, 10*time.Second, sub.Ready, "consumer not ready")
+	msgs := make([]messaging.Message, 5)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		b.publishRaw(t, publishing(msgs[i]))
+	}
+	<-begun
+	// Every message delivered, the first in hand and the rest in the worker's prefetch.
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 0 }, "not every message was delivered")
+	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"slow","type":"latency","stream":"downstream","attributes":{"latency":600}}`)); err != nil {
+		t.Fatal(err)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if n := started.Load(); n != 1 {
+		t.Fatalf("work started on %d messages, want the one in hand when the shutdown began", n)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == len(msgs)-1 },
+		"the messages not started are not back in their queue")
 }
 
 // A message whose attempt the end of the grace cuts off while the database does not answer

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
@@ -503,10 +505,21 @@ func (b *subscriptionBundle) deadLetterOne(t *testing.T, s *messaging.Subscripti
 
 // A database that refuses writes while SELECT 1 still answers (a read-only standby during a
 // failover, a full disk) is an outage, not the message's fault: the message waits in place,
-// spending none of its deliveries, and is handled once writes come back. Counted against it,
-// it would be dead-lettered within a second here (one try, two deliveries).
+// spending none of its deliveries, and is handled once writes come back, even where the
+// handler called the failure permanent, as a lookup that failed may. Counted against it, it
+// would be dead-lettered within a second here (one try, two deliveries); taken for permanent,
+// at once.
 func TestDatabaseRefusingWritesIsAnOutageNotTheMessagesFault(t *testing.T) {
 	t.Parallel()
+	for _, permanent := range []bool{false, true} {
+		t.Run(fmt.Sprintf("called permanent %v", permanent), func(t *testing.T) {
+			t.Parallel()
+			databaseRefusingWrites(t, permanent)
+		})
+	}
+}
+
+func databaseRefusingWrites(t *testing.T, permanent bool) {
 	b := setupSubscription(t)
 	// The handler's writes fail as on a read-only database, until the outage is over.
 	if err := b.db.DB.Exec(`CREATE TABLE outage (on_now boolean NOT NULL);
@@ -526,7 +539,11 @@ CREATE TRIGGER refuse_writes BEFORE INSERT ON handled FOR EACH ROW EXECUTE FUNCT
 		c.RetryBackoff = messaging.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}
 	})
 	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
-		return record(tx, msg)
+		err := record(tx, msg)
+		if err != nil && permanent {
+			return messaging.Permanent(fmt.Errorf("record it: %w", err))
+		}
+		return err
 	}))
 	m, ch := b.runOnOne(t, s)
 	testenv.Eventually(t, 10*time.Second, func() bool {
@@ -539,6 +556,79 @@ CREATE TRIGGER refuse_writes BEFORE INSERT ON handled FOR EACH ROW EXECUTE FUNCT
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 1 },
 		"the message was not handled once writes came back")
 	b.noDeadLetters(t, ch, "")
+}
+
+// A handler cut off by its timeout because the database went silent, which called its failed
+// lookup permanent, has the message wait out the outage like any other, spending none of its
+// deliveries: the handler could not know why its lookup failed. Taken for the handler's
+// verdict, it would be retried as a failure and dead-lettered within two deliveries.
+func TestAnAttemptCutOffByASilentDatabaseIsAnOutageWhateverTheHandlerCalledIt(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2)
+	b := setupSubscription(t)
+	proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
+	drv, err := gormdriver.New(testenv.OpenPool(t, testenv.URLVia(t, b.db.URL, proxy.Listen), 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := messaging.NewSubscription(drv, messaging.SubscriptionConfig{Name: b.name, URL: testenv.AMQPURL(), Logger: b.log, Metrics: b.metrics,
+		Concurrency: 1, Retries: 1, DeliveryLimit: 2, HandlerTimeout: 300 * time.Millisecond,
+		RetryBackoff: messaging.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var silenced atomic.Bool
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+		if silenced.CompareAndSwap(false, true) {
+			if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"silence","type":"timeout","attributes":{"timeout":0}}`)); err != nil {
+				return err
+			}
+		}
+		if err := tx.WithContext(ctx).Exec("SELECT 1").Error; err != nil {
+			return messaging.Permanent(fmt.Errorf("look the customer up: %w", err))
+		}
+		return record(tx, msg)
+	}))
+	m, ch := b.runOnOne(t, s)
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		return len(b.logs.Lines("dependency unavailable; retrying message", "message_id="+m.ID.String())) >= 1
+	}, "the silent database was not taken for an outage")
+	b.noDeadLetters(t, ch, "during the outage")
+	if err := proxy.Toxics.RemoveToxic(context.Background(), "silence"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 20*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 1 },
+		"the message was not handled once the database answered")
+	b.noDeadLetters(t, ch, "")
+	if lines := b.logs.Lines("handler failed", "message_id="+m.ID.String()); len(lines) != 0 {
+		t.Fatalf("the outage was counted against the message: %q", lines)
+	}
+}
+
+// An attempt the timeout cut off is a failure to count and retry, even where the handler called
+// its cut-off permanent: the next attempt, not stuck, handles the message.
+func TestAnAttemptCutOffByTheTimeoutIsRetriedWhateverTheHandlerCalledIt(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.HandlerTimeout, c.DeliveryLimit = 300*time.Millisecond, 2
+		c.RetryBackoff = messaging.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}
+	})
+	var attempts atomic.Int32
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error {
+		if attempts.Add(1) == 1 {
+			<-ctx.Done()
+			return messaging.Permanent(fmt.Errorf("look the customer up: %w", ctx.Err()))
+		}
+		return record(tx, msg)
+	}))
+	m, ch := b.runOnOne(t, s)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 1 },
+		"the message was not handled after its first attempt timed out")
+	b.noDeadLetters(t, ch, "")
+	if lines := b.logs.Lines("handler failed; retrying message", "message_id="+m.ID.String(), "timed out after 300ms"); len(lines) != 1 {
+		t.Fatalf("want one retry, logged as timed out: %q", b.logs.Lines("handler failed"))
+	}
 }
 
 // The per-message timeout cuts off a handler stuck in the database.
@@ -691,6 +781,69 @@ func TestHandlerEnqueueWakesTheRelayOnCommit(t *testing.T) {
 		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NOT NULL") == 1
 	}, "the relay did not send the row a handler enqueued")
 	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{next.ID})
+}
+
+// AMQP carries a prefetch in 16 bits: a larger one, set or made by the default (twice
+// BatchSize), is refused, not sent as what is left of it (65536 as 0, no limit at all).
+func TestNewSubscriptionRefusesAPrefetchAMQPCannotCarry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, cfg := range []messaging.SubscriptionConfig{{Prefetch: 65536}, {Prefetch: 80000}, {BatchSize: 32768}, {BatchSize: math.MaxInt/2 + 1}} {
+		cfg.Name, cfg.URL = "sub", "amqp://unused"
+		if _, err := messaging.NewSubscription(b.drv, cfg); err == nil || !strings.Contains(err.Error(), "Prefetch") {
+			t.Errorf("NewSubscription(Prefetch %d, BatchSize %d) = %v, want an error naming Prefetch", cfg.Prefetch, cfg.BatchSize, err)
+		}
+	}
+	if _, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{Name: "sub", URL: "amqp://unused", Prefetch: 65535}); err != nil {
+		t.Fatalf("NewSubscription(Prefetch 65535) = %v, want nil", err)
+	}
+}
+
+// A handler that passes its message's correlation id on to the messages its work enqueues, as
+// the services do, handles a delivery whose correlation id no message could carry (a header of
+// 300 bytes, a property holding a NUL) at the first try: it reads as none, instead of making
+// every Enqueue of it fail until the message is dead-lettered.
+func TestACorrelationIDThatCannotTravelOnDoesNotStopTheWork(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.DeliveryLimit = 2 })
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+		next := newMessage(t, 0)
+		next.CorrelationID = msg.CorrelationID
+		if err := messaging.Enqueue(ctx, b.drv, tx, next); err != nil {
+			return err
+		}
+		return record(tx, msg)
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	sent := map[string]amqp.Publishing{}
+	for name, set := range map[string]func(*amqp.Publishing){
+		"long header":   func(p *amqp.Publishing) { p.Headers = amqp.Table{"correlation_id": strings.Repeat("c", 300)} },
+		"NUL property":  func(p *amqp.Publishing) { p.CorrelationId = "a\x00b" },
+		"one that does": func(p *amqp.Publishing) { p.CorrelationId = "req-7" },
+	} {
+		m, err := b.placed.Message(placed{OrderID: uuid.New()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := publishing(m)
+		set(&p)
+		sent[name] = p
+		if err := b.ch.PublishWithContext(context.Background(), b.exchange, m.Type, true, false, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, s.Run)
+	testenv.Eventually(t, 10*time.Second, func() bool { return b.handled(t, "SELECT count(*) FROM handled") == 3 },
+		"not every message was handled")
+	b.noDeadLetters(t, ch, "")
+	if n := b.handled(t, "SELECT count(*) FROM outbox_messages WHERE correlation_id = 'req-7'"); n != 1 {
+		t.Fatalf("%d enqueued messages carry the correlation id that can travel, want 1", n)
+	}
+	if lines := b.logs.Lines("batch failed"); len(lines) != 0 {
+		t.Fatalf("a batch failed: %s", lines[0])
+	}
 }
 
 // messagingtest.DeliverBatch hands a batch handler the messages given together, in one

@@ -1,0 +1,48 @@
+package messaging
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// A correlation id that no message could carry on is read as none, from the property and from
+// the header alike: a handler that passes it on would have its Enqueue refused on every
+// delivery. One that can travel is kept, the property before the header.
+func TestFromDeliveryKeepsOnlyACorrelationIDThatCanTravelOn(t *testing.T) {
+	long := strings.Repeat("c", maxShortString+1)
+	for _, tc := range []struct {
+		name, property, header, want string
+	}{
+		{"property", "req-1", "", "req-1"},
+		{"header, without the property", "", "req-2", "req-2"},
+		{"the property before the header", "req-1", "req-2", "req-1"},
+		{"255 bytes", "", long[1:], long[1:]},
+		{"a header over 255 bytes", "", long, ""},
+		{"a NUL in the property", "a\x00b", "", ""},
+		{"a NUL in the header", "", "a\x00b", ""},
+		{"invalid UTF-8", "a\xffb", "", ""},
+		{"a property that cannot travel, then the header", "a\x00b", "req-2", "req-2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := amqp.Delivery{MessageId: uuid.New().String(), Body: []byte(`{}`), CorrelationId: tc.property, Headers: amqp.Table{}}
+			if tc.header != "" {
+				d.Headers[correlationIDHeader] = tc.header
+			}
+			m, err := fromDelivery(d, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m.CorrelationID != tc.want {
+				t.Fatalf("correlation id %q, want %q", truncate(m.CorrelationID), tc.want)
+			}
+			if m.CorrelationID != "" {
+				if err := checkEnvelope("", "k", toPublishing(m, ""), 0); err != nil || unstorable(m) != "" {
+					t.Fatalf("a message carrying it on is refused: %v %s", err, unstorable(m))
+				}
+			}
+		})
+	}
+}
