@@ -140,6 +140,39 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 	}
 }
 
+// An OrderPlaced that decodes and validates but that PostgreSQL refuses for its value alone (a
+// customer id holding a NUL, which jsonb and text cannot store) fails the batch it is in, and
+// alone is permanent: dead-lettered at once, with nothing of it written. The batch's other
+// message, delivered alone, is invoiced.
+func TestAnOrderPlacedTheDatabaseRefusesIsPermanentAloneAndInABatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	goodOrder := uuid.New()
+	good := orderPlaced(t, goodOrder, 100)
+	bad, err := events.OrderPlacedEvent.Message(events.OrderPlaced{
+		OrderID: uuid.New(), CustomerID: "c-\x00", TotalCents: 100, PlacedAt: time.Now().UTC(),
+		Lines: []events.Line{{SKU: "SKU-1", Quantity: 1, UnitPriceCents: 100}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := messagingtest.DeliverBatch(context.Background(), b.sub, good, bad); err == nil {
+		t.Fatal("DeliverBatch of a good and a refused OrderPlaced = nil, want the batch's error")
+	}
+	if _, err := b.deliver(t, bad); !messaging.IsPermanent(err) {
+		t.Fatalf("the refused OrderPlaced alone: err = %v, want a permanent error", err)
+	}
+	if dup, err := b.deliver(t, good); err != nil || dup {
+		t.Fatalf("the good OrderPlaced alone: duplicate %v, err %v; want it handled", dup, err)
+	}
+	if _, issued := b.invoiceOf(t, goodOrder); issued != 1 {
+		t.Fatalf("%d InvoiceIssued for the good order, want 1", issued)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM invoices") + testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages"); n != 2 {
+		t.Fatalf("%d invoices and inbox records, want the good order's one of each", n)
+	}
+}
+
 func TestListInvoices(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
