@@ -29,7 +29,7 @@ const (
 // at its start, before the backlog was there.
 func postLatencyDuringCleanup(t *testing.T, r *report, binDir string) {
 	t.Helper()
-	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, Env: map[string][]string{"order": {"LOG_LEVEL=warn"}}})
+	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, DiscardLogs: true})
 	sys.Invoicing.Stop(t)
 	sys.Notification.Stop(t)
 	db := sys.Order.DB.DB

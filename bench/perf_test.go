@@ -29,6 +29,38 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
+// serviceSettings are the variables the three binaries read their settings from (the
+// families by prefix, with the OpenTelemetry SDK's), and those of the Go runtime. The binaries
+// inherit this process's environment, and every figure is of their defaults. Left out: the
+// addresses the harness gives each (DATABASE_URL, AMQP_URL, HTTP_ADDR).
+var serviceSettings = []string{"CONSUMER_", "NOTIFY_", "OTEL_", "OUTBOX_", "SMTP_",
+	"DB_MAX_CONNS=", "HTTP_LATENCY_TARGET=", "HTTP_MAX_IN_FLIGHT=", "INBOX_RETENTION=", "LOG_FORMAT=", "LOG_LEVEL=", "PPROF_ADDR=",
+	"GOMAXPROCS=", "GOGC=", "GOMEMLIMIT=", "GODEBUG="}
+
+// refuseServiceSettings fails the run if the environment holds a setting of the binaries: they
+// would run with it, and the table would call it their defaults. BENCH_ORDER_ENV and the like
+// give a phase other settings, and its rows say so.
+func refuseServiceSettings(t *testing.T) {
+	t.Helper()
+	for _, kv := range os.Environ() {
+		for _, p := range serviceSettings {
+			if strings.HasPrefix(kv, p) {
+				t.Fatalf("%s is set: the binaries are measured with their defaults (BENCH_ORDER_ENV, BENCH_INVOICING_ENV and BENCH_NOTIFICATION_ENV give a phase others)", kv)
+			}
+		}
+	}
+}
+
+// settingsFrom reads BENCH_<SERVICE>_ENV, the settings a phase gives service instead of its
+// defaults, and says which the phase's rows measure.
+func settingsFrom(service string) (env []string, label string) {
+	env = strings.Fields(os.Getenv("BENCH_" + strings.ToUpper(service) + "_ENV"))
+	if len(env) == 0 {
+		return nil, "defaults"
+	}
+	return env, "with " + strings.Join(env, " ")
+}
+
 // row is one line of the final table.
 type row struct {
 	name, value, baseline, ratio, target, verdict string
@@ -103,6 +135,7 @@ func TestPerformance(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	refuseServiceSettings(t)
 	var r report
 	// A missed target fails the test, after the table, so scripts/bench.sh exits non-zero.
 	defer func() {
@@ -267,7 +300,7 @@ const orderBody = `{"customer_id":"c-42","lines":[{"sku":"SKU-1","quantity":2,"u
 // relay included; the consumers stopped so they do not compete for the two cores).
 func postThroughput(t *testing.T, r *report, binDir string, b2 float64) {
 	t.Helper()
-	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, Env: map[string][]string{"order": {"LOG_LEVEL=warn"}}})
+	sys := systest.Start(t, systest.Options{BinDir: binDir, DirectBroker: true, DiscardLogs: true})
 	sys.Invoicing.Stop(t)
 	sys.Notification.Stop(t)
 	const clients, duration = 16, 10 * time.Second

@@ -12,10 +12,13 @@ rev=${1:?usage: scripts/bench-compare.sh REV [PHASE_REGEXP]}
 phases=${2:-.}
 . scripts/alone.sh
 alone scripts/bench-compare.sh
+# The broker compose ships, whatever SIDROOT_SUITE a shell holds for the tests.
+export SIDROOT_SUITE=sid
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
 work=$(mktemp -d)
 trap 'scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+scripts/sidroot.sh compose
 git worktree add --detach "$work/src" "$rev" >/dev/null
 mkdir "$work/bin"
 for svc in order invoicing notification; do

@@ -18,6 +18,8 @@
 #                                  TEST_SIDROOT, TEST_RABBITMQ_PROMETHEUS_URL
 #   scripts/sidroot.sh ctl ARGS    rabbitmqctl against the node
 #   scripts/sidroot.sh version     the RabbitMQ (and Prometheus) versions installed
+#   scripts/sidroot.sh compose     prints the root's RabbitMQ version, and fails unless it is
+#                                  the major.minor of the image docker-compose.yml ships
 #
 # The node is rabbit43@localhost (sid) or rabbit40@localhost (trixie): AMQP on
 # 127.0.0.1:SIDROOT_AMQP_PORT (default 5674, trixie 5675), distribution on that port + 20000,
@@ -175,6 +177,22 @@ version() {
   in_root dpkg-query -W -f '${Package} ${Version}\n' $packages erlang-base
 }
 
+# compose checks that the root's RabbitMQ is the one compose ships, by major.minor (Debian's
+# package need not be the image's patch release), so that no figure is measured on another.
+compose() {
+  local want have minor
+  want=$(sed -n 's/^ *image: rabbitmq:\([0-9][0-9.]*\).*/\1/p' "$here/../docker-compose.yml" | sort -u)
+  [ -n "$want" ] && [ "$(printf '%s\n' "$want" | wc -l)" = 1 ] ||
+    die "docker-compose.yml should name one RabbitMQ image version, names: ${want:-none}"
+  minor=$(printf '%s' "$want" | cut -d. -f1,2)
+  case "$minor" in *.*) ;; *) die "docker-compose.yml's RabbitMQ image $want names no minor version" ;; esac
+  have=$(in_root dpkg-query -W -f '${Version}' rabbitmq-server) || die "no RabbitMQ in $root: run scripts/sidroot.sh provision"
+  case "$have" in
+    "$minor".*) printf 'RabbitMQ %s (%s), as compose ships %s\n' "$have" "$suite" "$want" ;;
+    *) die "the $suite root's RabbitMQ is $have, compose ships $want: no figure of it would be compose's" ;;
+  esac
+}
+
 . "$here/alone.sh"
 case "${1:-}" in
   provision) alone "scripts/sidroot.sh provision"; provision ;;
@@ -183,5 +201,6 @@ case "${1:-}" in
   env) env_lines ;;
   ctl) shift; ctl "$@" ;;
   version) version ;;
-  *) die "usage: scripts/sidroot.sh provision|start|stop|env|ctl ARGS|version" ;;
+  compose) compose ;;
+  *) die "usage: scripts/sidroot.sh provision|start|stop|env|ctl ARGS|version|compose" ;;
 esac
