@@ -31,6 +31,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -56,20 +57,23 @@ const shutdownContract = 10
 // The kinds the manifests may hold. Anything else fails the decoding test, so a new kind
 // comes with a decision on how to check it.
 type k8sManifests struct {
-	configMaps  map[string]corev1.ConfigMap
-	secrets     map[string]corev1.Secret
-	services    map[string]corev1.Service
-	deployments map[string]appsv1.Deployment
-	pdbs        []policyv1.PodDisruptionBudget
-	rabbits     []rabbitmqCluster
-	pgClusters  []cnpgCluster
-	databases   []cnpgDatabase
-	exchanges   []topologyExchange
-	queues      []topologyQueue
-	bindings    []topologyBinding
-	rmqUsers    []topologyUser
-	rmqPerms    []topologyPermission
-	kust        kustomization
+	configMaps   map[string]corev1.ConfigMap
+	secrets      map[string]corev1.Secret
+	services     map[string]corev1.Service
+	deployments  map[string]appsv1.Deployment
+	pdbs         []policyv1.PodDisruptionBudget
+	accounts     map[string]corev1.ServiceAccount
+	roles        map[string]rbacv1.Role
+	roleBindings []rbacv1.RoleBinding
+	rabbits      []rabbitmqCluster
+	pgClusters   []cnpgCluster
+	databases    []cnpgDatabase
+	exchanges    []topologyExchange
+	queues       []topologyQueue
+	bindings     []topologyBinding
+	rmqUsers     []topologyUser
+	rmqPerms     []topologyPermission
+	kust         kustomization
 }
 
 // kustomization holds the fields deploy/k8s/kustomization.yaml may use; it is decoded
@@ -251,12 +255,17 @@ func loaded[T any](t *testing.T, load func() (T, error)) T {
 }
 
 func readK8sManifests() (*k8sManifests, error) {
-	m := &k8sManifests{
-		configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
-		services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{},
-	}
+	m := newK8sManifests()
 	err := readKustomization(k8sDir, &m.kust, func() []string { return m.kust.Resources }, m.add)
 	return m, err
+}
+
+func newK8sManifests() *k8sManifests {
+	return &k8sManifests{
+		configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
+		services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{},
+		accounts: map[string]corev1.ServiceAccount{}, roles: map[string]rbacv1.Role{},
+	}
 }
 
 // readKustomization decodes dir's kustomization.yaml strictly into kust, a kustomize
@@ -323,6 +332,30 @@ func readHead(doc []byte) (head docHead, err error) {
 	return head, nil
 }
 
+// decodeNamed decodes doc strictly into a T and files it by its name, which no other document
+// of its kind may have.
+func decodeNamed[T any](doc []byte, head docHead, into map[string]T) error {
+	var o T
+	if err := decodeJSONStrict(doc, &o); err != nil {
+		return fmt.Errorf("%s %s %s: %w", head.APIVersion, head.Kind, head.Metadata.Name, err)
+	}
+	if _, have := into[head.Metadata.Name]; have {
+		return fmt.Errorf("%s %s is defined twice", head.Kind, head.Metadata.Name)
+	}
+	into[head.Metadata.Name] = o
+	return nil
+}
+
+// decodeListed decodes doc strictly into a T and appends it to into.
+func decodeListed[T any](doc []byte, head docHead, into *[]T) error {
+	var o T
+	if err := decodeJSONStrict(doc, &o); err != nil {
+		return fmt.Errorf("%s %s %s: %w", head.APIVersion, head.Kind, head.Metadata.Name, err)
+	}
+	*into = append(*into, o)
+	return nil
+}
+
 // add decodes one document (JSON) by its kind, strictly, and files it.
 func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
 	head, err := readHead(doc)
@@ -331,56 +364,27 @@ func (m *k8sManifests) add(crds map[string]*crd, doc []byte) error {
 	}
 	what := head.APIVersion + " " + head.Kind
 	name := head.Metadata.Name
-	dup := func(have bool) error {
-		if have {
-			return fmt.Errorf("%s %s is defined twice", head.Kind, name)
-		}
-		return nil
-	}
 	switch what {
 	case "v1 ConfigMap":
-		var o corev1.ConfigMap
-		if err := decodeJSONStrict(doc, &o); err != nil {
-			return fmt.Errorf("%s %s: %w", what, name, err)
-		}
-		_, have := m.configMaps[name]
-		m.configMaps[name] = o
-		return dup(have)
+		return decodeNamed(doc, head, m.configMaps)
 	case "v1 Secret":
-		var o corev1.Secret
-		if err := decodeJSONStrict(doc, &o); err != nil {
-			return fmt.Errorf("%s %s: %w", what, name, err)
-		}
-		_, have := m.secrets[name]
-		m.secrets[name] = o
-		return dup(have)
+		return decodeNamed(doc, head, m.secrets)
 	case "v1 Service":
-		var o corev1.Service
-		if err := decodeJSONStrict(doc, &o); err != nil {
-			return fmt.Errorf("%s %s: %w", what, name, err)
-		}
-		_, have := m.services[name]
-		m.services[name] = o
-		return dup(have)
+		return decodeNamed(doc, head, m.services)
 	case "apps/v1 Deployment":
-		var o appsv1.Deployment
-		if err := decodeJSONStrict(doc, &o); err != nil {
-			return fmt.Errorf("%s %s: %w", what, name, err)
-		}
-		_, have := m.deployments[name]
-		m.deployments[name] = o
-		return dup(have)
+		return decodeNamed(doc, head, m.deployments)
 	case "policy/v1 PodDisruptionBudget":
-		var o policyv1.PodDisruptionBudget
-		if err := decodeJSONStrict(doc, &o); err != nil {
-			return fmt.Errorf("%s %s: %w", what, name, err)
-		}
-		m.pdbs = append(m.pdbs, o)
-		return nil
+		return decodeListed(doc, head, &m.pdbs)
+	case "v1 ServiceAccount":
+		return decodeNamed(doc, head, m.accounts)
+	case "rbac.authorization.k8s.io/v1 Role":
+		return decodeNamed(doc, head, m.roles)
+	case "rbac.authorization.k8s.io/v1 RoleBinding":
+		return decodeListed(doc, head, &m.roleBindings)
 	}
 	c, ok := crds[head.APIVersion+"/"+head.Kind]
 	if !ok {
-		return fmt.Errorf("%s: no check for this kind (the decoding test knows v1 ConfigMap, Secret and Service, apps/v1 Deployment, policy/v1 PodDisruptionBudget, and the CRDs in deploy/k8s/testdata/crds)", what)
+		return fmt.Errorf("%s: no check for this kind (the decoding test knows v1 ConfigMap, Secret, Service and ServiceAccount, apps/v1 Deployment, policy/v1 PodDisruptionBudget, rbac.authorization.k8s.io/v1 Role and RoleBinding, and the CRDs in deploy/k8s/testdata/crds)", what)
 	}
 	if err := c.validate(doc); err != nil {
 		return fmt.Errorf("%s %s: %w", what, name, err)
@@ -631,6 +635,8 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 		`{"apiVersion":"apps/v1","kind":"Deployment","metadata":{"name":"x"},"spec":{"replica":2}}`,
 		`{"apiVersion":"apps/v1","kind":"Deployment","metadata":{"name":"x"},"spec":{"Replicas":2}}`,
 		`{"apiVersion":"v1","kind":"Service","metadata":{"name":"x","lables":{}}}`,
+		`{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{"name":"x"},"rule":[]}`,
+		`{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"ClusterRoleBinding","metadata":{"name":"x"},"roleRef":{"apiGroup":"rbac.authorization.k8s.io","kind":"ClusterRole","name":"admin"}}`,
 		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x"},"spec":{"replica":3}}`,
 		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x"},"spec":{"rabbitmq":{"additionalConfg":""}}}`,
 		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"RabbitmqCluster","metadata":{"name":"x","labls":{}},"spec":{}}`,
@@ -648,9 +654,7 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 		`{"apiVersion":"rabbitmq.com/v1beta1","kind":"Permission","metadata":{"name":"x"},"spec":{"vhost":"/","permission":{},"permissions":{},"rabbitmqClusterReference":{"name":"r"}}}`,
 	}
 	for _, doc := range bad {
-		m := &k8sManifests{configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
-			services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{}}
-		if err := m.add(crds, []byte(doc)); err == nil {
+		if err := newK8sManifests().add(crds, []byte(doc)); err == nil {
 			t.Errorf("accepted %s", doc)
 		}
 	}
@@ -708,8 +712,13 @@ func TestK8sDeployments(t *testing.T) {
 				t.Fatalf("no Deployment %s", a.name)
 			}
 			spec := d.Spec.Template.Spec
-			if len(spec.Containers) != 1 || len(spec.InitContainers) != 0 {
-				t.Fatalf("%d containers and %d init containers, want the service alone", len(spec.Containers), len(spec.InitContainers))
+			// Order's wait for the topology is the one init container (TestK8sOrderWaitsForTopology).
+			inits := 0
+			if a.name == topologyWaiter {
+				inits = 1
+			}
+			if len(spec.Containers) != 1 || len(spec.InitContainers) != inits {
+				t.Fatalf("%d containers and %d init containers, want the service's and %d", len(spec.Containers), len(spec.InitContainers), inits)
 			}
 			c := spec.Containers[0]
 			if d.Spec.Replicas == nil || *d.Spec.Replicas < 2 {
@@ -783,6 +792,9 @@ func TestK8sDeployments(t *testing.T) {
 			checkResources(t, c)
 			if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
 				t.Error("automountServiceAccountToken is not false (the services never call the Kubernetes API)")
+			}
+			if mounts := tokenMounts(m, spec, c); len(mounts) > 0 {
+				t.Errorf("the service's container mounts a service-account token, or something at its path: %v", mounts)
 			}
 
 			// A Service in front, whose port leads to HTTP_ADDR's.

@@ -60,9 +60,10 @@ func (c *cli) versionCommand() *cobra.Command {
 		Short: "the version of outboxctl, and the commit it was built from",
 		Long: `version prints what --version prints: the module version of outboxctl, the VCS revision it
 was built from when the build recorded it (go build does in a git checkout, unless
--buildvcs=false), and the Go version. The version is the module's tag when installed with go
-install ...@vX.Y.Z or built at a tagged commit, else the pseudo-version the go command derives
-from the revision, or "(devel)" where the build knew neither (go run, the images).`,
+-buildvcs=false), and the Go version. The version is the one the go command recorded for the
+module: where it stamped the revision, the pseudo-version derived from it (v0.0.0-...,
+ending in +dirty with uncommitted changes; the release tags, pkg/messaging/vX.Y.Z, are the
+library's, not this module's), else "(devel)" (go run, the images).`,
 		Args: cobra.NoArgs,
 		RunE: action(func(context.Context, []string) error {
 			v := readVersion()
