@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net/mail"
 	"os"
 	"time"
@@ -29,10 +30,12 @@ func run(ctx context.Context, env *platform.Env) error {
 	// too, and would reach MAIL FROM and the From header as it is, refused by strict relays.
 	from, fromErr := mail.ParseAddress(smtpFrom)
 	env.Check(fromErr == nil && from.Address == smtpFrom, "SMTP_FROM", "must be a plain e-mail address")
-	domain := env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example")
 	// Every recipient derived from a customer id is at it: a name a server could refuse as
-	// syntax would fail each of those e-mails for ever.
-	env.Check(domainName(domain) && len(domain) <= maxAddress-2, "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name, with room for a mailbox at it (252 octets at most)")
+	// syntax would fail each of those e-mails for ever. Kept as its A-label, which a server
+	// without SMTPUTF8 takes too.
+	domain, isName := asciiDomain(env.String("NOTIFY_RECIPIENT_DOMAIN", "customers.example"))
+	env.Check(isName && len(domain) <= maxRecipientDomain, "NOTIFY_RECIPIENT_DOMAIN",
+		fmt.Sprintf("must be a domain name, with room for a mailbox at it (%d octets at most as its A-label)", maxRecipientDomain))
 	maxBackoff := env.Duration("NOTIFY_MAX_BACKOFF", 5*time.Minute, 2*time.Second, 24*time.Hour)
 	// The deliveries hold no database connection: the sender uses one for all of them, whatever
 	// NOTIFY_CONCURRENCY is. Nor do they hold an SMTP connection while their outcome is

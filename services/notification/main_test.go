@@ -50,13 +50,21 @@ func TestARecipientDomainThatIsNoDomainNameIsRefused(t *testing.T) {
 	cancel()
 	label := strings.Repeat("d", 63)
 	longest := strings.Join([]string{label, label, label, label[2:]}, ".") // a name of 253 octets: no room for "a@"
-	for _, value := range []string{"shop!", "b_c.example", "-x.example", "[192.0.2.1]", strings.Repeat("d", 64) + ".example", longest} {
-		err := run(ctx, platform.EnvFrom(map[string]string{
+	roomy := strings.Join([]string{label, label, label, label[:48]}, ".")  // 240: room for a derived mailbox's "=" and digest
+	runWith := func(value string) error {
+		return run(ctx, platform.EnvFrom(map[string]string{
 			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
 			"NOTIFY_RECIPIENT_DOMAIN": value,
 		}))
-		if err == nil || !strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN: must be a domain name") {
+	}
+	for _, value := range []string{"shop!", "b_c.example", "-x.example", "[192.0.2.1]", strings.Repeat("d", 64) + ".example", longest, roomy + "d"} {
+		if err := runWith(value); err == nil || !strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN: must be a domain name") {
 			t.Errorf("NOTIFY_RECIPIENT_DOMAIN=%q: err = %v, want it named", value, err)
+		}
+	}
+	for _, value := range []string{roomy, "Customers.Example", "bücher.example"} {
+		if err := runWith(value); err != nil && strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN") {
+			t.Errorf("NOTIFY_RECIPIENT_DOMAIN=%q: err = %v, want it taken", value, err)
 		}
 	}
 }

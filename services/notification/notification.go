@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"embed"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -102,9 +104,10 @@ func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%
 // recipient is the customer id when it is a mailbox as SMTP carries it (mailbox), otherwise a
 // mailbox derived from it at domain. Only letters, digits, '.', '-' and '_' survive: nothing
 // from a message can inject an SMTP header. The dots are those a mailbox may have (none first,
-// last or twice in a row), and a mailbox has at least one character: a server refuses
-// "@domain" or "a..b@domain" as syntax, every time, and the notification would be retried for
-// ever.
+// last or twice in a row): a server refuses "a..b@domain" as syntax, every time, and the
+// notification would be retried for ever. An id that had to change, or be cut, could become
+// another's ("acme/1" and "acme:1" both "acme_1"), whose customer would read its e-mails: it
+// ends in a digest of itself after an '=', which no id kept whole has.
 func recipient(customerID, domain string) string {
 	if mailbox(customerID) {
 		return customerID
@@ -117,21 +120,26 @@ func recipient(customerID, domain string) string {
 		return '_'
 	}, customerID)
 	local = strings.Join(slices.DeleteFunc(strings.Split(local, "."), func(s string) bool { return s == "" }), ".")
-	if room := min(maxLocalPart, maxAddress-1-len(domain)); len(local) > room {
-		local = strings.TrimRight(local[:room], ".")
-	}
-	if local == "" {
-		local = "_"
+	if room := min(maxLocalPart, maxAddress-1-len(domain)); local != customerID || len(local) > room {
+		sum := sha256.Sum256([]byte(customerID))
+		tag := "=" + hex.EncodeToString(sum[:])[:digestChars]
+		local = strings.TrimRight(local[:max(0, min(len(local), room-len(tag)))], ".") + tag
 	}
 	return local + "@" + domain
 }
 
+// digestChars is how much of a changed customer id's SHA-256, in hex, its mailbox carries: 48
+// bits, against a collision among ids that change alike.
+const digestChars = 12
+
 // maxLocalPart is the most octets of a mailbox's local part (RFC 5321 4.5.3.1.1), and
 // maxAddress of the whole address: a path is 256 octets at most, its '<' and '>' included
-// (4.5.3.1.3).
+// (4.5.3.1.3). maxRecipientDomain leaves room at NOTIFY_RECIPIENT_DOMAIN for a derived local
+// part of its '=' and digest alone.
 const (
-	maxLocalPart = 64
-	maxAddress   = 254
+	maxLocalPart       = 64
+	maxAddress         = 254
+	maxRecipientDomain = maxAddress - 1 - 1 - digestChars
 )
 
 // mailbox says whether address is one mailbox that SMTP carries as it is: mail.ParseAddress
@@ -155,17 +163,25 @@ func mailbox(address string) bool {
 // a customer's address may be UTF-8, which the mailer sends with SMTPUTF8) counts as the
 // A-label it stands for, and must be a valid one.
 func domainName(domain string) bool {
-	total := -1 // the first label has no dot before it
-	for label := range strings.SplitSeq(domain, ".") {
+	_, ok := asciiDomain(domain)
+	return ok
+}
+
+// asciiDomain is domain with each U-label written as its A-label, and whether it is a name
+// domainName takes.
+func asciiDomain(domain string) (string, bool) {
+	labels := strings.Split(domain, ".")
+	for i, label := range labels {
 		if !ldhLabel(label) {
-			var err error
-			if label, err = idna.Registration.ToASCII(label); err != nil || !ldhLabel(label) {
-				return false
+			a, err := idna.Registration.ToASCII(label)
+			if err != nil || !ldhLabel(a) {
+				return "", false
 			}
+			labels[i] = a
 		}
-		total += 1 + len(label)
 	}
-	return total <= 253
+	ascii := strings.Join(labels, ".")
+	return ascii, len(ascii) <= 253
 }
 
 // ldhLabel says whether label is 1 to 63 letters, digits and '-', with no '-' first or last.

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"io/fs"
 	"log/slog"
@@ -556,28 +558,68 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	}
 }
 
+// A recipient derived from a customer id keeps only what cannot inject an SMTP header, and the
+// dots a mailbox may have (none first, last or twice in a row: a server refuses those as
+// syntax). An id that had to change, or be cut, ends in "=" and a digest of itself.
 func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 	t.Parallel()
+	digest := func(id string) string {
+		sum := sha256.Sum256([]byte(id))
+		return "=" + hex.EncodeToString(sum[:])[:12]
+	}
 	for in, want := range map[string]string{
-		"c-42":                         "c-42@customers.example",
-		"ann@example.org":              "ann@example.org",
-		"x\r\nBcc: evil@example.org":   "x__Bcc__evil_example.org@customers.example",
-		"Ann <ann@example.org>":        "Ann__ann_example.org_@customers.example",
-		strings.Repeat("a", 100) + "!": strings.Repeat("a", 64) + "@customers.example",
-		// Dots a mailbox may not have, and nothing left: a server refuses those as syntax.
-		".":                            "_@customers.example",
-		"...":                          "_@customers.example",
-		"a..b":                         "a.b@customers.example",
-		".a.":                          "a@customers.example",
-		strings.Repeat("a", 63) + ".b": strings.Repeat("a", 63) + "@customers.example",
-		"ü":                            "_@customers.example",
+		"c-42":                         "c-42",
+		"ann@example.org":              "",
+		"x\r\nBcc: evil@example.org":   "x__Bcc__evil_example.org",
+		"Ann <ann@example.org>":        "Ann__ann_example.org_",
+		strings.Repeat("a", 100) + "!": strings.Repeat("a", 64-13),
+		".":                            "",
+		"...":                          "",
+		"a..b":                         "a.b",
+		".a.":                          "a",
+		strings.Repeat("a", 63) + ".b": strings.Repeat("a", 51),
+		"ü":                            "_",
 	} {
+		switch {
+		case want == "" && in == "ann@example.org":
+			want = in
+		case want == "c-42":
+			want += "@customers.example"
+		default:
+			want += digest(in) + "@customers.example"
+		}
 		got := recipient(in, "customers.example")
 		if got != want {
 			t.Errorf("recipient(%q) = %q, want %q", in, got, want)
 		}
-		if a, err := mail.ParseAddress(got); err != nil || a.Address != got {
+		if a, err := mail.ParseAddress(got); err != nil || a.Address != got || !mailbox(got) {
 			t.Errorf("recipient(%q) = %q, not a mailbox: %v", in, got, err)
+		}
+	}
+}
+
+// Customer ids that change alike, or share what is left once cut, get mailboxes of their own:
+// one customer never reads another's e-mails.
+func TestDifferentCustomersGetDifferentMailboxes(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("c", 64)
+	ids := []string{"acme_1", "acme/1", "acme 1", "acme:1", "acme_1=", "a.b", "a..b", ".a.b", long, long + "1", long + "2", "ü", "é", "_"}
+	seen := map[string]string{}
+	for _, id := range ids {
+		got := recipient(id, "customers.example")
+		if other, ok := seen[got]; ok {
+			t.Errorf("customers %q and %q share the mailbox %q", other, id, got)
+		}
+		seen[got] = id
+	}
+}
+
+// The recipient domain is kept as its A-label: a server without SMTPUTF8 takes it too.
+func TestRecipientDomainIsWrittenAsItsALabel(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{"bücher.example": "xn--bcher-kva.example", "Customers.Example": "Customers.Example", "xn--bcher-kva.example": "xn--bcher-kva.example"} {
+		if got, ok := asciiDomain(in); !ok || got != want {
+			t.Errorf("asciiDomain(%q) = %q, %v; want %q", in, got, ok, want)
 		}
 	}
 }
@@ -617,10 +659,10 @@ func TestRecipientIsKeptOnlyIfSMTPCarriesIt(t *testing.T) {
 			t.Errorf("recipient(%q) = %q, not a mailbox: %v", address, got, err)
 		}
 	}
-	// A mailbox derived at a long domain is cut to fit the path with it.
-	long := domain253[3:] // 250 octets
-	if got := recipient(strings.Repeat("c", 100), long); !mailbox(got) || got != "ccc@"+long {
-		t.Errorf("recipient of a long id at a domain of %d octets = %q (%d octets), want a mailbox of 254 at most", len(long), got, len(got))
+	// A mailbox derived at the longest domain allowed is cut to fit the path with it.
+	long := domain253[13:] // 240 octets
+	if got := recipient(strings.Repeat("c", 100), long); !mailbox(got) || len(got) != 254 || !strings.HasPrefix(got, "=") {
+		t.Errorf("recipient of a long id at a domain of %d octets = %q (%d octets), want a mailbox of 254, its digest alone", len(long), got, len(got))
 	}
 }
 
