@@ -328,7 +328,7 @@ func postThroughput(t *testing.T, r *report, binDir string, b2 float64) {
 		baseline = "B2 not run (BENCH_PHASES must name it too)"
 	}
 	r.add(fmt.Sprintf("POST /orders, %d keep-alive clients, 10 s (errors %s)", clients, got.errors()), fmt.Sprintf("%.0f req/s", rps), baseline,
-		fmt.Sprintf("%.2f", rps/b2), "≥ 0.50, 0 err", b2 > 0 && rps/b2 >= 0.5 && errs == 0)
+		ratioOf(rps, b2), "≥ 0.50, 0 err", b2 > 0 && rps/b2 >= 0.5 && errs == 0)
 	r.add("   POST /orders latency p50 / p99", fmt.Sprintf("%s / %s", percentile(latencies, .5).Round(100*time.Microsecond), percentile(latencies, .99).Round(100*time.Microsecond)), "", "", "", true)
 	rss := sys.Order.PeakRSS(t)
 	r.add("   order service peak RSS during the POST load", fmt.Sprintf("%.1f MiB", float64(rss)/(1<<20)), "", "", "≤ 64 MiB", rss <= 64<<20)

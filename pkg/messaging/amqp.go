@@ -268,8 +268,8 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 // travelling is a delivery's correlation id if a message can carry it on, or "". A handler
 // copies it to the messages its work enqueues, and Enqueue refuses one over AMQP's 255 bytes
 // (a header may be longer) or holding a NUL (a property may): its work would fail on every
-// delivery, for an id only there to be passed on. Invalid UTF-8 would be stored as U+FFFD,
-// longer.
+// delivery, for an id only there to be passed on. Invalid UTF-8 would be stored as U+FFFD:
+// altered, and maybe over 255 bytes.
 func travelling(id string) string {
 	if len(id) > maxShortString || strings.IndexByte(id, 0) >= 0 || !utf8.ValidString(id) {
 		return ""

@@ -71,7 +71,8 @@ func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duratio
 // DeleteInboxMessages deletes the inbox records older than olderThan, in batches, and says how
 // many; one runner at a time, like [DeleteSentOutboxMessages]. Keep records longer than any
 // duplicate can arrive (the relay's longest possible retry, the broker's redelivery window): a
-// message whose record is gone would be handled again.
+// message whose record is gone would be handled again. An olderThan of zero or less is an
+// error: it would delete every record.
 func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
 	if olderThan <= 0 {
 		// An unset setting would delete every record, even that of a batch whose ack is yet to

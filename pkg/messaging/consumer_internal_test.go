@@ -129,24 +129,24 @@ func TestALateEndOfAnOldSessionLeavesTheNextOneReady(t *testing.T) {
 // database silent past the deadline) stays, and a Permanent of an attempt that was not cut off
 // stays too.
 func TestAnAttemptCutOffByTheTimeoutLosesOnlyItsPermanentMark(t *testing.T) {
-	const timeout = 20 * time.Millisecond
 	for _, tc := range []struct {
 		name                   string
+		timeout                time.Duration
 		process                func(ctx context.Context) error
 		permanent, unavailable bool
 	}{
-		{"cut off, called permanent", func(ctx context.Context) error {
+		{"cut off, called permanent", 20 * time.Millisecond, func(ctx context.Context) error {
 			<-ctx.Done()
 			return Permanent(fmt.Errorf("look the customer up: %w", ctx.Err()))
 		}, false, false},
-		{"cut off, the database silent", func(ctx context.Context) error {
+		{"cut off, the database silent", 20 * time.Millisecond, func(ctx context.Context) error {
 			<-ctx.Done()
 			return Unavailable(Permanent(fmt.Errorf("look the customer up: %w", ctx.Err())))
 		}, true, true},
-		{"permanent in time", func(context.Context) error { return Permanent(errors.New("no such customer")) }, true, false},
+		{"permanent in time", time.Minute, func(context.Context) error { return Permanent(errors.New("no such customer")) }, true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := &consumer{cfg: consumerConfig{HandlerTimeout: timeout},
+			c := &consumer{cfg: consumerConfig{HandlerTimeout: tc.timeout},
 				work: work{process: func(ctx context.Context, _ []job) error { return tc.process(ctx) }}}
 			err := c.attempt(context.Background(), nil)
 			if IsPermanent(err) != tc.permanent || IsUnavailable(err) != tc.unavailable {

@@ -88,8 +88,9 @@
 // A handler's error is retried in place, then the message goes back to its queue, counted as
 // a failed delivery; at its last allowed delivery ([DefaultDeliveryLimit]) it is dead-lettered,
 // with its reason, to the queue's dead-letter queue. Mark an error no retry can fix with
-// [Permanent] (dead-lettered at once; a statement the database refuses for the value alone, too
-// long or not valid in its type, is taken as one) and a dependency's outage with [Unavailable]
+// [Permanent] (dead-lettered at once, unless it carries a database outage's SQLSTATE or the
+// handler timeout cut the attempt off; a statement the database refuses for the value alone,
+// too long or not valid in its type, is taken as one) and a dependency's outage with [Unavailable]
 // (retried for as long as it lasts, without counting against the message). A message that
 // cannot be decoded is dead-lettered at once; one whose type has no handler goes back to the
 // queue at once, for a replica that has one, until its last allowed delivery.

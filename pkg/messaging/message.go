@@ -19,7 +19,8 @@ type Message struct {
 	Payload    json.RawMessage // the event itself, JSON
 	OccurredAt time.Time
 	// CorrelationID is optional; carried as the AMQP correlation_id and a header. A delivery's
-	// that no message could carry on (over 255 bytes, a NUL, invalid UTF-8) reads as "".
+	// that no message could carry on (over 255 bytes, a NUL) or carry unaltered (invalid UTF-8)
+	// reads as "".
 	CorrelationID string
 	// TraceParent and TraceState are the W3C trace context the message belongs to, and Headers
 	// its other AMQP headers: what else the trace propagator writes (baggage, B3), and the
@@ -81,8 +82,8 @@ func (e permanentError) Unwrap() error { return e.err }
 // Permanent marks err as one that no retry can fix (an undecodable or invalid message). A
 // [Subscription] sends such a message to its dead-letter queue at once and logs the reason;
 // but not when err carries a database outage's SQLSTATE (waited out), nor when the handler
-// timeout cut the attempt off (a failure, tried again); and at shutdown any failed message is
-// handed back, whatever its error.
+// timeout cut the attempt off (a failure, tried again); and at shutdown a message whose handler
+// failed is handed back, whatever its error.
 func Permanent(err error) error {
 	if err == nil {
 		return nil

@@ -47,8 +47,8 @@ func observe[Tx any](consumer string, log *slog.Logger, m *Metrics) Middleware[T
 }
 
 // outcomeOf is a handler's outcome as the metrics label it: ok, permanent (marked so, or a
-// statement the database refused for the value alone: dead-lettered at once either way) or
-// error.
+// statement the database refused for the value alone: dead-lettered at once, unless the
+// consumer finds an outage or a timeout behind it) or error.
 func outcomeOf(err error) string {
 	switch {
 	case err == nil:

@@ -141,8 +141,8 @@ type SubscriptionConfig struct {
 	// messages still come in their order.
 	BatchByType bool
 	// Prefetch is how many unacknowledged deliveries the broker sends ahead to each worker
-	// (each has a channel of its own). Default 2 × BatchSize: the batch in progress and the
-	// next.
+	// (each has a channel of its own), at most 65535 (AMQP's 16 bits). Default 2 × BatchSize:
+	// the batch in progress and the next.
 	Prefetch int
 	// HandlerTimeout bounds one attempt: a transaction, with its handlers and its commit.
 	// Default [DefaultHandlerTimeout].
@@ -292,7 +292,7 @@ func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscriptio
 	// AMQP carries the prefetch in 16 bits: the client would send what is left of it, 65536 as
 	// 0, no limit. (Twice a BatchSize near the int's range overflows below 1.)
 	if cfg.Prefetch > math.MaxUint16 || cfg.Prefetch < 1 {
-		return nil, fmt.Errorf("subscription: Prefetch %d is over AMQP's %d (the default is twice BatchSize)", cfg.Prefetch, math.MaxUint16)
+		return nil, fmt.Errorf("subscription: Prefetch %d is outside AMQP's 1 to %d (the default is twice BatchSize)", cfg.Prefetch, math.MaxUint16)
 	}
 	return &Subscription[Tx]{
 		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
