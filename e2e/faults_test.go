@@ -57,6 +57,7 @@ func TestReplicasUnderLoad(t *testing.T) {
 func TestPoisonMessagesAreDeadLettered(t *testing.T) {
 	t.Parallel()
 	s := startSystem(t, systest.Options{})
+	s.PoisonSent = true
 	ch := s.Channel(t)
 	poison := []amqp.Publishing{
 		{MessageId: uuid.NewString(), Type: "OrderPlaced", ContentType: "application/json", Body: []byte("not json")},
@@ -214,7 +215,13 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 		}
 		time.Sleep(time.Second) // pacing: one customer a second
 	}
-	// The broker is still away: the relay has noticed, and every row of the outage waits.
+	// The broker is still away: the consumers, which cannot consume, are not ready; the relay
+	// has noticed, and every row of the outage waits.
+	for _, svc := range []*systest.Service{s.Invoicing, s.Notification} {
+		if st := svc.Status(t, "/readyz"); st != http.StatusServiceUnavailable {
+			t.Errorf("%s's /readyz = %d with the broker away, want 503", svc.Name, st)
+		}
+	}
 	if up := s.Order.Metric(t, brokerUpGauge); up != 0 {
 		t.Errorf("%s = %v during the outage, want 0", brokerUpGauge, up)
 	}
@@ -241,6 +248,11 @@ func testBrokerOutage(t *testing.T, outage time.Duration) {
 		t.Errorf("both consumers handled every order %s after the broker came back, want within 5 s", took.Round(time.Millisecond))
 	}
 
+	for _, svc := range []*systest.Service{s.Invoicing, s.Notification} {
+		if st := svc.Status(t, "/readyz"); st != http.StatusOK {
+			t.Errorf("%s's /readyz = %d once it consumed again, want 200", svc.Name, st)
+		}
+	}
 	rowsWaiting := checkOutageReported(t, s)
 	t.Logf("rows_waiting=%d when the relay resumed; %d orders were placed and %d cancelled during the outage", rowsWaiting, during, len(cancelled))
 	if up := s.Order.Metric(t, brokerUpGauge); up != 1 {
@@ -364,10 +376,7 @@ func TestServerRestartPostgreSQLUnderLoad(t *testing.T) {
 	ids, cancelled, _ := traffic.Stop(t)
 	unconfirmed := s.CheckAccepted(t, ids)
 	n := int64(len(ids)) + unconfirmed
-	got := s.WaitExactlyOnce(t, n, 90*time.Second)
-	if dl := s.CheckQueuesEmpty(t); dl != 0 {
-		t.Fatalf("%d good messages were dead-lettered during the restart", dl)
-	}
+	got := s.WaitExactlyOnce(t, n, 90*time.Second) // none dead-lettered during the restart either
 	// A cancellation whose answer the restart cut off may be committed too: only fewer is wrong.
 	if got.Cancelled < int(cancelled) {
 		t.Errorf("%d orders are cancelled, fewer than the %d cancellations answered 200", got.Cancelled, cancelled)

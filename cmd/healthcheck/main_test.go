@@ -2,15 +2,20 @@ package main
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 )
 
-func TestCheck(t *testing.T) {
-	t.Parallel()
+// service answers as a service's health endpoints may: ready, unready, other statuses, a
+// redirect, too slow.
+func service(t *testing.T) *httptest.Server {
+	t.Helper()
 	mux := http.NewServeMux()
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("/unready", func(w http.ResponseWriter, _ *http.Request) {
@@ -28,7 +33,12 @@ func TestCheck(t *testing.T) {
 	})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
+	return srv
+}
 
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	srv := service(t)
 	closed := httptest.NewServer(http.NotFoundHandler())
 	closedURL := closed.URL
 	closed.Close()
@@ -72,6 +82,52 @@ func TestCheck(t *testing.T) {
 				t.Fatalf("check(%q) = %q, want it to contain %q", tt.url, err, tt.wantErr)
 			case strings.Contains(err.Error(), "\n"):
 				t.Fatalf("check(%q) error spans several lines: %q", tt.url, err)
+			}
+		})
+	}
+}
+
+// TestMain runs main itself when a test re-executes this binary as the healthcheck.
+func TestMain(m *testing.M) {
+	if os.Getenv("HEALTHCHECK_AS_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// The command's exit status is what the container runtime reads: 0 on a 200 only, 1 on any
+// other answer, on a refused connection and on a wrong command line, each with a line why.
+func TestExitStatus(t *testing.T) {
+	t.Parallel()
+	srv := service(t)
+	closed := httptest.NewServer(http.NotFoundHandler())
+	closed.Close()
+	for _, tc := range []struct {
+		name string
+		args []string
+		want int
+	}{
+		{"ready", []string{srv.URL + "/readyz"}, 0},
+		{"unready", []string{srv.URL + "/unready"}, 1},
+		{"refused", []string{closed.URL + "/readyz"}, 1},
+		{"two URLs", []string{srv.URL + "/readyz", srv.URL + "/readyz"}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(os.Args[0], tc.args...)
+			cmd.Env = append(os.Environ(), "HEALTHCHECK_AS_MAIN=1")
+			var stderr strings.Builder
+			cmd.Stderr = &stderr
+			err := cmd.Run()
+			got := 0
+			if exit := (*exec.ExitError)(nil); errors.As(err, &exit) {
+				got = exit.ExitCode()
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			if got != tc.want || (tc.want != 0) != (stderr.Len() > 0) {
+				t.Fatalf("healthcheck %v: exit %d, stderr %q; want exit %d, a line only on failure", tc.args, got, stderr.String(), tc.want)
 			}
 		})
 	}
