@@ -25,6 +25,7 @@ import (
 func TestClusterLosesTheQueueLeaderUnderLoad(t *testing.T) {
 	cluster := testenv.StartCluster(t)
 	s := startSystem(t, systest.Options{Cluster: cluster, Invoicers: 2, Notifiers: 2})
+	s.PoisonSent = true // one, published while the leader is gone, dead-lettered by the others
 	for _, q := range []string{"invoicing", "notification"} {
 		if m := members(t, cluster, s.VHost, q); len(m) != 3 {
 			t.Fatalf("queue %s has replicas on %v, want all 3 nodes", q, m)

@@ -101,31 +101,41 @@ var w3c propagation.TraceContext
 
 func money(cents int64) string { return fmt.Sprintf("%d.%02d", cents/100, cents%100) }
 
-// recipient is the customer id when it is a mailbox as SMTP carries it (mailbox), otherwise a
-// mailbox derived from it at domain. Only letters, digits, '.', '-' and '_' survive: nothing
-// from a message can inject an SMTP header. The dots are those a mailbox may have (none first,
-// last or twice in a row): a server refuses "a..b@domain" as syntax, every time, and the
-// notification would be retried for ever. An id that had to change, or be cut, could become
-// another's ("acme/1" and "acme:1" both "acme_1"), whose customer would read its e-mails: it
-// ends in a digest of itself after an '=', which no id kept whole has.
+// recipient is the customer id when it is a mailbox as SMTP carries it (mailbox) at another
+// domain than domain, otherwise a mailbox derived from it at domain. Only lower-case letters
+// (servers take a local part's case as the same mailbox), digits, '.', '-' and '_' survive:
+// nothing from a message can inject an SMTP header. The dots are those a mailbox may have (none
+// first, last or twice in a row): a server refuses "a..b@domain" as syntax, every time, and
+// the notification would be retried for ever. An id that had to change, or be cut, could
+// become another's ("acme/1" and "Acme:1" both "acme_1"), whose customer would read its
+// e-mails: it ends in 48 bits of a digest of itself after an '=', which no id kept whole has
+// (and an address kept whole is at another domain).
 func recipient(customerID, domain string) string {
-	if mailbox(customerID) {
+	if mailbox(customerID) && !atDomain(customerID, domain) {
 		return customerID
 	}
 	local := strings.Map(func(r rune) rune {
 		switch {
-		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '.', r == '-', r == '_':
+		case r >= 'A' && r <= 'Z':
+			return r - 'A' + 'a'
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9', r == '.', r == '-', r == '_':
 			return r
 		}
 		return '_'
 	}, customerID)
 	local = strings.Join(slices.DeleteFunc(strings.Split(local, "."), func(s string) bool { return s == "" }), ".")
-	if room := min(maxLocalPart, maxAddress-1-len(domain)); local != customerID || len(local) > room {
+	if room := min(maxLocalPart, maxAddress-1-len(domain)); local != customerID || local == "" || len(local) > room {
 		sum := sha256.Sum256([]byte(customerID))
 		tag := "=" + hex.EncodeToString(sum[:])[:digestChars]
 		local = strings.TrimRight(local[:max(0, min(len(local), room-len(tag)))], ".") + tag
 	}
 	return local + "@" + domain
+}
+
+// atDomain says whether mailbox is at domain, as a name: its A-label, in any case.
+func atDomain(mailbox, domain string) bool {
+	at, _ := asciiDomain(mailbox[strings.LastIndexByte(mailbox, '@')+1:])
+	return strings.EqualFold(at, domain)
 }
 
 // digestChars is how much of a changed customer id's SHA-256, in hex, its mailbox carries: 48

@@ -558,9 +558,10 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	}
 }
 
-// A recipient derived from a customer id keeps only what cannot inject an SMTP header, and the
-// dots a mailbox may have (none first, last or twice in a row: a server refuses those as
-// syntax). An id that had to change, or be cut, ends in "=" and a digest of itself.
+// A recipient derived from a customer id keeps only what cannot inject an SMTP header, in
+// lower case, and the dots a mailbox may have (none first, last or twice in a row: a server
+// refuses those as syntax). An id that had to change, or be cut, ends in "=" and a digest of
+// itself.
 func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 	t.Parallel()
 	digest := func(id string) string {
@@ -570,8 +571,8 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 	for in, want := range map[string]string{
 		"c-42":                         "c-42",
 		"ann@example.org":              "",
-		"x\r\nBcc: evil@example.org":   "x__Bcc__evil_example.org",
-		"Ann <ann@example.org>":        "Ann__ann_example.org_",
+		"x\r\nBcc: evil@example.org":   "x__bcc__evil_example.org",
+		"Ann <ann@example.org>":        "ann__ann_example.org_",
 		strings.Repeat("a", 100) + "!": strings.Repeat("a", 64-13),
 		".":                            "",
 		"...":                          "",
@@ -598,19 +599,25 @@ func TestRecipientNeverCarriesHeaderInjection(t *testing.T) {
 	}
 }
 
-// Customer ids that change alike, or share what is left once cut, get mailboxes of their own:
-// one customer never reads another's e-mails.
+// Customer ids that change alike, share what is left once cut, differ in case only (one mailbox
+// to a server), or name an address at the domain the others are derived at, get mailboxes of
+// their own: one customer never reads another's e-mails.
 func TestDifferentCustomersGetDifferentMailboxes(t *testing.T) {
 	t.Parallel()
 	long := strings.Repeat("c", 64)
-	ids := []string{"acme_1", "acme/1", "acme 1", "acme:1", "acme_1=", "a.b", "a..b", ".a.b", long, long + "1", long + "2", "ü", "é", "_"}
+	ids := []string{"acme_1", "acme/1", "acme 1", "acme:1", "acme_1=", "Acme_1", "ACME_1", "a.b", "a..b", ".a.b", long, long + "1", long + "2",
+		"ü", "é", "_", "", "c-42", "c-42@customers.example", "C-42@Customers.Example", "c-42@CUSTOMERS.EXAMPLE",
+		"acme_1=" + recipient("acme/1", "customers.example")[7:19] + "@customers.example"}
 	seen := map[string]string{}
 	for _, id := range ids {
 		got := recipient(id, "customers.example")
-		if other, ok := seen[got]; ok {
+		if other, ok := seen[strings.ToLower(got)]; ok {
 			t.Errorf("customers %q and %q share the mailbox %q", other, id, got)
 		}
-		seen[got] = id
+		seen[strings.ToLower(got)] = id
+		if a, err := mail.ParseAddress(got); err != nil || a.Address != got || !mailbox(got) {
+			t.Errorf("recipient(%q) = %q, not a mailbox: %v", id, got, err)
+		}
 	}
 }
 
