@@ -144,9 +144,19 @@ func unstorable(m Message) string {
 			return "its " + f.name + " holds a NUL character, which PostgreSQL's text cannot store"
 		}
 	}
+	// These would be stored with U+FFFD in place of each invalid byte, as JSON carries them:
+	// published elsewhere than asked, or taken for another type, or past AMQP's 255 bytes.
+	for _, f := range [...]struct{ name, value string }{{"type", m.Type}, {"exchange", m.Exchange}, {"routing key", m.RoutingKey}} {
+		if !utf8.ValidString(f.value) {
+			return "its " + f.name + " is not valid UTF-8, and would be stored changed"
+		}
+	}
 	for k, v := range m.Headers {
 		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
 			return "its header " + strconv.Quote(k) + " holds a NUL character, which PostgreSQL's text cannot store"
+		}
+		if !utf8.ValidString(k) {
+			return "its header " + strconv.Quote(k) + " has a name that is not valid UTF-8, and would be stored changed"
 		}
 	}
 	if why := jsonbRefusal(m.Payload); why != "" {

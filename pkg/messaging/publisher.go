@@ -326,6 +326,9 @@ func (c PublisherConfig) check() error {
 	if len(c.AppID) > maxShortString {
 		return fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(c.AppID), maxShortString)
 	}
+	if err := c.Topology.check(); err != nil {
+		return fmt.Errorf("PublisherConfig.Topology: %w", err)
+	}
 	return nil
 }
 
@@ -563,15 +566,35 @@ var internalRefused = regexp.MustCompile(`^ACCESS_REFUSED - cannot publish to in
 // PublisherConfig.MaxMessageBytes may be larger.
 var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size \d+ is larger than (?:configured )?max size (\d+)$`)
 
+// exchangeMissing is the reason RabbitMQ gives when it closes a channel for a publish to an
+// exchange that does not exist: one deleted since this connection found it, or one a topology
+// check the broker refused took on trust.
+var exchangeMissing = regexp.MustCompile(`^NOT_FOUND - no exchange '(.*)' in vhost '.*'$`)
+
+// missingExchange returns the exchange reason says is missing, if it says so.
+func missingExchange(reason *amqp.Error) (string, bool) {
+	if reason == nil || reason.Code != amqp.NotFound {
+		return "", false
+	}
+	m := exchangeMissing.FindStringSubmatch(reason.Reason)
+	if m == nil {
+		return "", false
+	}
+	return m[1], true
+}
+
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
 // closed ch for a publish to m's exchange (with m's routing key, for a topic permission; or an
-// internal exchange), ErrTooLarge if for a body larger than the broker takes and m's is, else
-// none. Every such message would close it again, batch after batch, and with it the confirms of
-// all the others.
+// internal exchange), ErrNoExchange if for a publish to m's exchange, missing, ErrTooLarge if
+// for a body larger than the broker takes and m's is, else none. Every such message would close
+// it again, batch after batch, and with it the confirms of all the others.
 func (s *pubSession) closedVerdict(m Message) error {
 	reason := s.closeReason()
 	if refuses(reason, m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
+	}
+	if x, ok := missingExchange(reason); ok && x == m.Exchange {
+		return fmt.Errorf("%w: %q: %s", ErrNoExchange, m.Exchange, reason.Reason)
 	}
 	if most, ok := brokerMaxSize(reason); ok && len(m.Payload) > most {
 		return fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)
@@ -597,10 +620,12 @@ func (s *pubSession) closeReason() *amqp.Error {
 }
 
 // closedForRefusal reports whether the broker closed a channel for reason, one message's fault: on a
-// channel that only publishes, a refused exchange or routing key, or a body over its limit.
+// channel that only publishes, a refused exchange or routing key, a missing exchange, or a body
+// over its limit.
 func closedForRefusal(reason *amqp.Error) bool {
 	_, tooLarge := brokerMaxSize(reason)
-	return tooLarge || reason != nil && reason.Code == amqp.AccessRefused
+	_, missing := missingExchange(reason)
+	return tooLarge || missing || reason != nil && reason.Code == amqp.AccessRefused
 }
 
 // refuses reports whether the broker closed a channel for reason, a publish of m's. A reason

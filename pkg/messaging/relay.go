@@ -77,7 +77,8 @@ type RelayConfig struct {
 	// 100 ms doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's
 	// return.
 	BrokerRetry Backoff
-	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling.
+	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling. The relay does
+	// not listen; Enqueue still sends its NOTIFY at commit.
 	DisableNotify bool
 	// SessionsPlanByIndex says every session of DB starts with enable_sort and enable_seqscan
 	// off (runtime parameters of its connection string, say, on a pool of the relay's own,

@@ -183,7 +183,8 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 // PostgreSQL cannot store everything a Message can hold: a NUL character in text or jsonb, and
 // in jsonb an unpaired surrogate, invalid UTF-8 or a number beyond numeric's range, which
 // encoding/json's Valid all lets through; nor an occurred-at time outside the years 1 to
-// 9999, nor two rows of one id. Enqueue refuses such a message, saying what, before any
+// 9999, nor two rows of one id; and what it would store changed, invalid UTF-8 in a type, an
+// exchange, a routing key or a header's name. Enqueue refuses such a message, saying what, before any
 // statement: the caller's transaction is not aborted, and its other work and messages commit.
 // A payload with an escaped backslash before u0000 holds no NUL and is stored.
 func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testing.T) {
@@ -204,6 +205,10 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 		{payload(`{"n":1e131072}`), "its payload holds the number 1e131072, beyond PostgreSQL's numeric range"},
 		{func(m *messaging.Message) { m.CorrelationID = "a\x00b" }, "its correlation id holds a NUL character"},
 		{func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\x00b"} }, `its header "tenant" holds a NUL character`},
+		{func(m *messaging.Message) { m.Type = "Order\xffPlaced" }, "its type is not valid UTF-8"},
+		{func(m *messaging.Message) { m.RoutingKey = strings.Repeat("k", 254) + "\xff" }, "its routing key is not valid UTF-8"},
+		{func(m *messaging.Message) { m.Exchange = "orders\xff" }, "its exchange is not valid UTF-8"},
+		{func(m *messaging.Message) { m.Headers = map[string]string{"ten\xffant": "a"} }, "has a name that is not valid UTF-8"},
 		{func(m *messaging.Message) { m.OccurredAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) }, "in the year 10000, outside the years 1 to 9999"},
 		{func(m *messaging.Message) { m.OccurredAt = time.Date(0, 12, 31, 0, 0, 0, 0, time.UTC) }, "in the year 0, outside the years 1 to 9999"},
 	}

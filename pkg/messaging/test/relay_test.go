@@ -214,13 +214,7 @@ func TestBackoffDoublesUpToTheCapJitteredBelowEachStep(t *testing.T) {
 func TestRelayBacksOffUnroutableRowsWithoutBlockingOthers(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	unroutable, err := messaging.NewMessage("NobodyListens", map[string]int{"n": 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, unroutable) }); err != nil {
-		t.Fatal(err)
-	}
+	unroutable := b.enqueueUnroutable(t)
 	good := b.enqueue(t, 2)
 	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) {
 		c.Backoff = messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Second}
@@ -270,6 +264,55 @@ func TestRelayBacksOffUnroutableRowsWithoutBlockingOthers(t *testing.T) {
 	}
 	wantMetric(t, b.registry, `outbox_publish_failures_total{type="NobodyListens"} 3`)
 	wantMetric(t, b.registry, `outbox_messages_published_total{type="OrderPlaced"} 2`)
+}
+
+// The backoff never gives up on a row: one that failed a thousand times is still claimed when
+// due, sent if it can be, and else backed off no longer than the cap. Nothing parks a row but
+// an operator.
+func TestRelayNeverGivesUpOnARow(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.enqueueUnroutable(t)
+	good := b.enqueue(t, 1)
+	if err := b.db.DB.Exec("UPDATE outbox_messages SET attempts = 1000, last_error = 'unroutable', next_attempt_at = now()").Error; err != nil {
+		t.Fatal(err)
+	}
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) {
+		c.Backoff = messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Second}
+	})
+	res, err := r.ProcessBatch(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Sent != 1 || res.Failed != 1 {
+		t.Fatalf("batch of rows that failed 1000 times = %+v, want one sent and one failed", res)
+	}
+	var left struct {
+		Attempts int
+		DueInMs  float64
+	}
+	if err := b.db.DB.Raw(`SELECT attempts, extract(epoch FROM next_attempt_at - now()) * 1000 AS due_in_ms
+		FROM outbox_messages WHERE processed_at IS NULL`).Scan(&left).Error; err != nil {
+		t.Fatal(err)
+	}
+	if left.Attempts != 1001 || left.DueInMs > 5050 || left.DueInMs < 5000*(1-messaging.DefaultJitter)-200 {
+		t.Errorf("the unroutable row after its 1001st failure: %+v, want attempts 1001, due within the 5 s cap", left)
+	}
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), good)
+}
+
+// enqueueUnroutable enqueues a message of a type no queue is bound to: the broker confirms it
+// and returns it.
+func (b *testBundle) enqueueUnroutable(t *testing.T) messaging.Message {
+	t.Helper()
+	unroutable, err := messaging.NewMessage("NobodyListens", map[string]int{"n": 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, unroutable) }); err != nil {
+		t.Fatal(err)
+	}
+	return unroutable
 }
 
 // A broker that swallows traffic (a half-open connection) never confirms: the batch gives up
@@ -895,6 +938,32 @@ func TestRelayBacksOffARowForAnInternalExchangeAndSendsTheRest(t *testing.T) {
 	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil), bad, good, "cannot publish to internal exchange")
 }
 
+// An exchange deleted after the relay's connection found it (here one of its Topology) makes
+// the broker close the channel at a publish to it. Taken as the broker's absence, it headed
+// every batch, the rows before it sent again each time: it is charged and backed off as a
+// missing exchange, and the others go out.
+func TestRelayBacksOffARowForAnExchangeDeletedSinceItConnected(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	gone := "gone-" + uuid.NewString()
+	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.Topology.Exchanges = []string{gone} })
+	if err := pub.Connect(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.ch.ExchangeDelete(gone, false, false); err != nil {
+		t.Fatal(err)
+	}
+	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2)}
+	bad := []messaging.Message{newMessage(t, 1)}
+	bad[0].Exchange = gone
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad[0], good[1])
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b.sendPastChannelClosers(t, b.relay(t, pub, nil), bad, good, "no such exchange")
+}
+
 // callTimes is a Sender that notes when each of its calls began.
 type callTimes struct {
 	messaging.Sender
@@ -1091,6 +1160,13 @@ func TestConfigurationAMQPCannotCarryIsRefused(t *testing.T) {
 	defer cancel()
 	if err := b.relay(t, pub, nil).Run(ctx); err == nil || !strings.Contains(err.Error(), "AppID") || ctx.Err() != nil {
 		t.Fatalf("Run with a 256-byte app id: %v (context: %v), want at once an error naming AppID", err, ctx.Err())
+	}
+	// So is a Topology no broker takes, a binding to the default exchange.
+	wrong := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) {
+		c.Topology = messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "q", Bindings: []messaging.Binding{{RoutingKey: "OrderPlaced"}}}}}
+	})
+	if err := b.relay(t, wrong, nil).Run(ctx); err == nil || !strings.Contains(err.Error(), "Topology") || ctx.Err() != nil {
+		t.Fatalf("Run with a binding to the default exchange: %v (context: %v), want at once an error naming Topology", err, ctx.Err())
 	}
 	ids := b.enqueue(t, 1)
 	res, err := b.relay(t, pub, nil).ProcessBatch(context.Background())
