@@ -128,17 +128,7 @@ func clientRefusal(u *url.URL, raw string) string {
 	if err == nil {
 		return ""
 	}
-	why := err.Error()
-	// pgx's text quotes the URL first, its password masked as well as pgx can: left out.
-	if i := strings.Index(why, "`: "); strings.HasPrefix(why, "cannot parse `") && i >= 0 {
-		why = why[i+len("`: "):]
-	}
-	if password, ok := u.User.Password(); ok && password != "" {
-		// Masked wherever its text appears, which may mangle the reason for a short password:
-		// the safe side.
-		why = strings.ReplaceAll(why, password, "xxxxx")
-	}
-	return "the client refuses it: " + why
+	return "the client refuses it: " + MaskPasswords(WithoutQuotedURL(err.Error()), raw)
 }
 
 // NamesHost reports whether u names the server to connect to: a host after //, or, in a

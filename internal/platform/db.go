@@ -3,10 +3,15 @@ package platform
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/url"
+	"slices"
+	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver of OpenReadinessDB
 	"gorm.io/driver/postgres"
@@ -18,11 +23,16 @@ import (
 
 // OpenDB opens the service's database, waiting up to a minute for it to answer (containers
 // start in any order). The connection carries application_name=service, so its sessions can
-// be told apart in pg_stat_activity.
+// be told apart in pg_stat_activity. Its errors name DATABASE_URL, where rawURL comes from,
+// and never hold a password (see openError).
+//
+// It waits also while the server refuses the connection (a wrong password, no such role or
+// database: SQLSTATE 28P01, 28000, 3D000): on Kubernetes, CloudNativePG creates the roles and
+// databases of deploy/k8s/postgres.yaml only once the server is up, so these refusals pass.
 func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxConns int) (*gorm.DB, error) {
 	dsn, err := withApplicationName(rawURL, service)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, errNotAURL
 	}
 	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{
 		Logger: logger.Discard,
@@ -34,11 +44,11 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		QueryFields: true,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("open database: %w", err)
+		return nil, openError("open database", err, rawURL, dsn)
 	}
 	sqlDB, err := db.DB()
 	if err != nil {
-		return nil, fmt.Errorf("open database: %w", err)
+		return nil, openError("open database", err, rawURL, dsn)
 	}
 	// A pool of maxConns for one part (requests, the consumers' work, or the sender's; see
 	// Pools), which no other part's load can take.
@@ -48,6 +58,9 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	sqlDB.SetConnMaxIdleTime(5 * time.Minute)
 
 	deadline := time.Now().Add(time.Minute)
+	// failure is the last ping's error that the context did not cause: why it was still
+	// waiting when it was stopped.
+	var failure error
 	for {
 		pingCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		err = sqlDB.PingContext(pingCtx)
@@ -57,11 +70,15 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 		}
 		if ctx.Err() != nil {
 			_ = sqlDB.Close()
-			return nil, fmt.Errorf("waiting for the database: %w", ctx.Err())
+			if failure == nil {
+				failure = err
+			}
+			return nil, fmt.Errorf("%w (%w)", openError("waiting for the database", failure, rawURL, dsn), ctx.Err())
 		}
+		failure = err
 		if time.Now().After(deadline) {
 			_ = sqlDB.Close()
-			return nil, fmt.Errorf("database does not answer: %w", err)
+			return nil, openError("no connection to the database within a minute", err, rawURL, dsn)
 		}
 		log.Warn("waiting for the database", "error", err)
 		select {
@@ -97,7 +114,7 @@ func withApplicationName(rawURL, name string) (string, error) {
 func IndexPlansURL(rawURL string) (string, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
-		return "", fmt.Errorf("DATABASE_URL: %w", err)
+		return "", errNotAURL
 	}
 	q := u.Query()
 	q.Set("enable_sort", "off")
@@ -145,11 +162,11 @@ const ReadinessConns = 1
 func OpenReadinessDB(service, rawURL string) (*sql.DB, error) {
 	dsn, err := withApplicationName(rawURL, service+"-readiness")
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, errNotAURL
 	}
 	db, err := sql.Open("pgx", dsn)
 	if err != nil {
-		return nil, fmt.Errorf("open readiness connection: %w", err)
+		return nil, openError("open readiness connection", err, rawURL, dsn)
 	}
 	db.SetMaxOpenConns(ReadinessConns)
 	db.SetMaxIdleConns(ReadinessConns)
@@ -168,6 +185,136 @@ func DatabaseReady(db *sql.DB) ReadyFunc {
 		}
 		return nil
 	}
+}
+
+// errNotAURL is the error of a DATABASE_URL that url.Parse refuses: its error would quote the
+// URL, password and all (Env.URL refuses such a URL at start, so this is a safety net).
+var errNotAURL = errors.New("DATABASE_URL: not a valid URL")
+
+// openError is err, from opening a pool on urls (DATABASE_URL as given, and as made into the
+// pool's connection string), as an error that names DATABASE_URL and holds none of its
+// passwords. pgx quotes a URL it cannot use, masking only the passwords it reads (password= in
+// lower case, not Password=): that quotation is left out, and every password the URLs carry
+// (SecretParam) is masked wherever it still appears. Nothing is wrapped: the cause keeps the
+// URL in its text and fields.
+func openError(what string, err error, urls ...string) error {
+	return fmt.Errorf("DATABASE_URL: %s: %s", what, MaskPasswords(WithoutQuotedURL(err.Error()), urls...))
+}
+
+// WithoutQuotedURL is pgx's error text why without the URL it quotes ("cannot parse `URL`: "),
+// whose passwords pgx masks only as well as it reads them.
+func WithoutQuotedURL(why string) string {
+	if i := strings.Index(why, "cannot parse `"); i >= 0 {
+		if j := strings.Index(why[i:], "`: "); j >= 0 {
+			why = why[:i] + why[i+j+len("`: "):]
+		}
+	}
+	return why
+}
+
+// MaskPasswords replaces in msg every password of the urls (URLPasswords) with xxxxx, wherever
+// it stands as a word of its own, not inside a longer one (a password p must not turn "tcp"
+// into "tcxxxxx"). A password that is its user's name is left: the name shows it anyway, and
+// masking it would mask that name, and every word that spells it (compose's
+// invoicing:invoicing would make invoicing.dlq read xxxxx.dlq).
+func MaskPasswords(msg string, urls ...string) string {
+	var secrets []string
+	for _, raw := range urls {
+		user, _, _ := userInfo(raw)
+		name, _ := url.PathUnescape(user)
+		for _, p := range URLPasswords(raw) {
+			if p != user && p != name {
+				secrets = append(secrets, p)
+			}
+		}
+	}
+	// Longest first, so that a password that holds another is masked whole.
+	slices.SortFunc(secrets, func(a, b string) int { return len(b) - len(a) })
+	for _, s := range secrets {
+		msg = maskWord(msg, s)
+	}
+	return msg
+}
+
+// maskWord replaces secret in msg with xxxxx wherever it is not part of a longer word, as a
+// regular expression's \b would bound it.
+func maskWord(msg, secret string) string {
+	first, _ := utf8.DecodeRuneInString(secret)
+	last, _ := utf8.DecodeLastRuneInString(secret)
+	var b strings.Builder
+	for {
+		i := strings.Index(msg, secret)
+		if i < 0 {
+			b.WriteString(msg)
+			return b.String()
+		}
+		end := i + len(secret)
+		before, _ := utf8.DecodeLastRuneInString(msg[:i])
+		after, _ := utf8.DecodeRuneInString(msg[end:])
+		b.WriteString(msg[:i])
+		if wordRune(first) && wordRune(before) || wordRune(last) && wordRune(after) {
+			b.WriteString(msg[i:end])
+		} else {
+			b.WriteString("xxxxx")
+		}
+		msg = msg[end:]
+	}
+}
+
+// wordRune reports whether r continues a word (utf8.RuneError: the text began or ended there).
+func wordRune(r rune) bool {
+	return r != utf8.RuneError && (r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r))
+}
+
+// URLPasswords are the passwords of rawURL, in its user part and its query (SecretParam), each
+// as written and decoded, since a message may quote either. It reads a URL url.Parse refuses
+// too.
+func URLPasswords(rawURL string) []string {
+	var found []string
+	add := func(raw string) {
+		found = append(found, raw)
+		if dec, err := url.QueryUnescape(raw); err == nil {
+			found = append(found, dec)
+		}
+		if dec, err := url.PathUnescape(raw); err == nil {
+			found = append(found, dec)
+		}
+	}
+	if _, password, ok := userInfo(rawURL); ok {
+		add(password)
+	}
+	rest := rawURL
+	if _, after, ok := strings.Cut(rest, "://"); ok {
+		rest = after
+	}
+	if _, after, ok := strings.Cut(rest, "?"); ok {
+		query, _, _ := strings.Cut(after, "#")
+		for pair := range strings.SplitSeq(query, "&") {
+			key, value, _ := strings.Cut(pair, "=")
+			if k, err := url.QueryUnescape(key); err == nil && SecretParam(k) || SecretParam(key) {
+				add(value)
+			}
+		}
+	}
+	// An empty password would mask the whole message, between every character.
+	return slices.DeleteFunc(found, func(s string) bool { return s == "" })
+}
+
+// userInfo returns the user name and password of rawURL's authority, as written.
+func userInfo(rawURL string) (user, password string, ok bool) {
+	rest := rawURL
+	if _, after, found := strings.Cut(rest, "://"); found {
+		rest = after
+	}
+	authority := rest
+	if i := strings.IndexAny(rest, "/?#"); i >= 0 {
+		authority = rest[:i]
+	}
+	i := strings.LastIndex(authority, "@")
+	if i < 0 {
+		return "", "", false
+	}
+	return strings.Cut(authority[:i], ":")
 }
 
 // CloseDB closes the pool behind db.

@@ -2,8 +2,12 @@ package platform
 
 import (
 	"context"
+	"errors"
 	"log/slog"
+	"net/url"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
@@ -44,4 +48,63 @@ func TestReadsSurviveAColumnAddedUnderThem(t *testing.T) {
 		t.Fatal(err)
 	}
 	read("after a column was added")
+}
+
+// A pool that cannot be opened says so naming DATABASE_URL, and never with a password in it:
+// the start-up check leaves the CA file to the pool (it empties sslrootcert), and pgx quotes
+// the URL it cannot use, masking only a password= in lower case. No server is needed: the CA
+// file is read first.
+func TestPoolOpenErrorsNameDATABASE_URLAndNoPassword(t *testing.T) {
+	t.Parallel()
+	const tls = "sslmode=verify-full&sslrootcert=/nowhere/ca.crt"
+	open := map[string]func(rawURL string) error{
+		"OpenDB": func(rawURL string) error {
+			_, err := OpenDB(context.Background(), slog.New(slog.DiscardHandler), "svc", rawURL, 1)
+			return err
+		},
+		"OpenBackground": func(rawURL string) error {
+			_, err := OpenBackground(context.Background(), "svc", rawURL, 1)
+			return err
+		},
+	}
+	for _, rawURL := range []string{
+		"postgres://app@db.invalid/x?Password=hunter2&" + tls,
+		"postgres://app:hunter2@db.invalid/x?" + tls,
+		"postgres://app@db.invalid/x?SSLPASSWORD=hun%74er2&" + tls,
+		"postgres://app:hun%74er2@db.invalid/x?PASSWORD=hunter2x&" + tls,
+	} {
+		for name, open := range open {
+			err := open(rawURL)
+			switch {
+			case err == nil:
+				t.Errorf("%s(%s) opened a pool, want the CA file's error", name, rawURL)
+			case strings.Contains(err.Error(), "hun"):
+				t.Errorf("%s(%s): %v, which holds the password", name, rawURL, err)
+			case !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !strings.Contains(err.Error(), "/nowhere/ca.crt"):
+				t.Errorf("%s(%s): %v, want an error that names DATABASE_URL and the missing CA file", name, rawURL, err)
+			}
+		}
+	}
+}
+
+// Stopped while the server refuses the connection (here: no such database, SQLSTATE 3D000),
+// OpenDB says why it was still waiting, naming DATABASE_URL, and that it was stopped.
+func TestOpenDBStoppedWhileRefusedSaysWhy(t *testing.T) {
+	t.Parallel()
+	u, err := url.Parse(testenv.DatabaseURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + testenv.UniqueName("nonexistent")
+	testenv.Draw(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2500*time.Millisecond)
+	defer cancel()
+	db, err := OpenDB(ctx, slog.New(slog.DiscardHandler), "svc", u.String(), 1)
+	if err == nil {
+		CloseDB(db)
+		t.Fatalf("OpenDB(%s) opened a pool", u)
+	}
+	if !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !strings.Contains(err.Error(), "3D000") || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("OpenDB(%s): %v; want an error that names DATABASE_URL and the refusal (3D000), and wraps the deadline", u, err)
+	}
 }

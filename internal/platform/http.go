@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/url"
 	"slices"
@@ -313,8 +314,9 @@ func ParseUUID(s string) (uuid.UUID, error) {
 // ListByOrder serves a list endpoint such as GET /invoices: ?order_id= (a UUID) selects one
 // order's items, otherwise the most recent come first; ?limit= caps them (default 100, at most
 // 1000). A parameter given empty is a 400, not a missing one: a script whose variable is unset
-// must not get every order's items for one order's. So is one given twice, and a query that
-// does not parse, of which url.Values would keep only the pairs it could read.
+// must not get every order's items for one order's. So is one given twice, a query that does
+// not parse, of which url.Values would keep only the pairs it could read, and any other
+// parameter: a misspelt filter (?orderId=) would otherwise list every order's items.
 func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID *uuid.UUID, limit int) ([]T, error)) http.HandlerFunc {
 	var failures FailureLog
 	return func(w http.ResponseWriter, r *http.Request) {
@@ -322,6 +324,13 @@ func ListByOrder[T any](log *slog.Logger, list func(ctx context.Context, orderID
 		if err != nil {
 			WriteProblem(w, http.StatusBadRequest, "the query string does not parse: separate parameters with & and percent-encode reserved characters")
 			return
+		}
+		// Sorted, so that a query with several unknown names always gets the same answer.
+		for _, name := range slices.Sorted(maps.Keys(q)) {
+			if name != "order_id" && name != "limit" {
+				WriteProblem(w, http.StatusBadRequest, fmt.Sprintf("unknown query parameter %q: only order_id and limit are accepted", name))
+				return
+			}
 		}
 		for _, name := range []string{"order_id", "limit"} {
 			if len(q[name]) > 1 {

@@ -2,12 +2,14 @@ package platform
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -233,5 +235,45 @@ func TestListByOrderTakesOnlyCanonicalUUIDs(t *testing.T) {
 	}
 	if len(listed) != 2 || listed[0] != id || listed[1] != id {
 		t.Fatalf("canonical ids listed the items of %v, want %s twice", listed, id)
+	}
+}
+
+// A parameter other than order_id and limit, such as a misspelt filter, is a 400 that names it
+// and lists nothing: ignored, it would list the most recent items of every order.
+func TestListByOrderRefusesUnknownParameters(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	calls := 0
+	h := ListByOrder(log, func(context.Context, *uuid.UUID, int) ([]string, error) {
+		calls++
+		return []string{}, nil
+	})
+	id := uuid.NewString()
+	for query, unknown := range map[string]string{
+		"orderId=" + id:                  "orderId",
+		"Order_ID=" + id:                 "Order_ID",
+		"order=" + id:                    "order",
+		"order_id=" + id + "&limt=5":     "limt",
+		"order_id%20=" + id:              "order_id ",
+		"=" + id:                         "",
+		"limit=5&zz=1&aa=2":              "aa",
+		"order_id=" + id + "&order_id2=": "order_id2",
+	} {
+		rec := httptest.NewRecorder()
+		h(rec, httptest.NewRequest(http.MethodGet, "/things?"+query, nil))
+		var p Problem
+		if rec.Code != http.StatusBadRequest || rec.Header().Get("Content-Type") != "application/problem+json" {
+			t.Errorf("?%s: %d %s, want a 400 problem", query, rec.Code, rec.Body)
+		} else if err := json.Unmarshal(rec.Body.Bytes(), &p); err != nil || !strings.Contains(p.Detail, strconv.Quote(unknown)) {
+			t.Errorf("?%s: %s (%v), want a problem that names %q", query, rec.Body, err, unknown)
+		}
+	}
+	if calls != 0 {
+		t.Fatalf("unknown parameters listed items %d times, want none", calls)
+	}
+	rec := httptest.NewRecorder()
+	h(rec, httptest.NewRequest(http.MethodGet, "/things?order_id="+id+"&limit=5", nil))
+	if rec.Code != http.StatusOK || calls != 1 {
+		t.Fatalf("order_id and limit: %d %s after %d calls, want 200 and one call", rec.Code, rec.Body, calls)
 	}
 }

@@ -99,23 +99,24 @@ func (p Pools) Check(env *Env, c Common) {
 
 // OpenBackground opens the background pool of size conns, with the pgx driver: the relay's
 // LISTEN needs it, and its statements need no ORM. Its sessions plan by index
-// (IndexPlansURL; the relay is told so) and carry application_name=service-background.
+// (IndexPlansURL; the relay is told so) and carry application_name=service-background. Its
+// errors name DATABASE_URL and never hold a password (see openError).
 func OpenBackground(ctx context.Context, service, rawURL string, conns int) (*pgxpool.Pool, error) {
 	dsn, err := IndexPlansURL(rawURL)
 	if err != nil {
 		return nil, err
 	}
 	if dsn, err = withApplicationName(dsn, service+"-background"); err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, errNotAURL
 	}
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, openError("open background pool", err, rawURL, dsn)
 	}
 	cfg.MaxConns = int32(conns)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("open background pool: %w", err)
+		return nil, openError("open background pool", err, rawURL, dsn)
 	}
 	return pool, nil
 }

@@ -72,8 +72,8 @@ func (c PlaceOrder) Validate() []Violation {
 }
 
 // checkID says what is wrong with an id (a customer's, a SKU), or "". An id is compared and
-// shown as sent: one with space around it, or an invisible format character (a zero-width
-// space, a bidirectional override) inside, would be another id that looks the same.
+// shown as sent: one with space around it, or an invisible character inside (see invisible),
+// would be another id that looks the same, or an id that looks empty.
 func checkID(s string) string {
 	switch {
 	case strings.TrimSpace(s) == "":
@@ -86,10 +86,20 @@ func checkID(s string) string {
 		return "must not contain control characters"
 	case strings.TrimSpace(s) != s:
 		return "must not start or end with white space"
-	case strings.IndexFunc(s, func(r rune) bool { return unicode.Is(unicode.Cf, r) }) >= 0:
-		return "must not contain invisible format characters"
+	case strings.IndexFunc(s, invisible) >= 0:
+		return "must not contain invisible characters"
 	}
 	return ""
+}
+
+// invisible reports whether r shows as nothing, or as a blank that is not white space: Unicode's
+// default-ignorable code points, that is format characters (a zero-width space, a bidirectional
+// override), variation selectors and the rest, such as the combining grapheme joiner and the
+// Hangul fillers; and the braille blank, which looks like a space. An id that would need a
+// variation selector (an emoji's presentation, an ideograph's variant) is refused too: ids are
+// codes, where a look-alike costs more.
+func invisible(r rune) bool {
+	return r == '\u2800' || unicode.In(r, unicode.Cf, unicode.Variation_Selector, unicode.Other_Default_Ignorable_Code_Point)
 }
 
 // An order's statuses.

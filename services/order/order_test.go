@@ -175,10 +175,11 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	manyLines := `{"customer_id":"c","lines":[` + strings.TrimSuffix(strings.Repeat(`{"sku":"s","quantity":1,"unit_price_cents":1},`, MaxLines+1), ",") + `]}`
-	cases := []struct {
+	type badRequest struct {
 		name, body, contentType string
 		status                  int
-	}{
+	}
+	cases := []badRequest{
 		{"malformed JSON", `{"customer_id": "c-1", "lines": [`, "application/json", 400},
 		{"not an object", `[1, 2]`, "application/json", 422},
 		{"empty body", ``, "application/json", 400},
@@ -219,6 +220,22 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"2 MiB behind an unknown field", `{"nope":1,"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
 		{"text/plain", validBody, "text/plain", 415},
 		{"no content type", validBody, "", 415},
+	}
+	// Ids that look empty, or like c-42 or SKU-1 without the invisible character, in either field.
+	for name, id := range map[string]string{
+		"a Hangul filler":                   `\u3164`,
+		"a braille blank":                   `\u2800`,
+		"a Hangul choseong filler":          `\u115f`,
+		"a Hangul jungseong filler":         `\u1160`,
+		"a halfwidth Hangul filler":         `\uffa0`,
+		"a combining grapheme joiner":       `c-42\u034f`,
+		"a variation selector":              `c-42\ufe0f`,
+		"an ideographic variation selector": `c-42\udb40\udd00`, // U+E0100
+		"a braille blank inside":            `SKU\u28001`,
+	} {
+		cases = append(cases,
+			badRequest{"customer id " + name, `{"customer_id":"` + id + `","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+			badRequest{"sku " + name, `{"customer_id":"c","lines":[{"sku":"` + id + `","quantity":1,"unit_price_cents":1}]}`, "application/json", 422})
 	}
 	for _, c := range cases {
 		resp, body := b.post(t, c.body, c.contentType, "")
@@ -270,6 +287,42 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 	}
 	if c := b.counts(t); c != [3]int64{0, 0, 0} {
 		t.Fatalf("bad requests wrote rows: orders, lines, outbox = %v", c)
+	}
+}
+
+// Ids beyond ASCII are ids like any other, and so is a letter with a combining mark after it:
+// only the invisible characters are refused (see checkID). Each is kept as sent.
+func TestIdsBeyondASCIIArePlaced(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cmd := PlaceOrder{CustomerID: "José", Lines: []Line{
+		{SKU: "顧客-1", Quantity: 1, UnitPriceCents: 100},
+		{SKU: "Jose\u0301-2", Quantity: 1, UnitPriceCents: 100},
+		{SKU: "Straße-3", Quantity: 1, UnitPriceCents: 100},
+	}}
+	raw, err := json.Marshal(cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, body := b.post(t, string(raw), "application/json", "")
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("%s: %d %s, want 201", raw, resp.StatusCode, body)
+	}
+	var placed Order
+	if err := json.Unmarshal(body, &placed); err != nil {
+		t.Fatal(err)
+	}
+	o, err := b.store.Get(context.Background(), placed.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.CustomerID != cmd.CustomerID || len(o.Lines) != len(cmd.Lines) {
+		t.Fatalf("stored %+v, want %+v", o, cmd)
+	}
+	for i, l := range o.Lines {
+		if l.SKU != cmd.Lines[i].SKU {
+			t.Errorf("line %d stored with SKU %q, want %q", i, l.SKU, cmd.Lines[i].SKU)
+		}
 	}
 }
 
@@ -622,6 +675,29 @@ func TestIdempotencyKeyWithAnyOtherCommandIsRefused(t *testing.T) {
 	}
 	if c := b.counts(t); c != [3]int64{1, 2, 1} {
 		t.Fatalf("orders, lines, outbox = %v, want the first order only", c)
+	}
+}
+
+// The hash a command's Idempotency-Key is stored with is pinned: it is kept in request_hash, so
+// a change to how a command hashes (a field added to PlaceOrder or Line without omitempty, one
+// renamed or moved, another encoder) makes every retry across the deploy that ships it, with
+// the same key and body, a 422 as another command. Change these values only with a migration
+// of the stored hashes, or a plan for the keys in flight.
+func TestCommandHashIsStable(t *testing.T) {
+	t.Parallel()
+	for want, cmd := range map[string]PlaceOrder{
+		// validBody's command.
+		"76c040b8d0c97d6fd480d89303c36f266343d8468bcaaf2163fe405f989b6a3e": {CustomerID: "c-42", Lines: []Line{
+			{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 1250}, {SKU: "SKU-2", Quantity: 1, UnitPriceCents: 99},
+		}},
+		// Beyond ASCII, and characters encoding/json escapes for HTML: hashed as it writes them.
+		"506e7eaa1dbd3e8c3abbe9b5ca820d495084882273d30e640ee3751631711eb1": {CustomerID: "José", Lines: []Line{
+			{SKU: "A&B<1>", Quantity: MaxQuantity, UnitPriceCents: 0},
+		}},
+	} {
+		if got, err := commandHash(cmd); err != nil || got != want {
+			t.Errorf("commandHash(%+v) = %s, %v; want %s", cmd, got, err, want)
+		}
 	}
 }
 
