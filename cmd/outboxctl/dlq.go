@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -433,6 +434,12 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 		return err
 	}
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	question := fmt.Sprintf("drop the message %s from %s for good", f, dlq)
+	if !dryRun && !yes && !c.interactive {
+		// Refused before connecting: taking the queue and handing it back is not nothing (a
+		// quorum queue may put those it hands back behind the rest).
+		return c.confirm(ctx, yes, question)
+	}
 	var found messaging.DeadLetter
 	// The whole queue (or the first limit) is held, so that the others keep their order, and
 	// while the question waits for its answer: what is confirmed is what goes.
@@ -445,7 +452,7 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 		if !yes && c.interactive {
 			printDeadLetter(c.err, found, true, wholeBody)
 		}
-		return c.confirm(ctx, yes, fmt.Sprintf("drop the message %s from %s for good", f, dlq))
+		return c.confirm(ctx, yes, question)
 	}
 	dropped, err := messaging.DropDeadLetter(ctx, cfg, sel)
 	switch {
@@ -473,20 +480,36 @@ const (
 
 // printDropped prints the message dlq drop dropped, would drop, or may have dropped, in full.
 func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, outcome dropOutcome) error {
+	var record bytes.Buffer
 	if c.json() {
-		return writeJSON(c.out, dlqDropResult{DryRun: outcome == dropDryRun, InDoubt: outcome == dropInDoubt, Queue: queue, DeadLetterQueue: dlq,
-			Message: toDeadLetter(d, true, true)})
+		if err := writeJSON(&record, dlqDropResult{DryRun: outcome == dropDryRun, InDoubt: outcome == dropInDoubt, Queue: queue, DeadLetterQueue: dlq,
+			Message: toDeadLetter(d, true, true)}); err != nil {
+			return err
+		}
+	} else {
+		switch outcome {
+		case dropDryRun:
+			fmt.Fprintf(&record, "would drop from %s (dry run: nothing changed):\n", dlq)
+		case dropInDoubt:
+			fmt.Fprintf(&record, "may have dropped from %s (the broker did not answer after the acknowledgement):\n", dlq)
+		default:
+			fmt.Fprintf(&record, "dropped from %s, for good:\n", dlq)
+		}
+		printDeadLetter(&record, d, true, wholeBody)
 	}
-	switch outcome {
-	case dropDryRun:
-		fmt.Fprintf(c.out, "would drop from %s (dry run: nothing changed):\n", dlq)
-	case dropInDoubt:
-		fmt.Fprintf(c.out, "may have dropped from %s (the broker did not answer after the acknowledgement):\n", dlq)
-	default:
-		fmt.Fprintf(c.out, "dropped from %s, for good:\n", dlq)
+	if outcome == dropDryRun {
+		_, err := c.out.Write(record.Bytes())
+		return err
 	}
-	printDeadLetter(c.out, d, true, wholeBody)
-	return nil
+	what := "the message " + d.MessageID
+	if d.MessageID == "" {
+		what = "the message without an id"
+	}
+	done := fmt.Sprintf("%s was dropped from %s", what, dlq)
+	if outcome == dropInDoubt {
+		done = fmt.Sprintf("%s may have been dropped from %s", what, dlq)
+	}
+	return c.writeRecord(record.Bytes(), done)
 }
 
 // exactArgs wants one argument per name, and says which are missing or too many.
@@ -506,6 +529,9 @@ func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.
 func deadLetterConfig(flagValue, queue string) (messaging.DeadLetterConfig, error) {
+	if strings.TrimSpace(queue) == "" {
+		return messaging.DeadLetterConfig{}, usageError{fmt.Sprintf("QUEUE %q names no queue: give the consumer's queue, invoicing say", queue)}
+	}
 	amqpURL, err := urlListFrom("amqp", flagValue, "AMQP_URL", parseAMQPURL, "amqp", "amqps")
 	if err != nil {
 		return messaging.DeadLetterConfig{}, err

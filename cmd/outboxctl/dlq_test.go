@@ -507,6 +507,18 @@ func ids2(ds []deadLetter) []string {
 	return ids
 }
 
+// Without a terminal and without --yes, drop is refused before it connects: taking the queue
+// and handing it back could reorder it. Port 1 refuses connections, so a dial would show.
+func TestDlqDropWithoutATerminalRefusesBeforeConnecting(t *testing.T) {
+	t.Parallel()
+	id := uuid.NewString()
+	code, _, stderr := ctl(t, "dlq", "drop", "invoicing", "--id", id, "--amqp", "amqp://guest:guest@127.0.0.1:1/")
+	if code != exitNotConfirmed || !strings.Contains(stderr, "drop the message with id "+id+" from invoicing.dlq for good") ||
+		!strings.Contains(stderr, "--yes") || strings.Contains(stderr, "dial") {
+		t.Errorf("drop without a terminal or --yes: exit %d, %q; want 4 asking for --yes, before any dial", code, stderr)
+	}
+}
+
 // drop removes exactly the message named, and hands the others back in order; it asks first,
 // refuses without a terminal unless given --yes, and shows the message whole.
 func TestDlqDropRemovesExactlyOne(t *testing.T) {

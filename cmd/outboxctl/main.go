@@ -301,15 +301,22 @@ const limitZeroIsAll = "limit-zero-is-all"
 // noZeroLimit refuses a --limit given as 0 or less on a command that changes something. Left
 // out, --limit is its default (all); given 0, as a script's computed --limit "$N" gives it, it
 // must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which
-// changes nothing, takes 0 for all of them, and refuses only less.
+// changes nothing, takes 0 for all of them, and refuses only less. Above 2^31-1 is refused too.
 func noZeroLimit(cmd *cobra.Command) error {
 	f := cmd.Flags().Lookup("limit")
 	if f == nil || !f.Changed {
 		return nil
 	}
 	n, err := cmd.Flags().GetInt("limit")
-	if err != nil || n > 0 {
+	if err != nil {
 		return err
+	}
+	if n > math.MaxInt32 {
+		// PostgreSQL reads the statements' limits as an integer.
+		return usageError{fmt.Sprintf("--limit %d: want at most %d", n, math.MaxInt32)}
+	}
+	if n > 0 {
+		return nil
 	}
 	if cmd.Annotations[limitZeroIsAll] != "" {
 		if n == 0 {
@@ -439,7 +446,11 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 	if value == "" {
 		return "", usageError{fmt.Sprintf("no URL: give --%s URL or set %s", flagName, variable)}
 	}
-	for _, one := range split(value) {
+	urls := split(value)
+	if len(urls) == 0 {
+		return "", usageError{fmt.Sprintf("%s names no URL", source)}
+	}
+	for _, one := range urls {
 		if platform.AtAfterHost(one) {
 			return "", usageError{fmt.Sprintf("%s %s", source, platform.AtAfterHostProblem)}
 		}
@@ -484,8 +495,9 @@ func parseAMQPURL(rawURL string) error {
 }
 
 // hideSecrets replaces in msg every password of a URL given in args, in DATABASE_URL or in
-// AMQP_URL: drivers' errors are not trusted to leave them out.
+// AMQP_URL (see platform.MaskPasswords): drivers' errors are not trusted to leave them out.
 func hideSecrets(msg string, args []string) string {
+	var urls []string
 	for _, arg := range append([]string{os.Getenv("DATABASE_URL"), os.Getenv("AMQP_URL")}, args...) {
 		values := []string{arg}
 		if _, v, ok := strings.Cut(arg, "="); ok { // --db=URL
@@ -494,38 +506,10 @@ func hideSecrets(msg string, args []string) string {
 		for _, v := range values {
 			// Whole, as a PostgreSQL URL of several hosts, and cut at its commas, as a list of
 			// brokers' URLs.
-			for _, one := range append([]string{v}, platform.SplitURLs(v)...) {
-				for _, secret := range passwords(one) {
-					msg = strings.ReplaceAll(msg, secret, "xxxxx")
-				}
-			}
+			urls = append(append(urls, v), platform.SplitURLs(v)...)
 		}
 	}
-	return msg
-}
-
-// passwords returns the passwords rawURL holds, as written and escaped: in its user part, and
-// in every parameter platform.SecretParam names.
-func passwords(rawURL string) []string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return nil
-	}
-	var out []string
-	for key, values := range u.Query() {
-		if !platform.SecretParam(key) {
-			continue
-		}
-		for _, p := range values {
-			if p != "" {
-				out = append(out, p, url.QueryEscape(p))
-			}
-		}
-	}
-	if p, ok := u.User.Password(); ok && p != "" {
-		out = append(out, p, url.QueryEscape(p), url.PathEscape(p))
-	}
-	return out
+	return platform.MaskPasswords(msg, urls...)
 }
 
 // printable makes text from a message or a database row safe to print in a table: one line, no

@@ -171,6 +171,12 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 		{"status", "--db", "postgres:///x?host=/run/postgresql&port=0"},
 		{"dlq", "list", "invoicing", "--amqp", "amqp://127.0.0.1:0/"},
 		{"version", "extra"},
+		{"dlq", "list", "invoicing", "--amqp", ","},
+		{"dlq", "redrive", "invoicing", "--amqp", " "},
+		{"dlq", "list", "", "--amqp", amqpURL},
+		{"dlq", "drop", " ", "--id", id, "--yes", "--amqp", amqpURL},
+		{"retry", "--limit", "3000000000", "--db", db},
+		{"retry", "--batch", "3000000000", "--db", db},
 	} {
 		code, stdout, stderr := ctl(t, args...)
 		if code != 2 || !strings.Contains(stderr, "Usage:") || stdout != "" {
@@ -323,6 +329,26 @@ func TestErrorsHideEveryPasswordParameter(t *testing.T) {
 		msg := hideSecrets(`connect: unrecognized configuration parameter "PassWord" = "`+secret+`"`, []string{"status", "--db", arg})
 		if strings.Contains(msg, secret) {
 			t.Errorf("with %s: %q; want the password hidden", arg, msg)
+		}
+	}
+}
+
+// Hiding a password hides it as a word, not the words that contain it, nor a user's name that
+// is also the password (compose's invoicing:invoicing): the in-doubt message names the queue,
+// its dead-letter queue and the consumer, and must stay readable. Not parallel: it sets the
+// process's variables.
+func TestHidingPasswordsKeepsTheMessageReadable(t *testing.T) {
+	t.Setenv("DATABASE_URL", "")
+	t.Setenv("AMQP_URL", "")
+	for _, c := range []struct{ url, msg, want string }{
+		{"postgres://invoicing:invoicing@db/invoicing_db", "may be in both invoicing and invoicing.dlq: outboxctl inbox show --consumer invoicing",
+			"may be in both invoicing and invoicing.dlq: outboxctl inbox show --consumer invoicing"},
+		{"amqp://u:p@h/", `dial tcp 127.0.0.1:1: "p" refused`, `dial tcp 127.0.0.1:1: "xxxxx" refused`},
+		{"amqp://u:s3cret@h/", "user=u password=s3cret, s3cret2 x-s3cret", "user=u password=xxxxx, s3cret2 x-xxxxx"},
+		{"postgres://u:-%21@h/", "a-! b", "axxxxx b"},
+	} {
+		if got := hideSecrets(c.msg, []string{"status", "--db", c.url}); got != c.want {
+			t.Errorf("with %s: %q, want %q", c.url, got, c.want)
 		}
 	}
 }

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/url"
 	"slices"
 	"time"
@@ -159,8 +161,8 @@ Exit status 3: --id names no unsent row, or a parked one; or --type matches no w
 				}
 				return c.retryOne(ctx, dbFlag, id, dryRun)
 			}
-			if batch < 1 {
-				return usageError{fmt.Sprintf("--batch %d: want 1 or more", batch)}
+			if batch < 1 || batch > math.MaxInt32 {
+				return usageError{fmt.Sprintf("--batch %d: want 1 to %d", batch, math.MaxInt32)}
 			}
 			return c.retryListed(ctx, dbFlag, messaging.OutboxFilter{Type: typeFlag, Limit: limit}, batch, dryRun, yes)
 		}),
@@ -445,9 +447,10 @@ func (c *cli) dropRowCommand() *cobra.Command {
 	var dryRun, yes bool
 	cmd := &cobra.Command{
 		Use:   "drop --id UUID",
-		Short: "delete one unsent outbox row: its event is never published",
-		Long: `drop deletes an unsent outbox row, parked or not: its event is never published, and no consumer
-ever learns of it. Only for a message no one must receive (a producer's bug); the output shows
+		Short: "delete one unsent outbox row: no relay publishes its event",
+		Long: `drop deletes an unsent outbox row, parked or not: no relay publishes its event, and no consumer
+learns of it (unless a relay that died after the broker's confirm, before it marked the row
+sent, had published it already: unsent says only that no relay recorded it sent). Only for a message no one must receive (a producer's bug); the output shows
 the row with its payload, as the last record of it. It asks on a terminal first, and without
 one refuses unless given --yes. A row a relay is publishing at that moment is dropped once the
 broker's verdict is in, or found sent.
@@ -462,7 +465,7 @@ Exit status 3: no unsent row has the id.`,
 				confirm: yes,
 				do:      messaging.DropOutboxMessage,
 				done: func(row messaging.OutboxMessage) string {
-					return fmt.Sprintf("dropped %s: its event will never be published", describeRow(row))
+					return fmt.Sprintf("dropped %s: no relay will publish its event", describeRow(row))
 				},
 			})
 		}),
@@ -535,14 +538,22 @@ func (c *cli) changeRow(ctx context.Context, dbFlag, idFlag string, dryRun, ask 
 // printRowResult prints one row's result: in -o json the row, or else the sentence and, if the
 // row has one, the payload.
 func (c *cli) printRowResult(row messaging.OutboxMessage, dryRun bool, sentence string) error {
+	var record bytes.Buffer
 	if c.json() {
-		return writeJSON(c.out, outboxRowResult{DryRun: dryRun, Row: toOutboxRow(row)})
+		if err := writeJSON(&record, outboxRowResult{DryRun: dryRun, Row: toOutboxRow(row)}); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintln(&record, sentence)
+		if row.Payload != nil {
+			fmt.Fprintf(&record, "payload: %s\n", showBody(row.Payload, wholeBody))
+		}
 	}
-	fmt.Fprintln(c.out, sentence)
-	if row.Payload != nil {
-		fmt.Fprintf(c.out, "payload: %s\n", showBody(row.Payload, wholeBody))
+	if dryRun {
+		_, err := c.out.Write(record.Bytes())
+		return err
 	}
-	return nil
+	return c.writeRecord(record.Bytes(), sentence)
 }
 
 // unsentRow reads row id, or says that no unsent row has it.

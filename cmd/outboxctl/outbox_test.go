@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -539,6 +540,33 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 		t.Errorf("drop interrupted while it committed printed %+v; want the row with its payload", got)
 	}
 }
+
+// A drop whose record cannot be written to the output (a full disk, a closed pipe) puts it on
+// stderr, saying the row was dropped, and exits 1: the record may be the only copy of the
+// payload, and exit 0 would say all went well.
+func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 2)
+	for i, format := range []string{"table", "json"} {
+		id := ids[i]
+		var stderr bytes.Buffer
+		code := run(context.Background(), []string{"outbox", "drop", "--id", id.String(), "--yes", "-o", format, "--db", d.URL},
+			streams{in: strings.NewReader(""), out: failingWriter{}, err: &stderr})
+		if left := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ?", id); left != 0 {
+			t.Fatalf("-o %s: the row is still there; want it dropped", format)
+		}
+		if code != exitFailure || !strings.Contains(stderr.String(), "dropped outbox row "+id.String()) ||
+			!strings.Contains(stderr.String(), "could not be written to the output (no space left on device)") || !strings.Contains(stderr.String(), `"n"`) {
+			t.Errorf("-o %s: drop with a failing output: exit %d, stderr %q; want 1, saying the row was dropped, with its payload", format, code, stderr.String())
+		}
+	}
+}
+
+// failingWriter is an output that takes nothing.
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, syscall.ENOSPC }
 
 // holdCommits makes the commit of a transaction that deletes an outbox row wait, at a deferred
 // trigger, for an advisory lock the test holds, until release; waiting says whether one waits.

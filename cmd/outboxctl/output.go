@@ -30,6 +30,19 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
+// writeRecord writes record, what an action already done printed, to the output, or if that
+// fails to stderr after done (what happened), and returns the failure: a drop's record may be
+// the last there is of the message.
+func (c *cli) writeRecord(record []byte, done string) error {
+	_, err := c.out.Write(record)
+	if err == nil {
+		return nil
+	}
+	fmt.Fprintf(c.err, "%s, and its record could not be written to the output (%v); here it is:\n", done, err)
+	_, _ = c.err.Write(record)
+	return fmt.Errorf("write the record of what was done: %w", err)
+}
+
 // newTable starts a table; Flush prints it.
 func newTable(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0) }
 
