@@ -263,3 +263,64 @@ func fileExists(p string) bool {
 	_, err := os.Stat(p)
 	return err == nil
 }
+
+// The alerts docs/operations.md and docs/testing.md say the live test (e2e/alerts_test.go)
+// fires are the ones it waits for, no more and no fewer: a runbook reader trusts "proven live".
+func TestLiveAlertsDocumented(t *testing.T) {
+	t.Parallel()
+	src, err := os.ReadFile(filepath.Join(root, "e2e", "alerts_test.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var live []string
+	for _, m := range regexp.MustCompile(`\.(?:firing|find)\([^)]*?"([A-Z][A-Za-z]+)"`).FindAllStringSubmatch(string(src), -1) {
+		if !slices.Contains(live, m[1]) {
+			live = append(live, m[1])
+		}
+	}
+	if len(live) < 5 {
+		t.Fatalf("e2e/alerts_test.go: found the alerts %v waited for (firing, find); has the test changed?", live)
+	}
+	slices.Sort(live)
+	var rules alertRules
+	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+	var all []string
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			all = append(all, r.Alert)
+		}
+	}
+	named := regexp.MustCompile("`([A-Z][A-Za-z]+)`")
+	// names returns the alerts of alerts.yml that text names.
+	names := func(text string) []string {
+		var out []string
+		for _, m := range named.FindAllStringSubmatch(text, -1) {
+			if slices.Contains(all, m[1]) && !slices.Contains(out, m[1]) {
+				out = append(out, m[1])
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	read := func(rel string) string {
+		raw, err := os.ReadFile(filepath.Join(root, rel))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(strings.Fields(string(raw)), " ")
+	}
+	// operations.md: "It makes A, B … fire on a real fault".
+	m := regexp.MustCompile(`It makes (.*?) fire on a real fault`).FindStringSubmatch(read("docs/operations.md"))
+	if m == nil {
+		t.Fatal("docs/operations.md: no sentence \"It makes … fire on a real fault\" found")
+	}
+	if got := names(m[1]); !slices.Equal(got, live) {
+		t.Errorf("docs/operations.md says the live test fires %v; e2e/alerts_test.go waits for %v", got, live)
+	}
+	// testing.md: its TestAlertsOnRealFaults item, up to the phase it runs in.
+	_, item, _ := strings.Cut(read("docs/testing.md"), "(`TestAlertsOnRealFaults`")
+	item, _, _ = strings.Cut(item, "It runs in phase")
+	if got := names(item); !slices.Equal(got, live) {
+		t.Errorf("docs/testing.md's TestAlertsOnRealFaults item names the alerts %v; e2e/alerts_test.go waits for %v", got, live)
+	}
+}

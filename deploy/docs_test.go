@@ -235,3 +235,85 @@ func checkLink(file, target string) error {
 	}
 	return nil
 }
+
+// configRowPattern is a row of docs/configuration.md's variables table: | `NAME` | services |.
+var configRowPattern = regexp.MustCompile("^\\|\\s*`([A-Z][A-Z0-9_]*)`\\s*\\|\\s*([^|]+?)\\s*\\|")
+
+// Every variable docs/configuration.md's table documents is one the services it names read
+// (readVars) or one their libraries read (libraryVars): a documented variable given in
+// docker-compose.yml or deploy/k8s/config.yaml must pass TestComposeApps and
+// TestK8sServiceConfiguration; so is every OTEL_* variable the docs name. And every variable a
+// service reads is in the table.
+func TestDocsConfigurationVariables(t *testing.T) {
+	t.Parallel()
+	lines, err := markdownLines(filepath.Join(root, "docs", "configuration.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	read := map[string][]string{}
+	for _, a := range apps {
+		read[a.name] = readVars(t, a.name)
+	}
+	documented := map[string][]string{} // service -> variables the table gives it
+	for _, l := range lines {
+		m := configRowPattern.FindStringSubmatch(l.text)
+		if m == nil {
+			continue
+		}
+		name, who := m[1], strings.Split(m[2], ",")
+		if strings.TrimSpace(m[2]) == "all" {
+			who = nil
+			for _, a := range apps {
+				who = append(who, a.name)
+			}
+		}
+		for _, svc := range who {
+			svc = strings.TrimSpace(svc)
+			known, ok := read[svc]
+			if !ok {
+				t.Errorf("docs/configuration.md:%d: %s is documented for %q, which is no service", l.n, name, svc)
+				continue
+			}
+			documented[svc] = append(documented[svc], name)
+			if !slices.Contains(known, name) && !slices.Contains(libraryVars, name) {
+				t.Errorf("docs/configuration.md:%d: %s is documented for %s, which neither reads it (readVars found %v) nor has it in libraryVars", l.n, name, svc, known)
+			}
+		}
+	}
+	if len(documented) == 0 {
+		t.Fatal("docs/configuration.md: no row | `NAME` | services | found in the variables table")
+	}
+	// Any OpenTelemetry variable the docs name (OTEL_EXPORTER_OTLP_HEADERS, say) may be set
+	// too, unless named as one that has no effect; a wildcard (OTEL_EXPORTER_OTLP_*) names none.
+	otel := regexp.MustCompile(`\bOTEL_[A-Z0-9_]*\*?`)
+	for _, file := range docFiles(t) {
+		lines, err := markdownLines(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range lines {
+			for _, name := range otel.FindAllString(l.text, -1) {
+				if strings.HasSuffix(name, "*") || strings.HasSuffix(name, "_") || slices.Contains(ignoredOTELVars, name) {
+					continue
+				}
+				if !slices.Contains(read[apps[0].name], name) && !slices.Contains(libraryVars, name) {
+					t.Errorf("%s:%d: names %s, which no service reads nor libraryVars allows", rel(file), l.n, name)
+				}
+			}
+		}
+	}
+
+	// readVars reads all of internal/platform for each service (order "reads" CONSUMER_*), so
+	// this direction is checked for the services together.
+	var all []string
+	for _, names := range documented {
+		all = append(all, names...)
+	}
+	for svc, names := range read {
+		for _, name := range names {
+			if !slices.Contains(all, name) {
+				t.Errorf("services/%s reads %s, which docs/configuration.md's table does not document", svc, name)
+			}
+		}
+	}
+}

@@ -20,9 +20,27 @@ import (
 // it starts with a plain `docker compose up`.
 const observabilityProfile = "observability"
 
-// libraryVars are variables docker-compose.yml may give the services although no Env call in
-// services/ or internal/platform reads them: the OpenTelemetry SDK reads them itself.
-var libraryVars = []string{"OTEL_EXPORTER_OTLP_ENDPOINT"}
+// libraryVars are variables docker-compose.yml and deploy/k8s may give the services although
+// no Env call in services/ or internal/platform reads them: the OpenTelemetry SDK reads them
+// itself. They are those the OTLP/HTTP trace exporter (otlptracehttp's otlpconfig) and the
+// batch span processor read, as docs/configuration.md tells operators; not ignoredOTELVars.
+var libraryVars = []string{
+	"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+	"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+	"OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+	"OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+	"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+	"OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+	"OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+	"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+	"OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+	"OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+}
+
+// ignoredOTELVars are standard OpenTelemetry variables that internal/platform/tracing.go
+// overrides (the service's name, the sampler, the propagators): set, they would be ignored
+// without a word, so the deployments may not set them; docs/configuration.md names them as such.
+var ignoredOTELVars = []string{"OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_PROPAGATORS"}
 
 // The observability profile's services, their images (each pinned to a release) and the
 // ports they publish, each with the variable that moves it.
@@ -370,8 +388,10 @@ type dashboard struct {
 }
 
 type panel struct {
-	Type       string `json:"type"`
-	Title      string `json:"title"`
+	Type  string `json:"type"`
+	Title string `json:"title"`
+	// Panels are those of a collapsed row, which Grafana keeps inside it.
+	Panels     []panel `json:"panels"`
 	Datasource *struct {
 		Type string `json:"type"`
 		UID  string `json:"uid"`
@@ -405,7 +425,7 @@ func TestGrafanaDashboard(t *testing.T) {
 	used := map[string]bool{}
 	var exprs []string
 	titles := map[string]bool{}
-	for _, p := range d.Panels {
+	for _, p := range allPanels(d.Panels) {
 		if p.Type == "row" {
 			continue
 		}
@@ -426,6 +446,9 @@ func TestGrafanaDashboard(t *testing.T) {
 			names := metricNames(q.Expr)
 			if len(names) == 0 {
 				t.Errorf("panel %q query %s names no metric: %s", p.Title, q.RefID, q.Expr)
+			}
+			if why := mergesJobs(q.Expr); why != "" {
+				t.Errorf("panel %q query %s %s, so the cluster profile's copies (invoicing-cluster …) merge into the default stack's lines: %s", p.Title, q.RefID, why, q.Expr)
 			}
 			for _, n := range names {
 				used[n] = true
@@ -460,4 +483,77 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	checkWithPromtool(t, "dashboard", exprs)
+}
+
+// allPanels returns panels and, after each row, the panels of a collapsed row, which Grafana
+// keeps inside it.
+func allPanels(panels []panel) []panel {
+	var out []panel
+	for _, p := range panels {
+		out = append(out, p)
+		out = append(out, allPanels(p.Panels)...)
+	}
+	return out
+}
+
+// aggregation is a PromQL aggregation operator with its by or without clause before its
+// argument, as the dashboard writes them; histogram_quantile, max_over_time and the like are
+// not matched (the name must start a word).
+var aggregation = regexp.MustCompile(`\b(sum|min|max|avg|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)\s*(?:(by|without)\s*\(([^)]*)\))?\s*\(`)
+
+// mergesJobs says how expr aggregates series of different jobs into one, "" if it does not:
+// every aggregation must keep job (by (job, …)), as the same service runs under two jobs when
+// both compose profiles run (order and order-cluster, …).
+func mergesJobs(expr string) string {
+	for _, m := range aggregation.FindAllStringSubmatch(expr, -1) {
+		switch m[2] {
+		case "":
+			return fmt.Sprintf("aggregates with %s and no by (job, …)", m[1])
+		case "without":
+			return fmt.Sprintf("aggregates with %s without (…), which the dashboard does not use: write by (job, …)", m[1])
+		}
+		var labels []string
+		for l := range strings.SplitSeq(m[3], ",") {
+			labels = append(labels, strings.TrimSpace(l))
+		}
+		if !slices.Contains(labels, "job") {
+			return fmt.Sprintf("aggregates %s by (%s), without job", m[1], m[3])
+		}
+	}
+	return ""
+}
+
+// The dashboard's checks must find what they are for: an aggregation that drops job, in any
+// form, and a panel inside a collapsed row.
+func TestGrafanaDashboardChecker(t *testing.T) {
+	t.Parallel()
+	for expr, merges := range map[string]bool{
+		"sum by (job, type) (rate(x_total[5m]))":                          false,
+		"histogram_quantile(0.95, sum by (job, le) (rate(x_bucket[5m])))": false,
+		"max by (job) (changes(process_start_time_seconds[15m]))":         false,
+		"up":                                    false,
+		"max_over_time(x[5m])":                  false,
+		"rate(x_count[5m])":                     false,
+		"sum(rate(x_total[5m]))":                true,
+		"sum by (consumer) (rate(x_total[5m]))": true,
+		"histogram_quantile(0.95, sum by (consumer, le) (rate(x_bucket[5m])))": true,
+		"max without (instance) (x)":            true,
+		"min by (job) (x) / sum by (queue) (y)": true,
+	} {
+		if got := mergesJobs(expr) != ""; got != merges {
+			t.Errorf("mergesJobs(%q) = %q, want merging %v", expr, mergesJobs(expr), merges)
+		}
+	}
+	var d dashboard
+	if err := json.Unmarshal([]byte(`{"panels": [{"type": "row", "title": "r", "collapsed": true,
+		"panels": [{"type": "timeseries", "title": "inside"}]}, {"type": "timeseries", "title": "after"}]}`), &d); err != nil {
+		t.Fatal(err)
+	}
+	var titles []string
+	for _, p := range allPanels(d.Panels) {
+		titles = append(titles, p.Title)
+	}
+	if want := []string{"r", "inside", "after"}; !slices.Equal(titles, want) {
+		t.Errorf("allPanels walked %q, want %q", titles, want)
+	}
 }
