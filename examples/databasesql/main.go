@@ -13,6 +13,7 @@ import (
 	"os/signal"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -59,10 +60,14 @@ func run(ctx context.Context) error {
 			return err
 		})
 	})
-	if err := messaging.MigrateOutbox(ctx, driver.DB()); err != nil {
+	// A deadline: a migration stuck behind another replica's, or behind a long transaction on
+	// the tables, fails the start with its reason rather than hanging it.
+	mctx, cancelMigrations := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancelMigrations()
+	if err := messaging.MigrateOutbox(mctx, driver.DB()); err != nil {
 		return fmt.Errorf("migrate the outbox: %w", err)
 	}
-	if err := messaging.MigrateInbox(ctx, driver.DB()); err != nil {
+	if err := messaging.MigrateInbox(mctx, driver.DB()); err != nil {
 		return fmt.Errorf("migrate the inbox: %w", err)
 	}
 	if _, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS orders (id uuid PRIMARY KEY, total_cents bigint NOT NULL);

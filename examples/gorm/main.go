@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/google/uuid"
 	"golang.org/x/sync/errgroup"
@@ -62,10 +63,14 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := messaging.MigrateOutbox(ctx, driver.DB()); err != nil {
+	// A deadline: a migration stuck behind another replica's, or behind a long transaction on
+	// the tables, fails the start with its reason rather than hanging it.
+	mctx, cancelMigrations := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancelMigrations()
+	if err := messaging.MigrateOutbox(mctx, driver.DB()); err != nil {
 		return fmt.Errorf("migrate the outbox: %w", err)
 	}
-	if err := messaging.MigrateInbox(ctx, driver.DB()); err != nil {
+	if err := messaging.MigrateInbox(mctx, driver.DB()); err != nil {
 		return fmt.Errorf("migrate the inbox: %w", err)
 	}
 	if err := db.WithContext(ctx).AutoMigrate(&Order{}, &Invoice{}); err != nil {

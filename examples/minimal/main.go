@@ -11,6 +11,7 @@ import (
 	"os/signal"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -50,10 +51,14 @@ func run(ctx context.Context) error {
 	}
 	defer pool.Close()
 	db, amqpURL := pgxdriver.New(pool), os.Getenv("AMQP_URL")
-	if err := messaging.MigrateOutbox(ctx, db.DB()); err != nil {
+	// A deadline: a migration stuck behind another replica's, or behind a long transaction on
+	// the tables, fails the start with its reason rather than hanging it.
+	mctx, cancelMigrations := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancelMigrations()
+	if err := messaging.MigrateOutbox(mctx, db.DB()); err != nil {
 		return fmt.Errorf("migrate the outbox: %w", err)
 	}
-	if err := messaging.MigrateInbox(ctx, db.DB()); err != nil {
+	if err := messaging.MigrateInbox(mctx, db.DB()); err != nil {
 		return fmt.Errorf("migrate the inbox: %w", err)
 	}
 	msg, err := greeted.Message(Greeted{Name: "world"})

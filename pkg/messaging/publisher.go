@@ -276,7 +276,7 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 		if err != nil {
 			s.unreserve(m.ID)
 			err = unavailable("publish: %w", err)
-			if closedForRefusal(s.closeReason()) {
+			if s.closedForMessage(s.closeReason()) {
 				err = fmt.Errorf("%w: the channel closed for an earlier message's refusal: %w", err, errNotAnOutage)
 			}
 			fill(errs[i:], err)
@@ -403,6 +403,8 @@ type pubSession struct {
 	// publish to each: a publish to a missing one would close the channel, and with it every
 	// other message's confirm.
 	exchanges map[string]bool
+	// declares holds the Topology's exchanges, which every new connection declares.
+	declares map[string]bool
 }
 
 func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
@@ -411,8 +413,9 @@ func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
 		return fmt.Errorf("declare topology: %w", err)
 	}
 	s.exchanges = map[string]bool{"": true} // the default exchange always exists
+	s.declares = make(map[string]bool)
 	for _, x := range cfg.Topology.AllExchanges() {
-		s.exchanges[x] = true
+		s.exchanges[x], s.declares[x] = true, true
 	}
 	ch, err := s.conn.Channel()
 	if err != nil {
@@ -566,26 +569,46 @@ var internalRefused = regexp.MustCompile(`^ACCESS_REFUSED - cannot publish to in
 // PublisherConfig.MaxMessageBytes may be larger.
 var tooLargeForBroker = regexp.MustCompile(`^PRECONDITION_FAILED - message size \d+ is larger than (?:configured )?max size (\d+)$`)
 
-// exchangeMissing is the reason RabbitMQ gives when it closes a channel for a publish to an
-// exchange that does not exist: one deleted since this connection found it, or one a topology
-// check the broker refused took on trust.
-var exchangeMissing = regexp.MustCompile(`^NOT_FOUND - no exchange '(.*)' in vhost '.*'$`)
+// missingPrefix begins the reason RabbitMQ gives when it closes a channel for a publish to an
+// exchange that does not exist: "NOT_FOUND - no exchange 'X' in vhost 'V'".
+const missingPrefix = "NOT_FOUND - no exchange '"
 
-// missingExchange returns the exchange reason says is missing, if it says so.
-func missingExchange(reason *amqp.Error) (string, bool) {
+// closedForMissing reports whether the broker closed a channel for reason, a publish to
+// exchange, missing. A reason the broker cut short covers exchange if it begins as its would.
+func closedForMissing(reason *amqp.Error, exchange string) bool {
 	if reason == nil || reason.Code != amqp.NotFound {
-		return "", false
+		return false
 	}
-	m := exchangeMissing.FindStringSubmatch(reason.Reason)
-	if m == nil {
-		return "", false
+	head := missingPrefix + exchange + "' in vhost '"
+	if cut, ok := strings.CutSuffix(reason.Reason, cutReason); ok {
+		return strings.HasPrefix(head, cut) || strings.HasPrefix(cut, head)
 	}
-	return m[1], true
+	return strings.HasPrefix(reason.Reason, head)
+}
+
+// closedForMessage reports whether the broker closed the channel for reason, one message's
+// fault: closedForRefusal, or a publish to a missing exchange that the next connection does not
+// declare again. An exchange of the Topology is declared by the next connection: deleted, it is
+// the broker's state, which the reconnection mends, not a message's fault.
+func (s *pubSession) closedForMessage(reason *amqp.Error) bool {
+	if closedForRefusal(reason) {
+		return true
+	}
+	if reason == nil || reason.Code != amqp.NotFound || !strings.HasPrefix(reason.Reason, missingPrefix) {
+		return false
+	}
+	for x := range s.declares {
+		if closedForMissing(reason, x) {
+			return false
+		}
+	}
+	return true
 }
 
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
 // closed ch for a publish to m's exchange (with m's routing key, for a topic permission; or an
-// internal exchange), ErrNoExchange if for a publish to m's exchange, missing, ErrTooLarge if
+// internal exchange), ErrNoExchange if for a publish to m's exchange, missing and not one the
+// next connection declares, ErrTooLarge if
 // for a body larger than the broker takes and m's is, else none. Every such message would close
 // it again, batch after batch, and with it the confirms of all the others.
 func (s *pubSession) closedVerdict(m Message) error {
@@ -593,13 +616,13 @@ func (s *pubSession) closedVerdict(m Message) error {
 	if refuses(reason, m) {
 		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
 	}
-	if x, ok := missingExchange(reason); ok && x == m.Exchange {
+	if closedForMissing(reason, m.Exchange) && !s.declares[m.Exchange] {
 		return fmt.Errorf("%w: %q: %s", ErrNoExchange, m.Exchange, reason.Reason)
 	}
 	if most, ok := brokerMaxSize(reason); ok && len(m.Payload) > most {
 		return fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)
 	}
-	if closedForRefusal(reason) {
+	if s.closedForMessage(reason) {
 		return unavailable("channel closed before the confirm, for another message's refusal: %w", errNotAnOutage)
 	}
 	return unavailable("channel closed before the confirm")
@@ -620,12 +643,10 @@ func (s *pubSession) closeReason() *amqp.Error {
 }
 
 // closedForRefusal reports whether the broker closed a channel for reason, one message's fault: on a
-// channel that only publishes, a refused exchange or routing key, a missing exchange, or a body
-// over its limit.
+// channel that only publishes, a refused exchange or routing key, or a body over its limit.
 func closedForRefusal(reason *amqp.Error) bool {
 	_, tooLarge := brokerMaxSize(reason)
-	_, missing := missingExchange(reason)
-	return tooLarge || missing || reason != nil && reason.Code == amqp.AccessRefused
+	return tooLarge || reason != nil && reason.Code == amqp.AccessRefused
 }
 
 // refuses reports whether the broker closed a channel for reason, a publish of m's. A reason

@@ -46,7 +46,7 @@ func migrateSchema(ctx context.Context, db DB, dir, versionTable string) (err er
 	if err != nil {
 		return fmt.Errorf("migrations %s: take a connection: %w", versionTable, err)
 	}
-	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrationLockKey); err != nil {
+	if err := lockMigrations(ctx, conn); err != nil {
 		// The lock may have been taken all the same (a cancellation between the server's
 		// answer and ours): back in the pool, the session would keep every later migration
 		// waiting.
@@ -67,6 +67,28 @@ func migrateSchema(ctx context.Context, db DB, dir, versionTable string) (err er
 		}
 	}
 	return nil
+}
+
+// lockMigrations takes the session's advisory lock for migrations, waiting for as long as
+// another replica migrates (until ctx ends): in a transaction whose lock_timeout and
+// statement_timeout are off, since a pool's own (a consumer's lock_timeout, say) would fail a
+// replica that starts while another migrates. The session lock outlives the transaction.
+func lockMigrations(ctx context.Context, conn Conn) error {
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	for _, q := range []string{`SET LOCAL lock_timeout = 0`, `SET LOCAL statement_timeout = 0`} {
+		if _, err := tx.Exec(ctx, q); err != nil {
+			_ = tx.Rollback(ctx)
+			return err
+		}
+	}
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrationLockKey); err != nil {
+		_ = tx.Rollback(ctx)
+		return err
+	}
+	return tx.Commit(ctx)
 }
 
 // migrationLockKey is goose's advisory lock key (4097083626): during a rolling upgrade, a
@@ -201,6 +223,8 @@ func readMigrations(dir string) ([]migration, error) {
 
 // upSection is what a goose file says between its -- +goose Up and -- +goose Down lines.
 func upSection(file string) (string, error) {
+	// A copy checked out with CRLF line ends (git's autocrlf on Windows) reads as one with LF.
+	file = strings.ReplaceAll(file, "\r\n", "\n")
 	_, rest, ok := strings.Cut(file, "-- +goose Up\n")
 	if !ok {
 		return "", fmt.Errorf("no -- +goose Up section")

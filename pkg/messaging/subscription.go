@@ -90,8 +90,10 @@ func (p *decodePanic) Error() string {
 // A handler may run several times for one delivery: each retry, and each message of a failed
 // batch tried again alone, runs it again after a rollback. So every write goes through tx (a
 // write on another connection or transaction commits however the attempt ends, and is
-// repeated), and other effects (a call out, an e-mail) go after the commit, through
-// [AfterCommit] or an outbox message. Each attempt gets the payload decoded anew: changes an
+// repeated), and other effects (a call out, an e-mail) go after the commit, as an outbox
+// message or a row in tx that a worker carries out ([AfterCommit] runs at most once: a crash
+// after the commit loses its hook, and the redelivery is a duplicate the inbox skips). Each
+// attempt gets the payload decoded anew: changes an
 // attempt that failed made to it do not reach the next. msg is the same for every attempt: do
 // not change it (its Headers, its Payload's bytes).
 type Handler[Tx, T any] func(ctx context.Context, tx Tx, payload T, msg Message) error
@@ -859,8 +861,10 @@ type afterCommitHooks struct {
 var ErrNotInInbox = errors.New("after commit: not in a handler's transaction")
 
 // AfterCommit registers fn to run once the inbox transaction of the handler whose context is
-// ctx has committed: the place to log what the work did, or to start work outside the
-// database, so that neither happens for a transaction that rolls back. It runs at most once:
+// ctx has committed: the place to log what the work did, or to wake work recorded in the
+// database, so that neither happens for a transaction that rolls back. It runs at most once
+// (a process that dies after the commit never runs it, so an effect that must happen is a row
+// of tx or an outbox message, not a hook):
 // its message is acknowledged even if fn panics (the panic is logged). Outside a handler it
 // returns [ErrNotInInbox] and drops fn: return that error, and the message is retried instead of
 // losing its hook.

@@ -938,30 +938,35 @@ func TestRelayBacksOffARowForAnInternalExchangeAndSendsTheRest(t *testing.T) {
 	b.sendPastChannelClosers(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), nil), bad, good, "cannot publish to internal exchange")
 }
 
-// An exchange deleted after the relay's connection found it (here one of its Topology) makes
-// the broker close the channel at a publish to it. Taken as the broker's absence, it headed
-// every batch, the rows before it sent again each time: it is charged and backed off as a
-// missing exchange, and the others go out.
+// An exchange outside the publisher's Topology, deleted after its connection found it, makes
+// the broker close the channel at a publish to it. Taken as the broker's absence, it cost an
+// outage and the rows before it were sent again: it is charged and backed off as a missing
+// exchange, and the others go out. (A Topology's exchange is declared again by the next
+// connection instead: TestRelayRedeclaresTopologyAfterTheExchangeIsDeleted.)
 func TestRelayBacksOffARowForAnExchangeDeletedSinceItConnected(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	gone := "gone-" + uuid.NewString()
-	pub := b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.Topology.Exchanges = []string{gone} })
-	if err := pub.Connect(context.Background()); err != nil {
-		t.Fatal(err)
+	gone, elsewhere := "gone-"+uuid.NewString(), "elsewhere-"+uuid.NewString()
+	must(t, b.ch.ExchangeDeclare(gone, amqp.ExchangeTopic, true, false, false, false, nil))
+	_, err := b.ch.QueueDeclare(elsewhere, true, false, false, false, nil)
+	must(t, err)
+	must(t, b.ch.QueueBind(elsewhere, "#", gone, false, nil))
+	t.Cleanup(func() { _, _ = testenv.Channel(t).QueueDelete(elsewhere, false, false, false) })
+	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), nil)
+	found := newMessage(t, 9)
+	found.Exchange = gone
+	must(t, b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, found) }))
+	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 1 {
+		t.Fatalf("the batch that found %s = %+v, %v; want it sent", gone, res, err)
 	}
-	if err := b.ch.ExchangeDelete(gone, false, false); err != nil {
-		t.Fatal(err)
-	}
+	must(t, b.ch.ExchangeDelete(gone, false, false))
 	good := []messaging.Message{newMessage(t, 0), newMessage(t, 2)}
 	bad := []messaging.Message{newMessage(t, 1)}
 	bad[0].Exchange = gone
-	if err := b.db.DB.Transaction(func(tx *gorm.DB) error {
+	must(t, b.db.DB.Transaction(func(tx *gorm.DB) error {
 		return messaging.Enqueue(context.Background(), b.drv, tx, good[0], bad[0], good[1])
-	}); err != nil {
-		t.Fatal(err)
-	}
-	b.sendPastChannelClosers(t, b.relay(t, pub, nil), bad, good, "no such exchange")
+	}))
+	b.sendPastChannelClosers(t, r, bad, good, "no such exchange")
 }
 
 // callTimes is a Sender that notes when each of its calls began.

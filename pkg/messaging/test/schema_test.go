@@ -5,15 +5,19 @@ import (
 	"database/sql"
 	"io/fs"
 	"log/slog"
+	"net/url"
 	"path"
 	"strconv"
 	"testing"
 	"testing/fstest"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 )
 
 // Rows parked by outages before the relay stopped charging them are due at once after the
@@ -111,6 +115,55 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	}
 	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM messaging_outbox_schema WHERE version_id = 5 AND is_applied`); n != 1 {
 		t.Errorf("version 5 recorded %d times, want once", n)
+	}
+}
+
+// A replica whose pool sets a lock_timeout (as docs/library.md suggests for a consumer's) waits
+// for another replica's migration to end, rather than failing its start at the lock.
+func TestAMigrationWaitsForAnotherUnderThePoolsLockTimeout(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	ctx := context.Background()
+	sqlDB, err := db.DB.DB()
+	must(t, err)
+	other, err := sqlDB.Conn(ctx) // another replica, migrating
+	must(t, err)
+	defer other.Close()
+	_, err = other.ExecContext(ctx, `SELECT pg_advisory_lock(4097083626)`)
+	must(t, err)
+	u, err := url.Parse(db.URL)
+	must(t, err)
+	q := u.Query()
+	q.Set("lock_timeout", "200") // milliseconds
+	u.RawQuery = q.Encode()
+	pool, err := pgxpool.New(ctx, u.String())
+	must(t, err)
+	defer pool.Close()
+	migrated := make(chan error, 1)
+	go func() {
+		mctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		migrated <- messaging.MigrateOutbox(mctx, pgxdriver.New(pool).DB())
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, db.DB, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event = 'advisory'`) == 1
+	}, "the migration never waited for the other's lock")
+	select {
+	case err := <-migrated:
+		t.Fatalf("the migration ended while another held the lock, past its pool's 200 ms lock_timeout: %v", err)
+	case <-time.After(time.Second): // five lock timeouts; a wrong end comes within one
+	}
+	_, err = other.ExecContext(ctx, `SELECT pg_advisory_unlock(4097083626)`)
+	must(t, err)
+	select {
+	case err := <-migrated:
+		must(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the migration did not end within 30 s of the other's")
+	}
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM messaging_outbox_schema WHERE version_id > 0 AND is_applied`); n == 0 {
+		t.Error("no migration recorded")
 	}
 }
 
