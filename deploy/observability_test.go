@@ -25,7 +25,7 @@ const observabilityProfile = "observability"
 // itself. They are those the OTLP/HTTP trace exporter (otlptracehttp's otlpconfig) and the
 // batch span processor read, as docs/configuration.md tells operators; not ignoredOTELVars.
 var libraryVars = []string{
-	"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+	"OTEL_EXPORTER_OTLP_ENDPOINT",
 	"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
 	"OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
 	"OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",

@@ -501,15 +501,7 @@ func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, outcome dr
 		_, err := c.out.Write(record.Bytes())
 		return err
 	}
-	what := "the message " + d.MessageID
-	if d.MessageID == "" {
-		what = "the message without an id"
-	}
-	done := fmt.Sprintf("%s was dropped from %s", what, dlq)
-	if outcome == dropInDoubt {
-		done = fmt.Sprintf("%s may have been dropped from %s", what, dlq)
-	}
-	return c.writeRecord(record.Bytes(), done)
+	return c.writeRecord(record.Bytes())
 }
 
 // exactArgs wants one argument per name, and says which are missing or too many.

@@ -333,6 +333,19 @@ func TestErrorsHideEveryPasswordParameter(t *testing.T) {
 	}
 }
 
+// pgx quotes the URL outboxctl rebuilt (its query encoded again: %2f as %2F, %20 as +), and
+// masks only password= in lower case: a password written otherwise is hidden all the same. The
+// unreadable CA file fails the command before any connection.
+func TestAPasswordInTheRebuiltURLIsHidden(t *testing.T) {
+	t.Parallel()
+	for _, param := range []string{"Password=hunter2%21s3cr%2fet", "PASSWORD=hunter2%20s3cret", "SSLPASSWORD=hunter2!s3cret"} {
+		code, stdout, stderr := ctl(t, "status", "--db", "postgres://u@db.invalid/db?"+param+"&sslrootcert=/nowhere/ca.crt")
+		if code != exitFailure || strings.Contains(stdout+stderr, "hunter2") || !strings.Contains(stderr, "ca.crt") {
+			t.Errorf("status with %s and an unreadable CA file: exit %d, %q %q; want 1 naming the file, the password hidden", param, code, stdout, stderr)
+		}
+	}
+}
+
 // Hiding a password hides it as a word, not the words that contain it, nor a user's name that
 // is also the password (compose's invoicing:invoicing): the in-doubt message names the queue,
 // its dead-letter queue and the consumer, and must stay readable. Not parallel: it sets the

@@ -553,7 +553,7 @@ func (c *cli) printRowResult(row messaging.OutboxMessage, dryRun bool, sentence 
 		_, err := c.out.Write(record.Bytes())
 		return err
 	}
-	return c.writeRecord(record.Bytes(), sentence)
+	return c.writeRecord(record.Bytes())
 }
 
 // unsentRow reads row id, or says that no unsent row has it.
@@ -608,7 +608,9 @@ func openDB(ctx context.Context, flagValue string) (string, messaging.DB, func()
 	dsn.RawQuery = q.Encode()
 	cfg, err := pgxpool.ParseConfig(dsn.String())
 	if err != nil {
-		return "", nil, nil, fmt.Errorf("open database: %w", err)
+		// pgx quotes the URL rebuilt here, its query encoded again, which the arguments do not
+		// hold for hideSecrets to find.
+		return "", nil, nil, fmt.Errorf("open database: %s", platform.MaskPasswords(platform.WithoutQuotedURL(err.Error()), rawURL, dsn.String()))
 	}
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"os/exec"
 	"regexp"
 	"slices"
 	"strings"
@@ -67,6 +69,16 @@ func fail(t *testing.T, db *gorm.DB, id uuid.UUID, attempts int, lastError strin
 	t.Helper()
 	execSQL(t, db, `UPDATE outbox_messages SET attempts = ?, last_error = ?, next_attempt_at = now() + interval '1 hour' WHERE id = ?`,
 		attempts, lastError, id)
+}
+
+// enqueueFailed enqueues n rows and makes each look refused attempts times by the broker.
+func enqueueFailed(t *testing.T, d *testenv.Database, n, attempts int) []uuid.UUID {
+	t.Helper()
+	ids := enqueue(t, d.DB, n)
+	for _, id := range ids {
+		fail(t, d.DB, id, attempts, "message nacked by the broker")
+	}
+	return ids
 }
 
 // due reports whether row id is due now, and its attempts and last error.
@@ -262,10 +274,7 @@ func TestRetryDryRunTypeAndLimit(t *testing.T) {
 func TestRetryRefusesALimitOfZero(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
-	ids := enqueue(t, d.DB, 3)
-	for _, id := range ids {
-		fail(t, d.DB, id, 1, "message nacked by the broker")
-	}
+	enqueueFailed(t, d, 3, 1)
 	before := outboxState(t, d)
 	// No terminal: without the check, the retry would go on without asking.
 	code, stdout, stderr := ctl(t, "retry", "--limit", "0", "--db", d.URL)
@@ -321,6 +330,37 @@ func TestRetryAsksAtATerminal(t *testing.T) {
 		if isDue, _, _ := due(t, d.DB, id); !isDue {
 			t.Errorf("row %s is not due after a confirmed retry", id)
 		}
+	}
+}
+
+// What is confirmed is what is done: a listed row parked, or sent, while the question waits is
+// left as it is, and stderr says how many were; the others are made due.
+func TestRetryLeavesRowsChangedWhileItAsked(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueueFailed(t, d, 4, 2)
+	in := &answerAfter{answer: strings.NewReader("y\n"), before: func() {
+		if err := d.DB.Exec("UPDATE outbox_messages SET parked_at = now(), next_attempt_at = 'infinity' WHERE id = ?", ids[1]).Error; err != nil {
+			t.Error(err)
+		}
+		if err := d.DB.Exec("UPDATE outbox_messages SET processed_at = now() WHERE id = ?", ids[2]).Error; err != nil {
+			t.Error(err)
+		}
+	}}
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"retry", "--db", d.URL}, streams{in: in, out: &stdout, err: &stderr, interactive: true})
+	if code != exitOK || !strings.Contains(stderr.String(), "2 of the 4 rows listed were sent, parked or made due meanwhile, and left as they were") ||
+		!strings.Contains(stdout.String(), "2 failed outbox rows were waiting for their next attempt; they are due now") {
+		t.Fatalf("retry with rows changed while it asked: exit %d, stdout %q, stderr %q; want 0, two made due and two left", code, stdout.String(), stderr.String())
+	}
+	for i, id := range ids {
+		isDue, attempts, _ := due(t, d.DB, id)
+		if want := i == 0 || i == 3; isDue != want || attempts != 2 {
+			t.Errorf("row %d after the retry: due %v, attempts %d; want due %v, attempts 2", i, isDue, attempts, want)
+		}
+	}
+	if parked := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND parked_at IS NOT NULL AND next_attempt_at = 'infinity'", ids[1]); parked != 1 {
+		t.Errorf("the row parked while retry asked was made due")
 	}
 }
 
@@ -542,12 +582,12 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 }
 
 // A drop whose record cannot be written to the output (a full disk, a closed pipe) puts it on
-// stderr, saying the row was dropped, and exits 1: the record may be the only copy of the
-// payload, and exit 0 would say all went well.
+// stderr and exits 1: the record may be the only copy of the payload, and exit 0 would say all
+// went well. A closed pipe is tried with the binary, where SIGPIPE would end the process first.
 func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
-	ids := enqueue(t, d.DB, 2)
+	ids := enqueue(t, d.DB, 3)
 	for i, format := range []string{"table", "json"} {
 		id := ids[i]
 		var stderr bytes.Buffer
@@ -556,10 +596,24 @@ func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
 		if left := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ?", id); left != 0 {
 			t.Fatalf("-o %s: the row is still there; want it dropped", format)
 		}
-		if code != exitFailure || !strings.Contains(stderr.String(), "dropped outbox row "+id.String()) ||
-			!strings.Contains(stderr.String(), "could not be written to the output (no space left on device)") || !strings.Contains(stderr.String(), `"n"`) {
-			t.Errorf("-o %s: drop with a failing output: exit %d, stderr %q; want 1, saying the row was dropped, with its payload", format, code, stderr.String())
+		if code != exitFailure || !strings.Contains(stderr.String(), id.String()) ||
+			!strings.Contains(stderr.String(), "the record of it could not be written to the output (no space left on device)") || !strings.Contains(stderr.String(), `"n"`) {
+			t.Errorf("-o %s: drop with a failing output: exit %d, stderr %q; want 1, with the row's record", format, code, stderr.String())
 		}
+	}
+	read, write, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	read.Close()
+	cmd := exec.Command(buildCtl(t), "outbox", "drop", "--id", ids[2].String(), "--yes", "--db", d.URL)
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = write, &stderr
+	err = cmd.Run()
+	write.Close()
+	if code := processExit(t, err); code != exitFailure || !strings.Contains(stderr.String(), "dropped outbox row "+ids[2].String()) ||
+		!strings.Contains(stderr.String(), "broken pipe") {
+		t.Errorf("drop into a closed pipe: exit %d, stderr %q; want 1, with the row's record", code, stderr.String())
 	}
 }
 

@@ -8,9 +8,11 @@ import (
 	"io"
 	"maps"
 	"math"
+	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 	"unicode"
@@ -31,14 +33,17 @@ func writeJSON(w io.Writer, v any) error {
 }
 
 // writeRecord writes record, what an action already done printed, to the output, or if that
-// fails to stderr after done (what happened), and returns the failure: a drop's record may be
-// the last there is of the message.
-func (c *cli) writeRecord(record []byte, done string) error {
+// fails to stderr, and returns the failure: a drop's record may be the last there is of the
+// message. A closed pipe fails the write rather than ending the process (SIGPIPE) before the
+// record reaches stderr.
+func (c *cli) writeRecord(record []byte) error {
+	signal.Ignore(syscall.SIGPIPE)
+	defer signal.Reset(syscall.SIGPIPE)
 	_, err := c.out.Write(record)
 	if err == nil {
 		return nil
 	}
-	fmt.Fprintf(c.err, "%s, and its record could not be written to the output (%v); here it is:\n", done, err)
+	fmt.Fprintf(c.err, "done, and the record of it could not be written to the output (%v); here it is:\n", err)
 	_, _ = c.err.Write(record)
 	return fmt.Errorf("write the record of what was done: %w", err)
 }

@@ -230,6 +230,7 @@ func TestURLPortsAreInRange(t *testing.T) {
 		{"AMQP_URL", "amqp://a:5672/,amqp://b:0/", "AMQP_URL: entry 2 of 2: a port in the URL must be a number from 1 to 65535"},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318", ""},
 		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:431800", "OTEL_EXPORTER_OTLP_ENDPOINT: a port in the URL must be a number from 1 to 65535"},
+		{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://jaeger:4318/v1/traces", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: is not read: set OTEL_EXPORTER_OTLP_ENDPOINT"},
 	})
 }
 

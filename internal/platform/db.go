@@ -212,11 +212,11 @@ func WithoutQuotedURL(why string) string {
 	return why
 }
 
-// MaskPasswords replaces in msg every password of the urls (URLPasswords) with xxxxx, wherever
-// it stands as a word of its own, not inside a longer one (a password p must not turn "tcp"
-// into "tcxxxxx"). A password that is its user's name is left: the name shows it anyway, and
-// masking it would mask that name, and every word that spells it (compose's
-// invoicing:invoicing would make invoicing.dlq read xxxxx.dlq).
+// MaskPasswords replaces in msg every password of the urls (URLPasswords) with xxxxx: one of
+// 8 bytes or more wherever it appears, a shorter one where it stands as a word of its own, not
+// inside a longer one (a password p must not turn "tcp" into "tcxxxxx"). A password that is its
+// user's name is left: the name shows it anyway, and masking it would mask that name, and every
+// word that spells it (compose's invoicing:invoicing would make invoicing.dlq read xxxxx.dlq).
 func MaskPasswords(msg string, urls ...string) string {
 	var secrets []string
 	for _, raw := range urls {
@@ -231,7 +231,11 @@ func MaskPasswords(msg string, urls ...string) string {
 	// Longest first, so that a password that holds another is masked whole.
 	slices.SortFunc(secrets, func(a, b string) int { return len(b) - len(a) })
 	for _, s := range secrets {
-		msg = maskWord(msg, s)
+		if len(s) >= 8 {
+			msg = strings.ReplaceAll(msg, s, "xxxxx")
+		} else {
+			msg = maskWord(msg, s)
+		}
 	}
 	return msg
 }
@@ -267,17 +271,18 @@ func wordRune(r rune) bool {
 }
 
 // URLPasswords are the passwords of rawURL, in its user part and its query (SecretParam), each
-// as written and decoded, since a message may quote either. It reads a URL url.Parse refuses
-// too.
+// as written, decoded and encoded again, since a message may quote any. It reads a URL
+// url.Parse refuses too.
 func URLPasswords(rawURL string) []string {
 	var found []string
 	add := func(raw string) {
 		found = append(found, raw)
-		if dec, err := url.QueryUnescape(raw); err == nil {
-			found = append(found, dec)
-		}
-		if dec, err := url.PathUnescape(raw); err == nil {
-			found = append(found, dec)
+		for _, unescape := range []func(string) (string, error){url.QueryUnescape, url.PathUnescape} {
+			if dec, err := unescape(raw); err == nil {
+				// Decoded, and encoded again as a URL rebuilt from it writes it (%2f as %2F,
+				// %20 as +).
+				found = append(found, dec, url.QueryEscape(dec), url.PathEscape(dec))
+			}
 		}
 	}
 	if _, password, ok := userInfo(rawURL); ok {

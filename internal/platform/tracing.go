@@ -31,6 +31,10 @@ const traceFlushTimeout = 2 * time.Second
 // # unescaped would reach the path, which the exporter's errors quote: that is refused first,
 // as for DATABASE_URL (see AtAfterHost), without the value.
 func readOTLPEndpoint(env *Env) string {
+	// The traces-only endpoint does not turn the export on, and where it is set the exporter
+	// sends there, past these checks: refused, so that neither happens without a word.
+	env.Check(env.String("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") == "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+		"is not read: set OTEL_EXPORTER_OTLP_ENDPOINT, the receiver's base URL")
 	v := env.String("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 	if v == "" {
 		return ""

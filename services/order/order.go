@@ -96,8 +96,8 @@ func checkID(s string) string {
 // default-ignorable code points, that is format characters (a zero-width space, a bidirectional
 // override), variation selectors and the rest, such as the combining grapheme joiner and the
 // Hangul fillers; and the braille blank, which looks like a space. An id that would need a
-// variation selector (an emoji's presentation, an ideograph's variant) is refused too: ids are
-// codes, where a look-alike costs more.
+// variation selector (an emoji's presentation, an ideograph's variant, a Mongolian free
+// variation selector) is refused too: ids are codes, where a look-alike costs more.
 func invisible(r rune) bool {
 	return r == '\u2800' || unicode.In(r, unicode.Cf, unicode.Variation_Selector, unicode.Other_Default_Ignorable_Code_Point)
 }
