@@ -316,7 +316,7 @@ func checkApp(t *testing.T, s types.ServiceConfig, a app, target appTarget, defs
 			t.Errorf("required variable %s is not set", name)
 		}
 	}
-	known := slices.Concat(readVars(t, a.name), libraryVars)
+	known := settable(t, a.name)
 	for name := range s.Environment {
 		if !slices.Contains(known, name) {
 			t.Errorf("environment sets %s, which services/%s does not read (known: %v)", name, a.name, known)

@@ -37,6 +37,17 @@ var libraryVars = []string{
 	"OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
 }
 
+// refusedVars are variables a service reads only to refuse them at start: a deployment that
+// set one would not start.
+var refusedVars = []string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+
+// settable is what a deployment may give service svc: what it reads and its libraries read,
+// less refusedVars.
+func settable(t *testing.T, svc string) []string {
+	t.Helper()
+	return slices.DeleteFunc(slices.Concat(readVars(t, svc), libraryVars), func(v string) bool { return slices.Contains(refusedVars, v) })
+}
+
 // ignoredOTELVars are standard OpenTelemetry variables that internal/platform/tracing.go
 // overrides (the service's name, the sampler, the propagators): set, they would be ignored
 // without a word, so the deployments may not set them; docs/configuration.md names them as such.

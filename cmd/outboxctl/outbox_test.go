@@ -597,7 +597,7 @@ func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
 			t.Fatalf("-o %s: the row is still there; want it dropped", format)
 		}
 		if code != exitFailure || !strings.Contains(stderr.String(), id.String()) ||
-			!strings.Contains(stderr.String(), "the record of it could not be written to the output (no space left on device)") || !strings.Contains(stderr.String(), `"n"`) {
+			!strings.Contains(stderr.String(), "the record of what was done could not be written to the output (no space left on device)") || !strings.Contains(stderr.String(), `"n"`) {
 			t.Errorf("-o %s: drop with a failing output: exit %d, stderr %q; want 1, with the row's record", format, code, stderr.String())
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"maps"
 	"math"
+	"os"
 	"os/signal"
 	"slices"
 	"strconv"
@@ -37,13 +38,14 @@ func writeJSON(w io.Writer, v any) error {
 // message. A closed pipe fails the write rather than ending the process (SIGPIPE) before the
 // record reaches stderr.
 func (c *cli) writeRecord(record []byte) error {
-	signal.Ignore(syscall.SIGPIPE)
-	defer signal.Reset(syscall.SIGPIPE)
+	pipe := make(chan os.Signal, 1) // Notify, not Ignore: Reset would not undo an Ignore
+	signal.Notify(pipe, syscall.SIGPIPE)
+	defer signal.Stop(pipe)
 	_, err := c.out.Write(record)
 	if err == nil {
 		return nil
 	}
-	fmt.Fprintf(c.err, "done, and the record of it could not be written to the output (%v); here it is:\n", err)
+	fmt.Fprintf(c.err, "the record of what was done could not be written to the output (%v); here it is:\n", err)
 	_, _ = c.err.Write(record)
 	return fmt.Errorf("write the record of what was done: %w", err)
 }

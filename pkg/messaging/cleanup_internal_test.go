@@ -77,8 +77,15 @@ func (c *lockConn) Query(context.Context, string, ...any) (Rows, error) {
 func (c *lockConn) Exec(context.Context, string, ...any) (int64, error) {
 	return 0, context.Canceled
 }
-func (c *lockConn) Close()   { c.closed = true }
-func (c *lockConn) Discard() { c.discarded = true }
+func (c *lockConn) Begin(context.Context) (TxExecutor, error) { return lockTx{}, nil }
+func (c *lockConn) Close()                                    { c.closed = true }
+func (c *lockConn) Discard()                                  { c.discarded = true }
+
+// lockTx is a transaction of lockConn's, whose every statement fails too.
+type lockTx struct{ TxExecutor }
+
+func (lockTx) Exec(context.Context, string, ...any) (int64, error) { return 0, context.Canceled }
+func (lockTx) Rollback(context.Context) error                      { return nil }
 
 // Every rollback is bounded, not only the relay's and the subscription's: a cleanup batch, an
 // operator's action or a migration whose statement failed as the database stopped answering
@@ -95,6 +102,9 @@ func TestEveryRollbackIsBounded(t *testing.T) {
 		},
 		"operator action": func(ctx context.Context, c *rollbackConn) error {
 			return inTx(ctx, rollbackDB{c}, func(TxExecutor) (bool, error) { return false, boom })
+		},
+		"migration lock": func(ctx context.Context, c *rollbackConn) error {
+			return lockMigrations(ctx, c)
 		},
 		"migration": func(ctx context.Context, c *rollbackConn) error {
 			return migration{version: 1, up: "SELECT 1"}.applyOnce(ctx, c, "versions")

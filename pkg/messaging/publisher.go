@@ -403,19 +403,21 @@ type pubSession struct {
 	// publish to each: a publish to a missing one would close the channel, and with it every
 	// other message's confirm.
 	exchanges map[string]bool
-	// declares holds the Topology's exchanges, which every new connection declares.
+	// declares holds the Topology's exchanges that this connection declared or saw exist, as
+	// the next will: deleted, one is the broker's state to mend, not a message's fault. Those
+	// taken on trust (refused, their existence hidden) are not among them.
 	declares map[string]bool
 }
 
 func (s *pubSession) setup(cfg PublisherConfig, log *slog.Logger) error {
-	err := cfg.Topology.Declare(s.conn, log)
+	trusted, err := cfg.Topology.declare(s.conn, log)
 	if err != nil && !errors.Is(err, ErrLegacyDeadLetterQueue) {
 		return fmt.Errorf("declare topology: %w", err)
 	}
 	s.exchanges = map[string]bool{"": true} // the default exchange always exists
 	s.declares = make(map[string]bool)
 	for _, x := range cfg.Topology.AllExchanges() {
-		s.exchanges[x], s.declares[x] = true, true
+		s.exchanges[x], s.declares[x] = true, !trusted[x]
 	}
 	ch, err := s.conn.Channel()
 	if err != nil {
@@ -597,8 +599,8 @@ func (s *pubSession) closedForMessage(reason *amqp.Error) bool {
 	if reason == nil || reason.Code != amqp.NotFound || !strings.HasPrefix(reason.Reason, missingPrefix) {
 		return false
 	}
-	for x := range s.declares {
-		if closedForMissing(reason, x) {
+	for x, declared := range s.declares {
+		if declared && closedForMissing(reason, x) {
 			return false
 		}
 	}

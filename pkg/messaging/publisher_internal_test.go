@@ -326,3 +326,39 @@ func TestCompactOversized(t *testing.T) {
 		t.Error("a window with nothing to compact was copied")
 	}
 }
+
+// A channel closed for a publish to a missing exchange charges that exchange's message unless
+// the next connection declares it (the Topology's, declared or seen by this one); its others
+// are then left for the next batch, not taken for an outage. A reason cut short counts by its
+// prefix.
+func TestAMissingExchangeIsChargedUnlessTheNextConnectionDeclaresIt(t *testing.T) {
+	long := strings.Repeat("x", 240)
+	closed := func(exchange string) *pubSession {
+		reason := "NOT_FOUND - no exchange '" + exchange + "' in vhost '/'"
+		if len(reason) > 255 {
+			reason = reason[:252] + cutReason
+		}
+		return &pubSession{
+			declares: map[string]bool{"orders": true, "trusted": false},
+			closeErr: &amqp.Error{Code: amqp.NotFound, Reason: reason},
+		}
+	}
+	for _, c := range []struct {
+		closedFor, exchange string
+		want                error
+		notAnOutage         bool
+	}{
+		{"gone", "gone", ErrNoExchange, false},
+		{"gone", "orders", ErrBrokerUnavailable, true},
+		{"trusted", "trusted", ErrNoExchange, false},
+		{"orders", "orders", ErrBrokerUnavailable, false},
+		{"orders", "billing", ErrBrokerUnavailable, false},
+		{long, long, ErrNoExchange, false},
+		{long, "orders", ErrBrokerUnavailable, true},
+	} {
+		err := closed(c.closedFor).closedVerdict(Message{Exchange: c.exchange})
+		if !errors.Is(err, c.want) || errors.Is(err, errNotAnOutage) != c.notAnOutage {
+			t.Errorf("closed for %.20q, message to %.20q: %v; want %v, not an outage %v", c.closedFor, c.exchange, err, c.want, c.notAnOutage)
+		}
+	}
+}

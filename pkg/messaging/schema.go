@@ -78,14 +78,15 @@ func lockMigrations(ctx context.Context, conn Conn) error {
 	if err != nil {
 		return err
 	}
-	for _, q := range []string{`SET LOCAL lock_timeout = 0`, `SET LOCAL statement_timeout = 0`} {
-		if _, err := tx.Exec(ctx, q); err != nil {
-			_ = tx.Rollback(ctx)
-			return err
-		}
+	_, err = tx.Exec(ctx, `SET LOCAL lock_timeout = 0`)
+	if err == nil {
+		_, err = tx.Exec(ctx, `SET LOCAL statement_timeout = 0`)
 	}
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrationLockKey); err != nil {
-		_ = tx.Rollback(ctx)
+	if err == nil {
+		_, err = tx.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrationLockKey)
+	}
+	if err != nil {
+		rollback(ctx, tx)
 		return err
 	}
 	return tx.Commit(ctx)
@@ -179,9 +180,13 @@ func (m migration) applyOnce(ctx context.Context, conn Conn, versionTable string
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, migrationLockTimeout.Milliseconds())); err != nil {
-		rollback(ctx, tx)
-		return err
+	// Its own lock timeout; and no statement timeout of the pool's, which a validation that
+	// reads the whole table could outlast at every start (ctx bounds it).
+	for _, set := range []string{fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, migrationLockTimeout.Milliseconds()), `SET LOCAL statement_timeout = 0`} {
+		if _, err := tx.Exec(ctx, set); err != nil {
+			rollback(ctx, tx)
+			return err
+		}
 	}
 	if _, err := tx.Exec(ctx, m.up); err != nil {
 		rollback(ctx, tx)

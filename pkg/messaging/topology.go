@@ -145,11 +145,19 @@ func (t Topology) AllExchanges() []string {
 // Dead-letter queues declared by an earlier version make it return an error wrapping
 // [ErrLegacyDeadLetterQueue] that names each of them, once everything else is declared.
 func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
+	_, err := t.declare(conn, log)
+	return err
+}
+
+// declare is Declare, and returns the exchanges it took on trust: refused, and their existence
+// hidden. Every other exchange of t was declared or seen to exist.
+func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) (trusted map[string]bool, err error) {
 	if err := t.check(); err != nil {
-		return err
+		return nil, err
 	}
 	d := &declarer{conn: conn, log: log}
 	defer d.close()
+	trusted = make(map[string]bool)
 	for _, x := range t.AllExchanges() {
 		err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil)
@@ -157,7 +165,10 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 			return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil)
 		})
 		if err != nil {
-			return err
+			return nil, err
+		}
+		if d.trusted {
+			trusted[x] = true
 		}
 	}
 	var legacy legacyQueues
@@ -167,14 +178,14 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 			return err
 		}, passiveQueue(q.Queue))
 		if err != nil {
-			return err
+			return nil, err
 		}
 		for _, b := range q.Bindings {
 			err := d.declare(fmt.Sprintf("binding of queue %s to %s/%s", q.Queue, b.Exchange, b.RoutingKey), func(ch *amqp.Channel) error {
 				return ch.QueueBind(q.Queue, b.RoutingKey, b.Exchange, false, nil)
 			}, passiveQueue(q.Queue))
 			if err != nil {
-				return err
+				return nil, err
 			}
 		}
 		dlq := DeadLetterQueue(q.Queue)
@@ -189,13 +200,13 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 			legacy.names = append(legacy.names, dlq)
 			legacy.errs = append(legacy.errs, err)
 		case err != nil:
-			return err
+			return nil, err
 		}
 	}
 	if len(legacy.names) > 0 {
-		return &legacy
+		return trusted, &legacy
 	}
-	return nil
+	return trusted, nil
 }
 
 // check refuses what the broker cannot take as declared: a binding to the default exchange,
@@ -244,11 +255,15 @@ type declarer struct {
 	conn *amqp.Connection
 	log  *slog.Logger
 	ch   *amqp.Channel
+	// trusted says whether the last declaration was taken on trust: refused, and whether the
+	// resource exists hidden too.
+	trusted bool
 }
 
 // declare runs do; if the broker refuses it for lack of permission, exists tells whether the
 // resource is there all the same.
 func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) error {
+	d.trusted = false
 	ch, err := d.channel()
 	if err != nil {
 		return err
@@ -271,6 +286,7 @@ func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error)
 		if d.log != nil {
 			d.log.Debug("not allowed to declare " + what + ", nor to see whether it exists; the deployment must declare it")
 		}
+		d.trusted = true
 		return nil
 	case err != nil:
 		return fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, refused)
