@@ -95,27 +95,35 @@ func (lockTx) Rollback(context.Context) error                      { return nil 
 func TestEveryRollbackIsBounded(t *testing.T) {
 	t.Parallel()
 	boom := errors.New("the statement failed")
-	for name, run := range map[string]func(context.Context, *rollbackConn) error{
-		"cleanup batch": func(ctx context.Context, c *rollbackConn) error {
+	for _, c := range []struct {
+		name string
+		run  func(context.Context, *rollbackConn) error
+		// failAt lists the statements to fail, one run each (the first is 1): every one of
+		// them must be followed by a bounded rollback.
+		failAt []int
+	}{
+		{"cleanup batch", func(ctx context.Context, c *rollbackConn) error {
 			_, _, err := runBatch(ctx, c, time.Now(), 10, func(context.Context, Executor, time.Time, int) (int64, int64, error) { return 0, 0, boom })
 			return err
-		},
-		"operator action": func(ctx context.Context, c *rollbackConn) error {
+		}, []int{2}},
+		{"operator action", func(ctx context.Context, c *rollbackConn) error {
 			return inTx(ctx, rollbackDB{c}, func(TxExecutor) (bool, error) { return false, boom })
-		},
-		"migration lock": func(ctx context.Context, c *rollbackConn) error {
+		}, []int{2}},
+		{"migration lock", func(ctx context.Context, c *rollbackConn) error {
 			return lockMigrations(ctx, c)
-		},
-		"migration": func(ctx context.Context, c *rollbackConn) error {
+		}, []int{1, 2, 3}},
+		{"migration", func(ctx context.Context, c *rollbackConn) error {
 			return migration{version: 1, up: "SELECT 1"}.applyOnce(ctx, c, "versions")
-		},
+		}, []int{1, 2, 3, 4}},
 	} {
-		c := &rollbackConn{fail: boom}
-		if err := run(context.Background(), c); !errors.Is(err, boom) {
-			t.Fatalf("%s: %v, want the statement's failure", name, err)
-		}
-		if !c.rolledBack || !c.bounded {
-			t.Errorf("%s: rolled back %v, within a deadline %v; want a bounded rollback", name, c.rolledBack, c.bounded)
+		for _, at := range c.failAt {
+			conn := &rollbackConn{fail: boom, failAt: at}
+			if err := c.run(context.Background(), conn); !errors.Is(err, boom) {
+				t.Fatalf("%s, statement %d failing: %v, want the statement's failure", c.name, at, err)
+			}
+			if !conn.rolledBack || !conn.bounded {
+				t.Errorf("%s, statement %d failing: rolled back %v, within a deadline %v; want a bounded rollback", c.name, at, conn.rolledBack, conn.bounded)
+			}
 		}
 	}
 }
@@ -139,14 +147,14 @@ func (d rollbackDB) Query(context.Context, string, ...any) (Rows, error) {
 type rollbackConn struct {
 	Conn
 	fail                error
-	statements          int
+	failAt, statements  int // the statement that fails (the first is 1), and how many ran
 	rolledBack, bounded bool
 }
 
 func (c *rollbackConn) Begin(context.Context) (TxExecutor, error) { return c, nil }
 func (c *rollbackConn) Exec(context.Context, string, ...any) (int64, error) {
 	c.statements++
-	if c.statements > 1 {
+	if c.statements == c.failAt {
 		return 0, c.fail
 	}
 	return 0, nil

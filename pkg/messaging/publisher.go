@@ -70,8 +70,9 @@ type PublisherConfig struct {
 	AppID          string // the AMQP app_id of every message
 	// Topology is declared on every new connection, before the first publish on it (see
 	// [Topology.Declare]): at least the exchanges of the messages, and, so that no message is
-	// published before a queue that should take it exists, every consumer's queue. A deleted
-	// exchange comes back after the next reconnect.
+	// published before a queue that should take it exists, every consumer's queue. An exchange
+	// of it that the connection declared, deleted, comes back with the next (or the next fails
+	// to start, the broker's fault); one taken on trust, missing, is charged to its messages.
 	Topology Topology
 	// ConfirmTimeout bounds each window of up to MaxInFlight messages of a call (the wait for
 	// room, the writes and the confirms): a broker that stops reading or a half-open connection
@@ -403,9 +404,9 @@ type pubSession struct {
 	// publish to each: a publish to a missing one would close the channel, and with it every
 	// other message's confirm.
 	exchanges map[string]bool
-	// declares holds the Topology's exchanges that this connection declared or saw exist, as
-	// the next will: deleted, one is the broker's state to mend, not a message's fault. Those
-	// taken on trust (refused, their existence hidden) are not among them.
+	// declares maps each of the Topology's exchanges to whether this connection declared it or
+	// saw it exist, as the next will: deleted, such a one is the broker's state to mend, not a
+	// message's fault. Those taken on trust (refused, their existence hidden) map to false.
 	declares map[string]bool
 }
 
@@ -590,8 +591,8 @@ func closedForMissing(reason *amqp.Error, exchange string) bool {
 
 // closedForMessage reports whether the broker closed the channel for reason, one message's
 // fault: closedForRefusal, or a publish to a missing exchange that the next connection does not
-// declare again. An exchange of the Topology is declared by the next connection: deleted, it is
-// the broker's state, which the reconnection mends, not a message's fault.
+// declare again. An exchange of the Topology this connection declared or saw exist is declared
+// or checked by the next: deleted, it is the broker's state, not a message's fault.
 func (s *pubSession) closedForMessage(reason *amqp.Error) bool {
 	if closedForRefusal(reason) {
 		return true
