@@ -461,7 +461,8 @@ func runningMean(mean, took time.Duration) time.Duration {
 }
 
 // Run logs, once per interval, how many requests were shed in it, until ctx ends, and then
-// those shed since the last line: a burst just before a shutdown is logged too.
+// those shed since the last line: a burst just before a shutdown is logged too. Those shed
+// later, while the server drains, Base.Close logs.
 func (a *Admission) Run(ctx context.Context) error {
 	tick := time.NewTicker(a.interval)
 	defer tick.Stop()

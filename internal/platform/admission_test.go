@@ -22,6 +22,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
@@ -1088,4 +1089,81 @@ func readRaw(t *testing.T, br *bufio.Reader) *http.Response {
 		t.Fatalf("reading a response (reads give up after 5 s): %v", err)
 	}
 	return resp
+}
+
+// A request shed while the server drains, after Run's last line at the signal, is logged when
+// the service closes its Base, once Serve has returned: the count is not lost.
+func TestSheddingDuringTheDrainIsLogged(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold, entered := make(chan struct{}), make(chan struct{}, 1)
+	srv := NewServer("", a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		entered <- struct{}{}
+		<-hold
+		w.WriteHeader(http.StatusCreated)
+	})))
+	active := make(chan struct{}, 4)
+	srv.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateActive {
+			active <- struct{}{}
+		}
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ranOut := make(chan struct{})
+	run := Worker(func(ctx context.Context) error {
+		defer close(ranOut)
+		return a.Run(ctx)
+	})
+	signal, served := serveOn(t, log, srv, ln, Workers{Others: []Worker{run}})
+
+	held := make(chan int, 1)
+	go func() {
+		resp, err := http.Post("http://"+ln.Addr().String(), "application/json", strings.NewReader("{}"))
+		if err != nil {
+			held <- 0
+			return
+		}
+		resp.Body.Close()
+		held <- resp.StatusCode
+	}()
+	within(t, entered, 5*time.Second, "the first request does not hold the one place")
+	within(t, active, 5*time.Second, "the first request is not read")
+	// A request whose body has not all arrived at the signal: it asks for its place after it.
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(conn)
+	if _, err := io.WriteString(conn, "POST / HTTP/1.1\r\nHost: order\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{"); err != nil {
+		t.Fatal(err)
+	}
+	within(t, active, 5*time.Second, "the second request is not read")
+	signal()
+	within(t, ranOut, 5*time.Second, "Run did not stop at the signal")
+	if _, err := io.WriteString(conn, "}"); err != nil {
+		t.Fatal(err)
+	}
+	if resp := readRaw(t, br); resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("the request whose body arrived after the signal got %d, want 503: shed", resp.StatusCode)
+	}
+	close(hold)
+	if status := within(t, held, 5*time.Second, "the first request was not answered"); status != http.StatusCreated {
+		t.Fatalf("the first request got %d, want 201", status)
+	}
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+	(&Base{Admission: a, log: log, tracing: sdktrace.NewTracerProvider()}).Close()
+	if lines := logs.Lines("at capacity: requests shed"); len(lines) != 1 || !strings.Contains(lines[0], "shed=1 ") {
+		t.Fatalf("lines about shedding %q, want one of the request shed during the drain", lines)
+	}
 }

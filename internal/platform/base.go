@@ -195,9 +195,14 @@ func (b *Base) metrics() error {
 	return err
 }
 
-// Close exports the spans still waiting and closes the database pools and the readiness
-// check's connection: whatever of them Start opened.
+// Close logs the requests shed since Admission.Run's last line, exports the spans still
+// waiting, and closes the database pools and the readiness check's connection: whatever of
+// them Start opened. A service closes its Base once Serve has returned.
 func (b *Base) Close() {
+	if b.Admission != nil {
+		// Run stopped at the signal; the server drained after it, and its sheds are logged here.
+		b.Admission.logShed()
+	}
 	stopTracing(b.log, b.tracing)
 	for _, db := range []*gorm.DB{b.DB, b.Work, b.Sender} {
 		if db != nil {

@@ -34,13 +34,23 @@ const ShutdownTimeout = 8 * time.Second
 // leftovers.
 const HardStop = 9 * time.Second
 
+// repeatSignalDelay is how long after the first signal a second one kills the process at
+// once; one sooner is the same stop, sent twice (a terminal's SIGINT and a script's SIGTERM).
+const repeatSignalDelay = time.Second
+
+// newConnWait bounds how long after the signal Serve waits for the first request of each
+// connection accepted before it to be read: those still silent then are closed.
+const newConnWait = time.Second
+
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run
 // fails, Main prints one line naming the service and exits 1. The exit comes at most HardStop
 // after the signal, or after the failure of a part Serve runs, whatever is still running then.
 func Main(service string, run func(ctx context.Context, env *Env) error) {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	// After the first signal, a second one kills the process the default way.
-	context.AfterFunc(ctx, stop)
+	// A second signal kills the process the default way, but only from repeatSignalDelay after
+	// the first: Ctrl-C in scripts/run-local.sh sends SIGINT to the services and its trap
+	// SIGTERM a millisecond later, which must not cut the drain short.
+	context.AfterFunc(ctx, func() { time.AfterFunc(repeatSignalDelay, stop) })
 	format := strings.ToLower(strings.TrimSpace(os.Getenv("LOG_FORMAT")))
 	hardStop(ctx, HardStop, func() {
 		logHardStop(os.Stderr, service, format, nil)
@@ -119,12 +129,18 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 	if err != nil {
 		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)
 	}
+	return serve(ctx, log, srv, ln, workers)
+}
+
+// serve is Serve on a listener already open.
+func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, workers Workers) error {
 	log.Info("listening", "addr", ln.Addr().String())
 	if srv.ErrorLog == nil {
 		// net/http's own lines (an accept error, a superfluous WriteHeader) as the service's
 		// others are, key=value or JSON, not in the log package's format on stderr.
 		srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
 	}
+	fresh := trackNewConns(srv)
 	g, gctx := errgroup.WithContext(ctx)
 	var intake sync.WaitGroup
 	goIntake := func(f func() error) {
@@ -134,11 +150,15 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 			return f()
 		})
 	}
+	served := make(chan struct{})
 	g.Go(func() error {
-		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("http server: %w", err)
+		defer close(served)
+		err := srv.Serve(ln)
+		// Once stopping, the listener's error is the stop's own: shutdownHTTP closed it.
+		if errors.Is(err, http.ErrServerClosed) || (gctx.Err() != nil && errors.Is(err, net.ErrClosed)) {
+			return nil
 		}
-		return nil
+		return fmt.Errorf("http server: %w", err)
 	})
 	goIntake(func() error {
 		<-gctx.Done()
@@ -152,12 +172,7 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 		}
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
-		if err := srv.Shutdown(shutdownCtx); err != nil {
-			// A request still running at the deadline is cut off; that is the deadline's
-			// purpose, not a failure of the service (nothing it did was committed half-way).
-			log.Warn("HTTP requests still running at the shutdown deadline were cut off", "error", err)
-			_ = srv.Close()
-		}
+		shutdownHTTP(shutdownCtx, log, srv, ln, served, fresh)
 		return nil
 	})
 	for _, w := range workers.Intake {
@@ -179,6 +194,82 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// shutdownHTTP stops srv, which serves on ln until served closes, within ctx. Shutdown alone
+// would drop, unanswered, a connection accepted before it whose first request net/http had not
+// read yet (conn.serve returns as it reads one once shutting down): its client, which sent the
+// request before the signal, would read EOF. So the listener closes first, and the connections
+// accepted and still silent get up to newConnWait to have their request read and answered;
+// those still silent then are closed, which Shutdown would do only after 5 s.
+func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, fresh *newConns) {
+	// The requests answered from now on close their connections; the idle ones close now.
+	srv.SetKeepAlivesEnabled(false)
+	_ = ln.Close() // already closed if srv.Serve failed
+	<-served       // nothing is accepted any more: fresh only shrinks
+	fresh.settle(ctx, newConnWait)
+	if err := srv.Shutdown(ctx); err != nil {
+		// A request still running at the deadline is cut off; that is the deadline's
+		// purpose, not a failure of the service (nothing it did was committed half-way).
+		log.Warn("HTTP requests still running at the shutdown deadline were cut off", "error", err)
+		_ = srv.Close()
+	}
+}
+
+// newConns are a server's connections accepted whose first request has not been read yet.
+type newConns struct {
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+// trackNewConns tracks srv's new connections, through its ConnState hook, which goes on
+// calling the hook srv had.
+func trackNewConns(srv *http.Server) *newConns {
+	n := &newConns{conns: map[net.Conn]struct{}{}}
+	next := srv.ConnState
+	srv.ConnState = func(c net.Conn, state http.ConnState) {
+		n.mu.Lock()
+		if state == http.StateNew {
+			n.conns[c] = struct{}{}
+		} else {
+			delete(n.conns, c)
+		}
+		n.mu.Unlock()
+		if next != nil {
+			next(c, state)
+		}
+	}
+	return n
+}
+
+// newConnPoll is how often settle looks at the new connections.
+const newConnPoll = 5 * time.Millisecond
+
+// settle waits, for at most wait and within ctx, until no connection is new, then closes those
+// still new. A connection leaves StateNew just before net/http looks whether the server is
+// shutting down, so settle returns a poll after the last one left, not at once.
+func (n *newConns) settle(ctx context.Context, wait time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	tick := time.NewTicker(newConnPoll)
+	defer tick.Stop()
+	settled := false
+	for {
+		n.mu.Lock()
+		if settled || ctx.Err() != nil {
+			for c := range n.conns {
+				_ = c.Close()
+			}
+			n.mu.Unlock()
+			return
+		}
+		settled = len(n.conns) == 0
+		n.mu.Unlock()
+		select {
+		case <-ctx.Done():
+		case <-tick.C:
+		}
+	}
 }
 
 // relayUntil runs r until intakeStopped closes, then makes a last pass over the outbox for the

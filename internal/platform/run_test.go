@@ -1,14 +1,20 @@
 package platform
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -177,4 +183,252 @@ func TestMainExitsWithinTheHardStopAfterAFailure(t *testing.T) {
 	if !strings.Contains(out.String(), `msg="still stopping after a failure; abandoning what is in flight (it was not acknowledged)" service=order after=9s error="consumer: queue gone"`) {
 		t.Errorf("no hard stop line naming the failure in\n%s", out.String())
 	}
+}
+
+// gatedListener holds the reads of the connections it accepts until gate closes, as a busy
+// machine may hold a connection's goroutine; it tells of each accept, and of its Close.
+type gatedListener struct {
+	net.Listener
+	gate     <-chan struct{}
+	accepted chan struct{}
+	closed   chan struct{}
+	once     sync.Once
+}
+
+func newGatedListener(t *testing.T, gate <-chan struct{}) *gatedListener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &gatedListener{Listener: ln, gate: gate, accepted: make(chan struct{}, 8), closed: make(chan struct{})}
+}
+
+func (l *gatedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.accepted <- struct{}{}
+	return &gatedConn{Conn: c, gate: l.gate}, nil
+}
+
+func (l *gatedListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+type gatedConn struct {
+	net.Conn
+	gate <-chan struct{}
+}
+
+func (c *gatedConn) Read(p []byte) (int, error) {
+	<-c.gate
+	return c.Conn.Read(p)
+}
+
+// within waits for ch, failing the test after timeout with what.
+func within[T any](t *testing.T, ch <-chan T, timeout time.Duration, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(timeout):
+		t.Fatalf("after %s: %s", timeout, what)
+		var zero T
+		return zero
+	}
+}
+
+// serveOn runs serve on ln until the returned signal, and gives what it returns on the
+// returned channel.
+func serveOn(t *testing.T, log *slog.Logger, srv *http.Server, ln net.Listener, workers Workers) (context.CancelFunc, <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	served := make(chan error, 1)
+	go func() { served <- serve(ctx, log, srv, ln, workers) }()
+	return cancel, served
+}
+
+// A request whose connection was accepted before the signal, but not yet read, is answered:
+// net/http's Shutdown alone closes such a connection once it reads the request, unanswered,
+// and its client, which sent the request before the signal, reads EOF (as
+// TestGracefulShutdownUnderLoad saw under load).
+func TestARequestAcceptedBeforeTheSignalIsAnswered(t *testing.T) {
+	t.Parallel()
+	gate := make(chan struct{})
+	ln := newGatedListener(t, gate)
+	created := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.WriteHeader(http.StatusCreated)
+	})
+	log, _ := testenv.NewLogger(t)
+	signal, served := serveOn(t, log, NewServer("", created), ln, Workers{})
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "POST /orders HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}"); err != nil {
+		t.Fatal(err)
+	}
+	within(t, ln.accepted, 5*time.Second, "the connection was not accepted")
+	signal()
+	within(t, ln.closed, 5*time.Second, "the listener still accepts after the signal")
+	close(gate) // the server reads the request only now, stopping
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("the request sent before the signal got no answer: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || !resp.Close {
+		t.Fatalf("the request sent before the signal got %d (Connection: close %v), want 201 on a connection that closes", resp.StatusCode, resp.Close)
+	}
+	if err := within(t, served, 5*time.Second, "Serve did not return after the request was answered"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A connection that sends nothing holds the stop no longer than newConnWait: it is closed then,
+// where Shutdown would wait 5 s for its request.
+func TestASilentConnectionDoesNotHoldTheStop(t *testing.T) {
+	t.Parallel()
+	open := make(chan struct{})
+	close(open)
+	ln := newGatedListener(t, open)
+	log, _ := testenv.NewLogger(t)
+	signal, served := serveOn(t, log, NewServer("", http.NotFoundHandler()), ln, Workers{})
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	within(t, ln.accepted, 5*time.Second, "the connection was not accepted")
+	signalled := time.Now()
+	signal()
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+	// The margin is a busy machine's, under -race.
+	if took := time.Since(signalled); took < newConnWait || took > newConnWait+time.Second {
+		t.Fatalf("Serve returned %s after the signal with a silent connection open, want %s (within 1 s more)", took.Round(time.Millisecond), newConnWait)
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := conn.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the silent connection read %d bytes, %v; want it closed", n, err)
+	}
+}
+
+// signalChildEnv makes the test below its own child process: a service run by Main whose drain
+// lasts until its stdin closes.
+const signalChildEnv = "PLATFORM_TEST_SIGNALLED_SERVICE"
+
+// Ctrl-C in scripts/run-local.sh sends SIGINT to the services, and the script's trap SIGTERM a
+// few milliseconds later: the same stop, twice. The service drains and exits 0. A signal repeated
+// repeatSignalDelay after the first kills it at once.
+func TestASecondSignalSoonAfterTheFirstDoesNotCutTheDrain(t *testing.T) {
+	if os.Getenv(signalChildEnv) != "" {
+		Main("order", func(ctx context.Context, _ *Env) error {
+			log := NewLogger(os.Stdout, "order", "text", "info")
+			drain := Worker(func(ctx context.Context) error {
+				<-ctx.Done()
+				_, err := io.Copy(io.Discard, os.Stdin)
+				return err
+			})
+			return Serve(ctx, log, NewServer("127.0.0.1:0", http.NotFoundHandler()), Workers{Intake: []Worker{drain}})
+		})
+		return
+	}
+	t.Parallel()
+	t.Run("within a second", func(t *testing.T) {
+		t.Parallel()
+		c := startSignalChild(t)
+		signalled := time.Now()
+		c.signal(t, os.Interrupt)
+		c.shuttingDown(t)
+		c.signal(t, syscall.SIGTERM)
+		if d := time.Since(signalled); d >= repeatSignalDelay {
+			t.Fatalf("SIGTERM came %s after SIGINT, not within %s: the test proves nothing", d, repeatSignalDelay)
+		}
+		_ = c.stdin.Close() // the drain ends
+		if err := within(t, c.done, 10*time.Second, "the service did not exit"); err != nil {
+			t.Fatalf("the service ended with %v after SIGINT and SIGTERM, want exit status 0\n%s", err, c.out)
+		}
+		if len(c.out.Lines("msg=stopped")) != 1 {
+			t.Fatalf("no stopped line: the drain was cut short\n%s", c.out)
+		}
+	})
+	t.Run("a second later", func(t *testing.T) {
+		t.Parallel()
+		c := startSignalChild(t)
+		signalled := time.Now()
+		c.signal(t, os.Interrupt)
+		c.shuttingDown(t)
+		var err error
+		for deadline := time.Now().Add(HardStop / 2); ; {
+			_ = c.cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case err = <-c.done:
+			case <-time.After(20 * time.Millisecond):
+				if time.Now().Before(deadline) {
+					continue
+				}
+				t.Fatalf("still running %s after SIGINT, and SIGTERM since\n%s", HardStop/2, c.out)
+			}
+			break
+		}
+		took := time.Since(signalled)
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || !exit.Sys().(syscall.WaitStatus).Signaled() || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGTERM {
+			t.Fatalf("the service ended with %v, want killed by SIGTERM\n%s", err, c.out)
+		}
+		if took < repeatSignalDelay {
+			t.Fatalf("killed %s after the first signal, want no sooner than %s", took.Round(time.Millisecond), repeatSignalDelay)
+		}
+	})
+}
+
+// signalChild is the test binary run as the service of signalChildEnv.
+type signalChild struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	out   *testenv.Logs
+	done  chan error
+}
+
+func startSignalChild(t *testing.T) *signalChild {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), HardStop+20*time.Second)
+	t.Cleanup(cancel)
+	c := &signalChild{out: &testenv.Logs{}, done: make(chan error, 1)}
+	c.cmd = exec.CommandContext(ctx, os.Args[0], "-test.run=^TestASecondSignalSoonAfterTheFirstDoesNotCutTheDrain$")
+	c.cmd.Env = append(os.Environ(), signalChildEnv+"=1")
+	c.cmd.Stdout, c.cmd.Stderr = c.out, c.out
+	var err error
+	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { c.done <- c.cmd.Wait() }()
+	t.Cleanup(func() { _ = c.stdin.Close() })
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(c.out.Lines("msg=listening")) == 1 }, "the service does not listen\n%s", c.out)
+	return c
+}
+
+func (c *signalChild) signal(t *testing.T, sig os.Signal) {
+	t.Helper()
+	if err := c.cmd.Process.Signal(sig); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// shuttingDown waits until the service says it is stopping: the first signal has arrived.
+func (c *signalChild) shuttingDown(t *testing.T) {
+	t.Helper()
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(c.out.Lines(`msg="shutting down"`)) == 1 }, "the service is not stopping\n%s", c.out)
 }

@@ -2,9 +2,13 @@ package platform
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -39,6 +43,7 @@ func readOTLPEndpoint(env *Env) string {
 	if v == "" {
 		return ""
 	}
+	checkOTLPOptions(env)
 	if AtAfterHost(v) {
 		env.fail(OTLPEndpointVariable, "%s", AtAfterHostProblem)
 		return ""
@@ -53,6 +58,70 @@ func readOTLPEndpoint(env *Env) string {
 	env.Check(err != nil || (u.RawQuery == "" && !u.ForceQuery), OTLPEndpointVariable,
 		"must not have a query, which the exporter does not send: give a token as a header in OTEL_EXPORTER_OTLP_HEADERS")
 	return v
+}
+
+// checkOTLPOptions checks the exporter's own variables that it ignores when they are bad,
+// starting without them, with at most a line on stderr in a format of its own: a timeout not
+// in whole milliseconds, as the specification has it (5s is not one), a compression other than
+// gzip or none (it takes any other, GZIP too, for none without a word), a TLS file it cannot
+// read or parse, a client certificate without its key (not a word either). The exporter reads
+// them (deploy's libraryVars); this only checks them.
+func checkOTLPOptions(env *Env) {
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"} {
+		if v := env.String(name, ""); v != "" {
+			ms, err := strconv.Atoi(v)
+			env.Check(err == nil && ms >= 0, name, "must be a whole number of milliseconds (10000 for 10 s)")
+		}
+	}
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"} {
+		if v := env.String(name, ""); v != "" {
+			env.Check(v == "gzip" || v == "none", name, "must be gzip or none")
+		}
+	}
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"} {
+		if v := env.String(name, ""); v != "" {
+			pem, err := os.ReadFile(v)
+			if err != nil {
+				env.fail(name, "%v", err)
+			} else {
+				env.Check(x509.NewCertPool().AppendCertsFromPEM(pem), name, "must be a file of PEM certificates")
+			}
+		}
+	}
+	for _, pair := range [][2]string{
+		{"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_KEY"},
+		{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY"},
+	} {
+		checkClientCertificate(env, pair[0], pair[1])
+	}
+}
+
+// checkClientCertificate checks that the variables certName and keyName are set together, to
+// files that hold a certificate and its private key.
+func checkClientCertificate(env *Env, certName, keyName string) {
+	certFile, keyFile := env.String(certName, ""), env.String(keyName, "")
+	if certFile == "" && keyFile == "" {
+		return
+	}
+	if certFile == "" || keyFile == "" {
+		env.fail(certName+", "+keyName, "must be set together")
+		return
+	}
+	cert, certErr := os.ReadFile(certFile)
+	if certErr != nil {
+		env.fail(certName, "%v", certErr)
+	}
+	key, keyErr := os.ReadFile(keyFile)
+	if keyErr != nil {
+		env.fail(keyName, "%v", keyErr)
+	}
+	if certErr != nil || keyErr != nil {
+		return
+	}
+	// Its error names no secret: a key's bytes are never quoted.
+	if _, err := tls.X509KeyPair(cert, key); err != nil {
+		env.fail(certName+", "+keyName, "%v", err)
+	}
 }
 
 // checkResourceAttributes checks OTEL_RESOURCE_ATTRIBUTES, which the tracer provider's

@@ -3,13 +3,24 @@ package platform
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"io"
 	"log/slog"
+	"maps"
+	"math/big"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
@@ -175,4 +186,78 @@ func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
 		}
 		stopTracing(log, tp)
 	}
+}
+
+// The exporter's own variables that it would ignore when bad, starting without them, stop the
+// service at start instead, with an error naming the variable: a timeout not in whole
+// milliseconds, a compression other than gzip or none, a TLS file it cannot read or parse, a
+// client certificate without its key. They are checked only with an endpoint: without one,
+// the exporter does not read them.
+func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	cert, key := writeCertificate(t, dir)
+	missing := filepath.Join(dir, "missing.pem")
+	for _, tc := range []struct {
+		vars map[string]string
+		want string // "" for taken
+	}{
+		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "5s"}, "OTEL_EXPORTER_OTLP_TIMEOUT: must be a whole number of milliseconds"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT: must be a whole number of milliseconds"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "none"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP"}, "OTEL_EXPORTER_OTLP_COMPRESSION: must be gzip or none"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "zstd"}, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION: must be gzip or none"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_CERTIFICATE": cert, "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": cert}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_CERTIFICATE": missing}, "OTEL_EXPORTER_OTLP_CERTIFICATE: open " + missing},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": key}, "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE: must be a file of PEM certificates"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": cert, "OTEL_EXPORTER_OTLP_CLIENT_KEY": key}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": cert}, "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE, OTEL_EXPORTER_OTLP_CLIENT_KEY: must be set together"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": cert, "OTEL_EXPORTER_OTLP_CLIENT_KEY": missing}, "OTEL_EXPORTER_OTLP_CLIENT_KEY: open " + missing},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": key}, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE, OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: must be set together"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": key, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": cert}, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE, OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: tls: "},
+	} {
+		vars := map[string]string{OTLPEndpointVariable: "https://collector:4318"}
+		maps.Copy(vars, tc.vars)
+		env := EnvFrom(vars)
+		readOTLPEndpoint(env)
+		switch err := env.Err(); {
+		case tc.want == "" && err != nil:
+			t.Errorf("%v: %v, want them taken", tc.vars, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%v: %v, want %q", tc.vars, err, tc.want)
+		}
+		env = EnvFrom(tc.vars)
+		readOTLPEndpoint(env)
+		if err := env.Err(); err != nil {
+			t.Errorf("%v without %s: %v, want them unread", tc.vars, OTLPEndpointVariable, err)
+		}
+	}
+}
+
+// writeCertificate writes a self-signed certificate and its key, PEM-encoded, into dir, and
+// returns their paths.
+func writeCertificate(t *testing.T, dir string) (cert, key string) {
+	t.Helper()
+	priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "collector"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &priv.PublicKey, priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, key = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
+	for path, block := range map[string]*pem.Block{cert: {Type: "CERTIFICATE", Bytes: der}, key: {Type: "PRIVATE KEY", Bytes: keyDER}} {
+		if err := os.WriteFile(path, pem.EncodeToMemory(block), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return cert, key
 }
