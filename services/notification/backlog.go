@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -29,13 +30,17 @@ const backlogTimeout = 2 * time.Second
 // backlogCollector exports, at each scrape, how many notifications wait to be sent and the age
 // of the oldest: a sender that stopped sending without failing (stuck, or not running) shows
 // there, where notification_deliveries_total only stops rising. A scrape whose query fails
-// leaves both out and logs why; the service's readiness says the database is away. It reads
-// over the background pool (PoolsOf counts a connection for it), which no delivery or message
-// can take; overlapping scrapes share one query.
+// leaves both out and counts the failure in notification_backlog_errors_total, as the library's
+// outbox_stats_errors_total does, so that an alert sees the gauges go blind; the log says why,
+// once an outage (every scrape would repeat it). It reads over the background pool (PoolsOf
+// counts a connection for it), which no delivery or message can take; overlapping scrapes
+// share one query.
 type backlogCollector struct {
 	db              messaging.DB
 	log             *slog.Logger
 	pending, oldest *prometheus.Desc
+	errors          prometheus.Counter
+	failing         outage
 	reading         singleflight.Group
 }
 
@@ -45,27 +50,49 @@ func newBacklogCollector(db messaging.DB, log *slog.Logger) *backlogCollector {
 		pending: prometheus.NewDesc("notification_pending",
 			fmt.Sprintf("Notifications not sent yet, due or waiting for a retry (counted up to %d).", backlogCountCap), nil, nil),
 		oldest: prometheus.NewDesc("notification_oldest_pending_age_seconds", "Age of the oldest notification not sent yet; 0 when none waits.", nil, nil),
+		errors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "notification_backlog_errors_total",
+			Help: "Backlog queries that failed or timed out; the scrapes they served have no notification_pending or notification_oldest_pending_age_seconds.",
+		}),
+		failing: outage{
+			failed:    "notification backlog query failed; the scrapes go without the notification gauges",
+			recovered: "notification backlog query works again",
+			level:     slog.LevelWarn,
+		},
 	}
 }
 
 func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.pending
 	ch <- c.oldest
+	c.errors.Describe(ch)
 }
 
+// Collect sends the gauges if the query works, and the error counter after it, so a scrape
+// counts its own failure.
 func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
-	v, err, _ := c.reading.Do("backlog", func() (any, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		defer cancel()
-		return readBacklog(ctx, c.db, backlogCountCap)
-	})
-	if err != nil {
-		c.log.Warn("could not read the notification backlog; its gauges are left out of this scrape", "error", err)
-		return
+	v, err, _ := c.reading.Do("backlog", func() (any, error) { return c.read() })
+	if err == nil {
+		b := v.(backlog)
+		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.pending))
+		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, b.age)
 	}
-	b := v.(backlog)
-	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.pending))
-	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, b.age)
+	c.errors.Collect(ch)
+}
+
+// read runs the backlog query once for the scrapes that share it, counting and logging its
+// failure there, once for all of them.
+func (c *backlogCollector) read() (backlog, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
+	defer cancel()
+	b, err := readBacklog(ctx, c.db, backlogCountCap)
+	if err != nil {
+		c.errors.Inc()
+		c.failing.fail(c.log, err)
+		return b, err
+	}
+	c.failing.ok(c.log)
+	return b, nil
 }
 
 // registerBacklog exports the backlog gauges on reg.
@@ -93,10 +120,16 @@ func readBacklog(ctx context.Context, db messaging.DB, countCap int64) (backlog,
 	}
 	defer rows.Close()
 	if !rows.Next() {
-		return b, fmt.Errorf("read the notification backlog: no row: %w", rows.Err())
+		if err := rows.Err(); err != nil {
+			return b, fmt.Errorf("read the notification backlog: %w", err)
+		}
+		return b, errors.New("read the notification backlog: no row")
 	}
 	if err := rows.Scan(&b.pending, &b.age); err != nil {
 		return b, fmt.Errorf("read the notification backlog: %w", err)
 	}
-	return b, rows.Err()
+	if err := rows.Err(); err != nil {
+		return b, fmt.Errorf("read the notification backlog: %w", err)
+	}
+	return b, nil
 }

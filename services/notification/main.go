@@ -66,16 +66,6 @@ func run(ctx context.Context, env *platform.Env) error {
 		deliverer = mailer
 	}
 	send := newSender(base.Sender, deliverer, concurrency, maxBackoff, log)
-	sending := send.Run
-	if mailer != nil {
-		// Closed when the sender is told to stop, by the signal or by another part's failure:
-		// a delivery still waiting for a connection then is not started (begun in the grace, it
-		// would be cut off at its end, maybe after the server took the message).
-		sending = func(ctx context.Context) error {
-			mailer.closeOnShutdown(ctx)
-			return send.Run(ctx)
-		}
-	}
 	if err := send.registerMetrics(base.Registry); err != nil {
 		return err
 	}
@@ -91,5 +81,19 @@ func run(ctx context.Context, env *platform.Env) error {
 		return err
 	}
 	return platform.ServeConsumer[Notification](ctx, base, log, common.HTTPAddr, "/notifications", sub, settings,
-		platform.Workers{Others: []platform.Worker{sending}})
+		platform.Workers{Others: []platform.Worker{sending(send, mailer)}})
+}
+
+// sending is the sender's worker: its Run, and, when the e-mails go to a mail server (mailer
+// not nil), mailer closed when Run is told to stop, by the signal or by another part's failure:
+// a delivery still waiting for a connection then is not started (begun in the grace, it would
+// be cut off at its end, maybe after the server took the message).
+func sending(send *sender, mailer *smtpDeliverer) platform.Worker {
+	if mailer == nil {
+		return send.Run
+	}
+	return func(ctx context.Context) error {
+		mailer.closeOnShutdown(ctx)
+		return send.Run(ctx)
+	}
 }

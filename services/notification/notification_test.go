@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"net/mail"
@@ -26,6 +27,7 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/messagingtest"
 )
 
@@ -730,5 +732,68 @@ FROM generate_series(1, ? + 10) AS i`, countCap+1).Error; err != nil {
 	if b.pending != countCap || b.age < 60 || b.age >= 3600 {
 		t.Fatalf("backlog of %d pending notifications: %d pending, the oldest %v s old; want the cap, %d, and 60 s to an hour",
 			countCap+1, b.pending, b.age, countCap)
+	}
+}
+
+// A scrape whose backlog query fails (here on a closed pool) goes without the backlog gauges
+// and counts the failure in notification_backlog_errors_total, so that an alert sees them gone
+// blind. The failure is logged once however many scrapes fail (at Debug after the first), and
+// the query working again once.
+func TestBacklogQueryFailureIsCountedAndLoggedOnce(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1)
+	d := testenv.NewDatabase(t)
+	d.Migrate(t, platform.Migrations(migrations, "migrations", "notification_schema"))
+	pool := testenv.OpenPool(t, d.URL, 1)
+	closed, err := gormdriver.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sqlDB, err := pool.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sqlDB.Close(); err != nil {
+		t.Fatal(err)
+	}
+	log, logs := testenv.NewLogger(t)
+	c := newBacklogCollector(closed.DB(), log)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(c)
+	// scrape returns the names of the series a scrape has, and the error counter's value.
+	scrape := func() (names []string, errs float64) {
+		t.Helper()
+		families, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range families {
+			names = append(names, f.GetName())
+			if f.GetName() == "notification_backlog_errors_total" {
+				errs = f.GetMetric()[0].GetCounter().GetValue()
+			}
+		}
+		return names, errs
+	}
+	failed := func(level string) int {
+		return len(logs.Lines("level="+level, `msg="notification backlog query failed; the scrapes go without the notification gauges"`))
+	}
+	const scrapes = 3
+	for i := 1; i <= scrapes; i++ {
+		names, errs := scrape()
+		if slices.Contains(names, "notification_pending") || slices.Contains(names, "notification_oldest_pending_age_seconds") || errs != float64(i) {
+			t.Fatalf("scrape %d on a closed pool: %v, notification_backlog_errors_total %v; want no backlog gauges, and %d failures counted", i, names, errs, i)
+		}
+	}
+	if warned, debug := failed("WARN"), failed("DEBUG"); warned != 1 || debug != scrapes-1 {
+		t.Fatalf("%d failed scrapes logged %d lines at WARN, %d at DEBUG; want 1 and %d", scrapes, warned, debug, scrapes-1)
+	}
+	c.db = d.Driver(t).DB()
+	names, errs := scrape()
+	if !slices.Contains(names, "notification_pending") || !slices.Contains(names, "notification_oldest_pending_age_seconds") || errs != scrapes {
+		t.Fatalf("scrape on a working pool: %v, notification_backlog_errors_total %v; want the backlog gauges, and %d failures counted", names, errs, scrapes)
+	}
+	if r := logs.Lines("level=INFO", `msg="notification backlog query works again"`, fmt.Sprintf("failures=%d", scrapes)); len(r) != 1 {
+		t.Fatalf("recovery lines %q, want one, with the %d failures", r, scrapes)
 	}
 }

@@ -134,6 +134,9 @@ type sender struct {
 	wake   chan struct{}
 	tracer trace.Tracer
 	line   line
+	// leasing logs Run's failed leases once an outage: it polls every second while the
+	// database is away.
+	leasing outage
 	// outcomes counts the deliveries tried, by outcome (see registerMetrics); nil counts none.
 	outcomes *prometheus.CounterVec
 }
@@ -175,15 +178,16 @@ func (s *sender) count(sent bool) {
 }
 
 // The budgets keep a clean shutdown within 10 s: a delivery in progress gets the grace, then
-// recording its outcome gets its own budget (mark), even while the database is away. The grace
-// is no shorter than mark, or a sent e-mail's recording could outlast its lease (leaseFor).
+// recording its outcome gets its own budget (mark), even while the database is away. The lease
+// outlasts a sent e-mail's recording by the grace (leaseFor).
 func newSender(db *gorm.DB, d Deliverer, concurrency int, maxBackoff time.Duration, log *slog.Logger) *sender {
 	s := &sender{
 		db: db, deliverer: d, concurrency: concurrency,
 		poll: time.Second, deliver: 30 * time.Second, mark: 4 * time.Second, grace: 4 * time.Second,
 		backoff: messaging.Backoff{Base: 2 * time.Second, Max: maxBackoff},
 		log:     log.With("component", "sender"), wake: make(chan struct{}, 1),
-		tracer: otel.Tracer("github.com/outboxkit/outbox-inbox/services/notification"),
+		tracer:  otel.Tracer("github.com/outboxkit/outbox-inbox/services/notification"),
+		leasing: outage{failed: "leasing notifications failed", recovered: "leasing notifications works again", level: slog.LevelError},
 	}
 	s.line.flush = s.flush
 	return s
@@ -237,7 +241,9 @@ func (s *sender) Run(ctx context.Context) error {
 			return nil
 		}
 		if err != nil {
-			s.log.Error("leasing notifications failed", "error", err)
+			s.leasing.fail(s.log, err)
+		} else {
+			s.leasing.ok(s.log)
 		}
 		if len(rows) < free && !s.idle(ctx) {
 			return nil
@@ -297,16 +303,18 @@ type pendingRow struct {
 	LeasedUntil time.Time // the database's clock: the lease's fence
 	TraceParent string
 	TraceState  string
-	// leasedAt is this process's clock once the lease was taken, no earlier than the database
-	// took it: the delivery's budget counts from there, so the lease covers it however long
-	// the notification waited.
+	// leasedAt is this process's clock when the lease was asked for, no later than the database
+	// took it: the delivery's budget and a sent mark's (recordBy) count from there, so they end
+	// a grace before the lease however long the notification waited, and however long the
+	// lease's transaction took to answer. Read after the commit, it could come a transaction's
+	// budget after the lease, and a mark could then wait until the lease's very end.
 	leasedAt time.Time
 }
 
 // leaseFor is how long a notification is kept from other senders: its delivery and recording
-// its outcome (a delivery never outlasts its own budget, even in a shutdown), and the grace,
-// which must be mark at least: leasedAt, from which both count (recordBy), may come up to one
-// transaction's budget (mark) after the database took the lease.
+// its outcome (a delivery never outlasts its own budget, even in a shutdown), both counted from
+// leasedAt, before the lease; and the grace, the margin by which the lease outlasts them, so that
+// a mark answered at its deadline (or by a clock a little ahead) still finds the lease its own.
 func (s *sender) leaseFor() time.Duration { return s.deliver + s.mark + s.grace }
 
 // lease leases up to limit due notifications, oldest first, in the next transaction free to
@@ -314,15 +322,16 @@ func (s *sender) leaseFor() time.Duration { return s.deliver + s.mark + s.grace 
 // by its own budget: a lease taken and never reported would keep its notification waiting for
 // nothing.
 func (s *sender) lease(limit int) ([]pendingRow, error) {
-	r := &leaseRequest{limit: limit, deadline: time.Now().Add(s.mark), done: make(chan leaseResult, 1)}
+	// Read before the request, so never after the database took the lease (see leasedAt).
+	asked := time.Now()
+	r := &leaseRequest{limit: limit, deadline: asked.Add(s.mark), done: make(chan leaseResult, 1)}
 	s.line.add(nil, r)
 	res := <-r.done
 	if res.err != nil {
 		return nil, fmt.Errorf("lease pending notifications: %w", res.err)
 	}
-	now := time.Now()
 	for i := range res.rows {
-		res.rows[i].leasedAt = now
+		res.rows[i].leasedAt = asked
 	}
 	return res.rows, nil
 }
@@ -444,8 +453,8 @@ func (s *sender) record(o *deliveryOutcome) (changed bool, err error) {
 }
 
 // recordBy is when recording o, asked for at now, gives up: one recording budget from now, or,
-// for an e-mail that went out, from the end of its delivery's budget if that is later. The
-// lease covers that only while grace >= mark (see newSender).
+// for an e-mail that went out, from the end of its delivery's budget if that is later: a grace
+// before its lease ends (leasedAt).
 func (s *sender) recordBy(o *deliveryOutcome, now time.Time) time.Time {
 	deadline := now.Add(s.mark)
 	if lease := o.row.leasedAt.Add(s.deliver + s.mark); o.sent && lease.After(deadline) {

@@ -540,6 +540,50 @@ func TestMarkIsRetriedWhileTheDatabaseIsAway(t *testing.T) {
 	}
 }
 
+// While the database is away, Run's lease fails at every poll (once a second in production):
+// the failure is logged as an error once, at the outage's start, the polls after it at Debug,
+// and the outage's end once, with how long it lasted.
+func TestLeaseFailuresAreLoggedOnceAnOutage(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	adm := admin(t)
+	allow := func(on bool) {
+		t.Helper()
+		if err := adm.Exec(fmt.Sprintf("ALTER DATABASE %s ALLOW_CONNECTIONS %v", e.db.Name, on)).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { _ = adm.Exec("ALTER DATABASE " + e.db.Name + " ALLOW_CONNECTIONS true").Error })
+	s := e.sender(t, "sender-a", e.mailer(t))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := runSender(ctx, t, s)
+	sessions := `SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND application_name = 'sender-a'`
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.Count(t, adm, sessions, e.db.Name) > 0 },
+		"the sender never connected")
+	allow(false)
+	testenv.Count(t, adm, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = ? AND application_name = 'sender-a'`, e.db.Name)
+	failed := func(level string) int { return len(e.logs.Lines(level, `msg="leasing notifications failed"`)) }
+	const polls = 6
+	testenv.Eventually(t, 10*time.Second, func() bool { return failed("") >= polls },
+		"fewer than %d polls failed while the database was away", polls)
+	if n, all := failed("level=ERROR"), failed(""); n != 1 {
+		t.Errorf("%d ERROR lines for the %d failed leases of one outage, want 1 (the rest at DEBUG)", n, all)
+	}
+	allow(true)
+	recovered := func() []string { return e.logs.Lines(`msg="leasing notifications works again"`) }
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(recovered()) > 0 }, "the recovery was not logged")
+	cancel()
+	returned()
+	if n, all := failed("level=DEBUG"), failed(""); n != all-1 {
+		t.Errorf("%d DEBUG lines for the %d failed leases of one outage, want all but the first", n, all)
+	}
+	if r := recovered(); len(r) != 1 || !strings.Contains(r[0], "level=INFO") || !strings.Contains(r[0], "outage=") ||
+		!strings.Contains(r[0], fmt.Sprintf("failures=%d", failed(""))) {
+		t.Errorf("recovery lines %q, want one at INFO with the outage's length and its %d failures", r, failed(""))
+	}
+}
+
 // Shutdown while the database is away, or hangs (the row stays locked): recording gives up
 // within the grace and one recording budget, however long the lease would let it wait, so the
 // process stops in time. The notification stays pending under its lease.
@@ -950,11 +994,11 @@ func TestShutdownBeginsNoConversationInTheGrace(t *testing.T) {
 	defer cancel()
 	m := newSMTPDeliverer(e.smtp.Addr, "orders@shop.example", 1)
 	t.Cleanup(m.Close)
-	m.closeOnShutdown(ctx)
 	s := e.sender(t, "sender-a", m)
 	s.concurrency = notifications
 	s.deliver, s.grace = 10*time.Second, 1500*time.Millisecond
-	returned := runSender(ctx, t, s)
+	// The worker main runs, which closes the mailer at the shutdown.
+	returned := runWorker(ctx, t, s, sending(s, m))
 	// The relay took the first message and is slow to say so; the others wait for the connection.
 	testenv.Eventually(t, 15*time.Second, func() bool { return len(e.smtp.Mail()) == 1 }, "no delivery began")
 	cancel()
@@ -985,8 +1029,13 @@ func TestShutdownBeginsNoConversationInTheGrace(t *testing.T) {
 // runSender runs s until ctx ends. The returned function, called once ctx has ended, waits for
 // Run to return nil: within the grace and one recording budget, with 5 s to spare.
 func runSender(ctx context.Context, t *testing.T, s *sender) (returned func()) {
+	return runWorker(ctx, t, s, s.Run)
+}
+
+// runWorker is runSender running s by the worker run.
+func runWorker(ctx context.Context, t *testing.T, s *sender, run platform.Worker) (returned func()) {
 	ran := make(chan error, 1)
-	go func() { ran <- s.Run(ctx) }()
+	go func() { ran <- run(ctx) }()
 	return func() {
 		t.Helper()
 		select {
@@ -1492,9 +1541,9 @@ func TestNotificationIsSentAfterAnyNumberOfFailedAttempts(t *testing.T) {
 }
 
 // A lease runs its whole length from when it is taken, however long the transaction that takes
-// it ran before (recording outcomes that waited for a lock): the delivery's budget counts from
-// the lease's commit, and a lease that counted from the transaction's start would end that much
-// sooner, letting another sender take a notification whose delivery is still under way.
+// it ran before (recording outcomes that waited for a lock): the statement reads the clock as it
+// leases each row (clock_timestamp()), where now(), the transaction's start, would end the lease
+// that much sooner.
 func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 	t.Parallel()
 	e := newSenderEnv(t)
@@ -1576,18 +1625,45 @@ func TestLeaseRunsItsWholeLengthFromItsTaking(t *testing.T) {
 }
 
 // A sent e-mail's mark may wait until its delivery's budget and a recording's have passed since
-// leasedAt, which may come a whole transaction's budget (mark) after the database took the
-// lease: the lease, as the sender is configured, lasts at least that long, or another sender
-// could take the notification while its mark still waits, and e-mail it again.
-func TestSentMarkWaitsNoLongerThanItsLease(t *testing.T) {
+// leasedAt: that ends a grace before the lease, however long the lease's transaction took to
+// answer after the database took the lease (here held inside its update, past the lease's
+// clock_timestamp(), until the test sees it wait). Ending at the lease's very end, a mark
+// answered late, or by a clock a little ahead, finds the notification taken by another sender,
+// which e-mails it again.
+func TestSentMarkEndsAGraceBeforeItsLease(t *testing.T) {
 	t.Parallel()
-	s := newSender(nil, nil, DefaultConcurrency, time.Minute, slog.New(slog.DiscardHandler))
-	took := time.Now() // the lease statement, first in its transaction
-	row := pendingRow{LeasedUntil: took.Add(s.leaseFor()), leasedAt: took.Add(s.mark)}
+	e := newSenderEnv(t)
+	id := e.pending(t)
+	release := e.holdLeases(t)
+	s := e.sender(t, "sender-a", e.mailer(t))
+	s.mark = 10 * time.Second // the lease's transaction is seen through, not cut short
+	type answer struct {
+		rows []pendingRow
+		err  error
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		rows, err := s.lease(1)
+		answered <- answer{rows, err}
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return len(e.lockWaits(t, "sender-a")) == 1 },
+		"the lease did not reach its update")
+	release()
+	var a answer
+	select {
+	case a = <-answered:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the lease request was never answered")
+	}
+	if a.err != nil || len(a.rows) != 1 || a.rows[0].ID != id {
+		t.Fatalf("lease = %+v, %v; want the notification %s", a.rows, a.err, id)
+	}
+	row := a.rows[0]
 	delivered := row.leasedAt.Add(s.deliver) // the delivery used its whole budget
-	if by := s.recordBy(&deliveryOutcome{row: row, sent: true}, delivered); by.After(row.LeasedUntil) {
-		t.Fatalf("a sent mark may wait %v past its lease (deliver %v, mark %v, grace %v); want it over by the lease's end",
-			by.Sub(row.LeasedUntil), s.deliver, s.mark, s.grace)
+	by := s.recordBy(&deliveryOutcome{row: row, sent: true}, delivered)
+	if margin := row.LeasedUntil.Sub(by); margin < s.grace {
+		t.Fatalf("a sent mark may wait until %v before its lease ends (deliver %v, mark %v, grace %v); want the grace at least",
+			margin, s.deliver, s.mark, s.grace)
 	}
 }
 
