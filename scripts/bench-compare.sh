@@ -14,10 +14,11 @@ phases=${2:-.}
 alone scripts/bench-compare.sh
 # The broker compose ships, whatever SIDROOT_SUITE a shell holds for the tests.
 export SIDROOT_SUITE=sid
+work=$(mktemp -d)
+# Set before the start: a start that fails half-way may leave its node running.
+trap 'scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
-work=$(mktemp -d)
-trap 'scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 scripts/sidroot.sh compose
 git worktree add --detach "$work/src" "$rev" >/dev/null
 mkdir "$work/bin"

@@ -14,9 +14,10 @@ cd "$(dirname "$0")/.."
 alone scripts/bench.sh
 # The broker compose ships, whatever SIDROOT_SUITE a shell holds for the tests.
 export SIDROOT_SUITE=sid
+# Set before the start: a start that fails half-way may leave its node running.
+trap 'scripts/sidroot.sh stop' EXIT
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
-trap 'scripts/sidroot.sh stop' EXIT
 scripts/sidroot.sh compose
 BENCH=1 go test -count=1 -run "^TestPerformance\$/${BENCH_PHASES:-.}" -v -timeout 60m ./bench/ 2>&1 |
   { grep -vE '^ *(=== RUN|--- PASS|PASS$|ok )' || true; }

@@ -135,7 +135,7 @@ start() {
   fi
   # A fresh data directory each time: no queue, vhost or user left over from an earlier run.
   rm -rf "$root/var/lib/rabbitmq/mnesia" "$root/var/log/rabbitmq"/*
-  in_root rabbitmq-server -detached
+  in_root rabbitmq-server -detached >&2 # to stderr: callers eval what start prints
   for _ in $(seq 60); do
     if ctl -q await_startup --timeout 5 >/dev/null 2>&1; then
       env_lines

@@ -323,15 +323,16 @@ func (s *Service) Start(t *testing.T) {
 	}, "%s not ready", s.Name)
 }
 
-// Stop sends SIGTERM and requires a clean exit within 10 s, what every service promises
+// Stop sends SIGTERM and requires a graceful exit within 10 s, what every service promises
 // (platform.HardStop). It returns how long the exit took.
 func (s *Service) Stop(t *testing.T) time.Duration {
 	t.Helper()
 	return s.Terminate(t)()
 }
 
-// Terminate sends SIGTERM and returns at once; wait requires a clean exit within 10 s of the
-// signal and returns how long the exit took.
+// Terminate sends SIGTERM and returns at once; wait requires a graceful exit within 10 s of
+// the signal, and returns how long the exit took. Graceful is status 0 and, where the test
+// keeps the service's logs, none of the notGraceful lines logged since the signal.
 func (s *Service) Terminate(t *testing.T) (wait func() time.Duration) {
 	t.Helper()
 	select {
@@ -347,17 +348,24 @@ func (s *Service) Terminate(t *testing.T) (wait func() time.Duration) {
 	// The count dies with the process: keep it. (Work during the shutdown itself still shows
 	// in the log lines Tally also reads.)
 	s.keepAlreadyDone(t)
+	// The logs hold every run's lines: only this stop's count.
+	logged := len(s.Logs.String())
 	start := time.Now()
 	_ = s.cmd.Process.Signal(syscall.SIGTERM)
-	return func() time.Duration { return s.waitExit(t, start) }
+	return func() time.Duration { return s.waitExit(t, start, logged) }
 }
 
-func (s *Service) waitExit(t *testing.T, start time.Time) time.Duration {
+// waitExit waits for the exit that a SIGTERM sent at start asked for; logged is how much of
+// the logs was written before the signal.
+func (s *Service) waitExit(t *testing.T, start time.Time, logged int) time.Duration {
 	t.Helper()
 	select {
 	case <-s.done:
 		if s.err != nil {
 			t.Errorf("%s exited with %v after SIGTERM", s.Name, s.err)
+		}
+		if !s.discardLogs {
+			checkGraceful(t, s.Name, s.Logs.String()[logged:])
 		}
 	case <-time.After(10 * time.Second):
 		_ = s.cmd.Process.Kill()
@@ -365,6 +373,32 @@ func (s *Service) waitExit(t *testing.T, start time.Time) time.Duration {
 		t.Errorf("%s did not exit within 10 s of SIGTERM", s.Name)
 	}
 	return time.Since(start)
+}
+
+// notGraceful are the lines a service logs when its stop abandoned work: the hard stop's, whose
+// exit status is 0 all the same, and the HTTP shutdown deadline's, which cut requests off.
+var notGraceful = []string{
+	"still stopping after the signal; abandoning what is in flight",
+	"HTTP requests still running at the shutdown deadline were cut off",
+}
+
+// logTail is how many of a service's last log lines a failed stop shows.
+const logTail = 30
+
+// checkGraceful fails t if logs, a service's lines since its SIGTERM, hold a notGraceful line,
+// and shows their last lines: what was still running when the service gave up on it.
+func checkGraceful(t testing.TB, name, logs string) {
+	t.Helper()
+	lines := strings.Split(strings.TrimRight(logs, "\n"), "\n")
+	for _, line := range lines {
+		for _, bad := range notGraceful {
+			if strings.Contains(line, bad) {
+				t.Errorf("%s did not stop gracefully after SIGTERM: it logged\n%s\nits last log lines:\n%s",
+					name, line, strings.Join(lines[max(0, len(lines)-logTail):], "\n"))
+				return
+			}
+		}
+	}
 }
 
 // FreeAddr returns a loopback address nothing listens on at the moment.

@@ -1,9 +1,11 @@
 // Command testreport reads `go test -json` on standard input and makes its skips visible: it
 // prints each package's result line as go test would, the output of every failed test, and
 // every skipped test with its reason. It fails when a test failed, when a test skipped for a
-// reason that -allow does not match, or when fewer tests ran than -want. With -skipped FILE it
-// also writes, for the skips whose reason matches -collect, one line per package: the package,
-// then a -run pattern of those tests (scripts/test.sh runs them in a later phase).
+// reason that is not, word for word, one of the -allow flags' (a reason that merely mentions
+// one is a skip nobody allowed), or when fewer tests ran than -want. With -skipped FILE it also
+// appends to FILE, for the skips whose reason is one of the -collect flags', one line per
+// package: the package, then a -run pattern of those tests (scripts/test.sh runs them in a
+// later phase; several phases may collect into one FILE).
 package main
 
 import (
@@ -30,9 +32,10 @@ type event struct {
 type test struct{ pkg, name string }
 
 func main() {
-	allow := flag.String("allow", "", "regexp a skip's reason must match (empty: no skip is allowed)")
-	collect := flag.String("collect", "", "regexp of skip reasons whose tests -skipped lists")
-	skipped := flag.String("skipped", "", "file to write the collected skipped tests to")
+	var allow, collect reasons
+	flag.Var(&allow, "allow", "a skip reason allowed, exactly (repeatable; none: no skip is allowed)")
+	flag.Var(&collect, "collect", "a skip reason, exactly, whose tests -skipped lists (repeatable)")
+	skipped := flag.String("skipped", "", "file to append the collected skipped tests to")
 	want := flag.Int("want", 0, "fail unless at least this many top-level tests ran (subtests do not count)")
 	flag.Parse()
 	r, err := read(os.Stdin)
@@ -40,9 +43,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, "testreport:", err)
 		os.Exit(2)
 	}
-	ok := r.report(os.Stdout, *allow, *want)
+	ok := r.report(os.Stdout, allow, *want)
 	if *skipped != "" {
-		if err := os.WriteFile(*skipped, []byte(r.collect(*collect)), 0o644); err != nil {
+		if err := appendFile(*skipped, r.collect(collect)); err != nil {
 			fmt.Fprintln(os.Stderr, "testreport:", err)
 			os.Exit(2)
 		}
@@ -50,6 +53,29 @@ func main() {
 	if !ok {
 		os.Exit(1)
 	}
+}
+
+// reasons are skip reasons, each given in full by a flag of its own.
+type reasons []string
+
+func (rs *reasons) String() string { return strings.Join(*rs, "; ") }
+
+func (rs *reasons) Set(v string) error {
+	*rs = append(*rs, v)
+	return nil
+}
+
+// appendFile appends s to the file at path, which it creates if need be.
+func appendFile(path, s string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(s)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // run is what a `go test -json` stream told.
@@ -118,8 +144,7 @@ func (r *run) crash(w io.Writer, pkg string) {
 }
 
 // report prints the results and tells whether they pass.
-func (r *run) report(w io.Writer, allow string, want int) bool {
-	allowed := regexp.MustCompile(allow)
+func (r *run) report(w io.Writer, allowed reasons, want int) bool {
 	ok := true
 	passed, failed := 0, 0
 	ran := 0 // top-level tests that ran or skipped for an allowed reason, for -want
@@ -167,7 +192,7 @@ func (r *run) report(w io.Writer, allow string, want int) bool {
 		case "skip":
 			reason := r.reason(k)
 			skips = append(skips, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
-			if allow == "" || !allowed.MatchString(reason) {
+			if !slices.Contains(allowed, reason) {
 				bad = append(bad, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
 			} else if topLevel {
 				ran++ // accounted for: it skipped for a reason the run allows
@@ -206,12 +231,12 @@ func (r *run) reason(k test) string {
 	return reason
 }
 
-// collect lists, per package, the tests whose skip reason matches pattern, as a -run pattern.
-func (r *run) collect(pattern string) string {
-	re := regexp.MustCompile(pattern)
+// collect lists, per package, the top-level tests whose skip reason is one of these, as a -run
+// pattern.
+func (r *run) collect(these reasons) string {
 	byPkg := map[string][]string{}
 	for _, k := range r.order {
-		if k.name != "" && !strings.Contains(k.name, "/") && r.results[k] == "skip" && pattern != "" && re.MatchString(r.reason(k)) {
+		if k.name != "" && !strings.Contains(k.name, "/") && r.results[k] == "skip" && slices.Contains(these, r.reason(k)) {
 			byPkg[k.pkg] = append(byPkg[k.pkg], regexp.QuoteMeta(k.name))
 		}
 	}

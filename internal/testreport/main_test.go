@@ -1,6 +1,8 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -24,7 +26,7 @@ func TestATimedOutPackageNamesTheTestStillRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	if r.report(&out, "", 0) {
+	if r.report(&out, nil, 0) {
 		t.Fatal("the report passed a package that timed out")
 	}
 	for _, want := range []string{"panic: test timed out after 15m0s", "\tTestHangs (15m0s)", "--- NO RESULT: TestHangs (p)", "waiting for the relay", "1 passed, 0 failed"} {
@@ -55,11 +57,101 @@ func TestWantCountsTopLevelTestsOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	if r.report(&out, "^$", 2) {
+	if r.report(&out, nil, 2) {
 		t.Fatalf("the report passed with 1 of the 2 wanted tests run (and 2 subtests):\n%s", out.String())
 	}
 	out.Reset()
-	if !r.report(&out, "^$", 1) {
+	if !r.report(&out, nil, 1) {
 		t.Fatalf("the report failed with the 1 wanted test run:\n%s", out.String())
+	}
+}
+
+// skipStream is a go test -json stream of package p in which each test of reasons skipped,
+// saying its reason as t.Skip does.
+func skipStream(reasons map[string]string) string {
+	var lines []string
+	for name, reason := range reasons {
+		lines = append(lines,
+			`{"Action":"run","Package":"p","Test":"`+name+`"}`,
+			`{"Action":"output","Package":"p","Test":"`+name+`","Output":"    p_test.go:12: `+reason+`\n"}`,
+			`{"Action":"output","Package":"p","Test":"`+name+`","Output":"--- SKIP: `+name+` (0.00s)\n"}`,
+			`{"Action":"skip","Package":"p","Test":"`+name+`"}`)
+	}
+	return strings.Join(append(lines,
+		`{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`,
+		`{"Action":"pass","Package":"p","Elapsed":1}`), "\n")
+}
+
+const benchSkip = "the benchmark suite takes minutes; run scripts/bench.sh (BENCH=1)"
+
+// A skip is allowed by its whole reason, word for word: one that only mentions an allowed
+// reason, or the variable it names, is a skip nobody allowed, and does not count for -want.
+func TestAllowedSkipsMatchTheirWholeReason(t *testing.T) {
+	r, err := read(strings.NewReader(skipStream(map[string]string{
+		"TestBench":   benchSkip,
+		"TestFlaky":   "flaky on a busy machine; " + benchSkip,
+		"TestMention": "needs BENCH=1 and TEST_LONG=1",
+	})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if r.report(&out, reasons{benchSkip}, 0) {
+		t.Fatalf("the report passed skips whose reasons only mention an allowed one:\n%s", out.String())
+	}
+	_, notAllowed, found := strings.Cut(out.String(), "not on the allowed list")
+	if !found {
+		t.Fatalf("the report lists no skip as not allowed:\n%s", out.String())
+	}
+	for _, name := range []string{"TestFlaky", "TestMention"} {
+		if !strings.Contains(notAllowed, name) {
+			t.Errorf("%s is not among the skips not allowed:\n%s", name, out.String())
+		}
+	}
+	if strings.Contains(notAllowed, "TestBench ") {
+		t.Errorf("TestBench, skipped for the allowed reason, is among the skips not allowed:\n%s", out.String())
+	}
+
+	r, err = read(strings.NewReader(skipStream(map[string]string{"TestBench": benchSkip, "TestMention": "needs BENCH=1"})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if !r.report(&out, reasons{benchSkip, "needs BENCH=1"}, 2) {
+		t.Fatalf("the report failed with both skips' reasons allowed:\n%s", out.String())
+	}
+	out.Reset()
+	if r.report(&out, reasons{benchSkip}, 2) {
+		t.Fatalf("-want 2 passed with one of the 2 tests skipped for a reason not allowed:\n%s", out.String())
+	}
+}
+
+// -collect lists the top-level tests skipped for one of its reasons, word for word, per
+// package as a -run pattern; -skipped appends, so that several phases collect into one file.
+func TestCollectTakesWholeReasonsAndAppends(t *testing.T) {
+	restart := "restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone"
+	r, err := read(strings.NewReader(skipStream(map[string]string{
+		"TestRestart":     restart,
+		"TestRestart/sub": restart,
+		"TestOther":       "see " + restart,
+		"TestBench":       benchSkip,
+	})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := r.collect(reasons{restart}), "p ^(TestRestart)$\n"; got != want {
+		t.Errorf("collect = %q, want %q", got, want)
+	}
+	if got := r.collect(nil); got != "" {
+		t.Errorf("collect without reasons = %q, want nothing", got)
+	}
+	file := filepath.Join(t.TempDir(), "restarts")
+	for _, s := range []string{"a ^(TestA)$\n", "", "b ^(TestB)$\n"} {
+		if err := appendFile(file, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, err := os.ReadFile(file); err != nil || string(got) != "a ^(TestA)$\nb ^(TestB)$\n" {
+		t.Errorf("the file holds %q (%v), want both phases' lines", got, err)
 	}
 }
