@@ -81,7 +81,7 @@ func TestDocsLinkChecker(t *testing.T) {
 	}
 }
 
-// docFiles lists README.md and every Markdown file of docs/.
+// docFiles lists README.md, every Markdown file of docs/ and the library's README.
 func docFiles(t *testing.T) []string {
 	t.Helper()
 	files, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
@@ -91,6 +91,7 @@ func docFiles(t *testing.T) []string {
 	if len(files) == 0 {
 		t.Fatal("docs/ holds no Markdown file")
 	}
+	files = append(files, filepath.Join(root, "pkg", "messaging", "README.md"))
 	return append([]string{filepath.Join(root, "README.md")}, files...)
 }
 

@@ -224,22 +224,8 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 	if err != nil {
 		return Message{}, Permanent(fmt.Errorf("invalid message_id %q: %w", truncate(d.MessageId), err))
 	}
-	if id == uuid.Nil {
-		// The inbox knows a message by its id: every message of the nil id after the first would
-		// be taken for a duplicate of it, and acknowledged without its work.
-		return Message{}, Permanent(errors.New("message_id is the nil UUID"))
-	}
-	if d.ContentType != "" {
-		mt, _, err := mime.ParseMediaType(d.ContentType)
-		if err != nil || mt != contentTypeJSON {
-			return Message{}, Permanent(fmt.Errorf("content type %q is not %s", truncate(d.ContentType), contentTypeJSON))
-		}
-	}
-	if maxBody > 0 && len(d.Body) > maxBody {
-		return Message{}, Permanent(fmt.Errorf("body of %d bytes exceeds the limit of %d", len(d.Body), maxBody))
-	}
-	if !json.Valid(d.Body) {
-		return Message{}, Permanent(errors.New("body is not valid JSON"))
+	if err := checkReceived(id, d.ContentType, d.Body, maxBody); err != nil {
+		return Message{}, err
 	}
 	m := Message{ID: id, Type: d.Type, Payload: d.Body, OccurredAt: d.Timestamp, CorrelationID: travelling(d.CorrelationId),
 		Exchange: d.Exchange, RoutingKey: d.RoutingKey}
@@ -263,6 +249,30 @@ func fromDelivery(d amqp.Delivery, maxBody int) (Message, error) {
 		}
 	}
 	return m, nil
+}
+
+// checkReceived is what a consumer checks of a message before its payload is decoded, given
+// its id, content type ("" for none) and body, and what messagingtest's deliveries check too:
+// an error, [Permanent], dead-letters a delivery.
+func checkReceived(id uuid.UUID, contentType string, body []byte, maxBody int) error {
+	if id == uuid.Nil {
+		// The inbox knows a message by its id: every message of the nil id after the first would
+		// be taken for a duplicate of it, and acknowledged without its work.
+		return Permanent(errors.New("message_id is the nil UUID"))
+	}
+	if contentType != "" {
+		mt, _, err := mime.ParseMediaType(contentType)
+		if err != nil || mt != contentTypeJSON {
+			return Permanent(fmt.Errorf("content type %q is not %s", truncate(contentType), contentTypeJSON))
+		}
+	}
+	if maxBody > 0 && len(body) > maxBody {
+		return Permanent(fmt.Errorf("body of %d bytes exceeds the limit of %d", len(body), maxBody))
+	}
+	if !json.Valid(body) {
+		return Permanent(errors.New("body is not valid JSON"))
+	}
+	return nil
 }
 
 // travelling is a delivery's correlation id if a message can carry it on, or "". A handler

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,10 +35,11 @@ type job struct {
 
 // work is what a subscription gives its consumer: decode checks a message and decodes its
 // payload (any error is the message's own: see undecodable); process does the work of jobs in
-// one transaction, all or nothing.
+// one transaction, all or nothing, and calls committed once that transaction has committed,
+// before the after-commit hooks run.
 type work struct {
 	decode  func(msg Message) (payload any, err error)
-	process func(ctx context.Context, jobs []job) error
+	process func(ctx context.Context, jobs []job, committed func()) error
 }
 
 // consumerConfig configures a consumer; a [SubscriptionConfig] fills it in.
@@ -225,6 +227,15 @@ func (c *consumer) consume(ctx context.Context, conn *amqp.Connection) ([]consum
 		}
 		links[i] = consumerLink{ch: ch, closed: ch.NotifyClose(make(chan *amqp.Error, 1)), cancelled: ch.NotifyCancel(make(chan string, 1))}
 	}
+	return c.startConsumers(ctx, links)
+}
+
+// startConsumers starts a consumer of the queue on each of links, whose channels are open. Once
+// ctx ends it starts no more, and returns the links of those it started, and ctx's error. A
+// consumer refused (its queue deleted meanwhile, say) ends the setup, and those started before
+// it hand back what the broker sent them: left to the closing connection, each delivery would
+// count as failed (RabbitMQ 4.3), as with a channel refused (see consume).
+func (c *consumer) startConsumers(ctx context.Context, links []consumerLink) ([]consumerLink, error) {
 	for i := range links {
 		if ctx.Err() != nil { // shutting down: the consumers started so far, for their hand-back
 			return links[:i], ctx.Err()
@@ -232,6 +243,7 @@ func (c *consumer) consume(ctx context.Context, conn *amqp.Connection) ([]consum
 		links[i].tag = c.cfg.Queue + "-" + uuid.NewString()
 		deliveries, err := links[i].ch.Consume(c.cfg.Queue, links[i].tag, false, false, false, false, nil)
 		if err != nil {
+			handBackSent(links[:i])
 			return nil, fmt.Errorf("consume %q: %w", c.cfg.Queue, err)
 		}
 		links[i].deliveries = deliveries
@@ -327,11 +339,11 @@ func cancelConsumers(links []consumerLink) {
 	}
 }
 
-// handBackSent cancels links' consumers, which a setup the shutdown cut short had started, and
-// hands back, as not failed, what the broker sent them before any worker could take it: once a
-// cancel is confirmed, every delivery of its consumer is outstanding on its channel, and a nack
-// of all of them (tag 0, multiple) returns them uncounted, where the closing connection would
-// count them (RabbitMQ 4.3).
+// handBackSent cancels links' consumers, which a setup cut short (by the shutdown, by a consumer
+// refused) had started, and hands back, as not failed, what the broker sent them before any
+// worker could take it: once a cancel is confirmed, every delivery of its consumer is
+// outstanding on its channel, and a nack of all of them (tag 0, multiple) returns them
+// uncounted, where the closing connection would count them (RabbitMQ 4.3).
 func handBackSent(links []consumerLink) {
 	cancelConsumers(links)
 	for _, l := range links {
@@ -629,17 +641,69 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 	}
 }
 
-// attempt runs the work of jobs once, within the handler timeout.
+// abandonMargin is how long past its context's end an attempt may go on before its worker gives
+// it up: time for a handler that watches its context to return, for the rollback
+// (rollbackWait), and for the check whether the database answers (answerWait), which tells a
+// silent database from a stuck handler.
+const abandonMargin = rollbackWait + answerWait + time.Second
+
+// attempt runs the work of jobs once, within the handler timeout. An attempt still running
+// abandonMargin after its context ended (a handler or an after-commit hook that ignores its
+// context: a call without a timeout, a channel send) is abandoned: waited for, it would hold
+// its worker, and at the next lost channel its whole session, for good. Its goroutine runs on
+// but touches no delivery (the worker settles them), and its transaction, begun under ctx, is
+// rolled back by the driver once ctx ends: it cannot commit later.
 func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 	ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
 	defer cancel()
-	err := c.work.process(ctx, jobs)
+	var committed atomic.Bool
+	done := make(chan error, 1) // the abandoned goroutine's result, which nobody takes
+	go func() { done <- c.work.process(ctx, jobs, func() { committed.Store(true) }) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		t := time.NewTimer(abandonMargin)
+		defer t.Stop()
+		select {
+		case err = <-done:
+		case <-t.C:
+			return c.abandon(workCtx, jobs, committed.Load(), ctx.Err())
+		}
+	}
 	if IsPermanent(err) && !IsUnavailable(err) && ctx.Err() != nil && workCtx.Err() == nil {
 		// Cut off by the timeout: a failure to count, as any stuck attempt's, whatever the
 		// handler called it (the next attempt may not be stuck). Its text stays, not its mark.
 		return fmt.Errorf("timed out after %s: %s", c.cfg.HandlerTimeout, err.Error())
 	}
 	return err
+}
+
+// abandon logs an attempt given up, and says what it comes to: a failure, as any attempt the
+// timeout cut off; or, when only an after-commit hook is left running, its work committed,
+// a success, for its messages to be acknowledged (the hook's at most once is kept).
+func (c *consumer) abandon(workCtx context.Context, jobs []job, committed bool, cause error) error {
+	ctx := workCtx
+	attrs := []any{"handler_timeout", c.cfg.HandlerTimeout, "waited", abandonMargin, "error", cause}
+	if len(jobs) == 1 {
+		ctx = jobs[0].msg.traced(workCtx, c.cfg.Propagator)
+		attrs = append(attrs, "message_id", jobs[0].msg.ID, "type", jobs[0].msg.Type)
+	} else {
+		ids, types := make([]string, len(jobs)), make([]string, 0, 1)
+		for i, j := range jobs {
+			ids[i] = j.msg.ID.String()
+			if !slices.Contains(types, j.msg.Type) {
+				types = append(types, j.msg.Type)
+			}
+		}
+		attrs = append(attrs, "size", len(jobs), "message_ids", ids, "types", types)
+	}
+	if committed {
+		c.log.ErrorContext(ctx, "after-commit hook did not return within the handler timeout; abandoning it (the work committed)", attrs...)
+		return nil
+	}
+	c.log.ErrorContext(ctx, "handler did not return within its timeout; abandoning it", attrs...)
+	return fmt.Errorf("handler did not return within %s of its timeout (%s); abandoned: %w", abandonMargin, c.cfg.HandlerTimeout, cause)
 }
 
 // outcome says how a delivery is settled.

@@ -1,14 +1,17 @@
 package messaging
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -38,7 +41,7 @@ func TestATypeWithoutAHandlerGoesBackUntilItsLastDelivery(t *testing.T) {
 // redelivery, as one of a type without a handler is: rejected there, it came back for ever.
 func TestAFailingMessageIsDeadLetteredWhereItsQueueGivesItNoMoreDeliveries(t *testing.T) {
 	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20, Retries: 1, HandlerTimeout: time.Second}, log: slog.New(slog.DiscardHandler),
-		work: work{process: func(context.Context, []job) error { return errors.New("no such customer") }}}
+		work: work{process: func(context.Context, []job, func()) error { return errors.New("no such customer") }}}
 	wantSettled(t, func(d amqp.Delivery) outcome {
 		return c.process(context.Background(), context.Background(), job{d: d}, false)
 	}, []settleCase{
@@ -147,7 +150,7 @@ func TestAnAttemptCutOffByTheTimeoutLosesOnlyItsPermanentMark(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &consumer{cfg: consumerConfig{HandlerTimeout: tc.timeout},
-				work: work{process: func(ctx context.Context, _ []job) error { return tc.process(ctx) }}}
+				work: work{process: func(ctx context.Context, _ []job, _ func()) error { return tc.process(ctx) }}}
 			err := c.attempt(context.Background(), nil)
 			if IsPermanent(err) != tc.permanent || IsUnavailable(err) != tc.unavailable {
 				t.Fatalf("attempt = %v: permanent %v, unavailable %v; want %v, %v", err, IsPermanent(err), IsUnavailable(err), tc.permanent, tc.unavailable)
@@ -157,4 +160,134 @@ func TestAnAttemptCutOffByTheTimeoutLosesOnlyItsPermanentMark(t *testing.T) {
 			}
 		})
 	}
+}
+
+// An attempt that does not return when its context ends (a handler blocked on a channel, a
+// call without a timeout) is abandoned abandonMargin later, logged once with its message: a
+// failure, counted as any the timeout cut off. Waited for, it held its worker, and at the next
+// lost channel its session, for good. Stuck after its commit, in an after-commit hook, it is a
+// success: its work is done, and its message is to be acknowledged.
+func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, line string
+		committed  bool
+	}{
+		{"a handler", "handler did not return within its timeout; abandoning it", false},
+		{"an after-commit hook", "after-commit hook did not return within the handler timeout", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			stuck := make(chan struct{})
+			t.Cleanup(func() { close(stuck) })
+			var logs bytes.Buffer
+			c := &consumer{cfg: consumerConfig{HandlerTimeout: 50 * time.Millisecond, Propagator: propagatorOr(nil)},
+				log: slog.New(slog.NewTextHandler(&logs, nil)),
+				work: work{process: func(_ context.Context, _ []job, committed func()) error {
+					if tc.committed {
+						committed()
+					}
+					<-stuck // its context ignored
+					return nil
+				}}}
+			msg := Message{ID: uuid.New(), Type: "Placed"}
+			attempted := make(chan error, 1)
+			go func() { attempted <- c.attempt(context.Background(), []job{{msg: msg}}) }()
+			var err error
+			select {
+			case err = <-attempted:
+			case <-time.After(abandonMargin + 5*time.Second):
+				t.Fatal("the attempt was not abandoned")
+			}
+			if tc.committed != (err == nil) || IsPermanent(err) || IsUnavailable(err) {
+				t.Fatalf("attempt = %v; want %s", err, map[bool]string{true: "nil: its work committed", false: "a failure to count"}[tc.committed])
+			}
+			if n := strings.Count(logs.String(), tc.line); n != 1 || !strings.Contains(logs.String(), "message_id="+msg.ID.String()) {
+				t.Fatalf("want one line %q naming the message, got: %s", tc.line, logs.String())
+			}
+		})
+	}
+}
+
+// A consumer refused after others started (its queue deleted meanwhile, say) ends the setup,
+// and those started before it hand back at once what the broker sent them: left to the closing
+// connection, each was a failed delivery (RabbitMQ 4.3), at every such setup, up to the
+// delivery limit.
+func TestConsumersStartedBeforeOneRefusedHandBackWhatTheyWereSent(t *testing.T) {
+	t.Parallel()
+	conn := testConnection(t)
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	queue := "start-" + uuid.NewString()
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = ch.QueueDelete(queue, false, false, false) })
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	const sent = 3
+	for range sent {
+		dc, err := ch.PublishWithDeferredConfirm("", queue, true, false, amqp.Publishing{Body: []byte(`{}`)})
+		if err != nil || !dc.Wait() {
+			t.Fatalf("publish: %v", err)
+		}
+	}
+	first, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Qos(sent, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	refused, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := refused.Close(); err != nil { // its Consume fails
+		t.Fatal(err)
+	}
+	links := []consumerLink{{ch: first}, {ch: refused}}
+	c := &consumer{cfg: consumerConfig{Queue: queue}}
+	if _, err := c.startConsumers(context.Background(), links); err == nil {
+		t.Fatal("the consumers started on a closed channel")
+	}
+	// Every message reached the first consumer, which was not to settle it...
+	for range sent {
+		select {
+		case <-links[0].deliveries:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the broker did not send the first consumer the queue's messages")
+		}
+	}
+	// ...but to hand it back, ready for another consumer.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q.Messages == sent {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of the %d messages back in the queue, the others held by a consumer of a setup that failed", q.Messages, sent)
+		}
+	}
+}
+
+// testConnection is a connection to the broker at TEST_AMQP_URL, closed when t ends.
+func testConnection(t *testing.T) *amqp.Connection {
+	t.Helper()
+	url := os.Getenv("TEST_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	conn, err := dial(context.Background(), url, t.Name(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
 }

@@ -34,7 +34,10 @@ type Driver[Tx any] interface {
 	// [ErrNotInTransaction] when tx is not one.
 	Executor(tx Tx) (Executor, error)
 	// Begin opens a READ COMMITTED transaction on the pool for ctx, and returns it as the
-	// driver's own type, for a handler, and as the library's, to commit or roll back.
+	// driver's own type, for a handler, and as the library's, to commit or roll back. The
+	// transaction ends, rolled back, once ctx ends (as database/sql's do), even while nothing
+	// runs on it: a handler the subscription abandoned must neither hold its locks nor commit
+	// when it returns.
 	Begin(ctx context.Context) (Tx, TxExecutor, error)
 }
 

@@ -47,16 +47,8 @@ func TestEnvelopeAtTheFrameLimitIsCarried(t *testing.T) {
 // testSession is a publisher's session on the broker at TEST_AMQP_URL.
 func testSession(t *testing.T) *pubSession {
 	t.Helper()
-	url := os.Getenv("TEST_AMQP_URL")
-	if url == "" {
-		url = "amqp://guest:guest@127.0.0.1:5672/"
-	}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	conn, err := dial(context.Background(), url, t.Name(), 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
+	conn := testConnection(t)
 	s := &pubSession{conn: conn, watch: watchConnection(conn, log, slog.LevelWarn)}
 	if err := s.setup(PublisherConfig{MaxInFlight: 10}, log); err != nil {
 		t.Fatal(err)

@@ -83,9 +83,11 @@ func (p *decodePanic) Error() string {
 // Handler does one message's work in tx, the transaction that records in the inbox that the
 // message was handled: whatever it writes with tx commits with that record, or not at all. It
 // gets the decoded, checked payload and the envelope it came in. Return nil once done; mark
-// errors no retry can fix with [Permanent] and dependency outages with [Unavailable]. ctx
-// carries the message's trace and the handler's deadline; register work to run after the
-// commit with [AfterCommit].
+// errors no retry can fix with [Permanent] and dependency outages with [Unavailable]: every
+// other error is tried again for seconds only (see [SubscriptionConfig.Retries]). ctx carries
+// the message's trace and the handler's deadline: return when it ends, or the attempt is
+// abandoned (see [SubscriptionConfig.HandlerTimeout]). Register work to run after the commit
+// with [AfterCommit].
 //
 // A handler may run several times for one delivery: each retry, and each message of a failed
 // batch tried again alone, runs it again after a rollback. So every write goes through tx (a
@@ -146,20 +148,32 @@ type SubscriptionConfig struct {
 	// (each has a channel of its own), at most 65535 (AMQP's 16 bits). Default 2 × BatchSize:
 	// the batch in progress and the next.
 	Prefetch int
-	// HandlerTimeout bounds one attempt: a transaction, with its handlers and its commit.
-	// Default [DefaultHandlerTimeout].
+	// HandlerTimeout bounds one attempt: a transaction, with its handlers, its commit and its
+	// after-commit hooks; the handlers' ctx ends then. An attempt that has not returned 5 s
+	// later (a handler that ignores its ctx: a call without a timeout, a blocked channel send)
+	// is abandoned, logged at error level ("handler did not return within its timeout"): its
+	// transaction, begun under ctx, is rolled back, its message counts a failed attempt, and
+	// its goroutine is left blocked. Default [DefaultHandlerTimeout].
 	HandlerTimeout time.Duration
-	// Retries is how many times a failing message is tried in place before it goes back to the
-	// queue. Default [DefaultRetries].
+	// Retries is how many times a failing message is tried on each delivery before it goes back
+	// to the queue, which hands it straight back: nothing waits a failure out. With the
+	// defaults (3 tries 100 and 200 ms apart, 20 deliveries) a message whose handler fails at
+	// once on every try is dead-lettered about 6 s after its first delivery: a row that another
+	// event brings later than that is not waited for. Return a dependency's outage as
+	// [Unavailable], which waits for it without spending tries or deliveries. Default
+	// [DefaultRetries].
 	Retries int
-	// RetryBackoff paces retries in place, and the waits for a database that does not answer.
-	// Default 100 ms doubling up to 5 s, jittered.
+	// RetryBackoff paces the tries of each delivery (afresh at every delivery), and the waits for
+	// a dependency that is [Unavailable]. Default 100 ms doubling up to 5 s, jittered: a
+	// delivery's 3 tries are 100 and 200 ms apart.
 	RetryBackoff Backoff
 	// DeliveryLimit is how many deliveries a failing message gets: still failing on its last,
-	// it is dead-lettered with its reason. Without a Topology it is also the queue's
-	// x-delivery-limit. With one, the queue's entry gives that ([DefaultDeliveryLimit] if it
-	// gives none), and the subscription uses it, or DeliveryLimit if set and smaller: past the
-	// broker's limit, the broker would dead-letter the message itself, without its reason.
+	// it is dead-lettered with its reason. They follow each other at once, Retries tries each,
+	// so the whole budget spans seconds, not minutes (see Retries). Without a Topology it is
+	// also the queue's x-delivery-limit. With one, the queue's entry gives that
+	// ([DefaultDeliveryLimit] if it gives none), and the subscription uses it, or DeliveryLimit
+	// if set and smaller: past the broker's limit, the broker would dead-letter the message
+	// itself, without its reason.
 	// Default [DefaultDeliveryLimit].
 	DeliveryLimit int
 	// MaxMessageBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
@@ -242,6 +256,7 @@ type Subscription[Tx any] struct {
 	startMu  sync.Mutex
 	consumer atomic.Pointer[consumer]
 	started  atomic.Bool
+	running  atomic.Bool // a Run is under way
 	log      *slog.Logger
 	tracer   trace.Tracer
 	// spanName and spanOptions are the same for every message's span: made once.
@@ -427,19 +442,30 @@ func (s *Subscription[Tx]) Start() error {
 		Retries: cfg.Retries, RetryBackoff: cfg.RetryBackoff, Reconnect: cfg.Reconnect,
 		HandlerTimeout: cfg.HandlerTimeout, ShutdownGrace: cfg.ShutdownGrace, DeliveryLimit: limit, Heartbeat: cfg.Heartbeat,
 		Logger: cfg.Logger, Metrics: cfg.Metrics, Propagator: cfg.Propagator, Tracer: s.tracer,
-	}, work{decode: s.decode, process: func(ctx context.Context, jobs []job) error {
-		_, err := s.process(ctx, jobs)
+	}, work{decode: s.decode, process: func(ctx context.Context, jobs []job, committed func()) error {
+		_, err := s.process(ctx, jobs, committed)
 		return err
 	}}))
 	return nil
 }
 
+// ErrRunning is returned by [Subscription.Run] called while another call of it runs.
+var ErrRunning = errors.New("subscription: already running")
+
 // Run consumes until ctx ends, reconnecting after every connection loss, and returns nil once
-// the messages in progress are settled.
+// the messages in progress are settled. One Run at a time: a call while another runs returns
+// [ErrRunning] at once (for more workers, raise Concurrency); once it has returned, Run may
+// be called again.
 func (s *Subscription[Tx]) Run(ctx context.Context) error {
 	if err := s.Start(); err != nil {
 		return err
 	}
+	// Two runs would share one consumer: two sessions and reconnection loops racing over its
+	// state.
+	if !s.running.CompareAndSwap(false, true) {
+		return fmt.Errorf("%w: %s", ErrRunning, s.cfg.Name)
+	}
+	defer s.running.Store(false)
 	s.consumer.Load().run(ctx)
 	return nil
 }
@@ -512,8 +538,9 @@ func (s *Subscription[Tx]) decode(msg Message) (any, error) {
 // called off (ctx cancelled, not timed out) is not asked about: it is handed back.
 //
 // Each message has its own span, and its handler a context that carries it: one transaction,
-// as many traces as messages. claimed reports which jobs were not duplicates.
-func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []bool, err error) {
+// as many traces as messages. claimed reports which jobs were not duplicates. committed is
+// called once the transaction has committed, before the after-commit hooks run.
+func (s *Subscription[Tx]) process(ctx context.Context, jobs []job, committed func()) (claimed []bool, err error) {
 	hooks := &afterCommitHooks{}
 	ctx = context.WithValue(ctx, afterCommitKey{}, hooks)
 	// The handlers' outcomes count, and are logged, once the transaction has ended: a handler
@@ -555,14 +582,15 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job) (claimed []b
 		}
 		return nil, err
 	}
+	committed()
 	observed.run(nil)
-	committed := time.Now()
+	committedAt := time.Now()
 	for i, j := range jobs {
 		if !claimed[i] {
 			s.skipped(spans[i].ctx, spans[i].span, j.msg)
 			continue
 		}
-		s.cfg.Metrics.recordEventAge(s.cfg.Name, j.msg, committed)
+		s.cfg.Metrics.recordEventAge(s.cfg.Name, j.msg, committedAt)
 	}
 	for _, fn := range hooks.fns {
 		s.runHook(ctx, fn)
@@ -758,8 +786,8 @@ func databaseOutage(err error) bool {
 // the same way on every delivery, so it is dead-lettered at once, with the database's reason,
 // rather than after every retry of every delivery. Not the rest of the class, which the
 // database's state can cause too (a sequence run out, 2200H; a counter past its type's range,
-// 22003; a division by a count of rows, 22012), nor class 23 (a foreign key may be there by
-// the next delivery).
+// 22003; a division by a count of rows, 22012), nor class 23 (a referenced row being written
+// may be there by a later try, within the seconds the tries span).
 func dataException(err error) bool {
 	switch sqlState(err) {
 	case "22001", "22P02", "22007", "22008", "22021", "22P05":
@@ -777,11 +805,14 @@ func sqlState(err error) string {
 	return coded.SQLState()
 }
 
+// answerWait bounds databaseAnswers' question.
+const answerWait = 2 * time.Second
+
 // databaseAnswers asks the database directly, on a context of its own: a database that
 // swallows traffic shows up as the handler's deadline passing, and that must not count as the
 // message's fault.
 func (s *Subscription[Tx]) databaseAnswers(ctx context.Context) bool {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, answerWait)
 	defer cancel()
 	_, err := s.driver.DB().Exec(ctx, "SELECT 1")
 	return err == nil
@@ -789,14 +820,19 @@ func (s *Subscription[Tx]) databaseAnswers(ctx context.Context) bool {
 
 // deliver runs msgs through the inbox and the handlers as one batch of deliveries from the
 // queue would be, without a broker (see messagingtest.Deliver and DeliverBatch), and reports
-// which were duplicates.
+// which were duplicates. Each message is checked as a consumer checks a delivery, with the
+// content type a relay publishes it with.
 func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplicates []bool, err error) {
 	if err := s.Start(); err != nil {
 		return nil, err
 	}
 	jobs := make([]job, len(msgs))
 	for i, msg := range msgs {
-		payload, err := s.decode(msg)
+		err := checkReceived(msg.ID, contentTypeJSON, msg.Payload, s.cfg.MaxMessageBytes)
+		var payload any
+		if err == nil {
+			payload, err = s.decode(msg)
+		}
 		if err != nil {
 			if len(msgs) > 1 {
 				err = fmt.Errorf("message %s: %w", msg.ID, err)
@@ -805,7 +841,7 @@ func (s *Subscription[Tx]) deliver(ctx context.Context, msgs []Message) (duplica
 		}
 		jobs[i] = job{msg: msg, payload: payload}
 	}
-	claimed, err := s.process(ctx, jobs)
+	claimed, err := s.process(ctx, jobs, func() {})
 	if err != nil {
 		return nil, err
 	}
@@ -864,8 +900,10 @@ var ErrNotInInbox = errors.New("after commit: not in a handler's transaction")
 // ctx has committed: the place to log what the work did, or to wake work recorded in the
 // database, so that neither happens for a transaction that rolls back. It runs at most once
 // (a process that dies after the commit never runs it, so an effect that must happen is a row
-// of tx or an outbox message, not a hook):
-// its message is acknowledged even if fn panics (the panic is logged). Outside a handler it
+// of tx or an outbox message, not a hook): its message is acknowledged even if fn panics (the
+// panic is logged). It runs before that acknowledgement, within the attempt's
+// [SubscriptionConfig.HandlerTimeout]: keep it short. One still running 5 s past the timeout
+// is abandoned, logged at error level, and the message acknowledged. Outside a handler it
 // returns [ErrNotInInbox] and drops fn: return that error, and the message is retried instead of
 // losing its hook.
 func AfterCommit(ctx context.Context, fn func()) error {

@@ -15,9 +15,11 @@ import (
 // Deliver hands msg to sub as a delivery from its queue would be: decoded and checked, then
 // claimed in the inbox and handled in one transaction, behind the subscription's middleware,
 // with its after-commit hooks run. duplicate reports that sub had handled msg already, and
-// did nothing. Errors are the handler's, or a [messaging.Permanent] one for a message that does
-// not decode (a queue would dead-letter it) or whose type has no handler (a queue would give it
-// back for another replica, and dead-letter it at its last delivery).
+// did nothing. Errors are the handler's, or a [messaging.Permanent] one for a message that fails
+// a consumer's checks (the nil UUID as its id, a payload over the subscription's
+// MaxMessageBytes or not JSON) or does not decode (a queue would dead-letter it), or whose type
+// has no handler (a queue would give it back for another replica, and dead-letter it at its
+// last delivery).
 func Deliver[Tx any](ctx context.Context, sub *messaging.Subscription[Tx], msg messaging.Message) (duplicate bool, err error) {
 	duplicates, err := testhook.Deliver(ctx, sub, []messaging.Message{msg})
 	if err != nil {

@@ -5,6 +5,8 @@ package pgxdriver
 
 import (
 	"context"
+	"net"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -35,13 +37,78 @@ func (d *Driver) Executor(tx pgx.Tx) (messaging.Executor, error) {
 	return executor{tx}, nil
 }
 
-// Begin opens a READ COMMITTED transaction.
+// Begin opens a READ COMMITTED transaction, which ends when ctx does, as database/sql's do:
+// see handlerTx.
 func (d *Driver) Begin(ctx context.Context) (pgx.Tx, messaging.TxExecutor, error) {
-	tx, err := d.pool.BeginTx(ctx, readCommitted)
+	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
-	return tx, txExecutor{executor{tx}, tx}, nil
+	tx, err := c.BeginTx(ctx, readCommitted)
+	if err != nil {
+		c.Release()
+		return nil, nil, err
+	}
+	h := &handlerTx{txExecutor: txExecutor{executor{tx}, tx}, c: c, socket: c.Conn().PgConn().Conn()}
+	h.stop = context.AfterFunc(ctx, h.abandon)
+	return tx, h, nil
+}
+
+// handlerTx is a handler's transaction, on a connection of its own. pgx does not end a
+// transaction whose context ends: a handler that ignores its context, which the subscription
+// gives up, would keep it open, its locks held (its messages' inbox claims among them: their
+// redeliveries would wait on them) and its connection out of the pool, for as long as it
+// blocks. So once ctx ends, the connection leaves the pool and its socket is closed, which
+// ends the transaction on the server; the handler's goroutine, the one that uses the
+// connection, finds it closed. Commit and Rollback disarm that first; the connection goes back
+// to the pool only after them (not a pgxpool.Tx: a handler's own Commit would put it back,
+// for another's transaction to be closed).
+type handlerTx struct {
+	txExecutor
+	c      *pgxpool.Conn
+	socket net.Conn
+	stop   func() bool
+
+	mu        sync.Mutex
+	abandoned bool // the connection left the pool, its socket closed
+	released  bool // the connection is back in the pool, or closed
+}
+
+func (h *handlerTx) abandon() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.released {
+		return
+	}
+	h.abandoned = true
+	h.c.Hijack()
+	_ = h.socket.Close()
+}
+
+func (h *handlerTx) Commit(ctx context.Context) error {
+	h.stop()
+	defer h.release(ctx)
+	return h.tx.Commit(ctx)
+}
+
+func (h *handlerTx) Rollback(ctx context.Context) error {
+	h.stop()
+	defer h.release(ctx)
+	return h.tx.Rollback(ctx)
+}
+
+// release returns the connection to the pool, or closes it if it left the pool.
+func (h *handlerTx) release(ctx context.Context) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	switch {
+	case h.released:
+	case h.abandoned:
+		_ = h.tx.Conn().Close(ctx)
+	default:
+		h.c.Release()
+	}
+	h.released = true
 }
 
 // querier is what runs pgx statements: a pool, a connection, a transaction.

@@ -570,6 +570,85 @@ func checkReadCommitted[Tx any](t *testing.T, name string, drv messaging.Driver[
 	}
 }
 
+// A handler's transaction ends when its context does, whatever the driver: the subscription
+// abandons a handler that ignores its context, and a transaction left open held its locks (its
+// messages' inbox claims, which their redeliveries wait on) and its connection for as long as
+// the handler blocked, to commit its work once it returned. database/sql rolls back by itself
+// (and GORM on it); pgx does not, and pgxdriver closes the connection. The pool has the
+// connection back, or room for another, before the library's rollback; the commit that comes
+// after fails, and nothing is committed.
+func TestEveryDriverEndsAHandlersTransactionWhenItsContextEnds(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+4*driverPool)
+	d := testenv.NewDatabase(t)
+	must(t, d.DB.Exec("CREATE TABLE driver_work (message_id uuid PRIMARY KEY)").Error)
+	pgxCfg, err := pgxpool.ParseConfig(d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgxCfg.MaxConns = driverPool
+	testenv.Draw(t, driverPool)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pgxCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	gormPool := testenv.OpenPool(t, d.URL, driverPool)
+	gormSQL, err := gormPool.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	type driverUnderTest struct {
+		begin func(context.Context) (messaging.TxExecutor, error)
+		inUse func() int
+	}
+	drivers := map[string]driverUnderTest{
+		"pgxdriver": {func(ctx context.Context) (messaging.TxExecutor, error) {
+			_, tx, err := pgxdriver.New(pool).Begin(ctx)
+			return tx, err
+		}, func() int { return int(pool.Stat().AcquiredConns()) }},
+		"gormdriver": {func(ctx context.Context) (messaging.TxExecutor, error) {
+			_, tx, err := driverOf(t, gormPool).Begin(ctx)
+			return tx, err
+		}, func() int { return gormSQL.Stats().InUse }},
+	}
+	for _, driver := range []string{"pgx", "postgres"} {
+		db := openSQLWith(t, driver, d.URL)
+		drivers["sqldriver over "+driver] = driverUnderTest{func(ctx context.Context) (messaging.TxExecutor, error) {
+			_, tx, err := sqldriver.New(db).Begin(ctx)
+			return tx, err
+		}, func() int { return db.Stats().InUse }}
+	}
+	for name, drv := range drivers {
+		ctx, cancel := context.WithCancel(context.Background())
+		tx, err := drv.begin(ctx)
+		must(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) }) // before its pool closes, if t fails
+		id := uuid.New()
+		_, err = tx.Exec(ctx, "INSERT INTO driver_work (message_id) VALUES ($1)", id)
+		must(t, err)
+		rows, err := tx.Query(ctx, "SELECT pg_backend_pid()")
+		must(t, err)
+		var pid int
+		if !rows.Next() {
+			t.Fatalf("%s: no backend pid: %v", name, rows.Err())
+		}
+		must(t, rows.Scan(&pid))
+		rows.Close()
+		cancel()
+		testenv.Eventually(t, 5*time.Second, func() bool {
+			return drv.inUse() == 0 &&
+				testenv.Count(t, d.DB, "SELECT count(*) FROM pg_stat_activity WHERE pid = ? AND xact_start IS NOT NULL", pid) == 0
+		}, "%s: the transaction stayed open, or its connection out of the pool, after its context ended", name)
+		if err := tx.Commit(ctx); err == nil {
+			t.Errorf("%s: the commit of a transaction whose context ended succeeded", name)
+		}
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM driver_work WHERE message_id = ?", id); n != 0 {
+			t.Errorf("%s: the transaction's row was committed after its context ended", name)
+		}
+	}
+}
+
 // endsAfterOneLook is a context that ends as soon as it has been looked at once: what a
 // cancellation between database/sql's look at the context and the driver's looks like.
 type endsAfterOneLook struct {

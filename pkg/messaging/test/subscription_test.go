@@ -647,6 +647,77 @@ func TestSubscriptionTimesOutAStuckHandler(t *testing.T) {
 	wantReason(t, dead, "deadline exceeded")
 }
 
+// A handler that ignores its context (blocked on a channel, as on a call without a timeout)
+// is abandoned past its timeout: its worker goes on to the queue's other message, and its own
+// message is not acknowledged but redelivered, as any whose attempts fail, then handed back at
+// shutdown, which does not wait for it. The abandoned attempts' transactions are rolled back
+// when their contexts end: once the handler returns, they commit nothing. Waited for, the
+// handler held its worker for good, and Run never returned.
+func TestAHandlerThatIgnoresItsContextIsAbandoned(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	release := make(chan struct{})
+	var releaseOnce sync.Once
+	unblock := func() { releaseOnce.Do(func() { close(release) }) }
+	t.Cleanup(unblock)
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) {
+		c.Concurrency, c.BatchSize, c.HandlerTimeout, c.Retries, c.DeliveryLimit = 1, 1, 200*time.Millisecond, 1, 3
+		c.RetryBackoff = messaging.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}
+	})
+	stuck := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()})
+	other := messagingtest.Message(t, b.placed, placed{OrderID: uuid.New()})
+	var stuckAttempts, returned atomic.Int32
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, _ placed, msg messaging.Message) error {
+		if err := record(tx, msg); err != nil {
+			return err
+		}
+		if msg.ID == stuck.ID {
+			stuckAttempts.Add(1)
+			<-release // its context ignored
+			returned.Add(1)
+		}
+		return nil
+	}))
+	ch := testenv.Channel(t)
+	declareSubscription(t, s)
+	b.publish(t, b.exchange, stuck)
+	b.publish(t, b.exchange, other)
+	stop := start(t, s.Run)
+
+	testenv.Eventually(t, 30*time.Second, func() bool {
+		return stuckAttempts.Load() == 2 && b.handled(t, "SELECT count(*) FROM handled WHERE message_id = '"+other.ID.String()+"'") == 1
+	}, "the stuck message was not redelivered, or the other message not handled meanwhile")
+	if lines := b.logs.Lines("level=ERROR", "handler did not return within its timeout; abandoning it", "message_id="+stuck.ID.String()); len(lines) != 1 {
+		t.Fatalf("want the first delivery's attempt abandoned, logged once: %q", lines)
+	}
+	stopping := time.Now()
+	if err := stop(); err != nil { // the second delivery's attempt stuck
+		t.Fatalf("Run = %v", err)
+	}
+	t.Logf("Run returned %s after its cancellation", time.Since(stopping).Round(time.Millisecond))
+	testenv.Eventually(t, 5*time.Second, func() bool { return testenv.QueueDepth(t, ch, b.name) == 1 },
+		"the stuck message is not back in the queue after the shutdown")
+	b.noDeadLetters(t, ch, "")
+	acked := `consumer_messages_total{outcome="acked",queue="` + b.name + `"} 1`
+	if !hasMetric(t, b.registry, acked) {
+		t.Fatalf("want only the other message acknowledged (%s)", acked)
+	}
+
+	// Let the abandoned attempts go on: each handler returns, and its attempt ends without a
+	// commit (its outcome an error).
+	unblock()
+	failed := map[string]string{"consumer": b.name, "type": "Placed", "outcome": "error"}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return returned.Load() == 2 && metricValue(t, b.registry, "consumer_handler_seconds", failed) == 2
+	}, "the abandoned attempts did not end once their handlers returned")
+	if n := b.handled(t, "SELECT count(*) FROM handled WHERE message_id = '"+stuck.ID.String()+"'"); n != 0 {
+		t.Fatalf("an abandoned attempt committed the stuck message's work (%d rows)", n)
+	}
+	if n := b.handled(t, "SELECT count(*) FROM inbox_messages WHERE message_id = '"+stuck.ID.String()+"'"); n != 0 {
+		t.Fatal("an abandoned attempt committed the stuck message's inbox claim")
+	}
+}
+
 // A subscription given the system's topology starts only if that topology binds its queue to
 // exactly the events it handles: a missing binding would lose events, an extra one
 // dead-letter them. Start says which.
