@@ -131,11 +131,13 @@ for r in "${restart_reasons[@]}"; do collect+=(-collect "$r"); done
 for r in "${restart_allowed[@]}"; do restart_allow+=(-allow "$r"); done
 
 # A test binary killed by its -timeout runs none of its cleanups, and what it made stays on the
-# servers, run after run: its databases (testenv's test_ and 12 hex digits) and its vhosts
-# (e2e_, example_, perms_ and topology_, each with 12: systest's, the examples', deploy's and
-# the library's tests'). Dropped here, under the lock, before this run makes its own. (The
-# nodes of scripts/sidroot.sh start on a fresh data directory.) A `go test` run beside this one
-# without the lock would lose its own: it would lose its servers in phase 3 too.
+# servers, run after run: its databases (testenv's test_ and example_, each with 12 hex digits)
+# and its vhosts (e2e_, example_, perms_ and topology_, each with 12: systest's, the examples',
+# deploy's and the library's tests'). Dropped here, under the lock, before this run makes its
+# own; only those nobody is connected to (a killed binary's connections are gone), so a
+# `go test` run beside this one keeps its own, and one that vanished meanwhile is no error.
+# (The nodes of scripts/sidroot.sh start on a fresh data directory. The library's queues,
+# exchanges, users and policies in the vhost / are not swept: a killed run leaves them.)
 if [ "$mode" = compose ]; then
   admin_psql() { docker compose -f "$compose_test_file" exec -T postgres psql -U postgres -d postgres "$@"; }
   admin_ctl() { docker compose -f "$compose_test_file" exec -T rabbitmq rabbitmqctl "$@"; }
@@ -144,18 +146,27 @@ else
   admin_psql() { psql "$TEST_DATABASE_URL" "$@"; }
   admin_ctl() { rabbitmqctl "$@"; }
 fi
-leftover_dbs=$(admin_psql -qAtX -c "SELECT datname FROM pg_database WHERE datname ~ '^test_[0-9a-f]{12}\$'") ||
+leftover_dbs=$(admin_psql -qAtX -c "SELECT datname FROM pg_database d WHERE datname ~ '^(test|example)_[0-9a-f]{12}\$'
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)") ||
   die "could not list the databases (psql)"
 leftover_vhosts=$(admin_ctl -q list_vhosts --no-table-headers name) || die "could not list the vhosts (rabbitmqctl list_vhosts)"
-leftover_vhosts=$(printf '%s\n' "$leftover_vhosts" | grep -E '^(e2e|example|perms|topology)_[0-9a-f]{12}$' || true)
+in_use=$(admin_ctl -q list_connections --no-table-headers vhost) || die "could not list the connections (rabbitmqctl list_connections)"
+leftover_vhosts=$(printf '%s\n' "$leftover_vhosts" | grep -E '^(e2e|example|perms|topology)_[0-9a-f]{12}$' |
+  grep -vxF -f <(printf '%s\n' "$in_use") || true)
 dropped_dbs=0 dropped_vhosts=0
 for db in $leftover_dbs; do
-  admin_psql -qX -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null || die "could not drop the leftover database $db"
-  dropped_dbs=$((dropped_dbs + 1))
+  if admin_psql -qX -c "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1; then
+    dropped_dbs=$((dropped_dbs + 1))
+  else
+    echo "warning: could not drop the leftover database $db (connected to since it was listed?)" >&2
+  fi
 done
 for vhost in $leftover_vhosts; do
-  admin_ctl -q delete_vhost "$vhost" >/dev/null || die "could not delete the leftover vhost $vhost"
-  dropped_vhosts=$((dropped_vhosts + 1))
+  if admin_ctl -q delete_vhost "$vhost" >/dev/null 2>&1; then
+    dropped_vhosts=$((dropped_vhosts + 1))
+  else
+    echo "warning: could not delete the leftover vhost $vhost (deleted by its own run meanwhile?)" >&2
+  fi
 done
 say "left by earlier runs: dropped $dropped_dbs test databases and $dropped_vhosts test vhosts"
 

@@ -477,10 +477,14 @@ func (a *Admission) Run(ctx context.Context) error {
 	}
 }
 
-// logShed logs how many requests were shed since it last did, if any.
-func (a *Admission) logShed() {
+// logShed logs how many requests were shed since it last did, if any, over the interval.
+func (a *Admission) logShed() { a.logShedOver("interval", a.interval) }
+
+// logShedOver logs how many requests were shed since it last did, if any, with key and value
+// saying over what time.
+func (a *Admission) logShedOver(key string, value any) {
 	if n := a.shed.Swap(0); n > 0 {
-		a.log.Warn("at capacity: requests shed", "shed", n, "interval", a.interval, "places", a.Places(), "max_in_flight", a.max,
+		a.log.Warn("at capacity: requests shed", "shed", n, key, value, "places", a.Places(), "max_in_flight", a.max,
 			"body_budget_full", min(a.bodyShed.Swap(0), n))
 	}
 }

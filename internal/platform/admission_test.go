@@ -1163,7 +1163,7 @@ func TestSheddingDuringTheDrainIsLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	(&Base{Admission: a, log: log, tracing: sdktrace.NewTracerProvider()}).Close()
-	if lines := logs.Lines("at capacity: requests shed"); len(lines) != 1 || !strings.Contains(lines[0], "shed=1 ") {
+	if lines := logs.Lines("at capacity: requests shed"); len(lines) != 1 || !strings.Contains(lines[0], "shed=1 during=shutdown ") {
 		t.Fatalf("lines about shedding %q, want one of the request shed during the drain", lines)
 	}
 }

@@ -201,7 +201,7 @@ func (b *Base) metrics() error {
 func (b *Base) Close() {
 	if b.Admission != nil {
 		// Run stopped at the signal; the server drained after it, and its sheds are logged here.
-		b.Admission.logShed()
+		b.Admission.logShedOver("during", "shutdown")
 	}
 	stopTracing(b.log, b.tracing)
 	for _, db := range []*gorm.DB{b.DB, b.Work, b.Sender} {

@@ -39,7 +39,7 @@ const HardStop = 9 * time.Second
 const repeatSignalDelay = time.Second
 
 // newConnWait bounds how long after the signal Serve waits for the first request of each
-// connection accepted before it to be read: those still silent then are closed.
+// connection accepted before it to arrive: those still silent then are closed.
 const newConnWait = time.Second
 
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run
@@ -140,7 +140,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		// others are, key=value or JSON, not in the log package's format on stderr.
 		srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
 	}
-	fresh := trackNewConns(srv)
+	conns := trackConns(srv)
 	g, gctx := errgroup.WithContext(ctx)
 	var intake sync.WaitGroup
 	goIntake := func(f func() error) {
@@ -172,7 +172,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		}
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
-		shutdownHTTP(shutdownCtx, log, srv, ln, served, fresh)
+		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
 		return nil
 	})
 	for _, w := range workers.Intake {
@@ -199,15 +199,16 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 // shutdownHTTP stops srv, which serves on ln until served closes, within ctx. Shutdown alone
 // would drop, unanswered, a connection accepted before it whose first request net/http had not
 // read yet (conn.serve returns as it reads one once shutting down): its client, which sent the
-// request before the signal, would read EOF. So the listener closes first, and the connections
-// accepted and still silent get up to newConnWait to have their request read and answered;
-// those still silent then are closed, which Shutdown would do only after 5 s.
-func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, fresh *newConns) {
-	// The requests answered from now on close their connections; the idle ones close now.
+// request before the signal, would read EOF. So the listener closes first, keep-alives end,
+// and Shutdown comes only once every connection has been answered and closed (see settle).
+func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns) {
+	// The requests answered from now on close their connections; the idle ones close now (a
+	// request already on its way on one of them is lost, as with any HTTP/1.1 server: a client
+	// retries it only if it is idempotent, or carries an Idempotency-Key).
 	srv.SetKeepAlivesEnabled(false)
 	_ = ln.Close() // already closed if srv.Serve failed
-	<-served       // nothing is accepted any more: fresh only shrinks
-	fresh.settle(ctx, newConnWait)
+	<-served       // nothing is accepted any more: conns only shrink
+	conns.settle(ctx, newConnWait)
 	if err := srv.Shutdown(ctx); err != nil {
 		// A request still running at the deadline is cut off; that is the deadline's
 		// purpose, not a failure of the service (nothing it did was committed half-way).
@@ -216,57 +217,62 @@ func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln ne
 	}
 }
 
-// newConns are a server's connections accepted whose first request has not been read yet.
-type newConns struct {
+// liveConns are a server's connections that are new (accepted, no request read yet) or active
+// (a request read and being answered).
+type liveConns struct {
 	mu    sync.Mutex
-	conns map[net.Conn]struct{}
+	state map[net.Conn]http.ConnState
 }
 
-// trackNewConns tracks srv's new connections, through its ConnState hook, which goes on
-// calling the hook srv had.
-func trackNewConns(srv *http.Server) *newConns {
-	n := &newConns{conns: map[net.Conn]struct{}{}}
+// trackConns tracks srv's new and active connections, through its ConnState hook, which goes
+// on calling the hook srv had.
+func trackConns(srv *http.Server) *liveConns {
+	n := &liveConns{state: map[net.Conn]http.ConnState{}}
 	next := srv.ConnState
 	srv.ConnState = func(c net.Conn, state http.ConnState) {
-		n.mu.Lock()
-		if state == http.StateNew {
-			n.conns[c] = struct{}{}
-		} else {
-			delete(n.conns, c)
-		}
-		n.mu.Unlock()
 		if next != nil {
 			next(c, state)
 		}
+		n.mu.Lock()
+		if state == http.StateNew || state == http.StateActive {
+			n.state[c] = state
+		} else {
+			delete(n.state, c)
+		}
+		n.mu.Unlock()
 	}
 	return n
 }
 
-// newConnPoll is how often settle looks at the new connections.
-const newConnPoll = 5 * time.Millisecond
+// connPoll is how often settle looks at the connections.
+const connPoll = 5 * time.Millisecond
 
-// settle waits, for at most wait and within ctx, until no connection is new, then closes those
-// still new. A connection leaves StateNew just before net/http looks whether the server is
-// shutting down, so settle returns a poll after the last one left, not at once.
-func (n *newConns) settle(ctx context.Context, wait time.Duration) {
-	ctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	tick := time.NewTicker(newConnPoll)
+// settle waits, within ctx, until no connection is new or active: with keep-alives off, each is
+// closed once answered, and no request is read after. A connection that leaves StateNew is
+// marked active before net/http looks whether the server is shutting down, and stays so until
+// it is closed, so Shutdown after settle finds none it would drop. Those still new after
+// newWait, silent since before the signal, are closed (Shutdown would wait 5 s for them).
+func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
+	silentBy := time.Now().Add(newWait)
+	tick := time.NewTicker(connPoll)
 	defer tick.Stop()
-	settled := false
 	for {
 		n.mu.Lock()
-		if settled || ctx.Err() != nil {
-			for c := range n.conns {
-				_ = c.Close()
+		live := len(n.state)
+		if time.Now().After(silentBy) {
+			for c, state := range n.state {
+				if state == http.StateNew {
+					_ = c.Close()
+				}
 			}
-			n.mu.Unlock()
+		}
+		n.mu.Unlock()
+		if live == 0 {
 			return
 		}
-		settled = len(n.conns) == 0
-		n.mu.Unlock()
 		select {
 		case <-ctx.Done():
+			return
 		case <-tick.C:
 		}
 	}

@@ -258,6 +258,23 @@ func serveOn(t *testing.T, log *slog.Logger, srv *http.Server, ln net.Listener, 
 // TestGracefulShutdownUnderLoad saw under load).
 func TestARequestAcceptedBeforeTheSignalIsAnswered(t *testing.T) {
 	t.Parallel()
+	t.Run("plain", func(t *testing.T) {
+		t.Parallel()
+		answeredAfterTheSignal(t, nil)
+	})
+	// A ConnState hook of the server's own, slow as the connection turns active, runs in the
+	// window between that turn and net/http's look at whether it is shutting down.
+	t.Run("with a slow hook of the server's own", func(t *testing.T) {
+		t.Parallel()
+		answeredAfterTheSignal(t, func(_ net.Conn, state http.ConnState) {
+			if state == http.StateActive {
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	})
+}
+
+func answeredAfterTheSignal(t *testing.T, hook func(net.Conn, http.ConnState)) {
 	gate := make(chan struct{})
 	ln := newGatedListener(t, gate)
 	created := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -265,7 +282,9 @@ func TestARequestAcceptedBeforeTheSignalIsAnswered(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	log, _ := testenv.NewLogger(t)
-	signal, served := serveOn(t, log, NewServer("", created), ln, Workers{})
+	srv := NewServer("", created)
+	srv.ConnState = hook
+	signal, served := serveOn(t, log, srv, ln, Workers{})
 	conn, err := net.Dial("tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)

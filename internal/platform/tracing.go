@@ -69,8 +69,10 @@ func readOTLPEndpoint(env *Env) string {
 func checkOTLPOptions(env *Env) {
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"} {
 		if v := env.String(name, ""); v != "" {
+			// 0 would export with no timeout at all; an hour is more than any export should wait
+			// (and a value past 9.2e12 would overflow the exporter's time.Duration).
 			ms, err := strconv.Atoi(v)
-			env.Check(err == nil && ms >= 0, name, "must be a whole number of milliseconds (10000 for 10 s)")
+			env.Check(err == nil && ms >= 1 && ms <= 3_600_000, name, "must be a whole number of milliseconds, 1 to 3600000 (10000 for 10 s)")
 		}
 	}
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"} {

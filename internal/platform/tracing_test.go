@@ -205,6 +205,8 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}, ""},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "5s"}, "OTEL_EXPORTER_OTLP_TIMEOUT: must be a whole number of milliseconds"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT: must be a whole number of milliseconds"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "0"}, "OTEL_EXPORTER_OTLP_TIMEOUT: must be a whole number of milliseconds, 1 to 3600000"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TIMEOUT": "3600001"}, "OTEL_EXPORTER_OTLP_TIMEOUT: must be a whole number of milliseconds, 1 to 3600000"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "none"}, ""},
 		{map[string]string{"OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP"}, "OTEL_EXPORTER_OTLP_COMPRESSION: must be gzip or none"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "zstd"}, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION: must be gzip or none"},
