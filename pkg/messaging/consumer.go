@@ -40,6 +40,9 @@ type job struct {
 type work struct {
 	decode  func(msg Message) (payload any, err error)
 	process func(ctx context.Context, jobs []job, committed func()) error
+	// answers, if set, says whether the database answers: an attempt abandoned while it does
+	// not is an outage's, not its messages' failure.
+	answers func(ctx context.Context) bool
 }
 
 // consumerConfig configures a consumer; a [SubscriptionConfig] fills it in.
@@ -647,6 +650,10 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 // silent database from a stuck handler.
 const abandonMargin = rollbackWait + answerWait + time.Second
 
+// stopMargin is abandonMargin once the shutdown called the attempt off: no check follows then,
+// and the shutdown's own bounds (a service's hard stop) leave no time to spare.
+const stopMargin = rollbackWait + 500*time.Millisecond
+
 // attempt runs the work of jobs once, within the handler timeout. An attempt still running
 // abandonMargin after its context ended (a handler or an after-commit hook that ignores its
 // context: a call without a timeout, a channel send) is abandoned: waited for, it would hold
@@ -663,11 +670,8 @@ func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 	select {
 	case err = <-done:
 	case <-ctx.Done():
-		t := time.NewTimer(abandonMargin)
-		defer t.Stop()
-		select {
-		case err = <-done:
-		case <-t.C:
+		var returned bool
+		if returned, err = waitPast(workCtx, done); !returned {
 			return c.abandon(workCtx, jobs, committed.Load(), ctx.Err())
 		}
 	}
@@ -677,6 +681,27 @@ func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 		return fmt.Errorf("timed out after %s: %s", c.cfg.HandlerTimeout, err.Error())
 	}
 	return err
+}
+
+// waitPast waits for the result of an attempt whose context ended, abandonMargin at most, and
+// no more than stopMargin from when workCtx ends (the shutdown). returned is false if it never
+// came.
+func waitPast(workCtx context.Context, done <-chan error) (returned bool, err error) {
+	deadline := time.Now().Add(abandonMargin)
+	t := time.NewTimer(abandonMargin)
+	defer t.Stop()
+	stopping := workCtx.Done()
+	for {
+		select {
+		case err = <-done:
+			return true, err
+		case <-t.C:
+			return false, nil
+		case <-stopping:
+			stopping = nil
+			t.Reset(min(time.Until(deadline), stopMargin))
+		}
+	}
 }
 
 // abandon logs an attempt given up, and says what it comes to: a failure, as any attempt the
@@ -702,8 +727,18 @@ func (c *consumer) abandon(workCtx context.Context, jobs []job, committed bool, 
 		c.log.ErrorContext(ctx, "after-commit hook did not return within the handler timeout; abandoning it (the work committed)", attrs...)
 		return nil
 	}
+	if workCtx.Err() != nil {
+		c.log.ErrorContext(ctx, "handler did not return at the shutdown; abandoning it", attrs...)
+		return fmt.Errorf("handler did not return at the shutdown; abandoned: %w", cause)
+	}
 	c.log.ErrorContext(ctx, "handler did not return within its timeout; abandoning it", attrs...)
-	return fmt.Errorf("handler did not return within %s of its timeout (%s); abandoned: %w", abandonMargin, c.cfg.HandlerTimeout, cause)
+	err := fmt.Errorf("handler did not return within %s of its timeout (%s); abandoned: %w", abandonMargin, c.cfg.HandlerTimeout, cause)
+	if c.work.answers != nil && !c.work.answers(workCtx) {
+		// A database that does not answer (a partition under a driver whose statements and
+		// rollback ignore their context) holds every attempt: not the message's failure.
+		return Unavailable(err)
+	}
+	return err
 }
 
 // outcome says how a delivery is settled.

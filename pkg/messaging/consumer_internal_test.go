@@ -172,9 +172,11 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 	for _, tc := range []struct {
 		name, line string
 		committed  bool
+		silentDB   bool // the database does not answer either
 	}{
-		{"a handler", "handler did not return within its timeout; abandoning it", false},
-		{"an after-commit hook", "after-commit hook did not return within the handler timeout", true},
+		{"a handler", "handler did not return within its timeout; abandoning it", false, false},
+		{"an after-commit hook", "after-commit hook did not return within the handler timeout", true, false},
+		{"a handler while the database is silent", "handler did not return within its timeout; abandoning it", false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -189,7 +191,7 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 					}
 					<-stuck // its context ignored
 					return nil
-				}}}
+				}, answers: func(context.Context) bool { return !tc.silentDB }}}
 			msg := Message{ID: uuid.New(), Type: "Placed"}
 			attempted := make(chan error, 1)
 			go func() { attempted <- c.attempt(context.Background(), []job{{msg: msg}}) }()
@@ -199,13 +201,44 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 			case <-time.After(abandonMargin + 5*time.Second):
 				t.Fatal("the attempt was not abandoned")
 			}
-			if tc.committed != (err == nil) || IsPermanent(err) || IsUnavailable(err) {
-				t.Fatalf("attempt = %v; want %s", err, map[bool]string{true: "nil: its work committed", false: "a failure to count"}[tc.committed])
+			if tc.committed != (err == nil) || IsPermanent(err) || IsUnavailable(err) != tc.silentDB {
+				t.Fatalf("attempt = %v; want %s", err, map[bool]string{true: "nil: its work committed", false: "a failure to count, or an outage if the database is silent"}[tc.committed])
 			}
 			if n := strings.Count(logs.String(), tc.line); n != 1 || !strings.Contains(logs.String(), "message_id="+msg.ID.String()) {
 				t.Fatalf("want one line %q naming the message, got: %s", tc.line, logs.String())
 			}
 		})
+	}
+}
+
+// An attempt the shutdown calls off is given up stopMargin after, not abandonMargin: a service's
+// hard stop (9 s after the signal, its grace 5 s) leaves no room for the longer wait.
+func TestAnAttemptCalledOffByTheShutdownIsAbandonedSooner(t *testing.T) {
+	t.Parallel()
+	stuck := make(chan struct{})
+	t.Cleanup(func() { close(stuck) })
+	var logs bytes.Buffer
+	c := &consumer{cfg: consumerConfig{HandlerTimeout: time.Minute, Propagator: propagatorOr(nil)},
+		log: slog.New(slog.NewTextHandler(&logs, nil)),
+		work: work{process: func(context.Context, []job, func()) error {
+			<-stuck // its context ignored
+			return nil
+		}}}
+	workCtx, stop := context.WithCancel(context.Background())
+	attempted := make(chan error, 1)
+	go func() { attempted <- c.attempt(workCtx, []job{{msg: Message{ID: uuid.New(), Type: "Placed"}}}) }()
+	stop()
+	stopped := time.Now()
+	select {
+	case err := <-attempted:
+		if took := time.Since(stopped); err == nil || took > stopMargin+time.Second {
+			t.Fatalf("attempt = %v after %s; want a failure within %s", err, took.Round(time.Millisecond), stopMargin)
+		}
+	case <-time.After(abandonMargin + 5*time.Second):
+		t.Fatal("the attempt was not abandoned")
+	}
+	if !strings.Contains(logs.String(), "handler did not return at the shutdown; abandoning it") {
+		t.Fatalf("no line about the attempt abandoned at the shutdown: %s", logs.String())
 	}
 }
 
@@ -257,7 +290,10 @@ func TestConsumersStartedBeforeOneRefusedHandBackWhatTheyWereSent(t *testing.T) 
 	// Every message reached the first consumer, which was not to settle it...
 	for range sent {
 		select {
-		case <-links[0].deliveries:
+		case _, ok := <-links[0].deliveries:
+			if !ok {
+				t.Fatal("the first consumer's deliveries ended before the queue's messages came")
+			}
 		case <-time.After(5 * time.Second):
 			t.Fatal("the broker did not send the first consumer the queue's messages")
 		}

@@ -152,8 +152,9 @@ type SubscriptionConfig struct {
 	// after-commit hooks; the handlers' ctx ends then. An attempt that has not returned 5 s
 	// later (a handler that ignores its ctx: a call without a timeout, a blocked channel send)
 	// is abandoned, logged at error level ("handler did not return within its timeout"): its
-	// transaction, begun under ctx, is rolled back, its message counts a failed attempt, and
-	// its goroutine is left blocked. Default [DefaultHandlerTimeout].
+	// transaction, begun under ctx, cannot commit (database/sql's ends once a statement
+	// running on it returns), its message counts a failed attempt (an outage, if the database
+	// does not answer), and its goroutine is left blocked. Default [DefaultHandlerTimeout].
 	HandlerTimeout time.Duration
 	// Retries is how many times a failing message is tried on each delivery before it goes back
 	// to the queue, which hands it straight back: nothing waits a failure out. With the
@@ -178,8 +179,9 @@ type SubscriptionConfig struct {
 	DeliveryLimit int
 	// MaxMessageBytes: larger messages are dead-lettered. Default [DefaultMaxMessageBytes].
 	MaxMessageBytes int
-	// ShutdownGrace is how long messages in progress may go on after Run's context ends.
-	// Default [DefaultShutdownGrace].
+	// ShutdownGrace is how long messages in progress may go on after Run's context ends; a
+	// handler that ignores its ctx is given up 2.5 s after it, so Run returns within about
+	// ShutdownGrace + 3.5 s. Default [DefaultShutdownGrace].
 	ShutdownGrace time.Duration
 	// Reconnect paces reconnection attempts. Default 100 ms doubling up to 2 s, jittered: a
 	// broker that comes back is found within about 2 s.
@@ -445,7 +447,7 @@ func (s *Subscription[Tx]) Start() error {
 	}, work{decode: s.decode, process: func(ctx context.Context, jobs []job, committed func()) error {
 		_, err := s.process(ctx, jobs, committed)
 		return err
-	}}))
+	}, answers: s.databaseAnswers}))
 	return nil
 }
 
