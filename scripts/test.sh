@@ -135,7 +135,8 @@ for r in "${restart_allowed[@]}"; do restart_allow+=(-allow "$r"); done
 # and its vhosts (e2e_, example_, perms_ and topology_, each with 12: systest's, the examples',
 # deploy's and the library's tests'). Dropped here, under the lock, before this run makes its
 # own; only those nobody is connected to (a killed binary's connections are gone), so a
-# `go test` run beside this one keeps its own, and one that vanished meanwhile is no error.
+# `go test` run beside this one usually keeps its own (not one made but not yet connected to),
+# and one that vanished meanwhile is no error.
 # (The nodes of scripts/sidroot.sh start on a fresh data directory. The library's queues,
 # exchanges, users and policies in the vhost / are not swept: a killed run leaves them.)
 if [ "$mode" = compose ]; then
@@ -155,17 +156,17 @@ leftover_vhosts=$(printf '%s\n' "$leftover_vhosts" | grep -E '^(e2e|example|perm
   grep -vxF -f <(printf '%s\n' "$in_use") || true)
 dropped_dbs=0 dropped_vhosts=0
 for db in $leftover_dbs; do
-  if admin_psql -qX -c "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1; then
+  if out=$(admin_psql -qX -c "DROP DATABASE IF EXISTS $db" 2>&1); then
     dropped_dbs=$((dropped_dbs + 1))
   else
-    echo "warning: could not drop the leftover database $db (connected to since it was listed?)" >&2
+    echo "warning: could not drop the leftover database $db: $out" >&2
   fi
 done
 for vhost in $leftover_vhosts; do
-  if admin_ctl -q delete_vhost "$vhost" >/dev/null 2>&1; then
+  if out=$(admin_ctl -q delete_vhost "$vhost" 2>&1); then
     dropped_vhosts=$((dropped_vhosts + 1))
   else
-    echo "warning: could not delete the leftover vhost $vhost (deleted by its own run meanwhile?)" >&2
+    echo "warning: could not delete the leftover vhost $vhost: $out" >&2
   fi
 done
 say "left by earlier runs: dropped $dropped_dbs test databases and $dropped_vhosts test vhosts"

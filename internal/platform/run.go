@@ -201,6 +201,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 // read yet (conn.serve returns as it reads one once shutting down): its client, which sent the
 // request before the signal, would read EOF. So the listener closes first, keep-alives end,
 // and Shutdown comes only once every connection has been answered and closed (see settle).
+// HTTP/1 only, as NewServer serves: keep-alives off do not end an HTTP/2 connection.
 func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns) {
 	// The requests answered from now on close their connections; the idle ones close now (a
 	// request already on its way on one of them is lost, as with any HTTP/1.1 server: a client
@@ -230,9 +231,8 @@ func trackConns(srv *http.Server) *liveConns {
 	n := &liveConns{state: map[net.Conn]http.ConnState{}}
 	next := srv.ConnState
 	srv.ConnState = func(c net.Conn, state http.ConnState) {
-		if next != nil {
-			next(c, state)
-		}
+		// Recorded before the server's own hook runs: a slow one must not keep a connection
+		// that turned active counted as new, for settle to close.
 		n.mu.Lock()
 		if state == http.StateNew || state == http.StateActive {
 			n.state[c] = state
@@ -240,6 +240,9 @@ func trackConns(srv *http.Server) *liveConns {
 			delete(n.state, c)
 		}
 		n.mu.Unlock()
+		if next != nil {
+			next(c, state)
+		}
 	}
 	return n
 }

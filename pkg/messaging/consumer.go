@@ -709,7 +709,11 @@ func waitPast(workCtx context.Context, done <-chan error) (returned bool, err er
 // a success, for its messages to be acknowledged (the hook's at most once is kept).
 func (c *consumer) abandon(workCtx context.Context, jobs []job, committed bool, cause error) error {
 	ctx := workCtx
-	attrs := []any{"handler_timeout", c.cfg.HandlerTimeout, "waited", abandonMargin, "error", cause}
+	waited := abandonMargin
+	if workCtx.Err() != nil {
+		waited = stopMargin // at most
+	}
+	attrs := []any{"handler_timeout", c.cfg.HandlerTimeout, "waited", waited, "error", cause}
 	if len(jobs) == 1 {
 		ctx = jobs[0].msg.traced(workCtx, c.cfg.Propagator)
 		attrs = append(attrs, "message_id", jobs[0].msg.ID, "type", jobs[0].msg.Type)
@@ -733,9 +737,10 @@ func (c *consumer) abandon(workCtx context.Context, jobs []job, committed bool, 
 	}
 	c.log.ErrorContext(ctx, "handler did not return within its timeout; abandoning it", attrs...)
 	err := fmt.Errorf("handler did not return within %s of its timeout (%s); abandoned: %w", abandonMargin, c.cfg.HandlerTimeout, cause)
-	if c.work.answers != nil && !c.work.answers(workCtx) {
+	if c.work.answers != nil && !c.work.answers(workCtx) && workCtx.Err() == nil {
 		// A database that does not answer (a partition under a driver whose statements and
-		// rollback ignore their context) holds every attempt: not the message's failure.
+		// rollback ignore their context) holds every attempt: not the message's failure. (A
+		// shutdown during the question is no verdict: the message is handed back.)
 		return Unavailable(err)
 	}
 	return err
