@@ -136,7 +136,7 @@ for r in "${restart_allowed[@]}"; do restart_allow+=(-allow "$r"); done
 # deploy's and the library's tests'). Dropped here, under the lock, before this run makes its
 # own; only those nobody is connected to (a killed binary's connections are gone), so a
 # `go test` run beside this one usually keeps its own (not one made but not yet connected to),
-# and one that vanished meanwhile is no error.
+# and one it cannot drop (gone meanwhile, say) is a warning.
 # (The nodes of scripts/sidroot.sh start on a fresh data directory. The library's queues,
 # exchanges, users and policies in the vhost / are not swept: a killed run leaves them.)
 if [ "$mode" = compose ]; then

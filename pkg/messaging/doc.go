@@ -88,8 +88,8 @@
 // A handler's error is retried in place, then the message goes back to its queue, counted as
 // a failed delivery; at its last allowed delivery ([DefaultDeliveryLimit]) it is dead-lettered,
 // with its reason, to the queue's dead-letter queue. The deliveries follow each other at once:
-// with the defaults a message that keeps failing is dead-lettered within about 6 s. Mark an error no retry can fix with
-// [Permanent] (dead-lettered at once, unless it carries a database outage's SQLSTATE or the
+// with the defaults a message whose handler fails at once on every try is dead-lettered within
+// about 6 s. Mark an error no retry can fix with [Permanent] (dead-lettered at once, unless it carries a database outage's SQLSTATE or the
 // handler timeout cut the attempt off; a statement the database refuses for the value alone,
 // too long or not valid in its type, is taken as one) and a dependency's outage with [Unavailable]
 // (retried for as long as it lasts, without counting against the message). A message that
