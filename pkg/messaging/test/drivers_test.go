@@ -59,15 +59,7 @@ func TestPgxDriver(t *testing.T) {
 	testenv.Connections(t, testenv.DefaultConnections+driverPool)
 	d := testenv.NewDatabase(t)
 	testenv.Draw(t, driverPool)
-	cfg, err := pgxpool.ParseConfig(d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = driverPool
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := newPgxPool(t, d.URL, driverPool)
 	testDriver(t, d, func() { pool.Close() }, driverCase[pgx.Tx]{
 		drv:      pgxdriver.New(pool),
 		begin:    func(ctx context.Context) (pgx.Tx, error) { return pool.Begin(ctx) },
@@ -166,15 +158,7 @@ func TestARollbackTheDatabaseNeverAnswersIsBounded(t *testing.T) {
 		testenv.Connections(t, testenv.DefaultConnections+2)
 		d := testenv.NewDatabase(t)
 		proxy := testenv.Proxy(t, testenv.DatabaseHost(t))
-		cfg, err := pgxpool.ParseConfig(testenv.URLVia(t, d.URL, proxy.Listen))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.MaxConns = 2
-		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		pool := newPgxPool(t, testenv.URLVia(t, d.URL, proxy.Listen), 2)
 		t.Cleanup(pool.Reset) // its connections, held by the proxy, are not waited for
 		testSilentRollback(t, proxy, pgxdriver.New(pool), func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "SELECT 1")
@@ -511,16 +495,8 @@ func TestEveryDriverOpensReadCommittedTransactions(t *testing.T) {
 	d := testenv.NewDatabase(t)
 	must(t, d.DB.Exec("ALTER DATABASE "+d.Name+" SET default_transaction_isolation = 'serializable'").Error)
 	// The setting applies to sessions that start after it: the pools below.
-	pgxCfg, err := pgxpool.ParseConfig(d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pgxCfg.MaxConns = driverPool
 	testenv.Draw(t, driverPool)
-	pool, err := pgxpool.NewWithConfig(context.Background(), pgxCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := newPgxPool(t, d.URL, driverPool)
 	t.Cleanup(pool.Close)
 	checkReadCommitted(t, "pgxdriver", pgxdriver.New(pool))
 	for _, driver := range []string{"pgx", "postgres"} {
@@ -582,16 +558,8 @@ func TestEveryDriverEndsAHandlersTransactionWhenItsContextEnds(t *testing.T) {
 	testenv.Connections(t, testenv.DefaultConnections+4*driverPool)
 	d := testenv.NewDatabase(t)
 	must(t, d.DB.Exec("CREATE TABLE driver_work (message_id uuid PRIMARY KEY)").Error)
-	pgxCfg, err := pgxpool.ParseConfig(d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pgxCfg.MaxConns = driverPool
 	testenv.Draw(t, driverPool)
-	pool, err := pgxpool.NewWithConfig(context.Background(), pgxCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := newPgxPool(t, d.URL, driverPool)
 	t.Cleanup(pool.Close)
 	gormPool := testenv.OpenPool(t, d.URL, driverPool)
 	gormSQL, err := gormPool.DB()
@@ -762,4 +730,19 @@ func TestSQLDriverCommitAfterTheContextEndedReportsIt(t *testing.T) {
 			t.Errorf("over %s, the commit of a transaction whose context ended: %v, want context.Canceled", driver, err)
 		}
 	}
+}
+
+// newPgxPool opens a pgx pool of size connections on url.
+func newPgxPool(t *testing.T, url string, size int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = size
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }
