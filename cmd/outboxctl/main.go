@@ -281,16 +281,17 @@ they lose nothing (the inbox skips what was handled already), and a drop refuses
 
 // noEmptyFlags refuses a flag given with an empty value. Left out, a filter picks everything
 // and a URL comes from its variable; given empty, as a script's unset variable gives it, it
-// must not do the same: --id "$ID" would turn a one-message action into one on all.
+// must not do the same: --id "$ID" would turn a one-message action into one on all. Blank is
+// empty too: --reason " " is in nearly every reason.
 func noEmptyFlags(cmd *cobra.Command) error {
 	var empty []string
 	cmd.Flags().Visit(func(f *pflag.Flag) {
-		if f.Value.Type() == "string" && f.Value.String() == "" {
+		if f.Value.Type() == "string" && strings.TrimSpace(f.Value.String()) == "" {
 			empty = append(empty, "--"+f.Name)
 		}
 	})
 	if len(empty) > 0 {
-		return usageError{fmt.Sprintf("%s given an empty value: leave it out, or give it one", strings.Join(empty, ", "))}
+		return usageError{fmt.Sprintf("%s given an empty or blank value: leave it out, or give it one", strings.Join(empty, ", "))}
 	}
 	return nil
 }

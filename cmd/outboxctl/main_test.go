@@ -189,6 +189,27 @@ func TestCommandLineMistakesExit2WithTheUsage(t *testing.T) {
 	}
 }
 
+// A flag given a blank value is refused as an empty one, by name, before anything is read or
+// changed: --reason " " is in nearly every reason, and --type " " would pick no type.
+func TestABlankFlagIsRefusedAsAnEmptyOne(t *testing.T) {
+	t.Parallel()
+	db, amqpURL, id := "postgres://127.0.0.1/x", testenv.AMQPURL(), uuid.NewString()
+	for _, c := range []struct {
+		flag string
+		args []string
+	}{
+		{"--reason", []string{"dlq", "redrive", "q", "--reason", " ", "--dry-run", "--amqp", amqpURL}},
+		{"--reason", []string{"dlq", "list", "q", "--reason", "\t", "--amqp", amqpURL}},
+		{"--type", []string{"dlq", "redrive", "q", "--type", "  ", "--yes", "--amqp", amqpURL}},
+		{"--type", []string{"retry", "--type", " ", "--yes", "--db", db}},
+		{"--id", []string{"retry", "--id", " ", "--db", db}},
+		{"--reason", []string{"outbox", "park", "--id", id, "--reason", " ", "--db", db}},
+		{"--consumer", []string{"inbox", "show", "--id", id, "--consumer", " ", "--db", db}},
+	} {
+		wantExit(t, exitUsage, c.args, c.flag+" given an empty or blank value")
+	}
+}
+
 // --help, of outboxctl and of each command, and the help command, print that command's help
 // on stdout and exit 0; the root's lists every command with its flags.
 func TestHelpOfEachCommand(t *testing.T) {

@@ -242,7 +242,7 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	}
 	if len(ids) > 1 {
 		if !yes && c.interactive {
-			if err := c.showOldest(ctx, db, f, len(ids)); err != nil {
+			if err := c.showOldest(ctx, db, ids); err != nil {
 				return err
 			}
 		}
@@ -304,21 +304,22 @@ func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID,
 	return err
 }
 
-// showOldest shows, before retry asks, the oldest of the n rows listed, then a count: a
+// showOldest shows, before retry asks, the oldest of the rows listed, ids, then a count: a
 // backlog of a type the broker refused for an hour is hundreds of thousands of rows, which no
-// one reads before answering.
-func (c *cli) showOldest(ctx context.Context, db messaging.DB, f messaging.OutboxFilter, n int) error {
+// one reads before answering. It reads those rows, not the rows waiting now: a row that began
+// to wait since the listing is not retried, so it must not be shown as if it were.
+func (c *cli) showOldest(ctx context.Context, db messaging.DB, ids []uuid.UUID) error {
 	ctx, cancel := context.WithTimeout(ctx, dbTimeout) // not what is left of the listing's
 	defer cancel()
-	f.Limit = min(n, shownBeforeAsking)
-	oldest, err := messaging.WaitingOutboxMessages(ctx, db, f)
+	shown := ids[:min(len(ids), shownBeforeAsking)]
+	oldest, err := messaging.ListedOutboxMessages(ctx, db, shown)
 	if err != nil {
 		return err
 	}
 	if err := printOutboxRows(c.err, oldest); err != nil {
 		return err
 	}
-	if more := n - len(oldest); more > 0 {
+	if more := len(ids) - len(shown); more > 0 {
 		fmt.Fprintf(c.err, "... and %d more (--dry-run lists them all)\n", more)
 	}
 	return nil

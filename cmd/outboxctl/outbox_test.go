@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"regexp"
@@ -362,6 +365,98 @@ func TestRetryLeavesRowsChangedWhileItAsked(t *testing.T) {
 	if parked := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND parked_at IS NOT NULL AND next_attempt_at = 'infinity'", ids[1]); parked != 1 {
 		t.Errorf("the row parked while retry asked was made due")
 	}
+}
+
+// What retry shows before it asks is the rows it listed, as they are now: a row that began to
+// wait out a backoff after the listing is not retried, so it is not shown either. The oldest
+// row, due when retry lists the rows, is made to wait before it reads the rows it shows.
+func TestRetryShowsTheRowsItListedBeforeItAsks(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 3)
+	fail(t, d.DB, ids[1], 2, "message nacked by the broker")
+	fail(t, d.DB, ids[2], 2, "message nacked by the broker")
+	// last_error: in what reads rows to show them, not in the listing of the ids.
+	dbURL := beforeFirstQueryWith(t, d, "last_error", func() {
+		if err := d.DB.Exec(`UPDATE outbox_messages SET attempts = 1, last_error = 'refused after the listing', next_attempt_at = now() + interval '1 hour' WHERE id = ?`, ids[0]).Error; err != nil {
+			t.Error(err)
+		}
+	})
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"retry", "--db", dbURL}, streams{in: strings.NewReader("y\n"), out: &stdout, err: &stderr, interactive: true})
+	if code != exitOK || strings.Contains(stderr.String(), ids[0].String()) ||
+		!strings.Contains(stderr.String(), ids[1].String()) || !strings.Contains(stderr.String(), ids[2].String()) {
+		t.Fatalf("retry with a row made to wait after the listing: exit %d, stderr %q; want 0, the two rows listed shown, not the other", code, stderr.String())
+	}
+	if isDue, attempts, lastError := due(t, d.DB, ids[0]); isDue || attempts != 1 || lastError != "refused after the listing" {
+		t.Errorf("the row made to wait after the listing: due %v, attempts %d, last error %q; want it waiting as the test left it", isDue, attempts, lastError)
+	}
+	for _, id := range ids[1:] {
+		if isDue, _, _ := due(t, d.DB, id); !isDue {
+			t.Errorf("row %s, listed and confirmed, is not due", id)
+		}
+	}
+}
+
+// beforeFirstQueryWith returns d's URL through a proxy that runs change once, before it passes
+// on the first bytes from a client that hold marker (part of a query's text): a change made
+// between two of a command's queries, whatever the timing. The proxy sees the queries as long
+// as the connection is not encrypted.
+func beforeFirstQueryWith(t *testing.T, d *testenv.Database, marker string, change func()) string {
+	t.Helper()
+	upstream := testenv.DatabaseHost(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	var once sync.Once
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return // closed: the test ended
+			}
+			server, err := net.Dial("tcp", upstream)
+			if err != nil {
+				_ = client.Close() // the command fails to connect, and says so
+				continue
+			}
+			go func() {
+				_, _ = io.Copy(client, server)
+				_ = client.Close()
+			}()
+			go func() {
+				defer server.Close()
+				buf, tail := make([]byte, 64<<10), []byte(nil)
+				for {
+					n, err := client.Read(buf)
+					if n > 0 {
+						// With the end of the last read: a marker split between two reads is seen.
+						seen := slices.Concat(tail, buf[:n])
+						if bytes.Contains(seen, []byte(marker)) {
+							once.Do(change)
+						}
+						tail = seen[max(0, len(seen)-len(marker)+1):]
+						if _, err := server.Write(buf[:n]); err != nil {
+							return
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	u, err := url.Parse(testenv.URLVia(t, d.URL, ln.Addr().String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("sslmode", "disable")
+	u.RawQuery = q.Encode()
+	return u.String()
 }
 
 // retry --id makes that row due and leaves the others; an id that names no unsent row, or a

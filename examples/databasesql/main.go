@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -42,7 +43,17 @@ func main() {
 }
 
 func run(ctx context.Context) error {
-	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	// Both, before anything is written: pgx takes an empty DATABASE_URL for a local default,
+	// and without AMQP_URL the start would fail only after the event was saved.
+	databaseURL, err := required("DATABASE_URL")
+	if err != nil {
+		return err
+	}
+	amqpURL, err := required("AMQP_URL")
+	if err != nil {
+		return err
+	}
+	db, err := sql.Open("pgx", databaseURL)
 	if err != nil {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
@@ -79,13 +90,13 @@ func run(ctx context.Context) error {
 	}
 
 	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "billing", Bindings: []messaging.Binding{orderPlaced.Binding()}}}}
-	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: os.Getenv("AMQP_URL"), Topology: topology})
+	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: amqpURL, Topology: topology})
 	defer pub.Close()
 	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: driver.DB(), Sender: pub, Exchange: orderPlaced.Exchange})
 	if err != nil {
 		return err
 	}
-	sub, err := messaging.NewSubscription(driver, messaging.SubscriptionConfig{Name: "billing", URL: os.Getenv("AMQP_URL"), Topology: topology})
+	sub, err := messaging.NewSubscription(driver, messaging.SubscriptionConfig{Name: "billing", URL: amqpURL, Topology: topology})
 	if err != nil {
 		return err
 	}
@@ -148,4 +159,14 @@ func runUntil(ctx context.Context, done <-chan struct{}, parts ...func(context.C
 		return nil
 	})
 	return g.Wait()
+}
+
+// required is the value of the environment variable name, or an error naming it if it is unset
+// or blank.
+func required(name string) (string, error) {
+	v := os.Getenv(name)
+	if strings.TrimSpace(v) == "" {
+		return "", fmt.Errorf("%s is required", name)
+	}
+	return v, nil
 }

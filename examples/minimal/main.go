@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -37,7 +38,17 @@ func main() {
 }
 
 func run(ctx context.Context) error {
-	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
+	// Both, before anything is written: pgx takes an empty DATABASE_URL for a local default,
+	// and without AMQP_URL the start would fail only after the event was saved.
+	databaseURL, err := required("DATABASE_URL")
+	if err != nil {
+		return err
+	}
+	amqpURL, err := required("AMQP_URL")
+	if err != nil {
+		return err
+	}
+	cfg, err := pgxpool.ParseConfig(databaseURL)
 	if err != nil {
 		return fmt.Errorf("DATABASE_URL: %w", err)
 	}
@@ -50,7 +61,7 @@ func run(ctx context.Context) error {
 		return fmt.Errorf("open the database: %w", err)
 	}
 	defer pool.Close()
-	db, amqpURL := pgxdriver.New(pool), os.Getenv("AMQP_URL")
+	db := pgxdriver.New(pool)
 	// A deadline: a migration stuck behind another replica's, or behind a long transaction on
 	// the tables, fails the start with its reason rather than hanging it.
 	mctx, cancelMigrations := context.WithTimeout(ctx, 2*time.Minute)
@@ -111,4 +122,14 @@ func runUntil(ctx context.Context, done <-chan struct{}, parts ...func(context.C
 		return nil
 	})
 	return g.Wait()
+}
+
+// required is the value of the environment variable name, or an error naming it if it is unset
+// or blank.
+func required(name string) (string, error) {
+	v := os.Getenv(name)
+	if strings.TrimSpace(v) == "" {
+		return "", fmt.Errorf("%s is required", name)
+	}
+	return v, nil
 }

@@ -129,6 +129,7 @@ func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
 		{"id not a UUID", "42", "", "", http.StatusBadRequest},
 		{"text body", id, "please", "text/plain", http.StatusUnsupportedMediaType},
 		{"body without a content type", id, `{"reason": "x"}`, "", http.StatusUnsupportedMediaType},
+		{"a charset other than UTF-8", id, `{"reason": "x"}`, "application/json; charset=utf-16", http.StatusUnsupportedMediaType},
 		{"malformed JSON", id, `{"reason": `, "application/json", http.StatusBadRequest},
 		{"unknown field", id, `{"why": "x"}`, "application/json", http.StatusBadRequest},
 		{"trailing data", id, `{} {}`, "application/json", http.StatusBadRequest},

@@ -33,8 +33,8 @@ func (a *api) routes(r chi.Router) {
 }
 
 func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
-	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
-		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json")
+	if !isJSON(r.Header.Get("Content-Type")) {
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json, in UTF-8 (a charset, if given, must be utf-8)")
 		return
 	}
 	if !unencoded(w, r) {
@@ -109,7 +109,7 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 	}
 	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
 	if !jsonOrNoBody(r.Header.Get("Content-Type"), body) {
-		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json")
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json, in UTF-8 (a charset, if given, must be utf-8)")
 		return
 	}
 	cmd, ok := readCommand(w, body, DecodeCancelOrder, "the cancellation is invalid")
@@ -157,8 +157,19 @@ func jsonOrNoBody(contentType string, body io.Reader) bool {
 		n, _ := body.Read(b[:])
 		return n == 0
 	}
-	mt, _, err := mime.ParseMediaType(contentType)
-	return err == nil && mt == "application/json"
+	return isJSON(contentType)
+}
+
+// isJSON reports whether contentType is application/json in UTF-8, the one encoding the service
+// decodes (RFC 8259, section 8.1): a body declared UTF-16 is refused for its type, not read as
+// malformed UTF-8. "utf8", unregistered but common, is taken for UTF-8.
+func isJSON(contentType string) bool {
+	mt, params, err := mime.ParseMediaType(contentType)
+	if err != nil || mt != "application/json" {
+		return false
+	}
+	charset, given := params["charset"]
+	return !given || strings.EqualFold(charset, "utf-8") || strings.EqualFold(charset, "utf8")
 }
 
 // readCommand decodes and validates a command, answering the problem itself when it cannot:

@@ -125,7 +125,8 @@ func (b *testBundle) counts(t *testing.T) [3]int64 {
 func TestPlaceOrderSavesOrderLinesAndEventTogether(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	resp, body := b.post(t, validBody, "application/json; charset=utf-8", "")
+	// A charset of UTF-8 is taken in any case, quoted or not; another is refused (415).
+	resp, body := b.post(t, validBody, `application/json; charset="UTF-8"`, "")
 	if resp.StatusCode != http.StatusCreated {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
@@ -220,6 +221,8 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"2 MiB behind an unknown field", `{"nope":1,"customer_id":"` + strings.Repeat("c", 2<<20) + `"}`, "application/json", 413},
 		{"text/plain", validBody, "text/plain", 415},
 		{"no content type", validBody, "", 415},
+		{"a charset other than UTF-8", validBody, "application/json; charset=utf-16", 415},
+		{"a charset other than UTF-8, in capitals", validBody, "application/json; charset=ISO-8859-1", 415},
 	}
 	// Ids that look empty, or like c-42 or SKU-1 without the invisible character, in either field.
 	for name, id := range map[string]string{
