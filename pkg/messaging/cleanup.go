@@ -48,9 +48,15 @@ const (
 // DeleteSentOutboxMessages deletes the rows sent more than olderThan ago, in batches of
 // [CleanupOptions.BatchSize] rows, each its own transaction, until none is left, and says how
 // many. Unsent rows are never deleted, however old. Only one runner at a time cleans a
-// database's outbox: a call that finds another one running returns at once, Skipped. A
-// cancelled ctx stops it between batches, or interrupts the current one, which then deletes
-// nothing; the result counts the batches committed before.
+// database's outbox: a call that finds another one running returns at once, Skipped.
+//
+// A cancelled ctx stops it between batches, or interrupts the current batch's DELETE, which
+// then deletes nothing. A batch whose DELETE is done commits all the same, given up to 2 s
+// past ctx's end, so that a batch done is not reported failed; past them its commit is
+// abandoned, and the error says the commit failed although its rows may have been deleted (the
+// next run deletes any left). Against a database that stops answering, the rollback and the
+// release of the cleanup's lock then take up to 2 s and 5 s more. The result counts the
+// batches committed before.
 //
 // It finds the rows through the primary key, by the time in their UUIDv7 ids ([Enqueue]
 // refuses any other version). A row whose id came from a clock ahead of the database's is
@@ -69,10 +75,11 @@ func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duratio
 }
 
 // DeleteInboxMessages deletes the inbox records older than olderThan, in batches, and says how
-// many; one runner at a time, like [DeleteSentOutboxMessages]. Keep records longer than any
-// duplicate can arrive (the relay's longest possible retry, the broker's redelivery window): a
-// message whose record is gone would be handled again. An olderThan of zero or less is an
-// error: it would delete every record.
+// many; one runner at a time, and stopped by a cancelled ctx, as [DeleteSentOutboxMessages]
+// is (a batch's commit given up to 2 s past ctx's end, then abandoned). Keep records longer
+// than any duplicate can arrive (the relay's longest possible retry, the broker's redelivery
+// window): a message whose record is gone would be handled again. An olderThan of zero or less
+// is an error: it would delete every record.
 func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
 	if olderThan <= 0 {
 		// An unset setting would delete every record, even that of a batch whose ack is yet to
@@ -139,12 +146,14 @@ func deleteInBatches(ctx context.Context, conn Conn, table string, olderThan tim
 }
 
 // runBatch runs one batch in a transaction of its own and returns its counts once committed.
-// A cancelled ctx interrupts the batch's statement, which then deletes nothing; but not its
-// commit: interrupted, a commit may have happened or not, and the rows counted would not be
-// the rows deleted.
+// A cancelled ctx interrupts the batch's statement, which then deletes nothing; its commit is
+// given settleWait more: interrupted at once, a commit may have happened or not, and the rows
+// counted would not be the rows deleted; never interrupted, one the database does not answer
+// would hold the caller's shutdown until TCP gives the connection up.
 func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next cleanupBatch) (picked, deleted int64, err error) {
-	uncancelled := context.WithoutCancel(ctx)
-	tx, err := conn.Begin(uncancelled)
+	txCtx, cancel := withGrace(ctx, settleWait)
+	defer cancel()
+	tx, err := conn.Begin(txCtx) // database/sql commits under the transaction's context
 	if err != nil {
 		return 0, 0, fmt.Errorf("begin: %w", err)
 	}
@@ -159,7 +168,7 @@ func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next 
 	if picked, deleted, err = next(ctx, tx, cutoff, limit); err != nil {
 		return 0, 0, err
 	}
-	if err := tx.Commit(uncancelled); err != nil {
+	if err := tx.Commit(txCtx); err != nil {
 		return 0, 0, fmt.Errorf("commit: %w", err)
 	}
 	return picked, deleted, nil

@@ -166,3 +166,57 @@ func (c *rollbackConn) Rollback(ctx context.Context) error {
 	return nil
 }
 func (c *rollbackConn) Close() {}
+
+// A cleanup batch whose commit is under way when the caller's context ends commits all the
+// same, for settleWait: interrupted at once, it might have deleted rows it reports not
+// deleted. But no longer: a database that stops answering would hold the caller's shutdown
+// until TCP gives the connection up.
+func TestACleanupCommitOutlivesItsContextBoundedly(t *testing.T) {
+	t.Parallel()
+	conn := &stuckCommitConn{committing: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := runBatch(ctx, conn, time.Now(), 10, func(context.Context, Executor, time.Time, int) (int64, int64, error) { return 1, 1, nil })
+		done <- err
+	}()
+	<-conn.committing
+	cancelled := time.Now()
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("runBatch = %v, want its commit ended by its context, not held by a database that does not answer", err)
+	}
+	if waited := conn.endedAt.Sub(cancelled); waited < settleWait {
+		t.Errorf("the commit was ended %s after the caller's context, want %s", waited, settleWait)
+	}
+	if conn.beginCtx.Err() == nil {
+		t.Error("the transaction's context, under which database/sql commits, outlived the commit's")
+	}
+}
+
+// stuckCommitConn is its own transaction, whose statements succeed and whose commit never
+// answers: it returns once its context ends, or, when none would end it, well after
+// settleWait.
+type stuckCommitConn struct {
+	Conn
+	beginCtx   context.Context
+	committing chan struct{}
+	endedAt    time.Time
+}
+
+func (c *stuckCommitConn) Begin(ctx context.Context) (TxExecutor, error) {
+	c.beginCtx = ctx
+	return c, nil
+}
+func (c *stuckCommitConn) Exec(context.Context, string, ...any) (int64, error) { return 0, nil }
+func (c *stuckCommitConn) Rollback(context.Context) error                      { return nil }
+func (c *stuckCommitConn) Commit(ctx context.Context) error {
+	close(c.committing)
+	select {
+	case <-ctx.Done():
+		c.endedAt = time.Now()
+		return ctx.Err()
+	case <-time.After(settleWait + 10*time.Second):
+		return errors.New("stuckCommitConn: the commit's context never ended")
+	}
+}

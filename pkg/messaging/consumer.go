@@ -654,6 +654,14 @@ const abandonMargin = rollbackWait + answerWait + time.Second
 // and the shutdown's own bounds (a service's hard stop) leave no time to spare.
 const stopMargin = rollbackWait + 500*time.Millisecond
 
+// The states of an attempt's goroutine, for consumer_attempts_abandoned to count each abandoned
+// one until it returns.
+const (
+	attemptRunning int32 = iota
+	attemptReturned
+	attemptAbandoned
+)
+
 // attempt runs the work of jobs once, within the handler timeout. An attempt still running
 // abandonMargin after its context ended (a handler or an after-commit hook that ignores its
 // context: a call without a timeout, a channel send) is abandoned: waited for, it would hold
@@ -664,15 +672,25 @@ func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 	ctx, cancel := context.WithTimeout(workCtx, c.cfg.HandlerTimeout)
 	defer cancel()
 	var committed atomic.Bool
+	var state atomic.Int32      // running, returned, or abandoned: which of the two ends came first
 	done := make(chan error, 1) // the abandoned goroutine's result, which nobody takes
-	go func() { done <- c.work.process(ctx, jobs, func() { committed.Store(true) }) }()
+	go func() {
+		done <- c.work.process(ctx, jobs, func() { committed.Store(true) })
+		if !state.CompareAndSwap(attemptRunning, attemptReturned) {
+			c.cfg.Metrics.addAbandoned(c.cfg.Queue, -1)
+		}
+	}()
 	var err error
 	select {
 	case err = <-done:
 	case <-ctx.Done():
 		var returned bool
 		if returned, err = waitPast(workCtx, done); !returned {
-			return c.abandon(workCtx, jobs, committed.Load(), ctx.Err())
+			if state.CompareAndSwap(attemptRunning, attemptAbandoned) {
+				c.cfg.Metrics.addAbandoned(c.cfg.Queue, 1)
+				return c.abandon(workCtx, jobs, committed.Load(), ctx.Err())
+			}
+			err = <-done // it returned just now: not abandoned after all
 		}
 	}
 	if IsPermanent(err) && !IsUnavailable(err) && ctx.Err() != nil && workCtx.Err() == nil {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -166,7 +168,8 @@ func TestAnAttemptCutOffByTheTimeoutLosesOnlyItsPermanentMark(t *testing.T) {
 // call without a timeout) is abandoned abandonMargin later, logged once with its message: a
 // failure, counted as any the timeout cut off. Waited for, it held its worker, and at the next
 // lost channel its session, for good. Stuck after its commit, in an after-commit hook, it is a
-// success: its work is done, and its message is to be acknowledged.
+// success: its work is done, and its message is to be acknowledged. consumer_attempts_abandoned
+// counts it until it returns.
 func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -183,7 +186,11 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 			stuck := make(chan struct{})
 			t.Cleanup(func() { close(stuck) })
 			var logs bytes.Buffer
-			c := &consumer{cfg: consumerConfig{HandlerTimeout: 50 * time.Millisecond, Propagator: propagatorOr(nil)},
+			metrics, err := NewMetrics(prometheus.NewRegistry(), "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := &consumer{cfg: consumerConfig{Queue: "q", HandlerTimeout: 50 * time.Millisecond, Propagator: propagatorOr(nil), Metrics: metrics},
 				log: slog.New(slog.NewTextHandler(&logs, nil)),
 				work: work{process: func(_ context.Context, _ []job, committed func()) error {
 					if tc.committed {
@@ -195,7 +202,6 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 			msg := Message{ID: uuid.New(), Type: "Placed"}
 			attempted := make(chan error, 1)
 			go func() { attempted <- c.attempt(context.Background(), []job{{msg: msg}}) }()
-			var err error
 			select {
 			case err = <-attempted:
 			case <-time.After(abandonMargin + 5*time.Second):
@@ -207,8 +213,29 @@ func TestAnAttemptThatDoesNotReturnIsAbandoned(t *testing.T) {
 			if n := strings.Count(logs.String(), tc.line); n != 1 || !strings.Contains(logs.String(), "message_id="+msg.ID.String()) {
 				t.Fatalf("want one line %q naming the message, got: %s", tc.line, logs.String())
 			}
+			if n := abandonedNow(t, metrics, "q"); n != 1 {
+				t.Fatalf("consumer_attempts_abandoned = %v while the attempt runs on; want 1", n)
+			}
+			stuck <- struct{}{} // it returns at last
+			deadline := time.Now().Add(5 * time.Second)
+			for abandonedNow(t, metrics, "q") != 0 {
+				if time.Now().After(deadline) {
+					t.Fatal("consumer_attempts_abandoned still counts the attempt after it returned")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
 		})
 	}
+}
+
+// abandonedNow reads consumer_attempts_abandoned of consumer.
+func abandonedNow(t *testing.T, m *Metrics, consumer string) float64 {
+	t.Helper()
+	var v dto.Metric
+	if err := m.abandoned.WithLabelValues(consumer).Write(&v); err != nil {
+		t.Fatal(err)
+	}
+	return v.GetGauge().GetValue()
 }
 
 // An attempt the shutdown calls off is given up stopMargin after, not abandonMargin: a service's

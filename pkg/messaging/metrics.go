@@ -25,6 +25,7 @@ type Metrics struct {
 	handled         *prometheus.HistogramVec
 	cleanupDeleted  *prometheus.CounterVec
 	eventAge        *prometheus.HistogramVec
+	abandoned       *prometheus.GaugeVec
 }
 
 // NewMetrics creates the collectors and registers them with reg, each name prefixed with
@@ -77,8 +78,14 @@ func NewMetrics(reg prometheus.Registerer, namespace string) (*Metrics, error) {
 			// threshold, which a quantile interpolated between 32 and 64 would miss both ways.
 			Buckets: slices.Sorted(slices.Values(append(prometheus.ExponentialBuckets(0.25, 2, 16), 60))),
 		}, []string{"consumer"}),
+		abandoned: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace,
+			Name:      "consumer_attempts_abandoned",
+			Help: "Attempts a consumer gave up on (a handler or after-commit hook that ignored its context) whose " +
+				"goroutine has not returned yet: each holds what it holds (a connection, memory) until it does.",
+		}, []string{"consumer"}),
 	}
-	return m, registerAll(reg, m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled, m.cleanupDeleted, m.eventAge)
+	return m, registerAll(reg, m.published, m.publishFailures, m.settled, m.duplicates, m.brokerUp, m.handled, m.cleanupDeleted, m.eventAge, m.abandoned)
 }
 
 // registerAll registers cs with reg, all or none.
@@ -126,6 +133,7 @@ func (m *Metrics) initSubscription(name string, types []string) {
 	}
 	m.duplicates.WithLabelValues(name)
 	m.eventAge.WithLabelValues(name)
+	m.abandoned.WithLabelValues(name)
 	for _, t := range types {
 		for _, outcome := range []string{handlerOK, handlerError, handlerPermanent} {
 			m.handled.WithLabelValues(name, t, outcome)
@@ -185,6 +193,13 @@ func (m *Metrics) recordEventAge(consumer string, msg Message, committed time.Ti
 func (m *Metrics) recordSettled(queue, outcome string) {
 	if m != nil {
 		m.settled.WithLabelValues(queue, outcome).Inc()
+	}
+}
+
+// addAbandoned counts an abandoned attempt that is still running (+1), or that returned at last (-1).
+func (m *Metrics) addAbandoned(consumer string, delta float64) {
+	if m != nil {
+		m.abandoned.WithLabelValues(consumer).Add(delta)
 	}
 }
 

@@ -37,9 +37,11 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
 // if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
 // an unpaired surrogate escape or a number beyond numeric's range, all of which
-// encoding/json's Valid lets through; an OccurredAt outside the years 1 to 9999; or if two of
-// msgs share an id. Checked before any statement, so that tx stays usable. An id stored
-// already (a message enqueued again) is found by the insert, whose failure aborts tx.
+// encoding/json's Valid lets through; an OccurredAt outside the years 1 to 9999; or if it
+// would be stored changed: invalid UTF-8 in its type, correlation id, trace context,
+// exchange, routing key, or a header's name or value; or if two of msgs share an id. Checked
+// before any statement, so that tx stays usable. An id stored already (a message enqueued
+// again) is found by the insert, whose failure aborts tx.
 //
 // The payload is stored as jsonb: consumers get the same JSON value, not the same bytes (jsonb
 // orders the keys, drops the whitespace and keeps the last of duplicate keys).
@@ -136,6 +138,10 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 // would fail and abort the caller's transaction, with every statement in it: Enqueue refuses
 // the message first, and the transaction goes on.
 func unstorable(m Message) string {
+	// Text without a NUL can still be stored changed: JSON, in which the rows are written,
+	// carries no invalid UTF-8, and each bad byte would become U+FFFD, three bytes, after the
+	// envelope's size was checked. Published elsewhere than asked, taken for another type, or
+	// past AMQP's 255 bytes and refused at every attempt.
 	for _, f := range [...]struct{ name, value string }{
 		{"type", m.Type}, {"correlation id", m.CorrelationID}, {"trace parent", m.TraceParent},
 		{"trace state", m.TraceState}, {"exchange", m.Exchange}, {"routing key", m.RoutingKey},
@@ -143,10 +149,6 @@ func unstorable(m Message) string {
 		if strings.IndexByte(f.value, 0) >= 0 {
 			return "its " + f.name + " holds a NUL character, which PostgreSQL's text cannot store"
 		}
-	}
-	// These would be stored with U+FFFD in place of each invalid byte, as JSON carries them:
-	// published elsewhere than asked, or taken for another type, or past AMQP's 255 bytes.
-	for _, f := range [...]struct{ name, value string }{{"type", m.Type}, {"exchange", m.Exchange}, {"routing key", m.RoutingKey}} {
 		if !utf8.ValidString(f.value) {
 			return "its " + f.name + " is not valid UTF-8, and would be stored changed"
 		}
@@ -157,6 +159,9 @@ func unstorable(m Message) string {
 		}
 		if !utf8.ValidString(k) {
 			return "its header " + strconv.Quote(k) + " has a name that is not valid UTF-8, and would be stored changed"
+		}
+		if !utf8.ValidString(v) {
+			return "its header " + strconv.Quote(k) + " has a value that is not valid UTF-8, and would be stored changed"
 		}
 	}
 	if why := jsonbRefusal(m.Payload); why != "" {
@@ -170,31 +175,18 @@ func unstorable(m Message) string {
 	return ""
 }
 
-// appendJSONString appends s as a JSON string; invalid UTF-8 becomes U+FFFD, as
-// encoding/json writes it.
+// appendJSONString appends s, valid UTF-8 (unstorable refuses any other), as a JSON string.
 func appendJSONString(b []byte, s string) []byte {
 	const hex = "0123456789abcdef"
 	b = append(b, '"')
-	for i := 0; i < len(s); {
-		c := s[i]
-		switch {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
 		case c == '"' || c == '\\':
 			b = append(b, '\\', c)
-			i++
 		case c < 0x20:
 			b = append(b, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
-			i++
-		case c < utf8.RuneSelf:
-			b = append(b, c)
-			i++
 		default:
-			r, size := utf8.DecodeRuneInString(s[i:])
-			if r == utf8.RuneError && size == 1 {
-				b = append(b, `\ufffd`...)
-			} else {
-				b = append(b, s[i:i+size]...)
-			}
-			i += size
+			b = append(b, c)
 		}
 	}
 	return append(b, '"')

@@ -396,9 +396,13 @@ type pubSession struct {
 	// whose it is: a window abandoned to a block could take the return of the same row
 	// published again after it, which would then count as sent.
 	unsettled map[uuid.UUID]bool
-	// closes says why the broker closed ch; closeErr keeps it once read.
-	closes   chan *amqp.Error
-	closeErr *amqp.Error
+	// closes says why the broker closed ch; closeErr keeps it once read, and closeAwaited
+	// says closeReason waited for it. closeMu guards them, held over that wait, whose outcome
+	// every caller needs.
+	closeMu      sync.Mutex
+	closes       chan *amqp.Error
+	closeErr     *amqp.Error
+	closeAwaited bool
 
 	// exchanges holds the exchanges known to exist on this connection, checked before the first
 	// publish to each: a publish to a missing one would close the channel, and with it every
@@ -631,16 +635,25 @@ func (s *pubSession) closedVerdict(m Message) error {
 	return unavailable("channel closed before the confirm")
 }
 
+// closeWait bounds closeReason's wait for the reason of a closed channel. The client hands it
+// over, or closes closes without one, as soon as it has marked the channel closed.
+const closeWait = time.Second
+
 // closeReason is why the broker closed the channel; nil if it did not (the client closed it),
-// or has not said yet.
+// or the channel is open. The client marks a channel closed before it hands over the broker's
+// reason: a publish or a confirm failing in between would find none and be taken for an
+// outage, so the reason of a closed channel is waited for, once, closeWait at most.
 func (s *pubSession) closeReason() *amqp.Error {
-	s.returnsMu.Lock()
-	defer s.returnsMu.Unlock()
-	if s.closeErr == nil {
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if s.closeErr == nil && !s.closeAwaited && s.ch.IsClosed() {
+		t := time.NewTimer(closeWait)
+		defer t.Stop()
 		select {
 		case s.closeErr = <-s.closes:
-		default:
+		case <-t.C:
 		}
+		s.closeAwaited = true
 	}
 	return s.closeErr
 }

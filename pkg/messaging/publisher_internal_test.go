@@ -354,3 +354,36 @@ func TestAMissingExchangeIsChargedUnlessTheNextConnectionDeclaresIt(t *testing.T
 		}
 	}
 }
+
+// The client marks a channel closed before it hands over the broker's reason. A publish or a
+// confirm that fails in between is judged by that reason all the same: without it, a message
+// the broker refused would be taken for an outage, and the relay would pause and redial.
+func TestAClosedChannelsReasonIsAwaited(t *testing.T) {
+	t.Parallel()
+	s := testSession(t)
+	late := make(chan *amqp.Error, 1)
+	s.closes = late // the reason comes on this one, late; the client's own it closes at once
+	if err := s.ch.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// The hand-over the client makes after marking the channel closed, made late.
+	time.AfterFunc(100*time.Millisecond, func() {
+		late <- &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no exchange 'gone' in vhost '/'"}
+	})
+	if err := s.closedVerdict(Message{Exchange: "gone"}); !errors.Is(err, ErrNoExchange) {
+		t.Fatalf("verdict on a message to the exchange the channel closed for = %v, want ErrNoExchange", err)
+	}
+
+	// A channel the client closed, which has no reason, answers at once.
+	s = testSession(t)
+	if err := s.ch.Close(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if reason := s.closeReason(); reason != nil {
+		t.Fatalf("reason of a channel the client closed = %v, want none", reason)
+	}
+	if took := time.Since(start); took >= closeWait {
+		t.Errorf("the reason of a channel the client closed took %s, want it at once", took)
+	}
+}

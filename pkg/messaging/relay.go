@@ -213,7 +213,8 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			continue
 		}
 		started := time.Now()
-		res, err := r.ProcessBatch(ctx)
+		s, err := r.processBatch(ctx)
+		res := s.res
 		switch {
 		case ctx.Err() != nil:
 			return
@@ -232,7 +233,10 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// Nor does it see the broker go: the outage begins now, not at the next row.
 			r.awaitBroker(ctx, 1)
 		default:
-			if res.Claimed > 0 { // an empty claim never reached the broker
+			// Only rows given to the Sender heard from the broker: not an empty claim, nor one
+			// of rows that could not be read, which a Sender without a probe would take for
+			// the broker's return.
+			if s.published {
 				r.brokerUp(ctx, started)
 			}
 			switch {
@@ -250,10 +254,12 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	}
 }
 
-// settleWait is how long a batch's transaction outlives the wait for its confirms, ended by
-// the shutdown grace: time for the few statements that record what the broker confirmed, and
-// the commit. Ended with the wait, the transaction (which database/sql rolls back when its
-// context ends) took the confirmed rows with it, to be sent again at the next start.
+// settleWait is how long a transaction outlives the context of the work it records, to record
+// it and commit: a relay batch's, the wait for its confirms, ended by the shutdown grace (ended
+// with the wait, the transaction, which database/sql rolls back when its context ends, took the
+// confirmed rows with it, to be sent again at the next start); a cleanup batch's, its caller's
+// (see runBatch). Bounded: a database that stops answering would hold the shutdown until TCP
+// gives the connection up.
 const settleWait = 2 * time.Second
 
 // ProcessBatch claims, publishes and settles one batch of due rows in one transaction. When
@@ -261,19 +267,30 @@ const settleWait = 2 * time.Second
 // settled and committed, those rows stay due, and the error says why; but not when the broker
 // is there, and closed the channel for another row's refusal: those rows, counted in Unsent,
 // go at the next batch.
+//
+// It outlives ctx: a batch under way when ctx ends waits up to [RelayConfig.ShutdownGrace] more
+// for the broker's confirms, then up to 2 s more to record them and commit, and, if that
+// fails, up to 2 s more for the rollback. Cut off with ctx, a batch would leave rows the
+// broker took unmarked, sent again at the next start.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
+	s, err := r.processBatch(parent)
+	return s.res, err
+}
+
+// processBatch is ProcessBatch, returning the whole settlement: a lane also asks whether the
+// batch reached the Sender.
+func (r *Relay) processBatch(parent context.Context) (settlement, error) {
 	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
 	defer cancel()
 	txCtx, cancelTx := withGrace(ctx, settleWait)
 	defer cancelTx()
 
-	var s settlement
 	s, err := r.batch(txCtx, ctx)
 	if err != nil {
-		return BatchResult{Claimed: s.res.Claimed}, err
+		return settlement{res: BatchResult{Claimed: s.res.Claimed}}, err
 	}
 	r.report(ctx, s)
-	return s.res, s.brokerErr
+	return s, s.brokerErr
 }
 
 // batch is ProcessBatch's transaction: claim, publish, settle, commit. The transaction's
@@ -294,13 +311,14 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 	if err != nil || len(msgs) == 0 {
 		return settlement{}, err
 	}
-	verdicts, err := r.publish(publishCtx, msgs, unreadable)
+	verdicts, published, err := r.publish(publishCtx, msgs, unreadable)
 	if err != nil {
 		return settlement{res: BatchResult{Claimed: len(msgs)}}, err
 	}
 	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
 		return s, err
 	}
+	s.published = published
 	if err := tx.Commit(ctx); err != nil {
 		return s, fmt.Errorf("commit outbox batch: %w", err)
 	}
@@ -308,12 +326,13 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 	return s, nil
 }
 
-// publish sends the messages and returns their verdicts. A row that could not be read as a
-// message is not sent, and the reason is its verdict: backed off like any refused row, it
-// cannot head every claim and hold up the rows behind it. A Sender that answers for a
-// different number of messages than it was given is an error: no verdict can be matched to
-// its row, so the batch is rolled back and every row stays due, its attempts untouched.
-func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) ([]error, error) {
+// publish sends the messages and returns their verdicts, and whether it gave the Sender any. A
+// row that could not be read as a message is not sent, and the reason is its verdict: backed
+// off like any refused row, it cannot head every claim and hold up the rows behind it. A
+// Sender that answers for a different number of messages than it was given is an error: no
+// verdict can be matched to its row, so the batch is rolled back and every row stays due, its
+// attempts untouched.
+func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) (verdicts []error, published bool, err error) {
 	send, at := msgs, []int(nil)
 	if unreadable != nil {
 		send = make([]Message, 0, len(msgs))
@@ -323,25 +342,25 @@ func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error)
 			}
 		}
 	}
-	var verdicts []error
-	if len(send) > 0 {
+	published = len(send) > 0
+	if published {
 		spans := r.startPublishSpans(ctx, send)
 		verdicts = r.cfg.Sender.Publish(ctx, send)
 		if len(verdicts) != len(send) {
 			err := fmt.Errorf("relay: the Sender gave %d verdicts for %d messages", len(verdicts), len(send))
 			endPublishSpans(spans, slices.Repeat([]error{err}, len(send)))
-			return nil, err
+			return nil, published, err
 		}
 		endPublishSpans(spans, verdicts)
 	}
 	if unreadable == nil {
-		return verdicts, nil
+		return verdicts, published, nil
 	}
 	for j, i := range at {
 		unreadable[i] = verdicts[j]
 		msgs[i] = send[j] // with the publish span's trace context, which its lines are logged in
 	}
-	return unreadable, nil
+	return unreadable, published, nil
 }
 
 // claim locks the oldest due rows, up to a batch, and returns them as the messages to publish
@@ -478,6 +497,7 @@ type settlement struct {
 	sentTypes []string
 	failures  []failure
 	brokerErr error
+	published bool // some row went to the Sender, whose verdicts say whether the broker answers
 }
 
 type failure struct {

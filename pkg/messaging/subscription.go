@@ -154,7 +154,8 @@ type SubscriptionConfig struct {
 	// is abandoned, logged at error level ("handler did not return within its timeout"): its
 	// transaction, begun under ctx, cannot commit (database/sql's ends once a statement
 	// running on it returns), its message counts a failed attempt (an outage, if the database
-	// does not answer), and its goroutine is left blocked. Default [DefaultHandlerTimeout].
+	// does not answer), and its goroutine is left blocked, counted in the gauge
+	// consumer_attempts_abandoned until it returns. Default [DefaultHandlerTimeout].
 	HandlerTimeout time.Duration
 	// Retries is how many times a failing message is tried on each delivery before it goes back
 	// to the queue, which hands it straight back: nothing waits a failure out. With the

@@ -183,9 +183,10 @@ func TestEnqueueRejectsEnvelopesAMQPCannotCarry(t *testing.T) {
 // PostgreSQL cannot store everything a Message can hold: a NUL character in text or jsonb, and
 // in jsonb an unpaired surrogate, invalid UTF-8 or a number beyond numeric's range, which
 // encoding/json's Valid all lets through; nor an occurred-at time outside the years 1 to
-// 9999, nor two rows of one id; and what it would store changed, invalid UTF-8 in a type, an
-// exchange, a routing key or a header's name. Enqueue refuses such a message, saying what, before any
-// statement: the caller's transaction is not aborted, and its other work and messages commit.
+// 9999, nor two rows of one id; and what it would store changed, invalid UTF-8 in any text
+// (the rows travel as JSON, which carries each bad byte as U+FFFD). Enqueue refuses such a
+// message, saying what, before any statement: the caller's transaction is not aborted, and its
+// other work and messages commit.
 // A payload with an escaped backslash before u0000 holds no NUL and is stored.
 func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testing.T) {
 	t.Parallel()
@@ -209,11 +210,22 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 		{func(m *messaging.Message) { m.RoutingKey = strings.Repeat("k", 254) + "\xff" }, "its routing key is not valid UTF-8"},
 		{func(m *messaging.Message) { m.Exchange = "orders\xff" }, "its exchange is not valid UTF-8"},
 		{func(m *messaging.Message) { m.Headers = map[string]string{"ten\xffant": "a"} }, "has a name that is not valid UTF-8"},
+		// Within AMQP's 255 bytes as given, past them as stored: each bad byte becomes U+FFFD.
+		{func(m *messaging.Message) { m.CorrelationID = strings.Repeat("\xff", 100) }, "its correlation id is not valid UTF-8"},
+		{func(m *messaging.Message) {
+			m.TraceParent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\xff"
+		}, "its trace parent is not valid UTF-8"},
+		{func(m *messaging.Message) {
+			m.TraceParent, m.TraceState = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "vendor=\xff"
+		}, "its trace state is not valid UTF-8"},
+		{func(m *messaging.Message) { m.Headers = map[string]string{"tenant": "a\xffb"} }, `its header "tenant" has a value that is not valid UTF-8`},
 		{func(m *messaging.Message) { m.OccurredAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) }, "in the year 10000, outside the years 1 to 9999"},
 		{func(m *messaging.Message) { m.OccurredAt = time.Date(0, 12, 31, 0, 0, 0, 0, time.UTC) }, "in the year 0, outside the years 1 to 9999"},
 	}
 	kept := newMessage(t, 0)
 	kept.Payload = []byte(`{"path":"C:\\u0000","n":1e131071}`)
+	kept.CorrelationID = "Zürich \"北\"\t\\ 😀"
+	kept.Headers = map[string]string{"città": kept.CorrelationID}
 	err := db.Transaction(func(tx *gorm.DB) error {
 		if err := tx.Exec("INSERT INTO orders (id) VALUES (?)", kept.ID).Error; err != nil {
 			return err
@@ -240,6 +252,11 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 	var path string
 	if err := db.Raw("SELECT payload->>'path' FROM outbox_messages WHERE id = ?", kept.ID).Scan(&path).Error; err != nil || path != `C:\u0000` {
 		t.Errorf("stored payload path = %q (%v), want C:\\u0000 as text", path, err)
+	}
+	var correlationID, header string
+	if err := db.Raw("SELECT correlation_id, headers->>'città' FROM outbox_messages WHERE id = ?", kept.ID).Row().Scan(&correlationID, &header); err != nil ||
+		correlationID != kept.CorrelationID || header != kept.CorrelationID {
+		t.Errorf("stored correlation id %q and header %q (%v), want both %q", correlationID, header, err, kept.CorrelationID)
 	}
 	if n := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); n != 1 {
 		t.Errorf("outbox rows = %d, want 1 (the message PostgreSQL can store)", n)
