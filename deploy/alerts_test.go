@@ -324,3 +324,75 @@ func TestLiveAlertsDocumented(t *testing.T) {
 		t.Errorf("docs/testing.md's TestAlertsOnRealFaults item names the alerts %v; e2e/alerts_test.go waits for %v", got, live)
 	}
 }
+
+// unwatched are the metrics docs/operations.md documents that no alert reads and no panel of
+// the dashboard shows, each with why.
+var unwatched = map[string]string{
+	"outbox_cleanup_deleted_total":            "housekeeping: the rows it counts were sent long ago, and nothing waits on them",
+	"notification_oldest_pending_age_seconds": "notification_pending has the panel; NotificationSenderStalled's runbook reads the age",
+}
+
+// Every metric the Metrics section of docs/operations.md documents is read by an alert or
+// shown on the dashboard, or is in unwatched with the reason: a metric documented for the
+// operator is one an operator can see.
+func TestDocumentedMetricsWatched(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "operations.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(doc), "\n## Metrics\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	known := knownMetrics(t)
+	var documented []string
+	for _, m := range regexp.MustCompile("`([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\\{[^`}]*\\})?`").FindAllStringSubmatch(section, -1) {
+		if known[m[1]] && !slices.Contains(documented, m[1]) {
+			documented = append(documented, m[1])
+		}
+	}
+	if len(documented) < 15 {
+		t.Fatalf("docs/operations.md's Metrics section documents %v; has the section changed?", documented)
+	}
+
+	read := map[string]bool{}
+	var rules alertRules
+	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			for _, m := range metricNames(r.Expr) {
+				read[m] = true
+			}
+		}
+	}
+	raw, err := os.ReadFile(filepath.Join(root, "deploy/grafana/dashboards/outbox-inbox.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d dashboard
+	if err := json.Unmarshal(raw, &d); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range allPanels(d.Panels) {
+		for _, q := range p.Targets {
+			for _, m := range metricNames(q.Expr) {
+				read[m] = true
+			}
+		}
+	}
+
+	for _, m := range documented {
+		seen := read[m] || read[m+"_bucket"] || read[m+"_count"] || read[m+"_sum"]
+		why, exempt := unwatched[m]
+		switch {
+		case !seen && !exempt:
+			t.Errorf("docs/operations.md documents %s, which no alert reads and no panel shows: add a panel, or say why not in unwatched", m)
+		case seen && exempt:
+			t.Errorf("%s is read by an alert or a panel, yet unwatched says %q: remove it from there", m, why)
+		}
+	}
+	for m := range unwatched {
+		if !slices.Contains(documented, m) {
+			t.Errorf("unwatched names %s, which docs/operations.md's Metrics section does not document", m)
+		}
+	}
+}

@@ -886,6 +886,67 @@ func checkResources(t *testing.T, c corev1.Container) {
 	}
 }
 
+// Every container of the Deployments is a Go binary (the services, kubectl): wherever one has
+// a memory limit, GOMEMLIMIT sets the Go runtime's soft limit under it, so that the runtime
+// collects harder as it nears the limit instead of being killed there. 85-95 % of it: the Go GC
+// guide's headroom for memory the runtime does not count, and no less, or the runtime would
+// work hard on memory the container may still use. Written out, it must follow the limit when
+// that changes.
+func TestK8sGoMemoryLimit(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	if len(m.deployments) == 0 {
+		t.Fatal("no Deployments")
+	}
+	for name, d := range m.deployments {
+		spec := d.Spec.Template.Spec
+		for _, c := range slices.Concat(spec.InitContainers, spec.Containers) {
+			limit, ok := c.Resources.Limits[corev1.ResourceMemory]
+			if !ok {
+				continue
+			}
+			v, set := containerEnv(t, m, c)["GOMEMLIMIT"]
+			soft, valid := goMemLimit(v)
+			switch {
+			case !set:
+				t.Errorf("Deployment %s, container %s: a memory limit of %s and no GOMEMLIMIT", name, c.Name, limit.String())
+			case !valid:
+				t.Errorf("Deployment %s, container %s: GOMEMLIMIT=%q, not a limit the Go runtime reads (a whole number of bytes, or of B, KiB, MiB, GiB or TiB)", name, c.Name, v)
+			case float64(soft) < 0.85*float64(limit.Value()) || float64(soft) > 0.95*float64(limit.Value()):
+				t.Errorf("Deployment %s, container %s: GOMEMLIMIT=%s is %.0f %% of the memory limit %s, want 85-95 %%", name, c.Name, v, 100*float64(soft)/float64(limit.Value()), limit.String())
+			}
+		}
+	}
+}
+
+// goMemLimit parses a GOMEMLIMIT value as the Go runtime does: a whole number of bytes, with
+// an optional unit B, KiB, MiB, GiB or TiB.
+func goMemLimit(v string) (int64, bool) {
+	units := map[string]int64{"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+	unit := strings.TrimLeft(v, "0123456789")
+	n, err := strconv.ParseInt(strings.TrimSuffix(v, unit), 10, 64)
+	scale, ok := units[unit]
+	if err != nil || !ok {
+		return 0, false
+	}
+	return n * scale, true
+}
+
+// goMemLimit must refuse what the Go runtime refuses: Kubernetes's units (Mi) crash it at start.
+func TestGoMemLimitParser(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]int64{"115MiB": 115 << 20, "134217728": 134217728, "2GiB": 2 << 30, "64KiB": 64 << 10, "5B": 5} {
+		if got, ok := goMemLimit(v); !ok || got != want {
+			t.Errorf("goMemLimit(%q) = %d, %v; want %d", v, got, ok, want)
+		}
+	}
+	for _, v := range []string{"", "115Mi", "115M", "1.5GiB", "+5MiB", "-1", "MiB", "off"} {
+		if got, ok := goMemLimit(v); ok {
+			t.Errorf("goMemLimit(%q) = %d, want refused", v, got)
+		}
+	}
+}
+
 // The environment the ConfigMap and Secret give each service passes the service's own config
 // readers, and names only variables the service, or its OpenTelemetry exporter (libraryVars),
 // reads.

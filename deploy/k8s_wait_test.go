@@ -17,7 +17,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	"k8s.io/apimachinery/pkg/labels"
 )
 
 // topologyWaiter is the service whose pods wait for the topology: its events start from its
@@ -30,7 +29,7 @@ const topologyWaiter = "order"
 const serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 // topologyResources are the resource names, group included, of the topology operator's kinds
-// in rabbitmq-topology.yaml.
+// in rabbitmq-topology.yaml: Exchange, Queue and Binding, in that order.
 var topologyResources = []string{"exchanges.rabbitmq.com", "queues.rabbitmq.com", "bindings.rabbitmq.com"}
 
 func TestK8sOrderWaitsForTopology(t *testing.T) {
@@ -59,37 +58,41 @@ func TestK8sOrderWaitsForTopology(t *testing.T) {
 		t.Errorf("command = %q: the image's entrypoint is kubectl, give its arguments in args", wait.Command)
 	}
 
-	// kubectl wait --for=condition=Ready on every exchange, queue and binding of the topology.
+	// kubectl wait --for=condition=Ready on every exchange, queue and binding of the topology,
+	// each by name: a name not found fails the wait, where a selector, listed once when kubectl
+	// starts, would pass over the resources `kubectl apply -k` had not created yet.
 	w := parseKubectlWait(t, wait.Args)
 	if w.condition != "condition=Ready" && !strings.EqualFold(w.condition, "condition=Ready=true") {
 		t.Errorf("--for=%s, want condition=Ready", w.condition)
 	}
-	if got := slices.Sorted(slices.Values(w.resources)); !slices.Equal(got, slices.Sorted(slices.Values(topologyResources))) {
-		t.Errorf("waits for %v, want %v", w.resources, topologyResources)
-	}
 	if w.timeout < 5*time.Minute {
 		t.Errorf("--timeout=%s, want at least 5m: a fresh cluster starts RabbitMQ first, then the operator declares", w.timeout)
-	}
-	sel, err := labels.Parse(w.selector)
-	if err != nil || sel.Empty() {
-		t.Fatalf("--selector=%q: want a label selector (%v)", w.selector, err)
 	}
 	if len(m.exchanges) == 0 || len(m.queues) == 0 || len(m.bindings) == 0 {
 		t.Fatalf("%d exchanges, %d queues, %d bindings: the topology is missing", len(m.exchanges), len(m.queues), len(m.bindings))
 	}
-	selected := func(kind, name string, l map[string]string) {
-		if !sel.Matches(labels.Set(l)) {
-			t.Errorf("%s %s (labels %v) is not selected by %q: the wait would not wait for it", kind, name, l, w.selector)
-		}
-	}
+	var topology []string
 	for _, x := range m.exchanges {
-		selected("Exchange", x.Metadata.Name, x.Metadata.Labels)
+		topology = append(topology, topologyResources[0]+"/"+x.Metadata.Name)
 	}
 	for _, q := range m.queues {
-		selected("Queue", q.Metadata.Name, q.Metadata.Labels)
+		topology = append(topology, topologyResources[1]+"/"+q.Metadata.Name)
 	}
 	for _, b := range m.bindings {
-		selected("Binding", b.Metadata.Name, b.Metadata.Labels)
+		topology = append(topology, topologyResources[2]+"/"+b.Metadata.Name)
+	}
+	for _, r := range topology {
+		if !slices.Contains(w.resources, r) {
+			t.Errorf("the wait does not name %s: order may start before it exists", r)
+		}
+	}
+	for i, r := range w.resources {
+		if !slices.Contains(topology, r) {
+			t.Errorf("the wait names %s, which the manifests do not declare: it would never succeed", r)
+		}
+		if slices.Contains(w.resources[:i], r) {
+			t.Errorf("the wait names %s twice", r)
+		}
 	}
 
 	// Its ServiceAccount may read those resources, nothing else.
@@ -121,7 +124,7 @@ func TestK8sOrderWaitsForTopology(t *testing.T) {
 		}
 		for _, rule := range role.Rules {
 			if len(rule.ResourceNames) > 0 || len(rule.NonResourceURLs) > 0 {
-				t.Errorf("Role %s: rule %+v names resources or URLs; kubectl wait lists and watches by label", role.Name, rule)
+				t.Errorf("Role %s: rule %+v names resources or URLs, which this test does not hold to the wait's names; grant the kinds", role.Name, rule)
 			}
 			for _, g := range rule.APIGroups {
 				for _, r := range rule.Resources {
@@ -215,33 +218,31 @@ func bindsAccount(s rbacv1.Subject, account string) bool {
 
 // kubectlWait is what a kubectl wait command line asks.
 type kubectlWait struct {
-	resources []string
-	condition string // --for
-	selector  string
+	resources []string // TYPE/NAME, as written
+	condition string   // --for
 	timeout   time.Duration
 }
 
-// parseKubectlWait reads args, kubectl's arguments, as kubectl wait TYPE[,TYPE…] with --for,
-// --selector (-l) and --timeout, each once; any other flag fails the test, since it could
-// change what is waited for (--all, --namespace, --field-selector).
+// parseKubectlWait reads args, kubectl's arguments, as kubectl wait TYPE/NAME… with --for and
+// --timeout, each once; any other flag fails the test, since it could change what is waited
+// for (--selector, --all, --namespace, --field-selector), and so does a TYPE without a NAME.
 func parseKubectlWait(t *testing.T, args []string) kubectlWait {
 	t.Helper()
 	if len(args) == 0 || args[0] != "wait" {
 		t.Fatalf("args = %q, want kubectl wait …", args)
 	}
 	var w kubectlWait
-	var types []string
 	seen := map[string]bool{}
 	for i := 1; i < len(args); i++ {
 		a := args[i]
 		if !strings.HasPrefix(a, "-") {
-			types = append(types, a)
+			if kind, name, ok := strings.Cut(a, "/"); !ok || kind == "" || name == "" || strings.Contains(kind, ",") {
+				t.Errorf("args: %q, want TYPE/NAME: a type alone waits for what exists when kubectl starts", a)
+			}
+			w.resources = append(w.resources, a)
 			continue
 		}
 		name, value, inline := strings.Cut(strings.TrimLeft(a, "-"), "=")
-		if name == "l" {
-			name = "selector"
-		}
 		if !inline && i+1 < len(args) {
 			i++
 			value = args[i]
@@ -253,8 +254,6 @@ func parseKubectlWait(t *testing.T, args []string) kubectlWait {
 		switch name {
 		case "for":
 			w.condition = value
-		case "selector":
-			w.selector = value
 		case "timeout":
 			d, err := time.ParseDuration(value)
 			if err != nil {
@@ -265,10 +264,9 @@ func parseKubectlWait(t *testing.T, args []string) kubectlWait {
 			t.Errorf("args: %s, a flag this test does not check", a)
 		}
 	}
-	if len(types) != 1 {
-		t.Fatalf("args name %q, want one comma-separated list of resource types", types)
+	if len(w.resources) == 0 {
+		t.Fatal("args name no resource to wait for")
 	}
-	w.resources = strings.Split(types[0], ",")
 	return w
 }
 

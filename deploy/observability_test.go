@@ -41,11 +41,14 @@ var libraryVars = []string{
 // set one would not start.
 var refusedVars = []string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 
-// settable is what a deployment may give service svc: what it reads and its libraries read,
-// less refusedVars.
+// runtimeVars are the Go runtime's variables a deployment may set.
+var runtimeVars = []string{"GOMEMLIMIT"}
+
+// settable is what a deployment may give service svc: what it reads, its libraries and the Go
+// runtime read, less refusedVars.
 func settable(t *testing.T, svc string) []string {
 	t.Helper()
-	return slices.DeleteFunc(slices.Concat(readVars(t, svc), libraryVars), func(v string) bool { return slices.Contains(refusedVars, v) })
+	return slices.DeleteFunc(slices.Concat(readVars(t, svc), libraryVars, runtimeVars), func(v string) bool { return slices.Contains(refusedVars, v) })
 }
 
 // ignoredOTELVars are standard OpenTelemetry variables that internal/platform/tracing.go
