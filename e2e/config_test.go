@@ -54,7 +54,7 @@ func TestConfigurationErrorsNameTheVariable(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		cmd := exec.CommandContext(ctx, filepath.Join(binDir, c.service))
 		cmd.Env = env
-		out, err := cmd.CombinedOutput()
+		out, err := systest.CombinedOutput(cmd)
 		cancel()
 		text := strings.TrimSpace(string(out))
 		var exit *exec.ExitError
@@ -88,16 +88,15 @@ func TestASignalWhileWaitingForTheDatabaseExitsCleanly(t *testing.T) {
 
 // sigtermExitsZero starts cmd and, once ready (given its output so far) says it is under way,
 // which it must within readyIn, sends it SIGTERM and wants exit status 0 within exitIn. The
-// process is killed when the test ends, whatever happened.
+// process is killed when the test ends, whatever happened, and dies with the test binary.
 func sigtermExitsZero(t *testing.T, cmd *exec.Cmd, readyIn, exitIn time.Duration, what string, ready func(out string) bool) {
 	t.Helper()
 	out := new(testenv.Logs) // written by exec's copying goroutine, read here
 	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
+	exited, err := systest.StartProcess(cmd)
+	if err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 	name := filepath.Base(cmd.Path)
 	testenv.Eventually(t, readyIn, func() bool { return ready(out.String()) }, "%s: not under way (%s):\n%s", name, what, out)

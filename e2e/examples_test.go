@@ -66,7 +66,7 @@ func TestExamplesHandleTheirEventOnceAndExit(t *testing.T) {
 			defer cancel()
 			cmd := exec.CommandContext(ctx, bin)
 			cmd.Env = append(cmd.Environ(), "DATABASE_URL="+db.URL, "AMQP_URL="+exampleVhost(t))
-			out, err := cmd.CombinedOutput()
+			out, err := systest.CombinedOutput(cmd)
 			if err != nil {
 				t.Fatalf("examples/%s: %v\n%s", c.name, err, out)
 			}

@@ -187,12 +187,14 @@ func startPrometheus(t *testing.T, s *systest.System) *livePrometheus {
 	cmd := exec.Command(bin, "--config.file="+config, "--storage.tsdb.path="+filepath.Join(dir, "data"),
 		"--web.listen-address="+addr, "--log.level=warn")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", bin, err)
+	// Tied to the test binary: no Prometheus outlives one killed or timed out.
+	exited, err := systest.StartProcess(cmd)
+	if err != nil {
+		t.Fatal(err)
 	}
 	done := make(chan struct{})
 	var exitErr error
-	go func() { exitErr = cmd.Wait(); logFile.Close(); close(done) }()
+	go func() { exitErr = <-exited; logFile.Close(); close(done) }()
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {

@@ -4,6 +4,6 @@ package systest
 
 import "os/exec"
 
-// dieWithTest does nothing: Pdeathsig is Linux's. Elsewhere a service outlives a test binary
+// dieWithTest does nothing: Pdeathsig is Linux's. Elsewhere a process outlives a test binary
 // killed before its cleanups ran.
 func dieWithTest(*exec.Cmd) {}

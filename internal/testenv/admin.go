@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -9,6 +10,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 )
 
 // ComposeSkip is the reason every test gives that skips because the test servers run in
@@ -97,4 +99,20 @@ func PostgreSQLCluster(t testing.TB) string {
 		t.Fatal("restarts PostgreSQL with pg_ctlcluster, and no local cluster is installed (/etc/postgresql); run it on the machine of the PostgreSQL at TEST_DATABASE_URL")
 	}
 	return filepath.Base(versions[0])
+}
+
+// StartPostgreSQLAtCleanup registers a cleanup that starts the local cluster again, should a
+// restart have failed half-way and left it stopped, and waits until answers says the database
+// answers. Register it after the cleanups that need the database, so that it runs before them.
+func StartPostgreSQLAtCleanup(t testing.TB, cluster string, answers func() bool) {
+	t.Helper()
+	t.Cleanup(func() {
+		out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "start").CombinedOutput()
+		// It exits 2 when the cluster runs already: the restart went through.
+		var exit *exec.ExitError
+		if err != nil && (!errors.As(err, &exit) || exit.ExitCode() != 2) {
+			t.Errorf("start PostgreSQL again: %v\n%s", err, out)
+		}
+		Eventually(t, time.Minute, answers, "PostgreSQL does not answer after the test")
+	})
 }

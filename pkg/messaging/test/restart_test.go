@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -62,6 +63,9 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	b.createWorkTable(t)
 	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
 	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour }).Run)
+	// A restart that failed half-way leaves PostgreSQL stopped. Registered last, so that it
+	// runs before the relay, the consumer and the database are cleaned up.
+	testenv.StartPostgreSQLAtCleanup(t, cluster, func() bool { return b.db.DB.Exec("SELECT 1").Error == nil })
 	listening := func() bool {
 		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
 	}
@@ -75,8 +79,11 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	}
 	before := started()
 
-	// Under load: rows keep coming while the server restarts.
+	// Under load: rows keep coming while the server restarts. The loop reports its own failure
+	// through loadErr, for the test's goroutine to fail on: t.Fatal from another goroutine
+	// would not stop the test.
 	var ids []uuid.UUID
+	var loadErr error
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
@@ -87,17 +94,23 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 				return
 			default:
 			}
-			msg := newMessage(t, len(ids))
+			msg, err := messaging.NewMessage(eventType, map[string]any{"order_id": uuid.NewString(), "n": len(ids)})
+			if err != nil {
+				loadErr = fmt.Errorf("new message %d: %w", len(ids), err)
+				return
+			}
 			if b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, msg) }) == nil {
 				ids = append(ids, msg.ID)
 			}
 			time.Sleep(20 * time.Millisecond) // the pace of incoming rows, not a synchronisation
 		}
 	}()
+	// Stopped however the test ends, before the cleanups registered earlier (the database's).
+	stopLoad := sync.OnceFunc(func() { close(stop); <-done })
+	t.Cleanup(stopLoad)
 	testenv.Eventually(t, 10*time.Second, func() bool { return b.workDone(t) >= 5 }, "no work done before the restart")
 	out, err := exec.Command("pg_ctlcluster", "--skip-systemctl-redirect", cluster, "main", "restart", "-m", "fast").CombinedOutput()
 	if err != nil {
-		close(stop)
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
 	testenv.Eventually(t, 30*time.Second, func() bool { return b.db.DB.Exec("SELECT 1").Error == nil }, "PostgreSQL did not come back")
@@ -108,8 +121,10 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	// The traffic goes on until work done after the restart shows it is handled again.
 	resumed := b.workDone(t)
 	testenv.Eventually(t, 30*time.Second, func() bool { return b.workDone(t) > resumed }, "no work done after the restart")
-	close(stop)
-	<-done
+	stopLoad()
+	if loadErr != nil {
+		t.Fatal(loadErr)
+	}
 
 	// With the poll an hour away, only a NOTIFY on the new connection can send this one soon.
 	ids = append(ids, b.enqueue(t, 1)...)
