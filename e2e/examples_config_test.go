@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"net"
@@ -45,16 +44,14 @@ func TestExamplesRefuseAMissingURLBeforeWritingAnything(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				cmd := exec.CommandContext(ctx, bin)
 				cmd.Env = append([]string{"PATH=/usr/bin:/bin"}, c.env...)
-				var stderr bytes.Buffer
-				cmd.Stderr = &stderr
-				err := cmd.Run()
+				out, err := systest.CombinedOutput(cmd) // dies with the test binary
 				cancel()
 				var exit *exec.ExitError
 				if !errors.As(err, &exit) || exit.ExitCode() != 1 {
 					t.Errorf("examples/%s with %q: %v, want exit status 1", name, c.env, err)
 				}
-				if !strings.Contains(stderr.String(), c.variable) {
-					t.Errorf("examples/%s with %q printed %q, want an error naming %s", name, c.env, stderr.String(), c.variable)
+				if !strings.Contains(string(out), c.variable) {
+					t.Errorf("examples/%s with %q printed %q, want an error naming %s", name, c.env, out, c.variable)
 				}
 			}
 			const tables = "SELECT count(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')"
