@@ -686,10 +686,12 @@ func (c *consumer) attempt(workCtx context.Context, jobs []job) error {
 	case <-ctx.Done():
 		var returned bool
 		if returned, err = waitPast(workCtx, done); !returned {
+			// Counted before the state changes, so the goroutine's -1 never comes first.
+			c.cfg.Metrics.addAbandoned(c.cfg.Queue, 1)
 			if state.CompareAndSwap(attemptRunning, attemptAbandoned) {
-				c.cfg.Metrics.addAbandoned(c.cfg.Queue, 1)
 				return c.abandon(workCtx, jobs, committed.Load(), ctx.Err())
 			}
+			c.cfg.Metrics.addAbandoned(c.cfg.Queue, -1)
 			err = <-done // it returned just now: not abandoned after all
 		}
 	}

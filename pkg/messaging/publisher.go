@@ -636,25 +636,35 @@ func (s *pubSession) closedVerdict(m Message) error {
 }
 
 // closeWait bounds closeReason's wait for the reason of a closed channel. The client hands it
-// over, or closes closes without one, as soon as it has marked the channel closed.
+// over, or closes closes without one, once it has sent the broker its close-ok and taken the
+// channel's locks: at once, unless its socket or the machine is stalled.
 const closeWait = time.Second
 
 // closeReason is why the broker closed the channel; nil if it did not (the client closed it),
 // or the channel is open. The client marks a channel closed before it hands over the broker's
 // reason: a publish or a confirm failing in between would find none and be taken for an
-// outage, so the reason of a closed channel is waited for, once, closeWait at most.
+// outage, so the reason of a closed channel is waited for, closeWait at most the first time
+// (the caller, holding the publisher, waits with it), and looked for without waiting after.
 func (s *pubSession) closeReason() *amqp.Error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
-	if s.closeErr == nil && !s.closeAwaited && s.ch.IsClosed() {
-		t := time.NewTimer(closeWait)
-		defer t.Stop()
+	if s.closeErr != nil || !s.ch.IsClosed() {
+		return s.closeErr
+	}
+	if s.closeAwaited {
 		select {
 		case s.closeErr = <-s.closes:
-		case <-t.C:
+		default:
 		}
-		s.closeAwaited = true
+		return s.closeErr
 	}
+	t := time.NewTimer(closeWait)
+	defer t.Stop()
+	select {
+	case s.closeErr = <-s.closes:
+	case <-t.C:
+	}
+	s.closeAwaited = true
 	return s.closeErr
 }
 

@@ -374,6 +374,21 @@ func TestAClosedChannelsReasonIsAwaited(t *testing.T) {
 		t.Fatalf("verdict on a message to the exchange the channel closed for = %v, want ErrNoExchange", err)
 	}
 
+	// A reason later than closeWait is not waited for, but found when asked again.
+	s = testSession(t)
+	later := make(chan *amqp.Error, 1)
+	s.closes = later
+	if err := s.ch.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if reason := s.closeReason(); reason != nil {
+		t.Fatalf("reason before the client handed one over = %v, want none yet", reason)
+	}
+	later <- &amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no exchange 'gone' in vhost '/'"}
+	if err := s.closedVerdict(Message{Exchange: "gone"}); !errors.Is(err, ErrNoExchange) {
+		t.Fatalf("verdict once the late reason came = %v, want ErrNoExchange", err)
+	}
+
 	// A channel the client closed, which has no reason, answers at once.
 	s = testSession(t)
 	if err := s.ch.Close(); err != nil {

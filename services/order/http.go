@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"mime"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 	"unicode"
@@ -162,14 +163,15 @@ func jsonOrNoBody(contentType string, body io.Reader) bool {
 
 // isJSON reports whether contentType is application/json in UTF-8, the one encoding the service
 // decodes (RFC 8259, section 8.1): a body declared UTF-16 is refused for its type, not read as
-// malformed UTF-8. "utf8", unregistered but common, is taken for UTF-8.
+// malformed UTF-8. "utf8", unregistered but common, is taken for UTF-8, and US-ASCII, a subset
+// of it.
 func isJSON(contentType string) bool {
 	mt, params, err := mime.ParseMediaType(contentType)
 	if err != nil || mt != "application/json" {
 		return false
 	}
 	charset, given := params["charset"]
-	return !given || strings.EqualFold(charset, "utf-8") || strings.EqualFold(charset, "utf8")
+	return !given || slices.ContainsFunc([]string{"utf-8", "utf8", "us-ascii"}, func(c string) bool { return strings.EqualFold(charset, c) })
 }
 
 // readCommand decodes and validates a command, answering the problem itself when it cannot:

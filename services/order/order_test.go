@@ -924,3 +924,25 @@ func TestUnreadableBodiesGetAProblemWithoutTheConnectionsError(t *testing.T) {
 		}
 	}
 }
+
+// The JSON the service reads is UTF-8: a charset parameter may say so in any case, as the
+// unregistered but common utf8, or as US-ASCII, its subset; any other is refused (415).
+func TestIsJSONTakesUTF8AndItsSubsetOnly(t *testing.T) {
+	t.Parallel()
+	for ct, want := range map[string]bool{
+		"application/json":                     true,
+		"application/json; charset=utf-8":      true,
+		`application/json; charset="UTF-8"`:    true,
+		"application/json; charset=UTF8":       true,
+		"application/json; charset=us-ascii":   true,
+		"application/json; charset=utf-16":     false,
+		"application/json; charset=iso-8859-1": false,
+		"text/json; charset=utf-8":             false,
+		"application/json; charset=":           false,
+		"":                                     false,
+	} {
+		if got := isJSON(ct); got != want {
+			t.Errorf("isJSON(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}
