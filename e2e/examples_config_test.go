@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net"
@@ -44,14 +45,19 @@ func TestExamplesRefuseAMissingURLBeforeWritingAnything(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				cmd := exec.CommandContext(ctx, bin)
 				cmd.Env = append([]string{"PATH=/usr/bin:/bin"}, c.env...)
-				out, err := systest.CombinedOutput(cmd) // dies with the test binary
+				var stderr bytes.Buffer
+				cmd.Stderr = &stderr
+				exited, err := systest.StartProcess(cmd) // dies with the test binary
+				if err == nil {
+					err = <-exited
+				}
 				cancel()
 				var exit *exec.ExitError
 				if !errors.As(err, &exit) || exit.ExitCode() != 1 {
 					t.Errorf("examples/%s with %q: %v, want exit status 1", name, c.env, err)
 				}
-				if !strings.Contains(string(out), c.variable) {
-					t.Errorf("examples/%s with %q printed %q, want an error naming %s", name, c.env, out, c.variable)
+				if !strings.Contains(stderr.String(), c.variable) {
+					t.Errorf("examples/%s with %q printed %q on stderr, want an error naming %s", name, c.env, stderr.String(), c.variable)
 				}
 			}
 			const tables = "SELECT count(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')"
