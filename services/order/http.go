@@ -35,7 +35,7 @@ func (a *api) routes(r chi.Router) {
 
 func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	if !isJSON(r.Header.Get("Content-Type")) {
-		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json, in UTF-8 (a charset, if given, must be utf-8)")
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "Content-Type must be application/json, in UTF-8 (a charset, if given, must be utf-8, utf8 or us-ascii)")
 		return
 	}
 	if !unencoded(w, r) {
@@ -110,7 +110,7 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 	}
 	body := http.MaxBytesReader(w, r.Body, MaxBodyBytes)
 	if !jsonOrNoBody(r.Header.Get("Content-Type"), body) {
-		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json, in UTF-8 (a charset, if given, must be utf-8)")
+		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json, in UTF-8 (a charset, if given, must be utf-8, utf8 or us-ascii)")
 		return
 	}
 	cmd, ok := readCommand(w, body, DecodeCancelOrder, "the cancellation is invalid")
