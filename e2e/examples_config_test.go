@@ -22,7 +22,7 @@ func TestExamplesRefuseAMissingURLBeforeWritingAnything(t *testing.T) {
 	for _, name := range []string{"minimal", "databasesql", "gorm"} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			testenv.Connections(t, 1+1+exampleConns)
+			testenv.Connections(t, 1+1) // the test's database; an example refuses before it connects
 			db := testenv.NewDatabaseWithPool(t, 1)
 			bin := buildExample(t, name)
 			// The local default pgx would reach without DATABASE_URL is a closed port here, so

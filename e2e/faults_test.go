@@ -180,7 +180,9 @@ func TestKilledServicesUnderLoad(t *testing.T) {
 func waitInFlight(t *testing.T, s *systest.System, queue string) (unacked int) {
 	t.Helper()
 	// rabbitmqctl starts an Erlang VM each time: not every 20 ms.
-	testenv.EventuallyEvery(t, 250*time.Millisecond, 30*time.Second, func() bool {
+	// The count changes at the queue's metrics tick, every few seconds: a minute is some fifteen
+	// of them under traffic.
+	testenv.EventuallyEvery(t, 250*time.Millisecond, time.Minute, func() bool {
 		n, listed := s.Unacknowledged(t, queue)
 		unacked = n
 		return listed && n > 0

@@ -189,7 +189,7 @@ func TestACleanupCommitOutlivesItsContextBoundedly(t *testing.T) {
 	if waited := conn.endedAt.Sub(cancelled); waited < settleWait {
 		t.Errorf("the commit was ended %s after the caller's context, want %s", waited, settleWait)
 	}
-	if conn.beginCtx.Err() == nil {
+	if !conn.beginEnded {
 		t.Error("the transaction's context, under which database/sql commits, outlived the commit's")
 	}
 }
@@ -202,6 +202,7 @@ type stuckCommitConn struct {
 	beginCtx   context.Context
 	committing chan struct{}
 	endedAt    time.Time
+	beginEnded bool // Begin's context had ended when the commit's did
 }
 
 func (c *stuckCommitConn) Begin(ctx context.Context) (TxExecutor, error) {
@@ -214,7 +215,7 @@ func (c *stuckCommitConn) Commit(ctx context.Context) error {
 	close(c.committing)
 	select {
 	case <-ctx.Done():
-		c.endedAt = time.Now()
+		c.endedAt, c.beginEnded = time.Now(), c.beginCtx.Err() != nil
 		return ctx.Err()
 	case <-time.After(settleWait + 10*time.Second):
 		return errors.New("stuckCommitConn: the commit's context never ended")

@@ -63,8 +63,8 @@ func TestServerRestartPostgreSQLRestart(t *testing.T) {
 	b.createWorkTable(t)
 	c := b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
 	run(t, b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) { c.PollInterval = time.Hour }).Run)
-	// A restart that failed half-way leaves PostgreSQL stopped. Registered last, so that it
-	// runs before the relay, the consumer and the database are cleaned up.
+	// A restart that failed half-way leaves PostgreSQL stopped. Registered after the relay and
+	// the consumer, so that it runs before they and the database are cleaned up.
 	testenv.StartPostgreSQLAtCleanup(t, cluster, func() bool { return b.db.DB.Exec("SELECT 1").Error == nil })
 	listening := func() bool {
 		return testenv.Count(t, b.db.DB, "SELECT count(*) FROM pg_stat_activity WHERE datname = ? AND query LIKE 'LISTEN%'", b.db.Name) == 1
