@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"runtime"
 	"slices"
 	"sync"
@@ -201,7 +202,7 @@ type consumerLink struct {
 // consumers' queues, whose dead-letter queues are the ones to fix then. Once ctx ends it starts
 // no more consumers, and returns with the links of those it started, and ctx's error.
 func (c *consumer) consume(ctx context.Context, conn *amqp.Connection) ([]consumerLink, error) {
-	err := c.cfg.Topology.Declare(conn, c.log)
+	_, err := c.cfg.Topology.declareConsuming(conn, c.log, c.cfg.Queue)
 	var legacy *legacyQueues
 	if errors.As(err, &legacy) {
 		for i, dlq := range legacy.names {
@@ -585,7 +586,7 @@ func (c *consumer) lastDelivery(d amqp.Delivery) (bool, string) {
 	switch {
 	case d.Redelivered && !counted(d):
 		return true, "on a redelivery by a queue that does not count deliveries"
-	case deliveryCount(d)+1 >= c.cfg.DeliveryLimit:
+	case deliveryCount(d) >= c.cfg.DeliveryLimit-1: // not count+1, which a count of math.MaxInt wraps
 		return true, fmt.Sprintf("on each of %d deliveries", c.cfg.DeliveryLimit)
 	}
 	return false, ""
@@ -873,17 +874,50 @@ func (c *consumer) deadLetter(ctx, session, workCtx context.Context, log *slog.L
 }
 
 // deliveryCount is how many times the broker counted d as failed before (quorum queues count it
-// in x-delivery-count).
+// in x-delivery-count). The broker sends a long, but a shovel or a plugin that sets the header
+// again may give it any integer type, each of which the client decodes to its own Go type: read
+// as 0, the count would never reach the last delivery. A negative count is 0.
 func deliveryCount(d amqp.Delivery) int {
 	switch v := d.Headers[deliveryCountHeader].(type) {
-	case int64:
-		return int(v)
-	case int32:
-		return int(v)
 	case int:
-		return v
+		return nonNegative(v)
+	case int8:
+		return nonNegative(v)
+	case int16:
+		return nonNegative(v)
+	case int32:
+		return nonNegative(v)
+	case int64:
+		return nonNegative(v)
+	case uint:
+		return nonNegative(v)
+	case uint8:
+		return nonNegative(v)
+	case uint16:
+		return nonNegative(v)
+	case uint32:
+		return nonNegative(v)
+	case uint64:
+		return nonNegative(v)
 	}
 	return 0
+}
+
+// integer is every Go integer type.
+type integer interface {
+	~int | ~int8 | ~int16 | ~int32 | ~int64 | ~uint | ~uint8 | ~uint16 | ~uint32 | ~uint64
+}
+
+// nonNegative is v as an int: 0 if negative, math.MaxInt past it (a uint64, or an int64 on a
+// 32-bit platform), which is past every delivery limit.
+func nonNegative[T integer](v T) int {
+	switch {
+	case v <= 0:
+		return 0
+	case uint64(v) > math.MaxInt:
+		return math.MaxInt
+	}
+	return int(v)
 }
 
 // counted reports whether d's queue counts its deliveries: a quorum queue marks each

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"testing"
@@ -52,6 +53,63 @@ func TestAFailingMessageIsDeadLetteredWhereItsQueueGivesItNoMoreDeliveries(t *te
 		{"the last", amqp.Delivery{Redelivered: true, Headers: amqp.Table{"x-delivery-count": int64(19)}}, settleDeadLetter, "on each of 20 deliveries"},
 		{"a queue that does not count", amqp.Delivery{Redelivered: true}, settleDeadLetter, "does not count deliveries"},
 	})
+}
+
+// The delivery count is read whatever integer type carries it: a shovel or a plugin that sets
+// x-delivery-count again may send any, which the client decodes each to its own Go type. Only
+// int64, int32 and int were read, and every other count as 0: such a message never reached its
+// last-delivery check. A negative count is 0; one past int saturates, not wrapping below the
+// limit.
+func TestTheDeliveryCountIsReadFromEveryIntegerType(t *testing.T) {
+	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20}}
+	for _, tc := range []struct {
+		count any
+		want  int
+	}{
+		{int(19), 19}, {int8(19), 19}, {int16(19), 19}, {int32(19), 19}, {int64(19), 19},
+		{uint(19), 19}, {uint8(19), 19}, {uint16(19), 19}, {uint32(19), 19}, {uint64(19), 19},
+		{int8(-1), 0}, {int64(math.MinInt64), 0}, {int(-19), 0},
+		{uint64(math.MaxUint64), math.MaxInt}, {uint32(math.MaxUint32), int(min(math.MaxUint32, uint64(math.MaxInt)))},
+		{nil, 0}, {"19", 0}, {float64(19), 0},
+	} {
+		d := amqp.Delivery{Redelivered: true, Headers: amqp.Table{deliveryCountHeader: tc.count}}
+		if got := deliveryCount(d); got != tc.want {
+			t.Errorf("x-delivery-count %v (%T) read as %d, want %d", tc.count, tc.count, got, tc.want)
+		}
+		if last, _ := c.lastDelivery(d); last != (tc.want >= 19) {
+			t.Errorf("x-delivery-count %v (%T): last delivery of 20 %v, want %v", tc.count, tc.count, last, tc.want >= 19)
+		}
+	}
+}
+
+// A failing message's tries on one delivery wait their backoff between them, and each wait is
+// logged with retry_in: tried again at once, a failure that lasts a moment (a lock, a row not
+// there yet) spent every try of the delivery in that moment.
+func TestInPlaceRetriesWaitTheirBackoff(t *testing.T) {
+	var logs bytes.Buffer
+	var tries []time.Time
+	backoff := Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond, Jitter: 0.01}
+	c := &consumer{cfg: consumerConfig{DeliveryLimit: 20, Retries: 3, RetryBackoff: backoff, HandlerTimeout: time.Second, Propagator: propagatorOr(nil)},
+		log: slog.New(slog.NewTextHandler(&logs, nil)),
+		work: work{
+			decode: func(Message) (any, error) { return nil, nil },
+			process: func(context.Context, []job, func()) error {
+				tries = append(tries, time.Now())
+				return errors.New("no such customer yet")
+			}}}
+	o := c.process(context.Background(), context.Background(), job{msg: Message{ID: uuid.New(), Type: "Placed"}}, false)
+	if o.settle != settleReject || len(tries) != 3 {
+		t.Fatalf("settled as %d after %d tries, want rejected after 3", o.settle, len(tries))
+	}
+	for i, gap := range []time.Duration{tries[1].Sub(tries[0]), tries[2].Sub(tries[1])} {
+		least := time.Duration(float64(backoff.ceiling(i+1)) * (1 - backoff.Jitter))
+		if gap < least {
+			t.Errorf("try %d came %s after the one before, want at least the backoff's %s", i+2, gap, least)
+		}
+	}
+	if n := strings.Count(logs.String(), "handler failed; retrying message"); n != 2 || strings.Count(logs.String(), "retry_in=") != 2 {
+		t.Errorf("want 2 lines of a retry, each with retry_in: %s", logs.String())
+	}
 }
 
 // settleCase is a delivery, and how it must be settled: want, for a reason holding because.

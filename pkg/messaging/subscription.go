@@ -135,7 +135,8 @@ type SubscriptionConfig struct {
 	// [DefaultConcurrency].
 	Concurrency int
 	// BatchSize is the most waiting messages that share one inbox transaction; 1 turns
-	// batching off. Default [DefaultBatchSize].
+	// batching off. One HandlerTimeout bounds the whole batch: size the two together (see
+	// HandlerTimeout). Default [DefaultBatchSize].
 	BatchSize int
 	// BatchByType gives each batch handler every message of its event in a transaction at
 	// once, after the plain handlers' messages, rather than each run of consecutive ones in the
@@ -149,13 +150,19 @@ type SubscriptionConfig struct {
 	// the batch in progress and the next.
 	Prefetch int
 	// HandlerTimeout bounds one attempt: a transaction, with its handlers, its commit and its
-	// after-commit hooks; the handlers' ctx ends then. An attempt that has not returned 5 s
-	// later (a handler that ignores its ctx: a call without a timeout, a blocked channel send)
-	// is abandoned, logged at error level ("handler did not return within its timeout"): its
-	// transaction, begun under ctx, cannot commit (database/sql's ends once a statement
-	// running on it returns), its message counts a failed attempt (an outage, if the database
-	// does not answer), and its goroutine is left blocked, counted in the gauge
-	// consumer_attempts_abandoned until it returns. Default [DefaultHandlerTimeout].
+	// after-commit hooks; the handlers' ctx ends then. A batch is one attempt whatever its size
+	// (up to BatchSize messages; a [HandleBatch] handler's call of them too), with one
+	// HandlerTimeout for all: a stuck batch is given up, and a session that lost its channel ends,
+	// as soon as a stuck message would be. Set it above BatchSize × the slowest message's
+	// handling, or lower BatchSize: a batch that runs past it fails ("batch failed; processing its
+	// messages one by one"), its work rolled back, and each of its messages is tried again alone,
+	// its handler run a second time. An attempt that has not returned 5 s after its timeout (a
+	// handler that ignores its ctx: a call without a timeout, a blocked channel send) is
+	// abandoned, logged at error level ("handler did not return within its timeout"): its
+	// transaction, begun under ctx, cannot commit (database/sql's ends once a statement running on
+	// it returns), its message counts a failed attempt (an outage, if the database does not
+	// answer), and its goroutine is left blocked, counted in the gauge consumer_attempts_abandoned
+	// until it returns. Default [DefaultHandlerTimeout].
 	HandlerTimeout time.Duration
 	// Retries is how many times a failing message is tried on each delivery before it goes back
 	// to the queue, which hands it straight back: nothing waits a failure out. With the

@@ -1,6 +1,7 @@
 package messaging
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -134,7 +135,10 @@ func (t Topology) AllExchanges() []string {
 // and give each service's user the right to configure only its own resources. A declaration the
 // broker refuses for lack of that right is then accepted when the resource exists, and, for a
 // binding, when its queue does: the deployment declared it. log (nil: none) says which, once
-// per declaration. A resource that neither exists nor may be declared is an error.
+// per declaration: at debug level for an exchange or a queue seen to exist, at info level for
+// a binding, which AMQP gives no way to check (a queue missing a binding the deployment left
+// out never gets that event). A [Subscription] logs the bindings of its own queue so at warn
+// level. A resource that neither exists nor may be declared is an error.
 //
 // Where the user has no right at all on a refused resource, RabbitMQ from 4.2.6 and 4.3.0 on
 // refuses the passive declaration that would tell whether it exists, whether it does or not
@@ -152,6 +156,13 @@ func (t Topology) Declare(conn *amqp.Connection, log *slog.Logger) error {
 // declare is Declare, and returns the exchanges it took on trust: refused, and their existence
 // hidden. Every other exchange of t was declared or seen to exist.
 func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) (trusted map[string]bool, err error) {
+	return t.declareConsuming(conn, log, "")
+}
+
+// declareConsuming is declare for a consumer of queue consumed, which logs the bindings of that
+// queue it takes on trust at warn level: a missing one means it never gets that event while it
+// looks ready.
+func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, consumed string) (trusted map[string]bool, err error) {
 	if err := t.check(); err != nil {
 		return nil, err
 	}
@@ -159,7 +170,7 @@ func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) (trusted map[
 	defer d.close()
 	trusted = make(map[string]bool)
 	for _, x := range t.AllExchanges() {
-		err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
+		hidden, err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil)
 		}, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil)
@@ -167,29 +178,30 @@ func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) (trusted map[
 		if err != nil {
 			return nil, err
 		}
-		if d.trusted {
+		if hidden {
 			trusted[x] = true
 		}
 	}
 	var legacy legacyQueues
 	for _, q := range t.Queues {
-		err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
+		_, err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments())
 			return err
 		}, passiveQueue(q.Queue))
 		if err != nil {
 			return nil, err
 		}
+		level := slog.LevelInfo
+		if q.Queue == consumed {
+			level = slog.LevelWarn
+		}
 		for _, b := range q.Bindings {
-			err := d.declare(fmt.Sprintf("binding of queue %s to %s/%s", q.Queue, b.Exchange, b.RoutingKey), func(ch *amqp.Channel) error {
-				return ch.QueueBind(q.Queue, b.RoutingKey, b.Exchange, false, nil)
-			}, passiveQueue(q.Queue))
-			if err != nil {
+			if err := d.bind(q.Queue, b, level); err != nil {
 				return nil, err
 			}
 		}
 		dlq := DeadLetterQueue(q.Queue)
-		err = d.declare("dead-letter queue "+dlq, func(ch *amqp.Channel) error {
+		_, err = d.declare("dead-letter queue "+dlq, func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclare(dlq, true, false, false, false, q.DeadLetterArguments())
 			return err
 		}, passiveQueue(dlq))
@@ -255,46 +267,66 @@ type declarer struct {
 	conn *amqp.Connection
 	log  *slog.Logger
 	ch   *amqp.Channel
-	// trusted says whether the last declaration was taken on trust: refused, and whether the
-	// resource exists hidden too.
-	trusted bool
 }
 
 // declare runs do; if the broker refuses it for lack of permission, exists tells whether the
-// resource is there all the same.
-func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) error {
-	d.trusted = false
-	ch, err := d.channel()
-	if err != nil {
-		return err
+// resource is there all the same. hidden says that it was taken on trust: refused, and whether
+// it exists hidden too.
+func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) (hidden bool, err error) {
+	refused, hidden, err := d.try(what, do, exists)
+	if err != nil || !refused || d.log == nil {
+		return hidden, err
 	}
-	err = do(ch)
-	var refused *amqp.Error
-	if !errors.As(err, &refused) || refused.Code != amqp.AccessRefused {
-		if err != nil {
-			return fmt.Errorf("declare %s: %w", what, err)
-		}
-		return nil
-	}
-	if ch, err = d.channel(); err != nil {
-		return err
-	}
-	err = exists(ch)
-	var hidden *amqp.Error
-	switch {
-	case errors.As(err, &hidden) && hidden.Code == amqp.AccessRefused:
-		if d.log != nil {
-			d.log.Debug("not allowed to declare " + what + ", nor to see whether it exists; the deployment must declare it")
-		}
-		d.trusted = true
-		return nil
-	case err != nil:
-		return fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, refused)
-	}
-	if d.log != nil {
+	if hidden {
+		d.log.Debug("not allowed to declare " + what + ", nor to see whether it exists; the deployment must declare it")
+	} else {
 		d.log.Debug("not allowed to declare " + what + "; it exists, declared by the deployment")
 	}
-	return nil
+	return hidden, nil
+}
+
+// bind binds queue to b. Refused for lack of permission, the binding is taken on trust once
+// its queue is there (or hidden): AMQP has no passive bind, so nothing shows it exists. That is
+// logged at level, naming it, whether the queue was seen or not.
+func (d *declarer) bind(queue string, b Binding, level slog.Level) error {
+	refused, _, err := d.try(fmt.Sprintf("binding of queue %s to %s/%s", queue, b.Exchange, b.RoutingKey), func(ch *amqp.Channel) error {
+		return ch.QueueBind(queue, b.RoutingKey, b.Exchange, false, nil)
+	}, passiveQueue(queue))
+	if err == nil && refused && d.log != nil {
+		d.log.Log(context.Background(), level, "not allowed to declare a binding, and a binding cannot be checked: the deployment must declare it, or the queue never gets these events",
+			"binding_queue", queue, "exchange", b.Exchange, "routing_key", b.RoutingKey)
+	}
+	return err
+}
+
+// try runs do; if the broker refuses it for lack of permission (refused), exists tells
+// whether the resource is there all the same, unless that is refused too (hidden). A resource
+// refused and missing is an error.
+func (d *declarer) try(what string, do, exists func(ch *amqp.Channel) error) (refused, hidden bool, err error) {
+	ch, err := d.channel()
+	if err != nil {
+		return false, false, err
+	}
+	err = do(ch)
+	var denied *amqp.Error
+	if !errors.As(err, &denied) || denied.Code != amqp.AccessRefused {
+		if err != nil {
+			return false, false, fmt.Errorf("declare %s: %w", what, err)
+		}
+		return false, false, nil
+	}
+	if ch, err = d.channel(); err != nil {
+		return true, false, err
+	}
+	err = exists(ch)
+	var unseen *amqp.Error
+	switch {
+	case errors.As(err, &unseen) && unseen.Code == amqp.AccessRefused:
+		return true, true, nil
+	case err != nil:
+		return true, false, fmt.Errorf("declare %s: refused (%w), and it does not exist: give the user the right to configure it, or declare it with the deployment", what, denied)
+	}
+	return true, false, nil
 }
 
 func (d *declarer) channel() (*amqp.Channel, error) {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -57,15 +58,49 @@ func TestTopologyDeclareAcceptsWhatItMayNotEvenSee(t *testing.T) {
 	if err := declaredTopology.Declare(v.restricted, log); err != nil {
 		t.Fatalf("declare what the deployment declared, with no right on it: %v", err)
 	}
-	for _, what := range []string{"exchange orders", "exchange billing", "queue invoicing",
-		"binding of queue invoicing to orders/OrderPlaced", "binding of queue invoicing to billing/Refund", "dead-letter queue invoicing.dlq"} {
-		if len(logs.Lines("not allowed to declare "+what+",", what+", nor"))+len(logs.Lines("not allowed to declare "+what+";")) != 1 {
+	for _, what := range []string{"exchange orders", "exchange billing", "queue invoicing", "dead-letter queue invoicing.dlq"} {
+		if len(logs.Lines("level=DEBUG", "not allowed to declare "+what+",", what+", nor"))+len(logs.Lines("level=DEBUG", "not allowed to declare "+what+";")) != 1 {
 			t.Errorf("the refused declaration of %s was not logged once as accepted", what)
+		}
+	}
+	// A binding is never seen to exist: each is named at info level, above the rest, as the
+	// deployment's to declare. No queue here is the caller's own, which a subscription warns of.
+	for _, b := range declaredTopology.Queues[0].Bindings {
+		if n := len(logs.Lines("level=INFO", "a binding cannot be checked", "binding_queue=invoicing", "exchange="+b.Exchange, "routing_key="+b.RoutingKey)); n != 1 {
+			t.Errorf("the binding to %s/%s taken on trust was logged %d times at info level, want once", b.Exchange, b.RoutingKey, n)
 		}
 	}
 	version, _ := v.restricted.Properties["version"].(string)
 	if hidden := len(logs.Lines("nor to see whether it exists")); hidden == 0 && hidesResources(version) {
 		t.Errorf("RabbitMQ %s answered the passive declarations: the test shows nothing there", version)
+	}
+}
+
+// A subscription whose user may not bind its queue cannot tell a binding the deployment left
+// out from one it declared: AMQP has no passive bind. It starts, and consumes, and warns of each
+// of its queue's bindings as the deployment's to declare: one left out means it never gets that
+// event. It logged them at debug level only, as it logs an exchange seen to exist.
+func TestASubscriptionWarnsOfTheBindingsItMayNotDeclare(t *testing.T) {
+	t.Parallel()
+	b := setupSubscription(t)
+	v := restrictedVhost(t, "^$", "^$", ".*") // may consume, may not bind: no write on the queue
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: b.name, Bindings: []messaging.Binding{b.placed.Binding(), b.cancels.Binding()}}}}
+	// The deployment declares it all but the binding to the cancellations.
+	deployed := messaging.Topology{Exchanges: []string{b.cancels.Exchange},
+		Queues: []messaging.ConsumerTopology{{Queue: b.name, Bindings: []messaging.Binding{b.placed.Binding()}}}}
+	if err := deployed.Declare(v.dial("guest:guest"), nil); err != nil {
+		t.Fatalf("the deployment's declaration: %v", err)
+	}
+	s := b.subscription(t, func(c *messaging.SubscriptionConfig) { c.URL, c.Topology = v.url(v.user+":secret"), topology })
+	must(t, messaging.Handle(s, b.placed, func(ctx context.Context, tx *gorm.DB, p placed, msg messaging.Message) error { return nil }))
+	must(t, messaging.Handle(s, b.cancels, func(ctx context.Context, tx *gorm.DB, c cancelled, msg messaging.Message) error { return nil }))
+	run(t, s.Run)
+	testenv.Eventually(t, 10*time.Second, s.Ready, "the subscription did not start on the deployment's topology")
+	for _, bound := range topology.Queues[0].Bindings {
+		if n := len(b.logs.Lines("level=WARN", "a binding cannot be checked: the deployment must declare it", "binding_queue="+b.name,
+			"exchange="+bound.Exchange, "routing_key="+bound.RoutingKey)); n != 1 {
+			t.Errorf("the binding of queue %s to %s/%s, taken on trust, was warned of %d times, want once", b.name, bound.Exchange, bound.RoutingKey, n)
+		}
 	}
 }
 
@@ -77,7 +112,7 @@ var declaredTopology = messaging.Topology{Exchanges: []string{"orders"}, Queues:
 // vhostOf is a vhost of its own and a connection to it as a user of restricted permissions.
 type vhostOf struct {
 	t          *testing.T
-	name       string
+	name, user string // the user of restricted permissions, whose password is "secret"
 	restricted *amqp.Connection
 }
 
@@ -94,15 +129,19 @@ func restrictedVhost(t *testing.T, configure, write, read string) vhostOf {
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
 	testenv.RabbitMQCtl(t, "add_user", user, "secret")
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", vhost, user, configure, write, read)
-	v := vhostOf{t: t, name: vhost}
+	v := vhostOf{t: t, name: vhost, user: user}
 	v.restricted = v.dial(user + ":secret")
 	return v
 }
 
+// url is the vhost's URL for login, a user:password.
+func (v vhostOf) url(login string) string {
+	return strings.Replace(testenv.AMQPURL(), "guest:guest@", login+"@", 1) + v.name
+}
+
 func (v vhostOf) dial(login string) *amqp.Connection {
 	v.t.Helper()
-	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", login+"@", 1) + v.name
-	conn, err := amqp.Dial(url)
+	conn, err := amqp.Dial(v.url(login))
 	if err != nil {
 		v.t.Fatalf("dial as %s: %v", login, err)
 	}
