@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/ctxerr"
 )
 
 // readCommitted is the isolation of every transaction the library opens, whatever the
@@ -88,7 +89,7 @@ func (h *handlerTx) abandon() {
 func (h *handlerTx) Commit(ctx context.Context) error {
 	h.stop()
 	defer h.release(ctx)
-	return h.tx.Commit(ctx)
+	return h.txExecutor.Commit(ctx)
 }
 
 func (h *handlerTx) Rollback(ctx context.Context) error {
@@ -121,23 +122,44 @@ type executor struct{ q querier }
 
 func (e executor) Exec(ctx context.Context, sql string, args ...any) (int64, error) {
 	tag, err := e.q.Exec(ctx, sql, args...)
-	return tag.RowsAffected(), err
+	return tag.RowsAffected(), withEndedContext(ctx, err)
 }
 
 func (e executor) Query(ctx context.Context, sql string, args ...any) (messaging.Rows, error) {
 	r, err := e.q.Query(ctx, sql, args...)
 	if err != nil {
-		return nil, err
+		return nil, withEndedContext(ctx, err)
 	}
-	return r, nil
+	return rows{r, ctx}, nil
 }
+
+// withEndedContext names ctx's end in err, a statement's or a commit's failure, when ctx's end
+// caused it: with pgconn.CancelRequestContextWatcherHandler pgx reports a statement the server
+// cancelled for ctx by the server's query_canceled, and a statement on a handler's connection
+// whose socket handlerTx closed as a closed connection, so errors.Is(err, context.Canceled)
+// would not see the caller's own cancellation.
+func withEndedContext(ctx context.Context, err error) error {
+	return ctxerr.Ended(ctx, err, net.ErrClosed, pgconn.ErrConnClosed)
+}
+
+// rows are a query's results. pgx reads them, and learns that the statement failed, after
+// Query has returned: Err names the end of the query's context as Query would.
+type rows struct {
+	pgx.Rows
+	ctx context.Context
+}
+
+func (r rows) Err() error { return withEndedContext(r.ctx, r.Rows.Err()) }
 
 type txExecutor struct {
 	executor
 	tx pgx.Tx
 }
 
-func (t txExecutor) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t txExecutor) Commit(ctx context.Context) error {
+	return withEndedContext(ctx, t.tx.Commit(ctx))
+}
+
 func (t txExecutor) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
 
 type db struct{ pool *pgxpool.Pool }

@@ -12,10 +12,9 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
-	"errors"
-	"fmt"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/ctxerr"
 )
 
 // readCommitted is the isolation of every transaction the library opens, whatever the
@@ -98,21 +97,12 @@ func (e executor) Query(ctx context.Context, query string, args ...any) (messagi
 
 // withEndedContext names ctx's end in err, a statement's or a commit's failure, when ctx's end
 // caused it: pgx's stdlib reports a statement it did not send because ctx had ended as
-// driver.ErrBadConn, lib/pq one it cancelled by the server's query_canceled (57014), and
-// database/sql the commit of a transaction it rolled back itself when the context it began
-// under ended as sql.ErrTxDone, so errors.Is(err, context.Canceled) would not see the caller's
-// own cancellation. Other errors (a constraint's, say) are left as they are, even after ctx
-// ended.
+// driver.ErrBadConn, lib/pq one it cancelled by the server's query_canceled, and database/sql
+// the commit of a transaction it rolled back itself when the context it began under ended as
+// sql.ErrTxDone, so errors.Is(err, context.Canceled) would not see the caller's own
+// cancellation.
 func withEndedContext(ctx context.Context, err error) error {
-	cause := ctx.Err()
-	if err == nil || cause == nil || errors.Is(err, cause) {
-		return err
-	}
-	var coded interface{ SQLState() string }
-	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrTxDone) || (errors.As(err, &coded) && coded.SQLState() == "57014") {
-		return fmt.Errorf("%w: %w", cause, err)
-	}
-	return err
+	return ctxerr.Ended(ctx, err, driver.ErrBadConn, sql.ErrTxDone)
 }
 
 type rows struct{ *sql.Rows }

@@ -13,6 +13,8 @@ import (
 	toxiproxy "github.com/Shopify/toxiproxy/v2"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/lib/pq" // database/sql's driver "postgres"
@@ -732,14 +734,98 @@ func TestSQLDriverCommitAfterTheContextEndedReportsIt(t *testing.T) {
 	}
 }
 
+// With pgconn.CancelRequestContextWatcherHandler, pgx has the server cancel a statement whose
+// context ends, and reports the server's query_canceled (57014) as it is; and a handler's
+// transaction whose context ends has its socket closed under whatever runs on it. pgxdriver
+// names the context's end whatever pgx said, as sqldriver does for lib/pq, on a statement of the
+// pool, a query's rows, and a transaction's statement and commit (slowed by a deferred trigger),
+// the server's error still in the chain.
+func TestPgxDriverReportsAStatementItsContextCancelledAsTheContextsEnd(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+driverPool)
+	d := testenv.NewDatabase(t)
+	must(t, d.DB.Exec(`CREATE TABLE slow_commit (id int);
+CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION slow_commit()`).Error)
+	testenv.Draw(t, 3)
+	pool := newPgxPoolWith(t, d.URL, 3, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
+		}
+	})
+	t.Cleanup(pool.Close)
+	drv := pgxdriver.New(pool)
+	// cancelled returns a context cancelled while the statement under test runs.
+	cancelled := func() context.Context {
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(200*time.Millisecond, cancel)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	check := func(what string, err error, serverCancelled bool) {
+		t.Helper()
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("%s, cancelled: %v, want context.Canceled", what, err)
+		}
+		var pgErr *pgconn.PgError
+		if serverCancelled && (!errors.As(err, &pgErr) || pgErr.Code != "57014") {
+			t.Errorf("%s, cancelled: %v, want the server's query_canceled in the chain", what, err)
+		}
+	}
+	_, err := drv.DB().Exec(cancelled(), "SELECT pg_sleep(3)")
+	check("a statement on the pool", err, true)
+	rows, err := drv.DB().Query(cancelled(), "SELECT pg_sleep(3)")
+	must(t, err)
+	for rows.Next() {
+	}
+	check("a query's rows on the pool", rows.Err(), true)
+	rows.Close()
+	for _, c := range []struct {
+		name  string
+		begin func(context.Context) (messaging.TxExecutor, error)
+		// abandoned says the transaction's socket is closed when its context ends, not its
+		// statement cancelled by the server.
+		abandoned bool
+	}{
+		{"DB.Begin", drv.DB().Begin, false},
+		{"Driver.Begin", func(ctx context.Context) (messaging.TxExecutor, error) {
+			_, tx, err := drv.Begin(ctx)
+			return tx, err
+		}, true},
+	} {
+		ctx := cancelled()
+		tx, err := c.begin(ctx)
+		must(t, err)
+		_, err = tx.Exec(ctx, "SELECT pg_sleep(3)")
+		check(c.name+": a transaction's statement", err, !c.abandoned)
+		_ = tx.Rollback(context.Background())
+		ctx = cancelled()
+		tx, err = c.begin(ctx)
+		must(t, err)
+		_, err = tx.Exec(ctx, "INSERT INTO slow_commit VALUES (1)")
+		must(t, err)
+		check(c.name+": a transaction's commit", tx.Commit(ctx), !c.abandoned)
+		_ = tx.Rollback(context.Background())
+	}
+}
+
 // newPgxPool opens a pgx pool of size connections on url.
 func newPgxPool(t *testing.T, url string, size int32) *pgxpool.Pool {
+	t.Helper()
+	return newPgxPoolWith(t, url, size, func(*pgxpool.Config) {})
+}
+
+// newPgxPoolWith opens a pgx pool of size connections on url, its configuration changed by
+// configure.
+func newPgxPoolWith(t *testing.T, url string, size int32, configure func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg.MaxConns = size
+	configure(cfg)
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
