@@ -21,9 +21,15 @@ import (
 // lockRetry is the pause between a migration's attempts to take its locks.
 var lockRetry = messaging.Backoff{Base: time.Second, Max: 30 * time.Second}
 
+// lockPolls is how many times, a second apart, goose tries the advisory lock that serialises
+// replicas before it gives up; Up then logs that it waits and tries again, as for a table's
+// lock, however long another replica's migrations take.
+var lockPolls uint64 = 60
+
 // Up applies the migrations at the root of fsys that are not yet recorded in versionTable.
 // A PostgreSQL advisory lock serialises replicas that start at the same moment; the losers
-// wait, then find nothing left to do.
+// wait, however long the winner's migrations take, until ctx ends, logging now and then that
+// they do, then find nothing left to do.
 //
 // Each migration's Up starts with SET LOCAL lock_timeout = '2s': an ALTER TABLE waiting for its
 // table behind a long transaction (a report, a pg_dump) holds up every reader and writer of the
@@ -31,28 +37,11 @@ var lockRetry = messaging.Backoff{Base: time.Second, Max: 30 * time.Second}
 // its locks in time was rolled back; Up logs it and tries again after a pause, until ctx ends:
 // a start that seems to hang says what it waits for.
 func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTable string) error {
-	// Poll the lock every second (the default is 5 s), for up to five minutes.
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, 300))
-	if err != nil {
-		return fmt.Errorf("migrations %s: create locker: %w", versionTable, err)
-	}
-	store, err := database.NewStore(database.DialectPostgres, versionTable)
-	if err != nil {
-		return fmt.Errorf("migrations %s: create store: %w", versionTable, err)
-	}
-	provider, err := goose.NewProvider("", db, fsys,
-		goose.WithStore(store),
-		goose.WithSessionLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		return fmt.Errorf("migrations %s: %w", versionTable, err)
-	}
 	for attempt := 1; ; attempt++ {
-		_, err := provider.Up(ctx)
-		if !lockNotAvailable(err) {
+		err := up(ctx, db, fsys, versionTable)
+		if !lockNotAvailable(err) && !errors.Is(err, errMigrationLockHeld) {
 			if err != nil {
-				return fmt.Errorf("migrations %s: up: %w", versionTable, err)
+				return fmt.Errorf("migrations %s: %w", versionTable, err)
 			}
 			return nil
 		}
@@ -65,6 +54,47 @@ func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTa
 		case <-time.After(pause):
 		}
 	}
+}
+
+// up makes one attempt at the migrations, with a locker of its own: goose's counts its polls
+// for as long as it lives, so one that gave up once would give up again after a single poll.
+func up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error {
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, lockPolls))
+	if err != nil {
+		return fmt.Errorf("create locker: %w", err)
+	}
+	store, err := database.NewStore(database.DialectPostgres, versionTable)
+	if err != nil {
+		return fmt.Errorf("create store: %w", err)
+	}
+	provider, err := goose.NewProvider("", db, fsys,
+		goose.WithStore(store),
+		goose.WithSessionLocker(heldLocker{locker}),
+		goose.WithDisableGlobalRegistry(true),
+	)
+	if err != nil {
+		return err
+	}
+	if _, err := provider.Up(ctx); err != nil {
+		return fmt.Errorf("up: %w", err)
+	}
+	return nil
+}
+
+// errMigrationLockHeld marks goose's giving up on the advisory lock another replica's
+// migrations hold.
+var errMigrationLockHeld = errors.New("another replica holds the migration lock")
+
+// heldLocker is goose's session locker, its giving up on the lock marked errMigrationLockHeld:
+// goose says so only in its message (its other failures wrap a cause, or are ctx's).
+type heldLocker struct{ lock.SessionLocker }
+
+func (l heldLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
+	err := l.SessionLocker.SessionLock(ctx, conn)
+	if err != nil && err.Error() == "failed to acquire lock" {
+		return fmt.Errorf("%w: %w", errMigrationLockHeld, err)
+	}
+	return err
 }
 
 // lockNotAvailable reports whether err carries SQLSTATE 55P03, a lock_timeout's.

@@ -3,6 +3,9 @@ package migrate_test
 import (
 	"bufio"
 	"context"
+	"database/sql"
+	"errors"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -11,6 +14,8 @@ import (
 	"testing"
 	"testing/fstest"
 	"time"
+
+	"github.com/pressly/goose/v3/lock"
 
 	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -85,13 +90,7 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	if _, err := report.ExecContext(ctx, `SELECT count(*) FROM orders`); err != nil {
 		t.Fatal(err)
 	}
-	migrated := make(chan error, 1)
-	log, logs := testenv.NewLogger(t)
-	go func() {
-		mctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		migrated <- migrate.Up(mctx, log, sqlDB, orders, "order_schema")
-	}()
+	migrated, logs := upInBackground(t, sqlDB, orders, "order_schema")
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%ALTER TABLE orders%'`) == 1
@@ -120,14 +119,7 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	if err := report.Commit(); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-migrated:
-		if err != nil {
-			t.Fatalf("the migration, once the report ended: %v", err)
-		}
-	case <-time.After(40 * time.Second):
-		t.Fatal("the migration was not applied within 40 s of the report's end")
-	}
+	awaitUp(t, migrated, "the report's end")
 	if n := testenv.Count(t, d.DB, `SELECT count(*) FROM orders WHERE status = 'placed'`); n != 1 {
 		t.Errorf("%d placed orders after the migration, want the one inserted", n)
 	}
@@ -202,5 +194,84 @@ func TestServiceSchemasEndWithEveryConstraintValidated(t *testing.T) {
 		if len(unvalidated) > 0 {
 			t.Errorf("%s leaves %v not validated", dir, unvalidated)
 		}
+	}
+}
+
+// A replica that starts while another's migrations run waits for them however long they take,
+// until its context ends, as it waits for a table's lock. goose gives up on the advisory lock
+// that serialises replicas after its polls (shrunk here to one), and Up used to return its
+// "failed to acquire lock" then, failing the start, which the library's MigrateOutbox and
+// MigrateInbox, waiting on the same lock, do not. Not parallel: it shrinks goose's polls for
+// every Up.
+func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testing.T) {
+	migrate.SetLockPolls(t, 1)
+	d := testenv.NewDatabase(t)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	migrations := fstest.MapFS{"00001_create_t.sql": {Data: []byte("-- +goose Up\nCREATE TABLE t (id int);\n")}}
+	replica, err := sqlDB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = replica.Close() }()
+	if _, err := replica.ExecContext(ctx, "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := migrate.Up(short, slog.New(slog.DiscardHandler), sqlDB, migrations, "t_schema"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Up while another replica migrated, until its context ended: %v, want context.DeadlineExceeded", err)
+	}
+	if waited := time.Since(start); waited < 3*time.Second {
+		t.Errorf("Up gave up after %s, before its context ended", waited.Round(time.Millisecond))
+	}
+
+	migrated, logs := upInBackground(t, sqlDB, migrations, "t_schema")
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return strings.Contains(logs.String(), `msg="migration waits for a lock another transaction holds; trying again" version_table=t_schema attempt=2`)
+	}, "Up did not keep waiting for the other replica's migrations")
+	select {
+	case err := <-migrated:
+		t.Fatalf("Up ended while another replica migrated: %v", err)
+	default:
+	}
+	if _, err := replica.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+	awaitUp(t, migrated, "the other replica's migrations' end")
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_tables WHERE tablename = 't'"); n != 1 {
+		t.Errorf("%d tables t after the migrations, want 1", n)
+	}
+}
+
+// upInBackground runs Up of fsys, for a minute at most, and returns the channel of its result
+// and its log.
+func upInBackground(t *testing.T, db *sql.DB, fsys fs.FS, versionTable string) (<-chan error, *testenv.Logs) {
+	t.Helper()
+	migrated := make(chan error, 1)
+	log, logs := testenv.NewLogger(t)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		migrated <- migrate.Up(ctx, log, db, fsys, versionTable)
+	}()
+	return migrated, logs
+}
+
+// awaitUp fails t unless Up succeeds within 40 s of after, what it waited for.
+func awaitUp(t *testing.T, migrated <-chan error, after string) {
+	t.Helper()
+	select {
+	case err := <-migrated:
+		if err != nil {
+			t.Fatalf("the migrations, after %s: %v", after, err)
+		}
+	case <-time.After(40 * time.Second):
+		t.Fatalf("the migrations were not applied within 40 s of %s", after)
 	}
 }
