@@ -86,13 +86,15 @@ func (ev OrderPlaced) validate() error {
 		return errors.New("OrderPlaced with a negative total_cents")
 	case len(ev.Lines) == 0:
 		return errors.New("OrderPlaced without lines")
-	case ev.TotalCents != linesTotal(ev.Lines):
-		return errors.New("OrderPlaced whose total_cents is not the sum of its lines")
 	}
+	// The lines first: linesTotal gives up on a negative one, which would read as a wrong sum.
 	for _, l := range ev.Lines {
 		if l.SKU == "" || l.Quantity < 1 || l.UnitPriceCents < 0 {
 			return errors.New("OrderPlaced with an invalid line")
 		}
+	}
+	if ev.TotalCents != linesTotal(ev.Lines) {
+		return errors.New("OrderPlaced whose total_cents is not the sum of its lines")
 	}
 	return nil
 }

@@ -120,8 +120,12 @@ type Admission struct {
 	bodyBudget int64        // the most bytes of bodies read ahead of admission held at once
 	bodiesHeld atomic.Int64 // and how many are
 
-	shed     atomic.Int64
-	bodyShed atomic.Int64 // of shed, those whose bodies found the budget full
+	// shed counts the requests shed since the last shed line, and bodyShed those of them whose
+	// bodies found the budget full: counted together, and read together, so that a line never
+	// counts a body shed without its shed.
+	shedMu   sync.Mutex
+	shed     int64
+	bodyShed int64
 	count    prometheus.Counter
 	log      *slog.Logger
 	interval time.Duration // of the shed lines
@@ -172,20 +176,18 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 		// Before the body's first read, on which net/http sends 100 Continue: a client that
 		// waits for it learns it is shed without uploading.
 		if expectsContinue(r) && !a.placeWithinWait(r.Context()) {
-			a.refuse(w, r)
+			a.refuse(w, r, false)
 			return
 		}
 		release, read := a.readBody(r)
 		defer release()
 		if !read {
 			w.Header().Set("Connection", "close") // the rest of the body is left unread
-			// Counted before the shed it is part of, which the log line reads first.
-			a.bodyShed.Add(1)
-			a.refuse(w, r)
+			a.refuse(w, r, true)
 			return
 		}
 		if !a.enter(r.Context()) {
-			a.refuse(w, r)
+			a.refuse(w, r, false)
 			return
 		}
 		admitted := time.Now()
@@ -195,13 +197,18 @@ func (a *Admission) Middleware(next http.Handler) http.Handler {
 }
 
 // refuse answers a request that got no place 503, with a Retry-After of one to three seconds,
-// and counts it as shed; unless its client went away while it waited: nobody to answer, nothing
-// shed.
-func (a *Admission) refuse(w http.ResponseWriter, r *http.Request) {
+// and counts it as shed, as one whose body found the budget full if bodyFull; unless its client
+// went away while it waited: nobody to answer, nothing shed.
+func (a *Admission) refuse(w http.ResponseWriter, r *http.Request, bodyFull bool) {
 	if r.Context().Err() != nil {
 		AbandonResponse()
 	}
-	a.shed.Add(1)
+	a.shedMu.Lock()
+	a.shed++
+	if bodyFull {
+		a.bodyShed++
+	}
+	a.shedMu.Unlock()
 	a.count.Inc()
 	SetRetryAfter(w)
 	WriteProblem(w, http.StatusServiceUnavailable, "the service is at capacity; try again after the Retry-After delay")
@@ -483,8 +490,12 @@ func (a *Admission) logShed() { a.logShedOver("interval", a.interval) }
 // logShedOver logs how many requests were shed since it last did, if any, with key and value
 // saying over what time.
 func (a *Admission) logShedOver(key string, value any) {
-	if n := a.shed.Swap(0); n > 0 {
+	a.shedMu.Lock()
+	n, bodyFull := a.shed, a.bodyShed
+	a.shed, a.bodyShed = 0, 0
+	a.shedMu.Unlock()
+	if n > 0 {
 		a.log.Warn("at capacity: requests shed", "shed", n, key, value, "places", a.Places(), "max_in_flight", a.max,
-			"body_budget_full", min(a.bodyShed.Swap(0), n))
+			"body_budget_full", bodyFull)
 	}
 }

@@ -505,7 +505,7 @@ func TestSheddingJustBeforeAShutdownIsLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.interval = time.Hour
-	a.shed.Add(5)
+	a.shed = 5
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := a.Run(ctx); err != nil {
@@ -976,8 +976,45 @@ func TestAClientGoneWhileItWaitsIsNotShed(t *testing.T) {
 	if p := serveRecovering(a.Middleware(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { t.Error("a request with no place was handled") })), rec, req); !isAbort(p) || rec.Code != http.StatusOK || rec.Body.Len() != 0 {
 		t.Fatalf("panic %v, response %d with %d bytes; want the response abandoned (http.ErrAbortHandler), nothing written", p, rec.Code, rec.Body.Len())
 	}
-	if n, shed := testutil.ToFloat64(a.count), a.shed.Load(); n != 0 || shed != 0 {
+	a.shedMu.Lock()
+	shed := a.shed
+	a.shedMu.Unlock()
+	if n := testutil.ToFloat64(a.count); n != 0 || shed != 0 {
 		t.Fatalf("http_requests_shed_total %v, %d in the log's count; want 0: the client went away", n, shed)
+	}
+}
+
+// A request whose body found the budget full, and whose client went away meanwhile, is not
+// counted as shed, nor as shed for its body: the shed line's body_budget_full counts only the
+// sheds it counts. (Counted before the client's going was seen, such a request made a later
+// shed for want of a place read as one for the budget.)
+func TestAClientGoneWhoseBodyFoundTheBudgetFullIsNotCounted(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	a, err := NewAdmission(log, prometheus.NewRegistry(), 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.bodyBudget = 10
+	handler := a.Middleware(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { t.Error("a request with no place was handled") }))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	gone := httptest.NewRequestWithContext(ctx, http.MethodPost, "/", bytes.NewReader(make([]byte, 2*bodyReadSize)))
+	if p := serveRecovering(handler, httptest.NewRecorder(), gone); !isAbort(p) {
+		t.Fatalf("panic %v, want the response abandoned: the client went away", p)
+	}
+	// Then a request shed for want of a place, with no body.
+	if !a.enter(context.Background()) {
+		t.Fatal("the first request was not admitted")
+	}
+	rec := httptest.NewRecorder()
+	handler.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
+	if rec.Code != http.StatusServiceUnavailable {
+		t.Fatalf("a request with every place taken: %d, want 503", rec.Code)
+	}
+	a.logShed()
+	if lines := logs.Lines("at capacity: requests shed"); len(lines) != 1 || !strings.Contains(lines[0], " shed=1 ") || !strings.Contains(lines[0], " body_budget_full=0") {
+		t.Fatalf("lines about shedding %q, want one of a shed, none for the budget", lines)
 	}
 }
 

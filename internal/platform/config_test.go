@@ -308,6 +308,30 @@ func TestLatencyTargetIsOffOrAtLeastAMillisecond(t *testing.T) {
 	}
 }
 
+// HTTP_MAX_IN_FLIGHT is 1 to 100000, as the docs say; unset, it is 0, which stands for the
+// requests' pool size and which the variable itself refuses.
+func TestMaxInFlightIsFromOneToAHundredThousand(t *testing.T) {
+	t.Parallel()
+	read := func(v string) (int, error) {
+		vars := map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"}
+		if v != "unset" {
+			vars["HTTP_MAX_IN_FLIGHT"] = v
+		}
+		env := EnvFrom(vars)
+		return ReadCommon(env, ":8080").MaxInFlight, env.Err()
+	}
+	for v, want := range map[string]int{"unset": 0, "1": 1, "64": 64, "100000": 100_000} {
+		if got, err := read(v); got != want || err != nil {
+			t.Errorf("HTTP_MAX_IN_FLIGHT=%s: %d, %v; want %d", v, got, err, want)
+		}
+	}
+	for _, v := range []string{"0", "100001", "-1", "abc", "1e3", "2.5"} {
+		if got, err := read(v); got != 0 || err == nil || err.Error() != "config: HTTP_MAX_IN_FLIGHT: must be an integer from 1 to 100000" {
+			t.Errorf("HTTP_MAX_IN_FLIGHT=%s: %d, %v; want it refused by name", v, got, err)
+		}
+	}
+}
+
 // DB_MAX_CONNS is checked against everything the parts hold together, and the error says what
 // each part needs.
 func TestPoolsAreCheckedTogether(t *testing.T) {

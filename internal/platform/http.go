@@ -124,6 +124,16 @@ func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 // timeout (10 s by default).
 const readyTimeout = 2 * time.Second
 
+// maxScrapesInFlight bounds the scrapes of /metrics at work at once, each of which pings the
+// database over the connection /readyz uses: enough for a pair of Prometheus servers and a
+// person or two; promhttp answers the others 503 at once (in text/plain, its own).
+const maxScrapesInFlight = 4
+
+// scrapeTimeout bounds a scrape's answer, past the collectors' own bounds (readyTimeout, the
+// backlog query's) and within Prometheus's scrape timeout (10 s by default). A gather that
+// outlasts it holds its place in maxScrapesInFlight until done.
+const scrapeTimeout = 5 * time.Second
+
 // readyGauge is service_ready, what /readyz would answer at each scrape: 1 ready, 0 not. A
 // service that is up but not ready still answers its scrape, so up alone never shows it.
 func readyGauge(ready ReadyFunc) prometheus.GaugeFunc {
@@ -143,8 +153,8 @@ func readyGauge(ready ReadyFunc) prometheus.GaugeFunc {
 // unknown routes, and the operational endpoints: /healthz (the process runs), /readyz (ready
 // returns nil; otherwise a 503 that gives the reason, not the cause, see NotReadyError) and
 // /metrics (reg, in Prometheus text format, with service_ready registered on it). Every request runs in a server
-// span that continues the W3C trace context the request came with (its traceparent header),
-// or starts a trace: the handler's context carries it.
+// span that continues the W3C trace context the request came with (its traceparent header,
+// without baggage: see edgeTraceContext), or starts a trace: the handler's context carries it.
 func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.Router {
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "http_requests_total", Help: "HTTP requests by route, method and status code.",
@@ -161,7 +171,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 		return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			start := time.Now()
 			// Named once routed (describeServerSpan): the method alone is the client's to choose.
-			ctx, span := tracer.Start(otel.GetTextMapPropagator().Extract(req.Context(), propagation.HeaderCarrier(req.Header)), "HTTP", serverSpan)
+			ctx, span := tracer.Start(edgeTraceContext(req), "HTTP", serverSpan)
 			defer span.End()
 			req = req.WithContext(ctx)
 			ww := middleware.NewWrapResponseWriter(w, req.ProtoMajor)
@@ -202,7 +212,7 @@ func NewRouter(log *slog.Logger, reg *prometheus.Registry, ready ReadyFunc) chi.
 		WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	r.Method(http.MethodGet, "/readyz", &readiness{ready: ready, log: log})
-	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	r.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{MaxRequestsInFlight: maxScrapesInFlight, Timeout: scrapeTimeout}))
 	return r
 }
 
@@ -227,6 +237,25 @@ func allowedMethods(routes chi.Routes, req *http.Request) []string {
 		}
 	}
 	return allowed
+}
+
+// maxEdgeTraceState is the longest tracestate a client's request may bring in: the W3C Trace
+// Context asks a tracer to pass on at least 512 characters, and past them a client's own
+// entries would ride in every message its request leads to.
+const maxEdgeTraceState = 512
+
+// edgeTraceContext is req's context with the trace context its client sent, read at the public
+// edge: its traceparent, and its tracestate unless longer than maxEdgeTraceState. Never its
+// baggage, which the global propagator would read and the outbox store with every message:
+// the client's data, not ours, carried downstream as if it were. Between the services, trace
+// context and baggage travel with the messages, as pkg/messaging propagates them.
+func edgeTraceContext(req *http.Request) context.Context {
+	ctx := propagation.TraceContext{}.Extract(req.Context(), propagation.HeaderCarrier(req.Header))
+	sc := trace.SpanContextFromContext(ctx)
+	if len(sc.TraceState().String()) > maxEdgeTraceState {
+		ctx = trace.ContextWithRemoteSpanContext(ctx, sc.WithTraceState(trace.TraceState{}))
+	}
+	return ctx
 }
 
 // tracerName is the instrumentation scope of the platform's spans.

@@ -11,6 +11,8 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -276,4 +278,66 @@ func TestListByOrderRefusesUnknownParameters(t *testing.T) {
 	if rec.Code != http.StatusOK || calls != 1 {
 		t.Fatalf("order_id and limit: %d %s after %d calls, want 200 and one call", rec.Code, rec.Body, calls)
 	}
+}
+
+// At most maxScrapesInFlight scrapes of /metrics are at work at once, each of which pings the
+// database: one more is answered 503 at once. A scrape stuck past scrapeTimeout is answered
+// 503 then, and keeps its place until its gather ends; once the scrapes end, /metrics serves
+// again.
+func TestScrapesPastTheCapAreRefusedAtOnce(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	var holding atomic.Bool
+	holding.Store(true)
+	// Room for a scrape past the cap, should one be let in, so that it cannot hold srv.Close.
+	entered, release := make(chan struct{}, 2*maxScrapesInFlight), make(chan struct{})
+	srv := httptest.NewServer(NewRouter(log, prometheus.NewRegistry(), func(context.Context) error {
+		if holding.Load() {
+			entered <- struct{}{}
+			<-release
+		}
+		return nil
+	}))
+	t.Cleanup(srv.Close)
+	releaseAll := sync.OnceFunc(func() { holding.Store(false); close(release) })
+	t.Cleanup(releaseAll) // before srv.Close, which waits for the scrapes
+	client := &http.Client{Timeout: scrapeTimeout + 3*time.Second}
+	scrape := func() (int, string, time.Duration) {
+		start := time.Now()
+		resp, err := client.Get(srv.URL + "/metrics")
+		if err != nil {
+			return 0, err.Error(), time.Since(start)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body), time.Since(start)
+	}
+
+	held := make(chan time.Duration, maxScrapesInFlight)
+	for range maxScrapesInFlight {
+		go func() {
+			status, body, took := scrape()
+			if status != http.StatusServiceUnavailable || !strings.Contains(body, "timeout") {
+				t.Errorf("a scrape stuck in its gather: %d %q after %s, want a 503 at the timeout", status, body, took)
+			}
+			held <- took
+		}()
+	}
+	for range maxScrapesInFlight {
+		within(t, entered, 5*time.Second, "the scrapes did not all reach the readiness check")
+	}
+	if status, body, took := scrape(); status != http.StatusServiceUnavailable || took > time.Second {
+		t.Fatalf("a scrape past the %d at work: %d %q after %s, want a 503 at once", maxScrapesInFlight, status, body, took)
+	}
+	for range maxScrapesInFlight {
+		if took := within(t, held, scrapeTimeout+5*time.Second, "a stuck scrape was not answered"); took < scrapeTimeout || took > scrapeTimeout+2*time.Second {
+			t.Errorf("a stuck scrape was answered after %s, want %s", took, scrapeTimeout)
+		}
+	}
+	if status, _, took := scrape(); status != http.StatusServiceUnavailable || took > time.Second {
+		t.Fatalf("a scrape while the timed-out gathers still run: %d after %s, want a 503 at once", status, took)
+	}
+	releaseAll()
+	testenv.Eventually(t, 5*time.Second, func() bool { status, _, _ := scrape(); return status == http.StatusOK },
+		"/metrics did not serve again once the gathers ended")
 }

@@ -115,7 +115,8 @@ func TestReadinessIgnoresASaturatedPool(t *testing.T) {
 
 // With its connection cut and the database refusing new ones, the service is unready: a 503
 // problem with fixed words, the cause logged once however many probes come, and ready again
-// once the database is back.
+// once the database is back. It stays live all along: /healthz answers 200, so that the
+// orchestrator does not restart a process the database's outage would not mend.
 func TestReadinessAnswersAProblemWhileTheDatabaseIsDown(t *testing.T) {
 	const conns = 4
 	testenv.Connections(t, 3+conns) // the database's creation, the test's handle, an admin one, the service
@@ -148,6 +149,9 @@ func TestReadinessAnswersAProblemWhileTheDatabaseIsDown(t *testing.T) {
 		notReadyProblem(t, r, "the database does not answer", d.Name, "accepting")
 		if r.took > 3*time.Second {
 			t.Fatalf("/readyz took %s", r.took)
+		}
+		if r := get(t, srv.URL+"/healthz"); r.status != http.StatusOK || r.took > time.Second {
+			t.Fatalf("/healthz with the database down = %d %s after %s, want 200 at once", r.status, r.body, r.took)
 		}
 	}
 	if lines := logs.Lines("not ready"); len(lines) != 1 || !strings.Contains(lines[0], "not currently accepting connections") {

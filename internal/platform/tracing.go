@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"golang.org/x/net/http/httpguts"
 )
 
 // OTLPEndpointVariable is the standard variable that turns on the export of spans: the base URL
@@ -64,9 +65,17 @@ func readOTLPEndpoint(env *Env) string {
 // starting without them, with at most a line on stderr in a format of its own: a timeout not
 // in whole milliseconds, as the specification has it (5s is not one), a compression other than
 // gzip or none (it takes any other, GZIP too, for none without a word), a TLS file it cannot
-// read or parse, a client certificate without its key (not a word either). The exporter reads
-// them (deploy's libraryVars); this only checks them.
+// read or parse, a client certificate without its key (not a word either), a header entry its
+// parser drops; and the batch span processor's, which it reads with the exporter (see
+// checkBatchOptions). The exporter and the processor read them (deploy's libraryVars); this
+// only checks them.
 func checkOTLPOptions(env *Env) {
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"} {
+		if v := env.String(name, ""); v != "" {
+			checkHeaders(env, name, v)
+		}
+	}
+	checkBatchOptions(env)
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"} {
 		if v := env.String(name, ""); v != "" {
 			// 0 would export with no timeout at all; an hour is more than any export should wait
@@ -96,6 +105,75 @@ func checkOTLPOptions(env *Env) {
 	} {
 		checkClientCertificate(env, pair[0], pair[1])
 	}
+}
+
+// checkHeaders checks the headers list v of the variable name by the exporter's parser's rules,
+// which drops each entry that breaks them, with at most a line on stderr in a format of its
+// own, and exports without it (an Authorization left out: every export refused): key=value
+// entries separated by commas, each key (spaces around it trimmed) a header name, each value
+// percent-decodable. A value must also be one HTTP can carry once decoded (no control
+// character), or every export fails. No error quotes an entry, nor even a key that fails: an
+// entry without its "=" may be all secret ("Authorization: Bearer ...").
+func checkHeaders(env *Env, name, v string) {
+	entries := strings.Split(v, ",")
+	for i, entry := range entries {
+		at := fmt.Sprintf("entry %d of %d", i+1, len(entries))
+		key, value, found := strings.Cut(entry, "=")
+		key = strings.TrimSpace(key)
+		if !found {
+			env.fail(name, "%s is not key=value: give each header as key=value, the value percent-encoded (Authorization=Bearer%%20...), separated by commas", at)
+			continue
+		}
+		if !httpguts.ValidHeaderFieldName(key) {
+			env.fail(name, "%s: its key is not a header name (letters, digits and !#$%%&'*+-.^_`|~)", at)
+			continue
+		}
+		decoded, err := url.PathUnescape(value)
+		if err != nil {
+			env.fail(name, "%s (%s): its value is not percent-encoded: write a %% as %%25", at, key)
+			continue
+		}
+		env.Check(httpguts.ValidHeaderFieldValue(strings.TrimSpace(decoded)), name,
+			fmt.Sprintf("%s (%s): its value holds a character a header cannot carry", at, key))
+	}
+}
+
+// maxBatchQueue bounds OTEL_BSP_MAX_QUEUE_SIZE: the processor allocates its queue whole at start.
+const maxBatchQueue = 1_000_000
+
+// checkBatchOptions checks the batch span processor's variables, which the SDK reads with
+// strconv.Atoi, untrimmed, taking anything else for its default without a word: 10s for
+// OTEL_BSP_SCHEDULE_DELAY is its 5000 ms. A delay of 0 or less makes it spin, exporting empty
+// batches in a loop; a queue or batch size below 0 makes the start panic; a queue of 0 drops
+// each span that finds the processor busy, a batch of 0 exports each span alone; a batch larger
+// than the queue (2048 unless set) it lowers to at most 512. An export timeout of 0 is the
+// processor's own "none": the exporter's _TIMEOUT still bounds each attempt. An hour bounds
+// both durations, as it does _TIMEOUT (past 9.2e12 ms the SDK's time.Duration overflows).
+func checkBatchOptions(env *Env) {
+	queue, queueTaken := batchInt(env, "OTEL_BSP_MAX_QUEUE_SIZE", sdktrace.DefaultMaxQueueSize, 1, maxBatchQueue, "spans")
+	// 0: unset (the SDK's 512, lowered to the queue's size without harm), or refused already.
+	batch, _ := batchInt(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 0, 1, maxBatchQueue, "spans")
+	if queueTaken && batch > queue {
+		env.fail("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "must be at most OTEL_BSP_MAX_QUEUE_SIZE (%d unless set)", sdktrace.DefaultMaxQueueSize)
+	}
+	batchInt(env, "OTEL_BSP_SCHEDULE_DELAY", 0, 1, 3_600_000, "milliseconds")
+	batchInt(env, "OTEL_BSP_EXPORT_TIMEOUT", 0, 0, 3_600_000, "milliseconds")
+}
+
+// batchInt reads the variable name as the batch span processor does, a whole number with no
+// spaces around it, which must be from lo to hi: def when unset, and when refused, with taken
+// false.
+func batchInt(env *Env, name string, def, lo, hi int, unit string) (n int, taken bool) {
+	if env.String(name, "") == "" {
+		return def, true
+	}
+	raw, _ := env.lookup(name)
+	n, err := strconv.Atoi(raw)
+	if err != nil || n < lo || n > hi {
+		env.fail(name, "must be a whole number of %s from %d to %d, without spaces", unit, lo, hi)
+		return def, false
+	}
+	return n, true
 }
 
 // checkClientCertificate checks that the variables certName and keyName are set together, to
@@ -168,8 +246,9 @@ func startTracing(ctx context.Context, log *slog.Logger, service string, export 
 	}
 	tp := sdktrace.NewTracerProvider(opts...)
 	otel.SetTracerProvider(tp)
-	// W3C Trace Context, the contract's traceparent, and W3C Baggage: the HTTP middleware and
-	// the messaging library read and write trace contexts with the global propagator.
+	// W3C Trace Context, the contract's traceparent, and W3C Baggage: the messaging library
+	// reads and writes trace contexts with the global propagator. The HTTP middleware reads a
+	// public client's without its baggage (see edgeTraceContext).
 	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
 	// The SDK reports a failed export here, once per batch, instead of on stderr in a format
 	// of its own.

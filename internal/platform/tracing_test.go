@@ -9,6 +9,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
 	"io"
 	"log/slog"
 	"maps"
@@ -18,15 +19,18 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/baggage"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // Without OTEL_EXPORTER_OTLP_ENDPOINT, spans still get trace ids but go nowhere, even when the
@@ -139,6 +143,58 @@ func TestRequestsRunInAServerSpanThatTheirLogLinesName(t *testing.T) {
 	}
 }
 
+// A public client's request brings its trace context in, but not its baggage, nor a tracestate
+// longer than 512 characters: the messages the request leads to would carry them downstream.
+// A short tracestate is kept. (Not parallel: it installs the global propagator, which reads
+// and writes baggage.)
+func TestAClientsBaggageAndLongTraceStateStayAtTheEdge(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	tp, err := startTracing(context.Background(), log, "order", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stopTracing(log, tp) })
+	var (
+		handled trace.SpanContext
+		bag     baggage.Baggage
+		message messaging.Message
+	)
+	router := NewRouter(log, prometheus.NewRegistry(), func(context.Context) error { return nil })
+	router.Post("/orders", func(w http.ResponseWriter, r *http.Request) {
+		handled, bag = trace.SpanContextFromContext(r.Context()), baggage.FromContext(r.Context())
+		message = messaging.Message{}.WithTrace(r.Context())
+		w.WriteHeader(http.StatusCreated)
+	})
+	const caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	long := make([]string, 32)
+	for i := range long {
+		long[i] = fmt.Sprintf("k%d=%s", i, strings.Repeat("v", 250))
+	}
+	for state, kept := range map[string]bool{"vendor=abc": true, strings.Join(long, ","): false} {
+		req := httptest.NewRequest(http.MethodPost, "/orders", nil)
+		req.Header.Set("traceparent", caller)
+		req.Header.Set("tracestate", state)
+		req.Header.Set("baggage", "customer=hunter2,"+strings.Repeat("x", 4000)+"=y")
+		rec := httptest.NewRecorder()
+		router.ServeHTTP(rec, req)
+		if rec.Code != http.StatusCreated {
+			t.Fatalf("POST = %d", rec.Code)
+		}
+		if handled.TraceID().String() != "4bf92f3577b34da6a3ce929d0e0e4736" {
+			t.Errorf("the handler ran in trace %s, want the caller's", handled.TraceID())
+		}
+		if bag.Len() != 0 {
+			t.Errorf("the handler's context carries the client's baggage %q, want none", bag.String())
+		}
+		if _, ok := message.Headers["baggage"]; ok || strings.Contains(fmt.Sprint(message), "hunter2") {
+			t.Errorf("a message the request enqueues carries the client's baggage, its headers %v", slices.Collect(maps.Keys(message.Headers)))
+		}
+		if want := map[bool]string{true: state, false: ""}[kept]; handled.TraceState().String() != want || message.TraceState != want {
+			t.Errorf("tracestate of %d characters: the span has %d, the message %d; want %d", len(state), len(handled.TraceState().String()), len(message.TraceState), len(want))
+		}
+	}
+}
+
 // A line logged without a span in its context has no trace fields, and the fields follow the
 // logger's own attributes.
 func TestLogLinesOutsideATraceHaveNoTraceID(t *testing.T) {
@@ -191,8 +247,10 @@ func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
 // The exporter's own variables that it would ignore when bad, starting without them, stop the
 // service at start instead, with an error naming the variable: a timeout not in whole
 // milliseconds, a compression other than gzip or none, a TLS file it cannot read or parse, a
-// client certificate without its key. They are checked only with an endpoint: without one,
-// the exporter does not read them.
+// client certificate without its key, a header entry its parser drops; and so do the batch
+// span processor's, which would otherwise fall back to their defaults (5s), spin (a delay of
+// 0), or panic (a negative queue or batch). No error quotes a header's value. They are checked
+// only with an endpoint: without one, neither the exporter nor the processor reads them.
 func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -218,6 +276,25 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		{map[string]string{"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": cert, "OTEL_EXPORTER_OTLP_CLIENT_KEY": missing}, "OTEL_EXPORTER_OTLP_CLIENT_KEY: open " + missing},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": key}, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE, OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: must be set together"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": key, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": cert}, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE, OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: tls: "},
+		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20hunter2, X-Tenant = shop", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "a=b=c,d="}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "Authorization: Bearer hunter2"}, "OTEL_EXPORTER_OTLP_HEADERS: entry 1 of 1 is not key=value"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "Authorization=Bearer%20hunter2,"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS: entry 2 of 2 is not key=value"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "X-Tenant=shop,Bearer hunter2=x"}, "OTEL_EXPORTER_OTLP_HEADERS: entry 2 of 2: its key is not a header name"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%zzhunter2"}, "OTEL_EXPORTER_OTLP_HEADERS: entry 1 of 1 (Authorization): its value is not percent-encoded"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "Authorization=hunter2%0Ax"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS: entry 1 of 1 (Authorization): its value holds a character"},
+		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": "1", "OTEL_BSP_EXPORT_TIMEOUT": "0", "OTEL_BSP_MAX_QUEUE_SIZE": "1", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1"}, ""},
+		{map[string]string{"OTEL_BSP_MAX_QUEUE_SIZE": "4096", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, ""},
+		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": "5s"}, "OTEL_BSP_SCHEDULE_DELAY: must be a whole number of milliseconds from 1 to 3600000"},
+		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": "0"}, "OTEL_BSP_SCHEDULE_DELAY: must be a whole number of milliseconds from 1 to 3600000"},
+		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": " 5000"}, "OTEL_BSP_SCHEDULE_DELAY: must be a whole number of milliseconds from 1 to 3600000, without spaces"},
+		{map[string]string{"OTEL_BSP_EXPORT_TIMEOUT": "-1"}, "OTEL_BSP_EXPORT_TIMEOUT: must be a whole number of milliseconds from 0 to 3600000"},
+		{map[string]string{"OTEL_BSP_EXPORT_TIMEOUT": "30s"}, "OTEL_BSP_EXPORT_TIMEOUT: must be a whole number of milliseconds from 0 to 3600000"},
+		{map[string]string{"OTEL_BSP_MAX_QUEUE_SIZE": "-3"}, "OTEL_BSP_MAX_QUEUE_SIZE: must be a whole number of spans from 1 to 1000000"},
+		{map[string]string{"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE: must be a whole number of spans from 1 to 1000000"},
+		{map[string]string{"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "-1"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE: must be a whole number of spans from 1 to 1000000"},
+		{map[string]string{"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "0"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE: must be a whole number of spans from 1 to 1000000"},
+		{map[string]string{"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE: must be at most OTEL_BSP_MAX_QUEUE_SIZE (2048 unless set)"},
+		{map[string]string{"OTEL_BSP_MAX_QUEUE_SIZE": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "200"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE: must be at most OTEL_BSP_MAX_QUEUE_SIZE"},
 	} {
 		vars := map[string]string{OTLPEndpointVariable: "https://collector:4318"}
 		maps.Copy(vars, tc.vars)
@@ -226,8 +303,8 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		switch err := env.Err(); {
 		case tc.want == "" && err != nil:
 			t.Errorf("%v: %v, want them taken", tc.vars, err)
-		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
-			t.Errorf("%v: %v, want %q", tc.vars, err, tc.want)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "hunter2")):
+			t.Errorf("%v: %v, want %q, and no header's value", tc.vars, err, tc.want)
 		}
 		env = EnvFrom(tc.vars)
 		readOTLPEndpoint(env)
@@ -235,6 +312,35 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 			t.Errorf("%v without %s: %v, want them unread", tc.vars, OTLPEndpointVariable, err)
 		}
 	}
+}
+
+// The batch span processor starts, and exports, with the least of what the configuration
+// takes: a queue and a batch of one span, a delay of a millisecond, and no export timeout of its
+// own. (Not parallel: the SDK reads the variables from the process's environment.)
+func TestTheBatchSpanProcessorStartsWithTheLeastTaken(t *testing.T) {
+	receiver := testenv.NewOTLPReceiver(t)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	vars := map[string]string{
+		OTLPEndpointVariable: receiver.URL, "OTEL_BSP_MAX_QUEUE_SIZE": "1", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1",
+		"OTEL_BSP_SCHEDULE_DELAY": "1", "OTEL_BSP_EXPORT_TIMEOUT": "0",
+	}
+	env := EnvFrom(vars)
+	export := readOTLPEndpoint(env) != ""
+	if err := env.Err(); err != nil || !export {
+		t.Fatalf("%v: %v, want them taken", vars, err)
+	}
+	for k, v := range vars {
+		t.Setenv(k, v)
+	}
+	tp, err := startTracing(context.Background(), log, "order", export)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, span := otel.Tracer("test").Start(context.Background(), "exported")
+	span.End()
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(receiver.Trace(span.SpanContext().TraceID().String())) == 1 },
+		"the span was not exported within the millisecond's delay")
+	stopTracing(log, tp)
 }
 
 // writeCertificate writes a self-signed certificate and its key, PEM-encoded, into dir, and

@@ -1,0 +1,153 @@
+package events
+
+import (
+	"math"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+)
+
+// decoded builds a message of ev from payload, as the publisher does, and decodes it, as a
+// consumer does: what a consumer is given, or the error that dead-letters the message.
+func decoded[T any](t *testing.T, ev messaging.Event[T], payload T) error {
+	t.Helper()
+	msg, err := ev.Message(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = ev.Decode(msg)
+	if err != nil && !messaging.IsPermanent(err) {
+		t.Fatalf("%s: %v, want a permanent error: the message will never become valid", ev.Type, err)
+	}
+	return err
+}
+
+// orderPlaced is a valid OrderPlaced of lines, its total theirs.
+func orderPlaced(lines ...Line) OrderPlaced {
+	ev := OrderPlaced{OrderID: uuid.New(), CustomerID: "c-1", Lines: lines, PlacedAt: time.Now().UTC()}
+	for _, l := range lines {
+		ev.TotalCents += l.Quantity * l.UnitPriceCents
+	}
+	return ev
+}
+
+// A sum of lines past an int64 matches no total: wrapped, it could come back to one. A line of
+// 4 × 2^62 cents wraps to 0, and one of 3 × 3·2^61 to 2^61, which an order of that total would
+// otherwise match; two lines of 2 × 2^62 wrap to 0 in their sum; so do three of MaxInt64,
+// MaxInt64 and 2, whose products fit.
+func TestLinesPastAnInt64MatchNoTotal(t *testing.T) {
+	t.Parallel()
+	half := int64(math.MaxInt64/2 + 1) // 2^62
+	for _, lines := range [][]Line{
+		{{SKU: "a", Quantity: 2, UnitPriceCents: half}},
+		{{SKU: "a", Quantity: 4, UnitPriceCents: half}},
+		{{SKU: "a", Quantity: 3, UnitPriceCents: 3 << 61}},
+		{{SKU: "a", Quantity: 2, UnitPriceCents: half}, {SKU: "b", Quantity: 2, UnitPriceCents: half}},
+		{{SKU: "a", Quantity: half, UnitPriceCents: 2}, {SKU: "b", Quantity: half, UnitPriceCents: 2}},
+		{{SKU: "a", Quantity: 1, UnitPriceCents: math.MaxInt64}, {SKU: "b", Quantity: 1, UnitPriceCents: math.MaxInt64}, {SKU: "c", Quantity: 1, UnitPriceCents: 2}},
+	} {
+		if got := linesTotal(lines); got != -1 {
+			t.Errorf("linesTotal(%+v) = %d, want -1: it overflows", lines, got)
+		}
+		ev := orderPlaced(lines...) // its total wraps as the lines' would
+		if err := decoded(t, OrderPlacedEvent, ev); err == nil {
+			t.Errorf("an OrderPlaced of %+v, total %d: taken, want it refused", lines, ev.TotalCents)
+		}
+	}
+	// The most that fits is a sum all the same.
+	most := []Line{{SKU: "a", Quantity: 1, UnitPriceCents: math.MaxInt64 - 1}, {SKU: "b", Quantity: 1, UnitPriceCents: 1}}
+	if got := linesTotal(most); got != math.MaxInt64 {
+		t.Errorf("linesTotal(%+v) = %d, want MaxInt64", most, got)
+	}
+	if err := decoded(t, OrderPlacedEvent, orderPlaced(most...)); err != nil {
+		t.Errorf("an OrderPlaced of total MaxInt64: %v, want it taken", err)
+	}
+}
+
+// Each event's checks refuse what a consumer could not act on, and take a valid one.
+func TestEventsAreValidated(t *testing.T) {
+	t.Parallel()
+	line := Line{SKU: "SKU-1", Quantity: 2, UnitPriceCents: 150}
+	for _, tc := range []struct {
+		name string
+		edit func(*OrderPlaced)
+		want string // "" for taken
+	}{
+		{"valid", func(*OrderPlaced) {}, ""},
+		{"free", func(ev *OrderPlaced) { ev.Lines[0].UnitPriceCents, ev.TotalCents = 0, 0 }, ""},
+		{"no order_id", func(ev *OrderPlaced) { ev.OrderID = uuid.Nil }, "without order_id"},
+		{"no customer_id", func(ev *OrderPlaced) { ev.CustomerID = "" }, "without customer_id"},
+		{"negative total", func(ev *OrderPlaced) { ev.TotalCents = -1 }, "negative total_cents"},
+		{"no lines", func(ev *OrderPlaced) { ev.Lines, ev.TotalCents = nil, 0 }, "without lines"},
+		{"wrong total", func(ev *OrderPlaced) { ev.TotalCents++ }, "not the sum of its lines"},
+		{"no SKU", func(ev *OrderPlaced) { ev.Lines[0].SKU = "" }, "invalid line"},
+		{"no quantity", func(ev *OrderPlaced) { ev.Lines[0].Quantity, ev.TotalCents = 0, 0 }, "invalid line"},
+		{"negative quantity and price", func(ev *OrderPlaced) { ev.Lines[0].Quantity, ev.Lines[0].UnitPriceCents = -2, -150 }, "invalid line"},
+		// Its total the lines' sum: refused for the line, not the sum.
+		{"negative price", func(ev *OrderPlaced) {
+			ev.Lines = append(ev.Lines, Line{SKU: "SKU-2", Quantity: 1, UnitPriceCents: -300})
+			ev.TotalCents = 0
+		}, "invalid line"},
+	} {
+		ev := orderPlaced(line)
+		tc.edit(&ev)
+		switch err := decoded(t, OrderPlacedEvent, ev); {
+		case tc.want == "" && err != nil:
+			t.Errorf("OrderPlaced %s: %v, want it taken", tc.name, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("OrderPlaced %s: %v, want %q", tc.name, err, tc.want)
+		}
+	}
+
+	cancelled := func(edit func(*OrderCancelled)) error {
+		ev := OrderCancelled{OrderID: uuid.New(), CustomerID: "c-1", Reason: "changed my mind", CancelledAt: time.Now().UTC()}
+		edit(&ev)
+		return decoded(t, OrderCancelledEvent, ev)
+	}
+	if err := cancelled(func(ev *OrderCancelled) { ev.Reason = "" }); err != nil {
+		t.Errorf("OrderCancelled without a reason: %v, want it taken", err)
+	}
+	if err := cancelled(func(ev *OrderCancelled) { ev.OrderID = uuid.Nil }); err == nil || !strings.Contains(err.Error(), "without order_id") {
+		t.Errorf("OrderCancelled without order_id: %v, want it refused", err)
+	}
+	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "" }); err == nil || !strings.Contains(err.Error(), "without customer_id") {
+		t.Errorf("OrderCancelled without customer_id: %v, want it refused", err)
+	}
+
+	issued := func(edit func(*InvoiceIssued)) error {
+		ev := InvoiceIssued{InvoiceID: uuid.New(), OrderID: uuid.New(), CustomerID: "c-1", AmountCents: 300, IssuedAt: time.Now().UTC()}
+		edit(&ev)
+		return decoded(t, InvoiceIssuedEvent, ev)
+	}
+	for name, tc := range map[string]struct {
+		edit func(*InvoiceIssued)
+		want string
+	}{
+		"valid":          {func(*InvoiceIssued) {}, ""},
+		"free":           {func(ev *InvoiceIssued) { ev.AmountCents = 0 }, ""},
+		"no invoice_id":  {func(ev *InvoiceIssued) { ev.InvoiceID = uuid.Nil }, "without invoice_id or order_id"},
+		"no order_id":    {func(ev *InvoiceIssued) { ev.OrderID = uuid.Nil }, "without invoice_id or order_id"},
+		"no customer_id": {func(ev *InvoiceIssued) { ev.CustomerID = "" }, "without customer_id"},
+		"negative":       {func(ev *InvoiceIssued) { ev.AmountCents = -1 }, "negative amount_cents"},
+	} {
+		switch err := issued(tc.edit); {
+		case tc.want == "" && err != nil:
+			t.Errorf("InvoiceIssued %s: %v, want it taken", name, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("InvoiceIssued %s: %v, want %q", name, err, tc.want)
+		}
+	}
+
+	// A message of one event is not another's, whatever its payload.
+	msg, err := OrderCancelledEvent.Message(OrderCancelled{OrderID: uuid.New(), CustomerID: "c-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := DecodeOrderPlaced(msg); !messaging.IsPermanent(err) {
+		t.Errorf("an OrderCancelled decoded as OrderPlaced: %v, want a permanent error", err)
+	}
+}
