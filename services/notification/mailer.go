@@ -92,7 +92,8 @@ type smtpConn struct {
 	// pipelining: the server takes a message's commands in one write (RFC 2920, PIPELINING),
 	// so a message costs two round trips instead of five. eightBit: it takes 8-bit bodies
 	// (8BITMIME), so a body may go as it is (see composeEmail). utf8: it
-	// takes UTF-8 addresses (SMTPUTF8, RFC 6531), which a customer's may be.
+	// takes UTF-8 addresses (SMTPUTF8, RFC 6531), which a customer's may be; without it, the
+	// addresses go as asciiAddress writes them (see send).
 	pipelining, eightBit, utf8 bool
 	// used: a message went over it already, so the next begins with RSET. broken: a
 	// conversation on it failed or was cut short, so it is closed, never reused.
@@ -390,11 +391,28 @@ func (d *smtpDeliverer) Close() {
 	}
 }
 
-// dial opens a connection and says EHLO (HELO, to a server that refuses it).
+// errUnreachable marks a delivery that opened no session with the server: the dial failed, or
+// the greeting or the answer to EHLO was a refusal (421 included) or did not come in time.
+// Nothing of the message was tried; the server is away, not refusing the message.
+var errUnreachable = errors.New("mail server unreachable")
+
+// Probe opens a session with the server and ends it: whether a delivery could begin one now.
+// It fails as dial does, with errUnreachable.
+func (d *smtpDeliverer) Probe(ctx context.Context) error {
+	c, err := d.dial(ctx)
+	if err != nil {
+		return err
+	}
+	c.quit()
+	return nil
+}
+
+// dial opens a connection and says EHLO (HELO, to a server that refuses it). Its failures
+// wrap errUnreachable.
 func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", d.addr)
 	if err != nil {
-		return nil, fmt.Errorf("smtp dial %s: %w", d.addr, err)
+		return nil, fmt.Errorf("%w: smtp dial %s: %w", errUnreachable, d.addr, err)
 	}
 	c := &smtpConn{conn: conn}
 	host, _, _ := net.SplitHostPort(d.addr)
@@ -415,7 +433,7 @@ func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
 	})
 	if c.broken {
 		c.close()
-		return nil, errors.Join(err, ctx.Err())
+		return nil, fmt.Errorf("%w: %w", errUnreachable, errors.Join(err, ctx.Err()))
 	}
 	return c, nil
 }
@@ -448,6 +466,18 @@ var errStale = errors.New("reused SMTP connection no longer takes messages")
 // connection: a server that refused a command may be in any state.
 func (c *smtpConn) send(ctx context.Context, from string, n Notification) error {
 	// Before any command: a message refused here leaves the connection as it was.
+	if !c.utf8 {
+		// A server without SMTPUTF8 takes only ASCII, in the envelope and the headers alike: a
+		// customer's address may be UTF-8 (SMTP_FROM was checked at start).
+		var err error
+		if from, err = asciiAddress(from); err != nil {
+			return fmt.Errorf("smtp: sender: %w", err)
+		}
+		// Not the recipient itself: the error reaches the log, which keeps no customer's address.
+		if n.Recipient, err = asciiAddress(n.Recipient); err != nil {
+			return fmt.Errorf("smtp: recipient: %w", err)
+		}
+	}
 	msg, err := composeEmail(from, n, c.eightBit)
 	if err != nil {
 		return err
@@ -554,8 +584,10 @@ const MessageIDDomain = "notification.outbox-inbox"
 
 // errNotAMailbox refuses an address that would reach a command or a header as more than a
 // mailbox: a CR or LF would start a line of its own (another recipient, another header), and
-// "<" or ">" would end the envelope's address early. Sending it again changes nothing.
-var errNotAMailbox = errors.New("not a plain mailbox (CR, LF, '<' or '>'); it is never sent")
+// "<" or ">" would end the envelope's address early. Nothing of the e-mail is sent. It counts
+// as a failed attempt like any other, and fails alike at each retry: the notification stays
+// pending, retried at NOTIFY_MAX_BACKOFF for ever (docs/operations.md).
+var errNotAMailbox = errors.New("not a plain mailbox (CR, LF, '<' or '>'); nothing was sent")
 
 // composeEmail is n as an e-mail, or errNotAMailbox. Its body goes as it is (8bit) to a server
 // that offers 8BITMIME, if it is 8-bit text as SMTP carries it (eightBitText); otherwise

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	gosmtp "github.com/emersion/go-smtp"
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
@@ -937,4 +938,185 @@ func TestCloseSaysQuit(t *testing.T) {
 	if writes := proxy.writes(); !slices.Contains(writes, "QUIT\r\n") {
 		t.Fatalf("the deliverer wrote %q, want a QUIT at Close", writes)
 	}
+}
+
+// A server that does not offer SMTPUTF8 gets every address as ASCII, before DATA and in the
+// headers: a domain as its A-label, and a recipient whose local part has no ASCII form not at
+// all, refused before any command of its own, the connection kept for the next. One that
+// offers SMTPUTF8 gets the addresses as they are.
+func TestAddressesAreASCIIWhereTheServerTakesNoSMTPUTF8(t *testing.T) {
+	t.Parallel()
+	t.Run("no SMTPUTF8", func(t *testing.T) {
+		t.Parallel()
+		srv := testenv.NewSMTPServer(t)
+		srv.Start()
+		proxy := newSMTPRecorder(t, srv.Addr)
+		d := newSMTPDeliverer(proxy.addr, "orders@shöp.example", 1)
+		t.Cleanup(d.Close)
+		if err := deliverNow(d, mailTo("ann@bücher.example")); err != nil {
+			t.Fatal(err)
+		}
+		err := deliverNow(d, mailTo("jöhn@example.com"))
+		if !errors.Is(err, errUTF8LocalPart) || strings.Contains(err.Error(), "jöhn") {
+			t.Errorf("err = %v, want %v, without the address", err, errUTF8LocalPart)
+		}
+		if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+			t.Fatal(err)
+		}
+		got := srv.Mail()
+		if len(got) != 2 {
+			t.Fatalf("%d e-mails, want 2", len(got))
+		}
+		const from, to = "orders@xn--shp-tna.example", "ann@xn--bcher-kva.example"
+		if got[0].From != from || got[0].To != to || got[0].Header.Get("From") != from || got[0].Header.Get("To") != to {
+			t.Errorf("envelope %s to %s, headers %q to %q; want %s to %s in both", got[0].From, got[0].To,
+				got[0].Header.Get("From"), got[0].Header.Get("To"), from, to)
+		}
+		// The bodies and subjects are ASCII too: the whole conversation must be.
+		wire := strings.Join(proxy.writes(), "")
+		if i := strings.IndexFunc(wire, func(r rune) bool { return r >= 0x80 }); i >= 0 {
+			t.Errorf("an 8-bit byte on the wire to a server without SMTPUTF8: %q", wire[max(i-20, 0):min(i+20, len(wire))])
+		}
+		if n := strings.Count(wire, "MAIL FROM"); n != 2 {
+			t.Errorf("%d MAIL FROM, want 2 (none for the refused recipient)", n)
+		}
+	})
+	t.Run("SMTPUTF8", func(t *testing.T) {
+		t.Parallel()
+		srv := utf8MailServer(t)
+		proxy := newSMTPRecorder(t, srv.addr)
+		d := newSMTPDeliverer(proxy.addr, "orders@shöp.example", 1)
+		t.Cleanup(d.Close)
+		if err := deliverNow(d, mailTo("jöhn@bücher.example")); err != nil {
+			t.Fatal(err)
+		}
+		wire := strings.Join(proxy.writes(), "")
+		for _, want := range []string{"MAIL FROM:<orders@shöp.example> BODY=8BITMIME SMTPUTF8\r\n", "RCPT TO:<jöhn@bücher.example>\r\n",
+			"From: orders@shöp.example\r\n", "To: jöhn@bücher.example\r\n"} {
+			if !strings.Contains(wire, want) {
+				t.Errorf("%q not on the wire: %q", want, wire)
+			}
+		}
+		if got := srv.received(); len(got) != 1 || got[0] != "orders@shöp.example to jöhn@bücher.example" {
+			t.Errorf("received %q, want one e-mail from orders@shöp.example to jöhn@bücher.example", got)
+		}
+	})
+}
+
+// smtpUTF8Server is a test mail server that offers SMTPUTF8, which testenv's does not.
+type smtpUTF8Server struct {
+	addr string
+	mu   sync.Mutex
+	mail []string // "from to to", an e-mail's envelope
+}
+
+func (s *smtpUTF8Server) received() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.mail...)
+}
+
+// utf8MailServer is a running smtpUTF8Server.
+func utf8MailServer(t *testing.T) *smtpUTF8Server {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &smtpUTF8Server{addr: ln.Addr().String()}
+	srv := gosmtp.NewServer(gosmtp.BackendFunc(func(*gosmtp.Conn) (gosmtp.Session, error) {
+		return &utf8Session{server: s}, nil
+	}))
+	srv.Domain = "localhost"
+	srv.EnableSMTPUTF8 = true
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return s
+}
+
+type utf8Session struct {
+	server   *smtpUTF8Server
+	from, to string
+}
+
+func (x *utf8Session) Reset()        { x.from, x.to = "", "" }
+func (x *utf8Session) Logout() error { return nil }
+
+func (x *utf8Session) Mail(from string, _ *gosmtp.MailOptions) error {
+	x.from = from
+	return nil
+}
+
+func (x *utf8Session) Rcpt(to string, _ *gosmtp.RcptOptions) error {
+	x.to = to
+	return nil
+}
+
+func (x *utf8Session) Data(r io.Reader) error {
+	if _, err := io.Copy(io.Discard, r); err != nil {
+		return err
+	}
+	x.server.mu.Lock()
+	defer x.server.mu.Unlock()
+	x.server.mail = append(x.server.mail, x.from+" to "+x.to)
+	return nil
+}
+
+// A server that opens no session is away, not refusing the message (errUnreachable, which the
+// sender waits out uncharged): nothing listening, a 421 greeting, or no greeting in time. A
+// refusal within a session is the message's failure.
+func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
+	t.Parallel()
+	greeting := func(t *testing.T, reply string) string {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() {
+			for {
+				conn, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				_, _ = io.WriteString(conn, reply)
+				_ = conn.Close()
+			}
+		}()
+		return ln.Addr().String()
+	}
+	closed := testenv.NewSMTPServer(t) // never started: nothing listens
+	silent, _ := silentMailServer(t)
+	for name, addr := range map[string]string{
+		"nothing listening": closed.Addr,
+		"421 greeting":      greeting(t, "421 4.3.2 shutting down\r\n"),
+		"no greeting":       silent,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			d := newSMTPDeliverer(addr, "orders@shop.example", 1)
+			t.Cleanup(d.Close)
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			if err := d.Deliver(ctx, mailTo("c-1@customers.example")); !errors.Is(err, errUnreachable) {
+				t.Errorf("delivery: err = %v, want %v", err, errUnreachable)
+			}
+			ctx, cancel = context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			if err := d.Probe(ctx); !errors.Is(err, errUnreachable) {
+				t.Errorf("probe: err = %v, want %v", err, errUnreachable)
+			}
+		})
+	}
+	t.Run("refusal in a session", func(t *testing.T) {
+		t.Parallel()
+		srv, d := mailServer(t, 1)
+		srv.LimitPerSession(-1) // MAIL refused with 421
+		if err := deliverNow(d, mailTo("c-1@customers.example")); err == nil || errors.Is(err, errUnreachable) {
+			t.Errorf("delivery: err = %v, want the refusal, not %v", err, errUnreachable)
+		}
+		if err := d.Probe(context.Background()); err != nil {
+			t.Errorf("probe: %v, want the session opened", err)
+		}
+	})
 }

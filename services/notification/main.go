@@ -29,7 +29,14 @@ func run(ctx context.Context, env *platform.Env) error {
 	// A comment ("a@b.example (Shop)") or a group ("Shop: a@b.example;") parses as an address
 	// too, and would reach MAIL FROM and the From header as it is, refused by strict relays.
 	from, fromErr := mail.ParseAddress(smtpFrom)
-	env.Check(fromErr == nil && from.Address == smtpFrom, "SMTP_FROM", "must be a plain e-mail address")
+	plainFrom := fromErr == nil && from.Address == smtpFrom
+	env.Check(plainFrom, "SMTP_FROM", "must be a plain e-mail address")
+	if plainFrom {
+		// Sent to servers without SMTPUTF8 too, as asciiAddress writes it (its domain as an
+		// A-label): a local part with no ASCII form would fail every e-mail there.
+		_, err := asciiAddress(smtpFrom)
+		env.Check(err == nil, "SMTP_FROM", "must have an ASCII local part, at a domain name")
+	}
 	// Every recipient derived from a customer id is at it: a name a server could refuse as
 	// syntax would fail each of those e-mails for ever. Kept as its A-label, which a server
 	// without SMTPUTF8 takes too.

@@ -68,3 +68,24 @@ func TestARecipientDomainThatIsNoDomainNameIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// SMTP_FROM goes to servers without SMTPUTF8 too: its domain as an A-label, which every name
+// has, but a local part that is not ASCII has no such form, and would fail every e-mail there.
+func TestASenderAddressWithNoASCIIFormIsRefused(t *testing.T) {
+	t.Parallel()
+	// Cancelled: an address let through ends the run at once, not waiting for the database.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	runWith := func(value string) error {
+		return run(ctx, platform.EnvFrom(map[string]string{
+			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
+			"SMTP_FROM": value,
+		}))
+	}
+	if err := runWith("örders@shop.example"); err == nil || !strings.Contains(err.Error(), "SMTP_FROM: must have an ASCII local part") {
+		t.Errorf("SMTP_FROM=örders@shop.example: err = %v, want it named", err)
+	}
+	if err := runWith("orders@shöp.example"); err != nil && strings.Contains(err.Error(), "SMTP_FROM") {
+		t.Errorf("SMTP_FROM=orders@shöp.example: err = %v, want it taken", err)
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
@@ -192,6 +193,35 @@ func asciiDomain(domain string) (string, bool) {
 	}
 	ascii := strings.Join(labels, ".")
 	return ascii, len(ascii) <= 253
+}
+
+// errUTF8LocalPart refuses a mailbox whose local part is not ASCII where it must be: a domain's
+// U-labels have an ASCII form, their A-labels, but a local part has none, and only a server
+// that offers SMTPUTF8 takes it as it is.
+var errUTF8LocalPart = errors.New("its local part is not ASCII, which only a server that offers SMTPUTF8 takes")
+
+// errNotAtDomain refuses an address that is not at a domain name (domainName).
+var errNotAtDomain = errors.New("it is not at a domain name")
+
+// asciiAddress is address as a server without SMTPUTF8 takes it: its domain as asciiDomain
+// writes it, its local part as it is, if ASCII (errUTF8LocalPart otherwise). The error names
+// no part of address: it reaches the log.
+func asciiAddress(address string) (string, error) {
+	at := strings.LastIndexByte(address, '@') // a quoted local part may hold '@'; a domain may not
+	if at < 0 {
+		return "", errNotAtDomain
+	}
+	local := address[:at]
+	for i := range len(local) {
+		if local[i] >= utf8.RuneSelf {
+			return "", errUTF8LocalPart
+		}
+	}
+	domain, ok := asciiDomain(address[at+1:])
+	if !ok {
+		return "", errNotAtDomain
+	}
+	return local + "@" + domain, nil
 }
 
 // ldhLabel says whether label is 1 to 63 letters, digits and '-', with no '-' first or last.

@@ -125,6 +125,16 @@ func (b *testBundle) kinds(t *testing.T, orderID uuid.UUID) map[string]Notificat
 	return byKind
 }
 
+// row is the one notification the test recorded.
+func (b *testBundle) row(t *testing.T) Notification {
+	t.Helper()
+	var n Notification
+	if err := b.db.Take(&n).Error; err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
 // run runs the sender until the test ends, or until the function it returns is called: Run
 // must be stopped before a test's own pass (deliverOne) that must find nothing left, so that
 // Run cannot be leasing at the same time.
@@ -496,9 +506,12 @@ VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?)`, uuid.Ne
 	}
 }
 
-// While the mail server is away each attempt fails, is recorded with its error and counted in
-// notification_deliveries_total (what the alert reads), and the notification waits in the
-// backlog gauges; once it is back the e-mail goes out once, and the backlog is empty.
+// While the mail server is away the notification waits in the backlog gauges, charged nothing:
+// no attempt, no error, no delivery counted in notification_deliveries_total, no backoff; the
+// outage is logged once at each end, and notification_mail_server_unreachable reads 1 until it
+// ends. Once the server is back, the sender's probes find it
+// within seconds, with the production backoff (which, charged for the outage, would have put
+// the e-mail off for up to NOTIFY_MAX_BACKOFF), and the e-mail goes out once.
 func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -515,7 +528,7 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	if n, err := testutil.GatherAndCount(reg, "notification_deliveries_total"); err != nil || n != 2 {
 		t.Fatalf("notification_deliveries_total has %d series before any delivery (%v), want both outcomes at zero", n, err)
 	}
-	backlog := func() (pending, age float64) {
+	gauges := func() map[string]float64 {
 		t.Helper()
 		families, err := reg.Gather()
 		if err != nil {
@@ -525,33 +538,72 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 		for _, f := range families {
 			values[f.GetName()] = f.GetMetric()[0].GetGauge().GetValue()
 		}
+		return values
+	}
+	backlog := func() (pending, age float64) {
+		t.Helper()
+		values := gauges()
 		return values["notification_pending"], values["notification_oldest_pending_age_seconds"]
+	}
+	// Exported from the start, so that the alert's absence is a 0, not a missing series.
+	unreachable := func() (float64, bool) {
+		t.Helper()
+		v, ok := gauges()["notification_mail_server_unreachable"]
+		return v, ok
 	}
 	if pending, age := backlog(); pending != 0 || age != 0 {
 		t.Fatalf("backlog before any notification: %v pending, the oldest %v s old; want 0 and 0", pending, age)
 	}
+	if v, ok := unreachable(); v != 0 || !ok {
+		t.Fatalf("notification_mail_server_unreachable before any delivery: %v (exported: %v), want 0", v, ok)
+	}
+	// newSender's backoff, at the default maximum.
+	b.send.backoff = messaging.Backoff{Base: 2 * time.Second, Max: 5 * time.Minute}
 	b.run(t) // the mail server is not running yet
 	msg := orderPlaced(t, uuid.New(), "ann@example.org")
 	b.deliver(t, msg)
 	b.send.Wake()
-	// The failure is logged once it is recorded: both are polled, the line comes last.
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'pending' AND attempts >= 2 AND last_error LIKE '%smtp%'") == 1 &&
-			len(b.logs.Lines("notification delivery failed", "attempts=")) >= 2
-	}, "no two failed attempts recorded and logged while the mail server was down")
-	if failed, sent := deliveries(deliveryFailed), deliveries(deliverySent); failed < 2 || sent != 0 {
-		t.Fatalf("counted %v failed and %v sent deliveries while the mail server was down, want 2 or more and 0", failed, sent)
+		return len(b.logs.Lines("mail server unreachable; sending paused", "level=ERROR")) == 1
+	}, "the mail server's absence was not logged")
+	// Long enough for two backoffs of failed attempts.
+	time.Sleep(5 * time.Second)
+	if n := b.row(t); n.Status != StatusPending || n.Attempts != 0 || n.LastError != nil {
+		t.Fatalf("while the mail server was down: status %s, attempts %d, last error %v; want pending, 0, none", n.Status, n.Attempts, n.LastError)
+	}
+	if failed, sent := deliveries(deliveryFailed), deliveries(deliverySent); failed != 0 || sent != 0 {
+		t.Fatalf("counted %v failed and %v sent deliveries while the mail server was down, want none", failed, sent)
 	}
 	if pending, age := backlog(); pending != 1 || age <= 0 {
 		t.Fatalf("backlog while the mail server was down: %v pending, the oldest %v s old; want 1, older than 0", pending, age)
 	}
+	if n := len(b.logs.Lines("mail server unreachable; sending paused", "level=ERROR")); n != 1 {
+		t.Fatalf("%d lines at ERROR for one outage, want 1", n)
+	}
+	if v, _ := unreachable(); v != 1 {
+		t.Fatalf("notification_mail_server_unreachable while the mail server was down: %v, want 1", v)
+	}
 
 	b.smtp.Start()
+	back := time.Now()
 	testenv.Eventually(t, 15*time.Second, func() bool {
 		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'sent'") == 1
 	}, "not delivered after the mail server came back")
+	// Probed at most 10 s apart, but 4 s apart 7.5 s into the outage, when it ended.
+	if took := time.Since(back); took > 6*time.Second {
+		t.Fatalf("delivered %v after the mail server came back, want within 6 s", took)
+	}
+	if n := b.row(t); n.Attempts != 0 || n.LastError != nil {
+		t.Fatalf("sent with attempts %d, last error %v; want 0 and none", n.Attempts, n.LastError)
+	}
 	if mails := b.smtp.Mail(); len(mails) != 1 || mails[0].To != "ann@example.org" {
 		t.Fatalf("mails = %+v, want exactly one to ann@example.org", mails)
+	}
+	if n := len(b.logs.Lines("mail server reachable again; sending resumed", "outage=")); n != 1 {
+		t.Fatalf("%d lines of the mail server's return, want 1", n)
+	}
+	if v, _ := unreachable(); v != 0 {
+		t.Fatalf("notification_mail_server_unreachable once the mail server was back: %v, want 0", v)
 	}
 	// Counted just after it is recorded sent: polled.
 	testenv.Eventually(t, 5*time.Second, func() bool { return deliveries(deliverySent) == 1 }, "the delivery was not counted as sent")
@@ -676,9 +728,10 @@ func TestRecipientIsKeptOnlyIfSMTPCarriesIt(t *testing.T) {
 }
 
 // A mail server that accepts connections and then says nothing: the delivery gives up at its
-// deadline, and the failure is still recorded (attempts, last_error, a backoff), because
-// recording has a budget of its own.
-func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
+// deadline, before MAIL, so the server is away rather than refusing the e-mail. The
+// notification is still released, uncharged and due at once, because recording has a budget of
+// its own; the outage is logged.
+func TestStalledMailServerReleasesTheNotificationUncharged(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	addr, _ := silentMailServer(t)
@@ -690,15 +743,13 @@ func TestStalledMailServerIsRecordedAsAFailure(t *testing.T) {
 
 	delivered, err := b.send.deliverOne(context.Background())
 	if err != nil || delivered {
-		t.Fatalf("deliverOne = %v, %v; want a recorded failure", delivered, err)
+		t.Fatalf("deliverOne = %v, %v; want a recorded release", delivered, err)
 	}
-	var n Notification
-	if err := b.db.Take(&n).Error; err != nil {
-		t.Fatal(err)
+	if n := b.row(t); n.Status != StatusPending || n.Attempts != 0 || n.LastError != nil || n.NextAttemptAt.After(time.Now()) {
+		t.Fatalf("notification = %+v, want pending with no attempt nor error, due at once", n)
 	}
-	if n.Status != StatusPending || n.Attempts != 1 || n.LastError == nil || !strings.Contains(*n.LastError, "smtp") ||
-		time.Until(n.NextAttemptAt) > 2*time.Second || time.Until(n.NextAttemptAt) <= 0 {
-		t.Fatalf("notification = %+v, want pending with 1 attempt, an smtp error and a short backoff (not the lease, nor due at once)", n)
+	if n := len(b.logs.Lines("mail server unreachable; sending paused", "smtp greeting")); n != 1 {
+		t.Fatalf("%d lines of the mail server's absence, want 1", n)
 	}
 }
 

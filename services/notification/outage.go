@@ -7,17 +7,17 @@ import (
 	"time"
 )
 
-// outage logs a failure that repeats while the database is away (every poll, every scrape)
-// once at each end: its first failure at level, the rest at Debug, and, at the first success
-// after, the recovery with how long the outage lasted and how many failures it saw. A line a
-// poll would be one a second per replica, all saying the same. (The library's relay does this
+// outage logs a failure that repeats while the database or the mail server is away (every
+// poll, every scrape, every probe) once at each end: its first failure at level, the rest at
+// Debug, and, at the first success after, the recovery with how long the outage lasted and how
+// many failures it saw. A line a poll would be one a second per replica, all saying the same. (The library's relay does this
 // for the broker, unexported; platform.FailureLog repeats a line every 10 s, with no recovery.)
 type outage struct {
 	failed, recovered string     // the messages of the failures and of the recovery
 	level             slog.Level // the first failure's
 
 	mu       sync.Mutex
-	since    time.Time // zero while the database works
+	since    time.Time // zero while what it watches works
 	failures int
 }
 
@@ -46,4 +46,11 @@ func (o *outage) ok(log *slog.Logger) {
 	if !since.IsZero() {
 		log.Info(o.recovered, "outage", time.Since(since).Round(time.Millisecond), "failures", failures)
 	}
+}
+
+// on says whether an outage is on: a failure since the last success.
+func (o *outage) on() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return !o.since.IsZero()
 }

@@ -89,9 +89,16 @@ SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM r
 // the idempotency key: a crash between delivering and marking it sent delivers it again, and
 // the receiver can recognise the repeat. Deliver must return when ctx ends: the lease that
 // keeps other senders away lasts only so long. Deliver is called concurrently. An error that
-// wraps errNotStarted says nothing was tried: the notification is released, not charged.
+// wraps errNotStarted says nothing was tried: the notification is released, not charged. So
+// does one that wraps errUnreachable, from a mailServerProber: its server is away, and the
+// sender leases nothing until a probe finds it back.
 type Deliverer interface {
 	Deliver(ctx context.Context, n Notification) error
+}
+
+// mailServerProber is a Deliverer that can look for its server without a message.
+type mailServerProber interface {
+	Probe(ctx context.Context) error
 }
 
 // DefaultConcurrency is how many deliveries a sender runs at once unless NOTIFY_CONCURRENCY
@@ -137,6 +144,11 @@ type sender struct {
 	// leasing logs Run's failed leases once an outage: it polls every second while the
 	// database is away.
 	leasing outage
+	// mailServer is on from a delivery that found the mail server unreachable until a probe
+	// finds it back (awaitMailServer), paced by probing: meanwhile Run leases nothing, and no
+	// notification is charged an attempt, or put off by a backoff, for the server's absence.
+	mailServer outage
+	probing    messaging.Backoff
 	// outcomes counts the deliveries tried, by outcome (see registerMetrics); nil counts none.
 	outcomes *prometheus.CounterVec
 }
@@ -148,8 +160,11 @@ const (
 )
 
 // registerMetrics exports notification_deliveries_total on reg, each outcome at zero from the
-// start so that increase() sees the first: the mail server's failures show there, where the
-// consumer's metrics, which count the notifications recorded, look healthy.
+// start so that increase() sees the first: the mail server's refusals show there, where the
+// consumer's metrics, which count the notifications recorded, look healthy. An unreachable
+// server tries nothing, so notification_mail_server_unreachable shows it instead; read from
+// mailServer at each scrape, it cannot disagree with the pause, which deliveries start and
+// Run ends from different goroutines.
 func (s *sender) registerMetrics(reg prometheus.Registerer) error {
 	v := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "notification_deliveries_total",
@@ -160,6 +175,18 @@ func (s *sender) registerMetrics(reg prometheus.Registerer) error {
 	}
 	if err := reg.Register(v); err != nil {
 		return fmt.Errorf("register notification_deliveries_total: %w", err)
+	}
+	unreachable := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "notification_mail_server_unreachable",
+		Help: "1 while the sender is paused because the mail server is unreachable, probing it; 0 otherwise.",
+	}, func() float64 {
+		if s.mailServer.on() {
+			return 1
+		}
+		return 0
+	})
+	if err := reg.Register(unreachable); err != nil {
+		return fmt.Errorf("register notification_mail_server_unreachable: %w", err)
 	}
 	s.outcomes = v
 	return nil
@@ -188,6 +215,11 @@ func newSender(db *gorm.DB, d Deliverer, concurrency int, maxBackoff time.Durati
 		log:     log.With("component", "sender"), wake: make(chan struct{}, 1),
 		tracer:  otel.Tracer("github.com/outboxkit/outbox-inbox/services/notification"),
 		leasing: outage{failed: "leasing notifications failed", recovered: "leasing notifications works again", level: slog.LevelError},
+		mailServer: outage{failed: "mail server unreachable; sending paused", recovered: "mail server reachable again; sending resumed",
+			level: slog.LevelError},
+		// Quick at first, for a server that restarts; never so slow that e-mails wait long
+		// after it is back.
+		probing: messaging.Backoff{Base: 500 * time.Millisecond, Max: 10 * time.Second},
 	}
 	s.line.flush = s.flush
 	return s
@@ -207,7 +239,8 @@ func (s *sender) Wake() {
 // those leased but not started are released, due again at once; and Run returns once all that
 // is recorded. A clean shutdown repeats only an e-mail whose conversation, begun before the
 // signal, outlasts the grace: it is cut off, counted as failed, and sent again later with the
-// same Message-ID.
+// same Message-ID. While the mail server is away, Run leases nothing and probes it
+// (awaitMailServer).
 func (s *sender) Run(ctx context.Context) error {
 	s.stopBy.Store(nil)
 	stopping := context.AfterFunc(ctx, func() {
@@ -230,6 +263,17 @@ func (s *sender) Run(ctx context.Context) error {
 			return nil
 		}
 		free := 1 + takeFree(room)
+		if s.mailServer.on() {
+			// Leased now, they would only be released again: the places go back, and Run
+			// waits for the server.
+			for range free {
+				<-room
+			}
+			if !s.awaitMailServer(ctx) {
+				return nil
+			}
+			continue
+		}
 		rows, err := s.lease(free)
 		for range free - len(rows) {
 			<-room
@@ -265,11 +309,11 @@ func takeFree(room chan struct{}) int {
 }
 
 // work delivers leased notifications one after another until waiting closes; those it takes
-// once ctx ended it releases instead.
+// once ctx ended, or while the mail server is away, it releases instead.
 func (s *sender) work(ctx context.Context, waiting <-chan pendingRow, room <-chan struct{}) {
 	for row := range waiting {
 		<-room
-		if ctx.Err() != nil {
+		if ctx.Err() != nil || s.mailServer.on() {
 			s.release(inTrace(ctx, row), row)
 			continue
 		}
@@ -289,6 +333,33 @@ func (s *sender) idle(ctx context.Context) bool {
 	case <-s.wake:
 	case <-t.C:
 	}
+	return true
+}
+
+// awaitMailServer probes the mail server, ever less often, until it answers (true) or ctx
+// ends (false). A probe has a delivery's budget.
+func (s *sender) awaitMailServer(ctx context.Context) bool {
+	probe, ok := s.deliverer.(mailServerProber)
+	for failures := 1; ok; failures++ {
+		t := time.NewTimer(s.probing.Delay(failures))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+		probeCtx, cancel := context.WithTimeout(ctx, s.deliver)
+		err := probe.Probe(probeCtx)
+		cancel()
+		if ctx.Err() != nil {
+			return false
+		}
+		if err == nil {
+			break
+		}
+		s.mailServer.fail(s.log, err)
+	}
+	s.mailServer.ok(s.log)
 	return true
 }
 
@@ -368,6 +439,17 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		s.release(ctx, row)
 		return false, nil
 	}
+	if _, probed := s.deliverer.(mailServerProber); probed && errors.Is(failure, errUnreachable) {
+		// The server is away: nothing of the e-mail was tried, so no attempt is counted and no
+		// backoff taken. Run waits for the server before it leases again. A conversation cut
+		// off by the shutdown is no outage.
+		span.SetStatus(codes.Error, failure.Error())
+		if parent.Err() == nil {
+			s.mailServer.fail(s.log, failure)
+		}
+		s.release(ctx, row)
+		return false, nil
+	}
 	// Counted as tried whether or not the outcome can be recorded: an e-mail that went out and
 	// will go again, its mark lost, is two e-mails sent.
 	o := &deliveryOutcome{row: row, sent: failure == nil}
@@ -398,12 +480,24 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 }
 
 // withoutAddress is text with each occurrence of address, in any case (servers echo it as
-// they like), replaced by a stand-in.
+// they like), replaced by a stand-in: as it is, with its domain as its A-label (what went to a
+// server without SMTPUTF8, which may quote it so), and its local part alone in angle brackets
+// ("<ann>: unknown user", as some servers answer). A bare local part is left: it may be a word
+// of the reply.
 func withoutAddress(text, address string) string {
 	if address == "" {
 		return text
 	}
-	return regexp.MustCompile(`(?i)`+regexp.QuoteMeta(address)).ReplaceAllLiteralString(text, "[recipient]")
+	forms := regexp.QuoteMeta(address)
+	at := strings.LastIndexByte(address, '@')
+	if domain, ok := asciiDomain(address[at+1:]); ok && at > 0 {
+		forms += "|" + regexp.QuoteMeta(address[:at]+"@"+domain)
+	}
+	text = regexp.MustCompile(`(?i)`+forms).ReplaceAllLiteralString(text, "[recipient]")
+	if at <= 0 {
+		return text
+	}
+	return regexp.MustCompile(`(?i)<`+regexp.QuoteMeta(address[:at])+`>`).ReplaceAllLiteralString(text, "<[recipient]>")
 }
 
 // storable is an error text as a jsonb string can hold it: a mail server's reply may carry a
