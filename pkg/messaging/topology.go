@@ -135,10 +135,10 @@ func (t Topology) AllExchanges() []string {
 // and give each service's user the right to configure only its own resources. A declaration the
 // broker refuses for lack of that right is then accepted when the resource exists, and, for a
 // binding, when its queue does: the deployment declared it. log (nil: none) says which, once
-// per declaration: at debug level for an exchange or a queue seen to exist, at info level for
-// a binding, which AMQP gives no way to check (a queue missing a binding the deployment left
-// out never gets that event). A [Subscription] logs the bindings of its own queue so at warn
-// level. A resource that neither exists nor may be declared is an error.
+// per declaration, at debug level. A [Subscription] logs the bindings of its own queue taken so
+// at warn level: AMQP gives no way to check a binding, and a queue missing one the deployment
+// left out never gets that event (another queue's is its own subscription's to warn of). A
+// resource that neither exists nor may be declared is an error.
 //
 // Where the user has no right at all on a refused resource, RabbitMQ from 4.2.6 and 4.3.0 on
 // refuses the passive declaration that would tell whether it exists, whether it does or not
@@ -191,7 +191,7 @@ func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, cons
 		if err != nil {
 			return nil, err
 		}
-		level := slog.LevelInfo
+		level := slog.LevelDebug
 		if q.Queue == consumed {
 			level = slog.LevelWarn
 		}
