@@ -59,19 +59,37 @@ const (
 // batches committed before.
 //
 // It finds the rows through the primary key, by the time in their UUIDv7 ids ([Enqueue]
-// refuses any other version). A row whose id came from a clock ahead of the database's is
-// found at a later run.
+// refuses any other version): those made before the cutoff, then those made more than
+// [farAhead] after the database's clock (a business time made into an id, a clock that was
+// years out), which would otherwise wait for that time. A row whose id came from a clock a
+// little ahead of the database's is found at a later run.
 func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
-	var after uuid.UUID // the nil UUID, below every id
-	next := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error) {
-		var last uuid.NullUUID
-		err = queryRow(ctx, tx, []any{&picked, &deleted, &last}, statements.DeleteSentOutboxBatch, after, uuidV7Bound(cutoff), cutoff, limit)
-		if last.Valid {
-			after = last.UUID
-		}
-		return picked, deleted, err
+	var past, ahead uuid.UUID // where each walk is: from the nil UUID, and from farAhead
+	upToCutoff := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (int64, int64, error) {
+		return deleteSentBatch(ctx, tx, &past, uuidV7Bound(cutoff), cutoff, limit)
 	}
-	return cleanUp(ctx, db, "outbox_messages", outboxCleanupLockKey, olderThan, opts, next)
+	farAheadOfNow := func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (int64, int64, error) {
+		if ahead == (uuid.UUID{}) {
+			ahead = uuidV7Bound(cutoff.Add(olderThan + farAhead)) // the cutoff is now - olderThan
+		}
+		return deleteSentBatch(ctx, tx, &ahead, uuid.Max, cutoff, limit)
+	}
+	return cleanUp(ctx, db, "outbox_messages", outboxCleanupLockKey, olderThan, opts, upToCutoff, farAheadOfNow)
+}
+
+// farAhead is how far past the database's clock the time in an outbox id must be for the
+// cleanup to take its row by processed_at alone: beyond any clocks that merely disagree.
+const farAhead = time.Hour
+
+// deleteSentBatch deletes, in tx, the next batch of rows sent before cutoff whose ids are
+// between *after and below, and moves *after to the last id it took.
+func deleteSentBatch(ctx context.Context, tx Executor, after *uuid.UUID, below uuid.UUID, cutoff time.Time, limit int) (picked, deleted int64, err error) {
+	var last uuid.NullUUID
+	err = queryRow(ctx, tx, []any{&picked, &deleted, &last}, statements.DeleteSentOutboxBatch, *after, below, cutoff, limit)
+	if last.Valid {
+		*after = last.UUID
+	}
+	return picked, deleted, err
 }
 
 // DeleteInboxMessages deletes the inbox records older than olderThan, in batches, and says how
@@ -102,11 +120,17 @@ func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, op
 // says how many rows it picked and how many of them it deleted.
 type cleanupBatch func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error)
 
-// cleanUp runs the batches of one table's cleanup under the table's lock.
-func cleanUp(ctx context.Context, db DB, table string, lockKey int64, olderThan time.Duration, opts CleanupOptions, next cleanupBatch) (CleanupResult, error) {
+// cleanUp runs the batches of one table's cleanup under the table's lock: each walk's in
+// turn, until it finds no more.
+func cleanUp(ctx context.Context, db DB, table string, lockKey int64, olderThan time.Duration, opts CleanupOptions, walks ...cleanupBatch) (CleanupResult, error) {
 	var res CleanupResult
 	locked, err := withSessionLock(ctx, db, lockKey, func(conn Conn) error {
-		return deleteInBatches(ctx, conn, table, olderThan, opts, next, &res)
+		for _, next := range walks {
+			if err := deleteInBatches(ctx, conn, table, olderThan, opts, next, &res); err != nil {
+				return err
+			}
+		}
+		return nil
 	})
 	if err != nil {
 		return res, fmt.Errorf("clean up %s: %w", table, err)

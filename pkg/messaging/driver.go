@@ -3,6 +3,8 @@ package messaging
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"time"
 )
 
@@ -109,4 +111,28 @@ func rollback(ctx context.Context, tx TxExecutor) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackWait)
 	defer cancel()
 	_ = tx.Rollback(ctx)
+}
+
+// queryCanceled is the SQLSTATE of a statement the server cancelled: how a driver that cancels
+// a running statement when its context ends (lib/pq, pgx with
+// pgconn.CancelRequestContextWatcherHandler) reports it.
+const queryCanceled = "57014"
+
+// ContextEnded keeps an adapter to the contract above on a context's end: it names ctx's end
+// in err, a statement's or a commit's failure, when ctx has ended and err is the server's
+// query_canceled or one of causes, the driver's own ways of reporting that end (a closed
+// connection, say); err stays in the chain, for errors.Is and errors.As. Other errors (a
+// constraint's) are left as they are, even after ctx ended. Exported for the adapters of other
+// modules, pgxdriver's and any of one's own.
+func ContextEnded(ctx context.Context, err error, causes ...error) error {
+	cause := ctx.Err()
+	if err == nil || cause == nil || errors.Is(err, cause) {
+		return err
+	}
+	var coded interface{ SQLState() string }
+	if (errors.As(err, &coded) && coded.SQLState() == queryCanceled) ||
+		slices.ContainsFunc(causes, func(c error) bool { return errors.Is(err, c) }) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
 }

@@ -33,11 +33,10 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // that trace. A message without an exchange goes to its relay's ([RelayConfig.Exchange]).
 //
 // It writes nothing, and returns an error, if a message lacks an id, a type or a JSON payload,
-// if its id is not a UUIDv7, or is one whose time is more than an hour ahead of this host's
-// clock (the cleanup finds sent rows by the time in their ids, and would keep such a row until
-// then), if AMQP cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be
-// sent, or if PostgreSQL cannot store it: a NUL character in any field, or in the payload
-// invalid UTF-8, an unpaired surrogate escape or a number beyond numeric's range, all of which
+// if its id is not a UUIDv7 (the cleanup finds sent rows by the time in their ids), if AMQP
+// cannot carry its envelope ([ErrInvalidEnvelope]): such a row would never be sent, or
+// if PostgreSQL cannot store it: a NUL character in any field, or in the payload invalid UTF-8,
+// an unpaired surrogate escape or a number beyond numeric's range, all of which
 // encoding/json's Valid lets through; an OccurredAt outside the years 1 to 9999; or if it
 // would be stored changed: invalid UTF-8 in its type, correlation id, trace context,
 // exchange, routing key, or a header's name or value; or if two of msgs share an id. Checked
@@ -69,12 +68,6 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 // connection's own.
 const enqueueFrameSize = 128<<10 - maxShortString
 
-// maxIDAhead is how far ahead of the enqueuing host's clock the time in a message's id may be:
-// room for the clocks of the hosts that make ids to disagree. The cleanup deletes a sent row
-// only once the time in its id is past its cutoff, so the row of an id far ahead (a business
-// time, a clock years out) would stay until then.
-const maxIDAhead = time.Hour
-
 // outboxRows writes msgs as the JSON array statements.InsertOutbox reads: by hand, without
 // reflection, the payload as it is. Messages without an OccurredAt get now, those without a
 // trace context ctx's.
@@ -95,9 +88,6 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 		// an id of another version sorts anywhere, and its row might never be deleted.
 		if m.ID.Version() != 7 {
 			return "", fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
-		}
-		if at := time.Unix(m.ID.Time().UnixTime()).UTC(); at.Sub(now) > maxIDAhead {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): its id's time, %s, is more than %s ahead of this host's clock, and the cleanup would keep its row until then (use NewMessage, or uuid.NewV7)", i, m.ID, at.Format(time.RFC3339), maxIDAhead)
 		}
 		if first, ok := ids[m.ID]; ok {
 			return "", fmt.Errorf("outbox: enqueue message %d (%s): message %d has its id already", i, m.ID, first)

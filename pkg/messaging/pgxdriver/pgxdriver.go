@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/ctxerr"
 )
 
 // readCommitted is the isolation of every transaction the library opens, whatever the
@@ -139,7 +138,7 @@ func (e executor) Query(ctx context.Context, sql string, args ...any) (messaging
 // whose socket handlerTx closed as a closed connection, so errors.Is(err, context.Canceled)
 // would not see the caller's own cancellation.
 func withEndedContext(ctx context.Context, err error) error {
-	return ctxerr.Ended(ctx, err, net.ErrClosed, pgconn.ErrConnClosed)
+	return messaging.ContextEnded(ctx, err, net.ErrClosed, pgconn.ErrConnClosed)
 }
 
 // rows are a query's results. pgx reads them, and learns that the statement failed, after

@@ -14,7 +14,6 @@ import (
 	"database/sql/driver"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/ctxerr"
 )
 
 // readCommitted is the isolation of every transaction the library opens, whatever the
@@ -102,7 +101,7 @@ func (e executor) Query(ctx context.Context, query string, args ...any) (messagi
 // sql.ErrTxDone, so errors.Is(err, context.Canceled) would not see the caller's own
 // cancellation.
 func withEndedContext(ctx context.Context, err error) error {
-	return ctxerr.Ended(ctx, err, driver.ErrBadConn, sql.ErrTxDone)
+	return messaging.ContextEnded(ctx, err, driver.ErrBadConn, sql.ErrTxDone)
 }
 
 type rows struct{ *sql.Rows }

@@ -120,9 +120,9 @@ func TestDeleteSentOutboxMessagesInBatches(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("deleted %d rows in %d batches in %s", res.Deleted, res.Batches, took.Round(time.Millisecond))
-	// 100 full batches, then one that finds nothing left.
-	if res.Deleted != 1_000_000 || res.Batches != 101 || res.Skipped {
-		t.Fatalf("cleanup = %+v, want 1,000,000 rows deleted in 101 batches", res)
+	// 100 full batches, then one that finds nothing left, and one that finds no id far ahead.
+	if res.Deleted != 1_000_000 || res.Batches != 102 || res.Skipped {
+		t.Fatalf("cleanup = %+v, want 1,000,000 rows deleted in 102 batches", res)
 	}
 	if old := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages WHERE processed_at < now() - interval '7 days'"); old != 0 {
 		t.Errorf("%d rows sent more than 7 days ago are left", old)
@@ -157,6 +157,34 @@ func TestOldUnsentRowsDoNotStopTheOutboxCleanup(t *testing.T) {
 	}
 	if unsent := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages WHERE processed_at IS NULL"); unsent != 50 {
 		t.Errorf("%d unsent rows left, want all 50", unsent)
+	}
+}
+
+// A sent row whose id's time is far ahead of the database's clock (a business time made into
+// an id, a host whose clock was years out) goes with the rows sent before the cutoff, by its
+// processed_at, in batches: the walk by the time in the ids would wait for that time, in 2100.
+// One unsent stays, as does one sent within the retention, and one a little ahead (clocks that
+// disagree), which waits for its time.
+func TestSentRowsWhoseIDsAreFarAheadAreDeleted(t *testing.T) {
+	t.Parallel()
+	e := newCleanupEnv(t)
+	e.exec(t, `INSERT INTO outbox_messages (id, type, payload, occurred_at, processed_at, attempts)
+SELECT `+testenv.UUIDv7SQL("id_at", "nextval('test_ids')")+`, 'OrderPlaced', '{}', now(), sent, 0
+FROM (SELECT timestamptz '2100-01-01' + g * interval '1 ms' AS id_at, now() - interval '8 days' AS sent
+      FROM generate_series(1, 25) g
+      UNION ALL VALUES (timestamptz '2100-06-01', NULL),
+                       (timestamptz '2100-07-01', now() - interval '1 day'),
+                       (now() + interval '10 minutes', now() - interval '8 days')) r`)
+	e.opts.BatchSize = 10
+	res, err := messaging.DeleteSentOutboxMessages(context.Background(), e.pool, week, e.opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Deleted != 25 {
+		t.Errorf("cleanup = %+v, want the 25 rows of 2100 sent 8 days ago deleted", res)
+	}
+	if left := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages"); left != 3 {
+		t.Errorf("%d rows left, want 3: the unsent one, the one sent yesterday, the one 10 minutes ahead", left)
 	}
 }
 
