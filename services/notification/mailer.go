@@ -45,10 +45,13 @@ const smtpIdleTimeout = 30 * time.Second
 // connection is the likeliest to be open; the others stay unused, and close once idle for
 // idleTimeout. A pump is started only when none is free, so no more connections are open than
 // deliveries needed at once. A connection that failed in any way is closed, never used again;
-// a pump whose connection was closed dials anew for its next delivery.
+// a pump whose connection was closed dials anew for its next delivery. A pump the server
+// refuses a session while another is open holds off (see holdOff): the deliveries flow to the
+// pumps that have one.
 type smtpDeliverer struct {
 	addr, from  string
 	idleTimeout time.Duration
+	dialTimeout time.Duration // how long opening a session may take at most (see dial)
 	maxConns    int
 	closing     chan struct{} // closed by Close
 
@@ -59,6 +62,11 @@ type smtpDeliverer struct {
 	pumps   int
 	closed  bool
 	stopped sync.WaitGroup // the pumps
+	// sessions: the connections past their greeting and EHLO, open now; dialing: those being
+	// opened. sessionEnded is closed, and replaced, as a session closes, and dialed as an
+	// opening ends, either way.
+	sessions, dialing    int
+	sessionEnded, dialed chan struct{}
 }
 
 // smtpPump is one connection's goroutine; a delivery is handed to it in next.
@@ -99,11 +107,13 @@ type smtpConn struct {
 	// conversation on it failed or was cut short, so it is closed, never reused.
 	used, broken bool
 	idleSince    time.Time
+	// d is the deliverer whose session count this connection is in, until it closes.
+	d *smtpDeliverer
 }
 
 func newSMTPDeliverer(addr, from string, maxConns int) *smtpDeliverer {
-	return &smtpDeliverer{addr: addr, from: from, idleTimeout: smtpIdleTimeout, maxConns: max(maxConns, 1),
-		closing: make(chan struct{})}
+	return &smtpDeliverer{addr: addr, from: from, idleTimeout: smtpIdleTimeout, dialTimeout: smtpDialTimeout,
+		maxConns: max(maxConns, 1), closing: make(chan struct{}), sessionEnded: make(chan struct{}), dialed: make(chan struct{})}
 }
 
 // errNotStarted marks a delivery for which no SMTP conversation began: out of time while it
@@ -187,6 +197,7 @@ func (d *smtpDeliverer) withdraw(job *smtpJob) bool {
 func (d *smtpDeliverer) pump(p *smtpPump) {
 	defer d.stopped.Done()
 	var c *smtpConn
+	var wait time.Duration // how long the pump holds off after a session refused, 0 when none was
 	idle := time.NewTimer(d.idleTimeout)
 	defer idle.Stop()
 	for {
@@ -195,6 +206,18 @@ func (d *smtpDeliverer) pump(p *smtpPump) {
 			for job != nil {
 				var err error
 				c, err = d.deliver(c, job)
+				if c != nil {
+					wait = 0
+				}
+				if errors.Is(err, errNoMoreSessions) {
+					// Not started, released; and this pump takes no other delivery until it has
+					// held off, leaving them to the pumps that have a session.
+					job.done <- err
+					wait = min(max(2*wait, smtpHoldOff), smtpMaxHoldOff)
+					d.holdOff(wait)
+					job = d.nextFor(p)
+					continue
+				}
 				next := d.nextFor(p)
 				// Answered once the pump is free or busy with the next: a caller that delivers
 				// again at once finds this pump rather than starting another.
@@ -256,7 +279,7 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 		}
 		if c == nil {
 			var err error
-			if c, err = d.dial(job.ctx); err != nil {
+			if c, err = d.dial(job.ctx, job.budget); err != nil {
 				return nil, err
 			}
 		}
@@ -391,15 +414,61 @@ func (d *smtpDeliverer) Close() {
 	}
 }
 
-// errUnreachable marks a delivery that opened no session with the server: the dial failed, or
-// the greeting or the answer to EHLO was a refusal (421 included) or did not come in time.
-// Nothing of the message was tried; the server is away, not refusing the message.
+// errUnreachable marks a delivery that opened no session with the server while no other
+// session of the deliverer was open: the dial failed, or the greeting or the answer to EHLO
+// was a refusal (421 or 5xx) or did not come within the dial's bound. Nothing of the message
+// was tried; the server is away, or refuses this client, not the message.
 var errUnreachable = errors.New("mail server unreachable")
 
-// Probe opens a session with the server and ends it: whether a delivery could begin one now.
-// It fails as dial does, with errUnreachable.
+// errNoMoreSessions marks a delivery that opened no session while another of the deliverer's
+// sessions was open: the server is there, but takes no more sessions from this client (a
+// limit of connections per client answers 421). It wraps errNotStarted too; its pump holds
+// off (holdOff), so that the deliveries go to the sessions open.
+var errNoMoreSessions = errors.New("the mail server opened no more sessions")
+
+// smtpDialTimeout bounds the opening of a session, connection, greeting and EHLO: a server
+// that has not answered by then is away. A delivery gives it half its budget at most.
+const smtpDialTimeout = 10 * time.Second
+
+// smtpHoldOff is how long a pump refused a session holds off first, doubling at each refusal
+// up to smtpMaxHoldOff: a server full up is not dialled in a loop.
+const smtpHoldOff, smtpMaxHoldOff = time.Second, 30 * time.Second
+
+// holdOff waits wait, or until one of the deliverer's sessions closes (the server may take
+// another then), or Close.
+func (d *smtpDeliverer) holdOff(wait time.Duration) {
+	d.mu.Lock()
+	ended := d.sessionEnded
+	d.mu.Unlock()
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ended:
+	case <-d.closing:
+	}
+}
+
+// Probe says whether a delivery could begin a conversation now: yes if a session of the
+// deliverer is open (no connection beyond it is dialled, which a server at its limit of
+// connections per client would refuse); else it opens one and ends it, within ctx, a
+// delivery's budget, failing as dial does, or with errUnreachable if maxConns are being opened
+// already.
 func (d *smtpDeliverer) Probe(ctx context.Context) error {
-	c, err := d.dial(ctx)
+	d.mu.Lock()
+	sessions, dialing := d.sessions, d.dialing
+	d.mu.Unlock()
+	if sessions > 0 {
+		return nil
+	}
+	if dialing >= d.maxConns {
+		return fmt.Errorf("%w: all %d connections are being opened", errUnreachable, d.maxConns)
+	}
+	var budget time.Duration
+	if deadline, ok := ctx.Deadline(); ok {
+		budget = time.Until(deadline)
+	}
+	c, err := d.dial(ctx, budget)
 	if err != nil {
 		return err
 	}
@@ -407,12 +476,61 @@ func (d *smtpDeliverer) Probe(ctx context.Context) error {
 	return nil
 }
 
-// dial opens a connection and says EHLO (HELO, to a server that refuses it). Its failures
-// wrap errUnreachable.
-func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
+// dial opens a session: a connection, its greeting and EHLO (HELO, to a server that refuses
+// it), within dialTimeout and half of budget, a delivery's whole budget (0 for none). It fails
+// with errNotStarted if ctx ended first, the delivery's time, not the server's: one that
+// waited in line may have had too little left. Otherwise with errNoMoreSessions while
+// another session of d is open, once the others being opened have ended, and else with
+// errUnreachable.
+func (d *smtpDeliverer) dial(ctx context.Context, budget time.Duration) (*smtpConn, error) {
+	bound := d.dialTimeout
+	if budget > 0 {
+		bound = min(bound, budget/2)
+	}
+	dialCtx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
+	d.mu.Lock()
+	d.dialing++
+	d.mu.Unlock()
+	c, err := d.open(dialCtx)
+	d.mu.Lock()
+	d.dialing--
+	close(d.dialed)
+	d.dialed = make(chan struct{})
+	if err == nil {
+		d.sessions++
+		c.d = d
+	}
+	for err != nil && d.sessions == 0 && d.dialing > 0 && ctx.Err() == nil {
+		dialed := d.dialed
+		d.mu.Unlock()
+		select {
+		case <-dialed:
+		case <-ctx.Done():
+		}
+		d.mu.Lock()
+	}
+	others := d.sessions
+	d.mu.Unlock()
+	// The deadline may cut the connection before ctx reports it ended.
+	deadline, hasDeadline := ctx.Deadline()
+	switch {
+	case err == nil:
+		return c, nil
+	case ctx.Err() != nil || hasDeadline && !time.Now().Before(deadline):
+		return nil, fmt.Errorf("smtp: %w: opening a session: %w", errNotStarted, err)
+	case others > 0:
+		return nil, fmt.Errorf("smtp: %w: %w: %w", errNotStarted, errNoMoreSessions, err)
+	default:
+		return nil, fmt.Errorf("%w: %w", errUnreachable, err)
+	}
+}
+
+// open connects and says EHLO (HELO, to a server that refuses it), within ctx.
+func (d *smtpDeliverer) open(ctx context.Context) (*smtpConn, error) {
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", d.addr)
 	if err != nil {
-		return nil, fmt.Errorf("%w: smtp dial %s: %w", errUnreachable, d.addr, err)
+		return nil, fmt.Errorf("smtp dial %s: %w", d.addr, err)
 	}
 	c := &smtpConn{conn: conn}
 	host, _, _ := net.SplitHostPort(d.addr)
@@ -433,7 +551,7 @@ func (d *smtpDeliverer) dial(ctx context.Context) (*smtpConn, error) {
 	})
 	if c.broken {
 		c.close()
-		return nil, fmt.Errorf("%w: %w", errUnreachable, errors.Join(err, ctx.Err()))
+		return nil, errors.Join(err, ctx.Err())
 	}
 	return c, nil
 }
@@ -576,8 +694,23 @@ func (c *smtpConn) quit() {
 	c.close()
 }
 
-// close drops the connection.
-func (c *smtpConn) close() { _ = c.conn.Close() }
+// close drops the connection, and its session from its deliverer's count.
+func (c *smtpConn) close() {
+	_ = c.conn.Close()
+	if c.d != nil {
+		c.d.sessionClosed()
+		c.d = nil
+	}
+}
+
+// sessionClosed counts a session closed, and wakes the pumps held off.
+func (d *smtpDeliverer) sessionClosed() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.sessions--
+	close(d.sessionEnded)
+	d.sessionEnded = make(chan struct{})
+}
 
 // MessageIDDomain qualifies e-mail Message-IDs: <notification-id@MessageIDDomain>.
 const MessageIDDomain = "notification.outbox-inbox"

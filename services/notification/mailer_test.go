@@ -73,8 +73,10 @@ func stalledDeliverer(t *testing.T) *smtpDeliverer {
 	go func() { stalled <- d.Deliver(ctx, mailTo("c-1@customers.example")) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-stalled; err == nil || errors.Is(err, errNotStarted) {
-			t.Errorf("the stalled delivery: err = %v, want its failure", err)
+		// Taken by the pump, not withdrawn: cut short in its greeting by its own end, not the
+		// server's, so not started either.
+		if err := <-stalled; err == nil || !strings.Contains(err.Error(), "smtp greeting") {
+			t.Errorf("the stalled delivery: err = %v, want it cut short in its greeting", err)
 		}
 		d.Close()
 	})
@@ -1062,9 +1064,10 @@ func (x *utf8Session) Data(r io.Reader) error {
 	return nil
 }
 
-// A server that opens no session is away, not refusing the message (errUnreachable, which the
-// sender waits out uncharged): nothing listening, a 421 greeting, or no greeting in time. A
-// refusal within a session is the message's failure.
+// A server that opens no session, while no other is open, is away or refuses this client, not
+// the message (errUnreachable, which the sender waits out uncharged): nothing listening, a 421
+// or a 554 greeting, or no greeting in time. A refusal within a session is the message's
+// failure.
 func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
 	t.Parallel()
 	greeting := func(t *testing.T, reply string) string {
@@ -1090,7 +1093,9 @@ func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
 	for name, addr := range map[string]string{
 		"nothing listening": closed.Addr,
 		"421 greeting":      greeting(t, "421 4.3.2 shutting down\r\n"),
-		"no greeting":       silent,
+		// A policy refusal of this client (its IP blocklisted): no session either, for ever.
+		"554 greeting": greeting(t, "554 5.7.1 no SMTP service for you\r\n"),
+		"no greeting":  silent,
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -1117,6 +1122,180 @@ func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
 		}
 		if err := d.Probe(context.Background()); err != nil {
 			t.Errorf("probe: %v, want the session opened", err)
+		}
+	})
+}
+
+// An ASCII address goes as it is to a server without SMTPUTF8, whatever its domain: it did
+// before, and a relay may take a domain literal or a name with '_'. Only a domain that is not
+// ASCII is written anew, as IDNA looks it up, case-mapped.
+func TestASCIIAddress(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		address, want string
+		err           error
+	}{
+		{address: "orders@shop.example", want: "orders@shop.example"},
+		{address: "orders@[192.0.2.1]", want: "orders@[192.0.2.1]"},
+		{address: "noreply@mail_relay.internal", want: "noreply@mail_relay.internal"},
+		{address: "Orders@Shop.Example", want: "Orders@Shop.Example"},
+		{address: "orders@Shöp.example", want: "orders@xn--shp-tna.example"},
+		{address: "ann@bücher.example", want: "ann@xn--bcher-kva.example"},
+		{address: `"a@b"@shöp.example`, want: `"a@b"@xn--shp-tna.example`},
+		{address: "jöhn@example.com", err: errUTF8LocalPart},
+		{address: "orders@shöp_relay.example", err: errNoALabel},
+	} {
+		got, err := asciiAddress(tc.address)
+		if got != tc.want || !errors.Is(err, tc.err) {
+			t.Errorf("asciiAddress(%q) = %q, %v; want %q, %v", tc.address, got, err, tc.want, tc.err)
+		}
+	}
+}
+
+// limitedMailServer is a proxy to server that opens limit sessions at once at most, and
+// greets any more with 421, as Exim past smtp_accept_max does; dials counts its connections.
+func limitedMailServer(t *testing.T, server string, limit int64) (addr string, dials *atomic.Int64) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	dials = new(atomic.Int64)
+	var open atomic.Int64
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			dials.Add(1)
+			if open.Load() >= limit {
+				_, _ = io.WriteString(client, "421 4.3.2 Too many concurrent SMTP connections; please try again later\r\n")
+				_ = client.Close()
+				continue
+			}
+			upstream, err := net.Dial("tcp", server)
+			if err != nil {
+				_ = client.Close()
+				continue
+			}
+			open.Add(1)
+			go func() {
+				_, _ = io.Copy(client, upstream)
+				_ = client.Close()
+			}()
+			go func() {
+				_, _ = io.Copy(upstream, client)
+				_ = upstream.Close()
+				open.Add(-1)
+			}()
+		}
+	}()
+	return ln.Addr().String(), dials
+}
+
+// A server that takes fewer sessions from this client than SMTP_MAX_CONNS (replicas × conns
+// above its limit) is there, not away: a session it refuses while another is open is
+// errNotStarted, not errUnreachable (which would pause the sender), and its pump holds off,
+// so that the e-mails go over the sessions open, and the server is not dialled in a loop. A
+// probe then finds the server at once, over the sessions open, without dialling past them.
+func TestAServerThatTakesNoMoreSessionsIsNoOutage(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewSMTPServer(t)
+	srv.Start()
+	addr, dials := limitedMailServer(t, srv.Addr, 2)
+	d := newSMTPDeliverer(addr, "orders@shop.example", 8)
+	t.Cleanup(d.Close)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Go(func() {
+			n := mailTo("c-1@customers.example")
+			// As the sender does: a notification not started is released and leased again.
+			for {
+				err := deliverNow(d, n)
+				if err == nil {
+					return
+				}
+				if !errors.Is(err, errNotStarted) || errors.Is(err, errUnreachable) {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := len(srv.Mail()); n != 50 {
+		t.Errorf("%d e-mails, want 50", n)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("50 e-mails took %s", took)
+	}
+	// 8 at first, and a few of the pumps refused again at 1 s, 2 s, ...
+	if n := dials.Load(); n > 20 {
+		t.Errorf("%d connections to the server, want 20 at most: refused pumps dial again in a loop", n)
+	}
+	before := dials.Load()
+	if err := d.Probe(context.Background()); err != nil {
+		t.Errorf("probe: %v, want the server found", err)
+	}
+	if n := dials.Load() - before; n != 0 {
+		t.Errorf("the probe dialled %d connections, want none beside the sessions open", n)
+	}
+}
+
+// lateGreetingServer is the address of a server that greets each connection after delay, and
+// holds it open.
+func lateGreetingServer(t *testing.T, delay time.Duration) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = conn.Close() })
+			time.AfterFunc(delay, func() { _, _ = io.WriteString(conn, "220 localhost ESMTP\r\n") })
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// Opening a session has a bound of its own, within the delivery's deadline: a delivery that
+// waited in line, left too little of its budget for a slow greeting, is not started
+// (released), not the server away (which would pause the sender); a server that does not
+// greet within the bound, with time to spare, is away.
+func TestADeliveryOutOfTimeIsNoOutage(t *testing.T) {
+	t.Parallel()
+	t.Run("out of its budget", func(t *testing.T) {
+		t.Parallel()
+		d := newSMTPDeliverer(lateGreetingServer(t, 200*time.Millisecond), "orders@shop.example", 1)
+		t.Cleanup(d.Close)
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		err := d.Deliver(withBudget(ctx, 10*time.Second), mailTo("c-1@customers.example"))
+		if !errors.Is(err, errNotStarted) || errors.Is(err, errUnreachable) {
+			t.Errorf("err = %v, want %v, not %v", err, errNotStarted, errUnreachable)
+		}
+	})
+	t.Run("silent server", func(t *testing.T) {
+		t.Parallel()
+		addr, _ := silentMailServer(t)
+		d := newSMTPDeliverer(addr, "orders@shop.example", 1)
+		d.dialTimeout = 200 * time.Millisecond
+		t.Cleanup(d.Close)
+		start := time.Now()
+		if err := deliverNow(d, mailTo("c-1@customers.example")); !errors.Is(err, errUnreachable) {
+			t.Errorf("err = %v, want %v", err, errUnreachable)
+		}
+		if took := time.Since(start); took > 2*time.Second {
+			t.Errorf("took %s, want the dial's bound, 200ms", took)
 		}
 	})
 }

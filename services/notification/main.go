@@ -32,10 +32,11 @@ func run(ctx context.Context, env *platform.Env) error {
 	plainFrom := fromErr == nil && from.Address == smtpFrom
 	env.Check(plainFrom, "SMTP_FROM", "must be a plain e-mail address")
 	if plainFrom {
-		// Sent to servers without SMTPUTF8 too, as asciiAddress writes it (its domain as an
-		// A-label): a local part with no ASCII form would fail every e-mail there.
+		// Sent to servers without SMTPUTF8 too, as asciiAddress writes it (a domain that is not
+		// ASCII as its A-label): a local part or a domain with no ASCII form would fail every
+		// e-mail there. An ASCII one goes as it is, as it did before there was this check.
 		_, err := asciiAddress(smtpFrom)
-		env.Check(err == nil, "SMTP_FROM", "must have an ASCII local part, at a domain name")
+		env.Check(err == nil, "SMTP_FROM", "must have an ASCII local part, and a domain with an ASCII form")
 	}
 	// Every recipient derived from a customer id is at it: a name a server could refuse as
 	// syntax would fail each of those e-mails for ever. Kept as its A-label, which a server

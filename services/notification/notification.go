@@ -200,28 +200,44 @@ func asciiDomain(domain string) (string, bool) {
 // that offers SMTPUTF8 takes it as it is.
 var errUTF8LocalPart = errors.New("its local part is not ASCII, which only a server that offers SMTPUTF8 takes")
 
-// errNotAtDomain refuses an address that is not at a domain name (domainName).
-var errNotAtDomain = errors.New("it is not at a domain name")
+// errNoALabel refuses an address whose domain is not ASCII and has no A-label form.
+var errNoALabel = errors.New("its domain has no ASCII form (A-label)")
 
-// asciiAddress is address as a server without SMTPUTF8 takes it: its domain as asciiDomain
-// writes it, its local part as it is, if ASCII (errUTF8LocalPart otherwise). The error names
-// no part of address: it reaches the log.
+// asciiAddress is address as a server without SMTPUTF8 takes it. An ASCII address goes as it
+// is, whatever its domain (a domain literal, a name with '_': a relay's business, as before).
+// Otherwise each label of its domain that is not ASCII goes as its A-label, case-mapped as
+// IDNA looks names up ("Shöp" as "shöp"), and its local part as it is if ASCII
+// (errUTF8LocalPart otherwise). The error names no part of address: it reaches the log.
 func asciiAddress(address string) (string, error) {
-	at := strings.LastIndexByte(address, '@') // a quoted local part may hold '@'; a domain may not
-	if at < 0 {
-		return "", errNotAtDomain
+	if isASCII(address) {
+		return address, nil
 	}
-	local := address[:at]
-	for i := range len(local) {
-		if local[i] >= utf8.RuneSelf {
-			return "", errUTF8LocalPart
+	at := strings.LastIndexByte(address, '@') // a quoted local part may hold '@'; a domain may not
+	if at < 0 || !isASCII(address[:at]) {
+		return "", errUTF8LocalPart
+	}
+	labels := strings.Split(address[at+1:], ".")
+	for i, label := range labels {
+		if isASCII(label) {
+			continue
+		}
+		a, err := idna.Lookup.ToASCII(label)
+		if err != nil || !ldhLabel(a) {
+			return "", errNoALabel
+		}
+		labels[i] = a
+	}
+	return address[:at] + "@" + strings.Join(labels, "."), nil
+}
+
+// isASCII says whether s is ASCII.
+func isASCII(s string) bool {
+	for i := range len(s) {
+		if s[i] >= utf8.RuneSelf {
+			return false
 		}
 	}
-	domain, ok := asciiDomain(address[at+1:])
-	if !ok {
-		return "", errNotAtDomain
-	}
-	return local + "@" + domain, nil
+	return true
 }
 
 // ldhLabel says whether label is 1 to 63 letters, digits and '-', with no '-' first or last.

@@ -566,8 +566,10 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, func() bool {
 		return len(b.logs.Lines("mail server unreachable; sending paused", "level=ERROR")) == 1
 	}, "the mail server's absence was not logged")
-	// Long enough for two backoffs of failed attempts.
-	time.Sleep(5 * time.Second)
+	// Three probes failed, at DEBUG: the third begun 2.8 to 3.5 s into the pause (jittered).
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("mail server unreachable; sending paused", "level=DEBUG")) >= 3
+	}, "the mail server was not probed three times")
 	if n := b.row(t); n.Status != StatusPending || n.Attempts != 0 || n.LastError != nil {
 		t.Fatalf("while the mail server was down: status %s, attempts %d, last error %v; want pending, 0, none", n.Status, n.Attempts, n.LastError)
 	}
@@ -584,14 +586,15 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 		t.Fatalf("notification_mail_server_unreachable while the mail server was down: %v, want 1", v)
 	}
 
+	// Back before the fourth probe, which begins 4 s at most after the third (newSender's
+	// probing), whatever the jitter.
 	b.smtp.Start()
 	back := time.Now()
 	testenv.Eventually(t, 15*time.Second, func() bool {
 		return testenv.Count(t, b.db, "SELECT count(*) FROM notifications WHERE status = 'sent'") == 1
 	}, "not delivered after the mail server came back")
-	// Probed at most 10 s apart, but 4 s apart 7.5 s into the outage, when it ended.
-	if took := time.Since(back); took > 6*time.Second {
-		t.Fatalf("delivered %v after the mail server came back, want within 6 s", took)
+	if took, next := time.Since(back), b.send.probing.Base<<3; took > next+2*time.Second {
+		t.Fatalf("delivered %v after the mail server came back, want within %v, the fourth probe's delay and 2 s", took, next+2*time.Second)
 	}
 	if n := b.row(t); n.Attempts != 0 || n.LastError != nil {
 		t.Fatalf("sent with attempts %d, last error %v; want 0 and none", n.Attempts, n.LastError)

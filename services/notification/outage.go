@@ -18,12 +18,21 @@ type outage struct {
 
 	mu       sync.Mutex
 	since    time.Time // zero while what it watches works
+	ended    time.Time // when the last outage ended (see failFrom)
 	failures int
 }
 
 // fail records a failure, logging it at o's level if it starts an outage, at Debug otherwise.
-func (o *outage) fail(log *slog.Logger, err error) {
+func (o *outage) fail(log *slog.Logger, err error) { o.failFrom(log, err, time.Now()) }
+
+// failFrom records the failure of something begun at began, as fail does, unless an outage
+// ended after began: what began before the last recovery says nothing of what o watches now.
+func (o *outage) failFrom(log *slog.Logger, err error, began time.Time) {
 	o.mu.Lock()
+	if began.Before(o.ended) {
+		o.mu.Unlock()
+		return
+	}
 	first := o.since.IsZero()
 	if first {
 		o.since = time.Now()
@@ -42,6 +51,9 @@ func (o *outage) ok(log *slog.Logger) {
 	o.mu.Lock()
 	since, failures := o.since, o.failures
 	o.since, o.failures = time.Time{}, 0
+	if !since.IsZero() {
+		o.ended = time.Now()
+	}
 	o.mu.Unlock()
 	if !since.IsZero() {
 		log.Info(o.recovered, "outage", time.Since(since).Round(time.Millisecond), "failures", failures)

@@ -337,18 +337,22 @@ func (s *sender) idle(ctx context.Context) bool {
 }
 
 // awaitMailServer probes the mail server, ever less often, until it answers (true) or ctx
-// ends (false). A probe has a delivery's budget.
+// ends (false). Each delay counts from the start of the probe before, and a probe has
+// probing.Max at most (a delivery's budget, if shorter), so probes begin probing.Max apart at
+// most even to a server that accepts connections and says nothing, each probe out of time.
 func (s *sender) awaitMailServer(ctx context.Context) bool {
 	probe, ok := s.deliverer.(mailServerProber)
+	last := time.Now()
 	for failures := 1; ok; failures++ {
-		t := time.NewTimer(s.probing.Delay(failures))
+		t := time.NewTimer(time.Until(last.Add(s.probing.Delay(failures))))
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return false
 		case <-t.C:
 		}
-		probeCtx, cancel := context.WithTimeout(ctx, s.deliver)
+		last = time.Now()
+		probeCtx, cancel := context.WithTimeout(ctx, min(s.deliver, s.probing.Max))
 		err := probe.Probe(probeCtx)
 		cancel()
 		if ctx.Err() != nil {
@@ -428,6 +432,7 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		<-deliverCtx.Done()
 		t.Stop()
 	})
+	began := time.Now()
 	failure := s.deliverer.Deliver(deliverCtx, Notification{ID: row.ID, OrderID: row.OrderID, Recipient: row.Recipient, Subject: row.Subject, Body: row.Body})
 	stop()
 	cancelDeliver()
@@ -442,10 +447,11 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	if _, probed := s.deliverer.(mailServerProber); probed && errors.Is(failure, errUnreachable) {
 		// The server is away: nothing of the e-mail was tried, so no attempt is counted and no
 		// backoff taken. Run waits for the server before it leases again. A conversation cut
-		// off by the shutdown is no outage.
+		// off by the shutdown is no outage, nor is one begun before the sender resumed (a dial
+		// that timed out late): it would pause the sender again for nothing.
 		span.SetStatus(codes.Error, failure.Error())
 		if parent.Err() == nil {
-			s.mailServer.fail(s.log, failure)
+			s.mailServer.failFrom(s.log, failure, began)
 		}
 		s.release(ctx, row)
 		return false, nil

@@ -23,6 +23,7 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // senderEnv is one test's database with the notifications table, a running loopback SMTP
@@ -1793,4 +1794,302 @@ func TestDeliveryNeverRunsPastItsLease(t *testing.T) {
 	if len(d.past) != 0 {
 		t.Fatalf("deliveries allowed to run past their lease:\n%s", strings.Join(d.past, "\n"))
 	}
+}
+
+// errAway is a delivery's or a probe's failure to open a session with a mail server that is away.
+var errAway = fmt.Errorf("%w: smtp dial 127.0.0.1:25: connection refused", errUnreachable)
+
+// awayMailServer is a deliverer that can be probed, to a mail server that is away while away
+// is set: every delivery fails with errAway after 200 ms (a dial that times out, long enough
+// for Run to lease the next notifications into waiting), every probe at once or, with hang
+// set, when its ctx ends (a server that accepts connections and says nothing). Otherwise each
+// delivery is sent and each probe succeeds.
+type awayMailServer struct {
+	away, hang atomic.Bool
+	tried      atomic.Int64 // deliveries begun
+	mu         sync.Mutex
+	sent       map[uuid.UUID]int
+	probes     []time.Time     // when each probe began
+	budgets    []time.Duration // and the time its ctx gave it
+}
+
+func newAwayMailServer() *awayMailServer {
+	d := &awayMailServer{sent: map[uuid.UUID]int{}}
+	d.away.Store(true)
+	return d
+}
+
+func (d *awayMailServer) Deliver(ctx context.Context, n Notification) error {
+	d.tried.Add(1)
+	if d.away.Load() {
+		select {
+		case <-time.After(200 * time.Millisecond):
+			return errAway
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.sent[n.ID]++
+	return nil
+}
+
+func (d *awayMailServer) Probe(ctx context.Context) error {
+	deadline, _ := ctx.Deadline()
+	d.mu.Lock()
+	d.probes = append(d.probes, time.Now())
+	d.budgets = append(d.budgets, time.Until(deadline))
+	d.mu.Unlock()
+	if !d.away.Load() {
+		return nil
+	}
+	if d.hang.Load() {
+		<-ctx.Done()
+		return fmt.Errorf("%w: smtp greeting: %w", errUnreachable, ctx.Err())
+	}
+	return errAway
+}
+
+// probed is when each probe began, and the budget each had.
+func (d *awayMailServer) probed() ([]time.Time, []time.Duration) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.probes), slices.Clone(d.budgets)
+}
+
+// delivered is how many e-mails were sent, and how many notifications were sent more than once.
+func (d *awayMailServer) delivered() (sent, repeated int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, n := range d.sent {
+		sent += n
+		if n > 1 {
+			repeated++
+		}
+	}
+	return sent, repeated
+}
+
+// unreachableGauge reads notification_mail_server_unreachable from reg.
+func unreachableGauge(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == "notification_mail_server_unreachable" {
+			return f.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no notification_mail_server_unreachable")
+	return 0
+}
+
+// While the mail server is away, a sender with a backlog leases nothing: each worker tries the
+// one notification it had begun, and releases the rest it holds unstarted, no attempt charged;
+// the probes go on and nothing else is tried. Once a probe finds the server back, each
+// notification is sent once.
+func TestSenderPausedForTheMailServerLeasesNothingAndReleasesWhatItHeld(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const notifications = 50
+	e.pendingMany(t, notifications)
+	d := newAwayMailServer()
+	s := e.sender(t, "sender-a", d)
+	s.concurrency = 8
+	s.probing = messaging.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := runSender(ctx, t, s)
+
+	// Paused, everything released; then a second's probes, for anything tried meanwhile.
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return s.mailServer.on() && testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE next_attempt_at > now()") == 0
+	}, "the sender did not pause and release its notifications")
+	tried := d.tried.Load()
+	time.Sleep(time.Second)
+	if n := d.tried.Load(); n != tried || n > int64(s.concurrency) {
+		t.Errorf("%d deliveries tried once paused, %d a second later; want one a worker at most (%d), none later", tried, n, s.concurrency)
+	}
+	if probes, _ := d.probed(); len(probes) < 4 {
+		t.Errorf("%d probes in the pause, want 4 or more", len(probes))
+	}
+	if n := testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status <> 'pending' OR attempts > 0 OR last_error IS NOT NULL OR next_attempt_at > now()"); n != 0 {
+		t.Errorf("%d notifications sent, charged or leased while the sender was paused, want none", n)
+	}
+
+	d.away.Store(false)
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent' AND attempts = 0") == notifications
+	}, "not every notification sent, uncharged, once the mail server was back")
+	if sent, repeated := d.delivered(); sent != notifications || repeated != 0 {
+		t.Errorf("%d e-mails, %d notifications sent more than once; want %d, none", sent, repeated, notifications)
+	}
+	if n := len(e.logs.Lines("mail server reachable again; sending resumed")); n != 1 {
+		t.Errorf("%d lines of the mail server's return, want 1", n)
+	}
+	cancel()
+	returned()
+}
+
+// Shutdown while the sender is paused for the mail server, between probes or in one that
+// waits for a server that says nothing: Run returns at once, with nothing leased or charged.
+func TestShutdownWhilePausedForTheMailServerIsPrompt(t *testing.T) {
+	t.Parallel()
+	for name, hang := range map[string]bool{"between probes": false, "in a probe": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			const notifications = 10
+			e.pendingMany(t, notifications)
+			d := newAwayMailServer()
+			d.hang.Store(hang)
+			s := e.sender(t, "sender-a", d)
+			s.concurrency = 4
+			// A probe, or a wait for one, of 10 s: Run must not sit it out.
+			s.deliver = 10 * time.Second
+			s.probing = messaging.Backoff{Base: 10 * time.Second, Max: 10 * time.Second}
+			if hang {
+				s.probing.Base = 10 * time.Millisecond
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ran := make(chan error, 1)
+			go func() { ran <- s.Run(ctx) }()
+			testenv.Eventually(t, 10*time.Second, func() bool {
+				probes, _ := d.probed()
+				return s.mailServer.on() && (len(probes) > 0) == hang &&
+					testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE next_attempt_at > now()") == 0
+			}, "the sender did not pause and release its notifications")
+			cancel()
+			stopped := time.Now()
+			select {
+			case err := <-ran:
+				if err != nil {
+					t.Fatalf("Run = %v, want nil", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("Run did not return")
+			}
+			if took := time.Since(stopped); took > time.Second {
+				t.Errorf("Run returned %v after the shutdown, want within a second", took)
+			}
+			if n := testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status <> 'pending' OR attempts > 0 OR last_error IS NOT NULL OR next_attempt_at > now()"); n != 0 {
+				t.Errorf("%d notifications sent, charged or leased after the shutdown, want none", n)
+			}
+		})
+	}
+}
+
+// A probe that waits for a server that says nothing gives up after probing.Max (a delivery's
+// budget, if shorter), and the next begins probing.Max at most after its start: the server's
+// return is found that soon, however long a delivery's budget.
+func TestProbesBeginProbingMaxApartAtMost(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	e.pending(t)
+	d := newAwayMailServer()
+	d.hang.Store(true)
+	s := e.sender(t, "sender-a", d)
+	s.deliver = 10 * time.Second
+	s.probing = messaging.Backoff{Base: 50 * time.Millisecond, Max: 500 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := runSender(ctx, t, s)
+	testenv.Eventually(t, 10*time.Second, func() bool { return s.mailServer.on() }, "the sender did not pause")
+	time.Sleep(3 * time.Second)
+	probes, budgets := d.probed()
+	if len(probes) < 4 {
+		t.Fatalf("%d probes in 3 s, want 4 or more (each %v apart at most)", len(probes), s.probing.Max)
+	}
+	const slack = 200 * time.Millisecond
+	for i := 1; i < len(probes); i++ {
+		if gap := probes[i].Sub(probes[i-1]); gap > s.probing.Max+slack {
+			t.Errorf("probe %d began %v after the one before, want %v at most", i+1, gap, s.probing.Max)
+		}
+	}
+	for i, b := range budgets {
+		if b > s.probing.Max {
+			t.Errorf("probe %d had %v, want %v at most", i+1, b, s.probing.Max)
+		}
+	}
+	d.away.Store(false)
+	back := time.Now()
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'") == 1
+	}, "not sent once the mail server was back")
+	if took := time.Since(back); took > s.probing.Max+time.Second {
+		t.Errorf("sent %v after the mail server came back, want within %v and a second", took, s.probing.Max)
+	}
+	cancel()
+	returned()
+}
+
+// lateUnreachable is a deliverer that can be probed, whose first delivery fails as unreachable
+// only once the test closes back (as a dial that times out late, begun during the outage), and
+// whose second fails so at once, once the first has begun, which starts the outage. The rest
+// are sent, and every probe succeeds.
+type lateUnreachable struct {
+	calls         atomic.Int64
+	entered, back chan struct{}
+}
+
+func (d *lateUnreachable) Deliver(ctx context.Context, n Notification) error {
+	switch d.calls.Add(1) {
+	case 1:
+		close(d.entered)
+		select {
+		case <-d.back:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return errAway
+	case 2:
+		<-d.entered
+		return errAway
+	}
+	return nil
+}
+
+func (d *lateUnreachable) Probe(context.Context) error { return nil }
+
+// A delivery begun before a probe found the mail server back, which fails after as unreachable,
+// starts no new outage: its notification is released, uncharged, and the sender goes on, one
+// outage logged and the gauge at 0.
+func TestAStaleUnreachableDeliveryDoesNotPauseTheSenderAgain(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	e.pendingMany(t, 2)
+	d := &lateUnreachable{entered: make(chan struct{}), back: make(chan struct{})}
+	s := e.sender(t, "sender-a", d)
+	s.concurrency = 2
+	s.deliver = 10 * time.Second
+	s.probing = messaging.Backoff{Base: 50 * time.Millisecond, Max: 50 * time.Millisecond}
+	reg := prometheus.NewRegistry()
+	if err := s.registerMetrics(reg); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := runSender(ctx, t, s)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(e.logs.Lines("mail server reachable again; sending resumed")) == 1
+	}, "the outage did not end")
+	close(d.back)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent' AND attempts = 0") == 2
+	}, "not both notifications sent, uncharged")
+	if n := len(e.logs.Lines("mail server unreachable; sending paused", "level=ERROR")); n != 1 {
+		t.Errorf("%d outages logged, want 1", n)
+	}
+	if v := unreachableGauge(t, reg); v != 0 {
+		t.Errorf("notification_mail_server_unreachable = %v, want 0", v)
+	}
+	if n := len(e.logs.Lines("mail server reachable again; sending resumed")); n != 1 {
+		t.Errorf("%d returns of the mail server logged, want 1", n)
+	}
+	cancel()
+	returned()
 }
