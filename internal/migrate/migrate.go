@@ -18,18 +18,21 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// lockRetry is the pause between a migration's attempts to take its locks.
+// lockRetry is the pause between a migration's attempts to take its tables' locks.
 var lockRetry = messaging.Backoff{Base: time.Second, Max: 30 * time.Second}
 
-// lockPolls is how many times, a second apart, goose tries the advisory lock that serialises
-// replicas before it gives up; Up then logs that it waits and tries again, as for a table's
-// lock, however long another replica's migrations take.
-var lockPolls uint64 = 60
+// lockPoll is how often a replica tries the advisory lock that serialises replicas while
+// another's migrations hold it, so that it starts within about a second of their end; lockLog
+// is how often it says it still waits.
+const (
+	lockPoll = time.Second
+	lockLog  = time.Minute
+)
 
 // Up applies the migrations at the root of fsys that are not yet recorded in versionTable.
 // A PostgreSQL advisory lock serialises replicas that start at the same moment; the losers
-// wait, however long the winner's migrations take, until ctx ends, logging now and then that
-// they do, then find nothing left to do.
+// wait, however long the winner's migrations take, until ctx ends, logging at once and then
+// every minute that they do, then find nothing left to do.
 //
 // Each migration's Up starts with SET LOCAL lock_timeout = '2s': an ALTER TABLE waiting for its
 // table behind a long transaction (a report, a pg_dump) holds up every reader and writer of the
@@ -37,11 +40,23 @@ var lockPolls uint64 = 60
 // its locks in time was rolled back; Up logs it and tries again after a pause, until ctx ends:
 // a start that seems to hang says what it waits for.
 func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTable string) error {
+	store, err := database.NewStore(database.DialectPostgres, versionTable)
+	if err != nil {
+		return fmt.Errorf("migrations %s: create store: %w", versionTable, err)
+	}
+	provider, err := goose.NewProvider("", db, fsys,
+		goose.WithStore(store),
+		goose.WithSessionLocker(migrationLock{log: log, versionTable: versionTable}),
+		goose.WithDisableGlobalRegistry(true),
+	)
+	if err != nil {
+		return fmt.Errorf("migrations %s: %w", versionTable, err)
+	}
 	for attempt := 1; ; attempt++ {
-		err := up(ctx, db, fsys, versionTable)
-		if !lockNotAvailable(err) && !errors.Is(err, errMigrationLockHeld) {
+		_, err := provider.Up(ctx)
+		if !lockNotAvailable(err) {
 			if err != nil {
-				return fmt.Errorf("migrations %s: %w", versionTable, err)
+				return fmt.Errorf("migrations %s: up: %w", versionTable, err)
 			}
 			return nil
 		}
@@ -56,45 +71,53 @@ func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTa
 	}
 }
 
-// up makes one attempt at the migrations, with a locker of its own: goose's counts its polls
-// for as long as it lives, so one that gave up once would give up again after a single poll.
-func up(ctx context.Context, db *sql.DB, fsys fs.FS, versionTable string) error {
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockTimeout(1, lockPolls))
-	if err != nil {
-		return fmt.Errorf("create locker: %w", err)
-	}
-	store, err := database.NewStore(database.DialectPostgres, versionTable)
-	if err != nil {
-		return fmt.Errorf("create store: %w", err)
-	}
-	provider, err := goose.NewProvider("", db, fsys,
-		goose.WithStore(store),
-		goose.WithSessionLocker(heldLocker{locker}),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		return err
-	}
-	if _, err := provider.Up(ctx); err != nil {
-		return fmt.Errorf("up: %w", err)
-	}
-	return nil
+// migrationLock is goose's session lock on its advisory lock key, which the library's
+// MigrateOutbox and MigrateInbox take too. Unlike goose's own locker, which gives up after a
+// fixed number of polls with an error told apart only by its wording, it waits until ctx ends.
+type migrationLock struct {
+	log          *slog.Logger
+	versionTable string
 }
 
-// errMigrationLockHeld marks goose's giving up on the advisory lock another replica's
-// migrations hold.
-var errMigrationLockHeld = errors.New("another replica holds the migration lock")
-
-// heldLocker is goose's session locker, its giving up on the lock marked errMigrationLockHeld:
-// goose says so only in its message (its other failures wrap a cause, or are ctx's).
-type heldLocker struct{ lock.SessionLocker }
-
-func (l heldLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
-	err := l.SessionLocker.SessionLock(ctx, conn)
-	if err != nil && err.Error() == "failed to acquire lock" {
-		return fmt.Errorf("%w: %w", errMigrationLockHeld, err)
+// SessionLock takes the lock on conn, polling every lockPoll while another session holds it.
+func (l migrationLock) SessionLock(ctx context.Context, conn *sql.Conn) error {
+	start := time.Now()
+	var logged time.Time
+	for attempt := 1; ; attempt++ {
+		var locked bool
+		if err := conn.QueryRowContext(ctx, "SELECT pg_try_advisory_lock($1)", lock.DefaultLockID).Scan(&locked); err != nil {
+			return fmt.Errorf("take the migration lock: %w", err)
+		}
+		if locked {
+			return nil
+		}
+		if time.Since(logged) >= lockLog {
+			l.log.WarnContext(ctx, "migration waits for a lock another transaction holds; trying again",
+				"version_table", l.versionTable, "attempt", attempt, "waited", time.Since(start).Round(time.Second))
+			logged = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for another replica's migrations: %w", ctx.Err())
+		case <-time.After(lockPoll):
+		}
 	}
-	return err
+}
+
+// SessionUnlock releases the lock on conn, once: pg_advisory_unlock fails only on a session
+// that does not hold the lock, or on a broken connection, whose session's end releases it; a
+// retry (goose's, for a minute) mends neither. goose's context here never ends, hence the bound.
+func (migrationLock) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var unlocked bool
+	if err := conn.QueryRowContext(ctx, "SELECT pg_advisory_unlock($1)", lock.DefaultLockID).Scan(&unlocked); err != nil {
+		return fmt.Errorf("release the migration lock: %w", err)
+	}
+	if !unlocked {
+		return errors.New("release the migration lock: the session did not hold it")
+	}
+	return nil
 }
 
 // lockNotAvailable reports whether err carries SQLSTATE 55P03, a lock_timeout's.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -68,11 +69,7 @@ func firstUpStatement(sql string) string {
 // wait as long as the transaction lasted, every INSERT INTO orders queued behind it.
 func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	t.Parallel()
-	d := testenv.NewDatabase(t)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
+	d, sqlDB := newDatabase(t)
 	ctx := context.Background()
 	orders := os.DirFS("../../services/order/migrations")
 	first, err := os.ReadFile("../../services/order/migrations/00001_create_orders.sql")
@@ -179,11 +176,7 @@ func TestServiceSchemasEndWithEveryConstraintValidated(t *testing.T) {
 	}
 	testenv.Connections(t, len(services)*testenv.DefaultConnections)
 	for _, dir := range services {
-		d := testenv.NewDatabase(t)
-		sqlDB, err := d.DB.DB()
-		if err != nil {
-			t.Fatal(err)
-		}
+		d, sqlDB := newDatabase(t)
 		if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, os.DirFS(dir), "schema_versions"); err != nil {
 			t.Fatalf("%s: %v", dir, err)
 		}
@@ -198,18 +191,12 @@ func TestServiceSchemasEndWithEveryConstraintValidated(t *testing.T) {
 }
 
 // A replica that starts while another's migrations run waits for them however long they take,
-// until its context ends, as it waits for a table's lock. goose gives up on the advisory lock
-// that serialises replicas after its polls (shrunk here to one), and Up used to return its
-// "failed to acquire lock" then, failing the start, which the library's MigrateOutbox and
-// MigrateInbox, waiting on the same lock, do not. Not parallel: it shrinks goose's polls for
-// every Up.
+// until its context ends, as it waits for a table's lock, and starts within about a second of
+// their end. goose's locker gave up on the advisory lock that serialises replicas after its
+// polls, and Up's retry of it then paused up to 30 s with nothing polling.
 func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testing.T) {
-	migrate.SetLockPolls(t, 1)
-	d := testenv.NewDatabase(t)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
+	t.Parallel()
+	d, sqlDB := newDatabase(t)
 	ctx := context.Background()
 	migrations := fstest.MapFS{"00001_create_t.sql": {Data: []byte("-- +goose Up\nCREATE TABLE t (id int);\n")}}
 	replica, err := sqlDB.Conn(ctx)
@@ -220,21 +207,29 @@ func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testin
 	if _, err := replica.ExecContext(ctx, "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
 		t.Fatal(err)
 	}
+	const waiting = `msg="migration waits for a lock another transaction holds; trying again" version_table=t_schema attempt=1 `
 
+	log, logs := testenv.NewLogger(t)
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	start := time.Now()
-	if err := migrate.Up(short, slog.New(slog.DiscardHandler), sqlDB, migrations, "t_schema"); !errors.Is(err, context.DeadlineExceeded) {
+	if err := migrate.Up(short, log, sqlDB, migrations, "t_schema"); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Up while another replica migrated, until its context ended: %v, want context.DeadlineExceeded", err)
 	}
 	if waited := time.Since(start); waited < 3*time.Second {
 		t.Errorf("Up gave up after %s, before its context ended", waited.Round(time.Millisecond))
 	}
+	// Said at once, then once a minute: not at each poll.
+	if n := strings.Count(logs.String(), "migration waits for a lock"); n != 1 || !strings.Contains(logs.String(), waiting) {
+		t.Errorf("Up's wait logged %d times, want once as %q:\n%s", n, waiting, logs)
+	}
 
 	migrated, logs := upInBackground(t, sqlDB, migrations, "t_schema")
-	testenv.Eventually(t, 10*time.Second, func() bool {
-		return strings.Contains(logs.String(), `msg="migration waits for a lock another transaction holds; trying again" version_table=t_schema attempt=2`)
-	}, "Up did not keep waiting for the other replica's migrations")
+	testenv.Eventually(t, 10*time.Second, func() bool { return strings.Contains(logs.String(), waiting) },
+		"Up did not say it waits for the other replica's migrations")
+	// Long enough that a retry on Up's backoff (pauses of 1, 2, 4, 8 s) would be in a pause
+	// longer than the margin allowed below.
+	time.Sleep(11 * time.Second)
 	select {
 	case err := <-migrated:
 		t.Fatalf("Up ended while another replica migrated: %v", err)
@@ -243,10 +238,42 @@ func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testin
 	if _, err := replica.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
 		t.Fatal(err)
 	}
+	unlocked := time.Now()
 	awaitUp(t, migrated, "the other replica's migrations' end")
+	if took := time.Since(unlocked); took > 2500*time.Millisecond {
+		t.Errorf("Up applied the migrations %s after the other replica's ended, want within its 1 s poll and a margin", took.Round(time.Millisecond))
+	}
 	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_tables WHERE tablename = 't'"); n != 1 {
 		t.Errorf("%d tables t after the migrations, want 1", n)
 	}
+}
+
+// Up says so when its session lost the migration lock before releasing it (here a migration
+// released it), at once: goose's locker retried the release for a minute, which cannot mend it.
+func TestMigrationsReportALostMigrationLockAtOnce(t *testing.T) {
+	t.Parallel()
+	_, sqlDB := newDatabase(t)
+	unlock := fmt.Sprintf("-- +goose Up\nSELECT pg_advisory_unlock(%d);\n", lock.DefaultLockID)
+	migrations := fstest.MapFS{"00001_unlock.sql": {Data: []byte(unlock)}}
+	start := time.Now()
+	err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, migrations, "t_schema")
+	if err == nil || !strings.Contains(err.Error(), "release the migration lock: the session did not hold it") {
+		t.Errorf("Up whose session lost the migration lock: %v, want it said", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("Up said so after %s, want at once", took.Round(time.Millisecond))
+	}
+}
+
+// newDatabase is a database of the test's own, and its database/sql pool, which Up takes.
+func newDatabase(t *testing.T) (*testenv.Database, *sql.DB) {
+	t.Helper()
+	d := testenv.NewDatabase(t)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d, sqlDB
 }
 
 // upInBackground runs Up of fsys, for a minute at most, and returns the channel of its result

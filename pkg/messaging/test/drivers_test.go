@@ -756,13 +756,26 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INI
 	})
 	t.Cleanup(pool.Close)
 	drv := pgxdriver.New(pool)
-	// cancelled returns a context cancelled while the statement under test runs.
-	cancelled := func() context.Context {
+	// cancelledWhile returns a context cancelled once the server runs query (its text as
+	// pg_stat_activity shows it), or after 10 s: not after a fixed delay, which a slow first
+	// connection or the statements before query could outlast under load.
+	cancelledWhile := func(query string) context.Context {
 		ctx, cancel := context.WithCancel(context.Background())
-		time.AfterFunc(200*time.Millisecond, cancel)
 		t.Cleanup(cancel)
+		go func() {
+			defer cancel()
+			for deadline := time.Now().Add(10 * time.Second); ctx.Err() == nil && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+				var running int64
+				err := d.DB.Raw(`SELECT count(*) FROM pg_stat_activity
+					WHERE datname = current_database() AND state = 'active' AND query = ?`, query).Scan(&running).Error
+				if err == nil && running > 0 {
+					return
+				}
+			}
+		}()
 		return ctx
 	}
+	const sleep = "SELECT pg_sleep(3)"
 	check := func(what string, err error, serverCancelled bool) {
 		t.Helper()
 		if !errors.Is(err, context.Canceled) {
@@ -773,9 +786,9 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INI
 			t.Errorf("%s, cancelled: %v, want the server's query_canceled in the chain", what, err)
 		}
 	}
-	_, err := drv.DB().Exec(cancelled(), "SELECT pg_sleep(3)")
+	_, err := drv.DB().Exec(cancelledWhile(sleep), sleep)
 	check("a statement on the pool", err, true)
-	rows, err := drv.DB().Query(cancelled(), "SELECT pg_sleep(3)")
+	rows, err := drv.DB().Query(cancelledWhile(sleep), sleep)
 	must(t, err)
 	for rows.Next() {
 	}
@@ -794,13 +807,13 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INI
 			return tx, err
 		}, true},
 	} {
-		ctx := cancelled()
+		ctx := cancelledWhile(sleep)
 		tx, err := c.begin(ctx)
 		must(t, err)
-		_, err = tx.Exec(ctx, "SELECT pg_sleep(3)")
+		_, err = tx.Exec(ctx, sleep)
 		check(c.name+": a transaction's statement", err, !c.abandoned)
 		_ = tx.Rollback(context.Background())
-		ctx = cancelled()
+		ctx = cancelledWhile("commit") // pgx's text for Commit
 		tx, err = c.begin(ctx)
 		must(t, err)
 		_, err = tx.Exec(ctx, "INSERT INTO slow_commit VALUES (1)")
