@@ -5,6 +5,7 @@ package migrate
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -86,13 +87,17 @@ func (l migrationLock) SessionLock(ctx context.Context, conn *sql.Conn) error {
 	for attempt := 1; ; attempt++ {
 		var locked bool
 		if err := conn.QueryRowContext(ctx, "SELECT pg_try_advisory_lock($1)", lock.DefaultLockID).Scan(&locked); err != nil {
+			// The lock may have been taken all the same (ctx ended between the server's answer
+			// and the scan): back in the pool, the session would hold it, and the next Up on it
+			// take it twice and release it once. Its connection is closed instead.
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 			return fmt.Errorf("take the migration lock: %w", err)
 		}
 		if locked {
 			return nil
 		}
 		if time.Since(logged) >= lockLog {
-			l.log.WarnContext(ctx, "migration waits for a lock another transaction holds; trying again",
+			l.log.WarnContext(ctx, "migration waits for another replica's migrations",
 				"version_table", l.versionTable, "attempt", attempt, "waited", time.Since(start).Round(time.Second))
 			logged = time.Now()
 		}

@@ -207,7 +207,7 @@ func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testin
 	if _, err := replica.ExecContext(ctx, "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
 		t.Fatal(err)
 	}
-	const waiting = `msg="migration waits for a lock another transaction holds; trying again" version_table=t_schema attempt=1 `
+	const waiting = `msg="migration waits for another replica's migrations" version_table=t_schema attempt=1 `
 
 	log, logs := testenv.NewLogger(t)
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -220,7 +220,7 @@ func TestMigrationsWaitForAnotherReplicasMigrationsUntilTheContextEnds(t *testin
 		t.Errorf("Up gave up after %s, before its context ended", waited.Round(time.Millisecond))
 	}
 	// Said at once, then once a minute: not at each poll.
-	if n := strings.Count(logs.String(), "migration waits for a lock"); n != 1 || !strings.Contains(logs.String(), waiting) {
+	if n := strings.Count(logs.String(), "migration waits for another replica's"); n != 1 || !strings.Contains(logs.String(), waiting) {
 		t.Errorf("Up's wait logged %d times, want once as %q:\n%s", n, waiting, logs)
 	}
 

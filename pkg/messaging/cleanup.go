@@ -148,6 +148,9 @@ func deleteInBatches(ctx context.Context, conn Conn, table string, olderThan tim
 	if limit <= 0 {
 		limit = DefaultCleanupBatchSize
 	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("stopped after %d batches: %w", res.Batches, err)
+	}
 	var cutoff time.Time
 	if err := queryRow(ctx, conn, []any{&cutoff}, `SELECT now() - $1 * interval '1 millisecond'`, olderThan.Milliseconds()); err != nil {
 		return fmt.Errorf("read cutoff: %w", err)

@@ -282,6 +282,10 @@ func (d *smtpDeliverer) deliver(c *smtpConn, job *smtpJob) (*smtpConn, error) {
 			if c, err = d.dial(job.ctx, job.budget); err != nil {
 				return nil, err
 			}
+			// The dial took its time: the shutdown may have begun, or the budget run low.
+			if err := d.mayBegin(job); err != nil {
+				return c, err
+			}
 		}
 		// The server accepted the message if send says so, even if the connection broke just
 		// after.
@@ -451,8 +455,8 @@ func (d *smtpDeliverer) holdOff(wait time.Duration) {
 
 // Probe says whether a delivery could begin a conversation now: yes if a session of the
 // deliverer is open (no connection beyond it is dialled, which a server at its limit of
-// connections per client would refuse); else it opens one and ends it, within ctx, a
-// delivery's budget, failing as dial does, or with errUnreachable if maxConns are being opened
+// connections per client would refuse); else it opens one and ends it, within ctx and the
+// bound a delivery's opening has, failing with errUnreachable whatever the cause, or with errUnreachable if maxConns are being opened
 // already.
 func (d *smtpDeliverer) Probe(ctx context.Context) error {
 	d.mu.Lock()
@@ -464,11 +468,12 @@ func (d *smtpDeliverer) Probe(ctx context.Context) error {
 	if dialing >= d.maxConns {
 		return fmt.Errorf("%w: all %d connections are being opened", errUnreachable, d.maxConns)
 	}
-	var budget time.Duration
-	if deadline, ok := ctx.Deadline(); ok {
-		budget = time.Until(deadline)
+	// The bound a delivery's dial has, within ctx: a server slow to greet, which deliveries
+	// wait for, must not fail every probe. A probe that ran out of ctx found no server either.
+	c, err := d.dial(ctx, 0)
+	if err != nil && !errors.Is(err, errUnreachable) {
+		return fmt.Errorf("%w: %w", errUnreachable, err)
 	}
-	c, err := d.dial(ctx, budget)
 	if err != nil {
 		return err
 	}

@@ -1298,4 +1298,37 @@ func TestADeliveryOutOfTimeIsNoOutage(t *testing.T) {
 			t.Errorf("took %s, want the dial's bound, 200ms", took)
 		}
 	})
+	// A probe has the bound a delivery's opening has, not half its own time: a server slow to
+	// greet, which deliveries wait for, would otherwise fail every probe, the sender paused.
+	t.Run("a probe waits for a slow greeting", func(t *testing.T) {
+		t.Parallel()
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() { // greets late, then answers EHLO and QUIT
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer func() { _ = conn.Close() }()
+			time.Sleep(300 * time.Millisecond)
+			_, _ = io.WriteString(conn, "220 localhost ESMTP\r\n")
+			r := bufio.NewReader(conn)
+			for _, reply := range []string{"250 localhost\r\n", "221 bye\r\n"} {
+				if _, err := r.ReadString('\n'); err != nil {
+					return
+				}
+				_, _ = io.WriteString(conn, reply)
+			}
+		}()
+		d := newSMTPDeliverer(ln.Addr().String(), "orders@shop.example", 1)
+		t.Cleanup(d.Close)
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		if err := d.Probe(ctx); err != nil {
+			t.Errorf("probe of a server that greets in 300ms, given 500ms: %v, want it answered", err)
+		}
+	})
 }

@@ -230,8 +230,9 @@ ORDER BY consumer`
 const (
 	// The outbox walks its primary key in creation order (UUIDv7 ids), between the previous
 	// batch ($1) and the first id of the millisecond after the cutoff ($2): a row sent before
-	// the cutoff was created before it, so no deletable row lies beyond, and the recent rows,
-	// most of the table, are never read. Unsent rows are passed over once per run, not once
+	// the cutoff was created before it, so the recent rows, most of the table, are never read;
+	// but for ids made far ahead of the clock, which a second walk takes, from an hour past now
+	// to the last UUID. Unsent rows are passed over once per run, not once
 	// per batch. An index on processed_at would find the rows as cheaply, but costs an insert
 	// at every mark (12 % more WAL for the relay's marks) and its size beside every row kept.
 	DeleteSentOutboxBatch = `WITH batch AS (
