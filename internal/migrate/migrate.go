@@ -89,7 +89,8 @@ func (l migrationLock) SessionLock(ctx context.Context, conn *sql.Conn) error {
 		if err := conn.QueryRowContext(ctx, "SELECT pg_try_advisory_lock($1)", lock.DefaultLockID).Scan(&locked); err != nil {
 			// The lock may have been taken all the same (ctx ended between the server's answer
 			// and the scan): back in the pool, the session would hold it, and the next Up on it
-			// take it twice and release it once. Its connection is closed instead.
+			// take it twice and release it once. Its connection is closed instead (goose's own
+			// Close then adds "connection is already closed" to the error).
 			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 			return fmt.Errorf("take the migration lock: %w", err)
 		}

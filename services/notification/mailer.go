@@ -455,9 +455,9 @@ func (d *smtpDeliverer) holdOff(wait time.Duration) {
 
 // Probe says whether a delivery could begin a conversation now: yes if a session of the
 // deliverer is open (no connection beyond it is dialled, which a server at its limit of
-// connections per client would refuse); else it opens one and ends it, within ctx and the
-// bound a delivery's opening has, failing with errUnreachable whatever the cause, or with errUnreachable if maxConns are being opened
-// already.
+// connections per client would refuse); else it opens one and ends it, within ctx and
+// dialTimeout. Any failure is errUnreachable, as is finding maxConns being opened already; but
+// a refusal because a delivery opened a session meanwhile is the server there.
 func (d *smtpDeliverer) Probe(ctx context.Context) error {
 	d.mu.Lock()
 	sessions, dialing := d.sessions, d.dialing
@@ -471,10 +471,12 @@ func (d *smtpDeliverer) Probe(ctx context.Context) error {
 	// The bound a delivery's dial has, within ctx: a server slow to greet, which deliveries
 	// wait for, must not fail every probe. A probe that ran out of ctx found no server either.
 	c, err := d.dial(ctx, 0)
-	if err != nil && !errors.Is(err, errUnreachable) {
+	switch {
+	case errors.Is(err, errNoMoreSessions):
+		return nil // a delivery opened a session meanwhile: the server is there
+	case err != nil && !errors.Is(err, errUnreachable):
 		return fmt.Errorf("%w: %w", errUnreachable, err)
-	}
-	if err != nil {
+	case err != nil:
 		return err
 	}
 	c.quit()
@@ -558,6 +560,8 @@ func (d *smtpDeliverer) open(ctx context.Context) (*smtpConn, error) {
 		c.close()
 		return nil, errors.Join(err, ctx.Err())
 	}
+	// Idle from now: a delivery that may not begin after the dial leaves it to its pump.
+	c.idleSince = time.Now()
 	return c, nil
 }
 

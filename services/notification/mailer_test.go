@@ -1249,6 +1249,15 @@ func TestAServerThatTakesNoMoreSessionsIsNoOutage(t *testing.T) {
 // holds it open.
 func lateGreetingServer(t *testing.T, delay time.Duration) string {
 	t.Helper()
+	return serveEach(t, func(conn net.Conn) {
+		time.AfterFunc(delay, func() { _, _ = io.WriteString(conn, "220 localhost ESMTP\r\n") })
+	})
+}
+
+// serveEach is the address of a listener that hands each connection it accepts to serve, and
+// closes them all at the test's end.
+func serveEach(t *testing.T, serve func(conn net.Conn)) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -1261,7 +1270,7 @@ func lateGreetingServer(t *testing.T, delay time.Duration) string {
 				return
 			}
 			t.Cleanup(func() { _ = conn.Close() })
-			time.AfterFunc(delay, func() { _, _ = io.WriteString(conn, "220 localhost ESMTP\r\n") })
+			serve(conn)
 		}
 	}()
 	return ln.Addr().String()
@@ -1331,4 +1340,51 @@ func TestADeliveryOutOfTimeIsNoOutage(t *testing.T) {
 			t.Errorf("probe of a server that greets in 300ms, given 500ms: %v, want it answered", err)
 		}
 	})
+}
+
+// slowGreetingProxy is the address of a proxy to server that holds back each connection's
+// first delay of the server's words: a server slow to greet.
+func slowGreetingProxy(t *testing.T, server string, delay time.Duration) string {
+	t.Helper()
+	return serveEach(t, func(client net.Conn) {
+		backend, err := net.Dial("tcp", server)
+		if err != nil {
+			_ = client.Close()
+			return
+		}
+		t.Cleanup(func() { _ = backend.Close() })
+		go func() { _, _ = io.Copy(backend, client) }()
+		go func() {
+			time.Sleep(delay)
+			_, _ = io.Copy(client, backend)
+		}()
+	})
+}
+
+// A delivery whose session opened too late for it to begin (the dial took what a conversation
+// needs of its time) is not started, and leaves the session to its connection's next
+// delivery, idle from its opening: not dropped and dialled again.
+func TestASessionOpenedTooLateIsKeptForTheNext(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewSMTPServer(t)
+	srv.Start()
+	d := newSMTPDeliverer(slowGreetingProxy(t, srv.Addr, 900*time.Millisecond), "orders@shop.example", 1)
+	t.Cleanup(d.Close)
+	d.mu.Lock()
+	d.longest = longestRecent{took: 400 * time.Millisecond, when: time.Now()} // 800 ms needed
+	d.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	if err := d.Deliver(withBudget(ctx, 10*time.Second), mailTo("c-1@customers.example")); !errors.Is(err, errNotStarted) {
+		t.Fatalf("a delivery whose session opened with about 600 ms of its time left: %v, want %v", err, errNotStarted)
+	}
+	if err := deliverNow(d, mailTo("c-2@customers.example")); err != nil {
+		t.Fatal(err)
+	}
+	if n := srv.Sessions(); n != 1 {
+		t.Errorf("%d sessions, want 1: the one opened for the first delivery serves the next", n)
+	}
+	if mail := srv.Mail(); len(mail) != 1 || mail[0].To != "c-2@customers.example" {
+		t.Errorf("the server took %+v, want the second e-mail alone", mail)
+	}
 }
