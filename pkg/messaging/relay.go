@@ -72,8 +72,9 @@ type RelayConfig struct {
 	// Backoff schedules retries of a row the broker refused (nacked, returned, too large):
 	// 2 s, 4 s, 8 s … up to [DefaultMaxBackoff] by default, jittered.
 	Backoff Backoff
-	// BrokerRetry paces the relay's checks for the broker during an outage, and, at its first
-	// step, the batch after one whose rows the broker answered for but took nowhere. Default
+	// BrokerRetry paces the relay's checks for the broker during an outage, the batches after
+	// failed ones (a database away; never slower than PollInterval), and, at its first step, the
+	// batch after one whose rows the broker answered for but took nowhere. Default
 	// 100 ms doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's
 	// return.
 	BrokerRetry Backoff
@@ -205,6 +206,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 // lane runs batches one after another until ctx ends.
 func (r *Relay) lane(ctx context.Context, wake wakeup) {
+	failed := 0 // batches failed in a row
 	for ctx.Err() == nil {
 		if r.probe != nil && r.isBrokerDown() {
 			// Run's first look, or another lane, found the broker gone: claim nothing, which
@@ -221,8 +223,12 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case errors.Is(err, ErrBrokerUnavailable):
 			r.awaitBroker(ctx, r.brokerDown(err))
 		case err != nil:
+			// Paced as a broker's checks, never slower than the poll: a wait of the whole poll,
+			// deaf to wakes, would leave the rows of a database back after a blip for an hour
+			// where the poll is that far and NOTIFY carries the traffic.
+			failed++
 			r.log.Error("relay batch failed", "error", err)
-			sleep(ctx, nil, jittered(r.cfg.PollInterval))
+			sleep(ctx, nil, min(jittered(r.cfg.PollInterval), r.cfg.BrokerRetry.Delay(failed)))
 		case res.Claimed == 0 && r.isBrokerDown() && r.probe != nil:
 			// Another lane found the broker gone while this one claimed nothing: an empty
 			// claim never reached the broker, so look for it, that its return is known (and
@@ -233,6 +239,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// Nor does it see the broker go: the outage begins now, not at the next row.
 			r.awaitBroker(ctx, 1)
 		default:
+			failed = 0
 			// Only rows given to the Sender heard from the broker: not an empty claim, nor one
 			// of rows that could not be read, which a Sender without a probe would take for
 			// the broker's return.

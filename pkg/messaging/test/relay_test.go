@@ -1377,3 +1377,26 @@ func TestRelaySendsAPayloadThatOnlyTheDatabasesSpacingTakesOverTheLimit(t *testi
 		t.Errorf("body of %d bytes; want the payload as enqueued, %d bytes", len(got[0].Body), len(payload))
 	}
 }
+
+// A lane whose batch failed (the database away for a moment) tries again paced as the
+// broker's checks, not after a whole poll deaf to wakes: where the poll is an hour away and
+// NOTIFY carries the traffic, a failed lane slept the hour, its rows waiting, and with every
+// lane failed at once (a restart) nothing was sent.
+func TestALaneWhoseBatchFailedTriesAgainSoon(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.runListeningRelay(t)
+	exec := func(q string) {
+		t.Helper()
+		if err := b.db.DB.Exec(q).Error; err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	exec("ALTER TABLE outbox_messages RENAME TO outbox_messages_away")
+	exec("SELECT pg_notify('outbox_messages', '')")
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(b.logs.Lines("relay batch failed")) > 0 },
+		"the relay's batch did not fail without its table")
+	exec("ALTER TABLE outbox_messages_away RENAME TO outbox_messages")
+	b.enqueue(t, 1)
+	b.waitAllSent(t, 5*time.Second)
+}
