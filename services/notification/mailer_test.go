@@ -1071,22 +1071,10 @@ func (x *utf8Session) Data(r io.Reader) error {
 func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
 	t.Parallel()
 	greeting := func(t *testing.T, reply string) string {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ln.Close() })
-		go func() {
-			for {
-				conn, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				_, _ = io.WriteString(conn, reply)
-				_ = conn.Close()
-			}
-		}()
-		return ln.Addr().String()
+		return serveEach(t, func(conn net.Conn) {
+			_, _ = io.WriteString(conn, reply)
+			_ = conn.Close()
+		})
 	}
 	closed := testenv.NewSMTPServer(t) // never started: nothing listens
 	silent, _ := silentMailServer(t)
