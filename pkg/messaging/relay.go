@@ -29,9 +29,10 @@ const (
 
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message,
 // in their order (see [Publisher.Publish]); any other number of verdicts fails the batch, its
-// rows left due, and the relay logs it and tries again at its poll interval, for ever. An error
-// wrapping [ErrBrokerUnavailable] is no verdict: the row stays due and its attempts untouched.
-// Any other error is the message's own fault, and backs the row off. A Sender may also have a
+// rows left due, and the relay logs it and tries again at [RelayConfig.BrokerRetry]'s pace
+// (100 ms doubling to 2 s by default), for ever. An error wrapping [ErrBrokerUnavailable] is no
+// verdict: the row stays due and its attempts untouched. Any other error is the message's own
+// fault, and backs the row off ([RelayConfig.Backoff]). A Sender may also have a
 // method Connect(ctx) error, as a [Publisher] has (a wrapper that embeds a Sender loses it:
 // give the wrapper one): the relay then asks it, not a row, whether the broker is back, and
 // after every empty claim whether it still has it, so it must cost no round trip while
@@ -67,16 +68,21 @@ type RelayConfig struct {
 	Lanes int
 	// PollInterval is how often the relay looks for due rows when nothing wakes it (a NOTIFY
 	// from a committed Enqueue, if the driver can receive them). Default
-	// [DefaultPollInterval], jittered.
+	// [DefaultPollInterval], jittered. It bounds only the idle wait: a lane that saw the broker
+	// refuse a row looks again when that row's Backoff runs out, if sooner, and one whose batch
+	// failed tries again at BrokerRetry's pace, however long the poll.
 	PollInterval time.Duration
 	// Backoff schedules retries of a row the broker refused (nacked, returned, too large):
-	// 2 s, 4 s, 8 s … up to [DefaultMaxBackoff] by default, jittered.
+	// 2 s, 4 s, 8 s … up to [DefaultMaxBackoff] by default, jittered. The lane that recorded the
+	// refusal claims again once the row is due (or sooner, woken by a NOTIFY or the poll); a
+	// relay started since, or another replica, finds it at its next NOTIFY or poll.
 	Backoff Backoff
 	// BrokerRetry paces the relay's checks for the broker during an outage, the batches after
-	// failed ones (a database away; never slower than PollInterval), and, at its first step, the
-	// batch after one whose rows the broker answered for but took nowhere. Default
-	// 100 ms doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's
-	// return.
+	// failed ones (a database away, a Sender's wrong count of verdicts: each lane tries again
+	// after its next step, whatever PollInterval), and, at its first step, the batch after one
+	// whose rows the broker answered for but took nowhere. Its Max also caps the wait between
+	// attempts to LISTEN again. Default 100 ms doubling up to 2 s, jittered: the relay resumes
+	// within about 2 s of the broker's or the database's return.
 	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling. The relay does
 	// not listen; Enqueue still sends its NOTIFY at commit.
@@ -175,16 +181,21 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
 // lane drains without pause while its batches come back full and sent, and otherwise waits for
-// a NOTIFY from a committed [Enqueue] or the next poll (a batch with rows left unsent, for
-// BrokerRetry's first step). While the broker is unavailable the
-// lanes claim nothing; they look for the broker again and resume as soon as it is back. A
-// Sender that cannot connect for a reason no broker can mend (a [Publisher] whose
-// configuration names no broker) makes Run return that error at once.
+// a NOTIFY from a committed [Enqueue] or the next poll, but no longer than until the first row
+// it saw the broker refuse is due again (its [RelayConfig.Backoff]). A batch with rows left
+// unsent is followed after BrokerRetry's first step, and a failed batch (the database away)
+// after BrokerRetry's next step, whatever the poll; neither wait hears a NOTIFY. While the
+// broker is unavailable the lanes claim nothing; they look for the broker again and resume as
+// soon as it is back. A Sender that cannot connect for a reason no broker can mend (a
+// [Publisher] whose configuration names no broker) makes Run return that error at once.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.probe != nil {
 		tried := time.Now()
 		if err := r.probe.Connect(ctx); err != nil {
-			if !errors.Is(err, ErrBrokerUnavailable) && ctx.Err() == nil {
+			if ctx.Err() != nil {
+				return nil // stopped while it connected: no outage to report, nor a gauge to drop
+			}
+			if !errors.Is(err, ErrBrokerUnavailable) {
 				return fmt.Errorf("relay: %w", err)
 			}
 			r.brokerDown(err)
@@ -207,6 +218,10 @@ func (r *Relay) Run(ctx context.Context) error {
 // lane runs batches one after another until ctx ends.
 func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	failed := 0 // batches failed in a row
+	// retryAt is when the first row this lane saw the broker refuse, and no batch of it has
+	// claimed since, is due again; zero if none. Nothing NOTIFYs when a backoff runs out, and a
+	// wake taken meanwhile (a batch of other rows) must not leave the row to the poll.
+	var retryAt time.Time
 	for ctx.Err() == nil {
 		if r.probe != nil && r.isBrokerDown() {
 			// Run's first look, or another lane, found the broker gone: claim nothing, which
@@ -215,20 +230,34 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			continue
 		}
 		started := time.Now()
+		if !retryAt.IsZero() && !started.Before(retryAt) {
+			// Due by now: this batch claims it, or its batch is full and the lane drains on
+			// (the claim takes the oldest rows first); a batch that fails is followed by more.
+			retryAt = time.Time{}
+		}
 		s, err := r.processBatch(ctx)
 		res := s.res
+		if d, ok := s.retryIn(); ok {
+			// Counted from now, after the commit, on this process's clock: the row, dated by the
+			// database's at its refusal, is due by then.
+			if at := time.Now().Add(d); retryAt.IsZero() || at.Before(retryAt) {
+				retryAt = at
+			}
+		}
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, ErrBrokerUnavailable):
 			r.awaitBroker(ctx, r.brokerDown(err))
 		case err != nil:
-			// Paced as a broker's checks, never slower than the poll: a wait of the whole poll,
-			// deaf to wakes, would leave the rows of a database back after a blip for an hour
-			// where the poll is that far and NOTIFY carries the traffic.
+			// Paced as a broker's checks (100 ms doubling to 2 s by default), not as the poll:
+			// a wait of a whole long poll, deaf to wakes, would leave the rows of a database
+			// back after a blip for an hour where NOTIFY carries the traffic; one of a short
+			// poll (10 ms at least) would have every lane retry, and log, a database away about
+			// a hundred times a second.
 			failed++
 			r.log.Error("relay batch failed", "error", err)
-			sleep(ctx, nil, min(jittered(r.cfg.PollInterval), r.cfg.BrokerRetry.Delay(failed)))
+			sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failed))
 		case res.Claimed == 0 && r.isBrokerDown() && r.probe != nil:
 			// Another lane found the broker gone while this one claimed nothing: an empty
 			// claim never reached the broker, so look for it, that its return is known (and
@@ -255,7 +284,11 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			case res.Claimed == r.cfg.BatchSize:
 				wake.signal() // more is waiting: another lane may join
 			default:
-				sleep(ctx, wake, jittered(r.cfg.PollInterval))
+				wait := jittered(r.cfg.PollInterval)
+				if !retryAt.IsZero() {
+					wait = min(wait, time.Until(retryAt))
+				}
+				sleep(ctx, wake, wait)
 			}
 		}
 	}
@@ -515,6 +548,17 @@ type failure struct {
 	err           error
 }
 
+// retryIn is the shortest backoff the batch gave a row the broker refused, and whether it
+// refused any: a relative wait, not next_attempt_at, which is read off the database's clock.
+func (s settlement) retryIn() (d time.Duration, ok bool) {
+	for _, f := range s.failures {
+		if !ok || f.delay < d {
+			d, ok = f.delay, true
+		}
+	}
+	return d, ok
+}
+
 // settle records the verdicts in tx: marks what was sent, backs off what the broker refused,
 // and leaves alone what it gave no verdict on.
 func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempts []int, verdicts []error) (settlement, error) {
@@ -705,7 +749,7 @@ func (r *Relay) awaitBroker(ctx context.Context, failures int) {
 // as long as the relay runs (size the pool for it). While it cannot listen, polling still
 // moves everything, only later.
 func (r *Relay) listen(ctx context.Context, wake wakeup) {
-	reconnect(ctx, Backoff{Base: 500 * time.Millisecond, Max: 30 * time.Second}, r.log,
+	reconnect(ctx, r.listenRetry(), r.log,
 		"relay lost its LISTEN connection; polling meanwhile",
 		func(ctx context.Context) (bool, error) {
 			listened, err := r.listenOnce(ctx, wake)
@@ -715,6 +759,14 @@ func (r *Relay) listen(ctx context.Context, wake wakeup) {
 			}
 			return listened, err
 		})
+}
+
+// listenRetry paces the attempts to LISTEN again: from 500 ms, doubling, but never slower than
+// the lanes' retries of a failed batch (BrokerRetry's Max, 2 s by default). After a database
+// outage the lanes are back within that, and so must be the wakes: with a long poll, events
+// enqueued meanwhile would otherwise wait for the listener's longer backoff.
+func (r *Relay) listenRetry() Backoff {
+	return Backoff{Base: 500 * time.Millisecond, Max: r.cfg.BrokerRetry.Max, Jitter: r.cfg.BrokerRetry.Jitter}
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.

@@ -1400,3 +1400,29 @@ func TestALaneWhoseBatchFailedTriesAgainSoon(t *testing.T) {
 	b.enqueue(t, 1)
 	b.waitAllSent(t, 5*time.Second)
 }
+
+// A row the broker refused is tried again once its backoff runs out, not at the next poll:
+// nothing NOTIFYs then, and with the poll an hour away a row whose queue was bound meanwhile
+// waited the hour, though its line said retry_in=2s.
+func TestARefusedRowIsTriedAgainWhenItsBackoffRunsOutNotAtThePoll(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.runListeningRelay(t, func(c *messaging.RelayConfig) {
+		c.Backoff = messaging.Backoff{Base: 100 * time.Millisecond, Max: 500 * time.Millisecond}
+	})
+	late, err := messaging.NewMessage("NobodyListensYet", map[string]int{"n": 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.db.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(context.Background(), b.drv, tx, late) }); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return len(b.logs.Lines("outbox publish failed", "message_id="+late.ID.String())) > 0
+	}, "the relay did not refuse the row of a type no queue is bound to")
+	if err := b.ch.QueueBind(b.queue, late.Type, b.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	b.waitAllSent(t, 5*time.Second)
+	assertExactlyOnce(t, testenv.Drain(t, b.ch, b.queue, 200*time.Millisecond), []uuid.UUID{late.ID})
+}

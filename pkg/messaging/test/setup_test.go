@@ -181,12 +181,16 @@ func (b *testBundle) relay(t testing.TB, sender messaging.Sender, tweak func(*me
 // and the look it takes once it listens, for rows committed while it did not. From then on only
 // a NOTIFY, or a look after listening again, can pick up a row. Either batch, late on busy cores,
 // would otherwise pick up a row committed after this returns, and a test of the NOTIFY would pass
-// without one; with one lane, they are the first two batches ended.
-func (b *testBundle) runListeningRelay(t testing.TB) {
+// without one; with one lane, they are the first two batches ended. Each tweak is applied to the
+// relay's configuration after those settings.
+func (b *testBundle) runListeningRelay(t testing.TB, tweaks ...func(*messaging.RelayConfig)) {
 	t.Helper()
 	db := &countingDB{DB: b.drv.DB()}
 	r := b.relay(t, b.publisher(t, testenv.AMQPURL()), func(c *messaging.RelayConfig) {
 		c.DB, c.Lanes, c.PollInterval = db, 1, time.Hour
+		for _, tweak := range tweaks {
+			tweak(c)
+		}
 	})
 	run(t, r.Run)
 	testenv.Eventually(t, 5*time.Second, func() bool {
