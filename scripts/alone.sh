@@ -61,4 +61,57 @@ alone() {
   exec 7>&-
   [ "${got:-}" = held ] || { printf '%s: could not take the lock %s\n' "$1" "$alone_lock" >&2; return 1; }
   export RUN_ALONE_HOLDER="$$:$alone_lock"
+  alone_holder=$holder
+}
+
+# alone_end_processes ends what the run's shell started and still runs (a go test, its test
+# binaries, what they run), for the run's EXIT trap, before its cleanup: bash runs that trap on
+# a signal but leaves the foreground commands running, and the lock goes with the shell, so an
+# orphaned test would go on restarting servers under the next run's lock. Each process found is
+# stopped (SIGSTOP) and the search made again until it finds no more, as a go test whose test
+# binary ended would start the next; then all get SIGTERM, and those left after 10 s SIGKILL.
+# The lock's holder is spared: it ends by itself, after the shell. /proc is read by the shell
+# itself, forking nothing: a command run to list the processes would be one of them.
+alone_end_processes() {
+  local -a found=() todo
+  local -A children seen=()
+  local stat line pid ppid more=1
+  while [ "$more" = 1 ]; do
+    more=0 children=()
+    for stat in /proc/[0-9]*/stat; do
+      read -r line 2>/dev/null <"$stat" || continue # gone meanwhile
+      pid=${stat#/proc/} line=${line##*) }           # the fields after the command's name
+      ppid=${line#* }
+      children[${ppid%% *}]+=" ${pid%/stat}"
+    done
+    todo=($$)
+    while [ "${#todo[@]}" -gt 0 ]; do
+      pid=${todo[0]} todo=("${todo[@]:1}")
+      for pid in ${children[$pid]:-}; do
+        if [ "$pid" = "${alone_holder:-}" ] || [ -n "${seen[$pid]:-}" ]; then continue; fi
+        kill -STOP "$pid" 2>/dev/null || continue
+        seen[$pid]=1 found+=("$pid") todo+=("$pid") more=1
+      done
+    done
+  done
+  [ "${#found[@]}" -gt 0 ] || return 0
+  kill -TERM "${found[@]}" 2>/dev/null || true
+  kill -CONT "${found[@]}" 2>/dev/null || true
+  for _ in $(seq 100); do
+    alone_running "${found[@]}" >/dev/null || return 0
+    sleep 0.1
+  done
+  printf 'ending the processes the run left, which outlived SIGTERM by 10 s: %s\n' "$(alone_running "${found[@]}")" >&2
+  kill -KILL "${found[@]}" 2>/dev/null || true
+}
+
+# alone_running PID...: prints those that still run (a zombie has ended), and fails if none does.
+alone_running() {
+  local pid line state running=""
+  for pid in "$@"; do
+    read -r line 2>/dev/null <"/proc/$pid/stat" || continue
+    state=${line##*) }
+    [ "${state%% *}" = Z ] || running+=" $pid"
+  done
+  [ -n "$running" ] && printf '%s\n' "${running# }"
 }

@@ -16,7 +16,7 @@ alone scripts/bench-compare.sh
 export SIDROOT_SUITE=sid
 work=$(mktemp -d)
 # Set before the start: a start that fails half-way may leave its node running.
-trap 'scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+trap 'alone_end_processes; scripts/sidroot.sh stop; git worktree remove --force "$work/src" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
 scripts/sidroot.sh compose

@@ -14,8 +14,9 @@ cd "$(dirname "$0")/.."
 alone scripts/bench.sh
 # The broker compose ships, whatever SIDROOT_SUITE a shell holds for the tests.
 export SIDROOT_SUITE=sid
-# Set before the start: a start that fails half-way may leave its node running.
-trap 'scripts/sidroot.sh stop' EXIT
+# Set before the start: a start that fails half-way may leave its node running. First ends what
+# the run still runs (on a signal bash leaves go test running, which would outlive the lock).
+trap 'alone_end_processes; scripts/sidroot.sh stop' EXIT
 sidroot_env=$(scripts/sidroot.sh start)
 eval "$sidroot_env"
 scripts/sidroot.sh compose

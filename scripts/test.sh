@@ -31,6 +31,29 @@ die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 . scripts/alone.sh
 alone scripts/test.sh
 
+# trixie runs scripts/sidroot.sh for the RabbitMQ 4.0 root, on its own default directory and
+# ports whatever SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
+trixie() { env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"; }
+sidroot() { if [ "$1" = trixie ]; then shift; trixie "$@"; else shift; SIDROOT_SUITE=sid scripts/sidroot.sh "$@"; fi; }
+
+# At exit, whatever ended the run (a failure, a signal): what it started that still runs (on a
+# signal bash leaves the foreground commands running, a go test among them), then the nodes
+# this run started or began to start (a start that failed half-way may leave its node running),
+# and the report. Each step runs even if another fails, and none changes the run's exit status.
+# Set up before the first command that may be left running so.
+started=""
+report="$(mktemp -d)"
+# shellcheck disable=SC2317 # run by the EXIT trap
+cleanup() {
+  local root
+  alone_end_processes
+  for root in $started; do
+    sidroot "$root" stop || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
+  done
+  rm -rf "$report"
+}
+trap cleanup EXIT
+
 # retry DESCRIPTION COMMAND...: runs COMMAND up to 3 times, 15 s then 30 s apart, for the steps
 # that download: cmd/go does not retry a failed fetch from the module proxy, and a fresh machine
 # fetches every module and tool. A failure that is not the network's fails 3 times, as it would once.
@@ -63,18 +86,50 @@ ensure_postgres() {
 }
 
 ensure_rabbitmq() {
-  rabbit_ready && return 0
-  is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
-  command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ (4.x in the compose files) or set TEST_AMQP_URL"
-  if timeout 30 rabbitmqctl -q ping >/dev/null 2>&1; then
-    say "starting the RabbitMQ application (the node runs, the app was stopped)"
-    rabbitmqctl -q start_app
-  else
-    say "starting RabbitMQ"
-    rabbitmq-server -detached
+  if ! rabbit_ready; then
+    is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
+    command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ (4.x in the compose files) or set TEST_AMQP_URL"
+    if timeout 30 rabbitmqctl -q ping >/dev/null 2>&1; then
+      say "starting the RabbitMQ application (the node runs, the app was stopped)"
+      rabbitmqctl -q start_app
+    else
+      say "starting RabbitMQ"
+      rabbitmq-server -detached
+    fi
+    timeout 120 rabbitmqctl -q await_startup >/dev/null 2>&1 || true
+    wait_for 60 RabbitMQ rabbit_ready
   fi
-  timeout 120 rabbitmqctl -q await_startup >/dev/null 2>&1 || true
-  wait_for 60 RabbitMQ rabbit_ready
+  no_rabbit_alarm
+}
+
+# rabbit_alarm_clear succeeds while the machine's broker has no alarm, and prints what it
+# reports. check_alarms, not check_local_alarms: RabbitMQ 4.3's checks nothing.
+rabbit_alarm_clear() { timeout 60 rabbitmq-diagnostics -q check_alarms 2>&1; }
+
+# no_rabbit_alarm fails the run while the machine's broker has an alarm: it blocks every
+# publisher, and the suite would fail without saying why. A memory alarm may be a test's: those
+# that raise one (pkg/messaging/test's restart tests) set the watermark to 0 and set it back in
+# a cleanup that a killed test binary does not run, and the node keeps it until it restarts.
+# That one is undone here: the node's configured watermark (its application environment, which
+# setting it at run time leaves as it was) set again. (The nodes of scripts/sidroot.sh start
+# afresh each run.)
+no_rabbit_alarm() {
+  local alarms was configured
+  alarms=$(rabbit_alarm_clear) && return 0
+  case "$alarms" in
+    *"Memory alarm on node"*) ;;
+    *) die "RabbitMQ reports an alarm, or could not be asked (rabbitmq-diagnostics check_alarms): $alarms" ;;
+  esac
+  was=$(timeout 60 rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' 2>&1) ||
+    die "RabbitMQ has a memory alarm, and rabbitmqctl could not read its watermark: $was"
+  configured=$(timeout 60 rabbitmqctl -q eval '{ok, W} = application:get_env(rabbit, vm_memory_high_watermark), ok = vm_memory_monitor:set_vm_memory_high_watermark(W), W.' 2>&1) ||
+    die "RabbitMQ has a memory alarm (watermark $was), and rabbitmqctl could not set its configured watermark again: $configured"
+  say "RabbitMQ had a memory alarm at a watermark of $was (a test binary killed before its cleanup leaves 0); set back to the node's configured $configured"
+  for _ in $(seq 30); do
+    alarms=$(rabbit_alarm_clear) && return 0
+    sleep 1
+  done
+  die "RabbitMQ keeps its memory alarm at its configured watermark ($configured): this machine is short of memory for it ($alarms)"
 }
 
 # The test servers of deploy/compose.test.yml, started unless they answer already.
@@ -236,28 +291,13 @@ say "promtool: Prometheus configuration, alert rules and their tests"
 "$PROMTOOL" test rules deploy/prometheus/alerts_test.yml
 
 machine_amqp_url=$TEST_AMQP_URL
+# The RabbitMQ the phases against the machine's broker stand for: the oldest the library
+# supports. A machine with another may name its major.minor here to run them all the same.
+machine_rabbitmq=${TEST_MACHINE_RABBITMQ:-3.10}
 sidroot_env=""
 trixie_env=""
-# trixie runs scripts/sidroot.sh for the RabbitMQ 4.0 root, on its own default directory and
-# ports whatever SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
-trixie() { env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"; }
-sidroot() { if [ "$1" = trixie ]; then shift; trixie "$@"; else shift; SIDROOT_SUITE=sid scripts/sidroot.sh "$@"; fi; }
-
-# At exit, whatever ended the run (a failure, a signal): the nodes this run started or began
-# to start (a start that failed half-way may leave its node running), and the report. Each
-# step runs even if another fails, and none changes the run's exit status.
-started=""
-report="$(mktemp -d)"
-# shellcheck disable=SC2317 # run by the EXIT trap
-cleanup() {
-  local root
-  for root in $started; do
-    sidroot "$root" stop || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
-  done
-  rm -rf "$report"
-}
-trap cleanup EXIT
 go build -o "$report/testreport" ./internal/testreport
+go test -c -o "$report/brokercheck" ./internal/testenv
 
 if [ "$mode" = local ]; then
   say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
@@ -270,14 +310,38 @@ if [ "$mode" = local ]; then
     die "the sid root's RabbitMQ is not the major.minor docker-compose.yml ships (scripts/sidroot.sh compose, above): the suite would not run against compose's broker"
   say "$compose_rabbitmq"
 fi
-with_broker() { # with_broker 4.3|4.0|machine COMMAND...
-  if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
-    (eval "$sidroot_env"; shift; "$@")
-  elif [ "$1" = 4.0 ]; then
-    (eval "$trixie_env"; shift; "$@")
-  else
-    (export TEST_AMQP_URL="$machine_amqp_url"; unset TEST_RABBITMQCTL TEST_SIDROOT TEST_RABBITMQ_PROMETHEUS_URL; shift; "$@")
-  fi
+# with_broker 4.3|4.0|machine COMMAND...: COMMAND against that broker, with TEST_WANT_RABBITMQ
+# the version prefix it stands for (in compose mode compose's 4.3 stands for all), which
+# broker_version checks.
+with_broker() {
+  local prefix=$1.
+  [ "$1" != machine ] || prefix=$machine_rabbitmq.
+  (
+    export TEST_WANT_RABBITMQ="$prefix"
+    if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
+      eval "$sidroot_env"
+    elif [ "$1" = 4.0 ]; then
+      eval "$trixie_env"
+    else
+      export TEST_AMQP_URL="$machine_amqp_url"
+      unset TEST_RABBITMQCTL TEST_SIDROOT TEST_RABBITMQ_PROMETHEUS_URL
+    fi
+    shift
+    "$@"
+  )
+}
+
+# broker_version BROKER prints the version BROKER's server gave in the AMQP handshake, and
+# fails the run unless it is the one the phases against BROKER stand for: called before each
+# phase, so that one whose URL reached another broker (the machine's upgraded, say) does not
+# pass while testing that version no longer. The check is internal/testenv's test, built above.
+broker_version() {
+  local out version
+  out=$(with_broker "$1" "$report/brokercheck" -test.run '^TestTheBrokerIsTheRabbitMQTheRunWants$' -test.v 2>&1) ||
+    { printf '%s\n' "$out" >&2; die "the broker of the phases against $1 is not the RabbitMQ they stand for"; }
+  version=$(printf '%s\n' "$out" | sed -n 's/.*: the broker at [^ ]* is RabbitMQ //p')
+  [ -n "$version" ] || { printf '%s\n' "$out" >&2; die "internal/testenv's TestTheBrokerIsTheRabbitMQTheRunWants did not name the broker's version: was it renamed?"; }
+  printf '%s' "$version"
 }
 
 # suite BROKER PACKAGES...: the parallel suite against BROKER, adding the tests it skipped for
@@ -294,10 +358,12 @@ suite() {
 # reach no broker, the alerts need 4.3's Prometheus, the server restarts run alone.
 machine_e2e_tests='TestReplicasUnderLoad|TestKilledServicesUnderLoad|TestGracefulShutdownUnderLoad|TestPoisonMessagesAreDeadLettered|TestBrokerOutage60s|TestAConsumerThatStartsLastMissesNothing'
 
-say "go test -race, the whole suite, against RabbitMQ 4.3"
+version=$(broker_version 4.3)
+say "go test -race, the whole suite, against RabbitMQ 4.3 ($version)"
 suite 4.3 ./... "$library_packages" "$example_packages"
 if [ "$mode" = local ]; then
-  say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($(rabbitmqctl -q version 2>/dev/null || echo "version unknown"))"
+  version=$(broker_version machine)
+  say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($version)"
   suite machine $library_packages
   say "go test -race, the services' suite and the end-to-end exactly-once and fault tests, against the machine's RabbitMQ"
   suite machine ./services/...
@@ -314,7 +380,8 @@ if [ "$mode" = local ]; then
     4.0.*) ;;
     *) die "the trixie root's RabbitMQ is ${trixie_rabbitmq:-not installed}, not 4.0: the library's suite would not run against the 4.0 it names" ;;
   esac
-  say "go test -race, the library's suite, against RabbitMQ 4.0"
+  version=$(broker_version 4.0)
+  say "go test -race, the library's suite, against RabbitMQ 4.0 ($version)"
   suite 4.0 $library_packages
 fi
 
@@ -328,7 +395,8 @@ go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" .
 status=0
 for broker in 4.3 4.0 machine; do
   [ -f "$report/restarts-$broker" ] || continue
-  say "go test -race (server restarts, alone), against $( [ "$broker" = machine ] && echo "the machine's RabbitMQ" || echo "RabbitMQ $broker")"
+  version=$(broker_version "$broker")
+  say "go test -race (server restarts, alone), against $( [ "$broker" = machine ] && echo "the machine's RabbitMQ" || echo "RabbitMQ $broker") ($version)"
   [ -s "$report/restarts-$broker" ] || die "the parallel phase against $broker skipped no server-restart test: were they renamed or removed?"
   while read -r pkg pattern; do
     want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')

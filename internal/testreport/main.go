@@ -5,7 +5,8 @@
 // one is a skip nobody allowed), or when fewer tests ran than -want. With -skipped FILE it also
 // appends to FILE, for the skips whose reason is one of the -collect flags', one line per
 // package: the package, then a -run pattern of those tests (scripts/test.sh runs them in a
-// later phase; several phases may collect into one FILE).
+// later phase; several phases may collect into one FILE). That phase runs top-level tests, so
+// a subtest that skips for a -collect reason fails the run: nothing would ever run it.
 package main
 
 import (
@@ -43,7 +44,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "testreport:", err)
 		os.Exit(2)
 	}
-	ok := r.report(os.Stdout, allow, *want)
+	ok := r.report(os.Stdout, allow, collect, *want)
 	if *skipped != "" {
 		if err := appendFile(*skipped, r.collect(collect)); err != nil {
 			fmt.Fprintln(os.Stderr, "testreport:", err)
@@ -143,12 +144,13 @@ func (r *run) crash(w io.Writer, pkg string) {
 	}
 }
 
-// report prints the results and tells whether they pass.
-func (r *run) report(w io.Writer, allowed reasons, want int) bool {
+// report prints the results and tells whether they pass. A skip for one of the collected
+// reasons is one a later phase runs, by its top-level test's name: a subtest's is not allowed.
+func (r *run) report(w io.Writer, allowed, collected reasons, want int) bool {
 	ok := true
 	passed, failed := 0, 0
 	ran := 0 // top-level tests that ran or skipped for an allowed reason, for -want
-	var skips, bad []string
+	var skips, bad, nested []string
 	failedTests := map[string]bool{} // packages with a failed test
 	for k, res := range r.results {
 		if k.name != "" && res == "fail" {
@@ -191,10 +193,14 @@ func (r *run) report(w io.Writer, allowed reasons, want int) bool {
 			}
 		case "skip":
 			reason := r.reason(k)
-			skips = append(skips, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
-			if !slices.Contains(allowed, reason) {
-				bad = append(bad, fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason))
-			} else if topLevel {
+			line := fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason)
+			skips = append(skips, line)
+			switch {
+			case !topLevel && slices.Contains(collected, reason):
+				nested = append(nested, line)
+			case !slices.Contains(allowed, reason):
+				bad = append(bad, line)
+			case topLevel:
 				ran++ // accounted for: it skipped for a reason the run allows
 			}
 		}
@@ -208,6 +214,11 @@ func (r *run) report(w io.Writer, allowed reasons, want int) bool {
 		ok = false
 		slices.Sort(bad)
 		fmt.Fprintf(w, "tests skipped for a reason not on the allowed list (docs/testing.md, Skips):\n%s\n", strings.Join(bad, "\n"))
+	}
+	if len(nested) > 0 {
+		ok = false
+		slices.Sort(nested)
+		fmt.Fprintf(w, "subtests skipped for a reason whose tests a later phase runs (-collect): it runs top-level tests by name, so these would never run; skip their top-level test instead:\n%s\n", strings.Join(nested, "\n"))
 	}
 	if ran < want {
 		ok = false

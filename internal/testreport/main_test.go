@@ -26,7 +26,7 @@ func TestATimedOutPackageNamesTheTestStillRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	if r.report(&out, nil, 0) {
+	if r.report(&out, nil, nil, 0) {
 		t.Fatal("the report passed a package that timed out")
 	}
 	for _, want := range []string{"panic: test timed out after 15m0s", "\tTestHangs (15m0s)", "--- NO RESULT: TestHangs (p)", "waiting for the relay", "1 passed, 0 failed"} {
@@ -57,11 +57,11 @@ func TestWantCountsTopLevelTestsOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	if r.report(&out, nil, 2) {
+	if r.report(&out, nil, nil, 2) {
 		t.Fatalf("the report passed with 1 of the 2 wanted tests run (and 2 subtests):\n%s", out.String())
 	}
 	out.Reset()
-	if !r.report(&out, nil, 1) {
+	if !r.report(&out, nil, nil, 1) {
 		t.Fatalf("the report failed with the 1 wanted test run:\n%s", out.String())
 	}
 }
@@ -96,7 +96,7 @@ func TestAllowedSkipsMatchTheirWholeReason(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	if r.report(&out, reasons{benchSkip}, 0) {
+	if r.report(&out, reasons{benchSkip}, nil, 0) {
 		t.Fatalf("the report passed skips whose reasons only mention an allowed one:\n%s", out.String())
 	}
 	_, notAllowed, found := strings.Cut(out.String(), "not on the allowed list")
@@ -117,11 +117,11 @@ func TestAllowedSkipsMatchTheirWholeReason(t *testing.T) {
 		t.Fatal(err)
 	}
 	out.Reset()
-	if !r.report(&out, reasons{benchSkip, "needs BENCH=1"}, 2) {
+	if !r.report(&out, reasons{benchSkip, "needs BENCH=1"}, nil, 2) {
 		t.Fatalf("the report failed with both skips' reasons allowed:\n%s", out.String())
 	}
 	out.Reset()
-	if r.report(&out, reasons{benchSkip}, 2) {
+	if r.report(&out, reasons{benchSkip}, nil, 2) {
 		t.Fatalf("-want 2 passed with one of the 2 tests skipped for a reason not allowed:\n%s", out.String())
 	}
 }
@@ -153,5 +153,31 @@ func TestCollectTakesWholeReasonsAndAppends(t *testing.T) {
 	}
 	if got, err := os.ReadFile(file); err != nil || string(got) != "a ^(TestA)$\nb ^(TestB)$\n" {
 		t.Errorf("the file holds %q (%v), want both phases' lines", got, err)
+	}
+}
+
+// A later phase runs the tests -collect lists, by their top-level names: a subtest skipped for
+// one of those reasons would never run there, and fails the run, saying so; the same skip of a
+// top-level test passes.
+func TestASubtestSkippedForACollectedReasonFails(t *testing.T) {
+	restart := "restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone"
+	r, err := read(strings.NewReader(skipStream(map[string]string{"TestRestart": restart})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if !r.report(&out, reasons{restart}, reasons{restart}, 1) {
+		t.Fatalf("the report failed a top-level test skipped for a collected reason:\n%s", out.String())
+	}
+	r, err = read(strings.NewReader(skipStream(map[string]string{"TestSuite/restart": restart})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if r.report(&out, reasons{restart}, reasons{restart}, 0) {
+		t.Fatalf("the report passed a subtest skipped for a collected reason, which no phase would run:\n%s", out.String())
+	}
+	if _, nested, found := strings.Cut(out.String(), "subtests skipped for a reason whose tests a later phase runs"); !found || !strings.Contains(nested, "TestSuite/restart") {
+		t.Fatalf("the report does not name the subtest as one no phase would run:\n%s", out.String())
 	}
 }
