@@ -17,6 +17,26 @@ import (
 // unacknowledged at once, unless told otherwise.
 const defaultDLQLimit = 100
 
+// mostWithoutLimit is how many waiting messages dlq redrive and dlq drop take without --limit;
+// with more waiting they refuse. Each message taken is held in memory until the command ends:
+// 200,000 of 64 KiB would be over 12 GiB. A variable, for the tests.
+var mostWithoutLimit = 10000
+
+// noLimitBrake is the BeforeTake of a redrive or a drop: without --limit (0), it refuses a
+// queue of more than mostWithoutLimit messages with a usage error, before any is taken.
+func noLimitBrake(dlq string, limit int) func(waiting int) error {
+	if limit > 0 {
+		return nil
+	}
+	return func(waiting int) error {
+		if waiting <= mostWithoutLimit {
+			return nil
+		}
+		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes without --limit (it holds each in memory until it is done): give --limit N to look at the first N; nothing was changed",
+			waiting, dlq, mostWithoutLimit)}
+	}
+}
+
 func (c *cli) dlqCommand() *cobra.Command {
 	return group("dlq", "list, redrive or drop the messages of a consumer's dead-letter queue",
 		c.dlqListCommand(), c.dlqRedriveCommand(), c.dlqDropCommand())
@@ -99,7 +119,7 @@ type dlqResult struct {
 	DryRun          *bool        `json:"dry_run,omitempty"` // dlq redrive only
 	Queue           string       `json:"queue"`
 	DeadLetterQueue string       `json:"dead_letter_queue"`
-	Waiting         int          `json:"waiting"`  // messages ready in the dead-letter queue at the start
+	Waiting         int          `json:"waiting"`  // messages ready in the dead-letter queue at the start, not those held unacknowledged
 	Examined        int          `json:"examined"` // the first ones, up to --limit, that it looked at
 	Count           int          `json:"count"`    // messages listed, or redriven
 	Messages        []deadLetter `json:"messages"`
@@ -172,7 +192,7 @@ func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f 
 			Count: len(shown), Messages: toDeadLetters(shown, showHeaders, showBody)})
 	}
 	if waiting == 0 {
-		fmt.Fprintf(c.out, "%s is empty\n", dlq)
+		fmt.Fprintln(c.out, noneReady(dlq))
 		return nil
 	}
 	fmt.Fprintln(c.out, listSummary(dlq, len(shown), len(listed), waiting, f))
@@ -190,6 +210,12 @@ func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f 
 		printDeadLetter(c.out, d, showHeaders, body)
 	}
 	return nil
+}
+
+// noneReady says that no message was ready in dlq: not that it is empty, since the broker's
+// count leaves out the messages another client holds unacknowledged.
+func noneReady(dlq string) string {
+	return fmt.Sprintf("no message ready in %s (messages another client holds unacknowledged are not counted)", dlq)
 }
 
 // scope says which messages of the dead-letter queue a command looked at: all that waited, or
@@ -231,6 +257,8 @@ those it would move, and moves exactly those: with --dry-run it only lists them.
 than one would move it asks on a terminal first, holding them meanwhile; without one (a
 script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves
 messages behind may move those it looked at and kept back in the queue (see dlq list --help).
+Each message taken is held in memory until it is done: without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + `
+wait, it refuses (exit status 2) and changes nothing; give --limit N for the first N.
 
 An interrupt (Ctrl-C) stops it before the next message; it prints what moved, says it was
 interrupted, and exits 1. A message published but not confirmed at that moment (or whose
@@ -251,7 +279,7 @@ another client holds unacknowledged at that moment are not seen.`,
 	cmd.Flags().StringVar(&idFlag, "id", "", "move the message with this id only")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "move the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "move the messages whose reason has this text only, in any case")
-	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (default: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and change nothing")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before moving more than one message")
 	cmd.MarkFlagsMutuallyExclusive("id", "type")
@@ -270,7 +298,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
 	result := dlqResult{DryRun: &dryRun, Queue: queue, DeadLetterQueue: dlq}
 	var picked []messaging.DeadLetter
-	sel := messaging.DeadLetterSelection{Limit: limit, Confirm: func(p []messaging.DeadLetter, waiting int) error {
+	sel := messaging.DeadLetterSelection{Limit: limit, BeforeTake: noLimitBrake(dlq, limit), Confirm: func(p []messaging.DeadLetter, waiting int) error {
 		picked, result.Waiting, result.Examined = p, waiting, window(waiting, limit)
 		if dryRun {
 			return errDryRun
@@ -345,7 +373,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		return err
 	}
 	if len(picked) == 0 && err == nil {
-		fmt.Fprintf(c.out, "%s is empty: nothing to move\n", dlq)
+		fmt.Fprintf(c.out, "%s: nothing to move\n", noneReady(dlq))
 		return nil
 	}
 	for _, d := range moved {
@@ -399,7 +427,8 @@ has none. The output shows the message with its headers and whole body,
 as the last record of it. If two copies share the id, the first goes. It takes the whole queue
 unacknowledged meanwhile, as a listing of it all does, so that the others keep their order; or
 the first --limit only, for a queue too long to hold, which may move those it looked at back
-in the queue (see dlq list --help). It asks on a terminal first, and without one refuses unless
+in the queue (see dlq list --help): without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit
+status 2) and changes nothing. It asks on a terminal first, and without one refuses unless
 given --yes.
 
 Exit status 3: no message in QUEUE.dlq has the id (of the first --limit; messages another
@@ -420,7 +449,7 @@ client holds unacknowledged at that moment are not seen).`,
 	amqpFlags(cmd, &amqpFlag)
 	cmd.Flags().StringVar(&idFlag, "id", "", "the message to drop")
 	cmd.Flags().BoolVar(&withoutID, "without-id", false, "drop the first message that has no message id")
-	cmd.Flags().IntVar(&limit, "limit", 0, "look at the first N messages, no more (default: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
 	cmd.MarkFlagsOneRequired("id", "without-id")
 	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
@@ -443,7 +472,7 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	var found messaging.DeadLetter
 	// The whole queue (or the first limit) is held, so that the others keep their order, and
 	// while the question waits for its answer: what is confirmed is what goes.
-	sel := messaging.DeadLetterSelection{Limit: limit, Match: f.match}
+	sel := messaging.DeadLetterSelection{Limit: limit, BeforeTake: noLimitBrake(dlq, limit), Match: f.match}
 	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
 		found = p[0]
 		if dryRun {
@@ -516,7 +545,7 @@ func exactArgs(names ...string) cobra.PositionalArgs {
 
 // amqpFlags adds --amqp to cmd.
 func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
-	cmd.Flags().StringVar(amqpFlag, "amqp", "", "RabbitMQ URL, or a comma-separated list of one per node (default $AMQP_URL)")
+	cmd.Flags().StringVar(amqpFlag, "amqp", "", "RabbitMQ URL, or a comma-separated list of one per node, all naming the same vhost (default $AMQP_URL)")
 }
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.

@@ -211,7 +211,7 @@ func TestDlqListLosesAndReordersNothing(t *testing.T) {
 	if got := deliveryIDs(drained); !slices.Equal(got, ids) {
 		t.Fatalf("after listing, the dead-letter queue holds %q, want %q", got, ids)
 	}
-	if out := ok(t, "dlq", "list", queue, "--amqp", testenv.AMQPURL()); !strings.Contains(out, "is empty") {
+	if out := ok(t, "dlq", "list", queue, "--amqp", testenv.AMQPURL()); !strings.Contains(out, "no message ready in "+messaging.DeadLetterQueue(queue)) {
 		t.Errorf("listing an empty dead-letter queue: %q", out)
 	}
 	wantExit(t, exitFailure, []string{"dlq", "list", "no_such_queue", "--amqp", testenv.AMQPURL()}, `"no_such_queue.dlq"`)
@@ -440,6 +440,93 @@ func TestDlqRedriveRefusesALimitOfZero(t *testing.T) {
 	if n := testenv.QueueDepth(t, testenv.Channel(t), queue); n != 0 {
 		t.Errorf("after redrive --limit 0, %d messages are in %s, want none", n, queue)
 	}
+}
+
+// Without --limit, dlq redrive and dlq drop take at most mostWithoutLimit messages: with more
+// waiting they refuse before taking any (each taken is held in memory until the command ends),
+// exit 2 naming --limit, and change nothing, dry run or not. With --limit, or with no more than
+// that many waiting, they go on. Not parallel: it lowers mostWithoutLimit to 3, so that 4
+// messages stand for the tens of thousands.
+func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
+	most := mostWithoutLimit
+	mostWithoutLimit = 3
+	t.Cleanup(func() { mostWithoutLimit = most })
+	var msgs []amqp.Publishing
+	for range 4 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	for _, args := range [][]string{
+		{"dlq", "redrive", queue, "--yes"},
+		{"dlq", "redrive", queue, "--dry-run", "-o", "json"},
+		{"dlq", "redrive", queue, "--id", ids[3], "--yes"},
+		{"dlq", "drop", queue, "--id", ids[0], "--yes"},
+		{"dlq", "drop", queue, "--id", ids[0], "--dry-run"},
+	} {
+		stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL),
+			"4 messages wait in "+dlq+", more than the 3 it takes without --limit", "give --limit N", "nothing was changed", "Usage:")
+		if stdout != "" {
+			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
+		}
+	}
+	if n := testenv.QueueDepth(t, testenv.Channel(t), queue); n != 0 {
+		t.Errorf("after the refusals, %d messages are in %s, want none", n, queue)
+	}
+	// With --limit it goes on, and takes no more: the others were never taken (none comes
+	// redelivered), by the refusals either.
+	moved := okJSON[dlqResult](t, "dlq", "redrive", queue, "--limit", "1", "--yes", "--amqp", amqpURL)
+	if moved.Count != 1 || moved.Messages[0].MessageID != ids[0] || moved.Waiting != 4 || moved.Examined != 1 {
+		t.Fatalf("redrive --limit 1: %+v; want the first message moved", moved)
+	}
+	ch := testenv.Channel(t)
+	for _, want := range ids[1:] {
+		d, ok, err := ch.Get(dlq, false)
+		if err != nil || !ok || d.MessageId != want || d.Redelivered {
+			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
+		}
+	}
+	if err := ch.Close(); err != nil { // the broker takes them back
+		t.Fatal(err)
+	}
+	// No more than mostWithoutLimit waiting: a drop without --limit goes on.
+	inspect := testenv.Channel(t)
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, inspect, dlq) == 3 }, "the messages did not come back")
+	if got := decode[dlqDropResult](t, ok(t, "dlq", "drop", queue, "--id", ids[3], "--yes", "-o", "json", "--amqp", amqpURL)); got.Message.MessageID != ids[3] {
+		t.Errorf("drop of 3 messages without --limit: %+v; want %s dropped", got, ids[3])
+	}
+	if got := inDLQ(t, queue); !sameElements(got, ids[1:3]) {
+		t.Errorf("the dead-letter queue holds %q, want %q", got, ids[1:3])
+	}
+}
+
+// A dead-letter queue whose messages another client holds unacknowledged has none ready: dlq
+// list and dlq redrive say no message is ready, not that the queue is empty, which it is not.
+func TestDlqWhoseMessagesAreHeldElsewhereIsNotCalledEmpty(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQ(t, deadMessage("OrderPlaced", "no price"), deadMessage("OrderPlaced", "no price"))
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	holder, inspect := testenv.Channel(t), testenv.Channel(t)
+	for range ids {
+		if _, ok, err := holder.Get(dlq, false); err != nil || !ok {
+			t.Fatalf("get from %s: %v, %v", dlq, ok, err)
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, inspect, dlq) == 0 }, "the held messages are still counted ready")
+	none := "no message ready in " + dlq + " (messages another client holds unacknowledged are not counted)"
+	if out := ok(t, "dlq", "list", queue, "--amqp", amqpURL); out != none+"\n" {
+		t.Errorf("dlq list of a queue whose messages are held elsewhere: %q; want %q", out, none)
+	}
+	if out := ok(t, "dlq", "redrive", queue, "--yes", "--amqp", amqpURL); out != none+": nothing to move\n" {
+		t.Errorf("dlq redrive of a queue whose messages are held elsewhere: %q; want %q", out, none+": nothing to move")
+	}
+	if res := okJSON[dlqResult](t, "dlq", "list", queue, "--amqp", amqpURL); res.Waiting != 0 || res.Count != 0 {
+		t.Errorf("dlq list -o json of a queue whose messages are held elsewhere: %+v; want waiting 0", res)
+	}
+	if err := holder.Close(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, inspect, dlq) == 2 }, "the held messages did not come back")
 }
 
 // A redrive that fails before it picked a message prints no result, in either format, as dlq

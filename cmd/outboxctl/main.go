@@ -451,11 +451,13 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 	if len(urls) == 0 {
 		return "", usageError{fmt.Sprintf("%s names no URL", source)}
 	}
-	for _, one := range urls {
+	var vhost string
+	for i, one := range urls {
 		if platform.AtAfterHost(one) {
 			return "", usageError{fmt.Sprintf("%s %s", source, platform.AtAfterHostProblem)}
 		}
-		if u, err := url.Parse(one); err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u) {
+		u, err := url.Parse(one)
+		if err != nil || !platform.NamesHost(u) || !slices.Contains(schemes, u.Scheme) || !platform.PortsInRange(u) {
 			return "", usageError{fmt.Sprintf("%s is not %s with scheme %s", source, what, strings.Join(schemes, " or "))}
 		}
 		// A parameter the client refuses (connect_timeout=x, heartbeat=abc) is the command
@@ -463,6 +465,13 @@ func checkedURLs(flagName, value, variable string, split func(string) []string, 
 		if err := parse(one); err != nil {
 			return "", usageError{fmt.Sprintf("%s does not parse: %v", source, err)}
 		}
+		// A list is one cluster's nodes, dialled in random order: entries naming different
+		// vhosts would act on whichever answered. The services refuse such a list too.
+		if i > 0 && platform.VhostOf(u) != vhost {
+			return "", usageError{fmt.Sprintf("%s names different vhosts, %q and %q: every entry must name the same vhost",
+				source, printable(vhost, 64), printable(platform.VhostOf(u), 64))}
+		}
+		vhost = platform.VhostOf(u)
 	}
 	return value, nil
 }

@@ -421,6 +421,41 @@ func TestAURLTheClientRefusesIsAUsageError(t *testing.T) {
 	}
 }
 
+// A list of brokers' URLs whose entries name different vhosts is a usage error that names
+// where it came from, as the services refuse it: the library dials the entries in random
+// order, so the command would act on whichever vhost answered. Nothing listens on the ports:
+// refused, the command reaches no broker. Not parallel: it sets AMQP_URL.
+func TestABrokerListOfDifferentVhostsIsAUsageError(t *testing.T) {
+	const secret = "hunter2-s3cret"
+	mixed := "amqp://u:" + secret + "@127.0.0.1:1/prod,amqp://u:" + secret + "@127.0.0.1:2/staging"
+	id := uuid.NewString()
+	commands := [][]string{
+		{"dlq", "list", "invoicing"},
+		{"dlq", "redrive", "invoicing", "--yes"},
+		{"dlq", "drop", "invoicing", "--id", id, "--yes"},
+	}
+	t.Setenv("AMQP_URL", "")
+	for _, args := range commands {
+		stdout := wantExit(t, exitUsage, append(args, "--amqp", mixed), `--amqp names different vhosts, "prod" and "staging"`, "Usage:")
+		if stdout != "" {
+			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
+		}
+	}
+	t.Setenv("AMQP_URL", mixed)
+	for _, args := range commands {
+		wantExit(t, exitUsage, args, `AMQP_URL (the default of --amqp) names different vhosts, "prod" and "staging"`)
+	}
+	for _, args := range commands {
+		if _, _, stderr := ctl(t, args...); strings.Contains(stderr, secret) {
+			t.Errorf("outboxctl %s: stderr %q shows the password", strings.Join(args, " "), stderr)
+		}
+	}
+	// The default vhost has three spellings, all the same vhost: the list passes, and the
+	// command fails at the brokers that are not there.
+	t.Setenv("AMQP_URL", "amqp://u:p@127.0.0.1:1,amqp://u:p@127.0.0.1:2/,amqp://u:p@127.0.0.1:3/%2F")
+	wantExit(t, exitFailure, []string{"dlq", "list", "invoicing"}, "connection refused")
+}
+
 // A PostgreSQL URL may name several hosts, tried in turn, as the services take it (only a
 // broker's URL is a comma-separated list of URLs).
 func TestADatabaseURLOfSeveralHosts(t *testing.T) {

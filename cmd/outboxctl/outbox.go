@@ -197,10 +197,9 @@ func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun 
 		return fmt.Errorf("%w: %s: unpark it to send it (outboxctl outbox unpark --id %s)", messaging.ErrOutboxMessageParked, id, id)
 	}
 	if !dryRun {
-		if err := messaging.RetryOutboxMessage(ctx, db, id); err != nil {
-			return err
-		}
-		if row, err = messaging.OutboxMessageByID(ctx, db, id); err != nil {
+		// The row as the change left it: once committed, the row is due, and no read after the
+		// commit (an interrupt there cancels ctx) may turn that into a failure.
+		if row, err = messaging.RetryOutboxMessage(ctx, db, id); err != nil {
 			return err
 		}
 	}
@@ -268,8 +267,12 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 	if err != nil {
 		summary = fmt.Sprintf("%d of the %d failed outbox rows listed are due now; the last %d listed were not tried", retried, len(ids), len(ids)-tried)
 	}
-	if werr := out.end(summary, err != nil && ctx.Err() != nil); werr != nil && err == nil {
-		err = werr
+	if werr := out.end(summary, err != nil && ctx.Err() != nil); werr != nil {
+		// The output failed (a closed pipe: retry | head): what was done is said on stderr.
+		fmt.Fprintf(c.err, "%s (the output failed: %v)\n", summary, werr)
+		if err == nil {
+			err = werr
+		}
 	}
 	return err
 }
@@ -277,10 +280,10 @@ func (c *cli) retryListed(ctx context.Context, dbFlag string, f messaging.Outbox
 // retryDryRun prints the rows ids as they are now, a batch at a time, and changes nothing. An
 // interrupt stops it between two batches.
 func (c *cli) retryDryRun(ctx context.Context, db messaging.DB, ids []uuid.UUID, batch int) error {
-	if !c.json() {
-		fmt.Fprintf(c.out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(ids))
-	}
 	out := &rowStream{w: c.out, json: c.json(), dryRun: true}
+	if !c.json() {
+		fmt.Fprintf(out, "would make %d failed outbox rows due now (dry run: nothing changed)\n", len(ids))
+	}
 	var err error
 	for chunk := range slices.Chunk(ids, batch) {
 		batchCtx, cancel := context.WithTimeout(ctx, dbTimeout)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -11,6 +12,7 @@ import (
 	"os/exec"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -676,6 +678,43 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 	}
 }
 
+// retry --id interrupted while its change commits reports the row due, once the commit is in:
+// a read of the row after the commit, on the interrupted context, would fail, exit 1 with
+// nothing on stdout, though the row is due. The commit waits for a lock the test holds.
+func TestRetryOneInterruptedWhileItCommitsReportsTheRowDue(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	id := enqueueFailed(t, d, 1, 3)[0]
+	waiting, release := holdCommits(t, d, "UPDATE")
+	ctx, interrupt := context.WithCancel(context.Background())
+	defer interrupt()
+	var stdout, stderr bytes.Buffer
+	codes := make(chan int, 1)
+	go func() {
+		codes <- run(ctx, []string{"retry", "--id", id.String(), "-o", "json", "--db", d.URL},
+			streams{in: strings.NewReader(""), out: &stdout, err: &stderr})
+	}()
+	testenv.Eventually(t, 10*time.Second, waiting, "the retry never reached its commit")
+	interrupt()
+	release()
+	var code int
+	select {
+	case code = <-codes:
+	case <-time.After(30 * time.Second):
+		t.Fatal("retry did not end")
+	}
+	isDue, attempts, _ := due(t, d.DB, id)
+	if code != exitOK || !isDue {
+		t.Fatalf("retry --id interrupted while it committed: exit %d, due %v, stdout %q, stderr %q; want it committed and reported",
+			code, isDue, stdout.String(), stderr.String())
+	}
+	got := decode[outboxRowsResult](t, stdout.String())
+	if got.DryRun || got.Count != 1 || got.Rows[0].ID != id || got.Rows[0].Attempts != attempts || got.Rows[0].NextAttemptAt == nil ||
+		got.Rows[0].NextAttemptAt.After(time.Now()) || got.Rows[0].Payload != nil {
+		t.Errorf("retry --id interrupted while it committed printed %+v; want the row due, without its payload", got)
+	}
+}
+
 // A drop whose record cannot be written to the output (a full disk, a closed pipe) puts it on
 // stderr and exits 1: the record may be the only copy of the payload, and exit 0 would say all
 // went well. A closed pipe is tried with the binary, where SIGPIPE would end the process first.
@@ -712,18 +751,62 @@ func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
 	}
 }
 
+// retry into a pipe its reader closes partway (outboxctl retry | head -5) stops between
+// batches, says on stderr how far it got, and exits 1, as a batch that fails does. A write to
+// a closed stdout raises SIGPIPE: unguarded, it would kill the process partway (exit 141 in a
+// shell), with later batches never tried and nothing said of those done. The rows' table
+// (about 120 bytes a row) is far more than a pipe holds, so a write after the close fails.
+func TestRetryIntoAPipeClosedPartwayStopsAndSaysHowFarItGot(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	const rows = 3000
+	waitingRows(t, d, rows)
+	read, write, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer read.Close()
+	cmd := exec.Command(buildCtl(t), "retry", "--yes", "--batch", "10", "--db", d.URL)
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = write, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	write.Close() // the process holds its own copy
+	if _, err := bufio.NewReader(read).ReadString('\n'); err != nil {
+		t.Fatalf("read the first line: %v", err)
+	}
+	read.Close()
+	code := processExit(t, cmd.Wait())
+	said := regexp.MustCompile(`(\d+) of the 3000 failed outbox rows listed are due now; the last (\d+) listed were not tried \(the output failed: .*broken pipe\)`).
+		FindStringSubmatch(stderr.String())
+	if code != exitFailure || said == nil || !strings.Contains(stderr.String(), "(its rows are due): write /dev/stdout: broken pipe") {
+		t.Fatalf("retry into a pipe closed partway: exit %d, stderr %.2000q; want 1, saying how many rows are due", code, stderr.String())
+	}
+	madeDue := testenv.Count(t, d.DB, `SELECT count(*) FROM outbox_messages WHERE next_attempt_at <= now()`)
+	notTried := rows - madeDue
+	if said[1] != strconv.FormatInt(madeDue, 10) || said[2] != strconv.FormatInt(notTried, 10) || notTried == 0 {
+		t.Errorf("retry said %s rows are due and %s not tried; the outbox has %d due, %d waiting", said[1], said[2], madeDue, notTried)
+	}
+}
+
 // failingWriter is an output that takes nothing.
 type failingWriter struct{}
 
 func (failingWriter) Write([]byte) (int, error) { return 0, syscall.ENOSPC }
 
-// holdCommits makes the commit of a transaction that deletes an outbox row wait, at a deferred
-// trigger, for an advisory lock the test holds, until release; waiting says whether one waits.
-func holdCommits(t *testing.T, d *testenv.Database) (waiting func() bool, release func()) {
+// holdCommits makes the commit of a transaction that deletes an outbox row (or does event:
+// UPDATE) wait, at a deferred trigger, for an advisory lock the test holds, until release;
+// waiting says whether one waits.
+func holdCommits(t *testing.T, d *testenv.Database, event ...string) (waiting func() bool, release func()) {
 	t.Helper()
 	const key = 4242
+	on := "DELETE"
+	if len(event) > 0 {
+		on = event[0]
+	}
 	execSQL(t, d.DB, `CREATE FUNCTION held_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$`)
-	execSQL(t, d.DB, `CREATE CONSTRAINT TRIGGER held_commit AFTER DELETE ON outbox_messages DEFERRABLE INITIALLY DEFERRED
+	execSQL(t, d.DB, `CREATE CONSTRAINT TRIGGER held_commit AFTER `+on+` ON outbox_messages DEFERRABLE INITIALLY DEFERRED
 		FOR EACH ROW EXECUTE FUNCTION held_commit()`)
 	sqlDB, err := d.DB.DB()
 	if err != nil {

@@ -33,15 +33,23 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
-// writeRecord writes record, what an action already done printed, to the output, or if that
-// fails to stderr, and returns the failure: a drop's record may be the last there is of the
-// message. A closed pipe fails the write rather than ending the process (SIGPIPE) before the
-// record reaches stderr.
-func (c *cli) writeRecord(record []byte) error {
+// pipeSafe writes to w with SIGPIPE caught: a write to a stdout whose reader went away
+// (outboxctl … | head) then fails with EPIPE instead of killing the process, so that a command
+// that changed something can still say so on stderr.
+type pipeSafe struct{ w io.Writer }
+
+func (p pipeSafe) Write(b []byte) (int, error) {
 	pipe := make(chan os.Signal, 1) // Notify, not Ignore: Reset would not undo an Ignore
 	signal.Notify(pipe, syscall.SIGPIPE)
 	defer signal.Stop(pipe)
-	_, err := c.out.Write(record)
+	return p.w.Write(b)
+}
+
+// writeRecord writes record, what an action already done printed, to the output, or if that
+// fails to stderr, and returns the failure: a drop's record may be the last there is of the
+// message.
+func (c *cli) writeRecord(record []byte) error {
+	_, err := pipeSafe{c.out}.Write(record)
 	if err == nil {
 		return nil
 	}
@@ -120,27 +128,43 @@ type outboxRowsResult struct {
 // rowStream prints the rows retry made due as each batch commits (or, in a dry run, as each
 // batch is read), so that none is held once printed: a table, each batch's part aligned on
 // its own, then a summary line; or, in -o json, an outboxRowsResult written a row at a time.
+// It writes through pipeSafe, and after a failed write writes nothing more, returning that
+// failure: retry stops between batches, and says on stderr what it did.
 type rowStream struct {
 	w      io.Writer
 	json   bool
 	dryRun bool
-	n      int // rows printed
+	n      int   // rows printed
+	failed error // the output's first failure
+}
+
+func (s *rowStream) Write(p []byte) (int, error) {
+	if s.failed != nil {
+		return 0, s.failed
+	}
+	n, err := pipeSafe{s.w}.Write(p)
+	s.failed = err
+	return n, err
 }
 
 func (s *rowStream) add(rows []messaging.OutboxMessage) error {
 	if len(rows) == 0 {
 		return nil
 	}
+	var b bytes.Buffer // a batch goes out in one write
 	if !s.json {
-		tw := newTable(s.w)
+		tw := newTable(&b)
 		if s.n == 0 {
 			fmt.Fprintln(tw, outboxRowsHeader)
 		}
 		s.n += len(rows)
 		writeOutboxRows(tw, rows)
-		return tw.Flush()
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		_, err := s.Write(b.Bytes())
+		return err
 	}
-	var b bytes.Buffer
 	if s.n == 0 {
 		b.WriteString(s.head())
 	}
@@ -158,7 +182,7 @@ func (s *rowStream) add(rows []messaging.OutboxMessage) error {
 		b.Truncate(b.Len() - 1) // Encode's newline
 		s.n++
 	}
-	_, err := s.w.Write(b.Bytes())
+	_, err := s.Write(b.Bytes())
 	return err
 }
 
@@ -173,7 +197,7 @@ func (s *rowStream) end(summary string, interrupted bool) error {
 		if summary == "" {
 			return nil
 		}
-		_, err := fmt.Fprintln(s.w, summary)
+		_, err := fmt.Fprintln(s, summary)
 		return err
 	}
 	tail := "\n  ],\n"
@@ -184,7 +208,7 @@ func (s *rowStream) end(summary string, interrupted bool) error {
 	if interrupted {
 		tail += ",\n  \"interrupted\": true"
 	}
-	_, err := io.WriteString(s.w, tail+"\n}\n")
+	_, err := io.WriteString(s, tail+"\n}\n")
 	return err
 }
 

@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"math"
+	"syscall"
 	"testing"
 	"time"
 
@@ -56,6 +58,38 @@ func TestRowStreamWritesWhatWriteJSONWrites(t *testing.T) {
 			t.Errorf("%s: streamed\n%s\nwant\n%s", tc.name, streamed.String(), whole.String())
 		}
 	}
+}
+
+// A rowStream whose output failed (a closed pipe) writes nothing more to it: each later add,
+// and end, returns that failure, and retry stops between batches rather than write again.
+func TestRowStreamWritesNothingOnceItsOutputFailed(t *testing.T) {
+	t.Parallel()
+	for _, asJSON := range []bool{false, true} {
+		w := &failsAfterFirstWrite{}
+		s := &rowStream{w: w, json: asJSON}
+		row := messaging.OutboxMessage{ID: uuid.New(), Type: "OrderPlaced"}
+		if err := s.add([]messaging.OutboxMessage{row}); err != nil {
+			t.Fatalf("json %v: the first add: %v", asJSON, err)
+		}
+		for i, err := range []error{s.add([]messaging.OutboxMessage{row}), s.add([]messaging.OutboxMessage{row}), s.end("1 row", false)} {
+			if !errors.Is(err, syscall.EPIPE) {
+				t.Errorf("json %v: write %d after the output failed: %v; want EPIPE", asJSON, i+2, err)
+			}
+		}
+		if w.writes != 2 {
+			t.Errorf("json %v: %d writes reached the output; want 2, the one that failed the last", asJSON, w.writes)
+		}
+	}
+}
+
+// failsAfterFirstWrite is an output whose reader went away after the first write.
+type failsAfterFirstWrite struct{ writes int }
+
+func (w *failsAfterFirstWrite) Write(p []byte) (int, error) {
+	if w.writes++; w.writes > 1 {
+		return 0, syscall.EPIPE
+	}
+	return len(p), nil
 }
 
 // dlq drop prints its record of a message after acknowledging it: a header JSON cannot write as

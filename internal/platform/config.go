@@ -199,7 +199,7 @@ func PortsInRange(u *url.URL) bool {
 }
 
 // URLList returns a comma-separated list of URLs, one per node of a cluster, each as URL
-// checks it, all naming the same vhost (see vhostOf).
+// checks it, all naming the same vhost (see VhostOf).
 func (e *Env) URLList(name string, schemes ...string) string {
 	v, ok := e.get(name)
 	if !ok {
@@ -238,19 +238,19 @@ func (e *Env) URLList(name string, schemes ...string) string {
 			e.fail(name, "%s%s", entry, why)
 			return ""
 		}
-		if i > 0 && vhostOf(u) != vhost {
-			e.fail(name, "every entry must name the same vhost: %q and %q differ", vhost, vhostOf(u))
+		if i > 0 && VhostOf(u) != vhost {
+			e.fail(name, "every entry must name the same vhost: %q and %q differ", vhost, VhostOf(u))
 			return ""
 		}
-		vhost = vhostOf(u)
+		vhost = VhostOf(u)
 	}
 	return v
 }
 
-// vhostOf is the vhost an AMQP URL names, read as the AMQP client reads it: no path, or "/"
+// VhostOf is the vhost an AMQP URL names, read as the AMQP client reads it: no path, or "/"
 // alone, is the default vhost "/"; otherwise the path without its leading slash, decoded
-// ("/%2F" is "/" too).
-func vhostOf(u *url.URL) string {
+// ("/%2F" is "/" too). outboxctl checks its list of brokers with it, as URLList does.
+func VhostOf(u *url.URL) string {
 	if len(u.Path) <= 1 {
 		return "/"
 	}

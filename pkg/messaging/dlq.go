@@ -96,6 +96,10 @@ type DeadLetterSelection struct {
 	// unacknowledged at once; 0 looks at all of them. A limit that leaves some behind may move
 	// those it looked at back in the queue (see [ListDeadLetters]).
 	Limit int
+	// BeforeTake, unless nil, is called with how many messages wait before any is taken: an
+	// error from it takes none, and is returned. It is a caller's brake on a queue too long to
+	// hold: each message taken is held in memory until the operation ends.
+	BeforeTake func(waiting int) error
 	// Match picks, of those, the messages to act on; nil picks them all.
 	Match func(DeadLetter) bool
 	// Confirm, unless nil, is called with the messages picked, in queue order, and how many
@@ -108,11 +112,12 @@ type DeadLetterSelection struct {
 // pick holds the messages sel looks at, and returns them with the indexes of those it picks,
 // confirmed. The held messages are for the caller to hand back.
 func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq string, waiting int) (held []amqp.Delivery, picked []int, err error) {
-	n := waiting
-	if sel.Limit > 0 {
-		n = min(waiting, sel.Limit)
+	if sel.BeforeTake != nil {
+		if err := sel.BeforeTake(waiting); err != nil {
+			return nil, nil, err
+		}
 	}
-	held, err = take(ctx, ch, dlq, n)
+	held, err = take(ctx, ch, dlq, window(waiting, sel.Limit))
 	if err != nil {
 		return held, nil, err
 	}

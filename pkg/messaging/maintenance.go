@@ -182,17 +182,17 @@ func RetryListedOutboxMessages(ctx context.Context, db DB, ids []uuid.UUID) ([]O
 	return retried, nil
 }
 
-// RetryOutboxMessage makes the unsent row id due now, as [RetryOutboxMessages] does for all.
-// It fails with [ErrNoUnsentMessage], or [ErrOutboxMessageParked] for a parked row, which
-// [UnparkOutboxMessage] makes due.
-func RetryOutboxMessage(ctx context.Context, db DB, id uuid.UUID) error {
-	_, err := changeOutboxRow(ctx, db, id, "make outbox row due", func(m OutboxMessage) error {
+// RetryOutboxMessage makes the unsent row id due now, as [RetryOutboxMessages] does for all,
+// and returns it as it is now, with its payload, from the change itself: no read after the
+// commit can fail once the row is due. It fails with [ErrNoUnsentMessage], or
+// [ErrOutboxMessageParked] for a parked row, which [UnparkOutboxMessage] makes due.
+func RetryOutboxMessage(ctx context.Context, db DB, id uuid.UUID) (OutboxMessage, error) {
+	return changeOutboxRow(ctx, db, id, "make outbox row due", func(m OutboxMessage) error {
 		if m.Parked() {
 			return ErrOutboxMessageParked
 		}
 		return nil
 	}, true, statements.RetryOne, id)
-	return err
 }
 
 // ParkOutboxMessage parks the unsent row id, for reason: no relay sends it until

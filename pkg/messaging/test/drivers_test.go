@@ -449,8 +449,9 @@ func testDriver[Tx any](t *testing.T, d *testenv.Database, closePool func(), c d
 	if stats, err := messaging.ReadOutboxStats(ctx, c.drv.DB()); err != nil || stats.Pending != 1 || stats.MaxAttempts < 1 {
 		t.Fatalf("outbox stats = %+v, %v; want the refused row pending", stats, err)
 	}
-	must(t, messaging.RetryOutboxMessage(ctx, c.drv.DB(), refused.ID))
-	if err := messaging.RetryOutboxMessage(ctx, c.drv.DB(), uuid.New()); !errors.Is(err, messaging.ErrNoUnsentMessage) {
+	_, err = messaging.RetryOutboxMessage(ctx, c.drv.DB(), refused.ID)
+	must(t, err)
+	if _, err := messaging.RetryOutboxMessage(ctx, c.drv.DB(), uuid.New()); !errors.Is(err, messaging.ErrNoUnsentMessage) {
 		t.Fatalf("retry of an unknown row = %v, want ErrNoUnsentMessage", err)
 	}
 	must(t, stopSub())

@@ -171,7 +171,7 @@ func TestParkedRowIsSetApart(t *testing.T) {
 		err  error
 		want error
 	}{
-		{"retry the parked row", messaging.RetryOutboxMessage(ctx, db, ids[0]), messaging.ErrOutboxMessageParked},
+		{"retry the parked row", second(messaging.RetryOutboxMessage(ctx, db, ids[0])), messaging.ErrOutboxMessageParked},
 		{"park it again", second(messaging.ParkOutboxMessage(ctx, db, ids[0], "")), messaging.ErrOutboxMessageParked},
 		{"unpark a row not parked", second(messaging.UnparkOutboxMessage(ctx, db, ids[1])), messaging.ErrOutboxMessageNotParked},
 		{"park a sent row", second(messaging.ParkOutboxMessage(ctx, db, ids[3], "")), messaging.ErrNoUnsentMessage},
@@ -215,6 +215,62 @@ func TestParkedRowIsSetApart(t *testing.T) {
 
 // second is the error of a two-value call.
 func second[T any](_ T, err error) error { return err }
+
+// An action on one row that a relay's batch holds waits for the batch's verdict, then finds
+// the row sent: ErrNoUnsentMessage, not a change of no row. The batch is stood in for by a
+// transaction that locks the row as the relay's claim does, waits until the action queues
+// for the lock, then marks the row sent and commits.
+func TestRowActionsWaitForTheRelaysVerdict(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		act  func(ctx context.Context, db messaging.DB, id uuid.UUID) (messaging.OutboxMessage, error)
+	}{
+		{"drop", messaging.DropOutboxMessage},
+		{"park", func(ctx context.Context, db messaging.DB, id uuid.UUID) (messaging.OutboxMessage, error) {
+			return messaging.ParkOutboxMessage(ctx, db, id, "over the broker's limit")
+		}},
+		{"retry", messaging.RetryOutboxMessage},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			d, db, ids := parkedOutbox(t, 1)
+			batch := d.DB.Begin()
+			defer batch.Rollback()
+			if err := batch.Exec(`SELECT id FROM outbox_messages WHERE id = ? FOR UPDATE`, ids[0]).Error; err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			done := make(chan error, 1)
+			go func() {
+				_, err := tc.act(ctx, db, ids[0])
+				done <- err
+			}()
+			testenv.Eventually(t, 10*time.Second, func() bool {
+				return testenv.Count(t, d.DB, `SELECT count(*) FROM pg_stat_activity
+					WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+			}, "the %s never waited for the batch's lock on the row", tc.name)
+			if err := batch.Exec(`UPDATE outbox_messages SET processed_at = now() WHERE id = ?`, ids[0]).Error; err != nil {
+				t.Fatal(err)
+			}
+			if err := batch.Commit().Error; err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-done:
+				if !errors.Is(err, messaging.ErrNoUnsentMessage) {
+					t.Errorf("%s of a row a relay's batch sent meanwhile: %v; want ErrNoUnsentMessage", tc.name, err)
+				}
+			case <-ctx.Done():
+				t.Fatalf("the %s did not return once the batch committed", tc.name)
+			}
+			if n := testenv.Count(t, d.DB, `SELECT count(*) FROM outbox_messages WHERE id = ? AND processed_at IS NOT NULL AND parked_at IS NULL`, ids[0]); n != 1 {
+				t.Errorf("after the %s, the row is not as the batch left it, sent", tc.name)
+			}
+		})
+	}
+}
 
 // Parked rows at the head of the backlog leave the claim's plan as it was: a walk of the
 // partial index in order, with no sort, on a table the planner has no statistics for.
