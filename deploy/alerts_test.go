@@ -30,16 +30,18 @@ func readYAML(t *testing.T, rel string, v any) {
 // alertRules is the part of a Prometheus rule file this project writes.
 type alertRules struct {
 	Groups []struct {
-		Name  string `yaml:"name"`
-		Rules []struct {
-			Alert       string            `yaml:"alert"`
-			Record      string            `yaml:"record"`
-			Expr        string            `yaml:"expr"`
-			For         string            `yaml:"for"`
-			Labels      map[string]string `yaml:"labels"`
-			Annotations map[string]string `yaml:"annotations"`
-		} `yaml:"rules"`
+		Name  string      `yaml:"name"`
+		Rules []alertRule `yaml:"rules"`
 	} `yaml:"groups"`
+}
+
+type alertRule struct {
+	Alert       string            `yaml:"alert"`
+	Record      string            `yaml:"record"`
+	Expr        string            `yaml:"expr"`
+	For         string            `yaml:"for"`
+	Labels      map[string]string `yaml:"labels"`
+	Annotations map[string]string `yaml:"annotations"`
 }
 
 // ruleTests is the part of a promtool test file this project writes.
@@ -58,26 +60,32 @@ type ruleTests struct {
 // Runbook section has an entry, a heading named after the alert, for each.
 const runbookURL = "https://github.com/outboxkit/outbox-inbox/blob/main/docs/operations.md"
 
-// Every alert names metrics that exist, has a severity, a summary, a description and a
-// runbook_url that leads to its runbook entry, a case where it fires and one where it stays
-// quiet in alerts_test.yml (promtool runs them), and a row in the Alerts table of
-// docs/operations.md.
-func TestAlertRules(t *testing.T) {
-	t.Parallel()
-	var rules alertRules
-	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+// alertChecks are what an alert is held to besides its expression: its cases in a promtool
+// test file, its row in the Alerts table of docs/operations.md, its runbook entry there, and
+// the metrics that exist.
+type alertChecks struct {
+	testFile     string
+	fires, quiet map[string]bool
+	section      string
+	runbook      map[string]bool
+	known        map[string]bool
+}
+
+// newAlertChecks reads testFile, a promtool test file of ruleFile, and docs/operations.md.
+func newAlertChecks(t *testing.T, testFile, ruleFile string, known map[string]bool) *alertChecks {
+	t.Helper()
+	c := &alertChecks{testFile: testFile, fires: map[string]bool{}, quiet: map[string]bool{}, known: known}
 	var tests ruleTests
-	readYAML(t, "deploy/prometheus/alerts_test.yml", &tests)
-	if !slices.Equal(tests.RuleFiles, []string{"alerts.yml"}) {
-		t.Errorf("alerts_test.yml tests rule files %v, want [alerts.yml]", tests.RuleFiles)
+	readYAML(t, testFile, &tests)
+	if !slices.Equal(tests.RuleFiles, []string{ruleFile}) {
+		t.Errorf("%s tests rule files %v, want [%s]", testFile, tests.RuleFiles, ruleFile)
 	}
-	fires, quiet := map[string]bool{}, map[string]bool{}
 	for _, tc := range tests.Tests {
 		for _, at := range tc.AlertRuleTests {
 			if len(at.ExpAlerts) > 0 {
-				fires[at.AlertName] = true
+				c.fires[at.AlertName] = true
 			} else {
-				quiet[at.AlertName] = true
+				c.quiet[at.AlertName] = true
 			}
 		}
 	}
@@ -86,14 +94,54 @@ func TestAlertRules(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, _ := strings.Cut(string(doc), "\n## Alerts\n")
-	section, _, _ = strings.Cut(section, "\n## ")
-	runbook, err := anchors(operations)
-	if err != nil {
+	_, c.section, _ = strings.Cut(string(doc), "\n## Alerts\n")
+	c.section, _, _ = strings.Cut(c.section, "\n## ")
+	if c.runbook, err = anchors(operations); err != nil {
 		t.Fatal(err)
 	}
+	return c
+}
 
-	known := knownMetrics(t)
+// check holds the alert r to c.
+func (c *alertChecks) check(t *testing.T, r alertRule) {
+	t.Helper()
+	if s := r.Labels["severity"]; s != "warning" && s != "critical" {
+		t.Errorf("alert %s: severity %q, want warning or critical", r.Alert, s)
+	}
+	if r.Annotations["summary"] == "" || r.Annotations["description"] == "" {
+		t.Errorf("alert %s: want a summary and a description", r.Alert)
+	}
+	ms := metricNames(r.Expr)
+	if len(ms) == 0 {
+		t.Errorf("alert %s names no metric: %s", r.Alert, r.Expr)
+	}
+	for _, m := range ms {
+		if !c.known[m] {
+			t.Errorf("alert %s: nothing this system runs or reads exports %s", r.Alert, m)
+		}
+	}
+	if !c.fires[r.Alert] || !c.quiet[r.Alert] {
+		t.Errorf("alert %s: %s has a case where it fires: %v, where it stays quiet: %v; want both", r.Alert, c.testFile, c.fires[r.Alert], c.quiet[r.Alert])
+	}
+	if !strings.Contains(c.section, "`"+r.Alert+"`") {
+		t.Errorf("alert %s is not described in the Alerts section of docs/operations.md", r.Alert)
+	}
+	if want := runbookURL + "#" + headingSlug(r.Alert); r.Annotations["runbook_url"] != want {
+		t.Errorf("alert %s: runbook_url %q, want %q", r.Alert, r.Annotations["runbook_url"], want)
+	} else if !c.runbook[headingSlug(r.Alert)] {
+		t.Errorf("alert %s: docs/operations.md has no runbook entry (a heading %q) for its runbook_url", r.Alert, r.Alert)
+	}
+}
+
+// Every alert names metrics that exist, has a severity, a summary, a description and a
+// runbook_url that leads to its runbook entry, a case where it fires and one where it stays
+// quiet in alerts_test.yml (promtool runs them), and a row in the Alerts table of
+// docs/operations.md.
+func TestAlertRules(t *testing.T) {
+	t.Parallel()
+	var rules alertRules
+	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
+	c := newAlertChecks(t, "deploy/prometheus/alerts_test.yml", "alerts.yml", knownMetrics(t))
 	var names, exprs []string
 	for _, g := range rules.Groups {
 		for _, r := range g.Rules {
@@ -106,35 +154,10 @@ func TestAlertRules(t *testing.T) {
 			}
 			names = append(names, r.Alert)
 			exprs = append(exprs, r.Expr)
-			if s := r.Labels["severity"]; s != "warning" && s != "critical" {
-				t.Errorf("alert %s: severity %q, want warning or critical", r.Alert, s)
-			}
-			if r.Annotations["summary"] == "" || r.Annotations["description"] == "" {
-				t.Errorf("alert %s: want a summary and a description", r.Alert)
-			}
-			ms := metricNames(r.Expr)
-			if len(ms) == 0 {
-				t.Errorf("alert %s names no metric: %s", r.Alert, r.Expr)
-			}
-			for _, m := range ms {
-				if !known[m] {
-					t.Errorf("alert %s: no service, RabbitMQ or Prometheus exports %s", r.Alert, m)
-				}
-			}
-			if !fires[r.Alert] || !quiet[r.Alert] {
-				t.Errorf("alert %s: alerts_test.yml has a case where it fires: %v, where it stays quiet: %v; want both", r.Alert, fires[r.Alert], quiet[r.Alert])
-			}
-			if !strings.Contains(section, "`"+r.Alert+"`") {
-				t.Errorf("alert %s is not described in the Alerts section of docs/operations.md", r.Alert)
-			}
-			if want := runbookURL + "#" + headingSlug(r.Alert); r.Annotations["runbook_url"] != want {
-				t.Errorf("alert %s: runbook_url %q, want %q", r.Alert, r.Annotations["runbook_url"], want)
-			} else if !runbook[headingSlug(r.Alert)] {
-				t.Errorf("alert %s: docs/operations.md has no runbook entry (a heading %q) for its runbook_url", r.Alert, r.Alert)
-			}
+			c.check(t, r)
 		}
 	}
-	for name := range fires {
+	for name := range c.fires {
 		if !slices.Contains(names, name) {
 			t.Errorf("alerts_test.yml tests %s, which alerts.yml does not define", name)
 		}
@@ -223,16 +246,7 @@ func knownMetrics(t *testing.T) map[string]bool {
 // (scripts/test.sh installs it and sets PROMTOOL). Grafana's interval variables become 5m.
 func checkWithPromtool(t *testing.T, what string, exprs []string) {
 	t.Helper()
-	promtool := os.Getenv("PROMTOOL")
-	if promtool == "" {
-		if p, err := exec.LookPath("promtool"); err == nil {
-			promtool = p
-		} else if gopath, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
-			if p := filepath.Join(strings.TrimSpace(string(gopath)), "bin", "promtool"); fileExists(p) {
-				promtool = p
-			}
-		}
-	}
+	promtool := promtoolPath()
 	if promtool == "" {
 		t.Skipf("promtool is not installed, so the %s's queries were not parsed (scripts/test.sh installs it)", what)
 	}
@@ -257,6 +271,23 @@ func checkWithPromtool(t *testing.T, what string, exprs []string) {
 	if out, err := exec.Command(promtool, "check", "rules", file).CombinedOutput(); err != nil {
 		t.Errorf("promtool check rules on the %s's queries: %v\n%s", what, err, out)
 	}
+}
+
+// promtoolPath is promtool's path: PROMTOOL's, or the one on PATH or in GOPATH/bin; "" if
+// none is installed.
+func promtoolPath() string {
+	if p := os.Getenv("PROMTOOL"); p != "" {
+		return p
+	}
+	if p, err := exec.LookPath("promtool"); err == nil {
+		return p
+	}
+	if gopath, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
+		if p := filepath.Join(strings.TrimSpace(string(gopath)), "bin", "promtool"); fileExists(p) {
+			return p
+		}
+	}
+	return ""
 }
 
 func fileExists(p string) bool {
@@ -364,14 +395,7 @@ func TestDocumentedMetricsWatched(t *testing.T) {
 			}
 		}
 	}
-	raw, err := os.ReadFile(filepath.Join(root, "deploy/grafana/dashboards/outbox-inbox.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var d dashboard
-	if err := json.Unmarshal(raw, &d); err != nil {
-		t.Fatal(err)
-	}
+	d := readDashboard(t)
 	for _, p := range allPanels(d.Panels) {
 		for _, q := range p.Targets {
 			for _, m := range metricNames(q.Expr) {

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"net/url"
@@ -74,6 +75,8 @@ type k8sManifests struct {
 	rmqUsers     []topologyUser
 	rmqPerms     []topologyPermission
 	kust         kustomization
+	// generated are the ConfigMaps of kustomization.yaml's generators, also in configMaps.
+	generated map[string]configMapGenerator
 }
 
 // kustomization holds the fields deploy/k8s/kustomization.yaml may use; it is decoded
@@ -82,8 +85,24 @@ type kustomization struct {
 	APIVersion string      `json:"apiVersion"`
 	Kind       string      `json:"kind"`
 	Namespace  string      `json:"namespace,omitempty"`
+	Generators []string    `json:"generators,omitempty"`
 	Resources  []string    `json:"resources"`
 	Images     []kustImage `json:"images,omitempty"`
+}
+
+// configMapGenerator is the configuration of kustomize's builtin ConfigMapGenerator, as a file
+// listed under generators: holds it, in the fields config.yaml may use.
+type configMapGenerator struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Metadata   struct {
+		Name string `json:"name"`
+	} `json:"metadata"`
+	Options struct {
+		Labels                map[string]string `json:"labels,omitempty"`
+		DisableNameSuffixHash bool              `json:"disableNameSuffixHash,omitempty"`
+	} `json:"options"`
+	Literals []string `json:"literals"`
 }
 
 type kustImage struct {
@@ -257,7 +276,54 @@ func loaded[T any](t *testing.T, load func() (T, error)) T {
 func readK8sManifests() (*k8sManifests, error) {
 	m := newK8sManifests()
 	err := readKustomization(k8sDir, &m.kust, func() []string { return m.kust.Resources }, m.add)
+	for _, file := range m.kust.Generators {
+		docs, gerr := yamlDocuments(filepath.Join(k8sDir, file))
+		if gerr != nil {
+			err = errors.Join(err, fmt.Errorf("%s: %w", file, gerr))
+			continue
+		}
+		for i, doc := range docs {
+			if gerr := m.addGenerator(doc); gerr != nil {
+				err = errors.Join(err, fmt.Errorf("%s, document %d: %w", file, i+1, gerr))
+			}
+		}
+	}
 	return m, err
+}
+
+// addGenerator decodes a ConfigMapGenerator strictly and files the ConfigMap kustomize makes
+// of it, under the generator's name, which kustomize writes into the Deployments with its
+// hash suffix.
+func (m *k8sManifests) addGenerator(doc []byte) error {
+	var g configMapGenerator
+	if err := decodeJSONStrict(doc, &g); err != nil {
+		return err
+	}
+	if g.APIVersion != "builtin" || g.Kind != "ConfigMapGenerator" {
+		return fmt.Errorf("%s %s: want a builtin ConfigMapGenerator, the only generator the tests read", g.APIVersion, g.Kind)
+	}
+	if _, dup := m.configMaps[g.Metadata.Name]; dup || g.Metadata.Name == "" {
+		return fmt.Errorf("ConfigMapGenerator %q: no name, or one another ConfigMap has", g.Metadata.Name)
+	}
+	data := map[string]string{}
+	for _, lit := range g.Literals {
+		// KEY=VALUE, split at the first =, the value as written: a quote would be kustomize's
+		// to strip or keep.
+		k, v, ok := strings.Cut(lit, "=")
+		if !ok || k == "" || strings.ContainsAny(v[:min(len(v), 1)], `"'`) {
+			return fmt.Errorf("ConfigMapGenerator %s: literal %q is not KEY=VALUE with an unquoted value", g.Metadata.Name, lit)
+		}
+		if _, dup := data[k]; dup {
+			return fmt.Errorf("ConfigMapGenerator %s: %s given twice", g.Metadata.Name, k)
+		}
+		data[k] = v
+	}
+	m.configMaps[g.Metadata.Name] = corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: g.Metadata.Name, Labels: g.Options.Labels},
+		Data:       data,
+	}
+	m.generated[g.Metadata.Name] = g
+	return nil
 }
 
 func newK8sManifests() *k8sManifests {
@@ -265,6 +331,7 @@ func newK8sManifests() *k8sManifests {
 		configMaps: map[string]corev1.ConfigMap{}, secrets: map[string]corev1.Secret{},
 		services: map[string]corev1.Service{}, deployments: map[string]appsv1.Deployment{},
 		accounts: map[string]corev1.ServiceAccount{}, roles: map[string]rbacv1.Role{},
+		generated: map[string]configMapGenerator{},
 	}
 }
 
@@ -669,11 +736,98 @@ func TestK8sStrictDecodingRejectsUnknownFields(t *testing.T) {
 	}
 }
 
-// kustomization.yaml lists exactly the manifest files of deploy/k8s: none forgotten (kubectl
-// apply -k would skip it), none missing.
+// kustomization.yaml lists exactly the manifest files of deploy/k8s, as resources or
+// generators: none forgotten (kubectl apply -k would skip it), none missing.
 func TestK8sKustomizationListsEveryFile(t *testing.T) {
 	t.Parallel()
-	checkListsEveryManifest(t, k8sDir, k8s(t).kust.Resources)
+	kust := k8s(t).kust
+	checkListsEveryManifest(t, k8sDir, slices.Concat(kust.Resources, kust.Generators))
+}
+
+// A service reads its environment at start only, so a changed setting must restart its pods:
+// every ConfigMap a Deployment reads into an environment is generated, with the hash suffix that makes kustomize
+// roll the Deployment out when its contents change. A plain ConfigMap would change under
+// running pods that never see it.
+func TestK8sConfigMapsRollTheDeployments(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	for _, name := range slices.Sorted(maps.Keys(m.deployments)) {
+		spec := m.deployments[name].Spec.Template.Spec
+		for _, cm := range configMapsReferenced(spec) {
+			g, ok := m.generated[cm]
+			switch {
+			case !ok:
+				t.Errorf("Deployment %s reads ConfigMap %s into its environment, and no generator makes it: a change to it would not roll the pods out", name, cm)
+			case g.Options.DisableNameSuffixHash:
+				t.Errorf("ConfigMap %s has disableNameSuffixHash: a change to it would not roll Deployment %s out", cm, name)
+			}
+		}
+	}
+	for _, a := range apps {
+		if refs := configMapsReferenced(m.deployments[a.name].Spec.Template.Spec); len(refs) == 0 {
+			t.Errorf("Deployment %s reads no ConfigMap; the test expects its settings in one", a.name)
+		}
+	}
+	// The runbook that has a setting changed (SMTP_ADDR) says how it reaches the pods here too.
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "operations.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, runbook, _ := strings.Cut(string(doc), "\n### MailServerUnreachable\n")
+	runbook, _, _ = strings.Cut(runbook, "\n### ")
+	if !strings.Contains(strings.Join(strings.Fields(runbook), " "), "kubectl rollout restart deployment/notification") {
+		t.Error("operations.md's MailServerUnreachable does not say how a changed SMTP_ADDR reaches the pods in Kubernetes (kubectl rollout restart deployment/notification)")
+	}
+}
+
+// configMapsReferenced are the ConfigMaps spec's containers read into their environment, which
+// a running container never reads again (a mounted one, such as kube-root-ca.crt, is updated in
+// place).
+func configMapsReferenced(spec corev1.PodSpec) []string {
+	var names []string
+	for _, c := range slices.Concat(spec.InitContainers, spec.Containers) {
+		for _, from := range c.EnvFrom {
+			if from.ConfigMapRef != nil {
+				names = append(names, from.ConfigMapRef.Name)
+			}
+		}
+		for _, e := range c.Env {
+			if e.ValueFrom != nil && e.ValueFrom.ConfigMapKeyRef != nil {
+				names = append(names, e.ValueFrom.ConfigMapKeyRef.Name)
+			}
+		}
+	}
+	slices.Sort(names)
+	return slices.Compact(names)
+}
+
+// The Secrets are not generated (a secret manager makes them), so nothing rolls the pods when
+// one changes, while CloudNativePG applies a changed role password at once: secrets.yaml's
+// header and deployment.md say to restart every Deployment that reads a Secret, right after.
+func TestK8sSecretChangesSayToRestartTheDeployments(t *testing.T) {
+	t.Parallel()
+	m := k8s(t)
+	var deployments []string
+	for _, a := range apps {
+		deployments = append(deployments, "deployment/"+a.name)
+	}
+	for name, d := range m.deployments {
+		for _, c := range d.Spec.Template.Spec.Containers {
+			if len(secretsReferenced(c)) > 0 && !slices.Contains(deployments, "deployment/"+name) {
+				t.Errorf("Deployment %s reads a Secret and is no service's: add it to the restart below", name)
+			}
+		}
+	}
+	restart := "kubectl rollout restart " + strings.Join(deployments, " ")
+	for _, file := range []string{filepath.Join("deploy", "k8s", "secrets.yaml"), filepath.Join("docs", "deployment.md")} {
+		raw, err := os.ReadFile(filepath.Join(root, file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(strings.Join(strings.Fields(string(raw)), " "), restart) {
+			t.Errorf("%s does not say to run %q after changing a Secret", file, restart)
+		}
+	}
 }
 
 // checkListsEveryManifest checks that resources, a kustomization's in dir, are the yaml files
@@ -769,10 +923,12 @@ func TestK8sDeployments(t *testing.T) {
 					t.Errorf("%s: scheme %s, want HTTP (the services serve plain HTTP)", p.name, p.probe.HTTPGet.Scheme)
 				}
 			}
-			// The HTTP server comes up only after the database answers (OpenDB waits up to a
-			// minute) and the migrations ran: the startup probe must outwait that.
-			if sp := c.StartupProbe; sp != nil && sp.PeriodSeconds*sp.FailureThreshold < 90 {
-				t.Errorf("startupProbe allows %d s, want at least 90 (a minute of waiting for the database, then migrations)", sp.PeriodSeconds*sp.FailureThreshold)
+			// /healthz answers from the start of platform.Start, before the wait for the
+			// database and the migrations (TestStartAnswersTheProbesWhileTheMigrationsWait):
+			// the startup probe outwaits the process's own start only, and liveness watches a
+			// migration however long it runs. The bound is for a start slowed by a busy node.
+			if sp := c.StartupProbe; sp != nil && sp.PeriodSeconds*sp.FailureThreshold < 20 {
+				t.Errorf("startupProbe allows %d s, want at least 20 (the process's start on a busy node)", sp.PeriodSeconds*sp.FailureThreshold)
 			}
 
 			// Shutdown: drain first (the services close their listener on SIGTERM, /readyz

@@ -424,14 +424,7 @@ type panel struct {
 // promtool is installed, every query parses.
 func TestGrafanaDashboard(t *testing.T) {
 	t.Parallel()
-	raw, err := os.ReadFile(filepath.Join(root, "deploy/grafana/dashboards/outbox-inbox.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var d dashboard
-	if err := json.Unmarshal(raw, &d); err != nil {
-		t.Fatalf("the dashboard is not JSON: %v", err)
-	}
+	d := readDashboard(t)
 	if d.UID == "" || d.Title == "" {
 		t.Errorf("dashboard uid %q, title %q: want both", d.UID, d.Title)
 	}
@@ -497,6 +490,20 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	checkWithPromtool(t, "dashboard", exprs)
+}
+
+// readDashboard reads the provisioned dashboard.
+func readDashboard(t *testing.T) dashboard {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(root, "deploy/grafana/dashboards/outbox-inbox.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d dashboard
+	if err := json.Unmarshal(raw, &d); err != nil {
+		t.Fatalf("the dashboard is not JSON: %v", err)
+	}
+	return d
 }
 
 // allPanels returns panels and, after each row, the panels of a collapsed row, which Grafana

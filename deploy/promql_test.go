@@ -1,7 +1,10 @@
 package deploy_test
 
 import (
+	"fmt"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode"
@@ -28,12 +31,37 @@ var promqlGroupings = map[string]bool{
 }
 
 // metricNames returns the metric names a PromQL expression selects, in order of first
-// appearance. It is a lexer, not a parser: enough for our own dashboard and rules, whose
-// syntax promtool checks. It skips strings, label matchers ({...}), ranges ([...]), numbers
-// and durations, function and aggregation names, keywords, and the label lists of by,
-// without, on, ignoring, group_left and group_right.
+// appearance (see vectorSelectors).
 func metricNames(expr string) []string {
 	var names []string
+	for _, sel := range vectorSelectors(expr) {
+		if !slices.Contains(names, sel.metric) {
+			names = append(names, sel.metric)
+		}
+	}
+	return names
+}
+
+// vectorSelector is a metric name and the label matchers that follow it, if any.
+type vectorSelector struct {
+	metric   string
+	matchers []labelMatcher
+}
+
+// labelMatcher is one matcher of a selector: label, op (=, !=, =~ or !~) and value, unquoted,
+// or err if it does not read as one.
+type labelMatcher struct {
+	label, op, value string
+	err              error
+}
+
+// vectorSelectors returns the selectors of a PromQL expression that name a metric, in order.
+// It is a lexer, not a parser: enough for our own dashboard and rules, whose syntax promtool
+// checks. It skips strings, ranges ([...]), numbers and durations, function and aggregation
+// names, keywords, the label lists of by, without, on, ignoring, group_left and group_right,
+// and selectors without a metric name ({__name__=...}).
+func vectorSelectors(expr string) []vectorSelector {
+	var sels []vectorSelector
 	rs := []rune(expr)
 	// skipTo returns the index just past the bracket that closes the one at i, stepping over
 	// strings.
@@ -93,16 +121,50 @@ func metricNames(expr string) []string {
 			case promqlKeywords[word] || promqlAggregations[word]:
 			case after < len(rs) && rs[after] == '(':
 				// a function call
+			case after < len(rs) && rs[after] == '{':
+				i = skipTo(after, '{', '}')
+				sels = append(sels, vectorSelector{metric: word, matchers: labelMatchers(rs[after+1 : max(i-1, after+1)])})
 			default:
-				if !slices.Contains(names, word) {
-					names = append(names, word)
-				}
+				sels = append(sels, vectorSelector{metric: word})
 			}
 		default:
 			i++
 		}
 	}
-	return names
+	return sels
+}
+
+// labelMatcherRE is one matcher, up to its value's opening quote.
+var labelMatcherRE = regexp.MustCompile(`^\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*`)
+
+// labelMatchers reads the matchers between a selector's braces.
+func labelMatchers(rs []rune) []labelMatcher {
+	var ms []labelMatcher
+	for rest := strings.TrimSpace(string(rs)); rest != ""; {
+		loc := labelMatcherRE.FindStringSubmatchIndex(rest)
+		if loc == nil {
+			return append(ms, labelMatcher{err: fmt.Errorf("no label matcher at %q", rest)})
+		}
+		m := labelMatcher{label: rest[loc[2]:loc[3]], op: rest[loc[4]:loc[5]]}
+		value := []rune(rest[loc[1]:])
+		end := 0
+		if len(value) > 0 && strings.ContainsRune(`"'`+"`", value[0]) {
+			end = skipString(value, 0)
+		}
+		quoted := string(value[:end])
+		if strings.HasPrefix(quoted, "'") {
+			// PromQL's single quotes read as Go's double ones.
+			quoted = `"` + strings.ReplaceAll(strings.ReplaceAll(quoted[1:len(quoted)-1], `\'`, `'`), `"`, `\"`) + `"`
+		}
+		var err error
+		if m.value, err = strconv.Unquote(quoted); err != nil {
+			m.err = fmt.Errorf("label %s: value %q: %w", m.label, quoted, err)
+		}
+		ms = append(ms, m)
+		rest = strings.TrimSpace(string(value[end:]))
+		rest = strings.TrimSpace(strings.TrimPrefix(rest, ","))
+	}
+	return ms
 }
 
 func isIdentRune(r rune, first bool) bool {
@@ -146,5 +208,22 @@ func TestMetricNames(t *testing.T) {
 	}
 	if got := metricNames(strings.Repeat("(", 3)); got != nil {
 		t.Errorf("metricNames of unbalanced parentheses = %v, want none", got)
+	}
+}
+
+func TestVectorSelectors(t *testing.T) {
+	t.Parallel()
+	got := vectorSelectors(`sum(rate(a_total{outcome="requeued", q=~"x\"(y)", r!='it\'s',s!~` + "`a|b`" + `}[5m])) / b > 0 and c{}`)
+	want := []vectorSelector{
+		{metric: "a_total", matchers: []labelMatcher{{"outcome", "=", "requeued", nil}, {"q", "=~", `x"(y)`, nil}, {"r", "!=", "it's", nil}, {"s", "!~", "a|b", nil}}},
+		{metric: "b"}, {metric: "c"},
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("vectorSelectors = %v, want %v", got, want)
+	}
+	for _, bad := range []string{`a{b}`, `a{b="c}`, `a{b=c}`} {
+		if ms := vectorSelectors(bad)[0].matchers; len(ms) == 0 || ms[len(ms)-1].err == nil {
+			t.Errorf("vectorSelectors(%s) = %v, want an error", bad, ms)
+		}
 	}
 }

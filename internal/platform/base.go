@@ -83,6 +83,9 @@ type Base struct {
 	tracing     *sdktrace.TracerProvider
 	log         *slog.Logger
 	pprofAddr   string
+	// starting holds the server that answers the probes while the service starts, until Serve
+	// takes it (see startingServer); nil outside Main.
+	starting *startingSlot
 }
 
 // Profiler serves Go's profiler where PPROF_ADDR says, if it does (see Profiler).
@@ -97,8 +100,10 @@ func (b *Base) AlreadyDone(consumer string) func() {
 
 // Start installs the service's tracer provider (see startTracing), opens the service's
 // database (the pools of pools, the readiness check's connection, and the requests' pool,
-// DB_MAX_CONNS in all), applies migrations in order (before anything serves, so no pooled
-// statement sees a changing schema) and prepares the metrics.
+// DB_MAX_CONNS in all), applies migrations in order (before any request is served, so no
+// pooled statement sees a changing schema) and prepares the metrics. Under Main, it answers
+// the probes on HTTP_ADDR from its beginning, live and not ready, until Serve takes the
+// listener over (see startingServer).
 func Start(ctx context.Context, log *slog.Logger, service string, c Common, pools Pools, migrations ...Migration) (_ *Base, err error) {
 	tp, err := startTracing(ctx, log, service, c.OTLPEndpoint != "")
 	if err != nil {
@@ -115,6 +120,14 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 			b.Close()
 		}
 	}()
+	if slot := startingSlotOf(ctx); slot != nil {
+		srv, err := serveWhileStarting(log, c.HTTPAddr)
+		if err != nil {
+			return nil, err
+		}
+		slot.put(srv)
+		b.starting = slot
+	}
 	if b.DB, err = OpenDB(ctx, log, service, c.DatabaseURL, pools.Requests(c)); err != nil {
 		return nil, err
 	}
@@ -197,8 +210,12 @@ func (b *Base) metrics() error {
 
 // Close logs the requests shed since Admission.Run's last line, exports the spans still
 // waiting, and closes the database pools and the readiness check's connection: whatever of
-// them Start opened. A service closes its Base once Serve has returned.
+// them Start opened, and the probes' server of the start if Serve never took it. A service
+// closes its Base once Serve has returned.
 func (b *Base) Close() {
+	if s := b.starting.take(); s != nil {
+		s.close()
+	}
 	if b.Admission != nil {
 		// Run stopped at the signal; the server drained after it, and its sheds are logged here.
 		b.Admission.logShedOver("during", "shutdown")

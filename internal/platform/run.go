@@ -63,7 +63,7 @@ func Main(service string, run func(ctx context.Context, env *Env) error) {
 		logHardStop(os.Stderr, service, format, context.Cause(failed))
 		os.Exit(1)
 	})
-	err := run(context.WithValue(ctx, failureKey{}, fail), NewEnv())
+	err := run(withStarting(context.WithValue(ctx, failureKey{}, fail)), NewEnv())
 	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		err = nil // stopped by a signal while starting: a clean exit
 	}
@@ -123,8 +123,15 @@ type Workers struct {
 // Serve runs srv and the workers under one errgroup until ctx ends or one of them fails, then
 // stops them in order: the server stops accepting and finishes the requests in flight while
 // the intake settles its messages in progress, and only then does the relay stop, once it has
-// sent what they committed.
+// sent what they committed. srv serves on the listener Start answered the probes on, if it
+// did on srv.Addr (see startingServer).
 func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Workers) error {
+	if s := startingSlotOf(ctx).take(); s != nil {
+		if s.addr == srv.Addr {
+			return serve(ctx, log, srv, s.handOff(ctx, log, srv.Handler), workers)
+		}
+		s.close() // srv listens elsewhere: the start's port is done with
+	}
 	ln, err := net.Listen("tcp", srv.Addr)
 	if err != nil {
 		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)

@@ -1,0 +1,184 @@
+package platform
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// startingReason is what /readyz answers while the service starts.
+const startingReason = "starting: waiting for the database and the migrations"
+
+// startingKey holds, in the context Main gives run, the startingSlot Start and Serve share.
+type startingKey struct{}
+
+// startingSlot passes the server Start answers the probes with to Serve, which takes its
+// listener over, or to Base.Close, if Serve never ran: whichever takes it first owns it.
+type startingSlot struct {
+	mu  sync.Mutex
+	srv *startingServer
+}
+
+// withStarting is ctx with an empty startingSlot: a Start given it answers the probes on
+// HTTP_ADDR from its beginning (see startingServer).
+func withStarting(ctx context.Context) context.Context {
+	return context.WithValue(ctx, startingKey{}, &startingSlot{})
+}
+
+// startingSlotOf is ctx's startingSlot, nil without one.
+func startingSlotOf(ctx context.Context) *startingSlot {
+	slot, _ := ctx.Value(startingKey{}).(*startingSlot)
+	return slot
+}
+
+// put fills the slot with srv.
+func (s *startingSlot) put(srv *startingServer) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.srv = srv
+}
+
+// take empties the slot, returning what it held (nil for a nil slot).
+func (s *startingSlot) take() *startingServer {
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	srv := s.srv
+	s.srv = nil
+	return srv
+}
+
+// startingServer answers on the service's HTTP port while Start waits for the database and
+// runs the migrations, which take as long as another replica's take: /healthz 200, for the
+// process runs, /readyz and /metrics 503. So an orchestrator neither kills a replica that is
+// migrating (its liveness holds) nor sends it requests (it is not ready), and Prometheus sees
+// it down, as before it listened. Any other request waits up to startingHold for the service
+// to start, then is served by it, or answered 503 with a Retry-After: a client that took a
+// live process for a started one (it polled /healthz, not /readyz) is served as it was when
+// nothing listened before the start. Serve then serves on the same listener: no second bind,
+// no connection refused between the two.
+type startingServer struct {
+	addr   string
+	ln     *net.TCPListener
+	accept *handoffListener
+	srv    *http.Server
+	served chan struct{}
+	conns  *liveConns
+	// started is closed once handler, the service's own, serves the requests held meanwhile.
+	started chan struct{}
+	handler http.Handler
+	held    atomic.Int32 // requests waiting for the start, for tests
+}
+
+// startingHold is how long a request other than the probes waits for the start: well inside
+// the server's write timeout, and long enough for a start on an empty database.
+var startingHold = 5 * time.Second
+
+// startingUnavailable answers 503 at once: the service is not started.
+func startingUnavailable() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		WriteProblem(w, http.StatusServiceUnavailable, startingReason)
+	})
+}
+
+// hold serves r by the service's handler once it has started, if it does within startingHold.
+func (s *startingServer) hold(w http.ResponseWriter, r *http.Request) {
+	s.held.Add(1)
+	defer s.held.Add(-1)
+	wait := time.NewTimer(startingHold)
+	defer wait.Stop()
+	select {
+	case <-s.started:
+		s.handler.ServeHTTP(w, r)
+	case <-wait.C:
+		w.Header().Set("Retry-After", "1")
+		startingUnavailable().ServeHTTP(w, r)
+	case <-r.Context().Done():
+	}
+}
+
+// serveWhileStarting listens on addr and answers the probes there until Serve takes the
+// listener over (handOff) or the start fails (close).
+func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("HTTP_ADDR: listen on %s: %w", addr, err)
+	}
+	tcp, ok := ln.(*net.TCPListener)
+	if !ok {
+		_ = ln.Close()
+		return nil, fmt.Errorf("HTTP_ADDR: listen on %s: not a TCP listener", addr)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", healthz)
+	mux.Handle("GET /readyz", &readiness{log: log, ready: func(context.Context) error {
+		return &NotReadyError{Reason: startingReason}
+	}})
+	mux.Handle("GET /metrics", startingUnavailable())
+	s := &startingServer{addr: addr, ln: tcp, accept: &handoffListener{TCPListener: tcp}, srv: NewServer(addr, mux),
+		served: make(chan struct{}), started: make(chan struct{})}
+	mux.HandleFunc("/", s.hold)
+	s.srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
+	s.conns = trackConns(s.srv)
+	log.Info("live, not ready until started", "addr", ln.Addr().String())
+	go func() {
+		defer close(s.served)
+		if err := s.srv.Serve(s.accept); !errors.Is(err, net.ErrClosed) && !errors.Is(err, http.ErrServerClosed) {
+			log.Warn("the probes' server while starting stopped", "error", err)
+		}
+	}()
+	return s, nil
+}
+
+// handOff gives the requests s holds to handler, stops s's server once they are answered, as
+// Serve's shutdown stops its own (see shutdownHTTP), and returns its listener, open: the
+// connections that arrive meanwhile wait in its backlog.
+func (s *startingServer) handOff(ctx context.Context, log *slog.Logger, handler http.Handler) net.Listener {
+	s.handler = handler
+	close(s.started)
+	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
+	defer cancel()
+	shutdownHTTP(shutdownCtx, log, s.srv, s.accept, s.served, s.conns)
+	_ = s.ln.SetDeadline(time.Time{}) // the deadline that stopped s's Accept
+	return s.ln
+}
+
+// close stops s's server and closes its listener: the start failed, or Serve never ran.
+func (s *startingServer) close() {
+	_ = s.srv.Close()
+	<-s.served
+	_ = s.ln.Close()
+}
+
+// handoffListener is the starting server's view of the listener: its Close ends the server's
+// Accept, by a deadline, and leaves the listener open for Serve's server.
+type handoffListener struct {
+	*net.TCPListener
+	closed atomic.Bool
+}
+
+func (l *handoffListener) Accept() (net.Conn, error) {
+	c, err := l.TCPListener.Accept()
+	if err != nil && l.closed.Load() {
+		return nil, net.ErrClosed
+	}
+	return c, err
+}
+
+func (l *handoffListener) Close() error {
+	if l.closed.Swap(true) {
+		return nil
+	}
+	if err := l.SetDeadline(time.Now()); err != nil {
+		return fmt.Errorf("stop accepting: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,241 @@
+package platform
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/fstest"
+	"time"
+
+	"github.com/pressly/goose/v3/lock"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// startingAddr is the address the server of ctx's start answers on, once Start put it in the
+// slot ("" until then).
+func startingAddr(ctx context.Context) string {
+	slot := startingSlotOf(ctx)
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	if slot.srv == nil {
+		return ""
+	}
+	return slot.srv.ln.Addr().String()
+}
+
+// notStarting fails t unless the service at url answers what a service does while it starts:
+// live, not ready, and nothing else served.
+func notStarting(t *testing.T, url string) {
+	t.Helper()
+	if r := get(t, url+"/healthz"); r.status != http.StatusOK {
+		t.Fatalf("/healthz while starting = %d %s, want 200: the process runs", r.status, r.body)
+	}
+	notReadyProblem(t, get(t, url+"/readyz"), startingReason)
+	if r := get(t, url+"/metrics"); r.status != http.StatusServiceUnavailable {
+		t.Fatalf("/metrics while starting = %d %s, want 503", r.status, r.body)
+	}
+}
+
+// A replica whose migrations wait for another's (here a session holding the migration lock)
+// is live and not ready all along: an orchestrator's liveness probe must not kill it
+// mid-migration, and no request reaches it. Once migrated, Serve serves on the same listener.
+func TestStartAnswersTheProbesWhileTheMigrationsWait(t *testing.T) {
+	const conns = MinRequestConns + ReadinessConns
+	testenv.Connections(t, 2+conns) // the database's creation, the test's handle (the lock's session), the service
+	d := testenv.NewDatabaseWithPool(t, 1)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := sqlDB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Close() }()
+	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+
+	log, logs := testenv.NewLogger(t)
+	ctx, cancel := context.WithCancel(withStarting(context.Background()))
+	defer cancel()
+	migrations := Migrations(fstest.MapFS{"m/00001_t.sql": {Data: []byte("-- +goose Up\nCREATE TABLE t (id int);\n")}}, "m", "t_schema")
+	started := make(chan *Base, 1)
+	go func() {
+		b, err := Start(ctx, log, "svc", Common{DatabaseURL: d.URL, DBMaxConns: conns, HTTPAddr: "127.0.0.1:0"}, Pools{}, migrations)
+		if err != nil {
+			t.Errorf("Start: %v", err)
+		}
+		started <- b
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool { return startingAddr(ctx) != "" }, "Start does not answer the probes")
+	url := "http://" + startingAddr(ctx)
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(logs.Lines("migration waits for another replica's migrations")) == 1
+	}, "the migrations do not wait for the lock")
+	notStarting(t, url)
+	if len(logs.Lines("not ready", "reason=\""+startingReason+"\"")) != 1 {
+		t.Errorf("the start's not ready is not logged once:\n%s", logs)
+	}
+
+	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+	var b *Base
+	select {
+	case b = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Start did not return within 10 s of the lock's release")
+	}
+	if b == nil {
+		t.FailNow()
+	}
+	defer b.Close()
+	served := make(chan error, 1)
+	go func() {
+		served <- Serve(ctx, log, NewServer("127.0.0.1:0", NewRouter(log, b.Registry, b.DatabaseReady)), Workers{})
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		r, err := fetch(url + "/readyz")
+		return err == nil && r.status == http.StatusOK
+	}, "the service is not ready at the start's address once started")
+	cancel()
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// Serve takes over the listener the start answered on: a client that keeps asking across the
+// handover is always answered, never refused, first by the start's server, then by Serve's.
+func TestServeTakesOverTheStartsListener(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	ctx, cancel := context.WithCancel(withStarting(context.Background()))
+	defer cancel()
+	s, err := serveWhileStarting(log, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	startingSlotOf(ctx).put(s)
+	url := "http://" + s.ln.Addr().String()
+	notStarting(t, url)
+	// A client that took the live process for a started one: its request waits for the start.
+	early := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.Post(url+"/orders", "application/json", strings.NewReader("{}"))
+		if err != nil {
+			t.Errorf("a request made while starting: %v", err)
+		}
+		early <- resp
+	}()
+	testenv.Eventually(t, 5*time.Second, func() bool { return s.held.Load() == 1 }, "the request made while starting is not held")
+
+	var (
+		stop      atomic.Bool
+		wg        sync.WaitGroup
+		mu        sync.Mutex
+		failures  []error
+		sawServed atomic.Bool
+	)
+	for range 4 {
+		wg.Go(func() {
+			client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
+			for !stop.Load() {
+				resp, err := client.Get(url + "/healthz")
+				if err != nil {
+					mu.Lock()
+					failures = append(failures, err)
+					mu.Unlock()
+					continue
+				}
+				_ = resp.Body.Close()
+				if resp.Header.Get("X-Served") != "" {
+					sawServed.Store(true)
+				}
+			}
+		})
+	}
+	served := make(chan error, 1)
+	go func() {
+		h := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Header().Set("X-Served", "1") })
+		served <- Serve(ctx, log, NewServer("127.0.0.1:0", h), Workers{})
+	}()
+	testenv.Eventually(t, 10*time.Second, sawServed.Load, "Serve's server never answered at the start's address")
+	if resp := <-early; resp != nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Served") == "" {
+			t.Errorf("the request made while starting was answered %d, X-Served %q: want the service's answer", resp.StatusCode, resp.Header.Get("X-Served"))
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	if len(failures) > 0 {
+		t.Errorf("%d requests failed across the handover, the first: %v", len(failures), failures[0])
+	}
+	if lines := logs.Lines("listening", "addr="+s.ln.Addr().String()); len(lines) != 1 {
+		t.Errorf("Serve did not say it listens on the start's address:\n%s", logs)
+	}
+	cancel()
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// A replica is live, not ready, while it waits for the database too, and a start that fails
+// (here stopped while waiting) frees the port it answered on: Base.Close closes the listener.
+func TestAFailedStartFreesItsListener(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "postgres://postgres@" + ln.Addr().String() + "/none?sslmode=disable"
+	_ = ln.Close()
+	log, _ := testenv.NewLogger(t)
+	ctx, cancel := context.WithTimeout(withStarting(context.Background()), 3*time.Second)
+	defer cancel()
+	failed := make(chan error, 1)
+	go func() {
+		_, err := Start(ctx, log, "svc", Common{DatabaseURL: closed, DBMaxConns: 10, HTTPAddr: "127.0.0.1:0"}, Pools{})
+		failed <- err
+	}()
+	testenv.Eventually(t, 2*time.Second, func() bool { return startingAddr(ctx) != "" }, "Start does not answer the probes")
+	addr := startingAddr(ctx)
+	notStarting(t, "http://"+addr)
+	if err := within(t, failed, 10*time.Second, "Start did not return"); err == nil || !strings.Contains(err.Error(), "waiting for the database") {
+		t.Fatalf("Start stopped while waiting for the database: %v, want its error", err)
+	}
+	again, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatalf("the failed start left its port taken: %v", err)
+	}
+	_ = again.Close()
+}
+
+// A request the start holds longer than startingHold is answered 503, with a Retry-After, and
+// changes nothing: the service has not started.
+func TestARequestTheStartHoldsTooLongIsAnsweredUnavailable(t *testing.T) {
+	was := startingHold
+	startingHold = 100 * time.Millisecond
+	t.Cleanup(func() { startingHold = was })
+	log, _ := testenv.NewLogger(t)
+	s, err := serveWhileStarting(log, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	resp, err := http.Post("http://"+s.ln.Addr().String()+"/orders", "application/json", strings.NewReader("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" ||
+		resp.Header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("a request held past the hold = %d, Retry-After %q, Content-Type %q; want 503, 1, problem+json",
+			resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("Content-Type"))
+	}
+}
