@@ -32,8 +32,10 @@ func noLimitBrake(dlq string, limit int) func(waiting int) error {
 		if waiting <= mostWithoutLimit {
 			return nil
 		}
-		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes without --limit (it holds each in memory until it is done): give --limit N to look at the first N; nothing was changed",
-			waiting, dlq, mostWithoutLimit)}
+		// The count, not "run it again for the rest": a filter or an --id looks at the first
+		// N only, each run the same N, so only a --limit of them all reaches every message.
+		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes without --limit (it holds each in memory until it is done): --limit %d takes them all, as before; a smaller one looks at the first N only (and may reorder those it looked at); nothing was changed",
+			waiting, dlq, mostWithoutLimit, waiting)}
 	}
 }
 
@@ -258,7 +260,7 @@ than one would move it asks on a terminal first, holding them meanwhile; without
 script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves
 messages behind may move those it looked at and kept back in the queue (see dlq list --help).
 Each message taken is held in memory until it is done: without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + `
-wait, it refuses (exit status 2) and changes nothing; give --limit N for the first N.
+wait, it refuses (exit status 2), changes nothing, and names the --limit that takes them all.
 
 An interrupt (Ctrl-C) stops it before the next message; it prints what moved, says it was
 interrupted, and exits 1. A message published but not confirmed at that moment (or whose
@@ -366,33 +368,45 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	if inDoubt != nil {
 		result.InDoubt = &inDoubt.MessageID
 	}
-	if c.json() {
-		if werr := writeJSON(c.out, result); werr != nil && err == nil {
-			err = werr
-		}
-		return err
-	}
-	if len(picked) == 0 && err == nil {
-		fmt.Fprintf(c.out, "%s: nothing to move\n", noneReady(dlq))
-		return nil
-	}
-	for _, d := range moved {
-		fmt.Fprintf(c.out, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
-	}
-	if err != nil {
+	var summary string
+	switch {
+	case len(picked) == 0: // and no error: one returned above
+		summary = noneReady(dlq) + ": nothing to move"
+	case err != nil:
 		stopped := "stopped by a failure"
 		if interrupted {
 			stopped = "interrupted"
 		}
-		fmt.Fprintf(c.out, "%s: moved %d of the %d messages picked from %s to %s; the others are still in %s\n",
+		summary = fmt.Sprintf("%s: moved %d of the %d messages picked from %s to %s; the others are still in %s",
 			stopped, len(moved), len(picked), dlq, queue, dlq)
-		return err
+	default:
+		summary = fmt.Sprintf("moved %d messages from %s to %s", len(moved), dlq, queue)
 	}
-	fmt.Fprintf(c.out, "moved %d messages from %s to %s\n", len(moved), dlq, queue)
-	if beyond := result.Waiting - result.Examined; beyond > 0 {
-		fmt.Fprintf(c.out, "%d more messages wait beyond the first %d (--limit)\n", beyond, result.Examined)
+	var out bytes.Buffer
+	var werr error
+	if c.json() {
+		werr = writeJSON(&out, result)
+	} else {
+		for _, d := range moved {
+			fmt.Fprintf(&out, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
+		}
+		fmt.Fprintln(&out, summary)
+		if beyond := result.Waiting - result.Examined; beyond > 0 && err == nil {
+			fmt.Fprintf(&out, "%d more messages wait beyond the first %d (--limit)\n", beyond, result.Examined)
+		}
 	}
-	return nil
+	if werr == nil {
+		// Through the guard: a closed pipe (dlq redrive | head) would otherwise kill the process
+		// once the messages moved, with nothing said of them.
+		_, werr = pipeSafe{c.out}.Write(out.Bytes())
+	}
+	if werr != nil {
+		fmt.Fprintf(c.err, "%s (the output failed: %v)\n", summary, werr)
+		if err == nil {
+			err = fmt.Errorf("print the messages moved: %w", werr)
+		}
+	}
+	return err
 }
 
 // window is how many of waiting messages a limit looks at (0, --limit left out: all).
@@ -428,8 +442,8 @@ as the last record of it. If two copies share the id, the first goes. It takes t
 unacknowledged meanwhile, as a listing of it all does, so that the others keep their order; or
 the first --limit only, for a queue too long to hold, which may move those it looked at back
 in the queue (see dlq list --help): without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit
-status 2) and changes nothing. It asks on a terminal first, and without one refuses unless
-given --yes.
+status 2), changes nothing, and names the --limit that takes them all. It asks on a terminal
+first, and without one refuses unless given --yes.
 
 Exit status 3: no message in QUEUE.dlq has the id (of the first --limit; messages another
 client holds unacknowledged at that moment are not seen).`,

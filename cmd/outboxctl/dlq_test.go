@@ -444,9 +444,10 @@ func TestDlqRedriveRefusesALimitOfZero(t *testing.T) {
 
 // Without --limit, dlq redrive and dlq drop take at most mostWithoutLimit messages: with more
 // waiting they refuse before taking any (each taken is held in memory until the command ends),
-// exit 2 naming --limit, and change nothing, dry run or not. With --limit, or with no more than
-// that many waiting, they go on. Not parallel: it lowers mostWithoutLimit to 3, so that 4
-// messages stand for the tens of thousands.
+// exit 2 naming the --limit that takes them all (a filtered redrive or an --id with a smaller
+// one would look at the first N only, each run again the same), and change nothing, dry run or
+// not. With --limit, or with no more than that many waiting, they go on. Not parallel: it
+// lowers mostWithoutLimit to 3, so that 4 messages stand for the tens of thousands.
 func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
 	most := mostWithoutLimit
 	mostWithoutLimit = 3
@@ -461,11 +462,13 @@ func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
 		{"dlq", "redrive", queue, "--yes"},
 		{"dlq", "redrive", queue, "--dry-run", "-o", "json"},
 		{"dlq", "redrive", queue, "--id", ids[3], "--yes"},
+		{"dlq", "redrive", queue, "--type", "OrderPlaced", "--yes"},
 		{"dlq", "drop", queue, "--id", ids[0], "--yes"},
 		{"dlq", "drop", queue, "--id", ids[0], "--dry-run"},
 	} {
 		stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL),
-			"4 messages wait in "+dlq+", more than the 3 it takes without --limit", "give --limit N", "nothing was changed", "Usage:")
+			"4 messages wait in "+dlq+", more than the 3 it takes without --limit", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
+			"nothing was changed", "Usage:")
 		if stdout != "" {
 			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
 		}
@@ -497,6 +500,31 @@ func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
 	}
 	if got := inDLQ(t, queue); !sameElements(got, ids[1:3]) {
 		t.Errorf("the dead-letter queue holds %q, want %q", got, ids[1:3])
+	}
+}
+
+// dlq redrive into a pipe its reader closes after the first line (outboxctl dlq redrive Q --yes |
+// head -1) moves them all, then says on stderr what it moved and exits 1. A write to a closed
+// stdout raises SIGPIPE: unguarded, it would kill the process once they moved, with nothing
+// said. Their lines (about 100 bytes a message, with a long type) are far more than a pipe
+// holds (64 KiB), so a write after the close fails.
+func TestDlqRedriveIntoAPipeClosedPartwaySaysWhatItMoved(t *testing.T) {
+	t.Parallel()
+	const n = 1000
+	msgs := make([]amqp.Publishing, n)
+	for i := range msgs {
+		msgs[i] = deadMessage(strings.Repeat("OrderPlaced", 5), "no price")
+	}
+	queue, _ := fillDLQ(t, msgs...)
+	code, stderr := runIntoPipe(t, true, "dlq", "redrive", queue, "--yes", "--amqp", testenv.AMQPURL())
+	dlq := messaging.DeadLetterQueue(queue)
+	said := fmt.Sprintf("moved %d messages from %s to %s (the output failed: write /dev/stdout: broken pipe)", n, dlq, queue)
+	if code != exitFailure || !strings.Contains(stderr, said) {
+		t.Fatalf("redrive into a pipe closed partway: exit %d, stderr %.2000q; want 1, and %q", code, stderr, said)
+	}
+	ch := testenv.Channel(t)
+	if moved, left := testenv.QueueDepth(t, ch, queue), testenv.QueueDepth(t, ch, dlq); moved != n || left != 0 {
+		t.Errorf("%d messages in %s, %d in %s; want all %d moved", moved, queue, left, dlq, n)
 	}
 }
 

@@ -22,9 +22,10 @@
 // (it loses nothing: the inbox skips what was handled already), and a drop refuses unless
 // given --yes. No URL it prints shows a password.
 //
-// Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line; 3 nothing
-// matched (no such row or message, or not in a state the command acts on; inbox show: no
-// record); 4 not confirmed, so nothing was changed. A failure is one line on stderr; a mistake
+// Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line, or a
+// dead-letter queue too long to take without --limit; 3 nothing matched (no such row or
+// message, or not in a state the command acts on; inbox show: no record); 4 not confirmed, so
+// nothing was changed. A failure is one line on stderr; a mistake
 // in the command line is followed by the command's usage.
 //
 // The command line is cobra's: the subcommand tree, the help of each command, flags wherever
@@ -81,7 +82,8 @@ const synopsis = `  outboxctl status [--db URL]
 const exitStatusHelp = `Exit status:
   0  done
   1  failed: the database or the broker did not answer, or refused
-  2  a mistake in the command line
+  2  a mistake in the command line; or a dead-letter queue too long to take without --limit
+     (dlq redrive, dlq drop: more than 10,000 waiting; nothing changed)
   3  nothing matched: no such row or message, or not in a state the command acts on
      (inbox show: no record of the message)
   4  not confirmed: declined or interrupted at the prompt, or a drop with no terminal to ask

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -215,7 +216,8 @@ func TestABlankFlagIsRefusedAsAnEmptyOne(t *testing.T) {
 func TestHelpOfEachCommand(t *testing.T) {
 	t.Parallel()
 	root := ok(t, "--help")
-	for _, want := range append(strings.Split(synopsis, "\n"), "Exit status:", "3  nothing matched", "4  not confirmed") {
+	for _, want := range append(strings.Split(synopsis, "\n"), "Exit status:", "3  nothing matched", "4  not confirmed",
+		"a dead-letter queue too long to take without --limit") {
 		if !strings.Contains(root, want) {
 			t.Errorf("outboxctl --help lacks %q:\n%s", want, root)
 		}
@@ -599,6 +601,35 @@ func buildCtl(t *testing.T) string {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	return bin
+}
+
+// runIntoPipe runs the built outboxctl with args, its stdout a pipe whose reader is closed at
+// once, or, if afterALine, once the first line is read: it returns the exit status (-1 if a
+// signal killed it) and stderr.
+func runIntoPipe(t *testing.T, afterALine bool, args ...string) (int, string) {
+	t.Helper()
+	read, write, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer read.Close()
+	if !afterALine {
+		read.Close()
+	}
+	cmd := exec.Command(buildCtl(t), args...)
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = write, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	write.Close() // the process holds its own copy
+	if afterALine {
+		if _, err := bufio.NewReader(read).ReadString('\n'); err != nil {
+			t.Fatalf("read the first line: %v", err)
+		}
+		read.Close()
+	}
+	return processExit(t, cmd.Wait()), stderr.String()
 }
 
 // processExit is the exit status of a process that ended with err: -1 if a signal killed it.

@@ -204,15 +204,23 @@ func (c *cli) retryOne(ctx context.Context, dbFlag string, id uuid.UUID, dryRun 
 		}
 	}
 	row.Payload = nil // shown by drop alone, and its dry run
-	if c.json() {
-		return writeJSON(c.out, outboxRowsResult{DryRun: dryRun, Count: 1, Rows: []outboxRow{toOutboxRow(row)}})
+	var record bytes.Buffer
+	switch {
+	case c.json():
+		if err := writeJSON(&record, outboxRowsResult{DryRun: dryRun, Count: 1, Rows: []outboxRow{toOutboxRow(row)}}); err != nil {
+			return err
+		}
+	case dryRun:
+		fmt.Fprintf(&record, "would make %s due now (dry run: nothing changed)\n", describeRow(row))
+	default:
+		fmt.Fprintf(&record, "outbox row %s is due now; the relay sends it next\n", id)
 	}
 	if dryRun {
-		fmt.Fprintf(c.out, "would make %s due now (dry run: nothing changed)\n", describeRow(row))
-		return nil
+		_, err := c.out.Write(record.Bytes())
+		return err
 	}
-	fmt.Fprintf(c.out, "outbox row %s is due now; the relay sends it next\n", id)
-	return nil
+	// Committed: an output that fails (a closed pipe) must not hide that the row is due.
+	return c.writeRecord(record.Bytes())
 }
 
 // shownBeforeAsking is how many of the rows retry lists at a terminal before it asks.

@@ -1,15 +1,12 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"io"
 	"net"
 	"net/url"
-	"os"
-	"os/exec"
 	"regexp"
 	"slices"
 	"strconv"
@@ -735,19 +732,9 @@ func TestDropWhoseOutputFailsKeepsTheRecordOnStderr(t *testing.T) {
 			t.Errorf("-o %s: drop with a failing output: exit %d, stderr %q; want 1, with the row's record", format, code, stderr.String())
 		}
 	}
-	read, write, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	read.Close()
-	cmd := exec.Command(buildCtl(t), "outbox", "drop", "--id", ids[2].String(), "--yes", "--db", d.URL)
-	var stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = write, &stderr
-	err = cmd.Run()
-	write.Close()
-	if code := processExit(t, err); code != exitFailure || !strings.Contains(stderr.String(), "dropped outbox row "+ids[2].String()) ||
-		!strings.Contains(stderr.String(), "broken pipe") {
-		t.Errorf("drop into a closed pipe: exit %d, stderr %q; want 1, with the row's record", code, stderr.String())
+	code, stderr := runIntoPipe(t, false, "outbox", "drop", "--id", ids[2].String(), "--yes", "--db", d.URL)
+	if code != exitFailure || !strings.Contains(stderr, "dropped outbox row "+ids[2].String()) || !strings.Contains(stderr, "broken pipe") {
+		t.Errorf("drop into a closed pipe: exit %d, stderr %q; want 1, with the row's record", code, stderr)
 	}
 }
 
@@ -761,27 +748,11 @@ func TestRetryIntoAPipeClosedPartwayStopsAndSaysHowFarItGot(t *testing.T) {
 	d := outboxDB(t)
 	const rows = 3000
 	waitingRows(t, d, rows)
-	read, write, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer read.Close()
-	cmd := exec.Command(buildCtl(t), "retry", "--yes", "--batch", "10", "--db", d.URL)
-	var stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = write, &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	write.Close() // the process holds its own copy
-	if _, err := bufio.NewReader(read).ReadString('\n'); err != nil {
-		t.Fatalf("read the first line: %v", err)
-	}
-	read.Close()
-	code := processExit(t, cmd.Wait())
+	code, stderr := runIntoPipe(t, true, "retry", "--yes", "--batch", "10", "--db", d.URL)
 	said := regexp.MustCompile(`(\d+) of the 3000 failed outbox rows listed are due now; the last (\d+) listed were not tried \(the output failed: .*broken pipe\)`).
-		FindStringSubmatch(stderr.String())
-	if code != exitFailure || said == nil || !strings.Contains(stderr.String(), "(its rows are due): write /dev/stdout: broken pipe") {
-		t.Fatalf("retry into a pipe closed partway: exit %d, stderr %.2000q; want 1, saying how many rows are due", code, stderr.String())
+		FindStringSubmatch(stderr)
+	if code != exitFailure || said == nil || !strings.Contains(stderr, "(its rows are due): write /dev/stdout: broken pipe") {
+		t.Fatalf("retry into a pipe closed partway: exit %d, stderr %.2000q; want 1, saying how many rows are due", code, stderr)
 	}
 	madeDue := testenv.Count(t, d.DB, `SELECT count(*) FROM outbox_messages WHERE next_attempt_at <= now()`)
 	notTried := rows - madeDue
@@ -1037,4 +1008,42 @@ type interruptAtFirstWrite struct {
 func (w *interruptAtFirstWrite) Write(p []byte) (int, error) {
 	w.interrupt()
 	return w.Buffer.Write(p)
+}
+
+// A dry run with no row waiting writes only its heading: a failed write of that (a full disk)
+// exits 1, as a failed write of rows does, not 0 with nothing printed.
+func TestRetryDryRunOfNothingIntoAFailingOutputFails(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	for _, format := range []string{"table", "json"} {
+		var stderr bytes.Buffer
+		code := run(context.Background(), []string{"retry", "--dry-run", "-o", format, "--db", d.URL},
+			streams{in: strings.NewReader(""), out: failingWriter{}, err: &stderr})
+		if code != exitFailure || !strings.Contains(stderr.String(), "no space left on device") {
+			t.Errorf("-o %s: dry run of an empty outbox into a failing output: exit %d, stderr %q; want 1, with the failure", format, code, stderr.String())
+		}
+	}
+}
+
+// retry --id whose output fails once the row is due (a closed pipe, a full disk) says on
+// stderr that the row is due, and exits 1: not killed by SIGPIPE after its commit, with nothing
+// said. The closed pipe is tried with the binary, where SIGPIPE would end the process first.
+func TestRetryOneWhoseOutputFailsSaysTheRowIsDueOnStderr(t *testing.T) {
+	t.Parallel()
+	d := outboxDB(t)
+	ids := enqueue(t, d.DB, 2)
+	fail(t, d.DB, ids[0], 2, "message nacked by the broker")
+	fail(t, d.DB, ids[1], 2, "message nacked by the broker")
+	var stderr bytes.Buffer
+	code := run(context.Background(), []string{"retry", "--id", ids[0].String(), "--db", d.URL},
+		streams{in: strings.NewReader(""), out: failingWriter{}, err: &stderr})
+	if isDue, _, _ := due(t, d.DB, ids[0]); !isDue || code != exitFailure ||
+		!strings.Contains(stderr.String(), "outbox row "+ids[0].String()+" is due now") || !strings.Contains(stderr.String(), "no space left on device") {
+		t.Errorf("retry --id with a failing output: due %v, exit %d, stderr %q; want the row due, 1, and stderr saying so", isDue, code, stderr.String())
+	}
+	code, said := runIntoPipe(t, false, "retry", "--id", ids[1].String(), "-o", "json", "--db", d.URL)
+	if isDue, _, _ := due(t, d.DB, ids[1]); !isDue || code != exitFailure ||
+		!strings.Contains(said, `"id": "`+ids[1].String()+`"`) || !strings.Contains(said, "broken pipe") {
+		t.Errorf("retry --id -o json into a closed pipe: due %v, exit %d, stderr %q; want the row due, 1, and its record on stderr", isDue, code, said)
+	}
 }

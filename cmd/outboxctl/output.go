@@ -191,8 +191,12 @@ func (s *rowStream) head() string {
 }
 
 // end prints, after the rows, the summary line of a table (if any), or the rest of the JSON
-// result.
+// result. It returns the output's first failure, even with nothing left to print: a dry run's
+// heading that could not be written is a failure too.
 func (s *rowStream) end(summary string, interrupted bool) error {
+	if s.failed != nil {
+		return s.failed
+	}
 	if !s.json {
 		if summary == "" {
 			return nil
