@@ -128,7 +128,8 @@ type Workers struct {
 func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Workers) error {
 	if s := startingSlotOf(ctx).take(); s != nil {
 		if s.addr == srv.Addr {
-			return serve(ctx, log, srv, s.handOff(ctx, log, srv.Handler), workers)
+			ln, drained := s.handOff(ctx, log, srv.Handler)
+			return serve(ctx, log, srv, ln, drained, workers)
 		}
 		s.close() // srv listens elsewhere: the start's port is done with
 	}
@@ -136,11 +137,12 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 	if err != nil {
 		return fmt.Errorf("HTTP_ADDR: listen on %s: %w", srv.Addr, err)
 	}
-	return serve(ctx, log, srv, ln, workers)
+	return serve(ctx, log, srv, ln, nil, workers)
 }
 
-// serve is Serve on a listener already open.
-func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, workers Workers) error {
+// serve is Serve on a listener already open, whose shutdown also waits for held, if not nil:
+// the requests of the start's server (see handOff).
+func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, held <-chan struct{}, workers Workers) error {
 	log.Info("listening", "addr", ln.Addr().String())
 	if srv.ErrorLog == nil {
 		// net/http's own lines (an accept error, a superfluous WriteHeader) as the service's
@@ -180,6 +182,9 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
 		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
+		if held != nil {
+			<-held
+		}
 		return nil
 	})
 	for _, w := range workers.Intake {

@@ -248,7 +248,7 @@ func serveOn(t *testing.T, log *slog.Logger, srv *http.Server, ln net.Listener, 
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	served := make(chan error, 1)
-	go func() { served <- serve(ctx, log, srv, ln, workers) }()
+	go func() { served <- serve(ctx, log, srv, ln, nil, workers) }()
 	return cancel, served
 }
 

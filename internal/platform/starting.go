@@ -12,8 +12,9 @@ import (
 	"time"
 )
 
-// startingReason is what /readyz answers while the service starts.
-const startingReason = "starting: waiting for the database and the migrations"
+// startingReason is what /readyz answers while the service starts: the log says what it waits
+// for (the database, another replica's migrations, the broker).
+const startingReason = "starting: not serving yet"
 
 // startingKey holds, in the context Main gives run, the startingSlot Start and Serve share.
 type startingKey struct{}
@@ -72,10 +73,12 @@ type startingServer struct {
 	srv    *http.Server
 	served chan struct{}
 	conns  *liveConns
-	// started is closed once handler, the service's own, serves the requests held meanwhile.
-	started chan struct{}
-	handler http.Handler
-	held    atomic.Int32 // requests waiting for the start, for tests
+	// started is closed once handler, the service's own, serves the requests held meanwhile;
+	// stopping once the start failed or was stopped, and they are answered 503.
+	started  chan struct{}
+	stopping chan struct{}
+	handler  http.Handler
+	held     atomic.Int32 // requests waiting for the start, for tests
 }
 
 // startingHold is how long a request other than the probes waits for the start: well inside
@@ -101,6 +104,9 @@ func (s *startingServer) hold(w http.ResponseWriter, r *http.Request) {
 	case <-wait.C:
 		w.Header().Set("Retry-After", "1")
 		startingUnavailable().ServeHTTP(w, r)
+	case <-s.stopping:
+		w.Header().Set("Retry-After", "1")
+		startingUnavailable().ServeHTTP(w, r)
 	case <-r.Context().Done():
 	}
 }
@@ -119,13 +125,18 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", healthz)
-	mux.Handle("GET /readyz", &readiness{log: log, ready: func(context.Context) error {
+	// Not logged: the start is no change of state, and the service's readiness, which begins
+	// ready, would never log its end.
+	mux.Handle("GET /readyz", &readiness{log: slog.New(slog.DiscardHandler), ready: func(context.Context) error {
 		return &NotReadyError{Reason: startingReason}
 	}})
 	mux.Handle("GET /metrics", startingUnavailable())
 	s := &startingServer{addr: addr, ln: tcp, accept: &handoffListener{TCPListener: tcp}, srv: NewServer(addr, mux),
-		served: make(chan struct{}), started: make(chan struct{})}
+		served: make(chan struct{}), started: make(chan struct{}), stopping: make(chan struct{})}
 	mux.HandleFunc("/", s.hold)
+	// Each answer closes its connection: none is idle at the hand-over, where a request already
+	// on its way on an idle one would be lost.
+	s.srv.SetKeepAlivesEnabled(false)
 	s.srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
 	s.conns = trackConns(s.srv)
 	log.Info("live, not ready until started", "addr", ln.Addr().String())
@@ -138,23 +149,41 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 	return s, nil
 }
 
-// handOff gives the requests s holds to handler, stops s's server once they are answered, as
-// Serve's shutdown stops its own (see shutdownHTTP), and returns its listener, open: the
-// connections that arrive meanwhile wait in its backlog.
-func (s *startingServer) handOff(ctx context.Context, log *slog.Logger, handler http.Handler) net.Listener {
+// handOff gives the requests s holds to handler and returns s's listener, open, as soon as s's
+// server accepts no more: the connections that arrive meanwhile wait in its backlog for Serve's
+// server. The requests s's server has already read are answered meanwhile, by handler; drained
+// closes once they are, within ShutdownTimeout, for Serve's shutdown to wait for.
+func (s *startingServer) handOff(ctx context.Context, log *slog.Logger, handler http.Handler) (ln net.Listener, drained <-chan struct{}) {
 	s.handler = handler
 	close(s.started)
-	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
-	defer cancel()
-	shutdownHTTP(shutdownCtx, log, s.srv, s.accept, s.served, s.conns)
+	_ = s.accept.Close()
+	<-s.served
 	_ = s.ln.SetDeadline(time.Time{}) // the deadline that stopped s's Accept
-	return s.ln
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
+		defer cancel()
+		s.conns.settle(drainCtx, newConnWait)
+		if err := s.srv.Shutdown(drainCtx); err != nil {
+			log.Warn("requests made while starting still running after the shutdown timeout were cut off", "error", err)
+			_ = s.srv.Close()
+		}
+	}()
+	return s.ln, done
 }
 
-// close stops s's server and closes its listener: the start failed, or Serve never ran.
+// close answers the requests s holds 503, stops s's server and closes its listener: the start
+// failed, or Serve never ran.
 func (s *startingServer) close() {
-	_ = s.srv.Close()
+	close(s.stopping)
+	_ = s.accept.Close()
 	<-s.served
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if s.srv.Shutdown(ctx) != nil {
+		_ = s.srv.Close()
+	}
 	_ = s.ln.Close()
 }
 

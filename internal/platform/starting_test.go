@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"net/http"
 	"strings"
@@ -28,12 +29,48 @@ func startingAddr(ctx context.Context) string {
 	return slot.srv.ln.Addr().String()
 }
 
+// startingInSlot is a starting server on a port of its own, in the slot of the context it
+// returns, as Start leaves it for Serve; cancel ends that context.
+func startingInSlot(t *testing.T, log *slog.Logger) (_ context.Context, cancel context.CancelFunc, _ *startingServer) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(withStarting(context.Background()))
+	t.Cleanup(cancel)
+	s, err := serveWhileStarting(log, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	startingSlotOf(ctx).put(s)
+	return ctx, cancel, s
+}
+
+// holdARequest posts an order to s and returns, once s holds it, where its answer comes (nil
+// if it failed, which fails t).
+func holdARequest(t *testing.T, s *startingServer) <-chan *http.Response {
+	t.Helper()
+	answer := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.Post("http://"+s.ln.Addr().String()+"/orders", "application/json", strings.NewReader("{}"))
+		if err != nil {
+			t.Errorf("the request made while starting: %v", err)
+		}
+		answer <- resp
+	}()
+	testenv.Eventually(t, 5*time.Second, func() bool { return s.held.Load() == 1 }, "the request made while starting is not held")
+	return answer
+}
+
 // notStarting fails t unless the service at url answers what a service does while it starts:
 // live, not ready, and nothing else served.
 func notStarting(t *testing.T, url string) {
 	t.Helper()
-	if r := get(t, url+"/healthz"); r.status != http.StatusOK {
-		t.Fatalf("/healthz while starting = %d %s, want 200: the process runs", r.status, r.body)
+	resp, err := http.Get(url + "/healthz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !resp.Close {
+		t.Fatalf("/healthz while starting = %d, Connection: close %v; want 200 (the process runs), and no connection kept idle for the hand-over to lose",
+			resp.StatusCode, resp.Close)
 	}
 	notReadyProblem(t, get(t, url+"/readyz"), startingReason)
 	if r := get(t, url+"/metrics"); r.status != http.StatusServiceUnavailable {
@@ -79,8 +116,8 @@ func TestStartAnswersTheProbesWhileTheMigrationsWait(t *testing.T) {
 		return len(logs.Lines("migration waits for another replica's migrations")) == 1
 	}, "the migrations do not wait for the lock")
 	notStarting(t, url)
-	if len(logs.Lines("not ready", "reason=\""+startingReason+"\"")) != 1 {
-		t.Errorf("the start's not ready is not logged once:\n%s", logs)
+	if len(logs.Lines(`msg="not ready"`)) != 0 {
+		t.Errorf("the start logged a not ready that nothing would pair with a ready again:\n%s", logs)
 	}
 
 	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
@@ -115,25 +152,11 @@ func TestStartAnswersTheProbesWhileTheMigrationsWait(t *testing.T) {
 func TestServeTakesOverTheStartsListener(t *testing.T) {
 	t.Parallel()
 	log, logs := testenv.NewLogger(t)
-	ctx, cancel := context.WithCancel(withStarting(context.Background()))
-	defer cancel()
-	s, err := serveWhileStarting(log, "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	startingSlotOf(ctx).put(s)
+	ctx, cancel, s := startingInSlot(t, log)
 	url := "http://" + s.ln.Addr().String()
 	notStarting(t, url)
 	// A client that took the live process for a started one: its request waits for the start.
-	early := make(chan *http.Response, 1)
-	go func() {
-		resp, err := http.Post(url+"/orders", "application/json", strings.NewReader("{}"))
-		if err != nil {
-			t.Errorf("a request made while starting: %v", err)
-		}
-		early <- resp
-	}()
-	testenv.Eventually(t, 5*time.Second, func() bool { return s.held.Load() == 1 }, "the request made while starting is not held")
+	early := holdARequest(t, s)
 
 	var (
 		stop      atomic.Bool
@@ -237,5 +260,69 @@ func TestARequestTheStartHoldsTooLongIsAnsweredUnavailable(t *testing.T) {
 		resp.Header.Get("Content-Type") != "application/problem+json" {
 		t.Fatalf("a request held past the hold = %d, Retry-After %q, Content-Type %q; want 503, 1, problem+json",
 			resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("Content-Type"))
+	}
+}
+
+// The hand-over waits for nobody: a request held during the start and still being answered by
+// the service does not keep Serve's server from accepting (a probe meanwhile is answered), and
+// the service's shutdown waits for it.
+func TestTheHandOverDoesNotWaitForTheRequestsItHeld(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	ctx, cancel, s := startingInSlot(t, log)
+	url := "http://" + s.ln.Addr().String()
+	release := make(chan struct{})
+	slow := holdARequest(t, s)
+	h := http.NewServeMux()
+	h.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Header().Set("X-Served", "1") })
+	h.HandleFunc("POST /orders", func(w http.ResponseWriter, _ *http.Request) {
+		<-release
+		w.Header().Set("X-Served", "1")
+	})
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, log, NewServer("127.0.0.1:0", h), Workers{}) }()
+	client := &http.Client{Timeout: time.Second}
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		resp, err := client.Get(url + "/healthz")
+		if err != nil {
+			return false
+		}
+		_ = resp.Body.Close()
+		return resp.Header.Get("X-Served") != ""
+	}, "Serve's server did not answer while a request held during the start was still answered")
+	cancel()
+	select {
+	case err := <-served:
+		t.Fatalf("Serve returned (%v) while a request held during the start was still answered", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	if resp := <-slow; resp != nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Served") == "" {
+			t.Errorf("the held request was answered %d, X-Served %q; want the service's answer", resp.StatusCode, resp.Header.Get("X-Served"))
+		}
+	}
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// A start that fails, or is stopped, answers the requests it held 503 with a Retry-After, not
+// a closed connection.
+func TestAStoppedStartAnswersTheRequestsItHeld(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	s, err := serveWhileStarting(log, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	answered := holdARequest(t, s)
+	s.close()
+	if resp := <-answered; resp != nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" {
+			t.Errorf("a held request of a start that stopped = %d, Retry-After %q; want 503, 1", resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
 	}
 }
