@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -80,9 +81,10 @@ type RelayConfig struct {
 	// BrokerRetry paces the relay's checks for the broker during an outage, the batches after
 	// failed ones (a database away, a Sender's wrong count of verdicts: each lane tries again
 	// after its next step, whatever PollInterval), and, at its first step, the batch after one
-	// whose rows the broker answered for but took nowhere. Its Max also caps the wait between
-	// attempts to LISTEN again. Default 100 ms doubling up to 2 s, jittered: the relay resumes
-	// within about 2 s of the broker's or the database's return.
+	// whose rows the broker answered for but took nowhere. Its Max, or 500 ms if less, also
+	// caps the wait between attempts to LISTEN again, which start at 500 ms. Default 100 ms
+	// doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's or the
+	// database's return.
 	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling. The relay does
 	// not listen; Enqueue still sends its NOTIFY at commit.
@@ -181,12 +183,12 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
 // lane drains without pause while its batches come back full and sent, and otherwise waits for
-// a NOTIFY from a committed [Enqueue] or the next poll, but no longer than until the first row
-// it saw the broker refuse is due again (its [RelayConfig.Backoff]). A batch with rows left
-// unsent is followed after BrokerRetry's first step, and a failed batch (the database away)
-// after BrokerRetry's next step, whatever the poll; neither wait hears a NOTIFY. While the
-// broker is unavailable the lanes claim nothing; they look for the broker again and resume as
-// soon as it is back. A Sender that cannot connect for a reason no broker can mend (a
+// a NOTIFY from a committed [Enqueue] or the next poll, but no longer than until the next row
+// it saw the broker refuse is due again (each row's [RelayConfig.Backoff]). A batch with rows
+// left unsent is followed after BrokerRetry's first step, and a failed batch (the database
+// away) after BrokerRetry's next step, whatever the poll; neither wait hears a NOTIFY. While
+// the broker is unavailable the lanes claim nothing; they look for the broker again and resume
+// as soon as it is back. A Sender that cannot connect for a reason no broker can mend (a
 // [Publisher] whose configuration names no broker) makes Run return that error at once.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.probe != nil {
@@ -218,10 +220,11 @@ func (r *Relay) Run(ctx context.Context) error {
 // lane runs batches one after another until ctx ends.
 func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	failed := 0 // batches failed in a row
-	// retryAt is when the first row this lane saw the broker refuse, and no batch of it has
-	// claimed since, is due again; zero if none. Nothing NOTIFYs when a backoff runs out, and a
-	// wake taken meanwhile (a batch of other rows) must not leave the row to the poll.
-	var retryAt time.Time
+	// due holds, in order, when the rows this lane saw the broker refuse are due again, while
+	// that is ahead. Nothing NOTIFYs when a backoff runs out, and a claim at one row's time finds
+	// only the rows due by then: each time is kept (see addDue), and the lane waits no longer
+	// than the earliest.
+	var due []time.Time
 	for ctx.Err() == nil {
 		if r.probe != nil && r.isBrokerDown() {
 			// Run's first look, or another lane, found the broker gone: claim nothing, which
@@ -230,18 +233,17 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			continue
 		}
 		started := time.Now()
-		if !retryAt.IsZero() && !started.Before(retryAt) {
-			// Due by now: this batch claims it, or its batch is full and the lane drains on
-			// (the claim takes the oldest rows first); a batch that fails is followed by more.
-			retryAt = time.Time{}
-		}
+		// Due by now: this batch claims those rows, or it is full and the lane drains on (the
+		// claim takes the oldest rows first); a batch that fails is followed by more.
+		due = slices.Delete(due, 0, sort.Search(len(due), func(i int) bool { return due[i].After(started) }))
 		s, err := r.processBatch(ctx)
 		res := s.res
-		if d, ok := s.retryIn(); ok {
-			// Counted from now, after the commit, on this process's clock: the row, dated by the
-			// database's at its refusal, is due by then.
-			if at := time.Now().Add(d); retryAt.IsZero() || at.Before(retryAt) {
-				retryAt = at
+		if len(s.failures) > 0 {
+			// Counted from now, after the commit, on this process's clock: each row, dated by
+			// the database's at its refusal (next_attempt_at, of another clock), is due by then.
+			now := time.Now()
+			for _, f := range s.failures {
+				due = addDue(due, now.Add(f.delay), f.delay)
 			}
 		}
 		switch {
@@ -285,8 +287,8 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 				wake.signal() // more is waiting: another lane may join
 			default:
 				wait := jittered(r.cfg.PollInterval)
-				if !retryAt.IsZero() {
-					wait = min(wait, time.Until(retryAt))
+				if len(due) > 0 {
+					wait = min(wait, time.Until(due[0]))
 				}
 				sleep(ctx, wake, wait)
 			}
@@ -548,15 +550,24 @@ type failure struct {
 	err           error
 }
 
-// retryIn is the shortest backoff the batch gave a row the broker refused, and whether it
-// refused any: a relative wait, not next_attempt_at, which is read off the database's clock.
-func (s settlement) retryIn() (d time.Duration, ok bool) {
-	for _, f := range s.failures {
-		if !ok || f.delay < d {
-			d, ok = f.delay, true
-		}
+// dueGrain is the least by which addDue rounds a refused row's due time up.
+const dueGrain = 50 * time.Millisecond
+
+// addDue adds to due, kept in order, the time at which a row backed off by delay is due,
+// rounded up to a grain of at most a twentieth of delay (the backoff's jitter is wider), at
+// least dueGrain and a power of two times it, so that grains nest: rows refused at about the
+// same time share one, and due stays short however many rows a storm of refusals backs off.
+func addDue(due []time.Time, at time.Time, delay time.Duration) []time.Time {
+	grain := dueGrain
+	for grain*2 <= delay/20 {
+		grain *= 2
 	}
-	return d, ok
+	at = at.Truncate(grain).Add(grain)
+	i, found := slices.BinarySearchFunc(due, at, time.Time.Compare)
+	if found {
+		return due
+	}
+	return slices.Insert(due, i, at)
 }
 
 // settle records the verdicts in tx: marks what was sent, backs off what the broker refused,
@@ -761,12 +772,15 @@ func (r *Relay) listen(ctx context.Context, wake wakeup) {
 		})
 }
 
-// listenRetry paces the attempts to LISTEN again: from 500 ms, doubling, but never slower than
-// the lanes' retries of a failed batch (BrokerRetry's Max, 2 s by default). After a database
-// outage the lanes are back within that, and so must be the wakes: with a long poll, events
-// enqueued meanwhile would otherwise wait for the listener's longer backoff.
+// listenRetry paces the attempts to LISTEN again: from 500 ms, doubling up to the lanes' cap on
+// their retries of a failed batch (BrokerRetry's Max, 2 s by default), or 500 ms if that is
+// less, all jittered. After a database outage the lanes are back within that cap, and so must be
+// the wakes: with a long poll, events enqueued meanwhile would otherwise wait for a longer
+// backoff. The floor keeps a small Max (10 ms) from having the listener try, and log, a
+// database away a hundred times a second.
 func (r *Relay) listenRetry() Backoff {
-	return Backoff{Base: 500 * time.Millisecond, Max: r.cfg.BrokerRetry.Max, Jitter: r.cfg.BrokerRetry.Jitter}
+	return Backoff{Base: 500 * time.Millisecond, Max: max(r.cfg.BrokerRetry.Max, 500*time.Millisecond),
+		Jitter: r.cfg.BrokerRetry.Jitter}
 }
 
 // listenOnce listens until its connection fails; listened reports whether LISTEN succeeded.

@@ -8,7 +8,10 @@ import (
 	"io"
 	"log/slog"
 	"reflect"
+	"slices"
+	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -331,6 +334,121 @@ func (s refusing) Publish(_ context.Context, msgs []Message) []error {
 	return errs
 }
 
+// Every row the broker refused in a batch is claimed again when its own backoff runs out, not
+// only the first due: the claim at the first one's time finds only that row, and the lane that
+// then forgot the others left them to the poll, an hour here. Rows A and B, refused together,
+// are backed off 200 ms and 400 ms (B had failed before); both must be sent well within 1.5 s.
+func TestALaneClaimsEachRefusedRowOfABatchAgainWhenItsBackoffRunsOut(t *testing.T) {
+	t.Parallel()
+	a, b := uuid.New(), uuid.New()
+	db := &dueDB{due: map[uuid.UUID]time.Time{a: {}, b: {}}, attempts: map[uuid.UUID]int{a: 0, b: 1}}
+	sender := &refusingOnce{refused: map[uuid.UUID]bool{}, sent: make(chan uuid.UUID, 2)}
+	r, err := NewRelay(RelayConfig{DB: db, Sender: sender, Exchange: "x", Lanes: 1, PollInterval: time.Hour,
+		Backoff: Backoff{Base: 200 * time.Millisecond, Max: time.Second, Jitter: 0.01}, DisableNotify: true,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.lane(ctx, newWakeup())
+	}()
+	deadline := time.After(1500 * time.Millisecond)
+	pending := map[uuid.UUID]string{a: "A (backed off 200 ms)", b: "B (backed off 400 ms)"}
+	for len(pending) > 0 {
+		select {
+		case id := <-sender.sent:
+			delete(pending, id)
+		case <-deadline:
+			for _, row := range pending {
+				t.Errorf("row %s, refused once, was not sent within 1.5 s: left to the hour's poll", row)
+			}
+			pending = nil
+		}
+	}
+	cancel()
+	<-done
+	if n := db.failures.Load(); n != 2 {
+		t.Errorf("%d refusals recorded, want 2", n)
+	}
+}
+
+// dueDB is its own transaction over a table of rows: a claim returns those due by now (each
+// with its attempts), a refusal backs one off by the delay it is given (counted in failures),
+// and a marking removes the rows. It fails whatever else it is asked.
+type dueDB struct {
+	DB
+	mu       sync.Mutex
+	due      map[uuid.UUID]time.Time // the unsent rows, and when each is due
+	attempts map[uuid.UUID]int
+	failures atomic.Int32
+}
+
+func (d *dueDB) Begin(context.Context) (TxExecutor, error) { return d, nil }
+func (d *dueDB) Exec(_ context.Context, sql string, args ...any) (int64, error) {
+	switch sql {
+	case statements.ClaimPlan:
+		return 0, nil
+	case statements.MarkSent:
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for _, id := range strings.Split(strings.Trim(args[0].(string), "{}"), ",") {
+			delete(d.due, uuid.MustParse(id))
+		}
+		return 0, nil
+	}
+	return 0, errors.New("dueDB: Exec")
+}
+func (d *dueDB) Query(_ context.Context, sql string, args ...any) (Rows, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch sql {
+	case statements.Claim:
+		rows, now := &valueRows{}, time.Now()
+		for id, at := range d.due {
+			if !at.After(now) {
+				rows.rows = append(rows.rows, []any{id, "T", []byte(`{}`), "", time.Now(), d.attempts[id], "", "",
+					(*string)(nil), (*string)(nil), (*string)(nil)})
+			}
+		}
+		return rows, nil
+	case statements.RecordFailure:
+		d.failures.Add(1)
+		id, at := args[2].(uuid.UUID), time.Now().Add(time.Duration(args[1].(int64))*time.Millisecond)
+		d.due[id] = at
+		d.attempts[id]++
+		return &valueRows{rows: [][]any{{at}}}, nil
+	}
+	return nil, errors.New("dueDB: Query")
+}
+func (d *dueDB) Commit(context.Context) error   { return nil }
+func (d *dueDB) Rollback(context.Context) error { return nil }
+
+// refusingOnce is a Sender that refuses each message the first time, and confirms it after,
+// sending its id to sent.
+type refusingOnce struct {
+	mu      sync.Mutex
+	refused map[uuid.UUID]bool
+	sent    chan uuid.UUID
+}
+
+func (s *refusingOnce) Publish(_ context.Context, msgs []Message) []error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	errs := make([]error, len(msgs))
+	for i, m := range msgs {
+		if !s.refused[m.ID] {
+			s.refused[m.ID] = true
+			errs[i] = errors.New("refusingOnce: unroutable")
+			continue
+		}
+		s.sent <- m.ID
+	}
+	return errs
+}
+
 // A relay stopped while its first look for the broker runs reports no outage: the look failed
 // for the stop, not the broker. It logged "broker unavailable; relay paused" and dropped
 // outbox_relay_broker_up to 0 at every shutdown during a slow dial.
@@ -409,34 +527,51 @@ func (s *dialingSender) Connect(ctx context.Context) error {
 
 // The relay's LISTEN is attempted again no slower than the lanes retry a failed batch
 // (BrokerRetry's Max): after a long database outage, the wakes are back with the lanes, not up
-// to 30 s after them, while events wait for a long poll.
+// to 30 s after them, while events wait for a long poll. Nor faster than every 500 ms or so,
+// however small that Max: at 10 ms the listener tried, and logged, a database away a hundred
+// times a second.
 func TestTheRelayListensAgainAtTheLanesPace(t *testing.T) {
 	t.Parallel()
-	def, err := NewRelay(RelayConfig{DB: failingDB{}, Sender: nopSender{}, Exchange: "x"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c, want := def.listenRetry().ceiling(100), def.cfg.BrokerRetry.Max; c > want || want > 2*time.Second {
-		t.Fatalf("by default the LISTEN is attempted again after up to %s, want at most BrokerRetry's Max, %s (2 s)", c, want)
-	}
-	// A database that gives no connection: each attempt fails at once, and is logged with its wait.
-	delays := &retryDelays{}
-	retry := Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}
-	r, err := NewRelay(RelayConfig{DB: connFailingDB{}, Sender: nopSender{}, Exchange: "x", BrokerRetry: retry, Logger: slog.New(delays)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	r.listen(ctx, newWakeup())
-	got := delays.all()
-	if len(got) < 5 {
-		t.Fatalf("%d attempts to listen again in 1 s, want at least 5 at BrokerRetry's pace (at most %s): %v", len(got), retry.Max, got)
-	}
-	for _, d := range got {
-		if d > retry.Max {
-			t.Fatalf("an attempt to listen again waited %s, longer than BrokerRetry's Max of %s: %v", d, retry.Max, got)
-		}
+	for name, c := range map[string]struct {
+		retry       Backoff
+		run         time.Duration
+		want        []time.Duration // the ceilings of the waits logged while it runs, the last repeated
+		least, most int             // waits logged
+	}{
+		// 500 ms, 1 s, then 2 s (logged at 1.5 s at most): capped at BrokerRetry's default Max.
+		"default": {run: 2 * time.Second, want: []time.Duration{500 * time.Millisecond, time.Second, 2 * time.Second},
+			least: 3, most: 3},
+		// 500 ms (400 ms at least, jittered) whatever the step: 2 or 3 in 1 s, not a hundred.
+		"floor": {retry: Backoff{Base: 10 * time.Millisecond, Max: 10 * time.Millisecond}, run: time.Second,
+			want: []time.Duration{500 * time.Millisecond}, least: 2, most: 3},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			// A database that gives no connection: each attempt fails at once, and is logged
+			// with its wait.
+			delays := &retryDelays{}
+			r, err := NewRelay(RelayConfig{DB: connFailingDB{}, Sender: nopSender{}, Exchange: "x", BrokerRetry: c.retry,
+				Logger: slog.New(delays)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, want := r.listenRetry().ceiling(100), c.want[len(c.want)-1]; got != want {
+				t.Fatalf("the LISTEN is attempted again after up to %s, want %s", got, want)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), c.run)
+			defer cancel()
+			r.listen(ctx, newWakeup())
+			got := delays.all()
+			if len(got) < c.least || len(got) > c.most {
+				t.Fatalf("%d attempts to listen again in %s, want %d to %d: %v", len(got), c.run, c.least, c.most, got)
+			}
+			for i, d := range got {
+				ceiling := c.want[min(i, len(c.want)-1)]
+				if d > ceiling || d < time.Duration(float64(ceiling)*(1-DefaultJitter)) {
+					t.Fatalf("attempt %d to listen again waited %s, want %s less its jitter: %v", i+1, d, ceiling, got)
+				}
+			}
+		})
 	}
 }
 
@@ -445,4 +580,27 @@ type connFailingDB struct{ DB }
 
 func (connFailingDB) Conn(context.Context) (Conn, error) {
 	return nil, errors.New("connFailingDB: the database is away")
+}
+
+// addDue keeps due in order, never earlier than a row's time nor later than its grain, and
+// short however many rows a storm of refusals backs off: 100,000 rows refused over a minute,
+// each for about five minutes, share a few dozen times.
+func TestAddDueKeepsFewTimesNeverEarly(t *testing.T) {
+	t.Parallel()
+	start := time.Now()
+	var due []time.Time
+	for i := range 100_000 {
+		refused := start.Add(time.Duration(i) * 600 * time.Microsecond)
+		delay := 5*time.Minute - time.Duration(i%60)*time.Second // jittered below its step
+		at := refused.Add(delay)
+		due = addDue(due, at, delay)
+		j := sort.Search(len(due), func(k int) bool { return !due[k].Before(at) })
+		if j == len(due) || due[j].Sub(at) > delay/20 {
+			t.Fatalf("row %d due at %v: no kept time from then to a grain later (%d kept)", i, at, len(due))
+		}
+	}
+	if !slices.IsSortedFunc(due, time.Time.Compare) || len(due) > 100 {
+		t.Fatalf("%d times kept for 100,000 rows (sorted: %v): want a few dozen, in order", len(due), slices.IsSortedFunc(due, time.Time.Compare))
+	}
+	t.Logf("%d times kept for 100,000 rows", len(due))
 }
