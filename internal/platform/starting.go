@@ -59,12 +59,12 @@ func (s *startingSlot) take() *startingServer {
 
 // startingServer answers on the service's HTTP port while Start waits for the database and
 // runs the migrations, which take as long as another replica's take: /healthz 200, for the
-// process runs, /readyz and /metrics 503. So an orchestrator neither kills a replica that is
-// migrating (its liveness holds) nor sends it requests (it is not ready), and Prometheus sees
-// it down, as before it listened. Any other request waits up to startingHold for the service
-// to start, then is served by it, or answered 503 with a Retry-After: a client that took a
-// live process for a started one (it polled /healthz, not /readyz) is served as it was when
-// nothing listened before the start. Serve then serves on the same listener: no second bind,
+// process runs, /readyz 503. So an orchestrator neither kills a replica that is migrating (its
+// liveness holds) nor sends it requests (it is not ready). Any other request, a scrape of
+// /metrics too, waits up to startingHold for the service to start, then is served by it, or
+// answered 503 with a Retry-After (a long start is down to Prometheus, as before it listened):
+// a client that took a live process for a started one (it polled /healthz, not /readyz) is
+// served as it was when nothing listened before the start. Serve then serves on the same listener: no second bind,
 // no connection refused between the two.
 type startingServer struct {
 	addr   string
@@ -130,7 +130,6 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 	mux.Handle("GET /readyz", &readiness{log: slog.New(slog.DiscardHandler), ready: func(context.Context) error {
 		return &NotReadyError{Reason: startingReason}
 	}})
-	mux.Handle("GET /metrics", startingUnavailable())
 	s := &startingServer{addr: addr, ln: tcp, accept: &handoffListener{TCPListener: tcp}, srv: NewServer(addr, mux),
 		served: make(chan struct{}), started: make(chan struct{}), stopping: make(chan struct{})}
 	mux.HandleFunc("/", s.hold)
