@@ -73,3 +73,22 @@ func TestTheTestCommandStopsOnADiskAlarm(t *testing.T) {
 		t.Errorf("rabbitmqctl was asked about the watermark: %s", b)
 	}
 }
+
+// A memory alarm beside another (the disk's) is not undone either: the run stops at once,
+// naming the other, and touches no watermark.
+func TestTheTestCommandStopsOnADiskAlarmBesideAMemoryAlarm(t *testing.T) {
+	t.Parallel()
+	h, asked := alarmedHost(t, "Memory alarm on node rabbit@localhost\nFree disk space alarm on node rabbit@localhost")
+	start := time.Now()
+	out := failed(t, h.runScript(inCopy(t, "test.sh", "servers.sh", "alone.sh"), "test.sh"))
+	if !strings.Contains(out, "RabbitMQ reports an alarm the tests do not raise, which is not theirs to undo: Free disk space alarm on node rabbit@localhost") ||
+		strings.Contains(out, "set back to") || strings.Contains(out, "== gofmt") {
+		t.Errorf("the run did not stop at the alarms, naming the disk's:\n%s", out)
+	}
+	if b, _ := os.ReadFile(asked); strings.Contains(string(b), "watermark") {
+		t.Errorf("rabbitmqctl was asked about the watermark: %s", b)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Errorf("the run took %v to stop", took)
+	}
+}

@@ -67,51 +67,87 @@ alone() {
 # alone_end_processes ends what the run's shell started and still runs (a go test, its test
 # binaries, what they run), for the run's EXIT trap, before its cleanup: bash runs that trap on
 # a signal but leaves the foreground commands running, and the lock goes with the shell, so an
-# orphaned test would go on restarting servers under the next run's lock. Each process found is
-# stopped (SIGSTOP) and the search made again until it finds no more, as a go test whose test
-# binary ended would start the next; then all get SIGTERM, and those left after 10 s SIGKILL.
-# The lock's holder is spared: it ends by itself, after the shell. /proc is read by the shell
+# orphaned test would go on restarting servers under the next run's lock. All are stopped
+# (SIGSTOP, alone_stop_descendants), then get SIGTERM and SIGCONT; until they have ended, /proc
+# is read again every 0.1 s, and any new one (a process that handles SIGTERM may start another,
+# as may one stopped as it forked, once it goes on) is stopped and ended the same way. After
+# 10 s, those left are stopped again, with what they started meanwhile, and get SIGKILL. The
+# lock's holder is spared: it ends by itself, after the shell. /proc is read by the shell
 # itself, forking nothing: a command run to list the processes would be one of them.
 alone_end_processes() {
-  local -a found=() todo
-  local -A children seen=()
-  local stat line pid ppid more=1
-  while [ "$more" = 1 ]; do
-    more=0 children=()
+  local -a found=() new=()
+  local -A seen=()
+  local until=$((SECONDS + 10))
+  alone_stop_descendants || return 0
+  while [ "$SECONDS" -lt "$until" ]; do
+    if [ "${#new[@]}" -gt 0 ]; then
+      kill -TERM "${new[@]}" 2>/dev/null || true
+      kill -CONT "${new[@]}" 2>/dev/null || true
+    fi
+    sleep 0.1
+    alone_stop_descendants || alone_running "${found[@]}" >/dev/null || return 0
+  done
+  # Stopped again, with what they started meanwhile, so that none starts another as they end.
+  local left
+  left=$(alone_running "${found[@]}") || return 0
+  # shellcheck disable=SC2086 # pids
+  kill -STOP $left 2>/dev/null || true
+  alone_stop_descendants || true
+  left=$(alone_running "${found[@]}") || return 0
+  printf 'ending the processes the run left, which outlived SIGTERM by 10 s: %s\n' "$left" >&2
+  # shellcheck disable=SC2086 # pids
+  kill -KILL $left 2>/dev/null || true
+}
+
+# alone_stop_descendants stops (SIGSTOP) each process descended from this shell that it has not
+# stopped before (the lock's holder and what that runs spared), reading /proc again until a
+# reading finds no new one (one not yet stopped may start another meanwhile), or 10 times: one
+# stopped before and let go on may start others without end. It walks through those stopped
+# before too, as what they started before they stopped is new. It adds each
+# as PID:START (its start time, as /proc gives it: a pid is soon reused) to the caller's found,
+# and sets the caller's new to their pids; it fails if there was none.
+alone_stop_descendants() {
+  local -A children start
+  local -a todo fields
+  local stat line pid i more=1 passes=0
+  new=()
+  while [ "$more" = 1 ] && [ "$((passes += 1))" -le 10 ]; do
+    more=0 children=() start=()
     for stat in /proc/[0-9]*/stat; do
       read -r line 2>/dev/null <"$stat" || continue # gone meanwhile
       pid=${stat#/proc/} line=${line##*) }           # the fields after the command's name
-      ppid=${line#* }
-      children[${ppid%% *}]+=" ${pid%/stat}"
+      pid=${pid%/stat}
+      # shellcheck disable=SC2206 # state, ppid, ...: a letter and numbers, nothing to glob
+      fields=($line)
+      children[${fields[1]}]+=" $pid"
+      start[$pid]=${fields[19]}
     done
     todo=($$)
-    while [ "${#todo[@]}" -gt 0 ]; do
-      pid=${todo[0]} todo=("${todo[@]:1}")
-      for pid in ${children[$pid]:-}; do
-        if [ "$pid" = "${alone_holder:-}" ] || [ -n "${seen[$pid]:-}" ]; then continue; fi
+    for ((i = 0; i < ${#todo[@]}; i++)); do
+      for pid in ${children[${todo[i]}]:-}; do
+        [ "$pid" != "${alone_holder:-}" ] || continue
+        todo+=("$pid")
+        [ -z "${seen[$pid:${start[$pid]}]:-}" ] || continue
         kill -STOP "$pid" 2>/dev/null || continue
-        seen[$pid]=1 found+=("$pid") todo+=("$pid") more=1
+        seen[$pid:${start[$pid]}]=1 found+=("$pid:${start[$pid]}") new+=("$pid") more=1
       done
     done
   done
-  [ "${#found[@]}" -gt 0 ] || return 0
-  kill -TERM "${found[@]}" 2>/dev/null || true
-  kill -CONT "${found[@]}" 2>/dev/null || true
-  for _ in $(seq 100); do
-    alone_running "${found[@]}" >/dev/null || return 0
-    sleep 0.1
-  done
-  printf 'ending the processes the run left, which outlived SIGTERM by 10 s: %s\n' "$(alone_running "${found[@]}")" >&2
-  kill -KILL "${found[@]}" 2>/dev/null || true
+  [ "${#new[@]}" -gt 0 ]
 }
 
-# alone_running PID...: prints those that still run (a zombie has ended), and fails if none does.
+# alone_running PID[:START]...: prints the pids of those that still run (a zombie has ended; one
+# whose start time is not START is another process that got its pid), and fails if none does.
 alone_running() {
-  local pid line state running=""
+  local pid want line running="" fields
   for pid in "$@"; do
+    want=${pid#*:} pid=${pid%%:*}
     read -r line 2>/dev/null <"/proc/$pid/stat" || continue
-    state=${line##*) }
-    [ "${state%% *}" = Z ] || running+=" $pid"
+    # shellcheck disable=SC2206 # a letter and numbers, nothing to glob
+    fields=(${line##*) }) # the start time, the 22nd field of all, is the 20th of these
+    [ "${fields[0]}" != Z ] || continue
+    [ "$want" = "$pid" ] || [ "$want" = "${fields[19]}" ] || continue
+    running+=" $pid"
   done
   [ -n "$running" ] && printf '%s\n' "${running# }"
 }

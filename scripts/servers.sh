@@ -55,7 +55,9 @@ servers_mode() {
   fi
   {
     echo "neither PostgreSQL ($(host_port "$TEST_DATABASE_URL")) nor RabbitMQ ($(host_port "$TEST_AMQP_URL")) answers, none is installed, and there is no Docker."
-    echo "  Either install PostgreSQL 15+ and RabbitMQ 3.10+ locally (postgres with trust auth, guest/guest),"
+    echo "  Either install PostgreSQL 15+ and RabbitMQ 3.10+ locally (postgres with trust auth, guest/guest;"
+    echo "  the phases against this machine's RabbitMQ stand for 3.10, the oldest the library supports:"
+    echo "  with another version, set TEST_MACHINE_RABBITMQ to its major.minor to run them against it),"
     echo "  or install Docker and run this again: it then starts both from $compose_test_file"
     echo "  (docker compose -f $compose_test_file up -d --wait)."
   } >&2

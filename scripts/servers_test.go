@@ -134,7 +134,7 @@ func TestNoServersMessageNamesBothWays(t *testing.T) {
 	if ok {
 		t.Fatal("servers_mode succeeded with no server, no install and no Docker")
 	}
-	for _, want := range []string{"install PostgreSQL 15+ and RabbitMQ 3.10+ locally", "install Docker", "docker compose -f deploy/compose.test.yml up -d --wait"} {
+	for _, want := range []string{"install PostgreSQL 15+ and RabbitMQ 3.10+ locally", "stand for 3.10", "TEST_MACHINE_RABBITMQ", "install Docker", "docker compose -f deploy/compose.test.yml up -d --wait"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("message %q does not say %q", out, want)
 		}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -136,4 +137,71 @@ func TestASignalToTheBenchmarkEndsTheGoItRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	signalEndsTheGoItRuns(t, h.runScript(dir, "bench.sh"), pids)
+}
+
+// A go that keeps starting children, as go test starts one test binary after another and a
+// test binary what it runs: those it starts while the script looks for what to end, and those
+// it starts as it ends, end too. The children sleep for a time of this test's own, by which
+// they, and the go by its path, are told from any other process.
+func TestASignalEndsWhatTheGoStartsWhileItIsEnded(t *testing.T) {
+	t.Parallel()
+	h := newHost(t).answering().
+		with("pg_isready", "exit 0").with("rabbitmq-diagnostics", "exit 0").
+		with("psql", "exit 0").with("rabbitmqctl", "exit 0").with("gofmt", "exit 0")
+	started := filepath.Join(t.TempDir(), "started")
+	nap := fmt.Sprintf("300.%09d", time.Now().UnixNano()%1e9)
+	// Bounded, that a script that fails to end it cannot take every pid of the machine.
+	h.with("go", "i=0; while [ $i -lt 3000 ]; do sleep "+nap+" & echo >>"+started+"; i=$((i+1)); done; wait")
+	goCmd := filepath.Join(h.bin, "go")
+	left := func() (goPids, children []int) { // what still runs of the go and its children
+		stats, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+		for _, stat := range stats {
+			pid, _ := strconv.Atoi(strings.TrimSuffix(strings.TrimPrefix(stat, "/proc/"), "/cmdline"))
+			cmdline, err := os.ReadFile(stat)
+			switch {
+			case err != nil || !running(pid):
+			case string(cmdline) == "sleep\x00"+nap+"\x00":
+				children = append(children, pid)
+			case strings.Contains(string(cmdline), "\x00"+goCmd+"\x00"):
+				goPids = append(goPids, pid)
+			}
+		}
+		return goPids, children
+	}
+	t.Cleanup(func() { // what the script left, if it left them: the go first, which starts more
+		goPids, _ := left()
+		for _, pid := range goPids {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		time.Sleep(100 * time.Millisecond)
+		_, children := left()
+		for _, pid := range children {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	})
+	run := h.runScript(inCopy(t, "test.sh", "servers.sh", "alone.sh"), "test.sh")
+	testenv.Eventually(t, 10*time.Second, func() bool { b, _ := os.ReadFile(started); return len(b) > 50 },
+		"the script did not get to go:\n%s", run)
+	if err := run.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-run.done:
+		if err == nil {
+			t.Fatalf("the script ended with status 0 on SIGTERM:\n%s", run)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the script did not end within 30 s of SIGTERM:\n%s", run)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		goPids, children := left()
+		if len(goPids)+len(children) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(started)
+			t.Fatalf("5 s after the script ended on SIGTERM, %d of the %d children the go started still run (and of the go, pids %v):\n%s",
+				len(children), len(b), goPids, run)
+		}
+	}
 }

@@ -88,7 +88,7 @@ ensure_postgres() {
 ensure_rabbitmq() {
   if ! rabbit_ready; then
     is_local "$TEST_AMQP_URL" || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") (TEST_AMQP_URL)"
-    command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ (4.x in the compose files) or set TEST_AMQP_URL"
+    command -v rabbitmqctl >/dev/null || die "RabbitMQ does not answer at $(host_port "$TEST_AMQP_URL") and is not installed here (rabbitmq-server); install RabbitMQ 3.10+ (4.x in the compose files; the phases against the machine's RabbitMQ stand for 3.10: with another version, set TEST_MACHINE_RABBITMQ to its major.minor) or set TEST_AMQP_URL"
     if timeout 30 rabbitmqctl -q ping >/dev/null 2>&1; then
       say "starting the RabbitMQ application (the node runs, the app was stopped)"
       rabbitmqctl -q start_app
@@ -110,16 +110,23 @@ rabbit_alarm_clear() { timeout 60 rabbitmq-diagnostics -q check_alarms 2>&1; }
 # publisher, and the suite would fail without saying why. A memory alarm may be a test's: those
 # that raise one (pkg/messaging/test's restart tests) set the watermark to 0 and set it back in
 # a cleanup that a killed test binary does not run, and the node keeps it until it restarts.
-# That one is undone here: the node's configured watermark (its application environment, which
-# setting it at run time leaves as it was) set again. (The nodes of scripts/sidroot.sh start
-# afresh each run.)
+# That one, when it is the only alarm, is undone here: the node's configured watermark (its
+# application environment, which setting it at run time leaves as it was) set again. Beside
+# another, the run stops at once, naming them. (The nodes of scripts/sidroot.sh start afresh
+# each run.)
 no_rabbit_alarm() {
-  local alarms was configured
+  local alarms line memory="" others="" was configured
   alarms=$(rabbit_alarm_clear) && return 0
-  case "$alarms" in
-    *"Memory alarm on node"*) ;;
-    *) die "RabbitMQ reports an alarm, or could not be asked (rabbitmq-diagnostics check_alarms): $alarms" ;;
-  esac
+  # One line an alarm ("Memory alarm on node …", "Free disk space alarm on node …", "File
+  # descriptor limit alarm on node …"): only a memory alarm alone is undone.
+  while IFS= read -r line; do
+    case "$line" in
+      *"Memory alarm on node"*) memory=1 ;;
+      *" alarm on node"*) others+="${others:+; }$line" ;;
+    esac
+  done <<<"$alarms"
+  [ -z "$others" ] || die "RabbitMQ reports an alarm the tests do not raise, which is not theirs to undo: $others (rabbitmq-diagnostics check_alarms: $alarms)"
+  [ -n "$memory" ] || die "RabbitMQ reports an alarm, or could not be asked (rabbitmq-diagnostics check_alarms): $alarms"
   was=$(timeout 60 rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' 2>&1) ||
     die "RabbitMQ has a memory alarm, and rabbitmqctl could not read its watermark: $was"
   configured=$(timeout 60 rabbitmqctl -q eval '{ok, W} = application:get_env(rabbit, vm_memory_high_watermark), ok = vm_memory_monitor:set_vm_memory_high_watermark(W), W.' 2>&1) ||
@@ -336,9 +343,18 @@ with_broker() {
 # phase, so that one whose URL reached another broker (the machine's upgraded, say) does not
 # pass while testing that version no longer. The check is internal/testenv's test, built above.
 broker_version() {
-  local out version
-  out=$(with_broker "$1" "$report/brokercheck" -test.run '^TestTheBrokerIsTheRabbitMQTheRunWants$' -test.v 2>&1) ||
-    { printf '%s\n' "$out" >&2; die "the broker of the phases against $1 is not the RabbitMQ they stand for"; }
+  local out version minor re=': the broker at [^[:space:]]+ is RabbitMQ ([^[:space:],]+)'
+  if ! out=$(with_broker "$1" "$report/brokercheck" -test.run '^TestTheBrokerIsTheRabbitMQTheRunWants$' -test.v 2>&1); then
+    printf '%s\n' "$out" >&2
+    # The machine's broker is whatever RabbitMQ the machine has: TEST_MACHINE_RABBITMQ, not the
+    # TEST_WANT_RABBITMQ the test names (with_broker sets it from that), lets it stand for them.
+    if [ "$1" = machine ] && [[ $out =~ $re ]]; then
+      version=${BASH_REMATCH[1]} minor=X.Y
+      [[ ! $version =~ ^[0-9]+\.[0-9]+ ]] || minor=${BASH_REMATCH[0]}
+      die "the machine's RabbitMQ is $version, not the $machine_rabbitmq these phases stand for; set TEST_MACHINE_RABBITMQ=$minor to run them against it anyway"
+    fi
+    die "the broker of the phases against $1 is not the RabbitMQ they stand for"
+  fi
   version=$(printf '%s\n' "$out" | sed -n 's/.*: the broker at [^ ]* is RabbitMQ //p')
   [ -n "$version" ] || { printf '%s\n' "$out" >&2; die "internal/testenv's TestTheBrokerIsTheRabbitMQTheRunWants did not name the broker's version: was it renamed?"; }
   printf '%s' "$version"

@@ -24,7 +24,7 @@ func TestTheBrokerIsTheRabbitMQTheRunWants(t *testing.T) {
 	}
 	version, _ := Connection(t).Properties["version"].(string)
 	if !strings.HasPrefix(version, want) {
-		t.Fatalf("the broker at %s is RabbitMQ %q, not the %s* this phase stands for (TEST_WANT_RABBITMQ): it would not test that version", u.Host, version, want)
+		t.Fatalf("the broker at %s is RabbitMQ %s, not the %s* this phase stands for (TEST_WANT_RABBITMQ; scripts/test.sh sets it from TEST_MACHINE_RABBITMQ for the machine's broker): it would not test that version", u.Host, version, want)
 	}
 	t.Logf("the broker at %s is RabbitMQ %s", u.Host, version)
 }
