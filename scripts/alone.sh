@@ -119,6 +119,7 @@ alone_stop_descendants() {
       pid=${pid%/stat}
       # shellcheck disable=SC2206 # state, ppid, ...: a letter and numbers, nothing to glob
       fields=($line)
+      [ "${#fields[@]}" -ge 20 ] || continue # a name with a newline in it: cut short, not the run's
       children[${fields[1]}]+=" $pid"
       start[$pid]=${fields[19]}
     done
@@ -145,6 +146,7 @@ alone_running() {
     read -r line 2>/dev/null <"/proc/$pid/stat" || continue
     # shellcheck disable=SC2206 # a letter and numbers, nothing to glob
     fields=(${line##*) }) # the start time, the 22nd field of all, is the 20th of these
+    [ "${#fields[@]}" -ge 20 ] || continue
     [ "${fields[0]}" != Z ] || continue
     [ "$want" = "$pid" ] || [ "$want" = "${fields[19]}" ] || continue
     running+=" $pid"

@@ -205,3 +205,31 @@ func TestASignalEndsWhatTheGoStartsWhileItIsEnded(t *testing.T) {
 		}
 	}
 }
+
+// The end of a run's processes reads every process of the machine, whatever its name: one
+// with a newline in it (its /proc stat line read cut short) must not stop the cleanup under
+// set -u, which would leave the run's nodes running.
+func TestTheEndOfARunsProcessesTakesAnyProcessName(t *testing.T) {
+	t.Parallel()
+	odd := filepath.Join(t.TempDir(), "a\nb")
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(sleep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(odd, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	other := exec.Command(odd, "30")
+	if err := other.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Process.Kill(); _ = other.Wait() })
+	out, err := exec.Command("bash", "-c", "set -euo pipefail; . ./alone.sh; alone_end_processes; echo ended").CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "ended" {
+		t.Fatalf("alone_end_processes beside a process named %q: %v\n%s", "a\\nb", err, out)
+	}
+}

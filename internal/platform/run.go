@@ -128,8 +128,8 @@ type Workers struct {
 func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Workers) error {
 	if s := startingSlotOf(ctx).take(); s != nil {
 		if s.addr == srv.Addr {
-			ln, drained := s.handOff(ctx, log, srv.Handler)
-			return serve(ctx, log, srv, ln, drained, workers)
+			ln, drain := s.handOff(log, srv.Handler)
+			return serve(ctx, log, srv, ln, drain, workers)
 		}
 		s.close() // srv listens elsewhere: the start's port is done with
 	}
@@ -140,9 +140,9 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 	return serve(ctx, log, srv, ln, nil, workers)
 }
 
-// serve is Serve on a listener already open, whose shutdown also waits for held, if not nil:
-// the requests of the start's server (see handOff).
-func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, held <-chan struct{}, workers Workers) error {
+// serve is Serve on a listener already open, whose shutdown also drains held, if not nil: the
+// requests of the start's server (see handOff).
+func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, held func(context.Context), workers Workers) error {
 	log.Info("listening", "addr", ln.Addr().String())
 	if srv.ErrorLog == nil {
 		// net/http's own lines (an accept error, a superfluous WriteHeader) as the service's
@@ -183,7 +183,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		defer cancel()
 		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
 		if held != nil {
-			<-held
+			held(shutdownCtx)
 		}
 		return nil
 	})

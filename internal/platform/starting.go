@@ -150,9 +150,10 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 
 // handOff gives the requests s holds to handler and returns s's listener, open, as soon as s's
 // server accepts no more: the connections that arrive meanwhile wait in its backlog for Serve's
-// server. The requests s's server has already read are answered meanwhile, by handler; drained
-// closes once they are, within ShutdownTimeout, for Serve's shutdown to wait for.
-func (s *startingServer) handOff(ctx context.Context, log *slog.Logger, handler http.Handler) (ln net.Listener, drained <-chan struct{}) {
+// server. The requests s's server has already read are answered meanwhile, by handler, as long
+// as they take, and its connections yet to send one get Serve's server's ReadHeaderTimeout;
+// drain, for Serve's shutdown, waits for them until its context ends, then cuts them off.
+func (s *startingServer) handOff(log *slog.Logger, handler http.Handler) (ln net.Listener, drain func(context.Context)) {
 	s.handler = handler
 	close(s.started)
 	_ = s.accept.Close()
@@ -161,15 +162,17 @@ func (s *startingServer) handOff(ctx context.Context, log *slog.Logger, handler 
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
-		defer cancel()
-		s.conns.settle(drainCtx, newConnWait)
-		if err := s.srv.Shutdown(drainCtx); err != nil {
-			log.Warn("requests made while starting still running after the shutdown timeout were cut off", "error", err)
+		s.conns.settle(context.Background(), ReadHeaderTimeout)
+		_ = s.srv.Shutdown(context.Background()) // none left: it returns at once
+	}()
+	return s.ln, func(ctx context.Context) {
+		select {
+		case <-done:
+		case <-ctx.Done():
+			log.Warn("requests made while starting still running at the shutdown deadline were cut off")
 			_ = s.srv.Close()
 		}
-	}()
-	return s.ln, done
+	}
 }
 
 // close answers the requests s holds 503, stops s's server and closes its listener: the start

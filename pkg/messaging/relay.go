@@ -562,7 +562,9 @@ func addDue(due []time.Time, at time.Time, delay time.Duration) []time.Time {
 	for grain*2 <= delay/20 {
 		grain *= 2
 	}
-	at = at.Truncate(grain).Add(grain)
+	// Up to the next grain, keeping the monotonic reading (Truncate drops it): a step of the
+	// wall clock must not make a time due early, nor late.
+	at = at.Add(grain - at.Sub(at.Truncate(grain)))
 	i, found := slices.BinarySearchFunc(due, at, time.Time.Compare)
 	if found {
 		return due

@@ -598,6 +598,9 @@ func TestAddDueKeepsFewTimesNeverEarly(t *testing.T) {
 		if j == len(due) || due[j].Sub(at) > delay/20 {
 			t.Fatalf("row %d due at %v: no kept time from then to a grain later (%d kept)", i, at, len(due))
 		}
+		if !strings.Contains(due[j].String(), " m=") {
+			t.Fatalf("kept time %v has no monotonic reading: a step of the wall clock would move it", due[j])
+		}
 	}
 	if !slices.IsSortedFunc(due, time.Time.Compare) || len(due) > 100 {
 		t.Fatalf("%d times kept for 100,000 rows (sorted: %v): want a few dozen, in order", len(due), slices.IsSortedFunc(due, time.Time.Compare))
