@@ -102,17 +102,7 @@ func signalEndsTheGoItRuns(t *testing.T, run *lockedRun, pidFile string) {
 		_ = syscall.Kill(goPid, syscall.SIGKILL)
 		_ = syscall.Kill(childPid, syscall.SIGKILL)
 	})
-	if err := run.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-run.done:
-		if err == nil {
-			t.Fatalf("the script ended with status 0 on SIGTERM:\n%s", run)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatalf("the script did not end within 30 s of SIGTERM:\n%s", run)
-	}
+	terminate(t, run)
 	testenv.Eventually(t, 5*time.Second, func() bool { return !running(goPid) && !running(childPid) },
 		"the go the script ran (pid %d) or its child (pid %d) still runs 5 s after the script ended on SIGTERM:\n%s", goPid, childPid, run)
 }
@@ -137,6 +127,23 @@ func TestASignalToTheBenchmarkEndsTheGoItRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	signalEndsTheGoItRuns(t, h.runScript(dir, "bench.sh"), pids)
+}
+
+// terminate sends run's script SIGTERM and fails t unless it ends within 30 s, with a status
+// other than 0.
+func terminate(t *testing.T, run *lockedRun) {
+	t.Helper()
+	if err := run.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-run.done:
+		if err == nil {
+			t.Fatalf("the script ended with status 0 on SIGTERM:\n%s", run)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the script did not end within 30 s of SIGTERM:\n%s", run)
+	}
 }
 
 // A go that keeps starting children, as go test starts one test binary after another and a
@@ -182,17 +189,7 @@ func TestASignalEndsWhatTheGoStartsWhileItIsEnded(t *testing.T) {
 	run := h.runScript(inCopy(t, "test.sh", "servers.sh", "alone.sh"), "test.sh")
 	testenv.Eventually(t, 10*time.Second, func() bool { b, _ := os.ReadFile(started); return len(b) > 50 },
 		"the script did not get to go:\n%s", run)
-	if err := run.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-run.done:
-		if err == nil {
-			t.Fatalf("the script ended with status 0 on SIGTERM:\n%s", run)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatalf("the script did not end within 30 s of SIGTERM:\n%s", run)
-	}
+	terminate(t, run)
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		goPids, children := left()
 		if len(goPids)+len(children) == 0 {

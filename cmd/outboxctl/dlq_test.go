@@ -936,12 +936,7 @@ func TestDlqRedriveInterruptedWaitsForTheConfirmInFlight(t *testing.T) {
 	r := redriveUntilTheSecondConfirm(ctx, t)
 	queue, ids, dlq, ch, codes, stdout, stderr := r.queue, r.ids, r.dlq, r.ch, r.codes, &r.stdout, &r.stderr
 	interrupt()
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("redrive did not stop after the interrupt")
-	}
+	code := exitWithin(t, codes, "redrive did not stop after the interrupt")
 
 	if want := fmt.Sprintf("redriven %s OrderPlaced\nredriven %s OrderPlaced\ninterrupted: moved 2 of the 3 messages picked from %s to %s; the others are still in %s",
 		ids[0], ids[1], dlq, queue, dlq); code != exitFailure || !strings.Contains(stdout.String(), want) {
@@ -988,12 +983,7 @@ func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
 	r := redriveUntilTheSecondConfirm(context.Background(), t)
 	queue, ids, dlq, ch, codes, stdout, stderr := r.queue, r.ids, r.dlq, r.ch, r.codes, &r.stdout, &r.stderr
 	r.proxy.Stop() // the connection goes
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("redrive did not stop when its connection was cut")
-	}
+	code := exitWithin(t, codes, "redrive did not stop when its connection was cut")
 
 	if want := fmt.Sprintf("stopped by a failure: moved 1 of the 3 messages picked from %s to %s", dlq, queue); code != exitFailure ||
 		!strings.Contains(stdout.String(), want) {
@@ -1032,12 +1022,7 @@ func TestDlqRedriveCutOffBeforeTheLastAcknowledgementArrivesSaysItMayBeInBoth(t 
 	}()
 	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, queue) == 2 }, "the last copy never reached %s", queue)
 	proxy.Stop()
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("redrive did not stop when its connection was cut")
-	}
+	code := exitWithin(t, codes, "redrive did not stop when its connection was cut")
 
 	if want := "message " + ids[1] + " may be in both " + queue + " and " + dlq; code != exitFailure || !strings.Contains(stderr.String(), want) {
 		t.Errorf("redrive cut off before its last acknowledgement arrived: exit %d, stdout %q, stderr %q; want 1, and %q",

@@ -632,6 +632,18 @@ func runIntoPipe(t *testing.T, afterALine bool, args ...string) (int, string) {
 	return processExit(t, cmd.Wait()), stderr.String()
 }
 
+// exitWithin is the exit status codes gives within 30 s; failing t with what, if none comes.
+func exitWithin(t *testing.T, codes <-chan int, what string) int {
+	t.Helper()
+	select {
+	case code := <-codes:
+		return code
+	case <-time.After(30 * time.Second):
+		t.Fatal(what)
+		return 0
+	}
+}
+
 // processExit is the exit status of a process that ended with err: -1 if a signal killed it.
 func processExit(t *testing.T, err error) int {
 	t.Helper()

@@ -659,12 +659,7 @@ func TestDropInterruptedWhileItCommitsFinishesAndKeepsTheRecord(t *testing.T) {
 	case <-time.After(200 * time.Millisecond): // time for a wrong return to come; the right one cannot
 	}
 	release()
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("drop did not end")
-	}
+	code := exitWithin(t, codes, "drop did not end")
 	left := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages")
 	if code != exitOK || left != 0 {
 		t.Fatalf("drop interrupted while it committed: exit %d, %d rows left, stdout %q, stderr %q; want it committed and reported",
@@ -694,12 +689,7 @@ func TestRetryOneInterruptedWhileItCommitsReportsTheRowDue(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, waiting, "the retry never reached its commit")
 	interrupt()
 	release()
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("retry did not end")
-	}
+	code := exitWithin(t, codes, "retry did not end")
 	isDue, attempts, _ := due(t, d.DB, id)
 	if code != exitOK || !isDue {
 		t.Fatalf("retry --id interrupted while it committed: exit %d, due %v, stdout %q, stderr %q; want it committed and reported",
@@ -906,12 +896,7 @@ func retryInterrupted(t *testing.T, format string) {
 	}, "the first batch never reached the gate")
 	interrupt()
 	release()
-	var code int
-	select {
-	case code = <-codes:
-	case <-time.After(30 * time.Second):
-		t.Fatal("retry did not stop after the interrupt")
-	}
+	code := exitWithin(t, codes, "retry did not stop after the interrupt")
 
 	said := strings.Contains(stdout.String(), "1000 of the 5000 failed outbox rows listed are due now; the last 4000 listed were not tried")
 	if format == "json" {
