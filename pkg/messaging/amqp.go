@@ -75,6 +75,16 @@ var errUnparseableURL = errors.New("a broker URL does not parse (its text is lef
 	"password; its scheme must be amqp or amqps, and a reserved character such as / ? # @ : in its user " +
 	"name or password must be percent-encoded)")
 
+// checkHeartbeat refuses a heartbeat AMQP cannot carry: the client sends whole seconds, so
+// less than one would be 0, and the broker's interval (60 s by default) would be used. 0 takes
+// the default.
+func checkHeartbeat(hb time.Duration) error {
+	if hb > 0 && hb < time.Second {
+		return fmt.Errorf("%s is under AMQP's 1 s; give at least 1 s, or 0 for the default %s", hb, defaultHeartbeat)
+	}
+	return nil
+}
+
 // dialOne opens a connection with heartbeats (so a half-open TCP connection is noticed in
 // bounded time) and a connection name that shows up in the broker's management tools. The TCP
 // connection and the AMQP handshake each get dialTimeout, and end with ctx: a broker that
@@ -304,7 +314,22 @@ func truncate(s string) string {
 	if len(s) <= maxEchoed {
 		return s
 	}
-	return s[:maxEchoed] + "…"
+	return cutUTF8(s, maxEchoed) + "…"
+}
+
+// cutUTF8 is s cut to at most n bytes, before the character that n falls in: a cut through a
+// multi-byte character would end a header or a log value in invalid UTF-8. It steps back no
+// further than one character's bytes, so s invalid already is cut near n all the same.
+func cutUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for i := n; i >= 0 && i > n-utf8.UTFMax; i-- {
+		if utf8.RuneStart(s[i]) {
+			return s[:i]
+		}
+	}
+	return s[:n]
 }
 
 // connWatch drains a connection's notifications (an undrained Notify channel stalls the

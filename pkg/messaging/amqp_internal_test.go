@@ -3,6 +3,7 @@ package messaging
 import (
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -44,5 +45,32 @@ func TestFromDeliveryKeepsOnlyACorrelationIDThatCanTravelOn(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A field cut for a log line or an error is cut before the character the limit falls in, and
+// so stays valid UTF-8; invalid already, it is cut near the limit all the same.
+func TestCutUTF8CutsAtACharacter(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		s    string
+		n    int
+		want string
+	}{
+		{"abc", 3, "abc"},
+		{"abcd", 3, "abc"},
+		{"aé", 2, "a"},
+		{"é", 1, ""},
+		{"a😀b", 4, "a"}, // inside a 4-byte character, at its last byte
+		{"a😀b", 5, "a😀"},
+		{"a\x80\x80\x80\x80\x80", 5, "a\x80\x80\x80\x80"}, // no character to step back to
+	} {
+		if got := cutUTF8(tc.s, tc.n); got != tc.want {
+			t.Errorf("cutUTF8(%q, %d) = %q, want %q", tc.s, tc.n, got, tc.want)
+		}
+	}
+	long := strings.Repeat("a", maxEchoed-1) + "é"
+	if got := truncate(long); !utf8.ValidString(got) || got != long[:maxEchoed-1]+"…" {
+		t.Errorf("truncate of %d ASCII bytes then é = %q, want them and an ellipsis", maxEchoed-1, got)
 	}
 }

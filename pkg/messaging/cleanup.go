@@ -96,12 +96,12 @@ func deleteSentBatch(ctx context.Context, tx Executor, after *uuid.UUID, below u
 // many; one runner at a time, and stopped by a cancelled ctx, as [DeleteSentOutboxMessages]
 // is (a batch's commit given up to 2 s past ctx's end, then abandoned). Keep records longer
 // than any duplicate can arrive (the relay's longest possible retry, the broker's redelivery
-// window): a message whose record is gone would be handled again. An olderThan of zero or less
-// is an error: it would delete every record.
+// window): a message whose record is gone would be handled again. An olderThan under a
+// millisecond, the cutoff's resolution, is an error: it would delete every record.
 func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, opts CleanupOptions) (CleanupResult, error) {
-	if olderThan <= 0 {
-		// An unset setting would delete every record, even that of a batch whose ack is yet to
-		// reach the broker: its redelivery would be handled again.
+	if olderThan < time.Millisecond {
+		// An unset setting (or one in the wrong unit) would delete every record, even that of a
+		// batch whose ack is yet to reach the broker: its redelivery would be handled again.
 		return CleanupResult{}, fmt.Errorf("clean up inbox_messages: olderThan is %s, want a retention longer than any duplicate can arrive", olderThan)
 	}
 	var after time.Time // year 1, before every record

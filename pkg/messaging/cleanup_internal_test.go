@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -220,4 +221,37 @@ func (c *stuckCommitConn) Commit(ctx context.Context) error {
 	case <-time.After(settleWait + 10*time.Second):
 		return errors.New("stuckCommitConn: the commit's context never ended")
 	}
+}
+
+// An inbox retention under a millisecond is refused before the database is touched: the
+// cutoff is read in whole milliseconds, so 999 µs was a cutoff of now, which deleted the records
+// of batches whose ack had yet to reach the broker, and their redeliveries were handled again.
+func TestAnInboxRetentionUnderAMillisecondIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, olderThan := range []time.Duration{time.Millisecond - time.Microsecond, time.Nanosecond, 0, -time.Hour} {
+		_, err := DeleteInboxMessages(context.Background(), untouchedDB{t}, olderThan, CleanupOptions{})
+		if err == nil || !strings.Contains(err.Error(), "olderThan") {
+			t.Errorf("DeleteInboxMessages(%s) = %v, want an error naming olderThan", olderThan, err)
+		}
+	}
+}
+
+// untouchedDB fails the test at any use.
+type untouchedDB struct{ t *testing.T }
+
+func (d untouchedDB) Exec(context.Context, string, ...any) (int64, error) {
+	d.t.Error("the database was used")
+	return 0, errors.New("untouchedDB: Exec")
+}
+func (d untouchedDB) Query(context.Context, string, ...any) (Rows, error) {
+	d.t.Error("the database was used")
+	return nil, errors.New("untouchedDB: Query")
+}
+func (d untouchedDB) Begin(context.Context) (TxExecutor, error) {
+	d.t.Error("the database was used")
+	return nil, errors.New("untouchedDB: Begin")
+}
+func (d untouchedDB) Conn(context.Context) (Conn, error) {
+	d.t.Error("the database was used")
+	return nil, errors.New("untouchedDB: Conn")
 }

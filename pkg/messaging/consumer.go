@@ -244,7 +244,7 @@ func (c *consumer) startConsumers(ctx context.Context, links []consumerLink) ([]
 		if ctx.Err() != nil { // shutting down: the consumers started so far, for their hand-back
 			return links[:i], ctx.Err()
 		}
-		links[i].tag = c.cfg.Queue + "-" + uuid.NewString()
+		links[i].tag = consumerTag(c.cfg.Queue)
 		deliveries, err := links[i].ch.Consume(c.cfg.Queue, links[i].tag, false, false, false, false, nil)
 		if err != nil {
 			handBackSent(links[:i])
@@ -253,6 +253,15 @@ func (c *consumer) startConsumers(ctx context.Context, links []consumerLink) ([]
 		links[i].deliveries = deliveries
 	}
 	return links, nil
+}
+
+// consumerTag is a new tag for a consumer of queue: the queue's name, then a UUID that makes it
+// unique. AMQP carries a tag in a short string, as it does the name, and the client refuses a
+// longer one, closing the connection at every reconnect: the name is cut to leave the UUID
+// room.
+func consumerTag(queue string) string {
+	id := uuid.NewString()
+	return cutUTF8(queue, maxShortString-len(id)-1) + "-" + id
 }
 
 // endWithChannels marks the consumer not ready (unless a later session is live already) and

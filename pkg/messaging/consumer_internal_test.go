@@ -8,9 +8,11 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
@@ -130,13 +132,116 @@ func wantSettled(t *testing.T, decide func(amqp.Delivery) outcome, cases []settl
 	}
 }
 
-// settlements records how each delivery was settled: the consumer's own decision, without a
-// broker in between.
-type settlements []string
+// settlements records how each delivery was settled, in order: the consumer's own decision,
+// without a broker in between.
+type settlements []settled
 
-func (s *settlements) Ack(uint64, bool) error        { *s = append(*s, "ack"); return nil }
-func (s *settlements) Nack(uint64, bool, bool) error { *s = append(*s, "nack"); return nil }
-func (s *settlements) Reject(uint64, bool) error     { *s = append(*s, "reject"); return nil }
+// settled is one basic.ack, basic.nack or basic.reject: of the delivery tag, and with
+// multiple, of every unsettled delivery before it on the channel too.
+type settled struct {
+	op       string
+	tag      uint64
+	multiple bool
+}
+
+func (s *settlements) Ack(tag uint64, multiple bool) error {
+	*s = append(*s, settled{"ack", tag, multiple})
+	return nil
+}
+
+func (s *settlements) Nack(tag uint64, multiple, _ bool) error {
+	*s = append(*s, settled{"nack", tag, multiple})
+	return nil
+}
+
+func (s *settlements) Reject(tag uint64, _ bool) error {
+	*s = append(*s, settled{"reject", tag, false})
+	return nil
+}
+
+// deliveriesOf are deliveries of messages of types, tagged from 1 on, settled into acks.
+func deliveriesOf(acks *settlements, types ...string) []amqp.Delivery {
+	ds := make([]amqp.Delivery, len(types))
+	for i, typ := range types {
+		ds[i] = amqp.Delivery{Acknowledger: acks, DeliveryTag: uint64(i + 1), MessageId: uuid.NewString(), Type: typ, Body: []byte(`{}`)}
+	}
+	return ds
+}
+
+// batchConsumer is a consumer of w, without a broker: it settles what it is handed.
+func batchConsumer(w work, retries int) *consumer {
+	return &consumer{cfg: consumerConfig{Queue: "q", BatchSize: 10, Retries: retries, DeliveryLimit: 20, HandlerTimeout: time.Second,
+		RetryBackoff: Backoff{Base: time.Millisecond, Max: time.Millisecond}, Propagator: propagatorOr(nil)},
+		log: slog.New(slog.DiscardHandler), work: w}
+}
+
+// decodeAllBut decodes every message but those of type missing, which has no handler here.
+func decodeAllBut(missing string) func(Message) (any, error) {
+	return func(msg Message) (any, error) {
+		if msg.Type == missing {
+			return nil, fmt.Errorf("%w %q", errNoHandler, msg.Type)
+		}
+		return struct{}{}, nil
+	}
+}
+
+// A delivery of a batch that did not decode is settled before the batch's ack: that ack covers
+// every delivery up to the batch's last on the channel (multiple), and would take the one
+// settled after it for handled, acknowledging, and losing, a message no handler ran for.
+func TestAnUndecodableDeliveryIsSettledBeforeItsBatchIsAcked(t *testing.T) {
+	t.Parallel()
+	var got settlements
+	c := batchConsumer(work{decode: decodeAllBut("Refunded"), process: func(context.Context, []job, func()) error { return nil }}, 1)
+	ctx := context.Background()
+	c.handle(ctx, ctx, deliveriesOf(&got, "Placed", "Refunded", "Placed"))
+	want := settlements{{"reject", 2, false}, {"ack", 3, true}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("settled %+v, want %+v: the message without a handler back to the queue, then the batch acked", got, want)
+	}
+}
+
+// A batch that fails costs its messages no tries: each is then tried alone with all its
+// Retries, and acked alone (not multiple: the others may still be in hand). Counted against
+// them, a bad batch would reject good messages at their first failure alone, spending a
+// delivery, or dead-lettering them at their last.
+func TestAFailedBatchCostsItsMessagesNoTries(t *testing.T) {
+	t.Parallel()
+	var got settlements
+	triedAlone := map[uuid.UUID]bool{}
+	c := batchConsumer(work{decode: decodeAllBut(""), process: func(_ context.Context, jobs []job, _ func()) error {
+		if len(jobs) > 1 {
+			return errors.New("batch handler failed")
+		}
+		if !triedAlone[jobs[0].msg.ID] { // a moment's failure, which a second try gets past
+			triedAlone[jobs[0].msg.ID] = true
+			return errors.New("row locked")
+		}
+		return nil
+	}}, 2)
+	ctx := context.Background()
+	c.handle(ctx, ctx, deliveriesOf(&got, "Placed", "Placed", "Placed"))
+	want := settlements{{"ack", 1, false}, {"ack", 2, false}, {"ack", 3, false}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("settled %+v, want %+v: each acked alone on its second try alone", got, want)
+	}
+}
+
+// A consumer's tag fits in AMQP's short string whatever its queue's name: the client refused a
+// longer one, closing the connection, and the subscription reconnected for ever, never ready.
+// The name is cut at a character, for the tag to stay valid UTF-8, and the UUID keeps each tag
+// its own.
+func TestAConsumerTagFitsAMQP(t *testing.T) {
+	t.Parallel()
+	queue := "q" + strings.Repeat("é", maxQueueName/2) // the longest name, of 2-byte characters at odd offsets
+	if len(queue) != maxQueueName {
+		t.Fatalf("the queue's name is %d bytes, want %d", len(queue), maxQueueName)
+	}
+	tag, other := consumerTag(queue), consumerTag(queue)
+	if len(tag) > maxShortString || !utf8.ValidString(tag) || tag == other {
+		t.Fatalf("consumer tag of %d bytes (valid UTF-8: %v; the same as the next one: %v), want at most %d, valid, unique",
+			len(tag), utf8.ValidString(tag), tag == other, maxShortString)
+	}
+}
 
 // A message of a type this replica has no handler for is rejected while the session runs (a
 // counted delivery: it goes on towards its dead-lettering), but once the session has ended it
@@ -157,7 +262,7 @@ func TestATypeWithoutAHandlerIsHandedBackUncountedAtShutdown(t *testing.T) {
 	} {
 		var got settlements
 		c.settle(tc.session, context.Background(), job{d: amqp.Delivery{Acknowledger: &got}}, noHandler)
-		if len(got) != 1 || got[0] != tc.want {
+		if len(got) != 1 || got[0].op != tc.want {
 			t.Errorf("%s: settled with %v, want one %s", tc.name, got, tc.want)
 		}
 	}

@@ -57,7 +57,7 @@ func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing
 	}
 	why := reason.Error()
 	if len(why) > maxReasonBytes {
-		why = why[:maxReasonBytes] + "…"
+		why = cutUTF8(why, maxReasonBytes) + "…"
 	}
 	headers[HeaderDeadLetterReason] = why
 	headers[HeaderDeadLetteredAt] = at.UTC().Format(time.RFC3339Nano)

@@ -3,8 +3,10 @@ package messaging
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -82,5 +84,16 @@ func TestAClosedReturnsChannelIsNoReturn(t *testing.T) {
 	p := &deadLetterPublisher{queue: q.Name, watch: s.watch, ch: s.ch, returns: closed}
 	if err := p.confirm(context.Background(), amqp.Publishing{Body: []byte(`{}`)}); err != nil {
 		t.Errorf("a dead-letter copy confirmed, its returns closed: %v, want confirmed", err)
+	}
+}
+
+// A reason past maxReasonBytes is cut before the character the limit falls in: cut through it,
+// the header ended in invalid UTF-8.
+func TestADeadLetterReasonIsCutAtACharacter(t *testing.T) {
+	t.Parallel()
+	reason := strings.Repeat("a", maxReasonBytes-1) + "é" // the limit falls inside é
+	got, _ := deadLetterCopy(amqp.Delivery{}, errors.New(reason), time.Now()).Headers[HeaderDeadLetterReason].(string)
+	if want := strings.Repeat("a", maxReasonBytes-1) + "…"; got != want {
+		t.Fatalf("reason header of %d bytes (valid UTF-8: %v), want the %d ASCII bytes and an ellipsis", len(got), utf8.ValidString(got), maxReasonBytes-1)
 	}
 }

@@ -53,7 +53,8 @@ type Executor interface {
 	Query(ctx context.Context, sql string, args ...any) (Rows, error)
 }
 
-// Rows are a query's results, read with Next and Scan, then closed.
+// Rows are a query's results, read with Next and Scan, then closed. Once Next has returned
+// false, Err reports the query's failure, one the server sent after rows included.
 type Rows interface {
 	Next() bool
 	Scan(dest ...any) error

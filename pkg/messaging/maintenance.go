@@ -371,7 +371,10 @@ func FindInboxRecords(ctx context.Context, db Executor, id uuid.UUID, consumer s
 	return out, nil
 }
 
-// queryRow runs a query that returns one row and scans it into dest.
+// queryRow runs a query that returns one row and scans it into dest. It reads the results to
+// their end: an error the server sends after the row (the statement cancelled, or timed out,
+// as it completed) shows in Err only then. Unreported, it would leave a transaction aborted
+// behind a success, whose commit then says only that it rolled back.
 func queryRow(ctx context.Context, db Executor, dest []any, query string, args ...any) error {
 	rows, err := db.Query(ctx, query, args...)
 	if err != nil {
@@ -386,6 +389,9 @@ func queryRow(ctx context.Context, db Executor, dest []any, query string, args .
 	}
 	if err := rows.Scan(dest...); err != nil {
 		return err
+	}
+	if rows.Next() {
+		return errors.New("more than one row")
 	}
 	return rows.Err()
 }

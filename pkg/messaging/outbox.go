@@ -19,7 +19,8 @@ import (
 var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transaction")
 
 // Enqueue adds msgs to the outbox in tx, the caller's open transaction of driver d, and
-// notifies the relays, which publish them once tx commits.
+// notifies the relays, which publish them once tx commits (unless d is of [WithoutNotify]: the
+// relays then find them at their next poll).
 //
 // tx must be the same transaction that writes the business data the messages describe. That
 // is the whole pattern: the data and its events are saved together or not at all, so a crash
@@ -57,11 +58,26 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 	if err != nil {
 		return err
 	}
-	if _, err := ex.Exec(ctx, statements.InsertOutbox, rows); err != nil {
+	insert := statements.InsertOutbox
+	if _, quiet := d.(quietDriver[Tx]); quiet {
+		insert = statements.InsertOutboxQuiet
+	}
+	if _, err := ex.Exec(ctx, insert, rows); err != nil {
 		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
 	}
 	return nil
 }
+
+// WithoutNotify returns d, through which [Enqueue] inserts its messages without notifying the
+// relays: for relays that poll ([RelayConfig.DisableNotify]), which nothing would wake. A
+// commit that notifies takes a lock PostgreSQL shares across the whole server (on "database
+// 0", in PreCommit_Notify) and holds it until the commit is flushed: the notifying commits of
+// every database on the server go one at a time, each waiting for the others' flushes. Give
+// Enqueue the returned driver itself: one wrapped again, in a driver of one's own, notifies.
+func WithoutNotify[Tx any](d Driver[Tx]) Driver[Tx] { return quietDriver[Tx]{d} }
+
+// quietDriver is a driver whose enqueues do not notify; it is its driver in all else.
+type quietDriver[Tx any] struct{ Driver[Tx] }
 
 // enqueueFrameSize is what [Enqueue] checks a message's envelope against: RabbitMQ's default
 // frame size, less room for the app id the relay adds. The publisher checks again against its

@@ -81,7 +81,7 @@ type PublisherConfig struct {
 	// connection attempt counts too: a broker that accepts a connection and then stalls holds
 	// no relay lane's claimed rows much longer than this. Default 15 s.
 	ConfirmTimeout time.Duration
-	Heartbeat      time.Duration // default 10 s
+	Heartbeat      time.Duration // default 10 s; at least 1 s, as AMQP carries whole seconds
 	// MaxInFlight is the most messages awaiting their confirms at once, over all concurrent
 	// calls. Default 1000.
 	MaxInFlight int
@@ -326,6 +326,9 @@ func (c PublisherConfig) check() error {
 	}
 	if len(c.AppID) > maxShortString {
 		return fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(c.AppID), maxShortString)
+	}
+	if err := checkHeartbeat(c.Heartbeat); err != nil {
+		return fmt.Errorf("PublisherConfig.Heartbeat %w", err)
 	}
 	if err := c.Topology.check(); err != nil {
 		return fmt.Errorf("PublisherConfig.Topology: %w", err)

@@ -402,3 +402,14 @@ func TestAClosedChannelsReasonIsAwaited(t *testing.T) {
 		t.Errorf("the reason of a channel the client closed took %s, want it at once", took)
 	}
 }
+
+// A heartbeat under a second is a configuration's fault, as a too long AppID: the client would
+// send 0 and take the broker's 60 s. Refused by the check, before any broker is reached.
+func TestAPublisherHeartbeatUnderASecondIsRefused(t *testing.T) {
+	for hb, want := range map[time.Duration]bool{0: false, time.Second: false, 999 * time.Millisecond: true, time.Nanosecond: true} {
+		err := PublisherConfig{URL: "amqp://127.0.0.1:1/", Heartbeat: hb}.check()
+		if refused := err != nil && strings.Contains(err.Error(), "PublisherConfig.Heartbeat"); refused != want {
+			t.Errorf("check with Heartbeat %v = %v; want refused: %v", hb, err, want)
+		}
+	}
+}

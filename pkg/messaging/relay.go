@@ -87,7 +87,9 @@ type RelayConfig struct {
 	// database's return.
 	BrokerRetry Backoff
 	// DisableNotify turns off the LISTEN/NOTIFY wake-up, leaving only polling. The relay does
-	// not listen; Enqueue still sends its NOTIFY at commit.
+	// not listen; Enqueue still sends its NOTIFY at commit unless given a driver of
+	// [WithoutNotify], which spares every enqueuing commit a lock the whole server shares (see
+	// there): pair the two.
 	DisableNotify bool
 	// SessionsPlanByIndex says every session of DB starts with enable_sort and enable_seqscan
 	// off (runtime parameters of its connection string, say, on a pool of the relay's own,

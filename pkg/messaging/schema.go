@@ -97,10 +97,13 @@ func lockMigrations(ctx context.Context, conn Conn) error {
 const migrationLockKey int64 = 4097083626
 
 // appliedVersions creates versionTable if it is missing, as goose would (with the version 0
-// it records first), and returns the versions whose latest record says applied.
+// it records first), and returns the versions whose latest record says applied. It looks in
+// current_schema(), where CREATE TABLE creates, not along the whole search_path: one found in a
+// schema later on the path (another service's, in public) would have its tables taken as this
+// one's, and none created.
 func appliedVersions(ctx context.Context, conn Conn, versionTable string) (map[int64]bool, error) {
 	var exists bool
-	if err := queryRow(ctx, conn, []any{&exists}, `SELECT to_regclass($1) IS NOT NULL`, versionTable); err != nil {
+	if err := queryRow(ctx, conn, []any{&exists}, `SELECT to_regclass(quote_ident(current_schema()) || '.' || $1) IS NOT NULL`, versionTable); err != nil {
 		return nil, fmt.Errorf("look for the version table: %w", err)
 	}
 	if !exists {
@@ -226,14 +229,38 @@ func readMigrations(dir string) ([]migration, error) {
 	return out, nil
 }
 
-// upSection is what a goose file says between its -- +goose Up and -- +goose Down lines.
+// upSection is what a goose file says between its -- +goose Up and -- +goose Down lines. The
+// section runs whole, as one Exec in a transaction with its version's record, and the server
+// splits it into statements: StatementBegin and StatementEnd, which keep a function's body in
+// one statement for goose, change nothing. It refuses goose's other annotations, which it
+// would ignore: a file under NO TRANSACTION (for CREATE INDEX CONCURRENTLY, which no
+// transaction may run) would fail at every start, one under ENVSUB ON run without goose's
+// substitutions.
 func upSection(file string) (string, error) {
 	// A copy checked out with CRLF line ends (git's autocrlf on Windows) reads as one with LF.
 	file = strings.ReplaceAll(file, "\r\n", "\n")
+	for line := range strings.Lines(file) {
+		if a, ok := gooseAnnotation(line); ok && !slices.ContainsFunc(runAnnotations, func(r string) bool { return strings.EqualFold(a, r) }) {
+			return "", fmt.Errorf("-- +goose %s: an annotation MigrateOutbox and MigrateInbox do not follow (they run the Up section whole, in a transaction)", a)
+		}
+	}
 	_, rest, ok := strings.Cut(file, "-- +goose Up\n")
 	if !ok {
 		return "", fmt.Errorf("no -- +goose Up section")
 	}
 	up, _, _ := strings.Cut(rest, "-- +goose Down")
 	return up, nil
+}
+
+// runAnnotations are the goose annotations upSection runs a file with as goose would.
+var runAnnotations = []string{"Up", "Down", "StatementBegin", "StatementEnd"}
+
+// gooseAnnotation returns the annotation of line, if goose reads it as one (a comment that
+// holds +goose): what follows +goose.
+func gooseAnnotation(line string) (string, bool) {
+	comment, ok := strings.CutPrefix(strings.TrimSpace(line), "--")
+	if !ok || !strings.Contains(comment, "+goose") {
+		return "", false
+	}
+	return strings.TrimSpace(strings.Replace(comment, "+goose", "", 1)), true
 }

@@ -119,8 +119,9 @@ const (
 // SubscriptionConfig configures a [Subscription]. Name and URL are required.
 type SubscriptionConfig struct {
 	// Name is the consumer's name: its queue, its inbox records and, with ".dlq", its
-	// dead-letter queue. Renamed, a subscription starts an inbox of its own: a message handled
-	// under the old name that comes again (a redelivery, a redrive) is handled again.
+	// dead-letter queue; at most 251 bytes, for AMQP to carry that one's. Renamed, a
+	// subscription starts an inbox of its own: a message handled under the old name that comes
+	// again (a redelivery, a redrive) is handled again.
 	Name string
 	// URL is RabbitMQ's, vhost included; for a cluster, a comma-separated list of them, one per
 	// node, which the subscription tries in a random order at every (re)connect.
@@ -195,7 +196,9 @@ type SubscriptionConfig struct {
 	// broker that comes back is found within about 2 s.
 	Reconnect Backoff
 	// Heartbeat is the AMQP heartbeat interval: a silent connection is declared dead after a
-	// few missed beats. Default [DefaultHeartbeat].
+	// few missed beats. AMQP carries it in whole seconds: above 0 and under 1 s is refused, as
+	// the client would send 0 and take the broker's interval (60 s by default). 0 or less takes
+	// [DefaultHeartbeat].
 	Heartbeat time.Duration
 	Logger    *slog.Logger
 	Metrics   *Metrics // optional
@@ -242,6 +245,24 @@ func (cfg SubscriptionConfig) withDefaults() SubscriptionConfig {
 	}
 	cfg.Propagator = propagatorOr(cfg.Propagator)
 	return cfg
+}
+
+// check refuses, once the defaults are filled in, what AMQP cannot carry as configured.
+func (cfg SubscriptionConfig) check() error {
+	// AMQP carries the prefetch in 16 bits: the client would send what is left of it, 65536 as
+	// 0, no limit. (Twice a BatchSize near the int's range overflows below 1.)
+	if cfg.Prefetch > math.MaxUint16 || cfg.Prefetch < 1 {
+		return fmt.Errorf("subscription: Prefetch %d is outside AMQP's 1 to %d (the default is twice BatchSize)", cfg.Prefetch, math.MaxUint16)
+	}
+	// Its queue would be declared and its dead-letter queue refused, at every reconnect: never
+	// ready.
+	if err := checkQueueName(cfg.Name); err != nil {
+		return fmt.Errorf("subscription: Name %w", err)
+	}
+	if err := checkHeartbeat(cfg.Heartbeat); err != nil {
+		return fmt.Errorf("subscription: Heartbeat %w", err)
+	}
+	return nil
 }
 
 // Subscription is one consumer: its queue, bound to every event it handles, its inbox, and a
@@ -316,10 +337,8 @@ func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscriptio
 	}
 	limitSet := cfg.DeliveryLimit > 0
 	cfg = cfg.withDefaults()
-	// AMQP carries the prefetch in 16 bits: the client would send what is left of it, 65536 as
-	// 0, no limit. (Twice a BatchSize near the int's range overflows below 1.)
-	if cfg.Prefetch > math.MaxUint16 || cfg.Prefetch < 1 {
-		return nil, fmt.Errorf("subscription: Prefetch %d is outside AMQP's 1 to %d (the default is twice BatchSize)", cfg.Prefetch, math.MaxUint16)
+	if err := cfg.check(); err != nil {
+		return nil, err
 	}
 	return &Subscription[Tx]{
 		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
@@ -570,8 +589,9 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job, committed fu
 	}()
 	claimed, err = s.transact(ctx, jobs, spans)
 	if err != nil {
+		calledOff := errors.Is(ctx.Err(), context.Canceled)
 		switch {
-		case errors.Is(ctx.Err(), context.Canceled):
+		case calledOff:
 			// Called off (a shutdown's grace is over): no verdict to give, nor to wait for from
 			// a database that may not answer, while the message waits to be handed back.
 		case IsUnavailable(err):
@@ -587,7 +607,10 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job, committed fu
 		case !s.databaseAnswers(context.WithoutCancel(ctx)):
 			err = Unavailable(err)
 		}
-		if len(jobs) == 1 {
+		// Called off, the attempt has no outcome to count: its message goes back uncounted, to be
+		// handled again, and counts then. An attempt abandoned at the shutdown ends here too,
+		// once it returns.
+		if len(jobs) == 1 && !calledOff {
 			observed.run(err)
 		}
 		return nil, err

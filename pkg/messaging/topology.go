@@ -35,8 +35,25 @@ const deadLetterDeliveryLimit = math.MaxInt32
 // default limit of 20 deliveries.
 var ErrLegacyDeadLetterQueue = errors.New("dead-letter queue declared earlier without x-delivery-limit")
 
+// deadLetterSuffix ends the name of a consumer queue's dead-letter queue.
+const deadLetterSuffix = ".dlq"
+
 // DeadLetterQueue names the dead-letter queue of a consumer queue.
-func DeadLetterQueue(queue string) string { return queue + ".dlq" }
+func DeadLetterQueue(queue string) string { return queue + deadLetterSuffix }
+
+// maxQueueName is the longest consumer queue name, in bytes: AMQP carries a queue's name in a
+// short string, and its dead-letter queue's is longer by deadLetterSuffix.
+const maxQueueName = maxShortString - len(deadLetterSuffix)
+
+// checkQueueName refuses a consumer queue name that AMQP cannot carry, its dead-letter queue's
+// included: the queue would be declared, and its dead-letter queue refused at every connect.
+func checkQueueName(name string) error {
+	if len(name) > maxQueueName {
+		return fmt.Errorf("%q is %d bytes, more than %d: AMQP carries a name in %d, and its dead-letter queue's adds %q",
+			truncate(name), len(name), maxQueueName, maxShortString, deadLetterSuffix)
+	}
+	return nil
+}
 
 // Binding routes the messages of one exchange with one routing key to a queue.
 type Binding struct {
@@ -221,13 +238,17 @@ func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, cons
 	return trusted, nil
 }
 
-// check refuses what the broker cannot take as declared: a binding to the default exchange,
+// check refuses what the broker cannot take as declared: a queue name too long for AMQP, its
+// dead-letter queue's included (see checkQueueName); a binding to the default exchange,
 // which takes none of its own (it routes each queue's name there, and refuses the bind for lack
 // of permission, which Declare would take for the deployment's doing: the queue would be bound
 // to nothing, its events lost); and a delivery limit past 32 bits, which AMQP carries in 32 (a
 // larger one arrives negative, which RabbitMQ 3.x reads as a limit below every count).
 func (t Topology) check() error {
 	for _, q := range t.Queues {
+		if err := checkQueueName(q.Queue); err != nil {
+			return fmt.Errorf("queue name %w", err)
+		}
 		if q.DeliveryLimit > math.MaxInt32 {
 			return fmt.Errorf("queue %q: DeliveryLimit %d is more than x-delivery-limit's 32 bits carry", q.Queue, q.DeliveryLimit)
 		}

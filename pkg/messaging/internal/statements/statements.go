@@ -12,23 +12,30 @@ const NotifyChannel = "outbox_messages"
 // The outbox.
 const (
 	// InsertOutbox adds the rows of one JSON array ($1) of objects with the keys below, and
-	// wakes the relays (see Notify), in one statement: one round trip. next_attempt_at,
-	// processed_at and attempts take their defaults: due now, by the database's clock. An
-	// INSERT in WITH runs to completion whether or not the query reads it. jsonb_to_recordset
-	// reads a JSON null as SQL NULL, even into a jsonb column: every object carries its
-	// payload, so a NULL there is the payload null, stored as the JSON value it is.
+	// wakes the relays (see Notify), in one statement: one round trip. An INSERT in WITH runs
+	// to completion whether or not the query reads it.
 	InsertOutbox = `WITH inserted AS (
-INSERT INTO outbox_messages
+` + InsertOutboxQuiet + `)
+` + Notify
+
+	// InsertOutboxQuiet adds the rows as InsertOutbox does, without waking the relays: for
+	// relays that poll (messaging.WithoutNotify). next_attempt_at, processed_at and attempts
+	// take their defaults: due now, by the database's clock. jsonb_to_recordset reads a JSON
+	// null as SQL NULL, even into a jsonb column: every object carries its payload, so a NULL
+	// there is the payload null, stored as the JSON value it is.
+	InsertOutboxQuiet = `INSERT INTO outbox_messages
     (id, type, payload, correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers)
 SELECT id, type, coalesce(payload, 'null'), correlation_id, occurred_at, trace_parent, trace_state, exchange, routing_key, headers
 FROM jsonb_to_recordset($1::jsonb) AS r(
     id uuid, type text, payload jsonb, correlation_id text, occurred_at timestamptz,
-    trace_parent text, trace_state text, exchange text, routing_key text, headers jsonb))
-` + Notify
+    trace_parent text, trace_state text, exchange text, routing_key text, headers jsonb)`
 
 	// Notify wakes the relays. Inside the enqueuing transaction it is delivered only if and when
 	// that commits: a relay wakes exactly when the rows become visible to it. However often a
 	// transaction notifies, PostgreSQL delivers one notification (same channel, same payload).
+	// The price is at the commit: a transaction that notified takes a lock PostgreSQL shares
+	// across the whole server ("database 0", async.c's PreCommit_Notify) and holds it until its
+	// commit is flushed, so the commits that notify, in every database, go one at a time.
 	Notify = `SELECT pg_notify('` + NotifyChannel + `', '')`
 
 	// Listen subscribes a relay's connection to the notifications.
