@@ -12,14 +12,22 @@ import (
 	"time"
 )
 
-// service answers as a service's health endpoints may: ready, unready, other statuses, a
-// redirect, too slow.
+// service answers as a service's health endpoints may: ready, unready, unready after the
+// database's ping gave up, other statuses, a redirect, too slow.
 func service(t *testing.T) *httptest.Server {
 	t.Helper()
 	mux := http.NewServeMux()
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("/unready", func(w http.ResponseWriter, _ *http.Request) {
 		http.Error(w, "database unavailable", http.StatusServiceUnavailable)
+	})
+	// A service whose database stalls answers its 503 once the readiness check's 2 s ping gives up.
+	mux.HandleFunc("/stalled", func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(2100 * time.Millisecond):
+			http.Error(w, "the database does not answer", http.StatusServiceUnavailable)
+		}
 	})
 	mux.HandleFunc("/created", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) })
 	mux.HandleFunc("/moved", func(w http.ResponseWriter, r *http.Request) {
@@ -50,6 +58,7 @@ func TestCheck(t *testing.T) {
 	}{
 		{"200 is healthy", srv.URL + "/readyz", ""},
 		{"503 is unhealthy", srv.URL + "/unready", "503 Service Unavailable"},
+		{"a stalled database's 503 is read", srv.URL + "/stalled", "503 Service Unavailable"},
 		{"only 200 counts", srv.URL + "/created", "201 Created"},
 		{"redirects are not followed", srv.URL + "/moved", "302 Found"},
 		{"404 is unhealthy", srv.URL + "/nope", "404 Not Found"},

@@ -4,8 +4,12 @@ package events
 
 import (
 	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -87,10 +91,16 @@ func (ev OrderPlaced) validate() error {
 	case len(ev.Lines) == 0:
 		return errors.New("OrderPlaced without lines")
 	}
+	if err := checkID(ev.CustomerID); err != nil {
+		return fmt.Errorf("OrderPlaced with an invalid customer_id: %w", err)
+	}
 	// The lines first: linesTotal gives up on a negative one, which would read as a wrong sum.
-	for _, l := range ev.Lines {
+	for i, l := range ev.Lines {
 		if l.SKU == "" || l.Quantity < 1 || l.UnitPriceCents < 0 {
-			return errors.New("OrderPlaced with an invalid line")
+			return fmt.Errorf("OrderPlaced with an invalid line %d", i)
+		}
+		if err := checkID(l.SKU); err != nil {
+			return fmt.Errorf("OrderPlaced with an invalid line %d: sku: %w", i, err)
 		}
 	}
 	if ev.TotalCents != linesTotal(ev.Lines) {
@@ -115,6 +125,9 @@ func (ev OrderCancelled) validate() error {
 	case ev.CustomerID == "":
 		return errors.New("OrderCancelled without customer_id")
 	}
+	if err := checkID(ev.CustomerID); err != nil {
+		return fmt.Errorf("OrderCancelled with an invalid customer_id: %w", err)
+	}
 	return nil
 }
 
@@ -136,7 +149,68 @@ func (ev InvoiceIssued) validate() error {
 	case ev.AmountCents < 0:
 		return errors.New("InvoiceIssued with a negative amount_cents")
 	}
+	if err := checkID(ev.CustomerID); err != nil {
+		return fmt.Errorf("InvoiceIssued with an invalid customer_id: %w", err)
+	}
 	return nil
+}
+
+// MaxIDLength is the most characters of an id in an event (a customer's, a SKU): the order
+// service takes none longer, and a consumer refuses one that is.
+const MaxIDLength = 100
+
+// IDProblem says what is wrong with an id (a customer's, a SKU), or "": the order service
+// refuses such an id from a client. An id is compared and shown as sent (in an e-mail, a log):
+// one with space around it, or an invisible character inside (see invisible), would be another
+// id that looks the same, or an id that looks empty; see idUnsafe for the rest.
+func IDProblem(s string) string {
+	if strings.TrimSpace(s) == "" {
+		return "must not be empty"
+	}
+	if p := idUnsafe(s); p != "" {
+		return p
+	}
+	switch {
+	case strings.TrimSpace(s) != s:
+		return "must not start or end with white space"
+	case strings.IndexFunc(s, invisible) >= 0:
+		return "must not contain invisible characters"
+	}
+	return ""
+}
+
+// idUnsafe says what makes an id unsafe to show as it is, or "": a control character, a line
+// break, could forge a line of its own. A consumer refuses an event with such an id, and only
+// such: the order service took ids with space around them, or invisible characters, before it
+// refused them, and the events of those orders must still be handled.
+func idUnsafe(s string) string {
+	switch {
+	case !utf8.ValidString(s):
+		return "must be valid UTF-8"
+	case utf8.RuneCountInString(s) > MaxIDLength:
+		return fmt.Sprintf("at most %d characters", MaxIDLength)
+	case strings.IndexFunc(s, unicode.IsControl) >= 0:
+		return "must not contain control characters"
+	}
+	return ""
+}
+
+// checkID is idUnsafe as an error.
+func checkID(id string) error {
+	if p := idUnsafe(id); p != "" {
+		return errors.New(p)
+	}
+	return nil
+}
+
+// invisible reports whether r shows as nothing, or as a blank that is not white space: Unicode's
+// default-ignorable code points, that is format characters (a zero-width space, a bidirectional
+// override), variation selectors and the rest, such as the combining grapheme joiner and the
+// Hangul fillers; and the braille blank, which looks like a space. An id that would need a
+// variation selector (an emoji's presentation, an ideograph's variant, a Mongolian free
+// variation selector) is refused too: ids are codes, where a look-alike costs more.
+func invisible(r rune) bool {
+	return r == '\u2800' || unicode.In(r, unicode.Cf, unicode.Variation_Selector, unicode.Other_Default_Ignorable_Code_Point)
 }
 
 // linesTotal sums the lines; a sum that overflows cannot match any total.

@@ -85,6 +85,17 @@ func TestEventsAreValidated(t *testing.T) {
 		{"no lines", func(ev *OrderPlaced) { ev.Lines, ev.TotalCents = nil, 0 }, "without lines"},
 		{"wrong total", func(ev *OrderPlaced) { ev.TotalCents++ }, "not the sum of its lines"},
 		{"no SKU", func(ev *OrderPlaced) { ev.Lines[0].SKU = "" }, "invalid line"},
+		// Shown as sent in the confirmation e-mail: a line break would forge a line of its own.
+		{"SKU with a line break", func(ev *OrderPlaced) { ev.Lines[0].SKU = "SKU-1\r\nTotal: 0.00" }, "invalid line 0: sku: must not contain control characters"},
+		{"SKU too long", func(ev *OrderPlaced) { ev.Lines[0].SKU = strings.Repeat("ß", MaxIDLength+1) }, "invalid line 0: sku: at most 100 characters"},
+		{"SKU of the most characters", func(ev *OrderPlaced) { ev.Lines[0].SKU = strings.Repeat("ß", MaxIDLength) }, ""},
+		{"customer_id with a control character", func(ev *OrderPlaced) { ev.CustomerID = "c-1\x1b[2J" }, "invalid customer_id: must not contain control characters"},
+		{"customer_id too long", func(ev *OrderPlaced) { ev.CustomerID = strings.Repeat("c", MaxIDLength+1) }, "invalid customer_id: at most 100 characters"},
+		{"customer_id not ASCII", func(ev *OrderPlaced) { ev.CustomerID = "Jürgen Groß" }, ""},
+		// Taken from clients before the order service refused them: their orders' events are
+		// handled still.
+		{"customer_id with space around it", func(ev *OrderPlaced) { ev.CustomerID = " c-1 " }, ""},
+		{"SKU with an invisible character", func(ev *OrderPlaced) { ev.Lines[0].SKU = "SKU\u200b-1" }, ""},
 		{"no quantity", func(ev *OrderPlaced) { ev.Lines[0].Quantity, ev.TotalCents = 0, 0 }, "invalid line"},
 		{"negative quantity and price", func(ev *OrderPlaced) { ev.Lines[0].Quantity, ev.Lines[0].UnitPriceCents = -2, -150 }, "invalid line"},
 		// Its total the lines' sum: refused for the line, not the sum.
@@ -117,6 +128,9 @@ func TestEventsAreValidated(t *testing.T) {
 	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "" }); err == nil || !strings.Contains(err.Error(), "without customer_id") {
 		t.Errorf("OrderCancelled without customer_id: %v, want it refused", err)
 	}
+	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "c-1\n" }); err == nil || !strings.Contains(err.Error(), "invalid customer_id: must not contain control characters") {
+		t.Errorf("OrderCancelled with a line break in customer_id: %v, want it refused", err)
+	}
 
 	issued := func(edit func(*InvoiceIssued)) error {
 		ev := InvoiceIssued{InvoiceID: uuid.New(), OrderID: uuid.New(), CustomerID: "c-1", AmountCents: 300, IssuedAt: time.Now().UTC()}
@@ -127,12 +141,13 @@ func TestEventsAreValidated(t *testing.T) {
 		edit func(*InvoiceIssued)
 		want string
 	}{
-		"valid":          {func(*InvoiceIssued) {}, ""},
-		"free":           {func(ev *InvoiceIssued) { ev.AmountCents = 0 }, ""},
-		"no invoice_id":  {func(ev *InvoiceIssued) { ev.InvoiceID = uuid.Nil }, "without invoice_id or order_id"},
-		"no order_id":    {func(ev *InvoiceIssued) { ev.OrderID = uuid.Nil }, "without invoice_id or order_id"},
-		"no customer_id": {func(ev *InvoiceIssued) { ev.CustomerID = "" }, "without customer_id"},
-		"negative":       {func(ev *InvoiceIssued) { ev.AmountCents = -1 }, "negative amount_cents"},
+		"valid":                                {func(*InvoiceIssued) {}, ""},
+		"free":                                 {func(ev *InvoiceIssued) { ev.AmountCents = 0 }, ""},
+		"no invoice_id":                        {func(ev *InvoiceIssued) { ev.InvoiceID = uuid.Nil }, "without invoice_id or order_id"},
+		"no order_id":                          {func(ev *InvoiceIssued) { ev.OrderID = uuid.Nil }, "without invoice_id or order_id"},
+		"no customer_id":                       {func(ev *InvoiceIssued) { ev.CustomerID = "" }, "without customer_id"},
+		"customer_id with a control character": {func(ev *InvoiceIssued) { ev.CustomerID = "c-1\u0085" }, "invalid customer_id: must not contain control characters"},
+		"negative":                             {func(ev *InvoiceIssued) { ev.AmountCents = -1 }, "negative amount_cents"},
 	} {
 		switch err := issued(tc.edit); {
 		case tc.want == "" && err != nil:

@@ -133,17 +133,17 @@ const indexPlansSQL = `SELECT concat_ws(',', current_setting('enable_sort'), cur
 func checkIndexPlans(ctx context.Context, db messaging.DB, pool string) error {
 	rows, err := db.Query(ctx, indexPlansSQL)
 	if err != nil {
-		return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+		return fmt.Errorf("DATABASE_URL: read the plan settings of the %s: %w", pool, err)
 	}
 	defer rows.Close()
 	var got string
 	for rows.Next() {
 		if err := rows.Scan(&got); err != nil {
-			return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+			return fmt.Errorf("DATABASE_URL: read the plan settings of the %s: %w", pool, err)
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return fmt.Errorf("read the plan settings of the %s: %w", pool, err)
+		return fmt.Errorf("DATABASE_URL: read the plan settings of the %s: %w", pool, err)
 	}
 	if got != "off,off,off" {
 		return fmt.Errorf("DATABASE_URL: the sessions of the %s have enable_sort, enable_seqscan and jit %q, where their connection string sets them off: does a connection pooler drop startup parameters?", pool, got)

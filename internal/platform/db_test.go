@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // A read through the services' GORM handle names its columns: pgx caches each statement it
@@ -106,5 +107,42 @@ func TestOpenDBStoppedWhileRefusedSaysWhy(t *testing.T) {
 	}
 	if !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !strings.Contains(err.Error(), "3D000") || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("OpenDB(%s): %v; want an error that names DATABASE_URL and the refusal (3D000), and wraps the deadline", u, err)
+	}
+}
+
+// refusingDB is a pool whose statements fail, as behind a connection pooler that refuses the
+// startup parameters IndexPlansURL gives: with err at once (Query), or after the statement ran
+// (its rows' Err). Only Query is implemented.
+type refusingDB struct {
+	messaging.DB
+	query, rows error
+}
+
+func (d refusingDB) Query(context.Context, string, ...any) (messaging.Rows, error) {
+	if d.query != nil {
+		return nil, d.query
+	}
+	return failedRows{d.rows}, nil
+}
+
+// failedRows are rows that end with err before the first.
+type failedRows struct{ err error }
+
+func (failedRows) Next() bool        { return false }
+func (failedRows) Scan(...any) error { return nil }
+func (r failedRows) Err() error      { return r.err }
+func (failedRows) Close()            {}
+
+// A pool whose plan settings cannot even be read (a pooler that refuses a connection's startup
+// parameters fails its statements) stops the start with an error that names DATABASE_URL, as
+// one whose sessions lack the settings does.
+func TestUnreadablePlanSettingsNameDATABASE_URL(t *testing.T) {
+	t.Parallel()
+	refused := errors.New("unsupported startup parameter: enable_sort")
+	for name, db := range map[string]refusingDB{"the query": {query: refused}, "its rows": {rows: refused}} {
+		err := checkIndexPlans(context.Background(), db, "background pool")
+		if err == nil || !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !errors.Is(err, refused) {
+			t.Errorf("%s failing: %v; want an error that names DATABASE_URL and wraps the refusal", name, err)
+		}
 	}
 }

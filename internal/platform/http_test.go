@@ -93,22 +93,28 @@ func TestAnAbandonedResponseReachesAHalfClosedClientAsNoAnswer(t *testing.T) {
 	})
 	srv := httptest.NewServer(r)
 	t.Cleanup(srv.Close)
-	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if got, err := readHalfClosed(t, srv.Listener.Addr().String(), "GET /wait HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil || len(got) != 0 {
+		t.Fatalf("the half-closed client read %q (%v), want the connection closed without an answer", got, err)
+	}
+}
+
+// readHalfClosed sends request to addr, closes its side for writing, as a client done sending
+// does, and reads what comes back until the server closes the connection.
+func readHalfClosed(t *testing.T, addr, request string) ([]byte, error) {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	if _, err := conn.Write([]byte("GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")); err != nil {
+	if _, err := conn.Write([]byte(request)); err != nil {
 		t.Fatal(err)
 	}
 	if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
 	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-	got, err := io.ReadAll(conn)
-	if err != nil || len(got) != 0 {
-		t.Fatalf("the half-closed client read %q (%v), want the connection closed without an answer", got, err)
-	}
+	return io.ReadAll(conn)
 }
 
 // A database failure is a 503 with a Retry-After, logged as the operation's failure; the same

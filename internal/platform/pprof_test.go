@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -66,6 +67,51 @@ func TestTheProfilerIsServedOnlyAtPPROF_ADDR(t *testing.T) {
 		t.Fatalf("the profiler stopped with %v, want nil", err)
 	}
 }
+
+// net/http's own lines about the profiler's server (here an accept error, as when the process
+// runs out of file descriptors) are the service's, at WARN, as its servers' are, not the log
+// package's on stderr.
+func TestTheProfilersServerLinesAreTheServices(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- serveProfiler(ctx, log, &failingOnce{Listener: ln}) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := within(t, done, 5*time.Second, "the profiler did not stop with its context"); err != nil {
+			t.Error(err)
+		}
+	})
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		return len(logs.Lines("level=WARN", "http: Accept error: too many open files")) == 1
+	}, "net/http's line did not reach the service's log:\n%s", logs)
+}
+
+// failingOnce is a listener whose first Accept fails with a temporary error, which net/http
+// logs, then retries.
+type failingOnce struct {
+	net.Listener
+	failed atomic.Bool
+}
+
+func (l *failingOnce) Accept() (net.Conn, error) {
+	if !l.failed.Swap(true) {
+		return nil, tooManyFiles{}
+	}
+	return l.Listener.Accept()
+}
+
+// tooManyFiles is the temporary error of an Accept out of file descriptors.
+type tooManyFiles struct{}
+
+func (tooManyFiles) Error() string   { return "too many open files" }
+func (tooManyFiles) Timeout() bool   { return false }
+func (tooManyFiles) Temporary() bool { return true }
 
 // A PPROF_ADDR the profiler cannot listen on fails its worker, and with it the service, with an
 // error that names the variable.

@@ -5,7 +5,10 @@ import (
 	"slices"
 	"time"
 
+	"gorm.io/gorm"
+
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // RelaySettings are the knobs of a service's outbox relay (OUTBOX_*).
@@ -28,6 +31,16 @@ func ReadRelaySettings(env *Env) RelaySettings {
 	s.Notify = env.Bool("OUTBOX_NOTIFY", true)
 	s.Retention = env.Duration("OUTBOX_RETENTION", 7*24*time.Hour, time.Minute, 365*24*time.Hour)
 	return s
+}
+
+// Enqueuing is the driver messaging.Enqueue takes for the outbox, on d's pool: d, or, when the
+// relay does not listen (OUTBOX_NOTIFY=false), d without the NOTIFY nobody would hear, which
+// spares each enqueuing commit a lock the whole database server shares.
+func (s RelaySettings) Enqueuing(d *gormdriver.Driver) messaging.Driver[*gorm.DB] {
+	if s.Notify {
+		return d
+	}
+	return messaging.WithoutNotify[*gorm.DB](d)
 }
 
 // LogAttrs lists the settings for the start-up log line.

@@ -1,10 +1,20 @@
 package platform
 
 import (
+	"context"
+	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // A service's relay exports the publish counters of exactly the types the topology routes from
@@ -38,5 +48,52 @@ func TestRelayPublisherHoldsEveryLanesBatch(t *testing.T) {
 		if got := s.inFlight(); got < s.Lanes*s.BatchSize || got < 1000 {
 			t.Errorf("%v: MaxInFlight %d; want at least %d lanes × %d rows, and the default 1,000", vars, got, s.Lanes, s.BatchSize)
 		}
+	}
+}
+
+// A service whose relay does not listen (OUTBOX_NOTIFY=false) enqueues without the NOTIFY
+// nobody would hear; one whose relay listens notifies at each enqueuing commit. The test's own
+// NOTIFY after each commit marks which commit a notification came from: they arrive in commit
+// order.
+func TestAServiceNotifiesOnlyARelayThatListens(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the LISTEN connection
+	d := testenv.NewDatabase(t)
+	d.MigrateLibrary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	testenv.Draw(t, 1)
+	listener, err := pgx.Connect(ctx, d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer listener.Close(context.Background())
+	if _, err := listener.Exec(ctx, "LISTEN outbox_messages"); err != nil {
+		t.Fatal(err)
+	}
+	for _, notify := range []bool{false, true} {
+		mark := fmt.Sprintf("after the commit with OUTBOX_NOTIFY=%t", notify)
+		msg, err := messaging.NewMessage("Placed", map[string]string{"order_id": "o-1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		drv := ReadRelaySettings(EnvFrom(map[string]string{"OUTBOX_NOTIFY": strconv.FormatBool(notify)})).Enqueuing(d.Driver(t))
+		if err := d.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(ctx, drv, tx, msg) }); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.DB.Exec("SELECT pg_notify('outbox_messages', ?)", mark).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	for len(got) == 0 || !strings.HasSuffix(got[len(got)-1], "=true") {
+		n, err := listener.WaitForNotification(ctx)
+		if err != nil {
+			t.Fatalf("notifications so far %q, then: %v", got, err)
+		}
+		got = append(got, n.Payload)
+	}
+	if want := []string{"after the commit with OUTBOX_NOTIFY=false", "", "after the commit with OUTBOX_NOTIFY=true"}; !slices.Equal(got, want) {
+		t.Errorf("notifications %q, want %q", got, want)
 	}
 }

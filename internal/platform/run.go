@@ -145,9 +145,7 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, held func(context.Context), workers Workers) error {
 	log.Info("listening", "addr", ln.Addr().String())
 	if srv.ErrorLog == nil {
-		// net/http's own lines (an accept error, a superfluous WriteHeader) as the service's
-		// others are, key=value or JSON, not in the log package's format on stderr.
-		srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
+		srv.ErrorLog = serverErrorLog(log)
 	}
 	conns := trackConns(srv)
 	g, gctx := errgroup.WithContext(ctx)
@@ -181,10 +179,14 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		}
 		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
 		defer cancel()
-		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
+		// The start's held requests drain beside srv's own: each has its 1 s for a connection
+		// not read yet from the signal, not one after the other.
+		var drained sync.WaitGroup
 		if held != nil {
-			held(shutdownCtx)
+			drained.Go(func() { held(shutdownCtx) })
 		}
+		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
+		drained.Wait()
 		return nil
 	})
 	for _, w := range workers.Intake {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	stdlog "log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -92,7 +93,9 @@ func startingUnavailable() http.Handler {
 	})
 }
 
-// hold serves r by the service's handler once it has started, if it does within startingHold.
+// hold serves r by the service's handler once it has started, if it does within startingHold;
+// otherwise it answers 503, with a spread Retry-After (held requests are answered together when
+// a start fails), or, if r's client went away, nothing (AbandonResponse).
 func (s *startingServer) hold(w http.ResponseWriter, r *http.Request) {
 	s.held.Add(1)
 	defer s.held.Add(-1)
@@ -102,12 +105,13 @@ func (s *startingServer) hold(w http.ResponseWriter, r *http.Request) {
 	case <-s.started:
 		s.handler.ServeHTTP(w, r)
 	case <-wait.C:
-		w.Header().Set("Retry-After", "1")
+		SetRetryAfter(w)
 		startingUnavailable().ServeHTTP(w, r)
 	case <-s.stopping:
-		w.Header().Set("Retry-After", "1")
+		SetRetryAfter(w)
 		startingUnavailable().ServeHTTP(w, r)
 	case <-r.Context().Done():
+		AbandonResponse()
 	}
 }
 
@@ -136,7 +140,7 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 	// Each answer closes its connection: none is idle at the hand-over, where a request already
 	// on its way on an idle one would be lost.
 	s.srv.SetKeepAlivesEnabled(false)
-	s.srv.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelWarn)
+	s.srv.ErrorLog = serverErrorLog(log)
 	s.conns = trackConns(s.srv)
 	log.Info("live, not ready until started", "addr", ln.Addr().String())
 	go func() {
@@ -152,7 +156,8 @@ func serveWhileStarting(log *slog.Logger, addr string) (*startingServer, error) 
 // server accepts no more: the connections that arrive meanwhile wait in its backlog for Serve's
 // server. The requests s's server has already read are answered meanwhile, by handler, as long
 // as they take, and its connections yet to send one get Serve's server's ReadHeaderTimeout;
-// drain, for Serve's shutdown, waits for them until its context ends, then cuts them off.
+// drain, for Serve's shutdown, gives those still silent newConnWait, as Serve's server gives
+// its own, and waits for the requests until its context ends, then cuts them off.
 func (s *startingServer) handOff(log *slog.Logger, handler http.Handler) (ln net.Listener, drain func(context.Context)) {
 	s.handler = handler
 	close(s.started)
@@ -166,6 +171,8 @@ func (s *startingServer) handOff(log *slog.Logger, handler http.Handler) (ln net
 		_ = s.srv.Shutdown(context.Background()) // none left: it returns at once
 	}()
 	return s.ln, func(ctx context.Context) {
+		// Once the connections settle here, the settle above finds none left and ends too.
+		s.conns.settle(ctx, newConnWait)
 		select {
 		case <-done:
 		case <-ctx.Done():
@@ -173,6 +180,13 @@ func (s *startingServer) handOff(log *slog.Logger, handler http.Handler) (ln net
 			_ = s.srv.Close()
 		}
 	}
+}
+
+// serverErrorLog is where an HTTP server of the service writes net/http's own lines (an accept
+// error, a superfluous WriteHeader, a handler's panic): the service's log at WARN,
+// key=value or JSON as its other lines, not the log package's format on stderr.
+func serverErrorLog(log *slog.Logger) *stdlog.Logger {
+	return slog.NewLogLogger(log.Handler(), slog.LevelWarn)
 }
 
 // close answers the requests s holds 503, stops s's server and closes its listener: the start

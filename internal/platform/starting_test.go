@@ -2,9 +2,12 @@ package platform
 
 import (
 	"context"
+	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,6 +15,7 @@ import (
 	"testing/fstest"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/pressly/goose/v3/lock"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
@@ -43,20 +47,28 @@ func startingInSlot(t *testing.T, log *slog.Logger) (_ context.Context, cancel c
 	return ctx, cancel, s
 }
 
-// holdARequest posts an order to s and returns, once s holds it, where its answer comes (nil
-// if it failed, which fails t).
-func holdARequest(t *testing.T, s *startingServer) <-chan *http.Response {
+// holdRequests posts n orders to s and returns, once s holds them all, where their answers
+// come (nil for one that failed, which fails t).
+func holdRequests(t *testing.T, s *startingServer, n int) <-chan *http.Response {
 	t.Helper()
-	answer := make(chan *http.Response, 1)
-	go func() {
-		resp, err := http.Post("http://"+s.ln.Addr().String()+"/orders", "application/json", strings.NewReader("{}"))
-		if err != nil {
-			t.Errorf("the request made while starting: %v", err)
-		}
-		answer <- resp
-	}()
-	testenv.Eventually(t, 5*time.Second, func() bool { return s.held.Load() == 1 }, "the request made while starting is not held")
-	return answer
+	answers := make(chan *http.Response, n)
+	for range n {
+		go func() {
+			resp, err := http.Post("http://"+s.ln.Addr().String()+"/orders", "application/json", strings.NewReader("{}"))
+			if err != nil {
+				t.Errorf("a request made while starting: %v", err)
+			}
+			answers <- resp
+		}()
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return s.held.Load() == int32(n) }, "the requests made while starting are not held")
+	return answers
+}
+
+// spreadRetryAfter reports whether resp's Retry-After is one of the 1 to 3 s SetRetryAfter draws.
+func spreadRetryAfter(resp *http.Response) bool {
+	retry, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+	return err == nil && retry >= 1 && retry <= 3
 }
 
 // notStarting fails t unless the service at url answers what a service does while it starts:
@@ -153,7 +165,7 @@ func TestServeTakesOverTheStartsListener(t *testing.T) {
 	url := "http://" + s.ln.Addr().String()
 	notStarting(t, url)
 	// A client that took the live process for a started one: its request waits for the start.
-	early := holdARequest(t, s)
+	early := holdRequests(t, s, 1)
 
 	var (
 		stop      atomic.Bool
@@ -260,9 +272,9 @@ func TestARequestTheStartHoldsTooLongIsAnsweredUnavailable(t *testing.T) {
 			t.Fatal(err)
 		}
 		_ = resp.Body.Close()
-		if took := time.Since(asked); resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" ||
+		if took := time.Since(asked); resp.StatusCode != http.StatusServiceUnavailable || !spreadRetryAfter(resp) ||
 			resp.Header.Get("Content-Type") != "application/problem+json" || took < startingHold {
-			t.Fatalf("%s held past the hold = %d after %v, Retry-After %q, Content-Type %q; want 503 after the hold, 1, problem+json",
+			t.Fatalf("%s held past the hold = %d after %v, Retry-After %q, Content-Type %q; want 503 after the hold, 1 to 3, problem+json",
 				path, resp.StatusCode, took, resp.Header.Get("Retry-After"), resp.Header.Get("Content-Type"))
 		}
 	}
@@ -277,7 +289,7 @@ func TestTheHandOverDoesNotWaitForTheRequestsItHeld(t *testing.T) {
 	ctx, cancel, s := startingInSlot(t, log)
 	url := "http://" + s.ln.Addr().String()
 	release := make(chan struct{})
-	slow := holdARequest(t, s)
+	slow := holdRequests(t, s, 1)
 	h := http.NewServeMux()
 	h.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Header().Set("X-Served", "1") })
 	h.HandleFunc("POST /orders", func(w http.ResponseWriter, _ *http.Request) {
@@ -313,8 +325,9 @@ func TestTheHandOverDoesNotWaitForTheRequestsItHeld(t *testing.T) {
 	}
 }
 
-// A start that fails, or is stopped, answers the requests it held 503 with a Retry-After, not
-// a closed connection.
+// A start that fails, or is stopped, answers the requests it held 503, not a closed connection,
+// all at once: with Retry-Afters spread over 1 to 3 s, so that their clients do not all come back
+// in the same second.
 func TestAStoppedStartAnswersTheRequestsItHeld(t *testing.T) {
 	t.Parallel()
 	log, _ := testenv.NewLogger(t)
@@ -322,12 +335,94 @@ func TestAStoppedStartAnswersTheRequestsItHeld(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	answered := holdARequest(t, s)
+	// Twenty draws of three values all alike: one chance in 3^19.
+	const held = 20
+	answers := holdRequests(t, s, held)
 	s.close()
-	if resp := <-answered; resp != nil {
+	retries := map[string]bool{}
+	for range held {
+		resp := <-answers
+		if resp == nil {
+			continue
+		}
 		_ = resp.Body.Close()
-		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" {
-			t.Errorf("a held request of a start that stopped = %d, Retry-After %q; want 503, 1", resp.StatusCode, resp.Header.Get("Retry-After"))
+		if resp.StatusCode != http.StatusServiceUnavailable || !spreadRetryAfter(resp) {
+			t.Errorf("a held request of a start that stopped = %d, Retry-After %q; want 503, 1 to 3", resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+		retries[resp.Header.Get("Retry-After")] = true
+	}
+	if len(retries) < 2 {
+		t.Errorf("the %d held requests were all told Retry-After %v; want them spread", held, retries)
+	}
+}
+
+// A request the start holds whose client goes away (here it half-closes its connection after
+// a cancel without a body, as nc -N does) is answered by none: net/http would otherwise send the
+// client, which can still read, a 200 for a cancel that never ran.
+func TestAHeldRequestWhoseClientLeftIsNotAnswered(t *testing.T) {
+	t.Parallel()
+	log, _ := testenv.NewLogger(t)
+	s, err := serveWhileStarting(log, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	got, err := readHalfClosed(t, s.ln.Addr().String(), "POST /orders/"+uuid.NewString()+"/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+	if err != nil || len(got) != 0 {
+		t.Fatalf("the half-closed client read %q (%v), want the connection closed without an answer", got, err)
+	}
+}
+
+// A connection the start's server accepted and that never sends a request holds the shutdown
+// newConnWait, as one of Serve's server's does, not the ReadHeaderTimeout it has until then:
+// the relay's last pass, which comes after, must fit in HardStop.
+func TestASilentConnectionOfTheStartHoldsTheShutdownNoLongerThanServesOwn(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	ctx, cancel, s := startingInSlot(t, log)
+	silent, err := net.Dial("tcp", s.ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		s.conns.mu.Lock()
+		defer s.conns.mu.Unlock()
+		return len(s.conns.state) == 1
+	}, "the start's server did not accept the connection")
+	// And one the serving server accepted: the two waits run side by side, not in turn.
+	srv := NewServer("127.0.0.1:0", http.NotFoundHandler())
+	accepted := make(chan struct{}, 1)
+	srv.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateNew {
+			accepted <- struct{}{}
+		}
+	}
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, log, srv, Workers{}) }()
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(logs.Lines("msg=listening")) == 1 }, "Serve did not take the listener over")
+	silentToo, err := net.Dial("tcp", s.ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silentToo.Close()
+	select {
+	case <-accepted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the serving server did not accept the second connection")
+	}
+	cancel()
+	signalled := time.Now()
+	if err := within(t, served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	if took := time.Since(signalled); took < newConnWait || took > newConnWait+500*time.Millisecond {
+		t.Fatalf("Serve returned %v after the stop with a silent connection of each server's; want newConnWait (%v) and little more", took, newConnWait)
+	}
+	for _, c := range []net.Conn{silent, silentToo} {
+		_ = c.SetReadDeadline(time.Now().Add(time.Second))
+		if n, err := c.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+			t.Fatalf("a silent connection read %d bytes (%v), want it closed", n, err)
 		}
 	}
 }

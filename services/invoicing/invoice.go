@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -16,7 +17,6 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 //go:embed migrations/*.sql
@@ -57,7 +57,7 @@ func (Invoice) TableName() string { return "invoices" }
 // check-then-insert, so no interleaving can issue an invoice for a cancelled order.
 type invoicer struct {
 	log         *slog.Logger
-	driver      *gormdriver.Driver
+	driver      messaging.Driver[*gorm.DB]
 	alreadyDone func() // counts a message whose invoice another message made already
 }
 
@@ -116,18 +116,28 @@ func (h invoicer) placed(ctx context.Context, tx *gorm.DB, batch []messaging.Del
 
 // alreadyKnown handles an OrderPlaced whose order has its invoice row already: the void row a
 // cancellation wrote before its order arrived learns its amount from the first OrderPlaced to
-// come (awaitsItsOrderSQL), and any other finds its work done.
+// come (awaitsItsOrderSQL), and any other finds its work done. A message that disagrees with
+// the row (another amount, another customer) is upstream disagreeing with itself: logged at
+// ERROR; the row keeps its customer, and a void row awaiting its order takes the amount.
 func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.OrderPlaced, msgID uuid.UUID) error {
-	var learned []uuid.UUID
-	err := tx.Raw("UPDATE invoices SET amount_cents = ?, placed_message_id = ? WHERE order_id = ? AND "+awaitsItsOrderSQL+" RETURNING id",
+	var learned []struct {
+		ID         uuid.UUID
+		CustomerID string
+	}
+	err := tx.Raw("UPDATE invoices SET amount_cents = ?, placed_message_id = ? WHERE order_id = ? AND "+awaitsItsOrderSQL+" RETURNING id, customer_id",
 		ev.TotalCents, msgID, ev.OrderID, StatusVoid).Scan(&learned).Error
 	if err != nil {
 		return fmt.Errorf("record the amount of the void invoice of order %s: %w", ev.OrderID, err)
 	}
 	if len(learned) == 1 {
 		return messaging.AfterCommit(ctx, func() {
-			h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", "order_id", ev.OrderID,
-				"invoice_id", learned[0], "amount_cents", ev.TotalCents, "message_id", msgID)
+			attrs := []any{"order_id", ev.OrderID, "invoice_id", learned[0].ID, "amount_cents", ev.TotalCents, "message_id", msgID}
+			if ev.CustomerID != learned[0].CustomerID {
+				// The amount is recorded all the same: the row stays void, and no invoice goes out.
+				h.log.ErrorContext(ctx, "order was cancelled before it arrived, for another customer; its invoice stays void", attrs...)
+				return
+			}
+			h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", attrs...)
 		})
 	}
 	var existing Invoice
@@ -136,14 +146,31 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	}
 	return messaging.AfterCommit(ctx, func() {
 		h.alreadyDone()
-		attrs := []any{"order_id", ev.OrderID, "invoice_id", existing.ID, "status", existing.Status,
-			"amount_cents", ev.TotalCents, "invoice_amount_cents", existing.AmountCents, "message_id", msgID}
-		if ev.TotalCents != existing.AmountCents { // not a harmless duplicate: upstream disagrees with itself
-			h.log.ErrorContext(ctx, "order already invoiced by another message, with another amount; nothing done", attrs...)
-			return
-		}
-		h.log.WarnContext(ctx, "order already invoiced by another message; nothing to do", attrs...)
+		h.logAlreadyKnown(ctx, ev, existing, msgID)
 	})
+}
+
+// logAlreadyKnown logs an OrderPlaced that found its order's row there, done by another
+// message: issued, or void (cancelled, whether it was ever invoiced or not).
+func (h invoicer) logAlreadyKnown(ctx context.Context, ev events.OrderPlaced, existing Invoice, msgID uuid.UUID) {
+	msg := "order already invoiced by another message"
+	if existing.Status == StatusVoid {
+		msg = "order already cancelled, its invoice void"
+	}
+	attrs := []any{"order_id", ev.OrderID, "invoice_id", existing.ID, "status", existing.Status,
+		"amount_cents", ev.TotalCents, "invoice_amount_cents", existing.AmountCents, "message_id", msgID}
+	var differs []string
+	if ev.TotalCents != existing.AmountCents {
+		differs = append(differs, "another amount")
+	}
+	if ev.CustomerID != existing.CustomerID {
+		differs = append(differs, "another customer") // its ids left out: a customer's id may be an address
+	}
+	if len(differs) > 0 { // not a harmless duplicate: upstream disagrees with itself
+		h.log.ErrorContext(ctx, msg+", with "+strings.Join(differs, " and ")+"; nothing done", attrs...)
+		return
+	}
+	h.log.WarnContext(ctx, msg+"; nothing to do", attrs...)
 }
 
 // awaitsItsOrderSQL matches (with its one argument StatusVoid) the void row a cancellation

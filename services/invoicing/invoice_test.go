@@ -50,8 +50,14 @@ func setup(t *testing.T) *testBundle {
 
 func orderPlaced(t *testing.T, orderID uuid.UUID, total int64) messaging.Message {
 	t.Helper()
+	return orderPlacedFor(t, orderID, "c-42", total)
+}
+
+// orderPlacedFor is an OrderPlaced of customer's.
+func orderPlacedFor(t *testing.T, orderID uuid.UUID, customer string, total int64) messaging.Message {
+	t.Helper()
 	msg, err := events.OrderPlacedEvent.Message(events.OrderPlaced{
-		OrderID: orderID, CustomerID: "c-42", TotalCents: total, PlacedAt: time.Now().UTC(),
+		OrderID: orderID, CustomerID: customer, TotalCents: total, PlacedAt: time.Now().UTC(),
 		Lines: []events.Line{{SKU: "SKU-1", Quantity: 1, UnitPriceCents: total}},
 	})
 	if err != nil {
@@ -140,11 +146,11 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 	}
 }
 
-// An OrderPlaced that decodes and validates but that PostgreSQL refuses for its value alone (a
-// customer id holding a NUL, which jsonb and text cannot store) fails the batch it is in, and
-// alone is permanent: dead-lettered at once, with nothing of it written. The batch's other
-// message, delivered alone, is invoiced.
-func TestAnOrderPlacedTheDatabaseRefusesIsPermanentAloneAndInABatch(t *testing.T) {
+// An OrderPlaced whose customer id holds a NUL, a control character (which the event's check
+// refuses, and PostgreSQL's jsonb and text could not store either), fails the batch it is in, and alone is permanent:
+// dead-lettered at once, with nothing of it written. The batch's other message, delivered
+// alone, is invoiced.
+func TestAnOrderPlacedWithANULIsPermanentAloneAndInABatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	goodOrder := uuid.New()
@@ -714,5 +720,57 @@ func TestABatchHandlesAPlacementAndItsCancellationInTheirOrder(t *testing.T) {
 		if n := len(b.logs.Lines(line)); n != 1 {
 			t.Errorf("%d %q lines, want 1", n, line)
 		}
+	}
+}
+
+// An OrderPlaced for another customer than the order's row has is upstream disagreeing with
+// itself, as another amount is: logged at ERROR, naming neither customer (an id may be an
+// address), the row kept as it was.
+// An order cancelled before it arrived still learns its amount from it. A row that is void
+// is said to be void, not invoiced: one cancelled first never was.
+func TestAnOrderPlacedForAnotherCustomerIsADisagreement(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cancelledFirst, issuedFirst, voidAgain := uuid.New(), uuid.New(), uuid.New()
+	late := orderPlacedFor(t, cancelledFirst, "c-7", 900)
+	other := orderPlacedFor(t, issuedFirst, "c-7", 2500)
+	again := orderPlaced(t, voidAgain, 300)
+	for _, msg := range []messaging.Message{
+		orderCancelled(t, cancelledFirst), late,
+		orderPlaced(t, issuedFirst, 2500), other,
+		orderCancelled(t, voidAgain), orderPlaced(t, voidAgain, 300), again,
+	} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+	}
+	inv, issued := b.invoiceOf(t, cancelledFirst)
+	if inv.Status != StatusVoid || inv.AmountCents != 900 || inv.CustomerID != "c-42" || inv.PlacedMessageID == nil ||
+		*inv.PlacedMessageID != late.ID || issued != 0 {
+		t.Fatalf("cancelled first: invoice %+v with %d InvoiceIssued, want void of 900 for c-42 from message %s, never announced",
+			inv, issued, late.ID)
+	}
+	if inv, issued := b.invoiceOf(t, issuedFirst); inv.Status != StatusIssued || inv.CustomerID != "c-42" || issued != 1 {
+		t.Fatalf("issued first: invoice %+v with %d InvoiceIssued, want issued for c-42, once", inv, issued)
+	}
+	for _, want := range [][]string{
+		{"level=ERROR", "order was cancelled before it arrived, for another customer; its invoice stays void",
+			"message_id=" + late.ID.String()},
+		{"level=ERROR", "order already invoiced by another message, with another customer; nothing done",
+			"message_id=" + other.ID.String()},
+		{"level=WARN", "order already cancelled, its invoice void; nothing to do", "message_id=" + again.ID.String()},
+	} {
+		if n := len(b.logs.Lines(want...)); n != 1 {
+			t.Errorf("%d lines with %q, want 1:\n%s", n, want, b.logs)
+		}
+	}
+	if n := len(b.logs.Lines("already invoiced", "message_id="+again.ID.String())); n != 0 {
+		t.Errorf("%d lines saying the order cancelled first was invoiced, want none", n)
+	}
+	if n := len(b.logs.Lines("customer_id=")); n != 0 {
+		t.Errorf("%d lines name the customer, want none: a customer's id may be an address", n)
+	}
+	if n := b.alreadyDone.Load(); n != 2 {
+		t.Errorf("%d messages counted as done already, want 2: the issued order's and the void order's second OrderPlaced", n)
 	}
 }

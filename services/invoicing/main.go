@@ -45,7 +45,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	if err != nil {
 		return err
 	}
-	if err := (invoicer{log: log, driver: base.WorkDriver, alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
+	if err := (invoicer{log: log, driver: relaying.Enqueuing(base.WorkDriver), alreadyDone: base.AlreadyDone(Consumer)}).subscribe(sub); err != nil {
 		return err
 	}
 	return platform.ServeConsumer[Invoice](ctx, base, log, common.HTTPAddr, "/invoices", sub, settings,

@@ -9,6 +9,7 @@ import (
 	"mime"
 	"mime/quotedprintable"
 	"net"
+	"net/netip"
 	"net/smtp"
 	"net/textproto"
 	"slices"
@@ -50,6 +51,7 @@ const smtpIdleTimeout = 30 * time.Second
 // pumps that have one.
 type smtpDeliverer struct {
 	addr, from  string
+	helo        string // what EHLO says (SMTP_HELO_NAME); "" for the connection's address literal
 	idleTimeout time.Duration
 	dialTimeout time.Duration // how long opening a session may take at most (see dial)
 	maxConns    int
@@ -540,6 +542,13 @@ func (d *smtpDeliverer) open(ctx context.Context) (*smtpConn, error) {
 		return nil, fmt.Errorf("smtp dial %s: %w", d.addr, err)
 	}
 	c := &smtpConn{conn: conn}
+	name := d.helo
+	if name == "" {
+		if name, err = heloName(conn.LocalAddr()); err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
+	}
 	host, _, _ := net.SplitHostPort(d.addr)
 	err = c.during(ctx, func() error {
 		client, err := smtp.NewClient(conn, host)
@@ -547,7 +556,7 @@ func (d *smtpDeliverer) open(ctx context.Context) (*smtpConn, error) {
 			return fmt.Errorf("smtp greeting: %w", err)
 		}
 		c.client = client
-		if err := client.Hello("notification"); err != nil {
+		if err := client.Hello(name); err != nil {
 			return fmt.Errorf("smtp hello: %w", err)
 		}
 		// Hello said EHLO; its reply listed the extensions.
@@ -563,6 +572,44 @@ func (d *smtpDeliverer) open(ctx context.Context) (*smtpConn, error) {
 	// Idle from now: a delivery that may not begin after the dial leaves it to its pump.
 	c.idleSince = time.Now()
 	return c, nil
+}
+
+// heloName is what EHLO says unless SMTP_HELO_NAME says otherwise: the address literal of
+// local, the connection's own end (RFC 5321 4.1.3), "[192.0.2.7]" or "[IPv6:2001:db8::1]". A
+// bare name such as the service's is neither a domain nor a literal (4.1.1.1), which relays
+// refuse (Postfix's reject_non_fqdn_helo_hostname); the address needs no configuration, and is
+// the one the server sees unless a NAT stands between them.
+func heloName(local net.Addr) (string, error) {
+	ap, err := netip.ParseAddrPort(local.String())
+	if err != nil {
+		return "", fmt.Errorf("smtp: local address %q: %w", local, err)
+	}
+	// A zone means nothing to the server; an IPv4 peer of a dual-stack socket is IPv4.
+	ip := ap.Addr().Unmap().WithZone("")
+	if ip.Is4() {
+		return "[" + ip.String() + "]", nil
+	}
+	return "[IPv6:" + ip.String() + "]", nil
+}
+
+// validHeloName says whether name can follow EHLO (RFC 5321 4.1.1.1): "" (the address
+// literal of the connection), a domain name of letters, digits and hyphens, or an address
+// literal.
+func validHeloName(name string) bool {
+	if name == "" {
+		return true
+	}
+	if literal, ok := strings.CutPrefix(name, "["); ok {
+		literal, ok = strings.CutSuffix(literal, "]")
+		if v6, isV6 := strings.CutPrefix(literal, "IPv6:"); isV6 {
+			ip, err := netip.ParseAddr(v6)
+			return ok && err == nil && ip.Is6() && ip.Zone() == ""
+		}
+		ip, err := netip.ParseAddr(literal)
+		return ok && err == nil && ip.Is4()
+	}
+	labels := strings.Split(name, ".")
+	return len(name) <= 253 && len(labels) > 1 && !slices.ContainsFunc(labels, func(l string) bool { return !ldhLabel(l) })
 }
 
 // during runs fn, a conversation on the connection, within ctx: its deadline, and its

@@ -1005,56 +1005,80 @@ func TestAddressesAreASCIIWhereTheServerTakesNoSMTPUTF8(t *testing.T) {
 	})
 }
 
-// smtpUTF8Server is a test mail server that offers SMTPUTF8, which testenv's does not.
-type smtpUTF8Server struct {
-	addr string
-	mu   sync.Mutex
-	mail []string // "from to to", an e-mail's envelope
+// recordingMailServer is a test mail server for what testenv's does not do: offer SMTPUTF8,
+// or refuse a greeting. It records each e-mail's envelope and each name it was greeted by.
+type recordingMailServer struct {
+	addr  string
+	mu    sync.Mutex
+	mail  []string // "from to to", an e-mail's envelope
+	helos []string
 }
 
-func (s *smtpUTF8Server) received() []string {
+func (s *recordingMailServer) received() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]string(nil), s.mail...)
 }
 
-// utf8MailServer is a running smtpUTF8Server.
-func utf8MailServer(t *testing.T) *smtpUTF8Server {
+func (s *recordingMailServer) greetedBy() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.helos...)
+}
+
+// runMailServer is a recordingMailServer listening at listen ("127.0.0.1:0", "[::1]:0"),
+// offering SMTPUTF8 if utf8, refusing an EHLO or HELO whose name greet refuses (nil: none).
+func runMailServer(t *testing.T, listen string, utf8 bool, greet func(name string) error) *recordingMailServer {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &smtpUTF8Server{addr: ln.Addr().String()}
-	srv := gosmtp.NewServer(gosmtp.BackendFunc(func(*gosmtp.Conn) (gosmtp.Session, error) {
-		return &utf8Session{server: s}, nil
+	s := &recordingMailServer{addr: ln.Addr().String()}
+	// go-smtp opens the session at EHLO or HELO: an error here is the answer to it.
+	srv := gosmtp.NewServer(gosmtp.BackendFunc(func(c *gosmtp.Conn) (gosmtp.Session, error) {
+		s.mu.Lock()
+		s.helos = append(s.helos, c.Hostname())
+		s.mu.Unlock()
+		if greet != nil {
+			if err := greet(c.Hostname()); err != nil {
+				return nil, err
+			}
+		}
+		return &recordingSession{server: s}, nil
 	}))
 	srv.Domain = "localhost"
-	srv.EnableSMTPUTF8 = true
+	srv.EnableSMTPUTF8 = utf8
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
 	return s
 }
 
-type utf8Session struct {
-	server   *smtpUTF8Server
+// utf8MailServer is a running recordingMailServer that offers SMTPUTF8.
+func utf8MailServer(t *testing.T) *recordingMailServer {
+	t.Helper()
+	return runMailServer(t, "127.0.0.1:0", true, nil)
+}
+
+type recordingSession struct {
+	server   *recordingMailServer
 	from, to string
 }
 
-func (x *utf8Session) Reset()        { x.from, x.to = "", "" }
-func (x *utf8Session) Logout() error { return nil }
+func (x *recordingSession) Reset()        { x.from, x.to = "", "" }
+func (x *recordingSession) Logout() error { return nil }
 
-func (x *utf8Session) Mail(from string, _ *gosmtp.MailOptions) error {
+func (x *recordingSession) Mail(from string, _ *gosmtp.MailOptions) error {
 	x.from = from
 	return nil
 }
 
-func (x *utf8Session) Rcpt(to string, _ *gosmtp.RcptOptions) error {
+func (x *recordingSession) Rcpt(to string, _ *gosmtp.RcptOptions) error {
 	x.to = to
 	return nil
 }
 
-func (x *utf8Session) Data(r io.Reader) error {
+func (x *recordingSession) Data(r io.Reader) error {
 	if _, err := io.Copy(io.Discard, r); err != nil {
 		return err
 	}
@@ -1062,6 +1086,71 @@ func (x *utf8Session) Data(r io.Reader) error {
 	defer x.server.mu.Unlock()
 	x.server.mail = append(x.server.mail, x.from+" to "+x.to)
 	return nil
+}
+
+// refuseNonFQDN refuses, as Postfix's reject_non_fqdn_helo_hostname does, a name that is
+// neither a domain with a dot nor an address literal.
+func refuseNonFQDN(name string) error {
+	if strings.Contains(name, ".") || strings.HasPrefix(name, "[") && strings.HasSuffix(name, "]") {
+		return nil
+	}
+	return &gosmtp.SMTPError{Code: 504, EnhancedCode: gosmtp.EnhancedCode{5, 5, 2},
+		Message: "<" + name + ">: Helo command rejected: need fully-qualified hostname"}
+}
+
+// EHLO names the client by the address literal of its end of the connection, which a relay
+// that takes only a fully qualified name or a literal accepts, over IPv4 and IPv6 alike; or by
+// SMTP_HELO_NAME, when given.
+func TestEHLONamesTheClientByItsAddressLiteral(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ listen, helo, want string }{
+		{"127.0.0.1:0", "", "[127.0.0.1]"},
+		{"[::1]:0", "", "[IPv6:::1]"},
+		{"127.0.0.1:0", "mail.shop.example", "mail.shop.example"}, // SMTP_HELO_NAME, for a client behind a NAT
+	} {
+		listen, want := tc.listen, tc.want
+		t.Run(listen+" "+tc.helo, func(t *testing.T) {
+			t.Parallel()
+			if ln, err := net.Listen("tcp", listen); err != nil {
+				t.Skipf("no loopback at %s: %v", listen, err)
+			} else {
+				_ = ln.Close()
+			}
+			srv := runMailServer(t, listen, false, refuseNonFQDN)
+			d := newSMTPDeliverer(srv.addr, "orders@shop.example", 1)
+			d.helo = tc.helo
+			t.Cleanup(d.Close)
+			if err := deliverNow(d, mailTo("c-1@customers.example")); err != nil {
+				t.Fatalf("delivery to a relay that wants a fully qualified EHLO: %v", err)
+			}
+			if got := srv.received(); len(got) != 1 {
+				t.Errorf("the server took %q, want one e-mail", got)
+			}
+			if got := srv.greetedBy(); len(got) != 1 || got[0] != want {
+				t.Errorf("greeted by %q, want one EHLO %s", got, want)
+			}
+		})
+	}
+}
+
+// The address literal has no zone, which means nothing to the server, and an IPv4 address
+// mapped into IPv6 is the IPv4 address it is.
+func TestHeloName(t *testing.T) {
+	t.Parallel()
+	for local, want := range map[string]string{
+		"192.0.2.7:40000":          "[192.0.2.7]",
+		"[2001:db8::1]:40000":      "[IPv6:2001:db8::1]",
+		"[fe80::1%eth0]:40000":     "[IPv6:fe80::1]",
+		"[::ffff:192.0.2.7]:40000": "[192.0.2.7]",
+	} {
+		addr, err := net.ResolveTCPAddr("tcp", local)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := heloName(addr); err != nil || got != want {
+			t.Errorf("heloName(%s) = %q, %v; want %q", local, got, err, want)
+		}
+	}
 }
 
 // A server that opens no session, while no other is open, is away or refuses this client, not

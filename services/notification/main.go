@@ -50,6 +50,10 @@ func run(ctx context.Context, env *platform.Env) error {
 	// recorded, so more of them than SMTP_MAX_CONNS keep the connections busy.
 	concurrency := env.Int("NOTIFY_CONCURRENCY", DefaultConcurrency, 1, 1000)
 	smtpConns := env.Int("SMTP_MAX_CONNS", DefaultSMTPConns, 1, 100)
+	// Behind a NAT the connection's own address is not the one the server sees, which some
+	// servers check the EHLO literal against: the host's public name, given here, is.
+	helo := env.String("SMTP_HELO_NAME", "")
+	env.Check(validHeloName(helo), "SMTP_HELO_NAME", "must be a domain name or an address literal such as [192.0.2.7]")
 	pools := platform.PoolsOf(nil, &settings, 1)
 	pools.Check(env, common)
 	if err := env.Err(); err != nil {
@@ -57,7 +61,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	}
 	log := platform.NewLogger(os.Stderr, "notification", common.LogFormat, common.LogLevel)
 	log.Info("starting", append(append(common.LogAttrs(), settings.LogAttrs()...),
-		"smtp_addr", smtpAddr, "smtp_from", smtpFrom, "notify_recipient_domain", domain, "notify_max_backoff", maxBackoff, "notify_concurrency", concurrency, "smtp_max_conns", smtpConns)...)
+		"smtp_addr", smtpAddr, "smtp_from", smtpFrom, "notify_recipient_domain", domain, "notify_max_backoff", maxBackoff, "notify_concurrency", concurrency, "smtp_max_conns", smtpConns, "smtp_helo_name", helo)...)
 
 	base, err := platform.Start(ctx, log, "notification", common, pools,
 		platform.Library(messaging.MigrateInbox), platform.Migrations(migrations, "migrations", "notification_schema"))
@@ -70,6 +74,7 @@ func run(ctx context.Context, env *platform.Env) error {
 	var mailer *smtpDeliverer
 	if smtpAddr != "" {
 		mailer = newSMTPDeliverer(smtpAddr, smtpFrom, smtpConns)
+		mailer.helo = helo
 		defer mailer.Close()
 		deliverer = mailer
 	}

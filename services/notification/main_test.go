@@ -45,28 +45,22 @@ func TestASenderAddressThatIsNotBareIsRefused(t *testing.T) {
 // be a domain name as SMTP carries it, not merely what mail.ParseAddress reads after an "@".
 func TestARecipientDomainThatIsNoDomainNameIsRefused(t *testing.T) {
 	t.Parallel()
-	// Cancelled: a domain let through ends the run at once, not waiting for the database.
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
 	label := strings.Repeat("d", 63)
 	longest := strings.Join([]string{label, label, label, label[2:]}, ".") // a name of 253 octets: no room for "a@"
 	roomy := strings.Join([]string{label, label, label, label[:48]}, ".")  // 240: room for a derived mailbox's "=" and digest
-	runWith := func(value string) error {
-		return run(ctx, platform.EnvFrom(map[string]string{
-			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
-			"NOTIFY_RECIPIENT_DOMAIN": value,
-		}))
-	}
-	for _, value := range []string{"shop!", "b_c.example", "-x.example", "[192.0.2.1]", strings.Repeat("d", 64) + ".example", longest, roomy + "d"} {
-		if err := runWith(value); err == nil || !strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN: must be a domain name") {
-			t.Errorf("NOTIFY_RECIPIENT_DOMAIN=%q: err = %v, want it named", value, err)
-		}
-	}
-	for _, value := range []string{roomy, "Customers.Example", "bücher.example"} {
-		if err := runWith(value); err != nil && strings.Contains(err.Error(), "NOTIFY_RECIPIENT_DOMAIN") {
-			t.Errorf("NOTIFY_RECIPIENT_DOMAIN=%q: err = %v, want it taken", value, err)
-		}
-	}
+	checkSetting(t, "NOTIFY_RECIPIENT_DOMAIN", "must be a domain name",
+		[]string{"shop!", "b_c.example", "-x.example", "[192.0.2.1]", strings.Repeat("d", 64) + ".example", longest, roomy + "d"},
+		[]string{roomy, "Customers.Example", "bücher.example"})
+}
+
+// SMTP_HELO_NAME follows EHLO as it is: a domain name or an address literal, nothing else a
+// server could refuse as syntax at every session.
+func TestAHeloNameThatIsNeitherADomainNorALiteralIsRefused(t *testing.T) {
+	t.Parallel()
+	checkSetting(t, "SMTP_HELO_NAME", "must be a domain name or an address literal",
+		[]string{"notification", "mail shop.example", "mail_1.shop.example", "[192.0.2.7", "[2001:db8::1]",
+			"[IPv6:192.0.2.7]", "[IPv6:fe80::1%eth0]", "bücher.example", "-mail.shop.example"},
+		[]string{"", "mail.shop.example", "[192.0.2.7]", "[IPv6:2001:db8::1]"})
 }
 
 // SMTP_FROM goes to servers without SMTPUTF8 too: a domain that is not ASCII as its A-label,
@@ -75,23 +69,32 @@ func TestARecipientDomainThatIsNoDomainNameIsRefused(t *testing.T) {
 // literal, a name with '_' (refused, they would crash-loop the service on upgrade).
 func TestASenderAddressWithNoASCIIFormIsRefused(t *testing.T) {
 	t.Parallel()
-	// Cancelled: an address let through ends the run at once, not waiting for the database.
+	checkSetting(t, "SMTP_FROM", "must have an ASCII local part",
+		[]string{"örders@shop.example", "orders@shöp_relay.example"},
+		[]string{"orders@shöp.example", "orders@Shöp.example", "orders@[192.0.2.1]", "noreply@mail_relay.internal"})
+}
+
+// checkSetting runs the service with each value of the setting name: each of refused must end
+// the start with an error naming it and saying want, and none of taken may. The run is
+// cancelled: a value let through ends it at once, not waiting for the database.
+func checkSetting(t *testing.T, name, want string, refused, taken []string) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	runWith := func(value string) error {
 		return run(ctx, platform.EnvFrom(map[string]string{
 			"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere", "AMQP_URL": "amqp://guest:guest@127.0.0.1:1/",
-			"SMTP_FROM": value,
+			name: value,
 		}))
 	}
-	for _, refused := range []string{"örders@shop.example", "orders@shöp_relay.example"} {
-		if err := runWith(refused); err == nil || !strings.Contains(err.Error(), "SMTP_FROM: must have an ASCII local part") {
-			t.Errorf("SMTP_FROM=%s: err = %v, want it named", refused, err)
+	for _, value := range refused {
+		if err := runWith(value); err == nil || !strings.Contains(err.Error(), name+": "+want) {
+			t.Errorf("%s=%q: err = %v, want it named", name, value, err)
 		}
 	}
-	for _, taken := range []string{"orders@shöp.example", "orders@Shöp.example", "orders@[192.0.2.1]", "noreply@mail_relay.internal"} {
-		if err := runWith(taken); err != nil && strings.Contains(err.Error(), "SMTP_FROM") {
-			t.Errorf("SMTP_FROM=%s: err = %v, want it taken", taken, err)
+	for _, value := range taken {
+		if err := runWith(value); err != nil && strings.Contains(err.Error(), name) {
+			t.Errorf("%s=%q: err = %v, want it taken", name, value, err)
 		}
 	}
 }

@@ -71,6 +71,8 @@ func (Notification) TableName() string { return "notifications" }
 func confirmation(ev events.OrderPlaced) Notification {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Thank you for your order %s.\r\n\r\n", ev.OrderID)
+	// The SKUs as sent: the event's checks refused any with a control character, by which a
+	// line break could forge a line (a total) of its own.
 	for _, l := range ev.Lines {
 		fmt.Fprintf(&b, "  %d × %s at %s\r\n", l.Quantity, l.SKU, money(l.UnitPriceCents))
 	}

@@ -445,6 +445,21 @@ func TestInvalidInvoiceIssuedIsPermanentAndWritesNothing(t *testing.T) {
 	}
 }
 
+// An OrderPlaced whose SKU holds a line break, which would forge a line of the confirmation
+// (a total of its own), is a permanent error, and writes nothing: no e-mail shows it.
+func TestOrderPlacedWithALineBreakInASKUIsPermanentAndWritesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := events.OrderPlaced{OrderID: uuid.New(), CustomerID: "c-42", TotalCents: 100000, PlacedAt: time.Now().UTC(),
+		Lines: []events.Line{{SKU: "SKU-1 at 0.00\r\n\r\nTotal: 0.00\r\n\r\n", Quantity: 1, UnitPriceCents: 100000}}}
+	if _, err := messagingtest.Deliver(context.Background(), b.sub, message(t, events.OrderPlacedEvent, ev)); !messaging.IsPermanent(err) {
+		t.Errorf("err = %v, want a permanent error", err)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM notifications") + testenv.Count(t, b.db, "SELECT count(*) FROM inbox_messages"); n != 0 {
+		t.Fatalf("%d rows written for an OrderPlaced whose SKU forges lines", n)
+	}
+}
+
 // The system's topology binds the notification queue to exactly the events the notifier
 // handles, each on the exchange it comes from: the subscription starts.
 func TestSubscriptionBindsEveryEvent(t *testing.T) {

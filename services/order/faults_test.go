@@ -159,8 +159,8 @@ func TestTheAPIIsBehindAdmission(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(handler(log, &platform.Base{DB: b.db, Driver: b.store.driver, Registry: reg, Admission: adm,
-		DatabaseReady: platform.DatabaseReady(b.readiness)}))
+	srv := httptest.NewServer(handler(log, &platform.Base{DB: b.db, Registry: reg, Admission: adm,
+		DatabaseReady: platform.DatabaseReady(b.readiness)}, b.store))
 	t.Cleanup(srv.Close)
 
 	locker := b.db.Begin()

@@ -40,18 +40,19 @@ func run(ctx context.Context, env *platform.Env) error {
 	defer outbox.Publisher.Close()
 
 	workers := platform.Workers{Relay: outbox.Relay, Others: []platform.Worker{outbox.Cleanup, base.Profiler(), base.Admission.Run}}
-	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, handler(log, base)), workers); err != nil {
+	store := &Store{db: base.DB, driver: relaying.Enqueuing(base.Driver)}
+	if err := platform.Serve(ctx, log, platform.NewServer(common.HTTPAddr, handler(log, base, store)), workers); err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
 	return nil
 }
 
-// handler is the service's HTTP handler: the operational endpoints, and the order API behind
-// base's admission control.
-func handler(log *slog.Logger, base *platform.Base) http.Handler {
+// handler is the service's HTTP handler: the operational endpoints, and the order API on store
+// behind base's admission control.
+func handler(log *slog.Logger, base *platform.Base, store *Store) http.Handler {
 	// Ready while the database works, whatever the broker does: taking orders while the
 	// broker is down is what the outbox is for.
 	router := platform.NewRouter(log, base.Registry, base.DatabaseReady)
-	(&api{store: &Store{db: base.DB, driver: base.Driver}, log: log}).routes(base.API(router))
+	(&api{store: store, log: log}).routes(base.API(router))
 	return router
 }

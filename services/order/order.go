@@ -20,7 +20,7 @@ const (
 	MaxLines          = 100
 	MaxQuantity       = 10_000
 	MaxUnitPriceCents = 100_000_000 // 1,000,000.00 in the currency's major unit
-	MaxIDLength       = 100
+	MaxIDLength       = events.MaxIDLength
 )
 
 // Line is one line of an order. Money is integer cents. A body must give each of its fields
@@ -46,7 +46,7 @@ type Violation struct {
 // Validate returns every violation of the command's rules, or none.
 func (c PlaceOrder) Validate() []Violation {
 	var v []Violation
-	if msg := checkID(c.CustomerID); msg != "" {
+	if msg := events.IDProblem(c.CustomerID); msg != "" {
 		v = append(v, Violation{"customer_id", msg})
 	}
 	switch {
@@ -58,7 +58,7 @@ func (c PlaceOrder) Validate() []Violation {
 	}
 	for i, l := range c.Lines {
 		field := func(name string) string { return "lines[" + strconv.Itoa(i) + "]." + name }
-		if msg := checkID(l.SKU); msg != "" {
+		if msg := events.IDProblem(l.SKU); msg != "" {
 			v = append(v, Violation{field("sku"), msg})
 		}
 		if l.Quantity < 1 || l.Quantity > MaxQuantity {
@@ -69,37 +69,6 @@ func (c PlaceOrder) Validate() []Violation {
 		}
 	}
 	return v
-}
-
-// checkID says what is wrong with an id (a customer's, a SKU), or "". An id is compared and
-// shown as sent: one with space around it, or an invisible character inside (see invisible),
-// would be another id that looks the same, or an id that looks empty.
-func checkID(s string) string {
-	switch {
-	case strings.TrimSpace(s) == "":
-		return "must not be empty"
-	case !utf8.ValidString(s):
-		return "must be valid UTF-8"
-	case utf8.RuneCountInString(s) > MaxIDLength:
-		return "at most 100 characters"
-	case strings.IndexFunc(s, unicode.IsControl) >= 0:
-		return "must not contain control characters"
-	case strings.TrimSpace(s) != s:
-		return "must not start or end with white space"
-	case strings.IndexFunc(s, invisible) >= 0:
-		return "must not contain invisible characters"
-	}
-	return ""
-}
-
-// invisible reports whether r shows as nothing, or as a blank that is not white space: Unicode's
-// default-ignorable code points, that is format characters (a zero-width space, a bidirectional
-// override), variation selectors and the rest, such as the combining grapheme joiner and the
-// Hangul fillers; and the braille blank, which looks like a space. An id that would need a
-// variation selector (an emoji's presentation, an ideograph's variant, a Mongolian free
-// variation selector) is refused too: ids are codes, where a look-alike costs more.
-func invisible(r rune) bool {
-	return r == '\u2800' || unicode.In(r, unicode.Cf, unicode.Variation_Selector, unicode.Other_Default_Ignorable_Code_Point)
 }
 
 // An order's statuses.

@@ -871,7 +871,7 @@ func withoutDatabase(t *testing.T, inFlight int) http.Handler {
 		t.Fatal(err)
 	}
 	base := &platform.Base{Registry: reg, Admission: adm, DatabaseReady: func(context.Context) error { return nil }}
-	return handler(log, base)
+	return handler(log, base, &Store{})
 }
 
 // failingBody sends its prefix, then fails with err.

@@ -17,7 +17,6 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
-	"github.com/outboxkit/outbox-inbox/pkg/messaging/gormdriver"
 )
 
 // Migrations are the order database's own tables; outbox_messages comes from pkg/messaging.
@@ -58,7 +57,7 @@ func (lineRow) TableName() string { return "order_lines" }
 // message in one transaction: no broker call, so no dual write.
 type Store struct {
 	db     *gorm.DB
-	driver *gormdriver.Driver
+	driver messaging.Driver[*gorm.DB]
 }
 
 // readCommitted is the isolation the store's transactions ask for, whatever the database's
