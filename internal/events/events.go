@@ -180,7 +180,8 @@ func IDProblem(s string) string {
 }
 
 // idUnsafe says what makes an id unsafe to show as it is, or "": a control character, a line
-// break, could forge a line of its own. A consumer refuses an event with such an id, and only
+// break (U+2028 and U+2029 too, which are no control characters), could forge a line of its
+// own. A consumer refuses an event with such an id, and only
 // such: the order service took ids with space around them, or invisible characters, before it
 // refused them, and the events of those orders must still be handled.
 func idUnsafe(s string) string {
@@ -191,9 +192,15 @@ func idUnsafe(s string) string {
 		return fmt.Sprintf("at most %d characters", MaxIDLength)
 	case strings.IndexFunc(s, unicode.IsControl) >= 0:
 		return "must not contain control characters"
+	case strings.IndexFunc(s, lineBreak) >= 0:
+		return "must not contain line breaks"
 	}
 	return ""
 }
+
+// lineBreak reports whether r is the line or the paragraph separator, which break a line
+// where they are shown.
+func lineBreak(r rune) bool { return unicode.In(r, unicode.Zl, unicode.Zp) }
 
 // checkID is idUnsafe as an error.
 func checkID(id string) error {

@@ -147,9 +147,10 @@ func TestMalformedOrderPlacedIsPermanentAndWritesNothing(t *testing.T) {
 }
 
 // An OrderPlaced whose customer id holds a NUL, a control character (which the event's check
-// refuses, and PostgreSQL's jsonb and text could not store either), fails the batch it is in, and alone is permanent:
-// dead-lettered at once, with nothing of it written. The batch's other message, delivered
-// alone, is invoiced.
+// refuses, and PostgreSQL's jsonb and text could not store either), is permanent when it is
+// decoded: the harness's batch of it and a good one fails, where a consumer dead-letters it
+// alone, before any transaction, and handles the rest. Nothing of it is written; the good
+// message, delivered alone, is invoiced. (The database refusing a value is the library's test.)
 func TestAnOrderPlacedWithANULIsPermanentAloneAndInABatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

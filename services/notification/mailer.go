@@ -584,32 +584,37 @@ func heloName(local net.Addr) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("smtp: local address %q: %w", local, err)
 	}
-	// A zone means nothing to the server; an IPv4 peer of a dual-stack socket is IPv4.
-	ip := ap.Addr().Unmap().WithZone("")
+	// A zone means nothing to the server. (An IPv4 peer of a dual-stack socket is IPv4
+	// already: net.IP prints such an address dotted.)
+	ip := ap.Addr().WithZone("")
 	if ip.Is4() {
 		return "[" + ip.String() + "]", nil
 	}
 	return "[IPv6:" + ip.String() + "]", nil
 }
 
-// validHeloName says whether name can follow EHLO (RFC 5321 4.1.1.1): "" (the address
-// literal of the connection), a domain name of letters, digits and hyphens, or an address
-// literal.
+// validHeloName says whether name can follow EHLO (RFC 5321 4.1.1.1, 4.1.3): "" (the address
+// literal of the connection), a fully qualified domain name of letters, digits and hyphens
+// whose last label is not all digits (an address without its brackets is none: RFC 3696 2),
+// or an address literal, its "IPv6:" tag in any case (RFC 5234 2.3).
 func validHeloName(name string) bool {
 	if name == "" {
 		return true
 	}
 	if literal, ok := strings.CutPrefix(name, "["); ok {
 		literal, ok = strings.CutSuffix(literal, "]")
-		if v6, isV6 := strings.CutPrefix(literal, "IPv6:"); isV6 {
-			ip, err := netip.ParseAddr(v6)
+		const tag = "IPv6:"
+		if len(literal) > len(tag) && strings.EqualFold(literal[:len(tag)], tag) {
+			ip, err := netip.ParseAddr(literal[len(tag):])
 			return ok && err == nil && ip.Is6() && ip.Zone() == ""
 		}
 		ip, err := netip.ParseAddr(literal)
 		return ok && err == nil && ip.Is4()
 	}
 	labels := strings.Split(name, ".")
-	return len(name) <= 253 && len(labels) > 1 && !slices.ContainsFunc(labels, func(l string) bool { return !ldhLabel(l) })
+	last := labels[len(labels)-1]
+	return len(name) <= 253 && len(labels) > 1 && !slices.ContainsFunc(labels, func(l string) bool { return !ldhLabel(l) }) &&
+		strings.Trim(last, "0123456789") != ""
 }
 
 // during runs fn, a conversation on the connection, within ctx: its deadline, and its

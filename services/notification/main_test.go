@@ -59,8 +59,8 @@ func TestAHeloNameThatIsNeitherADomainNorALiteralIsRefused(t *testing.T) {
 	t.Parallel()
 	checkSetting(t, "SMTP_HELO_NAME", "must be a domain name or an address literal",
 		[]string{"notification", "mail shop.example", "mail_1.shop.example", "[192.0.2.7", "[2001:db8::1]",
-			"[IPv6:192.0.2.7]", "[IPv6:fe80::1%eth0]", "bücher.example", "-mail.shop.example"},
-		[]string{"", "mail.shop.example", "[192.0.2.7]", "[IPv6:2001:db8::1]"})
+			"[IPv6:192.0.2.7]", "[IPv6:fe80::1%eth0]", "bücher.example", "-mail.shop.example", "192.0.2.7", "mail.123", "mail.shop.example."},
+		[]string{"", "mail.shop.example", "xn--bcher-kva.example", "mail.shop4.example", "[192.0.2.7]", "[IPv6:2001:db8::1]", "[ipv6:2001:db8::1]"})
 }
 
 // SMTP_FROM goes to servers without SMTPUTF8 too: a domain that is not ASCII as its A-label,

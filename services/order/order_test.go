@@ -209,6 +209,7 @@ func TestBadRequestsGetProblemsAndWriteNothing(t *testing.T) {
 		{"control characters", `{"customer_id":"c\u0000x","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"customer id with space around", `{"customer_id":" c-42 ","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"sku with a zero-width space", `{"customer_id":"c","lines":[{"sku":"SKU\u200b-1","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
+		{"sku with a line separator", `{"customer_id":"c","lines":[{"sku":"SKU-1\u2028Total: 0.00","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"sku with a bidirectional override", `{"customer_id":"c","lines":[{"sku":"SKU\u202e1","quantity":1,"unit_price_cents":1}]}`, "application/json", 422},
 		{"invalid UTF-8", "{\"customer_id\":\"c\xff\",\"lines\":[{\"sku\":\"s\",\"quantity\":1,\"unit_price_cents\":1}]}", "application/json", 400},
 		{"a lone low surrogate", `{"customer_id":"c\udfff","lines":[{"sku":"s","quantity":1,"unit_price_cents":1}]}`, "application/json", 400},
