@@ -162,7 +162,8 @@ const MaxIDLength = 100
 // IDProblem says what is wrong with an id (a customer's, a SKU), or "": the order service
 // refuses such an id from a client. An id is compared and shown as sent (in an e-mail, a log):
 // one with space around it, or an invisible character inside (see invisible), would be another
-// id that looks the same, or an id that looks empty; see idUnsafe for the rest.
+// id that looks the same, or an id that looks empty; a line or paragraph separator would break
+// its line where shown; see idUnsafe for the rest.
 func IDProblem(s string) string {
 	if strings.TrimSpace(s) == "" {
 		return "must not be empty"
@@ -175,13 +176,15 @@ func IDProblem(s string) string {
 		return "must not start or end with white space"
 	case strings.IndexFunc(s, invisible) >= 0:
 		return "must not contain invisible characters"
+	case strings.IndexFunc(s, lineBreak) >= 0:
+		return "must not contain line breaks"
 	}
 	return ""
 }
 
 // idUnsafe says what makes an id unsafe to show as it is, or "": a control character, a line
-// break (U+2028 and U+2029 too, which are no control characters), could forge a line of its
-// own. A consumer refuses an event with such an id, and only
+// break, could forge a line of its own. (The line and paragraph separators, which the order
+// service took until it refused them, a consumer shows as spaces: OnOneLine.) A consumer refuses an event with such an id, and only
 // such: the order service took ids with space around them, or invisible characters, before it
 // refused them, and the events of those orders must still be handled.
 func idUnsafe(s string) string {
@@ -192,15 +195,24 @@ func idUnsafe(s string) string {
 		return fmt.Sprintf("at most %d characters", MaxIDLength)
 	case strings.IndexFunc(s, unicode.IsControl) >= 0:
 		return "must not contain control characters"
-	case strings.IndexFunc(s, lineBreak) >= 0:
-		return "must not contain line breaks"
 	}
 	return ""
 }
 
-// lineBreak reports whether r is the line or the paragraph separator, which break a line
-// where they are shown.
+// lineBreak reports whether r is the line or the paragraph separator: no control characters,
+// but they break a line where they are shown.
 func lineBreak(r rune) bool { return unicode.In(r, unicode.Zl, unicode.Zp) }
+
+// OnOneLine is s with its line and paragraph separators as spaces: how a consumer shows an id
+// the order service took before it refused them (IDProblem), on the one line it belongs to.
+func OnOneLine(s string) string {
+	return strings.Map(func(r rune) rune {
+		if lineBreak(r) {
+			return ' '
+		}
+		return r
+	}, s)
+}
 
 // checkID is idUnsafe as an error.
 func checkID(id string) error {

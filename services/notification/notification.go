@@ -71,10 +71,11 @@ func (Notification) TableName() string { return "notifications" }
 func confirmation(ev events.OrderPlaced) Notification {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Thank you for your order %s.\r\n\r\n", ev.OrderID)
-	// The SKUs as sent: the event's checks refused any with a control character, by which a
-	// line break could forge a line (a total) of its own.
+	// The SKUs as sent, on their lines: the event's checks refused any with a control
+	// character, and the line and paragraph separators show as spaces, so that no SKU forges a
+	// line (a total) of its own.
 	for _, l := range ev.Lines {
-		fmt.Fprintf(&b, "  %d × %s at %s\r\n", l.Quantity, l.SKU, money(l.UnitPriceCents))
+		fmt.Fprintf(&b, "  %d × %s at %s\r\n", l.Quantity, events.OnOneLine(l.SKU), money(l.UnitPriceCents))
 	}
 	fmt.Fprintf(&b, "\r\nTotal: %s\r\n", money(ev.TotalCents))
 	return Notification{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Kind: KindOrderConfirmation,

@@ -866,3 +866,17 @@ func TestBacklogQueryFailureIsCountedAndLoggedOnce(t *testing.T) {
 		t.Fatalf("recovery lines %q, want one, with the %d failures", r, scrapes)
 	}
 }
+
+// An SKU the order service took before it refused line and paragraph separators stays on its
+// line in the confirmation: shown as spaces, it forges no line (a total) of its own.
+func TestAConfirmationShowsEachSKUOnItsLine(t *testing.T) {
+	t.Parallel()
+	ev := events.OrderPlaced{OrderID: uuid.New(), CustomerID: "c-42", TotalCents: 200, PlacedAt: time.Now().UTC(),
+		Lines: []events.Line{{SKU: "SKU-1\u2028Total: 0.00", Quantity: 1, UnitPriceCents: 100}, {SKU: "SKU-2\u2029\u2029x", Quantity: 1, UnitPriceCents: 100}}}
+	body := confirmation(ev).Body
+	lines := strings.Split(strings.TrimSuffix(body, "\r\n"), "\r\n")
+	want := []string{"Thank you for your order " + ev.OrderID.String() + ".", "", "  1 × SKU-1 Total: 0.00 at 1.00", "  1 × SKU-2  x at 1.00", "", "Total: 2.00"}
+	if !slices.Equal(lines, want) || strings.ContainsAny(body, "\u2028\u2029") {
+		t.Errorf("confirmation body %q, want the lines %q", body, want)
+	}
+}
