@@ -4,8 +4,14 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/outboxkit/outbox-inbox/internal/systest"
@@ -13,9 +19,15 @@ import (
 
 var binDir string
 
+// binDirPrefix starts the name of the directory each test binary builds the services into,
+// followed by its pid: a binary killed before its deferred removal runs (by its -timeout, or
+// SIGKILL) leaves it, and the next one removes it (sweepBinDirs).
+const binDirPrefix = "e2e-bin-"
+
 func TestMain(m *testing.M) {
 	code := func() int {
-		dir, err := os.MkdirTemp("", "e2e-bin-")
+		sweepBinDirs(os.TempDir())
+		dir, err := os.MkdirTemp("", binDirPrefix+strconv.Itoa(os.Getpid())+"-")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
@@ -29,6 +41,54 @@ func TestMain(m *testing.M) {
 		return m.Run()
 	}()
 	os.Exit(code)
+}
+
+// sweepBinDirs removes the directories in tmp that test binaries no longer running built the
+// services into. One whose pid runs is kept, though another process may have that pid now: a
+// later binary removes it.
+func sweepBinDirs(tmp string) {
+	dirs, _ := filepath.Glob(filepath.Join(tmp, binDirPrefix+"*-*"))
+	for _, dir := range dirs {
+		pid, _, _ := strings.Cut(strings.TrimPrefix(filepath.Base(dir), binDirPrefix), "-")
+		n, err := strconv.Atoi(pid)
+		if err != nil || n <= 0 || !errors.Is(syscall.Kill(n, 0), syscall.ESRCH) {
+			continue
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			fmt.Fprintf(os.Stderr, "e2e: could not remove %s, left by a killed test binary: %v\n", dir, err)
+		}
+	}
+}
+
+// The build directory a killed test binary left is removed by the next; those of binaries that
+// still run, and what only looks like one, are not.
+func TestBuildDirectoriesOfKilledBinariesAreRemoved(t *testing.T) {
+	t.Parallel()
+	ended := exec.Command("true")
+	if err := ended.Run(); err != nil {
+		t.Fatal(err)
+	}
+	tmp := t.TempDir()
+	left := filepath.Join(tmp, fmt.Sprintf("%s%d-1", binDirPrefix, ended.Process.Pid))
+	kept := []string{
+		filepath.Join(tmp, fmt.Sprintf("%s%d-2", binDirPrefix, os.Getpid())), // this binary's
+		filepath.Join(tmp, binDirPrefix+"123456"),                            // named otherwise
+		filepath.Join(tmp, binDirPrefix+"x-3"),
+	}
+	for _, dir := range append([]string{left}, kept...) {
+		if err := os.MkdirAll(filepath.Join(dir, "bin"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sweepBinDirs(tmp)
+	if _, err := os.Stat(left); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the directory of an ended binary (pid %d) is still there: %v", ended.Process.Pid, err)
+	}
+	for _, dir := range kept {
+		if _, err := os.Stat(dir); err != nil {
+			t.Errorf("%s was removed: %v", dir, err)
+		}
+	}
 }
 
 // smallPools are the e2e tests' database pools, unless a test says otherwise: each system

@@ -1,9 +1,9 @@
 # shellcheck shell=bash
 # One run at a time on this machine; sourced by scripts/test.sh, scripts/bench.sh,
-# scripts/bench-compare.sh and scripts/sidroot.sh. They stop and restart the machine's
-# PostgreSQL and RabbitMQ and the nodes of scripts/sidroot.sh, whose names and ports are the
-# machine's whatever SIDROOT_DIR says: a second run at the same time would stop, or wipe, what
-# the first is testing against.
+# scripts/bench-compare.sh, scripts/sidroot.sh and scripts/walkthrough.sh (in local mode). They
+# stop and restart the machine's PostgreSQL and RabbitMQ and the nodes of scripts/sidroot.sh,
+# whose names and ports are the machine's whatever SIDROOT_DIR says: a second run at the same
+# time would stop, or wipe, what the first is testing against.
 #
 # The lock (flock(1)) is held by a small process of its own that lives as long as the run's
 # shell. Not by the shell: every process the run starts would inherit the descriptor, Go's

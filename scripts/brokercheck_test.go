@@ -10,10 +10,11 @@ import (
 	"testing"
 )
 
-// brokerCheck runs test.sh's broker_version machine (with with_broker, die and the line that
-// reads TEST_MACHINE_RABBITMQ, taken from the script) with a stand-in for internal/testenv's
-// TestTheBrokerIsTheRabbitMQTheRunWants whose broker is RabbitMQ version: it says what that test
-// says (its format strings, taken from internal/testenv/broker_test.go), and fails as it fails.
+// brokerCheck runs test.sh's broker_version machine (with with_broker, forked, die and the line
+// that reads TEST_MACHINE_RABBITMQ, taken from the script) and prints the version it sets, with a
+// stand-in for internal/testenv's TestTheBrokerIsTheRabbitMQTheRunWants whose broker is RabbitMQ
+// version: it says what that test says (its format strings, taken from
+// internal/testenv/broker_test.go), and fails as it fails.
 func brokerCheck(t *testing.T, version string, env ...string) (string, error) {
 	t.Helper()
 	script, err := os.ReadFile("test.sh")
@@ -25,7 +26,7 @@ func brokerCheck(t *testing.T, version string, env ...string) (string, error) {
 		t.Fatal(err)
 	}
 	var defs []string
-	for _, re := range []string{`(?m)^die\(\) \{.*\}$`, `(?m)^machine_rabbitmq=.*$`, `(?ms)^with_broker\(\) \{$.*?^\}$`, `(?ms)^broker_version\(\) \{$.*?^\}$`} {
+	for _, re := range []string{`(?m)^die\(\) \{.*\}$`, `(?m)^forked\(\) \{.*\}$`, `(?m)^machine_rabbitmq=.*$`, `(?ms)^with_broker\(\) \{$.*?^\}$`, `(?ms)^broker_version\(\) \{$.*?^\}$`} {
 		def := regexp.MustCompile(re).Find(script)
 		if def == nil {
 			t.Fatalf("no %s in scripts/test.sh", re)
@@ -50,7 +51,7 @@ esac
 	if err := os.WriteFile(filepath.Join(report, "brokercheck"), []byte(check), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command("bash", "-c", "set -euo pipefail\n"+strings.Join(defs, "\n")+"\nbroker_version machine")
+	cmd := exec.Command("bash", "-c", "set -euo pipefail\n"+strings.Join(defs, "\n")+"\nbroker_version machine\nprintf %s \"$version\"")
 	cmd.Env = append(os.Environ(), "report="+report, "machine_amqp_url=amqp://guest:guest@"+host+"/", "sidroot_env=", "trixie_env=")
 	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.CombinedOutput()

@@ -31,28 +31,56 @@ die() { printf 'scripts/test.sh: %s\n' "$*" >&2; exit 1; }
 . scripts/alone.sh
 alone scripts/test.sh
 
-# trixie runs scripts/sidroot.sh for the RabbitMQ 4.0 root, on its own default directory and
-# ports whatever SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
-trixie() { env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"; }
-sidroot() { if [ "$1" = trixie ]; then shift; trixie "$@"; else shift; SIDROOT_SUITE=sid scripts/sidroot.sh "$@"; fi; }
+# A `pkill -f scripts/test.sh` (how a CI run is killed) signals the run's shell and every fork of
+# it, as they have its command line. A fork dies at once (the EXIT trap is the run's shell's
+# alone), and what it ran, re-parented, would escape the walk from $$ that ends the run's
+# processes at exit, and go on under the next run's lock. So no shell stands between the run's
+# and what it runs: the functions that run a command for it (sidroot, with_broker) become it
+# (exec), and are called in a fork only.
+forked() { [ "$BASHPID" != "$$" ] || die "$1 was called in the run's own shell, which it would replace"; }
+
+# sidroot sid|trixie ARGS...: becomes scripts/sidroot.sh ARGS for the RabbitMQ 4.3 root (sid) or
+# the 4.0 one (trixie). The trixie root runs on its own default directory and ports whatever
+# SIDROOT_DIR and the ports say for the 4.3 one: it must not share them.
+sidroot() {
+  forked sidroot
+  if [ "$1" = trixie ]; then
+    shift
+    exec env -u SIDROOT_DIR -u SIDROOT_AMQP_PORT -u SIDROOT_METRICS_PORT SIDROOT_SUITE=trixie scripts/sidroot.sh "$@"
+  fi
+  shift
+  exec env SIDROOT_SUITE=sid scripts/sidroot.sh "$@"
+}
 
 # At exit, whatever ended the run (a failure, a signal): what it started that still runs (on a
-# signal bash leaves the foreground commands running, a go test among them), then the nodes
-# this run started or began to start (a start that failed half-way may leave its node running),
-# and the report. Each step runs even if another fails, and none changes the run's exit status.
-# Set up before the first command that may be left running so.
+# signal bash leaves its commands running, a go test among them), then the nodes this run
+# started or began to start (a start that failed half-way may leave its node running), and the
+# report. Each step runs even if another fails, and none changes the run's exit status; a second
+# SIGINT (an impatient Ctrl-C) does not cut it short, as it would leave them running (what the
+# cleanup runs inherits SIGINT ignored). Set up before the first command that may be left running.
 started=""
 report="$(mktemp -d)"
 # shellcheck disable=SC2317 # run by the EXIT trap
 cleanup() {
   local root
+  trap '' INT
   alone_end_processes
   for root in $started; do
-    sidroot "$root" stop || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
+    (sidroot "$root" stop) || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
   done
   rm -rf "$report"
 }
 trap cleanup EXIT
+# A SIGINT to the run's pid alone (not to its process group, as a terminal's Ctrl-C is) would be
+# lost: bash lets the foreground command go on, and carries on when it ends unsignalled. Trapped,
+# it ends the run once that command ends, or at once while a `wait` waits (interruptible, below).
+# SIGTERM ends the run at once as it is (bash runs the EXIT trap, then dies).
+trap 'trap "" INT; exit 130' INT
+
+# interruptible COMMAND...: COMMAND (a program, or a function that becomes one) in the background,
+# waited for, so that a SIGINT ends the run at once. Bash starts it with SIGINT ignored; the
+# cleanup ends it with SIGTERM.
+interruptible() { "$@" & wait $!; }
 
 # retry DESCRIPTION COMMAND...: runs COMMAND up to 3 times, 15 s then 30 s apart, for the steps
 # that download: cmd/go does not retry a failed fetch from the module proxy, and a fresh machine
@@ -60,8 +88,8 @@ trap cleanup EXIT
 retry() {
   local what=$1 try; shift
   for try in 1 2 3; do
-    "$@" && return 0
-    [ "$try" = 3 ] || { say "$what failed (try $try of 3); trying again in $((try * 15)) s" >&2; sleep $((try * 15)); }
+    interruptible "$@" && return 0
+    [ "$try" = 3 ] || { say "$what failed (try $try of 3); trying again in $((try * 15)) s" >&2; interruptible sleep $((try * 15)); }
   done
   die "$what failed 3 times"
 }
@@ -151,6 +179,7 @@ compose_servers() {
 }
 
 command -v go >/dev/null || die "Go is not installed (need Go 1.26)"
+env --default-signal=INT --version >/dev/null 2>&1 || die "env does not take --default-signal (need GNU coreutils 8.31 or later)"
 mode_and_why=$(servers_mode) || exit 1
 mode=${mode_and_why%%:*}
 say "test servers: $mode_and_why"
@@ -247,7 +276,7 @@ example_packages=github.com/outboxkit/outbox-inbox/examples/...
 retry "fetching the modules (go list -deps -test)" go list -deps -test ./... "$library_packages" "$example_packages" >/dev/null
 
 say "go vet"
-go vet ./... "$library_packages" "$example_packages"
+interruptible go vet ./... "$library_packages" "$example_packages"
 
 # golangci-lint, pinned (.golangci.yml holds the linters). Installed from the Go module proxy
 # into GOPATH/bin the first time, which takes a few minutes; later runs reuse it.
@@ -267,7 +296,8 @@ say "golangci-lint (every module of go.work)"
 modules=$(go list -m -f '{{.Dir}}')
 [ -n "$modules" ] || die "go list -m named no module to lint"
 for module in $modules; do
-  (cd "$module" && "$lint" run ./...)
+  (cd "$module" && exec "$lint" run ./...) &
+  wait $!
 done
 
 # promtool, pinned to the Prometheus release the observability profile runs: Prometheus
@@ -303,13 +333,14 @@ machine_amqp_url=$TEST_AMQP_URL
 machine_rabbitmq=${TEST_MACHINE_RABBITMQ:-3.10}
 sidroot_env=""
 trixie_env=""
-go build -o "$report/testreport" ./internal/testreport
-go test -c -o "$report/brokercheck" ./internal/testenv
+interruptible go build -o "$report/testreport" ./internal/testreport
+interruptible go test -c -o "$report/brokercheck" ./internal/testenv
 
 if [ "$mode" = local ]; then
   say "RabbitMQ 4.3 beside the machine's broker (scripts/sidroot.sh; the first run provisions it)"
   started=sid
-  sidroot_env=$(sidroot sid start) || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
+  interruptible sidroot sid start >"$report/sid.env" || die "could not start RabbitMQ 4.3 (scripts/sidroot.sh start)"
+  sidroot_env=$(<"$report/sid.env")
   say "$(sidroot sid version | tr '\n' ' ')"
   # The phases against "4.3" stand for compose's broker: as scripts/bench.sh does, fail on a
   # root whose RabbitMQ is another major.minor (Debian unstable moved on) rather than test that.
@@ -317,33 +348,33 @@ if [ "$mode" = local ]; then
     die "the sid root's RabbitMQ is not the major.minor docker-compose.yml ships (scripts/sidroot.sh compose, above): the suite would not run against compose's broker"
   say "$compose_rabbitmq"
 fi
-# with_broker 4.3|4.0|machine COMMAND...: COMMAND against that broker, with TEST_WANT_RABBITMQ
-# the version prefix it stands for (in compose mode compose's 4.3 stands for all), which
-# broker_version checks.
+# with_broker 4.3|4.0|machine COMMAND...: becomes COMMAND against that broker (see forked), with
+# TEST_WANT_RABBITMQ the version prefix it stands for (in compose mode compose's 4.3 stands for
+# all), which broker_version checks. SIGINT is set back to its default (GNU env 8.31+), which a
+# background command's is not: the tests, and what they run, get it as a foreground command would.
 with_broker() {
-  local prefix=$1.
-  [ "$1" != machine ] || prefix=$machine_rabbitmq.
-  (
-    export TEST_WANT_RABBITMQ="$prefix"
-    if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
-      eval "$sidroot_env"
-    elif [ "$1" = 4.0 ]; then
-      eval "$trixie_env"
-    else
-      export TEST_AMQP_URL="$machine_amqp_url"
-      unset TEST_RABBITMQCTL TEST_SIDROOT TEST_RABBITMQ_PROMETHEUS_URL
-    fi
-    shift
-    "$@"
-  )
+  forked with_broker
+  export TEST_WANT_RABBITMQ=$1.
+  [ "$1" != machine ] || TEST_WANT_RABBITMQ=$machine_rabbitmq.
+  if [ "$1" = 4.3 ] && [ -n "$sidroot_env" ]; then
+    eval "$sidroot_env"
+  elif [ "$1" = 4.0 ]; then
+    eval "$trixie_env"
+  else
+    export TEST_AMQP_URL="$machine_amqp_url"
+    unset TEST_RABBITMQCTL TEST_SIDROOT TEST_RABBITMQ_PROMETHEUS_URL
+  fi
+  shift
+  exec env --default-signal=INT "$@"
 }
 
-# broker_version BROKER prints the version BROKER's server gave in the AMQP handshake, and
-# fails the run unless it is the one the phases against BROKER stand for: called before each
+# broker_version BROKER sets version to the version BROKER's server gave in the AMQP handshake,
+# and fails the run unless it is the one the phases against BROKER stand for: called before each
 # phase, so that one whose URL reached another broker (the machine's upgraded, say) does not
 # pass while testing that version no longer. The check is internal/testenv's test, built above.
+# It runs in the run's shell, not in a command substitution's fork (see forked).
 broker_version() {
-  local out version minor re=': the broker at [^[:space:]]+ is RabbitMQ ([^[:space:],]+)'
+  local out minor re=': the broker at [^[:space:]]+ is RabbitMQ ([^[:space:],]+)'
   if ! out=$(with_broker "$1" "$report/brokercheck" -test.run '^TestTheBrokerIsTheRabbitMQTheRunWants$' -test.v 2>&1); then
     printf '%s\n' "$out" >&2
     # The machine's broker is whatever RabbitMQ the machine has: TEST_MACHINE_RABBITMQ, not the
@@ -357,15 +388,16 @@ broker_version() {
   fi
   version=$(printf '%s\n' "$out" | sed -n 's/.*: the broker at [^ ]* is RabbitMQ //p')
   [ -n "$version" ] || { printf '%s\n' "$out" >&2; die "internal/testenv's TestTheBrokerIsTheRabbitMQTheRunWants did not name the broker's version: was it renamed?"; }
-  printf '%s' "$version"
 }
 
 # suite BROKER PACKAGES...: the parallel suite against BROKER, adding the tests it skipped for
-# phase 3 to $report/restarts-BROKER.
+# phase 3 to $report/restarts-BROKER. Its pipelines, here and below, run in the background and
+# are waited for, as interruptible's commands are: with pipefail, wait gives the pipeline's status.
 suite() {
   local broker=$1; shift
   with_broker "$broker" go test -json -race -count=1 -timeout 15m "$@" |
-    "$report/testreport" "${allow[@]}" "${collect[@]}" -skipped "$report/restarts-$broker"
+    "$report/testreport" "${allow[@]}" "${collect[@]}" -skipped "$report/restarts-$broker" &
+  wait $!
 }
 
 # The end-to-end tests of exactly once and of faults, run against the machine's broker as well:
@@ -374,35 +406,37 @@ suite() {
 # reach no broker, the alerts need 4.3's Prometheus, the server restarts run alone.
 machine_e2e_tests='TestReplicasUnderLoad|TestKilledServicesUnderLoad|TestGracefulShutdownUnderLoad|TestPoisonMessagesAreDeadLettered|TestBrokerOutage60s|TestAConsumerThatStartsLastMissesNothing'
 
-version=$(broker_version 4.3)
+broker_version 4.3
 say "go test -race, the whole suite, against RabbitMQ 4.3 ($version)"
 suite 4.3 ./... "$library_packages" "$example_packages"
 if [ "$mode" = local ]; then
-  version=$(broker_version machine)
+  broker_version machine
   say "go test -race, the library's suite ($library_packages), against the machine's RabbitMQ ($version)"
   suite machine $library_packages
   say "go test -race, the services' suite and the end-to-end exactly-once and fault tests, against the machine's RabbitMQ"
   suite machine ./services/...
   # Each of these tests must run: none may skip.
   with_broker machine go test -json -race -count=1 -timeout 15m -run "^($machine_e2e_tests)\$" ./e2e/ |
-    "$report/testreport" -want "$(printf '%s' "$machine_e2e_tests" | awk -F'|' '{ print NF }')"
+    "$report/testreport" -want "$(printf '%s' "$machine_e2e_tests" | awk -F'|' '{ print NF }')" &
+  wait $!
   say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"
   started="$started trixie"
-  trixie_env=$(trixie start) || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
-  say "$(trixie version | tr '\n' ' ')"
-  trixie_rabbitmq=$(trixie version | awk '$1 == "rabbitmq-server" { print $2 }') ||
+  interruptible sidroot trixie start >"$report/trixie.env" || die "could not start RabbitMQ 4.0 (SIDROOT_SUITE=trixie scripts/sidroot.sh start)"
+  trixie_env=$(<"$report/trixie.env")
+  say "$(sidroot trixie version | tr '\n' ' ')"
+  trixie_rabbitmq=$(sidroot trixie version | awk '$1 == "rabbitmq-server" { print $2 }') ||
     die "could not read the trixie root's RabbitMQ version (SIDROOT_SUITE=trixie scripts/sidroot.sh version)"
   case "$trixie_rabbitmq" in
     4.0.*) ;;
     *) die "the trixie root's RabbitMQ is ${trixie_rabbitmq:-not installed}, not 4.0: the library's suite would not run against the 4.0 it names" ;;
   esac
-  version=$(broker_version 4.0)
+  broker_version 4.0
   say "go test -race, the library's suite, against RabbitMQ 4.0 ($version)"
   suite 4.0 $library_packages
 fi
 
 say "go test -fuzz (order command decoder and validator, briefly)"
-go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" ./services/order
+interruptible go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" ./services/order
 
 # These stop RabbitMQ and restart PostgreSQL: nothing else may run meanwhile (one package at a
 # time, after the suites). They are exactly the tests the parallel phases skipped for
@@ -411,13 +445,14 @@ go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ_TIME:-10s}" .
 status=0
 for broker in 4.3 4.0 machine; do
   [ -f "$report/restarts-$broker" ] || continue
-  version=$(broker_version "$broker")
+  broker_version "$broker"
   say "go test -race (server restarts, alone), against $( [ "$broker" = machine ] && echo "the machine's RabbitMQ" || echo "RabbitMQ $broker") ($version)"
   [ -s "$report/restarts-$broker" ] || die "the parallel phase against $broker skipped no server-restart test: were they renamed or removed?"
   while read -r pkg pattern; do
     want=$(printf '%s' "$pattern" | awk -F'|' '{ print NF }')
     with_broker "$broker" env TEST_SERVER_RESTARTS=1 go test -json -race -count=1 -p 1 -timeout 10m -run "$pattern" "$pkg" </dev/null |
-      "$report/testreport" -want "$want" "${restart_allow[@]}" || status=$?
+      "$report/testreport" -want "$want" "${restart_allow[@]}" &
+    wait $! || status=$?
   done < "$report/restarts-$broker"
 done
 if [ "$mode" = compose ]; then compose_servers; else ensure_postgres; ensure_rabbitmq; fi

@@ -57,6 +57,12 @@ case "${WALKTHROUGH_MODE:-}" in
   *) printf 'walkthrough: WALKTHROUGH_MODE=%s, want compose or local\n' "$WALKTHROUGH_MODE" >&2; exit 2 ;;
 esac
 printf '%s mode: %s\n' "$WALKTHROUGH_MODE" "$mode_reason"
+# Local mode stops the machine's broker: it waits while a test run or a benchmark uses it, as
+# they wait for each other (scripts/alone.sh).
+if [ "$WALKTHROUGH_MODE" = local ]; then
+  . scripts/alone.sh
+  alone scripts/walkthrough.sh
+fi
 
 say()  { printf '\n== %s\n' "$*"; }
 info() { printf '   %s\n' "$*"; }
