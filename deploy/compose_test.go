@@ -5,8 +5,9 @@
 package deploy_test
 
 import (
-	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"go/ast"
 	"go/parser"
@@ -14,6 +15,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/exec"
 	"path"
 	"path/filepath"
 	"regexp"
@@ -25,6 +27,8 @@ import (
 
 	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
+	"github.com/moby/patternmatcher"
+	"github.com/moby/patternmatcher/ignorefile"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
@@ -854,34 +858,161 @@ func copiedBefore(t *testing.T, instrs []instr, end int) []string {
 	return copied
 }
 
+// TestDockerignore holds .dockerignore to the build: read and matched as Docker and BuildKit
+// read and match it (github.com/moby/patternmatcher, their own code: `**`, a leading `/`, `!`
+// exceptions, and a pattern that excludes a folder excluding everything in it), it keeps in the
+// context every file the image's build reads, and leaves .git out.
 func TestDockerignore(t *testing.T) {
 	t.Parallel()
-	f, err := os.Open(filepath.Join(root, ".dockerignore"))
+	raw, err := os.ReadFile(filepath.Join(root, ".dockerignore"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	var patterns []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if line := strings.TrimSpace(sc.Text()); line != "" && !strings.HasPrefix(line, "#") {
-			patterns = append(patterns, strings.TrimPrefix(line, "/"))
+	patterns := dockerignorePatterns(t, string(raw))
+	if excluded, err := excludedByDockerignore(patterns, ".git/HEAD"); err != nil || !excluded {
+		t.Errorf(".dockerignore does not exclude .git (%v)", err)
+	}
+	for _, problem := range dockerignoreProblems(patterns, buildInputs(t)) {
+		t.Errorf(".dockerignore: %s", problem)
+	}
+}
+
+// The check refuses what would break the build, however the pattern is written, and accepts
+// exceptions that bring the files back.
+func TestDockerignoreChecker(t *testing.T) {
+	t.Parallel()
+	needed := buildInputs(t)
+	for _, c := range []struct {
+		ignore string // .dockerignore's text
+		ok     bool
+	}{
+		{"**/healthcheck", false},                  // cmd/healthcheck, at any depth
+		{"services/order", false},                  // a folder, and so everything in it
+		{"/services/order", false},                 // a leading / changes nothing
+		{"**/*.sql", false},                        // the migrations the services embed
+		{"**/migrations", false},                   // their folders
+		{"pkg/messaging/schema", false},            // the library's embedded schema
+		{"cmd/*/main.go", false},                   // one * per path element
+		{"*\n!go.mod\n!go.sum", false},             // everything but the go.mod files
+		{"services\n!services/order", false},       // invoicing and notification stay out
+		{"services\n!services/**", true},           // the exception brings back all of it
+		{"*\n!**", true},                           // so does this
+		{"order\n**/*_test.go\n**/testdata", true}, // the binary at the root, the tests
+	} {
+		problems := dockerignoreProblems(dockerignorePatterns(t, c.ignore), needed)
+		if ok := len(problems) == 0; ok != c.ok {
+			t.Errorf(".dockerignore %q: accepted %v, want %v (%q)", c.ignore, ok, c.ok, problems)
 		}
 	}
-	if err := sc.Err(); err != nil {
+}
+
+// dockerignorePatterns reads a .dockerignore's text as Docker does: comments and blank lines
+// dropped, each pattern cleaned, a leading / removed.
+func dockerignorePatterns(t *testing.T, text string) []string {
+	t.Helper()
+	patterns, err := ignorefile.ReadAll(strings.NewReader(text))
+	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Contains(patterns, ".git") {
-		t.Error(".dockerignore does not exclude .git")
+	return patterns
+}
+
+// excludedByDockerignore reports whether patterns leave file (slash-separated, from the
+// context's root) out of the build context: whether it or a folder above it matches, and no
+// later exception brings it back.
+func excludedByDockerignore(patterns []string, file string) (bool, error) {
+	pm, err := patternmatcher.New(patterns)
+	if err != nil {
+		return false, err
 	}
-	// What the build stage needs must stay in the context.
-	for _, need := range []string{"go.mod", "go.sum", "services", "services/order/main.go", "cmd", "cmd/healthcheck/main.go", "cmd/outboxctl/main.go", "internal", "pkg"} {
+	return pm.MatchesOrParentMatches(file)
+}
+
+// dockerignoreProblems lists each file of needed that patterns leave out of the context, with
+// the patterns that would exclude it on their own.
+func dockerignoreProblems(patterns, needed []string) []string {
+	var problems []string
+	for _, file := range needed {
+		excluded, err := excludedByDockerignore(patterns, file)
+		if err != nil {
+			return []string{err.Error()}
+		}
+		if !excluded {
+			continue
+		}
+		var by []string
 		for _, p := range patterns {
-			if ok, _ := filepath.Match(p, need); ok && !strings.HasPrefix(p, "!") {
-				t.Errorf(".dockerignore pattern %q excludes %s, which the build needs", p, need)
+			if alone, _ := excludedByDockerignore([]string{p}, file); alone {
+				by = append(by, p)
 			}
 		}
+		problems = append(problems, fmt.Sprintf("%s is excluded (by %q), and the build reads it", file, by))
 	}
+	return problems
+}
+
+// dockerBuilds are the packages the Dockerfile's build stage builds: every folder of services/
+// (the SERVICE build argument picks one) and the two tools (TestDockerfile holds its RUN to
+// them).
+var dockerBuilds = []string{"./services/...", "./cmd/healthcheck", "./cmd/outboxctl"}
+
+// buildInputs lists the files of this repository the image's build reads, from its root: the
+// go.mod and go.sum files it copies first, and, as `go list` reports them with the build's
+// settings (GOWORK=off, CGO_ENABLED=0, linux), the Go files and embedded files of every package
+// dockerBuilds depend on, with their modules' go.mod. Those of the module cache and GOROOT are
+// outside the context.
+func buildInputs(t *testing.T) []string {
+	t.Helper()
+	abs, err := filepath.Abs(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("go", append([]string{"list", "-deps", "-json=Dir,GoFiles,EmbedFiles,Module,Standard"}, dockerBuilds...)...)
+	cmd.Dir = abs
+	cmd.Env = append(os.Environ(), "GOWORK=off", "CGO_ENABLED=0", "GOOS=linux")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list %v: %v\n%s", dockerBuilds, err, stderr.String())
+	}
+	files := goModFiles(t)
+	add := func(p string) {
+		r, err := filepath.Rel(abs, p)
+		if err != nil || r == ".." || strings.HasPrefix(r, ".."+string(filepath.Separator)) {
+			return // the module cache or GOROOT
+		}
+		if r = filepath.ToSlash(r); !slices.Contains(files, r) {
+			files = append(files, r)
+		}
+	}
+	dec := json.NewDecoder(bytes.NewReader(out))
+	for dec.More() {
+		var pkg struct {
+			Dir                 string
+			GoFiles, EmbedFiles []string
+			Standard            bool
+			Module              *struct{ GoMod string }
+		}
+		if err := dec.Decode(&pkg); err != nil {
+			t.Fatalf("go list: %v", err)
+		}
+		if pkg.Standard {
+			continue
+		}
+		for _, f := range slices.Concat(pkg.GoFiles, pkg.EmbedFiles) {
+			add(filepath.Join(pkg.Dir, f))
+		}
+		if pkg.Module != nil && pkg.Module.GoMod != "" {
+			add(pkg.Module.GoMod)
+		}
+	}
+	for _, must := range []string{"services/order/main.go", "cmd/healthcheck/main.go", "pkg/messaging/go.mod"} {
+		if !slices.Contains(files, must) {
+			t.Fatalf("the build's files %v lack %s (has go list's output changed?)", files, must)
+		}
+	}
+	return files
 }
 
 // Helpers.

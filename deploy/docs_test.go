@@ -1,13 +1,25 @@
 package deploy_test
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
+	"go/ast"
+	"go/constant"
+	"go/importer"
+	"go/parser"
+	"go/token"
+	"go/types"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 	"unicode"
 )
 
@@ -317,4 +329,359 @@ func TestDocsConfigurationVariables(t *testing.T) {
 			}
 		}
 	}
+}
+
+// markdownSection returns the lines of file under the heading whose text is title, up to the
+// next heading of the same level or higher, outside code blocks.
+func markdownSection(t *testing.T, file, title string) string {
+	t.Helper()
+	lines, err := markdownLines(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	level := 0
+	for _, l := range lines {
+		hashes := len(l.text) - len(strings.TrimLeft(l.text, "#"))
+		if m := headingPattern.FindStringSubmatch(l.text); m != nil {
+			if level > 0 && hashes <= level {
+				break
+			}
+			if m[1] == title {
+				level = hashes
+				continue
+			}
+		}
+		if level > 0 {
+			b.WriteString(l.text + "\n")
+		}
+	}
+	if level == 0 {
+		t.Fatalf("%s has no heading %q", rel(file), title)
+	}
+	return b.String()
+}
+
+// An order pod held in its init container (kubectl get pods: Init:0/1, Init:Error,
+// Init:CrashLoopBackOff) is what an operator sees when the topology was never declared: the
+// runbook of the alerts that fire then names that container, as order.yaml does, and how to list
+// the topology resources with the field it waits for.
+func TestDocsRunbookTopologyWait(t *testing.T) {
+	t.Parallel()
+	d, ok := k8s(t).deployments[topologyWaiter]
+	if !ok || len(d.Spec.Template.Spec.InitContainers) != 1 {
+		t.Fatalf("want Deployment %s with one init container, the wait for the topology", topologyWaiter)
+	}
+	container := d.Spec.Template.Spec.InitContainers[0].Name
+	ops := filepath.Join(root, "docs", "operations.md")
+	for _, alert := range []string{"ServiceDown", "ServiceNotRunning"} {
+		section := markdownSection(t, ops, alert)
+		for _, want := range []string{"Init:0/1", container} {
+			if !strings.Contains(section, want) {
+				t.Errorf("docs/operations.md, runbook %s: does not name %s (an order pod waiting for the topology)", alert, want)
+			}
+		}
+	}
+	section := markdownSection(t, ops, "ServiceDown")
+	for _, want := range []string{
+		"kubectl logs <pod> -c " + container,
+		"kubectl get " + strings.Join(topologyResources, ","),
+		"OBSERVED:" + strings.Trim(strings.TrimPrefix(declaredOnce, "jsonpath="), "{}"),
+	} {
+		if !strings.Contains(section, want) {
+			t.Errorf("docs/operations.md, runbook ServiceDown: does not give `%s`", want)
+		}
+	}
+}
+
+// configDefaultCell is the default column of a row of docs/configuration.md's variables table.
+var configDefaultCell = regexp.MustCompile("^\\|\\s*`([A-Z][A-Z0-9_]*)`\\s*\\|([^|]*)\\|[^|]*\\|\\s*([^|]*?)\\s*\\|\\s*$")
+
+var (
+	// plainDefault is a default cell that is one literal, perhaps with a note after it:
+	// `168h` (7 days).
+	plainDefault = regexp.MustCompile("^`([^`]+)`(?:\\s+\\([^)]*\\))?$")
+	// perServiceDefault is one literal per service: order `:8080`, invoicing `:8081`.
+	perServiceDefault = regexp.MustCompile("^[a-z]+ `[^`]+`(?:, [a-z]+ `[^`]+`)*$")
+	serviceDefault    = regexp.MustCompile("([a-z]+) `([^`]+)`")
+)
+
+// Every default docs/configuration.md's table gives as a plain literal (`500`, `5m`, order
+// `:8080`) is the one the code falls back on, read off the code itself: the default argument of
+// each Env accessor call (Int, Duration, String, …) in internal/platform and each service's
+// package, as the Go type checker evaluates it (a constant of another package, 5*time.Minute),
+// and, for HTTP_ADDR, the address each service gives ReadCommon. A default the code computes
+// (2 × batch size) has no literal cell, and "required" is checked against the variables read
+// with Env.URL or Env.URLList.
+func TestDocsConfigurationDefaults(t *testing.T) {
+	t.Parallel()
+	defaults := codeDefaults(t)
+	lines, err := markdownLines(filepath.Join(root, "docs", "configuration.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	compared := 0
+	for _, l := range lines {
+		m := configDefaultCell.FindStringSubmatch(l.text)
+		if m == nil {
+			if configRowPattern.MatchString(l.text) {
+				t.Errorf("docs/configuration.md:%d: a variable's row without the four cells | name | services | meaning | default | (a | in its text?)", l.n)
+			}
+			continue
+		}
+		name, cell := m[1], m[3]
+		var who []string
+		for svc := range strings.SplitSeq(m[2], ",") {
+			who = append(who, strings.TrimSpace(svc))
+		}
+		if who[0] == "all" {
+			who = nil
+			for _, a := range apps {
+				who = append(who, a.name)
+			}
+		}
+		want := map[string]string{} // service -> the literal documented
+		switch {
+		case cell == "required":
+			for _, svc := range who {
+				if !slices.Contains(requiredVars(t, svc), name) {
+					t.Errorf("docs/configuration.md:%d: %s is documented as required, and services/%s does not require it", l.n, name, svc)
+				}
+			}
+			continue
+		case plainDefault.MatchString(cell):
+			for _, svc := range who {
+				want[svc] = plainDefault.FindStringSubmatch(cell)[1]
+			}
+		case perServiceDefault.MatchString(cell):
+			for _, sm := range serviceDefault.FindAllStringSubmatch(cell, -1) {
+				want[sm[1]] = sm[2]
+			}
+			if len(want) != len(who) {
+				t.Errorf("docs/configuration.md:%d: %s gives defaults for %d services, and is read by %v", l.n, name, len(want), who)
+			}
+		default:
+			continue // prose: what the code computes, or what unset means
+		}
+		for svc, literal := range want {
+			if !slices.Contains(who, svc) {
+				t.Errorf("docs/configuration.md:%d: %s gives a default for %s, which the row does not name", l.n, name, svc)
+				continue
+			}
+			if slices.Contains(requiredVars(t, svc), name) {
+				t.Errorf("docs/configuration.md:%d: %s has a default, and services/%s requires it", l.n, name, svc)
+				continue
+			}
+			d, ok := defaults[svc][name]
+			if !ok {
+				t.Errorf("docs/configuration.md:%d: %s defaults to %q for %s, and no constant default of it was found in the code", l.n, name, literal, svc)
+				continue
+			}
+			if err := d.matches(literal); err != nil {
+				t.Errorf("docs/configuration.md:%d: %s defaults to %q for %s: %v", l.n, name, literal, svc, err)
+			}
+			compared++
+		}
+	}
+	// order, invoicing and notification each have a dozen or more.
+	if compared < 30 {
+		t.Errorf("compared %d documented defaults with the code; the table's default column was not read (has its layout changed?)", compared)
+	}
+}
+
+// codeDefault is the constant a variable's reader falls back on.
+type codeDefault struct {
+	value constant.Value
+	typ   types.Type
+	at    string // file:line of the call
+}
+
+// matches reports how literal, as the docs write it, differs from the default, or nil.
+func (d codeDefault) matches(literal string) error {
+	got := d.value.ExactString()
+	var same bool
+	switch {
+	case types.TypeString(d.typ, nil) == "time.Duration":
+		want, err := time.ParseDuration(literal)
+		n, exact := constant.Int64Val(d.value)
+		got, same = time.Duration(n).String(), err == nil && exact && time.Duration(n) == want
+	case d.value.Kind() == constant.String:
+		got = constant.StringVal(d.value)
+		same = got == literal
+	case d.value.Kind() == constant.Bool:
+		want, err := strconv.ParseBool(literal)
+		same = err == nil && constant.BoolVal(d.value) == want
+	case d.value.Kind() == constant.Int:
+		want, err := strconv.ParseInt(literal, 10, 64)
+		n, exact := constant.Int64Val(d.value)
+		same = err == nil && exact && n == want
+	default:
+		return fmt.Errorf("the code's default %s (%s, %s) is of a kind this test does not compare", got, d.typ, d.at)
+	}
+	if !same {
+		return fmt.Errorf("the code's default is %s (%s)", got, d.at)
+	}
+	return nil
+}
+
+// codeDefaults maps each service to the constant defaults of the variables it reads: those of
+// internal/platform's readers, and those of its own package, which take precedence.
+func codeDefaults(t *testing.T) map[string]map[string]codeDefault {
+	t.Helper()
+	const module = "github.com/outboxkit/outbox-inbox"
+	platformPath := module + "/internal/platform"
+	pkgs := typeCheck(t, "./internal/platform", "./services/...")
+	common, ok := pkgs[platformPath]
+	if !ok {
+		t.Fatalf("go list did not list %s", platformPath)
+	}
+	shared := envDefaults(t, common, platformPath)
+	out := map[string]map[string]codeDefault{}
+	for _, a := range apps {
+		pkg, ok := pkgs[module+"/services/"+a.name]
+		if !ok {
+			t.Fatalf("go list did not list services/%s", a.name)
+		}
+		out[a.name] = map[string]codeDefault{}
+		for name, d := range shared {
+			out[a.name][name] = d
+		}
+		for name, d := range envDefaults(t, pkg, platformPath) {
+			out[a.name][name] = d
+		}
+	}
+	return out
+}
+
+// checkedPackage is a package of this repository, parsed and type-checked.
+type checkedPackage struct {
+	root  string // the repository's, absolute
+	fset  *token.FileSet
+	files []*ast.File
+	info  *types.Info
+}
+
+// typeCheck type-checks the packages patterns name, from their sources, their imports read from
+// the export data `go list -export` writes (built as the tests are).
+func typeCheck(t *testing.T, patterns ...string) map[string]*checkedPackage {
+	t.Helper()
+	abs, err := filepath.Abs(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("go", append([]string{"list", "-export", "-deps", "-json=ImportPath,Export,Dir,GoFiles,DepOnly"}, patterns...)...)
+	cmd.Dir = abs
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list -export %v: %v\n%s", patterns, err, stderr.String())
+	}
+	type listed struct {
+		ImportPath, Export, Dir string
+		GoFiles                 []string
+		DepOnly                 bool
+	}
+	exports := map[string]string{}
+	var targets []listed
+	dec := json.NewDecoder(bytes.NewReader(out))
+	for dec.More() {
+		var p listed
+		if err := dec.Decode(&p); err != nil {
+			t.Fatalf("go list: %v", err)
+		}
+		exports[p.ImportPath] = p.Export
+		if !p.DepOnly {
+			targets = append(targets, p)
+		}
+	}
+	fset := token.NewFileSet()
+	imp := importer.ForCompiler(fset, "gc", func(path string) (io.ReadCloser, error) {
+		file, ok := exports[path]
+		if !ok || file == "" {
+			return nil, fmt.Errorf("go list gave no export data for %s", path)
+		}
+		return os.Open(file)
+	})
+	pkgs := map[string]*checkedPackage{}
+	for _, p := range targets {
+		cp := &checkedPackage{root: abs, fset: fset, info: &types.Info{
+			Types: map[ast.Expr]types.TypeAndValue{},
+			Uses:  map[*ast.Ident]types.Object{},
+			Defs:  map[*ast.Ident]types.Object{},
+		}}
+		for _, f := range p.GoFiles {
+			file, err := parser.ParseFile(fset, filepath.Join(p.Dir, f), nil, parser.SkipObjectResolution)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cp.files = append(cp.files, file)
+		}
+		conf := types.Config{Importer: imp}
+		if _, err := conf.Check(p.ImportPath, fset, cp.files, cp.info); err != nil {
+			t.Fatalf("type-checking %s: %v", p.ImportPath, err)
+		}
+		pkgs[p.ImportPath] = cp
+	}
+	return pkgs
+}
+
+// envDefaults finds, in pkg, every call of a method of platformPath's Env that takes a
+// variable's name and then its default (name, def), and returns the defaults that are
+// constants, by variable. ReadCommon's second argument, a constant where a service calls it, is
+// HTTP_ADDR's default; in ReadCommon itself that default is its parameter, not a constant.
+func envDefaults(t *testing.T, pkg *checkedPackage, platformPath string) map[string]codeDefault {
+	t.Helper()
+	found := map[string]codeDefault{}
+	record := func(name string, arg ast.Expr) {
+		tv := pkg.info.Types[arg]
+		if tv.Value == nil {
+			return
+		}
+		pos := pkg.fset.Position(arg.Pos())
+		file, err := filepath.Rel(pkg.root, pos.Filename)
+		if err != nil {
+			file = pos.Filename
+		}
+		d := codeDefault{value: tv.Value, typ: tv.Type, at: fmt.Sprintf("%s:%d", filepath.ToSlash(file), pos.Line)}
+		if prev, ok := found[name]; ok && !constant.Compare(prev.value, token.EQL, d.value) {
+			t.Errorf("%s is read with the default %s at %s and %s at %s", name, prev.value, prev.at, d.value, d.at)
+		}
+		found[name] = d
+	}
+	for _, file := range pkg.files {
+		ast.Inspect(file, func(n ast.Node) bool {
+			call, ok := n.(*ast.CallExpr)
+			if !ok || len(call.Args) < 2 {
+				return true
+			}
+			sel, ok := call.Fun.(*ast.SelectorExpr)
+			if !ok {
+				return true
+			}
+			fn, ok := pkg.info.Uses[sel.Sel].(*types.Func)
+			if !ok || fn.Pkg() == nil || fn.Pkg().Path() != platformPath {
+				return true
+			}
+			sig := fn.Signature()
+			if sig.Recv() == nil {
+				if fn.Name() == "ReadCommon" {
+					record("HTTP_ADDR", call.Args[1])
+				}
+				return true
+			}
+			recv, _ := sig.Recv().Type().(*types.Pointer)
+			if recv == nil || types.TypeString(recv.Elem(), nil) != platformPath+".Env" {
+				return true
+			}
+			if sig.Params().Len() < 2 || sig.Params().At(0).Name() != "name" || sig.Params().At(1).Name() != "def" {
+				return true // no default: URL, URLList, Check
+			}
+			if v := pkg.info.Types[call.Args[0]].Value; v != nil && v.Kind() == constant.String {
+				record(constant.StringVal(v), call.Args[1])
+			}
+			return true
+		})
+	}
+	return found
 }

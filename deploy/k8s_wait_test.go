@@ -28,6 +28,12 @@ const topologyWaiter = "order"
 // the namespace.
 const serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 
+// declaredOnce is the wait's --for: the resource's status.observedGeneration exists. The
+// topology operator sets it to the resource's generation only once a declaration succeeded, and
+// leaves it as it was when one fails; kubectl 1.28 and later wait for a jsonpath given no value
+// to exist.
+const declaredOnce = "jsonpath={.status.observedGeneration}"
+
 // topologyResources are the resource names, group included, of the topology operator's kinds
 // in rabbitmq-topology.yaml: Exchange, Queue and Binding, in that order.
 var topologyResources = []string{"exchanges.rabbitmq.com", "queues.rabbitmq.com", "bindings.rabbitmq.com"}
@@ -58,12 +64,18 @@ func TestK8sOrderWaitsForTopology(t *testing.T) {
 		t.Errorf("command = %q: the image's entrypoint is kubectl, give its arguments in args", wait.Command)
 	}
 
-	// kubectl wait --for=condition=Ready on every exchange, queue and binding of the topology,
-	// each by name: a name not found fails the wait, where a selector, listed once when kubectl
-	// starts, would pass over the resources `kubectl apply -k` had not created yet.
+	// kubectl wait for every exchange, queue and binding of the topology to have been declared
+	// once, each by name: a name not found fails the wait, where a selector, listed once when
+	// kubectl starts, would pass over the resources `kubectl apply -k` had not created yet.
 	w := parseKubectlWait(t, wait.Args)
-	if w.condition != "condition=Ready" && !strings.EqualFold(w.condition, "condition=Ready=true") {
-		t.Errorf("--for=%s, want condition=Ready", w.condition)
+	switch {
+	case w.condition == declaredOnce:
+	case strings.HasPrefix(strings.ToLower(w.condition), "condition=ready"):
+		t.Errorf("--for=%s, want %s: a resource whose last reconciliation failed is not Ready, so during a broker outage an order pod rescheduled, evicted or rolled out would not start, though order takes orders with RabbitMQ away", w.condition, declaredOnce)
+	case strings.ContainsAny(w.condition, `'"`):
+		t.Errorf("--for=%s, want %s: no shell reads these args, so quotes reach kubectl", w.condition, declaredOnce)
+	default:
+		t.Errorf("--for=%s, want %s: each resource declared at least once", w.condition, declaredOnce)
 	}
 	if w.timeout < 5*time.Minute {
 		t.Errorf("--timeout=%s, want at least 5m: a fresh cluster starts RabbitMQ first, then the operator declares", w.timeout)
@@ -219,7 +231,7 @@ func bindsAccount(s rbacv1.Subject, account string) bool {
 // kubectlWait is what a kubectl wait command line asks.
 type kubectlWait struct {
 	resources []string // TYPE/NAME, as written
-	condition string   // --for
+	condition string   // --for, as written
 	timeout   time.Duration
 }
 
