@@ -128,8 +128,21 @@ func (ev OrderCancelled) validate() error {
 	if err := checkID(ev.CustomerID); err != nil {
 		return fmt.Errorf("OrderCancelled with an invalid customer_id: %w", err)
 	}
+	if p := ReasonProblem(ev.Reason); p != "" {
+		return fmt.Errorf("OrderCancelled with an invalid reason: %s", p)
+	}
 	return nil
 }
+
+// MaxReasonLength is the most characters of a cancellation's reason.
+const MaxReasonLength = 500
+
+// ReasonProblem says what is wrong with a cancellation's reason, or "": the order service
+// refuses such a reason from a client, and a consumer an event with one, since a control
+// character could forge output where the reason is shown (an escape sequence, a NUL). The
+// order service has refused these since it took reasons, so no event it wrote has one. Line
+// and paragraph separators are taken: white space, which a consumer folds with the rest.
+func ReasonProblem(s string) string { return unsafeText(s, MaxReasonLength) }
 
 // InvoiceIssued says the invoicing service issued an order's invoice.
 type InvoiceIssued struct {
@@ -184,15 +197,18 @@ func IDProblem(s string) string {
 
 // idUnsafe says what makes an id unsafe to show as it is, or "": a control character, a line
 // break, could forge a line of its own. (The line and paragraph separators, which the order
-// service took until it refused them, a consumer shows as spaces: OnOneLine.) A consumer refuses an event with such an id, and only
-// such: the order service took ids with space around them, or invisible characters, before it
+// service took until it refused them, a consumer shows as spaces: OnOneLine.) A consumer
+// refuses an event with such an id, and only such: the order service took ids with space around them, or invisible characters, before it
 // refused them, and the events of those orders must still be handled.
-func idUnsafe(s string) string {
+func idUnsafe(s string) string { return unsafeText(s, MaxIDLength) }
+
+// unsafeText says why s, at most limit characters, is unsafe to show as it is, or "".
+func unsafeText(s string, limit int) string {
 	switch {
 	case !utf8.ValidString(s):
 		return "must be valid UTF-8"
-	case utf8.RuneCountInString(s) > MaxIDLength:
-		return fmt.Sprintf("at most %d characters", MaxIDLength)
+	case utf8.RuneCountInString(s) > limit:
+		return fmt.Sprintf("at most %d characters", limit)
 	case strings.IndexFunc(s, unicode.IsControl) >= 0:
 		return "must not contain control characters"
 	}

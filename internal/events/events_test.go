@@ -134,6 +134,24 @@ func TestEventsAreValidated(t *testing.T) {
 	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "c-1\n" }); err == nil || !strings.Contains(err.Error(), "invalid customer_id: must not contain control characters") {
 		t.Errorf("OrderCancelled with a line break in customer_id: %v, want it refused", err)
 	}
+	// Shown in the cancellation e-mail: a control character could forge output there. Refused
+	// as the order service refuses it from a client, and only so: every reason it took passes.
+	for name, tc := range map[string]struct{ reason, want string }{
+		"reason with an escape sequence":     {"x\x1b[2J", "invalid reason: must not contain control characters"},
+		"reason with a NUL":                  {"x\x00y", "invalid reason: must not contain control characters"},
+		"reason with a C1 control character": {"x\u009by", "invalid reason: must not contain control characters"},
+		"reason too long":                    {strings.Repeat("ß", MaxReasonLength+1), "invalid reason: at most 500 characters"},
+		"reason of the most characters":      {strings.Repeat("ß", MaxReasonLength), ""},
+		"reason with a line separator":       {"changed\u2028my mind", ""},
+		"reason with an invisible character": {"changed\u200bmy mind", ""},
+	} {
+		switch err := cancelled(func(ev *OrderCancelled) { ev.Reason = tc.reason }); {
+		case tc.want == "" && err != nil:
+			t.Errorf("OrderCancelled %s: %v, want it taken", name, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("OrderCancelled %s: %v, want %q", name, err, tc.want)
+		}
+	}
 
 	issued := func(edit func(*InvoiceIssued)) error {
 		ev := InvoiceIssued{InvoiceID: uuid.New(), OrderID: uuid.New(), CustomerID: "c-1", AmountCents: 300, IssuedAt: time.Now().UTC()}

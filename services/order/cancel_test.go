@@ -157,7 +157,24 @@ func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
 // Ten cancels of one order at once write one event: the order's row lock decides.
 func TestConcurrentCancelsWriteOneEvent(t *testing.T) {
 	t.Parallel()
+	cancelConcurrently(t, setup(t))
+}
+
+// The row lock decides under READ COMMITTED, where a cancel that waited for another's commit
+// then reads the order it cancelled: the store's transactions ask for it, so a database whose
+// default is REPEATABLE READ answers the waiting cancels with the order, not serialization
+// failures.
+func TestConcurrentCancelsWriteOneEventWhateverTheDatabasesDefaultIsolation(t *testing.T) {
+	t.Parallel()
 	b := setup(t)
+	b.repeatableReadByDefault(t)
+	cancelConcurrently(t, b)
+}
+
+// cancelConcurrently cancels one order ten times at once: each must be answered 200, and one
+// OrderCancelled written.
+func cancelConcurrently(t *testing.T, b *testBundle) {
+	t.Helper()
 	o := b.place(t)
 	var wg sync.WaitGroup
 	for range 10 {

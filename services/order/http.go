@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"mime"
@@ -53,15 +54,19 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusBadRequest, "Idempotency-Key must be at most 255 printable ASCII characters")
 		return
 	}
-	cmd, ok := readCommand(w, http.MaxBytesReader(w, r.Body, MaxBodyBytes), DecodePlaceOrder, "the order is invalid")
+	cmd, ok := decodeCommand(w, http.MaxBytesReader(w, r.Body, MaxBodyBytes), DecodePlaceOrder, orderInvalid)
 	if !ok {
 		return
 	}
 
 	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
 	defer cancel()
-	order, replayed, err := a.store.Place(ctx, cmd, key)
+	order, replayed, err := a.place(ctx, cmd, key)
+	var invalid violations
 	switch {
+	case errors.As(err, &invalid):
+		writeViolations(w, orderInvalid, invalid)
+		return
 	case errors.Is(err, ErrIdempotencyConflict):
 		platform.WriteProblem(w, http.StatusUnprocessableEntity, err.Error())
 		return
@@ -79,6 +84,34 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	}
 	platform.WriteJSON(w, http.StatusCreated, order)
 }
+
+const orderInvalid = "the order is invalid"
+
+// place places cmd with key, or replays the order key placed from it. A command the rules
+// refuse is refused with its violations, unless key placed it: the rules of its day took it,
+// and its retry across the deploy that tightened them must find its order, not a 422.
+func (a *api) place(ctx context.Context, cmd PlaceOrder, key string) (order Order, replayed bool, err error) {
+	invalid := violations(cmd.Validate())
+	if len(invalid) == 0 {
+		return a.store.Place(ctx, cmd, key)
+	}
+	if key == "" {
+		return Order{}, false, invalid
+	}
+	order, err = a.store.Replay(ctx, cmd, key)
+	switch {
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrIdempotencyConflict):
+		return Order{}, false, invalid
+	case err != nil:
+		return Order{}, false, err
+	}
+	return order, true, nil
+}
+
+// violations are a command's violations of the rules, as an error.
+type violations []Violation
+
+func (v violations) Error() string { return fmt.Sprintf("%d violations of the rules", len(v)) }
 
 func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
 	id, err := platform.ParseUUID(chi.URLParam(r, "id"))
@@ -113,8 +146,13 @@ func (a *api) cancelOrder(w http.ResponseWriter, r *http.Request) {
 		platform.WriteProblem(w, http.StatusUnsupportedMediaType, "a body must be application/json, in UTF-8 (a charset, if given, must be utf-8, utf8 or us-ascii)")
 		return
 	}
-	cmd, ok := readCommand(w, body, DecodeCancelOrder, "the cancellation is invalid")
+	const cancellationInvalid = "the cancellation is invalid"
+	cmd, ok := decodeCommand(w, body, DecodeCancelOrder, cancellationInvalid)
 	if !ok {
+		return
+	}
+	if invalid := cmd.Validate(); len(invalid) > 0 {
+		writeViolations(w, cancellationInvalid, invalid)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
@@ -174,9 +212,9 @@ func isJSON(contentType string) bool {
 	return !given || slices.ContainsFunc([]string{"utf-8", "utf8", "us-ascii"}, func(c string) bool { return strings.EqualFold(charset, c) })
 }
 
-// readCommand decodes and validates a command, answering the problem itself when it cannot:
-// ok=false means the response is written.
-func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, body io.Reader, decode func(io.Reader) (C, error), invalid string) (cmd C, ok bool) {
+// decodeCommand decodes a command, answering the problem itself when it cannot: ok=false means
+// the response is written. invalid is the problem's title for a field of the wrong type.
+func decodeCommand[C any](w http.ResponseWriter, body io.Reader, decode func(io.Reader) (C, error), invalid string) (cmd C, ok bool) {
 	cmd, err := decode(body)
 	if err != nil {
 		var de *DecodeError
@@ -190,15 +228,16 @@ func readCommand[C interface{ Validate() []Violation }](w http.ResponseWriter, b
 		}
 		return cmd, false
 	}
-	if violations := cmd.Validate(); len(violations) > 0 {
-		fields := make([]platform.FieldError, len(violations))
-		for i, v := range violations {
-			fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
-		}
-		platform.WriteProblem(w, http.StatusUnprocessableEntity, invalid, fields...)
-		return cmd, false
-	}
 	return cmd, true
+}
+
+// writeViolations answers a command's violations of the rules with a 422 titled invalid.
+func writeViolations(w http.ResponseWriter, invalid string, violations []Violation) {
+	fields := make([]platform.FieldError, len(violations))
+	for i, v := range violations {
+		fields[i] = platform.FieldError{Field: v.Field, Message: v.Message}
+	}
+	platform.WriteProblem(w, http.StatusUnprocessableEntity, invalid, fields...)
 }
 
 // placeRetryAdvice is what a client whose order met a database failure should do: the order

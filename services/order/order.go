@@ -2,10 +2,7 @@ package main
 
 import (
 	"strconv"
-	"strings"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -78,7 +75,7 @@ const (
 )
 
 // MaxReasonLength bounds a cancellation's reason, in characters.
-const MaxReasonLength = 500
+const MaxReasonLength = events.MaxReasonLength
 
 // Order is a placed order. Its total is computed here, never taken from the client.
 type Order struct {
@@ -99,13 +96,8 @@ type CancelOrder struct {
 
 // Validate returns every violation of the command's rules, or none.
 func (c CancelOrder) Validate() []Violation {
-	switch {
-	case !utf8.ValidString(c.Reason):
-		return []Violation{{"reason", "must be valid UTF-8"}}
-	case utf8.RuneCountInString(c.Reason) > MaxReasonLength:
-		return []Violation{{"reason", "at most 500 characters"}}
-	case strings.IndexFunc(c.Reason, unicode.IsControl) >= 0:
-		return []Violation{{"reason", "must not contain control characters"}}
+	if msg := events.ReasonProblem(c.Reason); msg != "" {
+		return []Violation{{"reason", msg}}
 	}
 	return nil
 }

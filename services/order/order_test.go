@@ -396,6 +396,14 @@ func TestConcurrentRequestsWithOneIdempotencyKeyPlaceOneOrder(t *testing.T) {
 func TestOneIdempotencyKeyPlacesOneOrderWhateverTheDatabasesDefaultIsolation(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	b.repeatableReadByDefault(t)
+	placeConcurrentlyWithOneKey(t, b)
+}
+
+// repeatableReadByDefault makes REPEATABLE READ the default isolation of the test database's
+// transactions from now on, for the store's as for any other.
+func (b *testBundle) repeatableReadByDefault(t *testing.T) {
+	t.Helper()
 	if err := b.db.Exec("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L', current_database(), 'repeatable read'); END $$").Error; err != nil {
 		t.Fatal(err)
 	}
@@ -408,7 +416,6 @@ func TestOneIdempotencyKeyPlacesOneOrderWhateverTheDatabasesDefaultIsolation(t *
 	if err := b.db.Raw("SHOW default_transaction_isolation").Scan(&isolation).Error; err != nil || isolation != "repeatable read" {
 		t.Fatalf("default_transaction_isolation = %q, %v; want repeatable read", isolation, err)
 	}
-	placeConcurrentlyWithOneKey(t, b)
 }
 
 // placeConcurrentlyWithOneKey posts one order ten times at once with one Idempotency-Key: each
@@ -679,6 +686,48 @@ func TestIdempotencyKeyWithAnyOtherCommandIsRefused(t *testing.T) {
 	}
 	if c := b.counts(t); c != [3]int64{1, 2, 1} {
 		t.Fatalf("orders, lines, outbox = %v, want the first order only", c)
+	}
+}
+
+// A key replays its order even when the rules have since refused its command: a retry across
+// the deploy that tightened them (its first answer lost, a 503 after the commit) must find the
+// order, not a 422. A command the rules refuse places nothing with any other key, or none.
+func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	body := strings.Replace(validBody, `"SKU-1"`, `"SKU\u20281"`, 1)
+	cmd, err := DecodePlaceOrder(strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cmd.Validate()) == 0 {
+		t.Fatalf("%s is valid: the test needs a command the rules refuse", body)
+	}
+	// The Store does not validate: the order as the rules before U+2028's refusal placed it.
+	placed, _, err := b.store.Place(t.Context(), cmd, "key-before-the-deploy")
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := b.counts(t)
+	resp, raw := b.post(t, body, "application/json", "key-before-the-deploy")
+	var o Order
+	if resp.StatusCode != http.StatusCreated || resp.Header.Get("Idempotent-Replayed") != "true" || resp.Header.Get("Location") != "/orders/"+placed.ID.String() ||
+		json.Unmarshal(raw, &o) != nil || o.ID != placed.ID || o.Lines[0].SKU != "SKU\u20281" {
+		t.Errorf("retry with the key of an order the rules refuse since: %d %v %s, want a replay of %s", resp.StatusCode, resp.Header, raw, placed.ID)
+	}
+	for name, c := range map[string]struct{ body, key string }{
+		"an unknown key":           {body, "key-never-used"},
+		"no key":                   {body, ""},
+		"the key, another command": {strings.Replace(body, `"quantity": 2`, `"quantity": 3`, 1), "key-before-the-deploy"},
+	} {
+		resp, raw := b.post(t, c.body, "application/json", c.key)
+		if resp.StatusCode != http.StatusUnprocessableEntity || resp.Header.Get("Content-Type") != "application/problem+json" ||
+			!strings.Contains(string(raw), `"lines[0].sku"`) || resp.Header.Get("Idempotent-Replayed") != "" {
+			t.Errorf("%s: %d %s, want a 422 naming lines[0].sku", name, resp.StatusCode, raw)
+		}
+	}
+	if c := b.counts(t); c != before {
+		t.Fatalf("orders, lines, outbox = %v after the retries, want %v as before", c, before)
 	}
 }
 

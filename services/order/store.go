@@ -90,15 +90,8 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 			return fmt.Errorf("insert order: %w", res.Error)
 		}
 		if res.RowsAffected == 0 {
-			var first orderRow
-			if err := tx.Where("idempotency_key = ?", key).Take(&first).Error; err != nil {
-				return fmt.Errorf("load order of idempotency key: %w", err)
-			}
-			if first.RequestHash == nil || *first.RequestHash != hash {
-				return ErrIdempotencyConflict
-			}
 			replayed = true
-			order, err = load(tx, first)
+			order, err = keyed(tx, key, hash)
 			return err
 		}
 		lines := make([]lineRow, len(order.Lines))
@@ -119,6 +112,32 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 		return Order{}, false, err
 	}
 	return order, replayed, nil
+}
+
+// Replay returns the order key placed, if it placed it from cmd, and writes nothing:
+// ErrNotFound if key placed no order, ErrIdempotencyConflict if it placed another command's.
+func (s *Store) Replay(ctx context.Context, cmd PlaceOrder, key string) (Order, error) {
+	hash, err := commandHash(cmd)
+	if err != nil {
+		return Order{}, err
+	}
+	return keyed(s.db.WithContext(ctx), key, hash)
+}
+
+// keyed returns the order placed with key from the command of hash: ErrNotFound if key placed
+// none, ErrIdempotencyConflict if it placed another command's.
+func keyed(db *gorm.DB, key, hash string) (Order, error) {
+	var first orderRow
+	if err := db.Where("idempotency_key = ?", key).Take(&first).Error; err != nil {
+		if errors.Is(err, gorm.ErrRecordNotFound) {
+			return Order{}, ErrNotFound
+		}
+		return Order{}, fmt.Errorf("load order of idempotency key: %w", err)
+	}
+	if first.RequestHash == nil || *first.RequestHash != hash {
+		return Order{}, ErrIdempotencyConflict
+	}
+	return load(db, first)
 }
 
 // Cancel cancels the order id: its new status and its OrderCancelled event are written in one
