@@ -525,7 +525,9 @@ func (d codeDefault) matches(literal string) error {
 }
 
 // codeDefaults maps each service to the constant defaults of the variables it reads: those of
-// internal/platform's readers, and those of its own package, which take precedence.
+// internal/platform's readers, and those of its own package. A variable read with one default
+// there and another here is reported: unset, it would mean one value to the one and another to
+// the other, where the docs give one default.
 func codeDefaults(t *testing.T) map[string]map[string]codeDefault {
 	t.Helper()
 	const module = "github.com/outboxkit/outbox-inbox"
@@ -547,6 +549,10 @@ func codeDefaults(t *testing.T) map[string]map[string]codeDefault {
 			out[a.name][name] = d
 		}
 		for name, d := range envDefaults(t, pkg, platformPath) {
+			if common, ok := shared[name]; ok && (common.value.Kind() != d.value.Kind() || !constant.Compare(common.value, token.EQL, d.value)) {
+				t.Errorf("services/%s reads %s with the default %s at %s, and internal/platform with %s at %s: unset, it means two things",
+					a.name, name, d.value, d.at, common.value, common.at)
+			}
 			out[a.name][name] = d
 		}
 	}

@@ -53,13 +53,12 @@ type serviceMonitor struct {
 }
 
 type monitorEndpoint struct {
-	Port          string              `json:"port"`
-	TargetPort    any                 `json:"targetPort"`
-	Path          string              `json:"path"`
-	Params        map[string][]string `json:"params"`
-	Interval      string              `json:"interval"`
-	FilterRunning *bool               `json:"filterRunning"`
-	Relabelings   []relabeling        `json:"relabelings"`
+	Port        string              `json:"port"`
+	TargetPort  any                 `json:"targetPort"`
+	Path        string              `json:"path"`
+	Params      map[string][]string `json:"params"`
+	Interval    string              `json:"interval"`
+	Relabelings []relabeling        `json:"relabelings"`
 }
 
 type relabeling struct {
@@ -251,23 +250,13 @@ type k8sService struct {
 	ports  []string // port names
 }
 
-// scrapesOf lists what the ServiceMonitors make of svc, for a pod of it that runs: see
-// podScrapes.
-func scrapesOf(t *testing.T, monitors []serviceMonitor, svc k8sService) (out []scrape, selectedBy []string) {
-	t.Helper()
-	return podScrapes(t, monitors, svc, "Running")
-}
-
-// podScrapes lists what the ServiceMonitors make of a pod of svc in the phase given, as the
-// Prometheus Operator (v0.93.0, pkg/prometheus/promcfg.go) generates it: an endpoint applies to
-// a Service its selector matches and that has a port of the endpoint's port name; a pod Failed
-// or Succeeded is dropped unless the endpoint sets filterRunning: false; the job is the
-// Service's name, or the value of its jobLabel label when it has one; and then the endpoint's
-// relabelings apply, which may drop the target too. Prometheus gives an endpoints or
-// endpointslice target of a pod the pod's labels, __meta_kubernetes_pod_phase among them.
+// scrapesOf lists what the ServiceMonitors make of svc, as the Prometheus Operator (v0.93.0,
+// pkg/prometheus/promcfg.go) generates it: an endpoint applies to a Service its selector
+// matches and that has a port of the endpoint's port name; the job is the Service's name, or
+// the value of its jobLabel label when it has one, and then the endpoint's relabelings apply.
 // selectedBy names the ServiceMonitors whose selector matches svc, whether or not one of their
 // endpoints names a port it has (the headless Service of RabbitMQ is selected, and has none).
-func podScrapes(t *testing.T, monitors []serviceMonitor, svc k8sService, phase string) (out []scrape, selectedBy []string) {
+func scrapesOf(t *testing.T, monitors []serviceMonitor, svc k8sService) (out []scrape, selectedBy []string) {
 	t.Helper()
 	for _, sm := range monitors {
 		sel, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)
@@ -287,30 +276,18 @@ func podScrapes(t *testing.T, monitors []serviceMonitor, svc k8sService, phase s
 			if !slices.Contains(svc.ports, ep.Port) {
 				continue
 			}
-			if (ep.FilterRunning == nil || *ep.FilterRunning) && (phase == "Failed" || phase == "Succeeded") {
-				continue
-			}
 			job := svc.name
 			if v := svc.labels[sm.Spec.JobLabel]; sm.Spec.JobLabel != "" && v != "" {
 				job = v
 			}
-			target := map[string]string{"job": job, "__meta_kubernetes_service_name": svc.name, "__meta_kubernetes_pod_phase": phase}
+			target := map[string]string{"job": job, "__meta_kubernetes_service_name": svc.name}
 			for k, v := range svc.labels {
 				target["__meta_kubernetes_service_label_"+sanitizeLabelName(k)] = v
 			}
-			kept := true
 			for _, rc := range ep.Relabelings {
-				keep, err := relabel(target, rc)
-				if err != nil {
+				if err := relabel(target, rc); err != nil {
 					t.Errorf("ServiceMonitor %s endpoint %d: %v", sm.Metadata.Name, i, err)
 				}
-				if !keep {
-					kept = false
-					break
-				}
-			}
-			if !kept {
-				continue
 			}
 			p := ep.Path
 			if p == "" {
@@ -327,22 +304,14 @@ var invalidLabelChars = regexp.MustCompile(`[^a-zA-Z0-9_]`)
 
 func sanitizeLabelName(name string) string { return invalidLabelChars.ReplaceAllString(name, "_") }
 
-// relabel applies one relabeling as Prometheus does, and reports whether the target is kept.
-// It models the actions replace, keep and drop; the others are refused, as this test does not
-// model them.
-func relabel(target map[string]string, rc relabeling) (bool, error) {
-	action := strings.ToLower(rc.Action)
-	if action == "" {
-		action = "replace"
+// relabel applies one relabeling of the replace action, as Prometheus does; the other actions
+// are refused, as this test does not model them.
+func relabel(target map[string]string, rc relabeling) error {
+	if rc.Action != "" && !strings.EqualFold(rc.Action, "replace") {
+		return fmt.Errorf("relabeling action %s: this test evaluates replace alone", rc.Action)
 	}
-	if action != "replace" && action != "keep" && action != "drop" {
-		return true, fmt.Errorf("relabeling action %s: this test evaluates replace, keep and drop alone", rc.Action)
-	}
-	if action == "replace" && (strings.Contains(rc.TargetLabel, "$") || rc.TargetLabel == "") {
-		return true, fmt.Errorf("relabeling targetLabel %q: want a plain label name", rc.TargetLabel)
-	}
-	if action != "replace" && (len(rc.SourceLabels) == 0 || rc.Regex == "") {
-		return true, fmt.Errorf("relabeling %s: want its sourceLabels and regex", rc.Action)
+	if strings.Contains(rc.TargetLabel, "$") || rc.TargetLabel == "" {
+		return fmt.Errorf("relabeling targetLabel %q: want a plain label name", rc.TargetLabel)
 	}
 	sep, expr, repl := ";", "(.*)", "$1"
 	if rc.Separator != nil {
@@ -356,7 +325,7 @@ func relabel(target map[string]string, rc relabeling) (bool, error) {
 	}
 	re, err := regexp.Compile("^(?s:" + expr + ")$")
 	if err != nil {
-		return true, fmt.Errorf("relabeling regex %q: %w", rc.Regex, err)
+		return fmt.Errorf("relabeling regex %q: %w", rc.Regex, err)
 	}
 	var values []string
 	for _, l := range rc.SourceLabels {
@@ -364,21 +333,15 @@ func relabel(target map[string]string, rc relabeling) (bool, error) {
 	}
 	value := strings.Join(values, sep)
 	idx := re.FindStringSubmatchIndex(value)
-	switch action {
-	case "keep":
-		return idx != nil, nil
-	case "drop":
-		return idx == nil, nil
-	}
 	if idx == nil {
-		return true, nil
+		return nil
 	}
 	if res := string(re.ExpandString(nil, repl, value, idx)); res == "" {
 		delete(target, rc.TargetLabel)
 	} else {
 		target[rc.TargetLabel] = res
 	}
-	return true, nil
+	return nil
 }
 
 // Each service's Service is scraped exactly as prometheus.yml scrapes the service, under the
@@ -388,87 +351,60 @@ func TestK8sMonitoringServices(t *testing.T) {
 	m, base := monitoring(t), k8s(t)
 	want := prometheusScrapes(t)
 	for _, a := range apps {
-		s, ok := baseService(t, base, a.name)
+		svc, ok := base.services[a.name]
 		if !ok {
+			t.Errorf("the base has no Service %s", a.name)
 			continue
+		}
+		var ports []string
+		for _, p := range svc.Spec.Ports {
+			ports = append(ports, p.Name)
 		}
 		w, ok := want[a.name]
 		if !ok {
 			t.Errorf("prometheus.yml has no job %s", a.name)
 			continue
 		}
-		got, by := scrapesOf(t, m.monitors, s)
+		got, by := scrapesOf(t, m.monitors, k8sService{name: svc.Name, labels: svc.Labels, ports: ports})
 		if len(got) != 1 || got[0] != w {
 			t.Errorf("Service %s (labels %v, ports %v), selected by ServiceMonitors %v, is scraped as %v; want once, as prometheus.yml's %v",
-				a.name, s.labels, s.ports, by, got, w)
+				a.name, svc.Labels, ports, by, got, w)
 		}
 	}
 }
 
-// baseService is the base's Service name as the ServiceMonitors see it; ok=false, reported, if
-// there is none.
-func baseService(t *testing.T, base *k8sManifests, name string) (s k8sService, ok bool) {
-	t.Helper()
-	svc, ok := base.services[name]
-	if !ok {
-		t.Errorf("the base has no Service %s", name)
-		return k8sService{}, false
-	}
-	s = k8sService{name: svc.Name, labels: svc.Labels}
-	for _, p := range svc.Spec.Ports {
-		s.ports = append(s.ports, p.Name)
-	}
-	return s, true
-}
-
-// A pod of a service still Pending (order's waiting in its init container for the topology,
-// one whose image does not pull) is an endpoint of its Service, not ready, and listens on
-// nothing: scraped, it would be up == 0, ServiceDown would page for a pod doing what it should,
-// and its up series would keep ServiceNotRunning from firing when no pod of the service runs.
-// So it is not scraped; a pod that runs is.
-func TestK8sMonitoringSkipsPendingPods(t *testing.T) {
+// No relabeling of a ServiceMonitor reads a pod's state. Prometheus gives an endpoints or
+// endpointslice target the meta labels of its pod as the pod was when it last built the target
+// group, which it rebuilds on a change to the Endpoints or EndpointSlice (with the endpoints
+// role also on a change to the pod since v2.51.0; with endpointslice never). A pod is an
+// endpoint, not ready, from when it has an IP, before its containers start; when it moves on to
+// Running and stays not ready (waiting for its database, stuck in its start) the slice does not
+// change, and its __meta_kubernetes_pod_phase still reads Pending. A drop of Pending pods (so
+// that order's, in its init container waiting for the topology, reads no up == 0) would leave
+// such a pod unscraped, with no up series: ServiceDown and ServiceNotReady silent for it, and,
+// with other replicas running, ServiceNotRunning too. Of a pod's meta labels only its name, uid
+// and node, which it keeps for life, may be read; the endpoint's conditions come from the slice
+// itself, and are current.
+func TestK8sMonitoringReadsNoPodState(t *testing.T) {
 	t.Parallel()
-	m, base := monitoring(t), k8s(t)
-	for _, a := range apps {
-		s, ok := baseService(t, base, a.name)
-		if !ok {
-			continue
-		}
-		if got, _ := podScrapes(t, m.monitors, s, "Pending"); len(got) > 0 {
-			t.Errorf("a Pending pod of %s is scraped as %v; want it dropped, as it has no process to answer", a.name, got)
-		}
-		if got, _ := podScrapes(t, m.monitors, s, "Running"); len(got) != 1 {
-			t.Errorf("a Running pod of %s is scraped as %v; want once", a.name, got)
+	for _, sm := range monitoring(t).monitors {
+		for i, ep := range sm.Spec.Endpoints {
+			for _, rc := range ep.Relabelings {
+				for _, l := range rc.SourceLabels {
+					if podState(l) {
+						t.Errorf("ServiceMonitor %s endpoint %d: relabeling %+v reads %s, which Prometheus does not refresh when the pod changes (a pod Running for long may still read as it was when its endpoint appeared)",
+							sm.Metadata.Name, i, rc, l)
+					}
+				}
+			}
 		}
 	}
 }
 
-// The relabeling model keeps and drops as Prometheus does: a regex anchored at both ends,
-// matched against the source labels' values joined by ";".
-func TestK8sMonitoringRelabelModel(t *testing.T) {
-	t.Parallel()
-	drop := relabeling{Action: "drop", SourceLabels: []string{"__meta_kubernetes_pod_phase"}, Regex: "Pending"}
-	keep := relabeling{Action: "Keep", SourceLabels: []string{"a", "b"}, Regex: "x;y"}
-	for _, c := range []struct {
-		rc     relabeling
-		target map[string]string
-		want   bool
-	}{
-		{drop, map[string]string{"__meta_kubernetes_pod_phase": "Pending"}, false},
-		{drop, map[string]string{"__meta_kubernetes_pod_phase": "Running"}, true},
-		{drop, map[string]string{"__meta_kubernetes_pod_phase": "NotPending"}, true},
-		{drop, map[string]string{}, true},
-		{keep, map[string]string{"a": "x", "b": "y"}, true},
-		{keep, map[string]string{"a": "x", "b": "yz"}, false},
-	} {
-		got, err := relabel(c.target, c.rc)
-		if err != nil || got != c.want {
-			t.Errorf("%+v on %v: kept %v (%v), want %v", c.rc, c.target, got, err, c.want)
-		}
-	}
-	if _, err := relabel(map[string]string{}, relabeling{Action: "hashmod", TargetLabel: "x"}); err == nil {
-		t.Error("hashmod accepted; the model does not evaluate it")
-	}
+// podState reports whether a meta label is a pod's, other than its name, uid and node.
+func podState(label string) bool {
+	const pod = "__meta_kubernetes_pod_"
+	return strings.HasPrefix(label, pod) && !slices.Contains([]string{"name", "uid", "node_name"}, strings.TrimPrefix(label, pod))
 }
 
 // The Service the RabbitMQ Cluster Operator makes for the base's RabbitmqCluster is scraped as

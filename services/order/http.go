@@ -70,6 +70,9 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, ErrIdempotencyConflict):
 		platform.WriteProblem(w, http.StatusUnprocessableEntity, err.Error())
 		return
+	case errors.Is(err, errKeyUnchecked):
+		a.unavailable(w, r, "place order", "the order is invalid, unless this Idempotency-Key placed it before, which the service could not check: try again with the same key", err)
+		return
 	case err != nil:
 		a.unavailable(w, r, "place order", placeRetryAdvice(key), err)
 		return
@@ -87,6 +90,10 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 
 const orderInvalid = "the order is invalid"
 
+// errKeyUnchecked is a command the rules refuse whose key the database could not look up: it
+// is invalid unless that key placed it before, and nothing is written either way.
+var errKeyUnchecked = errors.New("the order is invalid, and the order of its Idempotency-Key could not be looked up")
+
 // place places cmd with key, or replays the order key placed from it. A command the rules
 // refuse is refused with its violations, unless key placed it: the rules of its day took it,
 // and its retry across the deploy that tightened them must find its order, not a 422.
@@ -103,7 +110,7 @@ func (a *api) place(ctx context.Context, cmd PlaceOrder, key string) (order Orde
 	case errors.Is(err, ErrNotFound), errors.Is(err, ErrIdempotencyConflict):
 		return Order{}, false, invalid
 	case err != nil:
-		return Order{}, false, err
+		return Order{}, false, fmt.Errorf("%w: %w", errKeyUnchecked, err)
 	}
 	return order, true, nil
 }

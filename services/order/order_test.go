@@ -498,6 +498,33 @@ func TestDatabaseFailureIsA503(t *testing.T) {
 	}
 }
 
+// With the database gone, an invalid command with an Idempotency-Key cannot be told from the
+// retry of an order that key placed under the rules of its day: the answer is a 503 that says
+// so, to be retried with the same key, not a 422 a client would give up on, nor the advice that
+// the order may have been placed, which only a valid command's failure can say. Without a key
+// the command is invalid whatever the database holds: a 422.
+func TestAnInvalidOrderWhoseKeyCannotBeLookedUpIsA503(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sqlDB, err := b.db.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = sqlDB.Close()
+	invalid := strings.Replace(validBody, `"quantity": 2`, `"quantity": 0`, 1)
+	resp, raw := b.post(t, invalid, "application/json", "key-unchecked")
+	var problem struct{ Detail string }
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || resp.Header.Get("Content-Type") != "application/problem+json" ||
+		json.Unmarshal(raw, &problem) != nil ||
+		problem.Detail != "the order database is unavailable; the order is invalid, unless this Idempotency-Key placed it before, which the service could not check: try again with the same key" {
+		t.Errorf("an invalid order with a key, the database gone: %d %v %s; want a 503 problem saying it is invalid unless its key placed it", resp.StatusCode, resp.Header, raw)
+	}
+	resp, raw = b.post(t, invalid, "application/json", "")
+	if resp.StatusCode != http.StatusUnprocessableEntity || resp.Header.Get("Content-Type") != "application/problem+json" || !strings.Contains(string(raw), `"lines[0].quantity"`) {
+		t.Errorf("an invalid order without a key, the database gone: %d %s; want a 422 naming lines[0].quantity", resp.StatusCode, raw)
+	}
+}
+
 // Bodies built to make decoding costly cost little, and each gets its 4xx: brackets nested as
 // deep as the size allows (the field check recurses only as deep as the command's type),
 // hundreds of thousands of tiny lines (encoding/json would build them all before Validate
@@ -728,6 +755,102 @@ func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
 	}
 	if c := b.counts(t); c != before {
 		t.Fatalf("orders, lines, outbox = %v after the retries, want %v as before", c, before)
+	}
+}
+
+// The retry of an order the rules refuse since, made while its first request is still at work
+// (an old replica, mid-rollout, between its insert and its commit), waits for that request, as
+// a retry of a valid one does at Place's insert: it is answered the order once that commits, and
+// the 422 once that rolls back, not a 422 while an order is about to exist.
+func TestReplayOfAnInvalidOrderWaitsForItsPlacement(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	body := strings.Replace(validBody, `"SKU-1"`, `"SKU\u20281"`, 1)
+	cmd, err := DecodePlaceOrder(strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cmd.Validate()) == 0 {
+		t.Fatalf("%s is valid: the test needs a command the rules refuse", body)
+	}
+	release := b.holdOutboxInserts(t)
+	type placed struct {
+		order Order
+		err   error
+	}
+	place := func(ctx context.Context, key string) <-chan placed {
+		done := make(chan placed, 1)
+		go func() {
+			o, _, err := b.store.Place(ctx, cmd, key)
+			done <- placed{o, err}
+		}()
+		return done
+	}
+	type answer struct {
+		status   int
+		replayed string
+		location string
+		body     string
+	}
+	retry := func(key string) <-chan answer {
+		done := make(chan answer, 1)
+		go func() {
+			req, err := http.NewRequest(http.MethodPost, b.srv.URL+"/orders", strings.NewReader(body))
+			if err != nil {
+				done <- answer{body: err.Error()}
+				return
+			}
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Idempotency-Key", key)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				done <- answer{body: err.Error()}
+				return
+			}
+			defer resp.Body.Close()
+			raw, err := io.ReadAll(resp.Body)
+			if err != nil {
+				raw = []byte(err.Error())
+			}
+			done <- answer{resp.StatusCode, resp.Header.Get("Idempotent-Replayed"), resp.Header.Get("Location"), string(raw)}
+		}()
+		return done
+	}
+	abort, cancelPlacement := context.WithCancel(context.Background())
+	defer cancelPlacement()
+	rolledBack, committed := place(abort, "key-rolled-back"), place(context.Background(), "key-committed")
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, b.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'advisory'") == 2
+	}, "the placements did not reach their outbox inserts")
+	retries := map[string]<-chan answer{"key-rolled-back": retry("key-rolled-back"), "key-committed": retry("key-committed")}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		for key, r := range retries {
+			select {
+			case a := <-r:
+				t.Fatalf("the retry with %s was answered %d %s while its placement was uncommitted; want it to wait for the placement", key, a.status, a.body)
+			default:
+			}
+		}
+		return len(b.lockWaits(t)) == 2
+	}, "the retries did not wait for their placements")
+
+	cancelPlacement()
+	if p := <-rolledBack; p.err == nil {
+		t.Fatal("the placement whose context was cancelled committed")
+	}
+	if a := <-retries["key-rolled-back"]; a.status != http.StatusUnprocessableEntity || a.replayed != "" || !strings.Contains(a.body, `"lines[0].sku"`) {
+		t.Errorf("the retry of a placement rolled back: %d %s, want a 422 naming lines[0].sku", a.status, a.body)
+	}
+	release()
+	p := <-committed
+	if p.err != nil {
+		t.Fatal(p.err)
+	}
+	if a := <-retries["key-committed"]; a.status != http.StatusCreated || a.replayed != "true" || a.location != "/orders/"+p.order.ID.String() {
+		t.Errorf("the retry of a placement committed: %d %s %s, want a replay of %s", a.status, a.location, a.body, p.order.ID)
+	}
+	if c := b.counts(t); c != [3]int64{1, 2, 1} {
+		t.Fatalf("orders, lines, outbox = %v, want the committed order alone", c)
 	}
 }
 

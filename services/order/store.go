@@ -114,14 +114,37 @@ func (s *Store) Place(ctx context.Context, cmd PlaceOrder, key string) (order Or
 	return order, replayed, nil
 }
 
-// Replay returns the order key placed, if it placed it from cmd, and writes nothing:
+// Replay returns the order key placed, if it placed it from cmd, and commits nothing:
 // ErrNotFound if key placed no order, ErrIdempotencyConflict if it placed another command's.
-func (s *Store) Replay(ctx context.Context, cmd PlaceOrder, key string) (Order, error) {
+// A request with key still uncommitted (the first, at work on another replica) is waited for,
+// as Place waits: a plain read would not see its order, and answer that key placed none just
+// before it does. So Replay inserts a row with key, which waits on the unique key for that
+// request to end, and rolls it back if it went in: then no order has key.
+func (s *Store) Replay(ctx context.Context, cmd PlaceOrder, key string) (order Order, err error) {
 	hash, err := commandHash(cmd)
 	if err != nil {
 		return Order{}, err
 	}
-	return keyed(s.db.WithContext(ctx), key, hash)
+	id, err := uuid.NewV7()
+	if err != nil {
+		return Order{}, fmt.Errorf("new order id: %w", err)
+	}
+	err = s.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+		probe := orderRow{ID: id, Status: StatusPlaced, CreatedAt: time.Now(), IdempotencyKey: &key, RequestHash: &hash}
+		res := tx.Clauses(clause.OnConflict{Columns: []clause.Column{{Name: "idempotency_key"}}, DoNothing: true}).Create(&probe)
+		switch {
+		case res.Error != nil:
+			return fmt.Errorf("wait for the order of idempotency key: %w", res.Error)
+		case res.RowsAffected > 0:
+			return ErrNotFound // and the row is rolled back
+		}
+		order, err = keyed(tx, key, hash)
+		return err
+	}, readCommitted)
+	if err != nil {
+		return Order{}, err
+	}
+	return order, nil
 }
 
 // keyed returns the order placed with key from the command of hash: ErrNotFound if key placed
