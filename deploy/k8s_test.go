@@ -1478,6 +1478,20 @@ func TestK8sPostgresCluster(t *testing.T) {
 	if c.Spec.MinSyncReplicas != 0 || c.Spec.MaxSyncReplicas != 0 {
 		t.Error("minSyncReplicas/maxSyncReplicas are the deprecated form; use postgresql.synchronous alone")
 	}
+	// A client lost without a word is found, and the rows its transaction locked freed, within
+	// minutes, not the kernel's two hours (postgres.yaml says why).
+	params := c.Spec.PostgreSQL.Parameters
+	keepalive := map[string]int{}
+	for _, name := range []string{"tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count", "tcp_user_timeout"} {
+		n, err := strconv.Atoi(params[name])
+		if err != nil || n <= 0 {
+			t.Errorf("postgresql.parameters.%s = %q, want a positive number: the kernel's default finds a lost client after 2 h", name, params[name])
+		}
+		keepalive[name] = n
+	}
+	if found := keepalive["tcp_keepalives_idle"] + keepalive["tcp_keepalives_interval"]*keepalive["tcp_keepalives_count"]; found > 300 || keepalive["tcp_user_timeout"] > 300000 {
+		t.Errorf("postgresql.parameters find a lost client after %d s of silence, or %d ms of unacknowledged data: want 5 min at most", found, keepalive["tcp_user_timeout"])
+	}
 	// The PostgreSQL major version docker-compose.yml runs.
 	composeImage := service(t, loadProject(t), "postgres").Image
 	major := regexp.MustCompile(`^postgres:(\d+)`).FindStringSubmatch(composeImage)

@@ -3,6 +3,7 @@ package platform
 import (
 	"log/slog"
 	"slices"
+	"strings"
 	"time"
 
 	"gorm.io/gorm"
@@ -92,15 +93,23 @@ func (b *Base) outboxCleanup(log *slog.Logger, retention time.Duration) Worker {
 }
 
 // routedFrom lists the routing keys topology binds from exchange, once each: the event types
-// a relay to that exchange can deliver, whose counters it exports from the start.
+// a relay to that exchange can deliver, whose counters it exports from the start. A key with a
+// wildcard word (# or *: the exchanges are topic exchanges) names a pattern, not a type, and
+// would export a series no message ever counts in.
 func routedFrom(topology messaging.Topology, exchange string) []string {
 	var types []string
 	for _, q := range topology.Queues {
 		for _, b := range q.Bindings {
-			if b.Exchange == exchange && !slices.Contains(types, b.RoutingKey) {
+			if b.Exchange == exchange && !isPattern(b.RoutingKey) && !slices.Contains(types, b.RoutingKey) {
 				types = append(types, b.RoutingKey)
 			}
 		}
 	}
 	return types
+}
+
+// isPattern reports whether a topic binding key matches more than one routing key: whether a
+// word of it is a wildcard.
+func isPattern(key string) bool {
+	return slices.ContainsFunc(strings.Split(key, "."), func(word string) bool { return word == "#" || word == "*" })
 }

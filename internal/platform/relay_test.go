@@ -31,6 +31,21 @@ func TestRelayCountsTheTypesItsExchangeRoutes(t *testing.T) {
 	}
 }
 
+// A binding with a wildcard word names no event type: the relay exports no counters for it,
+// which no message would ever count in. A word that only contains # or * is a type's.
+func TestRelayCountsNoTypeForAWildcardBinding(t *testing.T) {
+	topology := messaging.Topology{Queues: []messaging.ConsumerTopology{{Queue: "audit", Bindings: []messaging.Binding{
+		{Exchange: "orders", RoutingKey: "#"},
+		{Exchange: "orders", RoutingKey: "orders.*"},
+		{Exchange: "orders", RoutingKey: "*.placed.#"},
+		{Exchange: "orders", RoutingKey: "OrderPlaced"},
+		{Exchange: "orders", RoutingKey: "C#.Order*"},
+	}}}}
+	if got, want := routedFrom(topology, "orders"), []string{"OrderPlaced", "C#.Order*"}; !slices.Equal(got, want) {
+		t.Errorf("types routed from a topology with wildcard bindings = %q, want %q", got, want)
+	}
+}
+
 // The relay's publisher has room for every lane's whole batch, at the largest settings too:
 // a lane left waiting for another's confirms holds its claimed rows, and a wait past the
 // confirm timeout would be logged as an outage.

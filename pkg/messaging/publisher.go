@@ -59,6 +59,22 @@ var ErrBrokerUnavailable = errors.New("broker unavailable")
 // relay sends it again at its next batch instead of pausing for an outage.
 var errNotAnOutage = errors.New("the broker answers")
 
+// errUnconfirmed marks a message given no verdict on a connection that is still up: no confirm
+// came within the window's ConfirmTimeout, or the broker closed the channel for a reason not
+// known to be a message's fault (a quorum queue without a majority, say, confirms nothing). A
+// new connection, which is what [Publisher.Connect] checks, says nothing of its end: a relay
+// waits for a batch the broker gives verdicts on instead.
+var errUnconfirmed = errors.New("the connection is up, the broker said nothing")
+
+// errWindowTimedOut is the cause of a window's end at its ConfirmTimeout, told apart from its
+// caller's context ending: only the timeout says something of the broker.
+var errWindowTimedOut = errors.New("confirm timeout")
+
+// windowOverrun is how long a window may take past its ConfirmTimeout: up to closeWait to read
+// why the broker closed a channel, a second to close a connection that timed out, and a second
+// of slack.
+const windowOverrun = closeWait + 2*time.Second
+
 // DefaultMaxMessageBytes is the largest message body a publisher sends and a consumer accepts
 // unless configured otherwise.
 const DefaultMaxMessageBytes = 1 << 20
@@ -99,7 +115,14 @@ type PublisherConfig struct {
 // Publisher publishes messages with mandatory routing and publisher confirms, over a
 // connection that it opens on first use and opens again, by itself, after it breaks.
 // It is safe for concurrent use: calls write their messages one call at a time on one channel,
-// and wait for their confirms side by side.
+// and wait for their confirms side by side. A call whose context ends while it waits for its
+// confirms leaves the others' windows alone: its messages' places among the MaxInFlight are
+// given back when their confirms come, or, if they have not all come by the window's
+// ConfirmTimeout, the connection is closed then, as for a window that timed out. One whose
+// context ends while its messages are still being written, a window whose ConfirmTimeout runs
+// out, or one whose channel the broker closed, closes the connection (a write the broker does
+// not read would hold every call), and every other window still waiting on it gets
+// [ErrBrokerUnavailable] for its unconfirmed messages.
 //
 // It is the relay's [Sender]. An event that a transaction's work causes goes through [Enqueue]
 // in that transaction, never straight to Publish after the commit: a crash or a broker outage
@@ -176,11 +199,21 @@ func (p *Publisher) Publish(ctx context.Context, msgs []Message) []error {
 	return errs
 }
 
+// PublishTimeout is the longest a Publish of n messages takes: ConfirmTimeout for each window
+// of up to MaxInFlight messages, and a few seconds more for each, to read why the broker closed
+// a channel and to close a connection that timed out. A [Relay] has the database end a batch's
+// transaction left idle longer than that, and some margin (see [Sender]).
+func (p *Publisher) PublishTimeout(n int) time.Duration {
+	windows := max(1, (n+p.cfg.MaxInFlight-1)/p.cfg.MaxInFlight)
+	return time.Duration(windows) * (p.cfg.ConfirmTimeout + windowOverrun)
+}
+
 // publishWindow publishes up to MaxInFlight messages and fills in their verdicts.
 func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []error) {
 	// ConfirmTimeout bounds the whole window, the wait for a place among the in-flight
 	// messages and the writes included.
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
+	expires := time.Now().Add(p.cfg.ConfirmTimeout)
+	ctx, cancel := context.WithDeadlineCause(ctx, expires, errWindowTimedOut)
 	defer cancel()
 	msgs = compactOversized(msgs, p.cfg.MaxMessageBytes)
 	if err := p.inFlight.Acquire(ctx, int64(len(msgs))); err != nil {
@@ -196,21 +229,36 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		// Blocked by the broker: return now, so no caller holds anything open through a
 		// resource alarm, and let the confirms come in later on a connection kept open.
 		go func() {
-			s.settleLate(confirms, msgs)
+			s.settleLate(confirms, msgs, nil)
 			p.inFlight.Release(int64(len(msgs)))
 		}()
 		return
 	}
-	s.release(msgs, confirms)
-	if ctx.Err() != nil || s.ch.IsClosed() {
+	switch {
+	case errors.Is(context.Cause(ctx), errWindowTimedOut) || s.ch.IsClosed():
 		// Retired before its places are given back: its messages' returns may still come, and
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
 		// message count as routed. Closed, not taken out under the lock, which a Connect to a
 		// stalled broker may hold: the next call finds it closed and dials again.
+		s.release(msgs, confirms)
 		s.close()
+		p.inFlight.Release(int64(len(msgs)))
+	case ctx.Err() != nil:
+		// The caller stopped waiting, which says nothing of the broker: the connection, and the
+		// other calls' windows on it, go on. The places are given back once the confirms come,
+		// the returns with them, for the same reason; or once the connection closes, by the
+		// window's own ConfirmTimeout at the latest.
+		go func() {
+			expiry := time.NewTimer(time.Until(expires))
+			defer expiry.Stop()
+			s.settleLate(confirms, msgs, expiry.C)
+			p.inFlight.Release(int64(len(msgs)))
+		}()
+	default:
+		s.release(msgs, confirms)
+		p.inFlight.Release(int64(len(msgs)))
 	}
-	p.inFlight.Release(int64(len(msgs)))
 }
 
 // write publishes the window on the current session (connecting first if needed), under the
@@ -518,7 +566,7 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 		select {
 		case <-dc.Done():
 		case <-ctx.Done():
-			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], unavailable("no confirm within %s: %w", timeout, ctx.Err()))
+			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], s.unconfirmed(ctx, timeout))
 			return false
 		case <-s.watch.blockedC():
 			// Not blockedErr: the broker may have unblocked the connection since, and its nil
@@ -529,6 +577,19 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 		errs[i] = s.confirmed(msgs[i], dc)
 	}
 	return false
+}
+
+// unconfirmed is the error of a message whose confirm had not come when ctx ended: the
+// window's timeout, on a connection still up, is errUnconfirmed.
+func (s *pubSession) unconfirmed(ctx context.Context, timeout time.Duration) error {
+	switch {
+	case !errors.Is(context.Cause(ctx), errWindowTimedOut):
+		return unavailable("the caller stopped waiting for the confirm: %w", ctx.Err())
+	case s.conn.IsClosed():
+		return unavailable("no confirm within %s: %w", timeout, ctx.Err())
+	default:
+		return unavailable("no confirm within %s: %w: %w", timeout, ctx.Err(), errUnconfirmed)
+	}
 }
 
 // settledOrNot gives each message still awaited when the wait stopped early the verdict its
@@ -618,25 +679,41 @@ func (s *pubSession) closedForMessage(reason *amqp.Error) bool {
 // closedVerdict is the verdict on m, unconfirmed when ch closed: ErrAccessRefused if the broker
 // closed ch for a publish to m's exchange (with m's routing key, for a topic permission; or an
 // internal exchange), ErrNoExchange if for a publish to m's exchange, missing and not one the
-// next connection declares, ErrTooLarge if
-// for a body larger than the broker takes and m's is, else none. Every such message would close
-// it again, batch after batch, and with it the confirms of all the others.
+// next connection declares, ErrTooLarge if for a body larger than the broker takes and m's is,
+// else none (errUnconfirmed if the connection is still up). Every such message would close it
+// again, batch after batch, and with it the confirms of all the others.
 func (s *pubSession) closedVerdict(m Message) error {
 	reason := s.closeReason()
 	if refuses(reason, m) {
-		return fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)
+		return closedFor{fmt.Errorf("%w: exchange %q: %s", ErrAccessRefused, m.Exchange, reason.Reason)}
 	}
 	if closedForMissing(reason, m.Exchange) && !s.declares[m.Exchange] {
-		return fmt.Errorf("%w: %q: %s", ErrNoExchange, m.Exchange, reason.Reason)
+		return closedFor{fmt.Errorf("%w: %q: %s", ErrNoExchange, m.Exchange, reason.Reason)}
 	}
 	if most, ok := brokerMaxSize(reason); ok && len(m.Payload) > most {
-		return fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)
+		return closedFor{fmt.Errorf("%w: %d bytes, the broker's limit is %d: %s", ErrTooLarge, len(m.Payload), most, reason.Reason)}
 	}
 	if s.closedForMessage(reason) {
 		return unavailable("channel closed before the confirm, for another message's refusal: %w", errNotAnOutage)
 	}
-	return unavailable("channel closed before the confirm")
+	if s.conn.IsClosed() {
+		return unavailable("channel closed before the confirm")
+	}
+	// The broker closed the channel and kept the connection, for a reason not known here: a new
+	// channel does not say that it confirms again.
+	why := "no reason given"
+	if reason != nil {
+		why = reason.Error()
+	}
+	return unavailable("the broker closed the channel before the confirm (%s): %w", why, errUnconfirmed)
 }
+
+// closedFor is a verdict read from the reason the broker closed the channel for the message's
+// publish: unlike the same verdict from a check before the publish, it is the broker's answer to
+// the publish (see brokerAnswered).
+type closedFor struct{ error }
+
+func (c closedFor) Unwrap() error { return c.error }
 
 // closeWait bounds closeReason's wait for the reason of a closed channel. The client hands it
 // over, or closes closes without one, once it has sent the broker its close-ok and taken the
@@ -795,12 +872,23 @@ func (s *pubSession) collectReturnsLocked() {
 	}
 }
 
-// settleLate waits out the confirms of a window abandoned to a blocked connection, until the
-// broker unblocks it or the connection closes, and drops its returns: nobody waits for them.
-func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Message) {
+// settleLate waits out the confirms of a window nobody waits for any more, and drops its
+// returns: a window abandoned to a blocked connection, until the broker unblocks it or the
+// connection closes (expired nil); a window whose caller stopped waiting, until expired fires
+// too, and then closes the connection. A broker that withholds the confirms on a connection it
+// keeps would otherwise hold the window's places among the MaxInFlight for good, and the later
+// windows, finding no room, would close nothing: the publisher would be wedged.
+func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Message, expired <-chan time.Time) {
 	for _, dc := range confirms {
-		if dc != nil {
-			<-dc.Done()
+		if dc == nil {
+			continue
+		}
+		select {
+		case <-dc.Done():
+		case <-expired:
+			s.close() // no return comes any more
+			s.release(msgs, confirms)
+			return
 		}
 	}
 	s.matchReturns(msgs, confirms, make([]error, len(msgs)))

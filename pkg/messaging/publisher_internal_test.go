@@ -240,7 +240,7 @@ func TestAMessageIsNotPublishedTwiceAtOnceOnAConnection(t *testing.T) {
 		t.Fatalf("published again while the first is unsettled: verdict %v", err)
 	}
 	abandoned[0].Wait()
-	s.settleLate(abandoned, []Message{x})
+	s.settleLate(abandoned, []Message{x}, nil)
 
 	// Settled: it goes again, and its own return is its verdict.
 	_, confirms, err := publish()
@@ -322,7 +322,9 @@ func TestCompactOversized(t *testing.T) {
 // A channel closed for a publish to a missing exchange charges that exchange's message unless
 // the next connection declares it (the Topology's, declared or seen by this one); its others
 // are then left for the next batch, not taken for an outage. A reason cut short counts by its
-// prefix.
+// prefix. A close for a reason of no message, the connection still up, is an outage that a new
+// connection does not show the end of (errUnconfirmed). A verdict read from the close is the
+// broker's answer to the publish (brokerAnswered), unlike the same verdict of a check before it.
 func TestAMissingExchangeIsChargedUnlessTheNextConnectionDeclaresIt(t *testing.T) {
 	long := strings.Repeat("x", 240)
 	closed := func(exchange string) *pubSession {
@@ -331,26 +333,31 @@ func TestAMissingExchangeIsChargedUnlessTheNextConnectionDeclaresIt(t *testing.T
 			reason = reason[:252] + cutReason
 		}
 		return &pubSession{
+			conn:     &amqp.Connection{}, // open
 			declares: map[string]bool{"orders": true, "trusted": false},
 			closeErr: &amqp.Error{Code: amqp.NotFound, Reason: reason},
 		}
 	}
 	for _, c := range []struct {
-		closedFor, exchange string
-		want                error
-		notAnOutage         bool
+		closedFor, exchange      string
+		want                     error
+		notAnOutage, unconfirmed bool
 	}{
-		{"gone", "gone", ErrNoExchange, false},
-		{"gone", "orders", ErrBrokerUnavailable, true},
-		{"trusted", "trusted", ErrNoExchange, false},
-		{"orders", "orders", ErrBrokerUnavailable, false},
-		{"orders", "billing", ErrBrokerUnavailable, false},
-		{long, long, ErrNoExchange, false},
-		{long, "orders", ErrBrokerUnavailable, true},
+		{"gone", "gone", ErrNoExchange, false, false},
+		{"gone", "orders", ErrBrokerUnavailable, true, false},
+		{"trusted", "trusted", ErrNoExchange, false, false},
+		{"orders", "orders", ErrBrokerUnavailable, false, true},
+		{"orders", "billing", ErrBrokerUnavailable, false, true},
+		{long, long, ErrNoExchange, false, false},
+		{long, "orders", ErrBrokerUnavailable, true, false},
 	} {
 		err := closed(c.closedFor).closedVerdict(Message{Exchange: c.exchange})
-		if !errors.Is(err, c.want) || errors.Is(err, errNotAnOutage) != c.notAnOutage {
-			t.Errorf("closed for %.20q, message to %.20q: %v; want %v, not an outage %v", c.closedFor, c.exchange, err, c.want, c.notAnOutage)
+		if !errors.Is(err, c.want) || errors.Is(err, errNotAnOutage) != c.notAnOutage || errors.Is(err, errUnconfirmed) != c.unconfirmed {
+			t.Errorf("closed for %.20q, message to %.20q: %v; want %v, not an outage %v, unconfirmed %v",
+				c.closedFor, c.exchange, err, c.want, c.notAnOutage, c.unconfirmed)
+		}
+		if answered := !errors.Is(c.want, ErrBrokerUnavailable); brokerAnswered(err) != answered {
+			t.Errorf("closed for %.20q, message to %.20q: %v is the broker's answer %t, want %t", c.closedFor, c.exchange, err, !answered, answered)
 		}
 	}
 }
@@ -410,6 +417,48 @@ func TestAPublisherHeartbeatUnderASecondIsRefused(t *testing.T) {
 		err := PublisherConfig{URL: "amqp://127.0.0.1:1/", Heartbeat: hb}.check()
 		if refused := err != nil && strings.Contains(err.Error(), "PublisherConfig.Heartbeat"); refused != want {
 			t.Errorf("check with Heartbeat %v = %v; want refused: %v", hb, err, want)
+		}
+	}
+}
+
+// A window whose ConfirmTimeout ran out on a connection still up is an outage a new connection
+// does not show the end of (errUnconfirmed); one whose caller stopped waiting says nothing of
+// the broker.
+func TestOnlyAWindowsOwnTimeoutIsUnconfirmed(t *testing.T) {
+	t.Parallel()
+	s := &pubSession{conn: &amqp.Connection{}} // open
+	timedOut, cancel := context.WithTimeoutCause(context.Background(), time.Nanosecond, errWindowTimedOut)
+	defer cancel()
+	<-timedOut.Done()
+	if err := s.unconfirmed(timedOut, time.Second); !errors.Is(err, ErrBrokerUnavailable) || !errors.Is(err, errUnconfirmed) {
+		t.Errorf("the window's timeout: %v, want ErrBrokerUnavailable and errUnconfirmed", err)
+	}
+	ended, end := context.WithCancel(context.Background())
+	end()
+	callerEnded, cancel := context.WithTimeoutCause(ended, time.Minute, errWindowTimedOut)
+	defer cancel()
+	if err := s.unconfirmed(callerEnded, time.Minute); !errors.Is(err, ErrBrokerUnavailable) || errors.Is(err, errUnconfirmed) {
+		t.Errorf("the caller's end: %v, want ErrBrokerUnavailable, not errUnconfirmed", err)
+	}
+}
+
+// Every verdict read from the reason the broker closed the channel for a message's publish is
+// the broker's answer to it (brokerAnswered): it ends an outage a probe cannot see, as a confirm
+// does.
+func TestAVerdictReadFromAClosedChannelIsTheBrokersAnswer(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		reason *amqp.Error
+		want   error
+	}{
+		{&amqp.Error{Code: amqp.AccessRefused, Reason: "ACCESS_REFUSED - write access to exchange 'x' in vhost '/' refused for user 'u'"}, ErrAccessRefused},
+		{&amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - message size 20 is larger than configured max size 10"}, ErrTooLarge},
+		{&amqp.Error{Code: amqp.NotFound, Reason: "NOT_FOUND - no exchange 'x' in vhost '/'"}, ErrNoExchange},
+	} {
+		s := &pubSession{conn: &amqp.Connection{}, closeErr: c.reason} // the connection open
+		err := s.closedVerdict(Message{Exchange: "x", Payload: make([]byte, 20)})
+		if !errors.Is(err, c.want) || !brokerAnswered(err) {
+			t.Errorf("closed for %q: %v, the broker's answer %t; want %v, the broker's answer", c.reason.Reason, err, brokerAnswered(err), c.want)
 		}
 	}
 }

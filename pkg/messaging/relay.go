@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -38,10 +40,56 @@ const (
 // give the wrapper one): the relay then asks it, not a row, whether the broker is back, and
 // after every empty claim whether it still has it, so it must cost no round trip while
 // connected; an error of it at [Relay.Run]'s start that does not wrap ErrBrokerUnavailable is
-// taken for the configuration's, and Run returns it.
+// taken for the configuration's, and Run returns it. A Sender may also have a method
+// PublishTimeout(n int) time.Duration, the longest its Publish of n messages takes, as a
+// [Publisher] has (a wrapper must forward it too): the relay then has the database end a
+// batch's transaction left idle longer than that and 5 s (a timeout of 0 or less sets no bound;
+// one longer than PostgreSQL takes, about 24.8 days, is cut to that). A relay host lost
+// mid-batch (a partition, a frozen machine) holds its rows locked, skipped by every other
+// relay, that long at most; without it, until the database's TCP keepalives find the
+// connection dead (two hours at Linux's defaults). The bound is the server's alone: the
+// relay gives its statements no deadline of its own (see [Relay.Run]).
 type Sender interface {
 	Publish(ctx context.Context, msgs []Message) []error
 }
+
+// publishBound is what a [Sender] may also offer (a [Publisher] does): how long its Publish of
+// n messages may take.
+type publishBound interface {
+	PublishTimeout(n int) time.Duration
+}
+
+// idleMargin is how long a batch's transaction may sit idle beyond its Sender's PublishTimeout:
+// the relay's own work between the statements takes microseconds; the margin is for a machine
+// that stalls.
+const idleMargin = 5 * time.Second
+
+// maxIdleBound is the longest idle_in_transaction_session_timeout PostgreSQL takes: an int of
+// milliseconds.
+const maxIdleBound = math.MaxInt32 * time.Millisecond
+
+// idleBoundOf is how long the database may let a batch of n rows for sender sit idle in its
+// transaction: the Sender's PublishTimeout of n messages and idleMargin, at most maxIdleBound;
+// 0, no bound, for a Sender without the method or with a timeout of 0 or less.
+func idleBoundOf(sender Sender, n int) time.Duration {
+	b, ok := sender.(publishBound)
+	if !ok {
+		return 0
+	}
+	timeout := b.PublishTimeout(n)
+	switch {
+	case timeout <= 0:
+		return 0
+	case timeout > maxIdleBound-idleMargin: // and no overflow of the sum
+		return maxIdleBound
+	}
+	return timeout + idleMargin
+}
+
+// trialBatch is the most rows a lane claims to find out whether an outage the probe cannot see
+// is over: the oldest due row, likely the one the broker left unconfirmed, whose every try
+// would reach again whichever of its queues are healthy.
+const trialBatch = 1
 
 // brokerProbe is what a [Sender] may also offer (a [Publisher] does): a cheap check that the
 // broker takes messages again, so a relay waiting out an outage claims no rows to find out. An
@@ -78,9 +126,10 @@ type RelayConfig struct {
 	// refusal claims again once the row is due (or sooner, woken by a NOTIFY or the poll); a
 	// relay started since, or another replica, finds it at its next NOTIFY or poll.
 	Backoff Backoff
-	// BrokerRetry paces the relay's checks for the broker during an outage, the batches after
-	// failed ones (a database away, a Sender's wrong count of verdicts: each lane tries again
-	// after its next step, whatever PollInterval), and, at its first step, the batch after one
+	// BrokerRetry paces the relay's checks for the broker during an outage (its tries of one
+	// row, in an outage no check can see: see [Relay.Run]), the batches after failed ones (a
+	// database away, a Sender's wrong count of verdicts: each lane tries again after its next
+	// step, whatever PollInterval), and, at its first step, the batch after one
 	// whose rows the broker answered for but took nowhere. Its Max, or 500 ms if less, also
 	// caps the wait between attempts to LISTEN again, which start at 500 ms. Default 100 ms
 	// doubling up to 2 s, jittered: the relay resumes within about 2 s of the broker's or the
@@ -140,6 +189,9 @@ type Relay struct {
 	tracer trace.Tracer
 	// probe is the Sender, if it can be asked for the broker without a message; nil if not.
 	probe brokerProbe
+	// idleBound is how long the database lets a batch's transaction sit idle (idleBoundOf); 0
+	// for no bound.
+	idleBound time.Duration
 	// spanOptions are the same for every publish span, rootSpanOptions for one that starts a
 	// trace: made once.
 	spanOptions, rootSpanOptions []trace.SpanStartOption
@@ -176,7 +228,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish"))}
 	probe, _ := cfg.Sender.(brokerProbe)
 	return &Relay{
-		cfg: cfg, probe: probe, log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
+		cfg: cfg, probe: probe, idleBound: idleBoundOf(cfg.Sender, cfg.BatchSize), log: cfg.Logger.With("component", "relay", "exchange", cfg.Exchange),
 		tracer:          newTracer(cfg.TracerProvider),
 		spanOptions:     spanOptions,
 		rootSpanOptions: append(slices.Clip(spanOptions), trace.WithNewRoot()),
@@ -190,8 +242,23 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // left unsent is followed after BrokerRetry's first step, and a failed batch (the database
 // away) after BrokerRetry's next step, whatever the poll; neither wait hears a NOTIFY. While
 // the broker is unavailable the lanes claim nothing; they look for the broker again and resume
-// as soon as it is back. A Sender that cannot connect for a reason no broker can mend (a
-// [Publisher] whose configuration names no broker) makes Run return that error at once.
+// as soon as it is back. An outage that such a look cannot see end (no confirm in time, or a
+// channel the broker closed for a reason of no message, on a connection that stays up: see
+// [ErrBrokerUnavailable]) ends only with a batch the broker gives verdicts on: meanwhile one
+// lane at a time claims and publishes one row, at BrokerRetry's pace (the oldest due row: if
+// that row is what the broker cannot confirm, nothing moves until it can, or the row is parked;
+// the relay logs the row once an outage). A Sender that cannot connect for a reason no broker
+// can mend (a [Publisher] whose configuration names no broker) makes Run return that error at
+// once.
+//
+// A batch's statements get no deadline of the relay's until Run stops (then the shutdown's, see
+// [Relay.ProcessBatch]): a driver that honours a context's end by closing its socket (pgx)
+// sends no cancel request, and the server's session runs on, unaware, holding its locks (a
+// commit waiting for a synchronous standby, a claim waiting for a migration's lock), while the
+// lane would claim the next batch on another session. A lane whose database connection goes
+// silent learns of it from its driver's TCP connection (with pgx, Go's keepalive: 15 s idle,
+// then 9 probes 15 s apart); the database frees a lost host's rows at the Sender's bound (see
+// [Sender]) either way.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.probe != nil {
 		tried := time.Now()
@@ -204,7 +271,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			r.brokerDown(err)
 		} else {
-			r.brokerUp(ctx, tried)
+			r.brokerUp(ctx, tried, false)
 		}
 	}
 	wake := newWakeup()
@@ -228,7 +295,18 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	// than the earliest.
 	var due []time.Time
 	for ctx.Err() == nil {
-		if r.probe != nil && r.isBrokerDown() {
+		limit, trial := r.cfg.BatchSize, false
+		switch down, silent := r.outageState(); {
+		case silent:
+			// No probe sees this outage end, only a batch the broker answers for: one lane at
+			// a time tries one row, at BrokerRetry's pace.
+			wait, ok := r.startTrial()
+			if !ok {
+				sleep(ctx, nil, wait)
+				continue
+			}
+			limit, trial = trialBatch, true
+		case down && r.probe != nil:
 			// Run's first look, or another lane, found the broker gone: claim nothing, which
 			// would hold the rows locked while the publish dials, until the probe finds it.
 			r.awaitBroker(ctx, 1)
@@ -238,7 +316,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		// Due by now: this batch claims those rows, or it is full and the lane drains on (the
 		// claim takes the oldest rows first); a batch that fails is followed by more.
 		due = slices.Delete(due, 0, sort.Search(len(due), func(i int) bool { return due[i].After(started) }))
-		s, err := r.processBatch(ctx)
+		s, err := r.processBatch(ctx, limit)
 		res := s.res
 		if len(s.failures) > 0 {
 			// Counted from now, after the commit, on this process's clock: each row, dated by
@@ -248,11 +326,19 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 				due = addDue(due, now.Add(f.delay), f.delay)
 			}
 		}
+		// First what the batch says of the broker, then the trial's end, then the wait: a
+		// trial ended before its outcome is recorded would let another lane start one, at the
+		// outage's end or before its next retry is due.
+		var wait func()
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, ErrBrokerUnavailable):
-			r.awaitBroker(ctx, r.brokerDown(err))
+			failures := r.brokerDown(err)
+			if trial && s.unconfirmed != nil {
+				r.trialFailed(ctx, *s.unconfirmed, err)
+			}
+			wait = func() { r.awaitBroker(ctx, failures) }
 		case err != nil:
 			// Paced as a broker's checks (100 ms doubling to 2 s by default), not as the poll:
 			// a wait of a whole long poll, deaf to wakes, would leave the rows of a database
@@ -261,40 +347,51 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// a hundred times a second.
 			failed++
 			r.log.Error("relay batch failed", "error", err)
-			sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failed))
-		case res.Claimed == 0 && r.isBrokerDown() && r.probe != nil:
+			wait = func() { sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failed)) }
+		case res.Claimed == 0 && r.isBrokerLost() && r.probe != nil:
 			// Another lane found the broker gone while this one claimed nothing: an empty
 			// claim never reached the broker, so look for it, that its return is known (and
 			// outbox_relay_broker_up says so) before the next row. A Sender that cannot be
 			// probed learns it from the next row's publish.
-			r.awaitBroker(ctx, 1)
+			wait = func() { r.awaitBroker(ctx, 1) }
 		case res.Claimed == 0 && r.lostWhileIdle(ctx):
 			// Nor does it see the broker go: the outage begins now, not at the next row.
-			r.awaitBroker(ctx, 1)
+			wait = func() { r.awaitBroker(ctx, 1) }
 		default:
 			failed = 0
 			// Only rows given to the Sender heard from the broker: not an empty claim, nor one
 			// of rows that could not be read, which a Sender without a probe would take for
 			// the broker's return.
 			if s.published {
-				r.brokerUp(ctx, started)
+				r.brokerUp(ctx, started, s.answered)
 			}
-			switch {
-			case res.Unsent > 0:
-				// The broker answered but took some rows nowhere (a channel it closed for
-				// another row, a row whose earlier publish is still in flight): paced as a
-				// retry, not claimed again at once, which spins while those rows wait.
-				sleep(ctx, nil, r.cfg.BrokerRetry.Delay(1))
-			case res.Claimed == r.cfg.BatchSize:
-				wake.signal() // more is waiting: another lane may join
-			default:
-				wait := jittered(r.cfg.PollInterval)
-				if len(due) > 0 {
-					wait = min(wait, time.Until(due[0]))
-				}
-				sleep(ctx, wake, wait)
-			}
+			wait = r.afterBatch(ctx, wake, res, limit, due)
 		}
+		if trial {
+			r.endTrial()
+		}
+		wait()
+	}
+}
+
+// afterBatch is how a lane waits after a batch that did not fail: the broker answered for its
+// rows, or it claimed none.
+func (r *Relay) afterBatch(ctx context.Context, wake wakeup, res BatchResult, limit int, due []time.Time) func() {
+	switch {
+	case res.Unsent > 0:
+		// The broker answered but took some rows nowhere (a channel it closed for another row,
+		// a row whose earlier publish is still in flight): paced as a retry, not claimed again
+		// at once, which spins while those rows wait.
+		return func() { sleep(ctx, nil, r.cfg.BrokerRetry.Delay(1)) }
+	case res.Claimed == limit:
+		return wake.signal // more is waiting: another lane may join
+	}
+	return func() {
+		wait := jittered(r.cfg.PollInterval)
+		if len(due) > 0 {
+			wait = min(wait, time.Until(due[0]))
+		}
+		sleep(ctx, wake, wait)
 	}
 }
 
@@ -317,19 +414,19 @@ const settleWait = 2 * time.Second
 // fails, up to 2 s more for the rollback. Cut off with ctx, a batch would leave rows the
 // broker took unmarked, sent again at the next start.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
-	s, err := r.processBatch(parent)
+	s, err := r.processBatch(parent, r.cfg.BatchSize)
 	return s.res, err
 }
 
-// processBatch is ProcessBatch, returning the whole settlement: a lane also asks whether the
-// batch reached the Sender.
-func (r *Relay) processBatch(parent context.Context) (settlement, error) {
+// processBatch is ProcessBatch of up to limit rows, returning the whole settlement: a lane also
+// asks whether the batch reached the Sender.
+func (r *Relay) processBatch(parent context.Context, limit int) (settlement, error) {
 	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
 	defer cancel()
 	txCtx, cancelTx := withGrace(ctx, settleWait)
 	defer cancelTx()
 
-	s, err := r.batch(txCtx, ctx)
+	s, err := r.batch(txCtx, ctx, limit)
 	if err != nil {
 		return settlement{res: BatchResult{Claimed: s.res.Claimed}}, err
 	}
@@ -337,32 +434,36 @@ func (r *Relay) processBatch(parent context.Context) (settlement, error) {
 	return s, s.brokerErr
 }
 
-// batch is ProcessBatch's transaction: claim, publish, settle, commit. The transaction's
-// statements run under ctx; the publish, and so the wait for its confirms, under publishCtx,
-// which ends first.
-func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error) {
+// batch is ProcessBatch's transaction: claim up to limit rows, publish, settle, commit. The
+// transaction's statements run under ctx; the publish, and so the wait for its confirms, under
+// publishCtx, which ends first.
+func (r *Relay) batch(ctx, publishCtx context.Context, limit int) (s settlement, err error) {
 	tx, err := r.cfg.DB.Begin(ctx)
 	if err != nil {
 		return s, fmt.Errorf("begin outbox batch: %w", err)
 	}
+	var pub publication
 	committed := false
 	defer func() {
 		if !committed { // an error, or nothing to claim
 			rollback(ctx, tx)
 		}
+		// Once the transaction is over: a span processor that exports each span as it ends
+		// (with a slow exporter) must not keep the transaction idle, past its bound.
+		pub.endSpans()
 	}()
-	msgs, attempts, unreadable, err := r.claim(ctx, tx)
+	msgs, attempts, unreadable, err := r.claim(ctx, tx, limit)
 	if err != nil || len(msgs) == 0 {
 		return settlement{}, err
 	}
-	verdicts, published, err := r.publish(publishCtx, msgs, unreadable)
+	pub, err = r.publish(publishCtx, msgs, unreadable)
 	if err != nil {
 		return settlement{res: BatchResult{Claimed: len(msgs)}}, err
 	}
-	if s, err = r.settle(ctx, tx, msgs, attempts, verdicts); err != nil {
+	if s, err = r.settle(ctx, tx, msgs, attempts, pub.verdicts); err != nil {
 		return s, err
 	}
-	s.published = published
+	s.published, s.answered = pub.published, pub.answered
 	if err := tx.Commit(ctx); err != nil {
 		return s, fmt.Errorf("commit outbox batch: %w", err)
 	}
@@ -370,13 +471,32 @@ func (r *Relay) batch(ctx, publishCtx context.Context) (s settlement, err error)
 	return s, nil
 }
 
-// publish sends the messages and returns their verdicts, and whether it gave the Sender any. A
-// row that could not be read as a message is not sent, and the reason is its verdict: backed
-// off like any refused row, it cannot head every claim and hold up the rows behind it. A
-// Sender that answers for a different number of messages than it was given is an error: no
-// verdict can be matched to its row, so the batch is rolled back and every row stays due, its
-// attempts untouched.
-func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) (verdicts []error, published bool, err error) {
+// publication is what a batch's publish did.
+type publication struct {
+	verdicts  []error // one per claimed row
+	published bool    // some row went to the Sender
+	answered  bool    // the broker answered the publish of some row (see brokerAnswered)
+	// spans are the publish spans, by message sent, and outcomes what each ends with.
+	spans    []trace.Span
+	outcomes []error
+}
+
+// endSpans ends the publish spans with their outcomes.
+func (p publication) endSpans() {
+	for i, span := range p.spans {
+		if span != nil {
+			endSpan(span, p.outcomes[i])
+		}
+	}
+}
+
+// publish sends the messages and returns their verdicts, whether it gave the Sender any, and
+// whether the broker answered for any. A row that could not be read as a message is not sent,
+// and the reason is its verdict: backed off like any refused row, it cannot head every claim
+// and hold up the rows behind it. A Sender that answers for a different number of messages
+// than it was given is an error: no verdict can be matched to its row, so the batch is rolled
+// back and every row stays due, its attempts untouched. The publish spans are left to end.
+func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error) (p publication, err error) {
 	send, at := msgs, []int(nil)
 	if unreadable != nil {
 		send = make([]Message, 0, len(msgs))
@@ -386,43 +506,62 @@ func (r *Relay) publish(ctx context.Context, msgs []Message, unreadable []error)
 			}
 		}
 	}
-	published = len(send) > 0
-	if published {
-		spans := r.startPublishSpans(ctx, send)
-		verdicts = r.cfg.Sender.Publish(ctx, send)
-		if len(verdicts) != len(send) {
-			err := fmt.Errorf("relay: the Sender gave %d verdicts for %d messages", len(verdicts), len(send))
-			endPublishSpans(spans, slices.Repeat([]error{err}, len(send)))
-			return nil, published, err
-		}
-		endPublishSpans(spans, verdicts)
+	p.published = len(send) > 0
+	if !p.published {
+		p.verdicts = unreadable
+		return p, nil
 	}
+	p.spans = r.startPublishSpans(ctx, send)
+	verdicts := r.cfg.Sender.Publish(ctx, send)
+	if len(verdicts) != len(send) {
+		err := fmt.Errorf("relay: the Sender gave %d verdicts for %d messages", len(verdicts), len(send))
+		p.outcomes = slices.Repeat([]error{err}, len(send))
+		return p, err
+	}
+	p.outcomes, p.answered = verdicts, slices.ContainsFunc(verdicts, brokerAnswered)
 	if unreadable == nil {
-		return verdicts, published, nil
+		p.verdicts = verdicts
+		return p, nil
 	}
 	for j, i := range at {
 		unreadable[i] = verdicts[j]
 		msgs[i] = send[j] // with the publish span's trace context, which its lines are logged in
 	}
-	return unreadable, published, nil
+	p.verdicts = unreadable
+	return p, nil
 }
 
-// claim locks the oldest due rows, up to a batch, and returns them as the messages to publish
+// brokerAnswered says whether verdict is the broker's answer to a message's publish: its
+// confirm (nil, ErrNacked; ErrUnroutable, returned before it), or the reason it closed the
+// channel for the message. Only that says the broker confirms again; not a check before the
+// publish (ErrTooLarge by MaxMessageBytes, ErrInvalidEnvelope, an exchange's passive declare).
+func brokerAnswered(verdict error) bool {
+	var closed closedFor
+	return verdict == nil || errors.Is(verdict, ErrNacked) || errors.Is(verdict, ErrUnroutable) || errors.As(verdict, &closed)
+}
+
+// claim locks the oldest due rows, up to limit, and returns them as the messages to publish
 // (the rows of earlier versions, which name no exchange, to the relay's) with the failed
 // attempts of each so far. unreadable, nil if every row could be read, holds why a row cannot
-// be sent as it is (headers written by hand that are not a JSON object of strings).
-func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempts []int, unreadable []error, err error) {
+// be sent as it is (headers written by hand that are not a JSON object of strings). With an
+// idleBound, the claim also has the database end the transaction once it sits idle longer.
+func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Message, attempts []int, unreadable []error, err error) {
 	if !r.cfg.SessionsPlanByIndex {
 		if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
 			return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 		}
 	}
-	cursor, err := tx.Query(ctx, statements.Claim, r.cfg.BatchSize)
+	var cursor Rows
+	if r.idleBound > 0 {
+		cursor, err = tx.Query(ctx, statements.ClaimBounded, limit, strconv.FormatInt(r.idleBound.Milliseconds(), 10))
+	} else {
+		cursor, err = tx.Query(ctx, statements.Claim, limit)
+	}
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	defer cursor.Close()
-	msgs, attempts = make([]Message, 0, r.cfg.BatchSize), make([]int, 0, r.cfg.BatchSize)
+	msgs, attempts = make([]Message, 0, limit), make([]int, 0, limit)
 	for cursor.Next() {
 		var m Message
 		var n int
@@ -443,7 +582,7 @@ func (r *Relay) claim(ctx context.Context, tx Executor) (msgs []Message, attempt
 			}
 		}
 		if bad != nil && unreadable == nil {
-			unreadable = make([]error, len(msgs), r.cfg.BatchSize)
+			unreadable = make([]error, len(msgs), limit)
 		}
 		if unreadable != nil {
 			unreadable = append(unreadable, bad)
@@ -510,15 +649,6 @@ func (r *Relay) startPublishSpans(ctx context.Context, msgs []Message) []trace.S
 	return spans
 }
 
-// endPublishSpans ends the spans with the broker's verdicts.
-func endPublishSpans(spans []trace.Span, verdicts []error) {
-	for i, span := range spans {
-		if span != nil {
-			endSpan(span, verdicts[i])
-		}
-	}
-}
-
 // uuidArray writes ids as a PostgreSQL array literal, {a,b,…}.
 func uuidArray(ids []uuid.UUID) string {
 	var b strings.Builder
@@ -542,6 +672,10 @@ type settlement struct {
 	failures  []failure
 	brokerErr error
 	published bool // some row went to the Sender, whose verdicts say whether the broker answers
+	answered  bool // the broker answered the publish of some row (see brokerAnswered)
+	// unconfirmed is the first row given no verdict on a connection still up (errUnconfirmed):
+	// the row of a failed trial, logged.
+	unconfirmed *Message
 }
 
 type failure struct {
@@ -586,16 +720,24 @@ func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempt
 			s.sentTypes = append(s.sentTypes, msgs[i].Type)
 		case errors.Is(err, ErrBrokerUnavailable):
 			s.res.Unsent++
-			if s.brokerErr == nil && !errors.Is(err, errNotAnOutage) {
+			// The first, or the first that a probe cannot see end (errUnconfirmed): that one
+			// says how the relay waits.
+			if !errors.Is(err, errNotAnOutage) &&
+				(s.brokerErr == nil || errors.Is(err, errUnconfirmed) && !errors.Is(s.brokerErr, errUnconfirmed)) {
 				s.brokerErr = err
+			}
+			if s.unconfirmed == nil && errors.Is(err, errUnconfirmed) {
+				s.unconfirmed = &msgs[i]
 			}
 		default:
 			f := failure{msg: msgs[i], attempts: attempts[i] + 1, err: err}
 			f.delay = r.cfg.Backoff.Delay(f.attempts)
-			if err := recordFailure(ctx, tx, &f); err != nil {
-				return s, err
-			}
 			s.failures = append(s.failures, f)
+		}
+	}
+	if len(s.failures) > 0 {
+		if err := recordFailures(ctx, tx, s.failures); err != nil {
+			return s, err
 		}
 	}
 	if len(sent) > 0 {
@@ -607,20 +749,48 @@ func (r *Relay) settle(ctx context.Context, tx Executor, msgs []Message, attempt
 	return s, nil
 }
 
-// recordFailure backs f's row off, and reads when it is due again.
-func recordFailure(ctx context.Context, tx Executor, f *failure) error {
-	rows, err := tx.Query(ctx, statements.RecordFailure, storableText(f.err.Error()), f.delay.Milliseconds(), f.msg.ID)
+// recordFailures backs the rows of fs off, in one statement, and reads when each is due again.
+func recordFailures(ctx context.Context, tx Executor, fs []failure) error {
+	type refusal struct {
+		Error   string `json:"error"`
+		DelayMS int64  `json:"delay_ms"`
+	}
+	ids := make([]uuid.UUID, len(fs))
+	byID := make(map[string]refusal, len(fs))
+	at := make(map[uuid.UUID]*failure, len(fs))
+	for i := range fs {
+		f := &fs[i]
+		ids[i], at[f.msg.ID] = f.msg.ID, f
+		byID[f.msg.ID.String()] = refusal{Error: storableText(f.err.Error()), DelayMS: f.delay.Milliseconds()}
+	}
+	refusals, err := json.Marshal(byID)
 	if err != nil {
-		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
+		return fmt.Errorf("record %d publish failures: %w", len(fs), err)
+	}
+	rows, err := tx.Query(ctx, statements.RecordFailures, uuidArray(ids), string(refusals))
+	if err != nil {
+		return fmt.Errorf("record %d publish failures: %w", len(fs), err)
 	}
 	defer rows.Close()
-	if !rows.Next() {
-		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, errors.Join(rows.Err(), errors.New("no row")))
+	recorded := 0
+	for rows.Next() {
+		var id uuid.UUID
+		var next time.Time
+		if err := rows.Scan(&id, &next); err != nil {
+			return fmt.Errorf("record %d publish failures: %w", len(fs), err)
+		}
+		if f := at[id]; f != nil {
+			f.nextAttemptAt = next
+			recorded++
+		}
 	}
-	if err := rows.Scan(&f.nextAttemptAt); err != nil {
-		return fmt.Errorf("record publish failure of %s: %w", f.msg.ID, err)
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("record %d publish failures: %w", len(fs), err)
 	}
-	return rows.Err()
+	if recorded != len(fs) {
+		return fmt.Errorf("record %d publish failures: %d rows recorded", len(fs), recorded)
+	}
+	return nil
 }
 
 // storableText is text as a text column takes it: a Sender's error may quote a server's reply,
@@ -652,16 +822,31 @@ func (r *Relay) report(ctx context.Context, s settlement) {
 type outage struct {
 	mu       sync.Mutex
 	since    time.Time // zero while the broker is up
-	failures int       // the batches it failed so far, which pace the retries of a Sender without a probe
+	failures int       // the batches and probes it failed so far, which pace the retries
+	// silent: the outage began with, or met, a failure on a connection that stayed up
+	// (errUnconfirmed: no confirm in time, a channel closed for no known message's fault). A
+	// probe, which finds a connection, cannot see it end; a batch the broker answers for ends
+	// it. trying says a lane's trial batch is out; next is when the next may start;
+	// rowLogged, that a failed trial's row was logged.
+	silent    bool
+	trying    bool
+	next      time.Time
+	rowLogged bool
 }
 
 // brokerDown starts an outage, unless one is on: logged once, however many lanes and batches
-// run into it.
+// run into it. It returns the failures so far.
 func (r *Relay) brokerDown(err error) (failures int) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, false)
 	r.outage.failures++
+	if errors.Is(err, errUnconfirmed) {
+		r.outage.silent = true
+	}
+	if r.outage.silent {
+		r.outage.next = time.Now().Add(r.cfg.BrokerRetry.Delay(r.outage.failures))
+	}
 	if !r.outage.since.IsZero() {
 		return r.outage.failures
 	}
@@ -671,11 +856,12 @@ func (r *Relay) brokerDown(err error) (failures int) {
 }
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
-// waited (they go out now); the broker answered something begun at since. The count reads
-// every unsent row, so it runs after the lock is let go: the other lanes, which ask whether
-// the broker is down at each turn, go on meanwhile.
-func (r *Relay) brokerUp(ctx context.Context, since time.Time) {
-	lasted, ended := r.endOutage(since)
+// waited (they go out now); the broker answered something begun at since, with a verdict on a
+// message if verdict (only that ends a silent outage). The count reads every unsent row, so it
+// runs after the lock is let go: the other lanes, which ask whether the broker is down at each
+// turn, go on meanwhile.
+func (r *Relay) brokerUp(ctx context.Context, since time.Time, verdict bool) {
+	lasted, ended := r.endOutage(since, verdict)
 	if !ended {
 		return
 	}
@@ -708,11 +894,12 @@ func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
 // endOutage ends the outage, if one is on, and says how long it lasted; unless it began after
 // since: a batch whose confirms came in as another lane's connection failed says nothing about
 // the broker after that failure, and ending the outage on it would let the lanes claim rows
-// again and log it twice.
-func (r *Relay) endOutage(since time.Time) (lasted time.Duration, ended bool) {
+// again and log it twice; nor a silent one without a verdict: a new connection, which a probe
+// or a batch of no verdict found, is what it had all along.
+func (r *Relay) endOutage(since time.Time, verdict bool) (lasted time.Duration, ended bool) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
-	if r.outage.since.After(since) {
+	if r.outage.since.After(since) || r.outage.silent && !verdict {
 		return 0, false
 	}
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
@@ -720,14 +907,63 @@ func (r *Relay) endOutage(since time.Time) (lasted time.Duration, ended bool) {
 		return 0, false
 	}
 	lasted = time.Since(r.outage.since)
-	r.outage.since, r.outage.failures = time.Time{}, 0
+	r.outage.since, r.outage.failures, r.outage.silent, r.outage.rowLogged = time.Time{}, 0, false, false
 	return lasted, true
 }
 
-func (r *Relay) isBrokerDown() bool {
+// outageState says whether an outage is on, and whether it is silent.
+func (r *Relay) outageState() (down, silent bool) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
-	return !r.outage.since.IsZero()
+	return !r.outage.since.IsZero(), r.outage.silent
+}
+
+// isBrokerLost says whether an outage that a probe can see end is on.
+func (r *Relay) isBrokerLost() bool {
+	down, silent := r.outageState()
+	return down && !silent
+}
+
+// startTrial gives the lane the trial batch of a silent outage, unless the outage is over,
+// another lane's trial is out, or the next is not due yet: then it says how long to wait
+// before asking again.
+func (r *Relay) startTrial() (wait time.Duration, ok bool) {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	switch {
+	case !r.outage.silent:
+		return 0, false
+	case r.outage.trying:
+		return r.cfg.BrokerRetry.Delay(1), false
+	case time.Now().Before(r.outage.next):
+		return time.Until(r.outage.next), false
+	}
+	r.outage.trying = true
+	return 0, true
+}
+
+// endTrial says the lane's trial batch is over, its outcome recorded.
+func (r *Relay) endTrial() {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	r.outage.trying = false
+}
+
+// trialFailed logs, once an outage, the row whose trial the broker gave no verdict on: the
+// oldest due row, which every trial claims again. If that row is what the broker cannot
+// confirm (its quorum queue lost its majority), no row moves, however healthy their queues,
+// until the broker confirms it or an operator parks it.
+func (r *Relay) trialFailed(ctx context.Context, m Message, err error) {
+	r.outage.mu.Lock()
+	logged := r.outage.rowLogged
+	r.outage.rowLogged = true
+	r.outage.mu.Unlock()
+	if logged {
+		return
+	}
+	r.log.WarnContext(m.traced(ctx, r.cfg.Propagator),
+		"the broker confirms nothing of the row the relay tries during the outage; every row waits behind it (outboxctl outbox park sets it aside)",
+		"message_id", m.ID, "type", m.Type, "message_exchange", m.Exchange, "routing_key", m.routingKey(), "error", err)
 }
 
 // lostWhileIdle asks a Sender that can be probed whether it still has the broker, a check of
@@ -746,15 +982,16 @@ func (r *Relay) lostWhileIdle(ctx context.Context) bool {
 }
 
 // awaitBroker returns once the broker looks available again, or ctx ends; the outage has
-// failed failures times so far. Without a probe on the Sender, it returns after one retry
-// delay, the next for each batch the outage fails, and the next batch finds out.
+// failed failures times so far. Without a probe on the Sender, or in a silent outage, it
+// returns after one retry delay, the next for each batch the outage fails, and the next batch
+// finds out.
 func (r *Relay) awaitBroker(ctx context.Context, failures int) {
 	for ; ; failures++ {
-		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || r.probe == nil || !r.isBrokerDown() {
+		if !sleep(ctx, nil, r.cfg.BrokerRetry.Delay(failures)) || r.probe == nil || !r.isBrokerLost() {
 			return
 		}
 		if tried := time.Now(); r.probe.Connect(ctx) == nil {
-			r.brokerUp(ctx, tried)
+			r.brokerUp(ctx, tried, false)
 			return
 		}
 	}

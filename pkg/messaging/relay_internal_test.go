@@ -3,6 +3,7 @@ package messaging
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -36,7 +37,7 @@ func TestTheOutagesEndCountsWithoutHoldingTheLanes(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		r.brokerUp(context.Background(), time.Now())
+		r.brokerUp(context.Background(), time.Now(), false)
 	}()
 	<-db.entered
 	asked := make(chan bool)
@@ -64,14 +65,19 @@ func TestABatchBegunBeforeAnOutageDoesNotEndIt(t *testing.T) {
 	}
 	begun := time.Now().Add(-time.Millisecond) // before the outage on any clock
 	r.brokerDown(errors.New("test outage"))
-	r.brokerUp(context.Background(), begun)
+	r.brokerUp(context.Background(), begun, false)
 	if !r.isBrokerDown() {
 		t.Fatal("a batch begun before the outage ended it")
 	}
-	r.brokerUp(context.Background(), time.Now())
+	r.brokerUp(context.Background(), time.Now(), false)
 	if r.isBrokerDown() {
 		t.Fatal("a batch begun after the outage began did not end it")
 	}
+}
+
+func (r *Relay) isBrokerDown() bool {
+	down, _ := r.outageState()
+	return down
 }
 
 // failingDB is a database whose every query fails at once.
@@ -137,8 +143,9 @@ func TestABatchThatReachedNoSenderDoesNotEndAnOutage(t *testing.T) {
 // fails.
 type unreadableDB struct {
 	DB
-	claims, failures atomic.Int32
-	claimedAgain     chan struct{}
+	failureCount
+	claims       atomic.Int32
+	claimedAgain chan struct{}
 }
 
 func (d *unreadableDB) Begin(context.Context) (TxExecutor, error) { return d, nil }
@@ -148,7 +155,7 @@ func (d *unreadableDB) Exec(_ context.Context, sql string, _ ...any) (int64, err
 	}
 	return 0, errors.New("unreadableDB: Exec")
 }
-func (d *unreadableDB) Query(_ context.Context, sql string, _ ...any) (Rows, error) {
+func (d *unreadableDB) Query(_ context.Context, sql string, args ...any) (Rows, error) {
 	switch sql {
 	case statements.Claim:
 		if n := d.claims.Add(1); n > 1 {
@@ -160,14 +167,52 @@ func (d *unreadableDB) Query(_ context.Context, sql string, _ ...any) (Rows, err
 		headers := `"not an object"`
 		return &valueRows{rows: [][]any{{uuid.New(), "T", []byte(`{}`), "", time.Now(), 0, "", "",
 			(*string)(nil), (*string)(nil), &headers}}}, nil
-	case statements.RecordFailure:
-		d.failures.Add(1)
-		return &valueRows{rows: [][]any{{time.Now()}}}, nil
+	case statements.RecordFailures:
+		return d.recordNow(args)
 	}
 	return nil, errors.New("unreadableDB: Query")
 }
 func (d *unreadableDB) Commit(context.Context) error   { return nil }
 func (d *unreadableDB) Rollback(context.Context) error { return nil }
+
+// failureCount counts the rows a database was told to back off.
+type failureCount struct{ failures atomic.Int32 }
+
+// recordNow counts the rows the arguments of statements.RecordFailures back off, and returns
+// them, each due now.
+func (c *failureCount) recordNow(args []any) (Rows, error) {
+	refused, err := refusals(args)
+	if err != nil {
+		return nil, err
+	}
+	rows := &valueRows{}
+	for id := range refused {
+		c.failures.Add(1)
+		rows.rows = append(rows.rows, []any{id, time.Now()})
+	}
+	return rows, nil
+}
+
+// refusals reads the arguments of statements.RecordFailures: each row's delay, by id. The ids
+// listed and those of the JSON object must be the same.
+func refusals(args []any) (map[uuid.UUID]time.Duration, error) {
+	var byID map[string]struct {
+		DelayMS int64 `json:"delay_ms"`
+	}
+	if err := json.Unmarshal([]byte(args[1].(string)), &byID); err != nil {
+		return nil, fmt.Errorf("RecordFailures's refusals %q: %w", args[1], err)
+	}
+	listed := strings.Split(strings.Trim(args[0].(string), "{}"), ",")
+	out := make(map[uuid.UUID]time.Duration, len(byID))
+	for _, id := range listed {
+		r, ok := byID[id]
+		if !ok || len(listed) != len(byID) {
+			return nil, fmt.Errorf("RecordFailures's ids %s and refusals %s differ", args[0], args[1])
+		}
+		out[uuid.MustParse(id)] = time.Duration(r.DelayMS) * time.Millisecond
+	}
+	return out, nil
+}
 
 // valueRows returns rows, each scanned into destinations of its values' types.
 type valueRows struct {
@@ -281,10 +326,10 @@ func TestALaneClaimsARefusedRowAgainWhenItsBackoffRunsOut(t *testing.T) {
 // (counted in failures) and a marking, and fails whatever else it is asked.
 type scriptedDB struct {
 	DB
+	failureCount
 	batches      [][]uuid.UUID
 	start        time.Time
 	claims       atomic.Int32
-	failures     atomic.Int32
 	claimedAfter chan time.Duration
 }
 
@@ -296,7 +341,7 @@ func (d *scriptedDB) Exec(_ context.Context, sql string, _ ...any) (int64, error
 	}
 	return 0, errors.New("scriptedDB: Exec")
 }
-func (d *scriptedDB) Query(_ context.Context, sql string, _ ...any) (Rows, error) {
+func (d *scriptedDB) Query(_ context.Context, sql string, args ...any) (Rows, error) {
 	switch sql {
 	case statements.Claim:
 		n := int(d.claims.Add(1))
@@ -312,9 +357,8 @@ func (d *scriptedDB) Query(_ context.Context, sql string, _ ...any) (Rows, error
 				(*string)(nil), (*string)(nil), (*string)(nil)})
 		}
 		return rows, nil
-	case statements.RecordFailure:
-		d.failures.Add(1)
-		return &valueRows{rows: [][]any{{time.Now()}}}, nil
+	case statements.RecordFailures:
+		return d.recordNow(args)
 	}
 	return nil, errors.New("scriptedDB: Query")
 }
@@ -414,12 +458,20 @@ func (d *dueDB) Query(_ context.Context, sql string, args ...any) (Rows, error) 
 			}
 		}
 		return rows, nil
-	case statements.RecordFailure:
-		d.failures.Add(1)
-		id, at := args[2].(uuid.UUID), time.Now().Add(time.Duration(args[1].(int64))*time.Millisecond)
-		d.due[id] = at
-		d.attempts[id]++
-		return &valueRows{rows: [][]any{{at}}}, nil
+	case statements.RecordFailures:
+		refused, err := refusals(args)
+		if err != nil {
+			return nil, err
+		}
+		rows := &valueRows{}
+		for id, delay := range refused {
+			d.failures.Add(1)
+			at := time.Now().Add(delay)
+			d.due[id] = at
+			d.attempts[id]++
+			rows.rows = append(rows.rows, []any{id, at})
+		}
+		return rows, nil
 	}
 	return nil, errors.New("dueDB: Query")
 }

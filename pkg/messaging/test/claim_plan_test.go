@@ -50,9 +50,9 @@ func (n planNode) find(nodeType string) *planNode {
 	return nil
 }
 
-// explainClaim runs the relay's claim under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
-// is rolled back. Guarded, the settings the relay makes for its claims (statements.ClaimPlan)
-// come first in that transaction.
+// explainClaim runs the relay's claim, bounded as it is with a Publisher, under EXPLAIN
+// (ANALYZE, BUFFERS) in a transaction that is rolled back. Guarded, the settings the relay makes
+// for its claims (statements.ClaimPlan) come first in that transaction.
 func explainClaim(t *testing.T, db *gorm.DB, guarded bool) planNode {
 	t.Helper()
 	return explainRolledBack(t, db, func(ctx context.Context, tx *sql.Tx) (string, error) {
@@ -62,7 +62,7 @@ func explainClaim(t *testing.T, db *gorm.DB, guarded bool) planNode {
 			}
 		}
 		var out string
-		err := tx.QueryRowContext(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+statements.Claim, 500).Scan(&out)
+		err := tx.QueryRowContext(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+statements.ClaimBounded, 500, "60000").Scan(&out)
 		return out, err
 	})
 }
@@ -296,7 +296,7 @@ func TestRelayClaimsByIndexWhicheverWayItPlans(t *testing.T) {
 		t.Run(fmt.Sprintf("SessionsPlanByIndex=%t", sessions), func(t *testing.T) {
 			t.Parallel()
 			rec := recordedOutbox(t, sessions, 100000)
-			relay, err := messaging.NewRelay(messaging.RelayConfig{DB: rec, Sender: confirmAll{}, Exchange: "orders", BatchSize: 500,
+			relay, err := messaging.NewRelay(messaging.RelayConfig{DB: rec, Sender: boundedConfirmAll{}, Exchange: "orders", BatchSize: 500,
 				SessionsPlanByIndex: sessions})
 			must(t, err)
 			res, err := relay.ProcessBatch(context.Background())
@@ -425,7 +425,7 @@ func (r recordingTx) Query(ctx context.Context, sql string, args ...any) (messag
 			return nil, err
 		}
 		r.c.countPlan.Store(settings)
-	case statements.Claim:
+	case statements.Claim, statements.ClaimBounded:
 		out, err := r.text(ctx, "EXPLAIN (FORMAT JSON) "+sql, args...)
 		if err != nil {
 			return nil, err
@@ -464,3 +464,9 @@ type confirmAll struct{}
 func (confirmAll) Publish(_ context.Context, msgs []messaging.Message) []error {
 	return make([]error, len(msgs))
 }
+
+// boundedConfirmAll is confirmAll with a PublishTimeout, as a Publisher has: the relay's claim
+// bounds the transaction's idle time, as it does with a Publisher.
+type boundedConfirmAll struct{ confirmAll }
+
+func (boundedConfirmAll) PublishTimeout(int) time.Duration { return 15 * time.Second }

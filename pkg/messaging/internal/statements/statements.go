@@ -61,9 +61,25 @@ FROM jsonb_to_recordset($1::jsonb) AS r(
 	// Claim takes the oldest due rows, at most $1. FOR UPDATE SKIP LOCKED, inside the batch's
 	// transaction, makes concurrent relays, and the lanes of one relay, take disjoint rows
 	// instead of publishing the same ones.
-	Claim = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key, headers
+	Claim = claimDue + claimOldest
+
+	// ClaimBounded is Claim ($1 rows) that also has the database end the batch's transaction,
+	// its locks with it, once it sits idle more than $2 milliseconds (text): the longest the
+	// batch waits for its confirms, and a margin. A relay host lost mid-batch (a partition, a
+	// frozen machine) leaves its session idle in the transaction, which PostgreSQL otherwise
+	// keeps, the rows locked and skipped by every other relay, until TCP gives the connection up:
+	// some two hours at Linux's default keepalive. The setting is the transaction's (set_config's
+	// true), and PostgreSQL reads it each time the session goes idle within it: a statement or a
+	// commit that runs, or waits (for a lock, a synchronous standby), is not idle. The sub-select
+	// runs once (an InitPlan), before the first row: in the claim, it costs no round trip of
+	// its own, on sessions that set their plan settings themselves too.
+	ClaimBounded = claimDue + `
+  AND (SELECT set_config('idle_in_transaction_session_timeout', $2, true)) IS NOT NULL` + claimOldest
+
+	claimDue = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key, headers
 FROM outbox_messages
-WHERE processed_at IS NULL AND next_attempt_at <= now()
+WHERE processed_at IS NULL AND next_attempt_at <= now()`
+	claimOldest = `
 ORDER BY occurred_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
@@ -73,16 +89,19 @@ FOR UPDATE SKIP LOCKED`
 	// publishing it waited for.
 	MarkSent = `UPDATE outbox_messages SET processed_at = clock_timestamp() WHERE id = ANY($1::uuid[])`
 
-	// RecordFailure never gives up on a row ($3): it records why it failed ($1) and when to try
-	// again ($2 milliseconds from now, not from the start of the transaction). Only the broker's
-	// verdict on this one message gets here; a broker outage is the relay's to wait out, and
+	// RecordFailures never gives up on a row: it records, for each of the rows $1 (an array of
+	// ids), why it failed and when to try it again, which $2 holds, a JSON object of each id's
+	// {"error": text, "delay_ms": n} (delay_ms from now, not from the start of the
+	// transaction), and returns each row's id and next attempt: one statement for all the rows
+	// a batch's broker refused, found by primary key as MarkSent finds its rows. Only the
+	// broker's verdict on one message gets here; a broker outage is the relay's to wait out, and
 	// costs the row nothing.
-	RecordFailure = `UPDATE outbox_messages
+	RecordFailures = `UPDATE outbox_messages
 SET attempts = attempts + 1,
-    last_error = $1,
-    next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond'
-WHERE id = $3
-RETURNING next_attempt_at`
+    last_error = $2::jsonb -> id::text ->> 'error',
+    next_attempt_at = clock_timestamp() + ($2::jsonb -> id::text ->> 'delay_ms')::bigint * interval '1 millisecond'
+WHERE id = ANY($1::uuid[])
+RETURNING id, next_attempt_at`
 )
 
 // The inbox.
