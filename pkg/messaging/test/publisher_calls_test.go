@@ -68,30 +68,21 @@ func TestACallersEndLeavesTheOtherCallsWindowsAlone(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
-	const n = 5
 	p := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen), func(c *messaging.PublisherConfig) {
-		c.MaxInFlight, c.ConfirmTimeout = 2*n, 10*time.Second
+		c.MaxInFlight, c.ConfirmTimeout = 2*windowLen, 10*time.Second
 	})
 	must(t, p.Connect(context.Background()))
-	routed := func() []messaging.Message {
-		msgs := make([]messaging.Message, n)
-		for i := range msgs {
-			msgs[i] = newMessage(t, i)
-			msgs[i].Exchange = b.exchange
-		}
-		return msgs
-	}
 	if _, err := proxy.Toxics.AddToxicJson(strings.NewReader(`{"name":"late","type":"latency","stream":"downstream","attributes":{"latency":3000}}`)); err != nil {
 		t.Fatal(err)
 	}
 	ended, end := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	var endedErrs, otherErrs []error
-	wg.Go(func() { endedErrs = p.Publish(ended, routed()) })
-	wg.Go(func() { otherErrs = p.Publish(context.Background(), routed()) })
+	wg.Go(func() { endedErrs = p.Publish(ended, b.routed(t)) })
+	wg.Go(func() { otherErrs = p.Publish(context.Background(), b.routed(t)) })
 	// Both windows are written once the queue holds their messages; their confirms are 3 s
 	// away.
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 2*n },
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == 2*windowLen },
 		"the two windows did not reach the queue")
 	end()
 	wg.Wait()
@@ -107,7 +98,7 @@ func TestACallersEndLeavesTheOtherCallsWindowsAlone(t *testing.T) {
 	}
 	// Every place is back: a window as large as MaxInFlight finds room.
 	must(t, proxy.Toxics.RemoveToxic(context.Background(), "late"))
-	all := append(routed(), routed()...)
+	all := append(b.routed(t), b.routed(t)...)
 	for i, err := range p.Publish(context.Background(), all) {
 		if err != nil {
 			t.Fatalf("message %d of a window of MaxInFlight after the ended call: %v, want confirmed", i, err)
@@ -125,29 +116,20 @@ func TestACallersEndHoldsItsPlacesNoLongerThanItsConfirmTimeout(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	fwd := newCountingForwarder(t, testenv.AMQPHost(t))
-	const n = 5
 	confirmTimeout := 2 * time.Second
 	p := b.publisher(t, testenv.AMQPURLVia(t, fwd.addr), func(c *messaging.PublisherConfig) {
 		// The heartbeat, a minute at least before the client gives a silent broker up, is not
 		// what frees the places.
-		c.MaxInFlight, c.ConfirmTimeout, c.Heartbeat = n, confirmTimeout, 30*time.Second
+		c.MaxInFlight, c.ConfirmTimeout, c.Heartbeat = windowLen, confirmTimeout, 30*time.Second
 	})
 	must(t, p.Connect(context.Background()))
-	routed := func() []messaging.Message {
-		msgs := make([]messaging.Message, n)
-		for i := range msgs {
-			msgs[i] = newMessage(t, i)
-			msgs[i].Exchange = b.exchange
-		}
-		return msgs
-	}
 	fwd.stall()
 	ended, end := context.WithCancel(context.Background())
 	defer end()
 	started := time.Now()
 	done := make(chan []error, 1)
-	go func() { done <- p.Publish(ended, routed()) }()
-	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == n },
+	go func() { done <- p.Publish(ended, b.routed(t)) }()
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, b.queue) == windowLen },
 		"the window did not reach the queue")
 	end()
 	for i, err := range <-done {
@@ -158,12 +140,26 @@ func TestACallersEndHoldsItsPlacesNoLongerThanItsConfirmTimeout(t *testing.T) {
 	// The places are back once the window's ConfirmTimeout is over, and its connection closed
 	// (within a second, its close unanswered): a window of MaxInFlight goes, on a new one.
 	testenv.Eventually(t, confirmTimeout+8*time.Second, func() bool {
-		return !slices.ContainsFunc(p.Publish(context.Background(), routed()), func(err error) bool { return err != nil })
+		return !slices.ContainsFunc(p.Publish(context.Background(), b.routed(t)), func(err error) bool { return err != nil })
 	}, "no window of MaxInFlight is confirmed after the ended call's ConfirmTimeout: its places are still held")
 	t.Logf("a window of MaxInFlight was confirmed %s after the ended call began", time.Since(started).Round(time.Millisecond))
 	if closed := fwd.closed(); len(closed) < 2 || !closed[0] {
 		t.Errorf("the publisher did not close the silent connection and open another: closed %v", closed)
 	}
+}
+
+// windowLen is how many messages a window of routed holds.
+const windowLen = 5
+
+// routed is a window of messages to b's exchange, which routes them to b's queue.
+func (b *testBundle) routed(t *testing.T) []messaging.Message {
+	t.Helper()
+	msgs := make([]messaging.Message, windowLen)
+	for i := range msgs {
+		msgs[i] = newMessage(t, i)
+		msgs[i].Exchange = b.exchange
+	}
+	return msgs
 }
 
 // countingForwarder passes TCP connections on to upstream, and tells which of them the client
@@ -178,48 +174,34 @@ type countingForwarder struct {
 
 func newCountingForwarder(t *testing.T, upstream string) *countingForwarder {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &countingForwarder{addr: ln.Addr().String()}
+	f := &countingForwarder{}
 	var held []net.Conn
+	// Registered before forward's cleanup, so that it runs after the listener is closed: no
+	// connection is accepted once the held ones are closed.
 	t.Cleanup(func() {
-		_ = ln.Close()
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		for _, c := range held {
 			_ = c.Close()
 		}
 	})
-	go func() {
-		for {
-			client, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			server, err := net.Dial("tcp", upstream)
-			if err != nil {
-				_ = client.Close()
-				continue
-			}
-			stalled := &atomic.Bool{}
+	f.addr = forward(t, upstream, func(client, server net.Conn) {
+		stalled := &atomic.Bool{}
+		f.mu.Lock()
+		i := len(f.conns)
+		f.conns = append(f.conns, false)
+		f.stalled = append(f.stalled, stalled)
+		held = append(held, client, server)
+		f.mu.Unlock()
+		go downstream(client, server, stalled)
+		go func() {
+			_, _ = io.Copy(server, client) // until the client closes
 			f.mu.Lock()
-			i := len(f.conns)
-			f.conns = append(f.conns, false)
-			f.stalled = append(f.stalled, stalled)
-			held = append(held, client, server)
+			f.conns[i] = true
 			f.mu.Unlock()
-			go downstream(client, server, stalled)
-			go func() {
-				_, _ = io.Copy(server, client) // until the client closes
-				f.mu.Lock()
-				f.conns[i] = true
-				f.mu.Unlock()
-				_ = server.Close()
-			}()
-		}
-	}()
+			_ = server.Close()
+		}()
+	}).Addr().String()
 	return f
 }
 

@@ -98,31 +98,20 @@ type blackHole struct {
 
 func newBlackHole(t *testing.T, upstream string) *blackHole {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &blackHole{addr: ln.Addr().String(), ln: ln}
+	h := &blackHole{}
+	h.ln = forward(t, upstream, h.hold)
+	h.addr = h.ln.Addr().String()
 	t.Cleanup(h.close)
-	go func() {
-		for {
-			client, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			server, err := net.Dial("tcp", upstream)
-			if err != nil {
-				_ = client.Close()
-				continue
-			}
-			h.mu.Lock()
-			h.held = append(h.held, client, server)
-			h.mu.Unlock()
-			go h.pipe(client, server)
-			go h.pipe(server, client)
-		}
-	}()
 	return h
+}
+
+// hold keeps client and server for close, and pipes them to each other.
+func (h *blackHole) hold(client, server net.Conn) {
+	h.mu.Lock()
+	h.held = append(h.held, client, server)
+	h.mu.Unlock()
+	go h.pipe(client, server)
+	go h.pipe(server, client)
 }
 
 // pipe copies src to dst until src ends, then closes dst; once silent, it drops what it reads,

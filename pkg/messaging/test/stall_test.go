@@ -24,11 +24,6 @@ import (
 // is its first channel.open.
 func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, stalled <-chan struct{}, release func()) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	upstream := testenv.AMQPHost(t)
 	signal := make(chan struct{}, 16)
 	var mu sync.Mutex
 	var held []net.Conn
@@ -44,43 +39,31 @@ func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, 
 			_ = c.Close()
 		}
 	}
-	t.Cleanup(func() {
-		_ = ln.Close()
-		release()
+	// Registered before forward's cleanup, so that it runs after the listener is closed: no
+	// connection is accepted once the held ones are closed.
+	t.Cleanup(release)
+	ln := forward(t, testenv.AMQPHost(t), func(client, server net.Conn) {
+		hold(client, server)
+		var isStalled atomic.Bool
+		go func() { // server to client, until the stall
+			buf := make([]byte, 32<<10)
+			for {
+				n, err := server.Read(buf)
+				if isStalled.Load() || err != nil {
+					return
+				}
+				if _, err := client.Write(buf[:n]); err != nil {
+					return
+				}
+			}
+		}()
+		go func() { // client to server, frame by frame, until the stall
+			if stalledAt(client, server, stall) {
+				isStalled.Store(true)
+				signal <- struct{}{}
+			}
+		}()
 	})
-	go func() {
-		for {
-			client, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			server, err := net.Dial("tcp", upstream)
-			if err != nil {
-				_ = client.Close()
-				continue
-			}
-			hold(client, server)
-			var isStalled atomic.Bool
-			go func() { // server to client, until the stall
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := server.Read(buf)
-					if isStalled.Load() || err != nil {
-						return
-					}
-					if _, err := client.Write(buf[:n]); err != nil {
-						return
-					}
-				}
-			}()
-			go func() { // client to server, frame by frame, until the stall
-				if stalledAt(client, server, stall) {
-					isStalled.Store(true)
-					signal <- struct{}{}
-				}
-			}()
-		}
-	}()
 	return testenv.AMQPURLVia(t, ln.Addr().String()), signal, release
 }
 
