@@ -244,12 +244,12 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // the broker is unavailable the lanes claim nothing; they look for the broker again and resume
 // as soon as it is back. An outage that such a look cannot see end (no confirm in time, or a
 // channel the broker closed for a reason of no message, on a connection that stays up: see
-// [ErrBrokerUnavailable]) ends only with a batch the broker gives verdicts on: meanwhile one
-// lane at a time claims and publishes one row, at BrokerRetry's pace (the oldest due row: if
-// that row is what the broker cannot confirm, nothing moves until it can, or the row is parked;
-// the relay logs the row once an outage). A Sender that cannot connect for a reason no broker
-// can mend (a [Publisher] whose configuration names no broker) makes Run return that error at
-// once.
+// [ErrBrokerUnavailable]) ends only with a batch the broker gives verdicts on, or when no row is
+// due: meanwhile one lane at a time claims and publishes one row, at BrokerRetry's pace (the
+// oldest due row: if that row is what the broker cannot confirm, nothing moves until it can, or
+// the row is parked; the relay logs the row once an outage). A Sender that cannot connect for a
+// reason no broker can mend (a [Publisher] whose configuration names no broker) makes Run
+// return that error at once.
 //
 // A batch's statements get no deadline of the relay's until Run stops (then the shutdown's, see
 // [Relay.ProcessBatch]): a driver that honours a context's end by closing its socket (pgx)
@@ -298,8 +298,8 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		limit, trial := r.cfg.BatchSize, false
 		switch down, silent := r.outageState(); {
 		case silent:
-			// No probe sees this outage end, only a batch the broker answers for: one lane at
-			// a time tries one row, at BrokerRetry's pace.
+			// No probe sees this outage end, only a batch the broker answers for (or a claim
+			// that finds no row due): one lane at a time tries one row, at BrokerRetry's pace.
 			wait, ok := r.startTrial()
 			if !ok {
 				sleep(ctx, nil, wait)
@@ -313,6 +313,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			continue
 		}
 		started := time.Now()
+		r.batchStarts(trial)
 		// Due by now: this batch claims those rows, or it is full and the lane drains on (the
 		// claim takes the oldest rows first); a batch that fails is followed by more.
 		due = slices.Delete(due, 0, sort.Search(len(due), func(i int) bool { return due[i].After(started) }))
@@ -332,6 +333,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		var wait func()
 		switch {
 		case ctx.Err() != nil:
+			r.batchEnds(trial)
 			return
 		case errors.Is(err, ErrBrokerUnavailable):
 			failures := r.brokerDown(err)
@@ -357,6 +359,15 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		case res.Claimed == 0 && r.lostWhileIdle(ctx):
 			// Nor does it see the broker go: the outage begins now, not at the next row.
 			wait = func() { r.awaitBroker(ctx, 1) }
+		case trial && res.Claimed == 0:
+			// No row is due (the one the broker confirmed nothing of was parked, say): none is
+			// held back, none is left to confirm. Waiting for a verdict, the outage would last
+			// until the next row is enqueued, the gauge at 0 and the alert firing meanwhile.
+			failed = 0
+			wait = func() {} // the next trial, paced by startTrial
+			if r.trialFoundNothing(ctx, started) {
+				wait = r.afterBatch(ctx, wake, res, limit, due)
+			}
 		default:
 			failed = 0
 			// Only rows given to the Sender heard from the broker: not an empty claim, nor one
@@ -367,9 +378,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			}
 			wait = r.afterBatch(ctx, wake, res, limit, due)
 		}
-		if trial {
-			r.endTrial()
-		}
+		r.batchEnds(trial)
 		wait()
 	}
 }
@@ -826,12 +835,15 @@ type outage struct {
 	// silent: the outage began with, or met, a failure on a connection that stayed up
 	// (errUnconfirmed: no confirm in time, a channel closed for no known message's fault). A
 	// probe, which finds a connection, cannot see it end; a batch the broker answers for ends
-	// it. trying says a lane's trial batch is out; next is when the next may start;
-	// rowLogged, that a failed trial's row was logged.
+	// it, or a trial that finds no row due. trying says a lane's trial batch is out; next is
+	// when the next may start; rowLogged, that a failed trial's row was logged.
 	silent    bool
 	trying    bool
 	next      time.Time
 	rowLogged bool
+	// batches counts the lanes' whole batches out (begun before the outage did, or as it did):
+	// rows they hold locked, which a trial's claim skips.
+	batches int
 }
 
 // brokerDown starts an outage, unless one is on: logged once, however many lanes and batches
@@ -857,9 +869,9 @@ func (r *Relay) brokerDown(err error) (failures int) {
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
 // waited (they go out now); the broker answered something begun at since, with a verdict on a
-// message if verdict (only that ends a silent outage). The count reads every unsent row, so it
-// runs after the lock is let go: the other lanes, which ask whether the broker is down at each
-// turn, go on meanwhile.
+// message if verdict (only that, or a trial that found no row due, ends a silent outage). The
+// count reads every unsent row, so it runs after the lock is let go: the other lanes, which ask
+// whether the broker is down at each turn, go on meanwhile.
 func (r *Relay) brokerUp(ctx context.Context, since time.Time, verdict bool) {
 	lasted, ended := r.endOutage(since, verdict)
 	if !ended {
@@ -942,11 +954,46 @@ func (r *Relay) startTrial() (wait time.Duration, ok bool) {
 	return 0, true
 }
 
-// endTrial says the lane's trial batch is over, its outcome recorded.
-func (r *Relay) endTrial() {
+// batchStarts counts a lane's whole batch out; a trial batch is counted by startTrial.
+func (r *Relay) batchStarts(trial bool) {
+	if trial {
+		return
+	}
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
-	r.outage.trying = false
+	r.outage.batches++
+}
+
+// batchEnds says the lane's batch, a trial or a whole one, is over, its outcome recorded.
+func (r *Relay) batchEnds(trial bool) {
+	r.outage.mu.Lock()
+	defer r.outage.mu.Unlock()
+	if trial {
+		r.outage.trying = false
+	} else {
+		r.outage.batches--
+	}
+}
+
+// trialFoundNothing ends a silent outage whose trial, begun at since, claimed no row, and says
+// whether it did: none is due, so none waits for the broker. Unless another lane's whole batch
+// is out: its rows, locked, are what the claim skipped (SKIP LOCKED), and its outcome, or a
+// later trial, at BrokerRetry's pace, tells. Trials are one at a time, and no lane starts a
+// whole batch during the outage, so no other lane of this relay holds a row otherwise. Another
+// relay's can: a replica's trial holding the last due row ends this relay's outage, not its
+// own; this one has nothing to send.
+func (r *Relay) trialFoundNothing(ctx context.Context, since time.Time) bool {
+	r.outage.mu.Lock()
+	held := r.outage.batches > 0
+	if held {
+		r.outage.next = time.Now().Add(r.cfg.BrokerRetry.Delay(r.outage.failures))
+	}
+	r.outage.mu.Unlock()
+	if held {
+		return false
+	}
+	r.brokerUp(ctx, since, true)
+	return true
 }
 
 // trialFailed logs, once an outage, the row whose trial the broker gave no verdict on: the

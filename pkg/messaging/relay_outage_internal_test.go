@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
 )
@@ -533,4 +534,142 @@ func (l *lockedLog) lines(text string) []string {
 		}
 	}
 	return out
+}
+
+// An outage the probe cannot see ends when a trial finds no row due: none is held back, none is
+// left to confirm. With the row the broker confirmed nothing of parked, and nothing else due,
+// every trial claimed nothing, which never ended it: outbox_relay_broker_up stayed at 0, and
+// BrokerUnavailable fired, until the next row was enqueued and confirmed.
+func TestATrialThatFindsNoRowDueEndsTheOutage(t *testing.T) {
+	t.Parallel()
+	sender := &unconfirmingSender{}
+	logs := &lockedLog{}
+	registry := prometheus.NewRegistry()
+	metrics, err := NewMetrics(registry, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := &emptyingDB{backlogDB: backlogDB{rows: 50}}
+	r, err := NewRelay(RelayConfig{DB: db, Sender: sender, Exchange: "x", Lanes: 2, PollInterval: time.Hour,
+		DisableNotify: true, BrokerRetry: Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		Metrics: metrics, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runRelay(t, r)
+	defer stop()
+	eventually(t, func() bool { return len(logs.lines(`msg="the broker confirms nothing of the row`)) == 1 },
+		"no trial's row was logged:\n%s", logs)
+	if up := brokerUpGauge(t, registry); up != 0 {
+		t.Fatalf("outbox_relay_broker_up is %v during the outage, want 0", up)
+	}
+
+	db.empty.Store(true) // the row parked, nothing else due
+	eventually(t, func() bool { return !r.isBrokerDown() }, "a trial that found no row due did not end the outage:\n%s", logs)
+	if n := logs.count(`msg="broker available again`); n != 1 {
+		t.Errorf("%d lines end the outage, want 1:\n%s", n, logs)
+	}
+	if up := brokerUpGauge(t, registry); up != 1 {
+		t.Errorf("outbox_relay_broker_up is %v once the outage ended, want 1", up)
+	}
+}
+
+// A trial whose claim finds no row because another lane's whole batch, begun as the outage
+// did, holds them locked (SKIP LOCKED skips them) ends nothing: those rows are due, and wait
+// for the broker. Once that batch is over, with no verdict, a trial that finds no row ends it.
+func TestATrialThatFindsTheRowsLockedByALaneEndsNothing(t *testing.T) {
+	t.Parallel()
+	sender := &holdingSender{arrived: make(chan struct{}), release: make(chan struct{})}
+	logs := &lockedLog{}
+	db := &emptyingDB{backlogDB: backlogDB{rows: 50}}
+	r, err := NewRelay(RelayConfig{DB: db, Sender: sender, Exchange: "x", Lanes: 2, PollInterval: time.Hour,
+		DisableNotify: true, BrokerRetry: Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runRelay(t, r)
+	defer stop()
+	var once sync.Once
+	release := func() { once.Do(func() { close(sender.release) }) }
+	defer release() // before stop, which waits for the held batch
+	eventually(t, func() bool { return len(logs.lines(`msg="the broker confirms nothing of the row`)) == 1 },
+		"no trial's row was logged:\n%s", logs)
+
+	db.empty.Store(true) // every due row is the held batch's
+	claims := db.claims.Load()
+	eventually(t, func() bool { return db.claims.Load() >= claims+5 || !r.isBrokerDown() },
+		"fewer than 5 trials claimed after the rows were locked")
+	if !r.isBrokerDown() || logs.count(`msg="broker available again`) != 0 {
+		t.Fatalf("a trial that found the rows another lane holds ended the outage:\n%s", logs)
+	}
+
+	release()
+	eventually(t, func() bool { return !r.isBrokerDown() }, "the outage did not end once the held batch was over:\n%s", logs)
+	if n := logs.count(`msg="broker available again`); n != 1 {
+		t.Errorf("%d lines end the outage, want 1:\n%s", n, logs)
+	}
+}
+
+// emptyingDB is a backlogDB whose claims find no row once empty is set; it counts its claims.
+type emptyingDB struct {
+	backlogDB
+	empty  atomic.Bool
+	claims atomic.Int32
+}
+
+func (d *emptyingDB) Begin(context.Context) (TxExecutor, error) { return d, nil }
+func (d *emptyingDB) Query(ctx context.Context, sql string, args ...any) (Rows, error) {
+	if sql == statements.Claim {
+		d.claims.Add(1)
+		if d.empty.Load() {
+			return &valueRows{}, nil
+		}
+	}
+	return d.backlogDB.Query(ctx, sql, args...)
+}
+
+// holdingSender confirms nothing: its first whole batch, once a second has arrived, at once; the
+// second (and any later whole batch) only once release is closed; a trial's row at once.
+type holdingSender struct {
+	unconfirmingSender
+	whole            atomic.Int32
+	arrived, release chan struct{}
+}
+
+func (s *holdingSender) Publish(ctx context.Context, msgs []Message) []error {
+	if len(msgs) > trialBatch {
+		switch s.whole.Add(1) {
+		case 1:
+			<-s.arrived // both lanes claimed before the outage began
+		case 2:
+			close(s.arrived)
+			<-s.release
+		default:
+			<-s.release
+		}
+	}
+	return s.unconfirmingSender.Publish(ctx, msgs)
+}
+
+// brokerUpGauge reads outbox_relay_broker_up of the exchange "x".
+func brokerUpGauge(t *testing.T, registry *prometheus.Registry) float64 {
+	t.Helper()
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == "outbox_relay_broker_up" {
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetValue() == "x" {
+						return m.GetGauge().GetValue()
+					}
+				}
+			}
+		}
+	}
+	t.Fatal("no outbox_relay_broker_up for the exchange x")
+	return 0
 }
