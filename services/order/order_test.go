@@ -716,12 +716,10 @@ func TestIdempotencyKeyWithAnyOtherCommandIsRefused(t *testing.T) {
 	}
 }
 
-// A key replays its order even when the rules have since refused its command: a retry across
-// the deploy that tightened them (its first answer lost, a 503 after the commit) must find the
-// order, not a 422. A command the rules refuse places nothing with any other key, or none.
-func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
+// refusedSinceCommand is an order whose SKU holds U+2028, which the rules took before they
+// refused it: its body and its command.
+func refusedSinceCommand(t *testing.T) (string, PlaceOrder) {
+	t.Helper()
 	body := strings.Replace(validBody, `"SKU-1"`, `"SKU\u20281"`, 1)
 	cmd, err := DecodePlaceOrder(strings.NewReader(body))
 	if err != nil {
@@ -730,6 +728,16 @@ func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
 	if len(cmd.Validate()) == 0 {
 		t.Fatalf("%s is valid: the test needs a command the rules refuse", body)
 	}
+	return body, cmd
+}
+
+// A key replays its order even when the rules have since refused its command: a retry across
+// the deploy that tightened them (its first answer lost, a 503 after the commit) must find the
+// order, not a 422. A command the rules refuse places nothing with any other key, or none.
+func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	body, cmd := refusedSinceCommand(t)
 	// The Store does not validate: the order as the rules before U+2028's refusal placed it.
 	placed, _, err := b.store.Place(t.Context(), cmd, "key-before-the-deploy")
 	if err != nil {
@@ -765,14 +773,7 @@ func TestIdempotencyKeyReplaysAnOrderTheRulesRefuseSince(t *testing.T) {
 func TestReplayOfAnInvalidOrderWaitsForItsPlacement(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	body := strings.Replace(validBody, `"SKU-1"`, `"SKU\u20281"`, 1)
-	cmd, err := DecodePlaceOrder(strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(cmd.Validate()) == 0 {
-		t.Fatalf("%s is valid: the test needs a command the rules refuse", body)
-	}
+	body, cmd := refusedSinceCommand(t)
 	release := b.holdOutboxInserts(t)
 	type placed struct {
 		order Order
