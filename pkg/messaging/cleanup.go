@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"time"
 
@@ -56,7 +57,7 @@ const (
 // abandoned, and the error says the commit failed although its rows may have been deleted (the
 // next run deletes any left). Against a database that stops answering, the rollback and the
 // release of the cleanup's lock then take up to 2 s and 5 s more. The result counts the
-// batches committed before.
+// batches committed before; with an error wrapping [ErrLockNotReleased], all of the run's.
 //
 // It finds the rows through the primary key, by the time in their UUIDv7 ids ([Enqueue]
 // refuses any other version): those made before the cutoff, then those made more than
@@ -206,12 +207,11 @@ func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next 
 // to the session, so it is taken, used and released on that one connection, never through the
 // pool, where each statement may run on another connection. A transaction-level lock would
 // last one batch only, and let two runners take turns.
-func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) error) (bool, error) {
+func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) error) (locked bool, err error) {
 	conn, err := db.Conn(ctx)
 	if err != nil {
 		return false, fmt.Errorf("take a connection: %w", err)
 	}
-	var locked bool
 	if err := queryRow(ctx, conn, []any{&locked}, `SELECT pg_try_advisory_lock($1)`, key); err != nil {
 		// The lock may have been taken all the same (a cancellation between the server's
 		// answer and the scan): back in the pool, the session would keep every run out.
@@ -222,22 +222,45 @@ func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) e
 		conn.Close()
 		return false, nil
 	}
-	defer unlock(ctx, conn, key)
+	defer func() { err = errors.Join(err, unlock(ctx, conn, key)) }()
 	return true, fn(conn)
 }
 
+// ErrLockNotReleased is wrapped by the error of [MigrateOutbox], [MigrateInbox],
+// [DeleteSentOutboxMessages] and [DeleteInboxMessages] when pg_advisory_unlock answered that
+// their session did not hold their advisory lock: a pooler in transaction mode (PgBouncer's)
+// likely ran the lock and the unlock on different server connections. The work is done all
+// the same (the migrations applied, unless the error names one that failed; a cleanup's
+// [CleanupResult] counts its rows deleted), but the lock stays held on the server connection
+// that took it until that closes (PgBouncer's server_lifetime), the cleanups skipping and the
+// migrations waiting meanwhile. Give the migrations and the cleanups a direct connection or
+// session pooling; to free the lock at once, end the backend that pg_locks shows holding it
+// (locktype advisory) with pg_terminate_backend.
+var ErrLockNotReleased = errors.New("the session did not hold its advisory lock at its release: " +
+	"a pooler in transaction mode (PgBouncer's) likely ran the lock and the unlock on different server connections, " +
+	"and the one that took the lock holds it still, keeping later runs out (cleanups skip, migrations wait) until it closes; " +
+	"give migrations and cleanups a direct connection or session pooling")
+
 // unlock releases the session's advisory lock and returns the connection to its pool, or,
 // when it cannot release the lock, closes the connection: back in the pool, a session still
-// holding the lock would keep every later run out.
-func unlock(ctx context.Context, conn Conn, key int64) {
+// holding the lock would keep every later run out. A lock the session did not hold is an
+// error: it was released nowhere, and is held where no one can reach it.
+func unlock(ctx context.Context, conn Conn, key int64) error {
 	// The run's ctx may be cancelled already; the lock must be released all the same.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key); err != nil {
+	var released bool
+	switch err := queryRow(ctx, conn, []any{&released}, `SELECT pg_advisory_unlock($1)`, key); {
+	case err != nil:
+		conn.Discard() // the lock goes with the session
+	case !released:
+		// Bound to who knows which server connection: not a session to hand out again.
 		conn.Discard()
-		return
+		return ErrLockNotReleased
+	default:
+		conn.Close()
 	}
-	conn.Close()
+	return nil
 }
 
 // uuidV7Bound returns the UUID that every UUIDv7 made up to t's millisecond is below, and every

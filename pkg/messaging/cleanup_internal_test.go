@@ -3,7 +3,9 @@ package messaging
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -58,6 +60,138 @@ func TestAMigrationSessionWhoseLockFailedIsDiscarded(t *testing.T) {
 		t.Fatalf("discarded %v, returned to the pool %v; want discarded only", conn.discarded, conn.closed)
 	}
 }
+
+// Behind a pooler in transaction mode (PgBouncer's) the lock may be taken on one server
+// connection and released on another, where pg_advisory_unlock answers false: the lock stays
+// held where it was taken, and every later run skips, or waits, for up to the server
+// connection's lifetime. Each says so with ErrLockNotReleased, naming the likely cause, and
+// what it did all the same (the migrations applied, the rows deleted), rather than hand back a
+// session whose lock was never released. An unlock that answers true returns the session to
+// the pool.
+func TestAnUnlockThatReleasesNothingIsAnError(t *testing.T) {
+	t.Parallel()
+	const deleted = 5
+	for _, c := range []struct {
+		name    string
+		run     func(DB) error
+		wording string // of the error, when the unlock released nothing
+	}{
+		{"cleanup", func(db DB) error {
+			res, err := DeleteInboxMessages(context.Background(), db, time.Hour, CleanupOptions{})
+			if res.Deleted != deleted {
+				t.Errorf("cleanup: Deleted = %d, want the %d rows its batch deleted, whatever the unlock said", res.Deleted, deleted)
+			}
+			return err
+		}, "clean up inbox_messages: "},
+		{"migration", func(db DB) error {
+			return migrateSchema(context.Background(), db, "schema/outbox", "messaging_outbox_schema")
+		}, "migrations messaging_outbox_schema applied; their lock was not released: "},
+	} {
+		for _, released := range []bool{false, true} {
+			conn := &unlockConn{released: released, deleted: deleted}
+			err := c.run(unlockDB{conn: conn})
+			if !conn.unlocked {
+				t.Errorf("%s: the lock was never released", c.name)
+			}
+			if released {
+				if err != nil || conn.discarded || !conn.closed {
+					t.Errorf("%s whose unlock released the lock: %v, discarded %v, returned to the pool %v; want no error, returned only", c.name, err, conn.discarded, conn.closed)
+				}
+				continue
+			}
+			if !errors.Is(err, ErrLockNotReleased) || !strings.Contains(err.Error(), c.wording) || !strings.Contains(err.Error(), "transaction mode") {
+				t.Errorf("%s whose unlock released nothing: %v, want ErrLockNotReleased, %q, naming a transaction-mode pooler", c.name, err, c.wording)
+			}
+			if !conn.discarded || conn.closed {
+				t.Errorf("%s: discarded %v, returned to the pool %v; want discarded only", c.name, conn.discarded, conn.closed)
+			}
+		}
+	}
+}
+
+// unlockDB hands out conn.
+type unlockDB struct {
+	DB
+	conn *unlockConn
+}
+
+func (d unlockDB) Conn(context.Context) (Conn, error) { return d.conn, nil }
+
+// unlockConn takes every advisory lock, answers released to pg_advisory_unlock (false, as a
+// server connection that does not hold the lock does), and finds little to do: the cleanup's
+// one batch deletes deleted rows, the migrations are all applied.
+type unlockConn struct {
+	Conn
+	released                    bool
+	deleted                     int64
+	unlocked, closed, discarded bool
+}
+
+func (c *unlockConn) Query(_ context.Context, query string, _ ...any) (Rows, error) {
+	switch {
+	case strings.Contains(query, "pg_advisory_unlock"):
+		c.unlocked = true
+		return &scanRows{values: []any{c.released}}, nil
+	case strings.Contains(query, "pg_try_advisory_lock"), strings.Contains(query, "to_regclass"):
+		return &scanRows{values: []any{true}}, nil
+	case strings.Contains(query, "now() -"):
+		return &scanRows{values: []any{time.Now()}}, nil
+	case strings.Contains(query, "version_id"):
+		var applied []any
+		for v := range int64(100) {
+			applied = append(applied, v, true)
+		}
+		return &scanRows{values: applied, width: 2}, nil
+	}
+	return nil, errors.New("unlockConn: unexpected query " + query)
+}
+func (c *unlockConn) Exec(_ context.Context, query string, _ ...any) (int64, error) {
+	if !strings.Contains(query, "pg_advisory_unlock") {
+		return 0, errors.New("unlockConn: unexpected statement " + query)
+	}
+	c.unlocked = true // its answer unread
+	return 1, nil
+}
+func (c *unlockConn) Begin(context.Context) (TxExecutor, error) { return unlockTx{c}, nil }
+func (c *unlockConn) Close()                                    { c.closed = true }
+func (c *unlockConn) Discard()                                  { c.discarded = true }
+
+// unlockTx is a transaction of unlockConn's: its statements succeed, its batch picks and
+// deletes the conn's deleted rows, fewer than a batch's limit.
+type unlockTx struct{ *unlockConn }
+
+func (unlockTx) Exec(context.Context, string, ...any) (int64, error) { return 0, nil }
+func (t unlockTx) Query(context.Context, string, ...any) (Rows, error) {
+	return &scanRows{values: []any{t.deleted, t.deleted, sql.NullTime{}}, width: 3}, nil
+}
+func (unlockTx) Commit(context.Context) error   { return nil }
+func (unlockTx) Rollback(context.Context) error { return nil }
+
+// scanRows returns values as rows of width columns (one unless set), each scanned into a
+// destination of its value's type.
+type scanRows struct {
+	values []any
+	width  int
+	at     int // the next row's first value
+	row    []any
+}
+
+func (r *scanRows) Next() bool {
+	w := max(r.width, 1)
+	if r.at+w > len(r.values) {
+		return false
+	}
+	r.row, r.at = r.values[r.at:r.at+w], r.at+w
+	return true
+}
+func (r *scanRows) Scan(dest ...any) error {
+	for i, v := range r.row {
+		reflect.ValueOf(dest[i]).Elem().Set(reflect.ValueOf(v))
+	}
+	return nil
+}
+func (r *scanRows) Err() error { return nil }
+func (r *scanRows) Close()     {}
 
 // lockDB hands out conn, whose every statement fails.
 type lockDB struct {

@@ -98,8 +98,23 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 		return false, err
 	}
 	// The deadline is taken at return: the close handshake gets its second however long the
-	// session lasted (an error only means the connection was already gone).
-	defer func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
+	// session lasted (an error only means the connection was already gone). At a shutdown, no
+	// later than the shutdown closes the connection regardless (see stopAtShutdown): a worker
+	// done before that, its stuck attempt given up, must not take Run past that bound when the
+	// broker stopped answering.
+	var shutdownClose atomic.Pointer[time.Time]
+	stopClock := context.AfterFunc(ctx, func() {
+		by := time.Now().Add(c.cfg.ShutdownGrace + closeMargin)
+		shutdownClose.Store(&by)
+	})
+	defer func() {
+		stopClock()
+		deadline := time.Now().Add(time.Second)
+		if by := shutdownClose.Load(); by != nil && by.Before(deadline) {
+			deadline = *by
+		}
+		_ = conn.CloseDeadline(deadline)
+	}()
 	watchConnection(conn, c.log, slog.LevelWarn)
 	// A shutdown stops the setup before its next consumer starts. A broker that stops answering
 	// mid-setup would hold the shutdown up: past cancelWait, closing the connection ends every
@@ -130,6 +145,7 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 		},
 		log:   c.log.With("connection", "dead letters"),
 		queue: DeadLetterQueue(c.cfg.Queue),
+		own:   c.ownQueue(),
 	}
 	defer c.deadLetters.close()
 	c.log.Info("consumer started", "concurrency", c.cfg.Concurrency, "prefetch", c.cfg.Prefetch)
@@ -162,6 +178,13 @@ func (c *consumer) session(ctx context.Context) (consumed bool, err error) {
 	// The broker cancelled a consumer (its queue was deleted, or a delivery outlived the
 	// consumer timeout): reconnecting declares the queue again and consumes anew.
 	return true, errors.New("delivery stream ended")
+}
+
+// ownQueue is the topology's entry of the consumer's queue (a subscription's topology always
+// has it).
+func (c *consumer) ownQueue() ConsumerTopology {
+	q, _ := c.cfg.Topology.Queue(c.cfg.Queue)
+	return q
 }
 
 // closeDeadLettersWithSession closes the session's dead-letter connection once the session is
@@ -364,6 +387,15 @@ func handBackSent(links []consumerLink) {
 	}
 }
 
+// closeMargin is how long past a shutdown's grace the connection stays open: for an attempt
+// the grace called off to be abandoned (stopMargin) and its message handed back. Closed sooner,
+// the connection would take that message back itself, which RabbitMQ 4.x counts as a failed
+// delivery: a handler that hangs at every deploy would spend one of its deliveries each time.
+// The connection's close ends by then too (see session), so a session ends within
+// ShutdownGrace + 3 s of the shutdown, even with a broker that stopped answering: within the
+// ShutdownGrace + 3.5 s that SubscriptionConfig.ShutdownGrace promises.
+const closeMargin = stopMargin + 500*time.Millisecond
+
 // stopping reports whether the session's work is over: the session ended (a shutdown, a lost
 // channel), or a shutdown's grace did, which can come first while the broker has yet to
 // confirm the consumers' cancels. A message in hand then goes back uncounted.
@@ -375,12 +407,12 @@ func stopping(session, workCtx context.Context) bool {
 // the session ends: a delivery a worker hands back goes after the cancel of every one of its
 // consumers, so the broker does not deliver it to this consumer again, only for the closing
 // connection to return it once more and count that against it. The workers settle what they
-// hold, within the grace period. Past it, the connection is closed regardless and the broker
-// requeues whatever is unacknowledged. over is closed when the session is over. The returned
-// function disarms it.
+// hold, within the grace period. Past it and closeMargin, the connection is closed regardless
+// and the broker requeues whatever is unacknowledged. over is closed when the session is over.
+// The returned function disarms it.
 func (c *consumer) stopAtShutdown(ctx context.Context, endSession context.CancelFunc, over <-chan struct{}, conn *amqp.Connection, links []consumerLink) (stop func() bool) {
 	return context.AfterFunc(ctx, func() {
-		t := time.NewTimer(c.cfg.ShutdownGrace + time.Second) // the cancels' wait within it
+		t := time.NewTimer(c.cfg.ShutdownGrace + closeMargin)
 		defer t.Stop()
 		cancelConsumers(links)
 		endSession()
@@ -623,20 +655,22 @@ func (c *consumer) process(session, workCtx context.Context, j job, tried bool) 
 		}
 		err := c.attempt(workCtx, []job{j})
 		var delay time.Duration
-		// Unavailable and stopping before Permanent: a handler that called its failed lookup
-		// permanent could not know that the database was away, or that the shutdown cut it off.
+		// Stopping and Unavailable before Permanent: a handler that called its failed lookup
+		// permanent could not know that the shutdown cut it off, or that the database was away.
+		// Stopping first: an attempt the shutdown called off may say Unavailable too (its
+		// lookup's ctx.Err(), wrapped), and no retry follows then.
 		switch {
 		case err == nil:
 			return acked
+		case stopping(session, workCtx):
+			// The shutdown or a lost channel may be what cut it off: not the message's failure
+			// to count (a reject would spend one of its deliveries, or dead-letter it).
+			return handedBack
 		case IsUnavailable(err):
 			// Not the message's fault: wait for the dependency without spending its retries.
 			outages++
 			delay = c.cfg.RetryBackoff.Delay(outages)
 			c.log.WarnContext(ctx, "dependency unavailable; retrying message", "message_id", j.msg.ID, "type", j.msg.Type, "error", err, "retry_in", delay)
-		case stopping(session, workCtx):
-			// The shutdown or a lost channel may be what cut it off: not the message's failure
-			// to count (a reject would spend one of its deliveries, or dead-letter it).
-			return handedBack
 		case IsPermanent(err):
 			return deadLetter(err)
 		default:

@@ -432,6 +432,49 @@ func TestAnAttemptCalledOffByTheShutdownIsAbandonedSooner(t *testing.T) {
 	}
 }
 
+// An attempt the shutdown called off is handed back at once, also when the handler says its
+// dependency is unavailable (its lookup's ctx.Err(), wrapped): not logged as an outage with a
+// retry that never comes, nor held for that retry's backoff, which, with the grace over before
+// the session ended (the broker slow to confirm the cancels), took the hand-back past the
+// connection's close.
+func TestAnUnavailableAttemptTheShutdownCalledOffIsHandedBackAtOnce(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name         string
+		sessionEnded bool
+	}{{"the session ended too", true}, {"the grace ended before the session", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var logs bytes.Buffer
+			session, endSession := context.WithCancel(context.Background())
+			defer endSession()
+			workCtx, endGrace := context.WithCancel(context.Background())
+			c := &consumer{cfg: consumerConfig{DeliveryLimit: 20, Retries: 3, HandlerTimeout: time.Minute, Propagator: propagatorOr(nil),
+				RetryBackoff: Backoff{Base: 5 * time.Second, Max: 5 * time.Second}},
+				log: slog.New(slog.NewTextHandler(&logs, nil)),
+				work: work{decode: func(Message) (any, error) { return nil, nil }, process: func(ctx context.Context, _ []job, _ func()) error {
+					if tc.sessionEnded {
+						endSession()
+					}
+					endGrace() // the shutdown's grace is over
+					<-ctx.Done()
+					return Unavailable(fmt.Errorf("payments: %w", ctx.Err()))
+				}}}
+			begin := time.Now()
+			o := c.process(session, workCtx, job{msg: Message{ID: uuid.New(), Type: "Placed"}}, false)
+			if o.settle != settleNack {
+				t.Fatalf("settled as %d, want handed back (%d)", o.settle, settleNack)
+			}
+			if took := time.Since(begin); took > time.Second {
+				t.Errorf("handed back %s after the attempt began, want at once: it waited for a retry", took.Round(time.Millisecond))
+			}
+			if strings.Contains(logs.String(), "retrying message") {
+				t.Errorf("logged a retry that never comes: %s", logs.String())
+			}
+		})
+	}
+}
+
 // A consumer refused after others started (its queue deleted meanwhile, say) ends the setup,
 // and those started before it hand back at once what the broker sent them: left to the closing
 // connection, each was a failed delivery (RabbitMQ 4.3), at every such setup, up to the

@@ -41,6 +41,9 @@ const deadLetterTimeout = 15 * time.Second
 // unacknowledged and is tried again.
 var errDeadLetterNotConfirmed = errors.New("dead-letter queue did not take the message")
 
+// errUnroutable means the copy came back unroutable: its dead-letter queue does not exist.
+var errUnroutable = errors.New("unroutable")
+
 // deadLetterCopy is what goes to the dead-letter queue for d: its body and properties, its
 // message id unchanged (so a redriven message is still recognised by the inbox), and its
 // headers plus the reason. Left out: x-delivery-count and x-acquired-count, which the
@@ -87,6 +90,9 @@ type deadLetterPublisher struct {
 	dial  func(ctx context.Context) (*amqp.Connection, error)
 	log   *slog.Logger
 	queue string // the dead-letter queue
+	// own is the consumer's queue, whose dead-letter queue this is: declared again when a copy
+	// comes back unroutable.
+	own ConsumerTopology
 
 	// mu makes it one copy at a time: dead letters are rare, and with one publish in flight a
 	// basic.return on the channel can only be that publish's.
@@ -106,7 +112,8 @@ type deadLetterPublisher struct {
 var errDeadLettersClosed = errors.New("dead-letter connection closed with its session")
 
 // publish sends the copy of d through the default exchange to the dead-letter queue, mandatory,
-// and returns nil only once the broker confirmed it and routed it to that queue.
+// and returns nil only once the broker confirmed it and routed it to that queue. A copy that
+// comes back unroutable has the dead-letter queue declared again, for the next try.
 func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reason error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -121,7 +128,53 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 		// A confirm or return still on its way must not be taken for the next copy's.
 		p.discard()
 	}
+	if errors.Is(err, errUnroutable) {
+		return p.declareAgain(ctx, err)
+	}
 	return err
+}
+
+// declareAgain declares the dead-letter queue again after a copy came back unroutable, and
+// returns that error (unroutable) with how the declaration went. The queue was deleted after
+// the session declared it (an operator purging it, say): left gone until the next connection,
+// every copy would come back, and the worker retrying it would hold what its channel was sent
+// for the whole session. Only the dead-letter queue, as the topology declares it: the rest of
+// the consumer's topology was not missing, and a binding an operator removed stays removed
+// until the next connection, as before.
+func (p *deadLetterPublisher) declareAgain(ctx context.Context, unroutable error) error {
+	conn, err := p.connection(ctx)
+	if err != nil {
+		return fmt.Errorf("%w; declaring it again: %w", unroutable, err)
+	}
+	// The client's calls have no deadline of their own: a broker that stopped answering would
+	// hold mu, and every worker's dead letter behind it, for good. Past a copy's bound (see
+	// await), closing the connection ends the declaration; the next copy dials again.
+	declared, bounded := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(bounded)
+		if p.await(ctx, declared) != nil {
+			_ = conn.CloseDeadline(time.Now())
+		}
+	}()
+	d := &declarer{conn: conn}
+	refused, hidden, err := d.deadLetterQueue(p.own)
+	d.close()
+	close(declared)
+	<-bounded
+	switch {
+	case isLegacyDeadLetterQueue(err):
+		return fmt.Errorf("%w; it exists again, declared without x-delivery-limit", unroutable)
+	case refused && err != nil:
+		return fmt.Errorf("%w; not allowed to declare it: %w", unroutable, err)
+	case err != nil:
+		return fmt.Errorf("%w; declaring it again: %w", unroutable, err)
+	case hidden:
+		// RabbitMQ from 4.2.6 and 4.3.0 on: nothing was declared, nor seen.
+		return fmt.Errorf("%w; not allowed to declare it, nor to see whether it exists: the deployment must declare it", unroutable)
+	case refused:
+		return fmt.Errorf("%w; not allowed to declare it, but it exists now", unroutable)
+	}
+	return fmt.Errorf("%w; declared it again", unroutable)
 }
 
 func (p *deadLetterPublisher) open(ctx context.Context) error {
@@ -184,7 +237,7 @@ func (p *deadLetterPublisher) confirm(ctx context.Context, pub amqp.Publishing) 
 	// The broker sends a basic.return before the confirm, and the client hands it over before
 	// it resolves the confirm: if there is one, it is here now.
 	if r, ok := returnedNow(p.returns); ok {
-		return fmt.Errorf("%w: unroutable, does queue %q exist? %d %s", errDeadLetterNotConfirmed, p.queue, r.ReplyCode, r.ReplyText)
+		return fmt.Errorf("%w: %w, does queue %q exist? %d %s", errDeadLetterNotConfirmed, errUnroutable, p.queue, r.ReplyCode, r.ReplyText)
 	}
 	return nil
 }
@@ -201,24 +254,32 @@ func returnedNow(returns <-chan amqp.Return) (amqp.Return, bool) {
 	}
 }
 
-// wait waits for the confirm of dc up to deadLetterTimeout, and on for as long as an alarm
-// blocks the connection, and deadLetterTimeout beyond its end: the broker reads the copy once
-// the alarm clears, and publishing it again meanwhile would only queue a second copy behind
-// it. Closing the connection (close) ends the wait.
+// wait waits for the confirm of dc, within await's bound.
 func (p *deadLetterPublisher) wait(ctx context.Context, dc *amqp.DeferredConfirmation) (acked bool, err error) {
+	if err := p.await(ctx, dc.Done()); err != nil {
+		return false, err
+	}
+	return dc.Acked(), nil
+}
+
+// await waits until done closes, up to deadLetterTimeout, and on for as long as an alarm blocks
+// the connection, and deadLetterTimeout beyond its end: the broker reads what was sent once the
+// alarm clears, and a copy published again meanwhile would only queue a second one behind it.
+// Closing the connection (close) ends the wait on a call to the broker.
+func (p *deadLetterPublisher) await(ctx context.Context, done <-chan struct{}) error {
 	timeout := time.NewTimer(deadLetterTimeout)
 	defer timeout.Stop()
 	for {
 		select {
-		case <-dc.Done():
-			return dc.Acked(), nil
+		case <-done:
+			return nil
 		case <-ctx.Done():
-			return false, ctx.Err()
+			return ctx.Err()
 		case <-timeout.C:
 			blocked, unblockedAt := p.watch.state()
 			more := confirmWait(blocked, unblockedAt, time.Now())
 			if more <= 0 {
-				return false, fmt.Errorf("none within %s", deadLetterTimeout)
+				return fmt.Errorf("none within %s", deadLetterTimeout)
 			}
 			timeout.Reset(more)
 		}

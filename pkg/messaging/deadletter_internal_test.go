@@ -3,11 +3,19 @@ package messaging
 import (
 	"context"
 	"errors"
+	"io"
+	"log/slog"
+	"net"
+	neturl "net/url"
+	"os"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unicode/utf8"
 
+	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -96,4 +104,107 @@ func TestADeadLetterReasonIsCutAtACharacter(t *testing.T) {
 	if want := strings.Repeat("a", maxReasonBytes-1) + "…"; got != want {
 		t.Fatalf("reason header of %d bytes (valid UTF-8: %v), want the %d ASCII bytes and an ellipsis", len(got), utf8.ValidString(got), maxReasonBytes-1)
 	}
+}
+
+// A dead-letter queue declared again on a connection whose broker stopped answering is given up
+// as a copy's confirm is, deadLetterTimeout on (no alarm blocking it), and the connection
+// closed: the client's calls have no deadline of their own, and the declaration, which holds
+// mu, held every worker's dead letter behind it for good.
+func TestADeclarationOnASilentDeadLetterConnectionIsGivenUp(t *testing.T) {
+	t.Parallel()
+	var silent atomic.Bool
+	url := silenceableBroker(t, &silent)
+	queue := "silent-" + uuid.NewString()
+	p := &deadLetterPublisher{
+		dial: func(ctx context.Context) (*amqp.Connection, error) {
+			return dial(ctx, url, t.Name(), 30*time.Second) // its heartbeat gives up later
+		},
+		log:   slog.New(slog.DiscardHandler),
+		queue: DeadLetterQueue(queue),
+		own:   ConsumerTopology{Queue: queue},
+	}
+	t.Cleanup(p.close)
+	conn, err := p.connection(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	silent.Store(true)
+	began := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- p.declareAgain(context.Background(), errUnroutable) }()
+	select {
+	case err := <-done:
+		if err == nil || strings.Contains(err.Error(), "declared it again") || !conn.IsClosed() {
+			t.Fatalf("declaring on a silent connection = %v after %s (connection closed: %v), want a failure and the connection closed",
+				err, time.Since(began).Round(time.Millisecond), conn.IsClosed())
+		}
+	case <-time.After(deadLetterTimeout + 5*time.Second):
+		t.Fatalf("declaring on a silent connection had not returned after %s, want within %s", time.Since(began).Round(time.Second), deadLetterTimeout)
+	}
+}
+
+// silenceableBroker forwards connections to the broker at TEST_AMQP_URL, and returns that URL
+// through it. Once silent is set, nothing more goes either way, and the connections stay open:
+// a broker that stopped answering, and reads nothing the client sends.
+func silenceableBroker(t *testing.T, silent *atomic.Bool) string {
+	t.Helper()
+	target := os.Getenv("TEST_AMQP_URL")
+	if target == "" {
+		target = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	u, err := neturl.Parse(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	upstream := u.Host
+	if u.Port() == "" {
+		upstream = net.JoinHostPort(u.Hostname(), "5672")
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	conns := []io.Closer{l}
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	copyUntilSilent := func(to, from net.Conn) {
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := from.Read(buf)
+			if err != nil {
+				return
+			}
+			if !silent.Load() {
+				if _, err := to.Write(buf[:n]); err != nil {
+					return
+				}
+			}
+		}
+	}
+	go func() {
+		for {
+			client, err := l.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", upstream)
+			if err != nil {
+				_ = client.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, client, server)
+			mu.Unlock()
+			go copyUntilSilent(server, client)
+			go copyUntilSilent(client, server)
+		}
+	}()
+	u.Host = l.Addr().String()
+	return u.String()
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/testhook"
 )
 
 // ErrNotInTransaction is returned by [Enqueue] when it is not given a transaction.
@@ -44,6 +45,11 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // before any statement, so that tx stays usable. An id stored already (a message enqueued
 // again) is found by the insert, whose failure aborts tx.
 //
+// Past 8 MiB of rows it inserts them in several statements, in tx (they travel as one jsonb
+// value, which holds at most 256 MiB), behind a savepoint: an error from any of them, an id
+// stored already included, rolls tx back to it, and tx goes on, none of msgs written. On an
+// error, roll tx back unless its data is to be saved without the messages.
+//
 // The payload is stored as jsonb: consumers get the same JSON value, not the same bytes (jsonb
 // orders the keys, drops the whitespace and keeps the last of duplicate keys).
 func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) error {
@@ -54,7 +60,7 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 	if len(msgs) == 0 {
 		return nil
 	}
-	rows, err := outboxRows(ctx, msgs, time.Now().UTC())
+	batches, err := outboxRows(ctx, msgs, time.Now().UTC(), enqueueBound(ctx))
 	if err != nil {
 		return err
 	}
@@ -62,10 +68,43 @@ func Enqueue[Tx any](ctx context.Context, d Driver[Tx], tx Tx, msgs ...Message) 
 	if _, quiet := d.(quietDriver[Tx]); quiet {
 		insert = statements.InsertOutboxQuiet
 	}
-	if _, err := ex.Exec(ctx, insert, rows); err != nil {
-		return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
+	if len(batches) == 1 {
+		if _, err := ex.Exec(ctx, insert, batches[0].rows); err != nil {
+			return fmt.Errorf("outbox: insert %d messages: %w", len(msgs), err)
+		}
+		return nil
 	}
-	return nil
+	return insertBatches(ctx, ex, insert, batches, len(msgs))
+}
+
+// insertBatches runs insert on each of batches, of total messages, in ex, all or none: an
+// insert that fails before it reaches the server (its ctx ended) leaves the transaction usable,
+// and a caller that logged the error and committed would commit the batches before it. So the
+// batches go behind a savepoint, and an error rolls the transaction back to it: usable, none
+// of the messages written.
+func insertBatches(ctx context.Context, ex Executor, insert string, batches []outboxBatch, total int) error {
+	if _, err := ex.Exec(ctx, `SAVEPOINT messaging_enqueue`); err != nil {
+		return fmt.Errorf("outbox: insert %d messages: set a savepoint: %w", total, err)
+	}
+	var err error
+	for _, b := range batches {
+		if _, err = ex.Exec(ctx, insert, b.rows); err != nil {
+			err = fmt.Errorf("outbox: insert messages %d to %d of %d: %w", b.first, b.first+b.n-1, total, err)
+			break
+		}
+	}
+	// Under a context of its own: ctx's end may be the error, and the savepoint still to undo.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleWait)
+	defer cancel()
+	if err != nil {
+		if _, rerr := ex.Exec(ctx, `ROLLBACK TO SAVEPOINT messaging_enqueue`); rerr != nil {
+			return errors.Join(err, fmt.Errorf("outbox: roll back to before the %d messages: %w", total, rerr))
+		}
+	}
+	if _, rerr := ex.Exec(ctx, `RELEASE SAVEPOINT messaging_enqueue`); rerr != nil {
+		return errors.Join(err, fmt.Errorf("outbox: insert %d messages: release the savepoint: %w", total, rerr))
+	}
+	return err
 }
 
 // WithoutNotify returns d, through which [Enqueue] inserts its messages without notifying the
@@ -84,29 +123,66 @@ type quietDriver[Tx any] struct{ Driver[Tx] }
 // connection's own.
 const enqueueFrameSize = 128<<10 - maxShortString
 
-// outboxRows writes msgs as the JSON array statements.InsertOutbox reads: by hand, without
-// reflection, the payload as it is. Messages without an OccurredAt get now, those without a
-// trace context ctx's.
-func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, error) {
+// enqueueBatchBytes bounds the JSON array of one insert of [Enqueue]: its rows travel as one
+// jsonb value, which PostgreSQL caps at 256 MiB (less a byte), and jsonb can take up to six
+// times the bytes of its text (an array of one-digit numbers: a 4-byte entry and an 8-byte
+// numeric for every 2 bytes). Refused by the server, the insert would abort the caller's
+// transaction; past the bound the messages go in several inserts, in that transaction. Not
+// higher: the backend's memory grows with the value (an array of digits of 32 MiB took one to
+// 1.85 GB), and a smaller insert costs nothing measurable.
+const enqueueBatchBytes = 8 << 20
+
+// batchBytesKey is the key of a bound on the JSON of one insert lower than enqueueBatchBytes,
+// in the ctx of a test's Enqueue (testhook.WithEnqueueBatchBytes): a few small messages are
+// then split as megabytes would be.
+type batchBytesKey struct{}
+
+func init() {
+	testhook.WithEnqueueBatchBytes = func(ctx context.Context, n int) context.Context {
+		return context.WithValue(ctx, batchBytesKey{}, n)
+	}
+}
+
+// enqueueBound is the bound on the JSON of one insert of an Enqueue under ctx.
+func enqueueBound(ctx context.Context) int {
+	if n, ok := ctx.Value(batchBytesKey{}).(int); ok {
+		return n
+	}
+	return enqueueBatchBytes
+}
+
+// outboxBatch is the JSON array of the rows of one insert: the messages first to first+n-1.
+type outboxBatch struct {
+	rows     string
+	first, n int
+}
+
+// outboxRows writes msgs as the JSON arrays statements.InsertOutbox reads, each of at most
+// bound bytes unless it holds a single larger message: one, in all but the largest enqueues.
+// It writes them by hand, without reflection, the payload as it is. Messages without an
+// OccurredAt get now, those without a trace context ctx's.
+func outboxRows(ctx context.Context, msgs []Message, now time.Time, bound int) ([]outboxBatch, error) {
 	var trace traceCarrier
 	injectTrace(ctx, globalPropagator(), &trace)
 	var ids map[uuid.UUID]int // of the messages before, when there are several
 	if len(msgs) > 1 {
 		ids = make(map[uuid.UUID]int, len(msgs))
 	}
-	b := make([]byte, 0, 256*len(msgs))
+	var batches []outboxBatch
+	from := 0 // the current batch's first message
+	b := make([]byte, 0, min(256*len(msgs), bound))
 	b = append(b, '[')
 	for i, m := range msgs {
 		if m.ID == uuid.Nil || m.Type == "" || !json.Valid(m.Payload) {
-			return "", fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
+			return nil, fmt.Errorf("outbox: enqueue message %d: needs an id, a type and a JSON payload (use NewMessage)", i)
 		}
 		// The cleanup finds sent rows through the primary key, up to the UUIDv7 of its cutoff:
 		// an id of another version sorts anywhere, and its row might never be deleted.
 		if m.ID.Version() != 7 {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
 		}
 		if first, ok := ids[m.ID]; ok {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): message %d has its id already", i, m.ID, first)
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): message %d has its id already", i, m.ID, first)
 		} else if ids != nil {
 			ids[m.ID] = i
 		}
@@ -117,12 +193,13 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 			m = m.withTrace(trace)
 		}
 		if err := checkEnvelope(m.Exchange, m.routingKey(), toPublishing(m, ""), enqueueFrameSize); err != nil {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): %w", i, m.ID, err)
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): %w", i, m.ID, err)
 		}
 		if why := unstorable(m); why != "" {
-			return "", fmt.Errorf("outbox: enqueue message %d (%s): %s", i, m.ID, why)
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): %s", i, m.ID, why)
 		}
-		if i > 0 {
+		start := len(b)
+		if i > from {
 			b = append(b, ',')
 		}
 		b = append(b, `{"id":"`...)
@@ -146,8 +223,16 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time) (string, err
 		b = append(b, `,"headers":`...)
 		b = appendJSONObject(b, m.Headers)
 		b = append(b, '}')
+		if len(b)+1 > bound && i > from {
+			// Past the bound with this row: the rows before are a batch, and it begins the next,
+			// in b's room. The batch's end overwrites the row's comma only.
+			row := b[start+1:]
+			batches = append(batches, outboxBatch{rows: string(append(b[:start], ']')), first: from, n: i - from})
+			b = append(b[:1], row...)
+			from = i
+		}
 	}
-	return string(append(b, ']')), nil
+	return append(batches, outboxBatch{rows: string(append(b, ']')), first: from, n: len(msgs) - from}), nil
 }
 
 // unstorable says what in m PostgreSQL cannot store, or "" if it can all be stored. Its insert

@@ -3,11 +3,16 @@ package messaging
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/testhook"
 )
 
 // What jsonb refuses in JSON that encoding/json's Valid accepts, each case checked against
@@ -62,7 +67,7 @@ func FuzzOutboxRows(f *testing.F) {
 	// What is valid is taken: a refusal of it would pass the fuzzing unseen.
 	for _, corr := range []string{"corr-1", "\u2028 é 漢 😀 \"\\ \t"} {
 		m := Message{ID: uuid.Must(uuid.NewV7()), Type: "T", Payload: []byte(`{}`), CorrelationID: corr, Headers: map[string]string{"x": corr}}
-		if _, err := outboxRows(context.Background(), []Message{m}, time.Now()); err != nil {
+		if _, err := outboxRows(context.Background(), []Message{m}, time.Now(), enqueueBatchBytes); err != nil {
 			f.Fatalf("outboxRows refused a valid message: %v", err)
 		}
 	}
@@ -70,10 +75,14 @@ func FuzzOutboxRows(f *testing.F) {
 		m := Message{ID: uuid.Must(uuid.NewV7()), Type: typ, Payload: []byte(`{}`), CorrelationID: corr,
 			TraceParent: traceParent, TraceState: traceState, Exchange: exchange, RoutingKey: routingKey,
 			Headers: map[string]string{hk: hv}}
-		rows, err := outboxRows(context.Background(), []Message{m}, time.Now())
+		batches, err := outboxRows(context.Background(), []Message{m}, time.Now(), enqueueBatchBytes)
 		if err != nil {
 			return // refused: nothing to read back
 		}
+		if len(batches) != 1 {
+			t.Fatalf("outboxRows wrote one message in %d batches", len(batches))
+		}
+		rows := batches[0].rows
 		if !utf8.ValidString(rows) || !json.Valid([]byte(rows)) {
 			t.Fatalf("outboxRows wrote what is not valid UTF-8 JSON: %q", rows)
 		}
@@ -101,4 +110,159 @@ func FuzzOutboxRows(f *testing.F) {
 			t.Fatalf("read back %+v from %q; want the message's own texts", g, rows)
 		}
 	})
+}
+
+// Rows past the bound go in several batches, in order, each a JSON array within the bound
+// unless it holds a single message larger, and none split sooner than it must: one jsonb value
+// holds at most 256 MiB, and a value the server refuses aborts the caller's transaction. Under
+// the bound, one batch.
+func TestOutboxRowsSplitsPastTheBound(t *testing.T) {
+	msgs := make([]Message, 40)
+	for i := range msgs {
+		msgs[i] = Message{ID: uuid.Must(uuid.NewV7()), Type: "T", Payload: []byte(`"` + strings.Repeat("x", i*10) + `"`)}
+	}
+	msgs[25].Payload = []byte(`"` + strings.Repeat("y", 2000) + `"`) // alone past the bound
+
+	all, err := outboxRows(context.Background(), msgs, time.Now(), enqueueBatchBytes)
+	if err != nil || len(all) != 1 || all[0].first != 0 || all[0].n != len(msgs) {
+		t.Fatalf("outboxRows under the bound = %d batches, %v; want one of every message", len(all), err)
+	}
+
+	const bound = 1000
+	batches, err := outboxRows(context.Background(), msgs, time.Now(), bound)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(batches) < 3 {
+		t.Fatalf("%d batches of %d bytes of rows over a bound of %d, want several", len(batches), len(all[0].rows), bound)
+	}
+	next := 0
+	for k, b := range batches {
+		var rows []json.RawMessage // each row's text as written
+		if err := json.Unmarshal([]byte(b.rows), &rows); err != nil {
+			t.Fatalf("batch of messages %d to %d is not a JSON array: %v", b.first, b.first+b.n-1, err)
+		}
+		if b.first != next || len(rows) != b.n || b.n == 0 {
+			t.Fatalf("a batch of %d rows says it holds messages %d to %d, want from message %d on", len(rows), b.first, b.first+b.n-1, next)
+		}
+		for i, r := range rows {
+			var row struct {
+				ID uuid.UUID `json:"id"`
+			}
+			if err := json.Unmarshal(r, &row); err != nil || row.ID != msgs[next+i].ID {
+				t.Fatalf("row %d of the batch from message %d is message %s (%v), want %s", i, b.first, row.ID, err, msgs[next+i].ID)
+			}
+		}
+		if len(b.rows) > bound && b.n > 1 {
+			t.Errorf("a batch of %d messages takes %d bytes, past the bound of %d", b.n, len(b.rows), bound)
+		}
+		if b.first <= 25 && 25 < b.first+b.n && b.n != 1 {
+			t.Errorf("the message larger than the bound shares its batch with %d others", b.n-1)
+		}
+		if k+1 < len(batches) {
+			// The next batch's first row, after a comma, would have taken this one past the bound.
+			var following []json.RawMessage
+			if err := json.Unmarshal([]byte(batches[k+1].rows), &following); err != nil || len(following) == 0 {
+				t.Fatalf("the batch after message %d: %v", next+b.n-1, err)
+			}
+			if len(b.rows)+1+len(following[0]) <= bound {
+				t.Errorf("the batch of messages %d to %d (%d bytes) ends before message %d (%d bytes), which fits under the bound of %d",
+					b.first, b.first+b.n-1, len(b.rows), next+b.n, len(following[0]), bound)
+			}
+		}
+		next += b.n
+	}
+	if next != len(msgs) {
+		t.Fatalf("the batches hold %d messages, want %d", next, len(msgs))
+	}
+}
+
+// An Enqueue of several inserts writes all of its messages or none: an insert that fails after
+// others succeeded (here one whose context ended before it reached the server, which leaves the
+// transaction usable) takes them back, lest a caller that commits all the same commit some of
+// the messages only. One insert needs no savepoint: it is all or nothing already.
+func TestAnEnqueueOfSeveralInsertsIsAllOrNothing(t *testing.T) {
+	t.Parallel()
+	msgs := make([]Message, 30)
+	for i := range msgs {
+		msgs[i] = Message{ID: uuid.Must(uuid.NewV7()), Type: "T", Payload: []byte(`"` + strings.Repeat("x", 100) + `"`)}
+	}
+	const bound = 1000
+	batches, err := outboxRows(context.Background(), msgs, time.Now(), bound)
+	if err != nil || len(batches) < 3 {
+		t.Fatalf("%d messages of 100 bytes in %d batches of at most %d bytes (%v), want several", len(msgs), len(batches), bound, err)
+	}
+	small := testhook.WithEnqueueBatchBytes(context.Background(), bound)
+	for _, c := range []struct {
+		name      string
+		ctx       context.Context
+		failAt    int // the insert that fails, from 1; 0 for none
+		wantRows  int
+		wantSaves bool // whether the enqueue sets a savepoint
+	}{
+		{"one insert", context.Background(), 0, len(msgs), false},
+		{"one insert that fails", context.Background(), 1, 0, false},
+		{"several inserts", small, 0, len(msgs), true},
+		{"several inserts, the second failing", small, 2, 0, true},
+		{"several inserts, the last failing", small, len(batches), 0, true},
+	} {
+		tx := &savepointTx{failAt: c.failAt}
+		err := Enqueue(c.ctx, savepointDriver{}, tx, msgs...)
+		if c.failAt == 0 && err != nil {
+			t.Errorf("%s: %v", c.name, err)
+		}
+		if c.failAt > 0 && !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("%s: %v, want the insert's error", c.name, err)
+		}
+		if c.failAt == 0 && c.wantSaves && tx.inserts != len(batches) {
+			t.Errorf("%s: %d inserts, want %d", c.name, tx.inserts, len(batches))
+		}
+		if tx.rows != c.wantRows {
+			t.Errorf("%s: %d of %d messages left written, want %d", c.name, tx.rows, len(msgs), c.wantRows)
+		}
+		if tx.savepoints != c.wantSaves || len(tx.open) != 0 {
+			t.Errorf("%s: savepoints set %v, %d left open; want set %v, none left", c.name, tx.savepoints, len(tx.open), c.wantSaves)
+		}
+	}
+}
+
+// savepointDriver hands out the savepointTx it is given.
+type savepointDriver struct{ Driver[*savepointTx] }
+
+func (savepointDriver) Executor(tx *savepointTx) (Executor, error) { return tx, nil }
+
+// savepointTx is a transaction that counts the rows its inserts write and keeps its
+// savepoints. Its failAt-th insert fails as one whose context ended before it reached the
+// server does: it writes nothing, and the transaction stays usable.
+type savepointTx struct {
+	Executor
+	failAt, inserts, rows int
+	savepoints            bool
+	open                  []int // the rows at each savepoint still open
+}
+
+func (tx *savepointTx) Exec(_ context.Context, query string, args ...any) (int64, error) {
+	switch {
+	case strings.HasPrefix(query, "SAVEPOINT "):
+		tx.savepoints = true
+		tx.open = append(tx.open, tx.rows)
+	case strings.HasPrefix(query, "ROLLBACK TO SAVEPOINT "):
+		tx.rows = tx.open[len(tx.open)-1]
+	case strings.HasPrefix(query, "RELEASE SAVEPOINT "):
+		tx.open = tx.open[:len(tx.open)-1]
+	case query == statements.InsertOutbox:
+		tx.inserts++
+		if tx.inserts == tx.failAt {
+			return 0, context.DeadlineExceeded
+		}
+		var rows []json.RawMessage
+		if err := json.Unmarshal([]byte(args[0].(string)), &rows); err != nil {
+			return 0, err
+		}
+		tx.rows += len(rows)
+		return int64(len(rows)), nil
+	default:
+		return 0, errors.New("savepointTx: unexpected statement " + query)
+	}
+	return 0, nil
 }

@@ -317,7 +317,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 		// Due by now: this batch claims those rows, or it is full and the lane drains on (the
 		// claim takes the oldest rows first); a batch that fails is followed by more.
 		due = slices.Delete(due, 0, sort.Search(len(due), func(i int) bool { return due[i].After(started) }))
-		s, err := r.processBatch(ctx, limit)
+		s, err := r.processBatch(ctx, limit, trial)
 		res := s.res
 		if len(s.failures) > 0 {
 			// Counted from now, after the commit, on this process's clock: each row, dated by
@@ -360,12 +360,13 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			// Nor does it see the broker go: the outage begins now, not at the next row.
 			wait = func() { r.awaitBroker(ctx, 1) }
 		case trial && res.Claimed == 0:
-			// No row is due (the one the broker confirmed nothing of was parked, say): none is
-			// held back, none is left to confirm. Waiting for a verdict, the outage would last
-			// until the next row is enqueued, the gauge at 0 and the alert firing meanwhile.
+			// No row is claimable: none is due (the one the broker confirmed nothing of was
+			// parked, say), or one is held locked elsewhere (s.dueHeld). With none due, none is
+			// left to confirm: waiting for a verdict, the outage would last until the next row
+			// is enqueued, the gauge at 0 and the alert firing meanwhile.
 			failed = 0
 			wait = func() {} // the next trial, paced by startTrial
-			if r.trialFoundNothing(ctx, started) {
+			if r.trialFoundNothing(ctx, started, s.dueHeld) {
 				wait = r.afterBatch(ctx, wake, res, limit, due)
 			}
 		default:
@@ -423,19 +424,20 @@ const settleWait = 2 * time.Second
 // fails, up to 2 s more for the rollback. Cut off with ctx, a batch would leave rows the
 // broker took unmarked, sent again at the next start.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
-	s, err := r.processBatch(parent, r.cfg.BatchSize)
+	s, err := r.processBatch(parent, r.cfg.BatchSize, false)
 	return s.res, err
 }
 
-// processBatch is ProcessBatch of up to limit rows, returning the whole settlement: a lane also
-// asks whether the batch reached the Sender.
-func (r *Relay) processBatch(parent context.Context, limit int) (settlement, error) {
+// processBatch is ProcessBatch of up to limit rows, a silent outage's trial if trial, returning
+// the whole settlement: a lane also asks whether the batch reached the Sender, and, of a trial
+// that claimed nothing, whether a row is due all the same.
+func (r *Relay) processBatch(parent context.Context, limit int, trial bool) (settlement, error) {
 	ctx, cancel := withGrace(parent, r.cfg.ShutdownGrace)
 	defer cancel()
 	txCtx, cancelTx := withGrace(ctx, settleWait)
 	defer cancelTx()
 
-	s, err := r.batch(txCtx, ctx, limit)
+	s, err := r.batch(txCtx, ctx, limit, trial)
 	if err != nil {
 		return settlement{res: BatchResult{Claimed: s.res.Claimed}}, err
 	}
@@ -445,8 +447,9 @@ func (r *Relay) processBatch(parent context.Context, limit int) (settlement, err
 
 // batch is ProcessBatch's transaction: claim up to limit rows, publish, settle, commit. The
 // transaction's statements run under ctx; the publish, and so the wait for its confirms, under
-// publishCtx, which ends first.
-func (r *Relay) batch(ctx, publishCtx context.Context, limit int) (s settlement, err error) {
+// publishCtx, which ends first. A trial that claims nothing says whether a row is due all the
+// same (s.dueHeld, see dueHeld).
+func (r *Relay) batch(ctx, publishCtx context.Context, limit int, trial bool) (s settlement, err error) {
 	tx, err := r.cfg.DB.Begin(ctx)
 	if err != nil {
 		return s, fmt.Errorf("begin outbox batch: %w", err)
@@ -462,8 +465,16 @@ func (r *Relay) batch(ctx, publishCtx context.Context, limit int) (s settlement,
 		pub.endSpans()
 	}()
 	msgs, attempts, unreadable, err := r.claim(ctx, tx, limit)
-	if err != nil || len(msgs) == 0 {
+	if err != nil {
 		return settlement{}, err
+	}
+	if len(msgs) == 0 {
+		if trial {
+			if s.dueHeld, err = r.dueHeld(ctx, tx); err != nil {
+				return settlement{}, err
+			}
+		}
+		return s, nil
 	}
 	pub, err = r.publish(publishCtx, msgs, unreadable)
 	if err != nil {
@@ -685,6 +696,9 @@ type settlement struct {
 	// unconfirmed is the first row given no verdict on a connection still up (errUnconfirmed):
 	// the row of a failed trial, logged.
 	unconfirmed *Message
+	// dueHeld: the claim, a trial's, found no row, and a row is due all the same, locked by
+	// another transaction (another lane's whole batch, another replica's trial or batch).
+	dueHeld bool
 }
 
 type failure struct {
@@ -975,21 +989,35 @@ func (r *Relay) batchEnds(trial bool) {
 	}
 }
 
-// trialFoundNothing ends a silent outage whose trial, begun at since, claimed no row, and says
-// whether it did: none is due, so none waits for the broker. Unless another lane's whole batch
-// is out: its rows, locked, are what the claim skipped (SKIP LOCKED), and its outcome, or a
-// later trial, at BrokerRetry's pace, tells. Trials are one at a time, and no lane starts a
-// whole batch during the outage, so no other lane of this relay holds a row otherwise. Another
-// relay's can: a replica's trial holding the last due row ends this relay's outage, not its
-// own; this one has nothing to send.
-func (r *Relay) trialFoundNothing(ctx context.Context, since time.Time) bool {
+// dueHeld says, after a trial's claim, in tx, found no row, whether one is due all the same:
+// locked, which the claim skipped (SKIP LOCKED). Another lane's whole batch still out holds its
+// rows (no lane starts one during the outage, and trials are one at a time, so no other lane
+// holds a row otherwise); without one, the database is asked, in tx, under the claim's plan
+// settings, for a row another session holds: another replica's trial or batch, say.
+func (r *Relay) dueHeld(ctx context.Context, tx TxExecutor) (bool, error) {
 	r.outage.mu.Lock()
-	held := r.outage.batches > 0
-	if held {
-		r.outage.next = time.Now().Add(r.cfg.BrokerRetry.Delay(r.outage.failures))
-	}
+	lanes := r.outage.batches > 0
 	r.outage.mu.Unlock()
-	if held {
+	if lanes {
+		return true, nil
+	}
+	var due bool
+	if err := queryRow(ctx, tx, []any{&due}, statements.AnyDue); err != nil {
+		return false, fmt.Errorf("ask whether an outbox row is due: %w", err)
+	}
+	return due, nil
+}
+
+// trialFoundNothing ends a silent outage whose trial, begun at since, claimed no row, and says
+// whether it did: unless a row is due all the same (dueHeld), none waits for the broker (a row
+// parked, or backed off until later, waits for no broker). A due row held locked waits for it
+// as this relay's rows would: the outcome of the batch that holds it, or a later trial, at
+// BrokerRetry's pace, tells.
+func (r *Relay) trialFoundNothing(ctx context.Context, since time.Time, dueHeld bool) bool {
+	if dueHeld {
+		r.outage.mu.Lock()
+		r.outage.next = time.Now().Add(r.cfg.BrokerRetry.Delay(r.outage.failures))
+		r.outage.mu.Unlock()
 		return false
 	}
 	r.brokerUp(ctx, since, true)
@@ -997,9 +1025,11 @@ func (r *Relay) trialFoundNothing(ctx context.Context, since time.Time) bool {
 }
 
 // trialFailed logs, once an outage, the row whose trial the broker gave no verdict on: the
-// oldest due row, which every trial claims again. If that row is what the broker cannot
-// confirm (its quorum queue lost its majority), no row moves, however healthy their queues,
-// until the broker confirms it or an operator parks it.
+// oldest due row, which every trial claims again while no other session holds it. If that row
+// is what the broker cannot confirm (its quorum queue lost its majority), this relay's trials
+// move no row, however healthy their queues, until the broker confirms it or an operator parks
+// it. Another replica's trial, finding it locked, takes the next row, and the broker's confirm
+// of that row ends the replica's outage, until its next whole batch takes the row again.
 func (r *Relay) trialFailed(ctx context.Context, m Message, err error) {
 	r.outage.mu.Lock()
 	logged := r.outage.rowLogged
@@ -1009,7 +1039,7 @@ func (r *Relay) trialFailed(ctx context.Context, m Message, err error) {
 		return
 	}
 	r.log.WarnContext(m.traced(ctx, r.cfg.Propagator),
-		"the broker confirms nothing of the row the relay tries during the outage; every row waits behind it (outboxctl outbox park sets it aside)",
+		"the broker confirms nothing of the row the relay tries during the outage; it is tried again, the oldest due row, until confirmed or parked (outboxctl outbox park sets it aside)",
 		"message_id", m.ID, "type", m.Type, "message_exchange", m.Exchange, "routing_key", m.routingKey(), "error", err)
 }
 

@@ -542,24 +542,13 @@ func (l *lockedLog) lines(text string) []string {
 // BrokerUnavailable fired, until the next row was enqueued and confirmed.
 func TestATrialThatFindsNoRowDueEndsTheOutage(t *testing.T) {
 	t.Parallel()
-	sender := &unconfirmingSender{}
-	logs := &lockedLog{}
 	registry := prometheus.NewRegistry()
 	metrics, err := NewMetrics(registry, "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	db := &emptyingDB{backlogDB: backlogDB{rows: 50}}
-	r, err := NewRelay(RelayConfig{DB: db, Sender: sender, Exchange: "x", Lanes: 2, PollInterval: time.Hour,
-		DisableNotify: true, BrokerRetry: Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond},
-		Metrics: metrics, Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	stop := runRelay(t, r)
-	defer stop()
-	eventually(t, func() bool { return len(logs.lines(`msg="the broker confirms nothing of the row`)) == 1 },
-		"no trial's row was logged:\n%s", logs)
+	r, logs := runSilentOutage(t, db, metrics)
 	if up := brokerUpGauge(t, registry); up != 0 {
 		t.Fatalf("outbox_relay_broker_up is %v during the outage, want 0", up)
 	}
@@ -571,6 +560,63 @@ func TestATrialThatFindsNoRowDueEndsTheOutage(t *testing.T) {
 	}
 	if up := brokerUpGauge(t, registry); up != 1 {
 		t.Errorf("outbox_relay_broker_up is %v once the outage ended, want 1", up)
+	}
+}
+
+// runSilentOutage runs a relay of two lanes on db, counted in metrics (nil: none), whose broker
+// confirms nothing (an unconfirmingSender), until a failed trial's row is logged: the outage a
+// probe cannot see is on, and its trials under way. Once it is over, a lane that claims nothing
+// polls again within 10 ms. The relay stops at the test's end.
+func runSilentOutage(t *testing.T, db DB, metrics *Metrics) (*Relay, *lockedLog) {
+	t.Helper()
+	logs := &lockedLog{}
+	r, err := NewRelay(RelayConfig{DB: db, Sender: &unconfirmingSender{}, Exchange: "x", Lanes: 2, PollInterval: 10 * time.Millisecond,
+		DisableNotify: true, BrokerRetry: Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		Metrics: metrics, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(runRelay(t, r))
+	eventually(t, func() bool { return len(logs.lines(`msg="the broker confirms nothing of the row`)) == 1 },
+		"no trial's row was logged:\n%s", logs)
+	return r, logs
+}
+
+// A trial whose claim finds no row because another replica holds the due row locked (its
+// trial, or its whole batch: SKIP LOCKED skips it) ends nothing: the row is due, and waits for
+// the broker. It ended the outage, and this relay's next whole batch claimed the row once let
+// go, failed, and began a new one, while the replica's trial found the row locked in turn and
+// ended its own: two replicas ended and began their outages by turns, none lasting long enough
+// for BrokerUnavailable to fire. Once no row is due, locked or not (the row parked), a trial
+// that finds none ends it. Only a trial that claimed nothing asks whether a row is due: not a
+// batch that claimed rows, nor a whole batch that claimed none.
+func TestATrialThatFindsTheRowAnotherRelayHoldsEndsNothing(t *testing.T) {
+	t.Parallel()
+	db := &emptyingDB{backlogDB: backlogDB{rows: 50}}
+	r, logs := runSilentOutage(t, db, nil)
+	if n := db.asked.Load(); n != 0 {
+		t.Fatalf("%d batches that claimed rows asked whether a row is due, want none", n)
+	}
+
+	db.held.Store(true) // another replica's trial holds the due row
+	db.empty.Store(true)
+	claims := db.claims.Load()
+	eventually(t, func() bool { return db.claims.Load() >= claims+5 || !r.isBrokerDown() },
+		"fewer than 5 trials claimed after the row was locked")
+	if !r.isBrokerDown() || logs.count(`msg="broker available again`) != 0 {
+		t.Fatalf("a trial that found the due row another relay holds ended the outage:\n%s", logs)
+	}
+
+	db.held.Store(false) // the row parked: none is due
+	eventually(t, func() bool { return !r.isBrokerDown() }, "the outage did not end once no row was due:\n%s", logs)
+	if n := logs.count(`msg="broker available again`); n != 1 {
+		t.Errorf("%d lines end the outage, want 1:\n%s", n, logs)
+	}
+
+	asked, claims := db.asked.Load(), db.claims.Load()
+	eventually(t, func() bool { return db.claims.Load() >= claims+5 }, "fewer than 5 whole batches after the outage ended")
+	if n := db.asked.Load() - asked; n != 0 {
+		t.Errorf("%d whole batches that claimed nothing asked whether a row is due, want none", n)
 	}
 }
 
@@ -603,6 +649,9 @@ func TestATrialThatFindsTheRowsLockedByALaneEndsNothing(t *testing.T) {
 	if !r.isBrokerDown() || logs.count(`msg="broker available again`) != 0 {
 		t.Fatalf("a trial that found the rows another lane holds ended the outage:\n%s", logs)
 	}
+	if n := db.asked.Load(); n != 0 {
+		t.Errorf("%d trials asked the database whether a row is due while a lane's batch held the rows, want none: the batch says so", n)
+	}
 
 	release()
 	eventually(t, func() bool { return !r.isBrokerDown() }, "the outage did not end once the held batch was over:\n%s", logs)
@@ -612,19 +661,25 @@ func TestATrialThatFindsTheRowsLockedByALaneEndsNothing(t *testing.T) {
 }
 
 // emptyingDB is a backlogDB whose claims find no row once empty is set; it counts its claims.
+// Asked whether a row is due (statements.AnyDue, which it counts), it says held: a row another
+// transaction holds locked is, none else.
 type emptyingDB struct {
 	backlogDB
-	empty  atomic.Bool
-	claims atomic.Int32
+	empty, held   atomic.Bool
+	claims, asked atomic.Int32
 }
 
 func (d *emptyingDB) Begin(context.Context) (TxExecutor, error) { return d, nil }
 func (d *emptyingDB) Query(ctx context.Context, sql string, args ...any) (Rows, error) {
-	if sql == statements.Claim {
+	switch sql {
+	case statements.Claim:
 		d.claims.Add(1)
 		if d.empty.Load() {
 			return &valueRows{}, nil
 		}
+	case statements.AnyDue:
+		d.asked.Add(1)
+		return &valueRows{rows: [][]any{{d.held.Load()}}}, nil
 	}
 	return d.backlogDB.Query(ctx, sql, args...)
 }

@@ -3,6 +3,7 @@ package messaging
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -53,7 +54,15 @@ func migrateSchema(ctx context.Context, db DB, dir, versionTable string) (err er
 		conn.Discard()
 		return fmt.Errorf("migrations %s: take the lock: %w", versionTable, err)
 	}
-	defer unlock(ctx, conn, migrationLockKey)
+	defer func() {
+		switch uerr := unlock(ctx, conn, migrationLockKey); {
+		case uerr == nil:
+		case err == nil: // the schema is up to date: say so, lest the error pass for a failed migration
+			err = fmt.Errorf("migrations %s applied; their lock was not released: %w", versionTable, uerr)
+		default:
+			err = errors.Join(err, fmt.Errorf("migrations %s: %w", versionTable, uerr))
+		}
+	}()
 	applied, err := appliedVersions(ctx, conn, versionTable)
 	if err != nil {
 		return fmt.Errorf("migrations %s: %w", versionTable, err)

@@ -187,7 +187,7 @@ func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, cons
 	defer d.close()
 	trusted = make(map[string]bool)
 	for _, x := range t.AllExchanges() {
-		hidden, err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
+		_, hidden, err := d.declare("exchange "+x, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclare(x, amqp.ExchangeTopic, true, false, false, false, nil)
 		}, func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclarePassive(x, amqp.ExchangeTopic, true, false, false, false, nil)
@@ -201,7 +201,7 @@ func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, cons
 	}
 	var legacy legacyQueues
 	for _, q := range t.Queues {
-		_, err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
+		_, _, err := d.declare("queue "+q.Queue, func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclare(q.Queue, true, false, false, false, q.Arguments())
 			return err
 		}, passiveQueue(q.Queue))
@@ -217,16 +217,10 @@ func (t Topology) declareConsuming(conn *amqp.Connection, log *slog.Logger, cons
 				return nil, err
 			}
 		}
-		dlq := DeadLetterQueue(q.Queue)
-		_, err = d.declare("dead-letter queue "+dlq, func(ch *amqp.Channel) error {
-			_, err := ch.QueueDeclare(dlq, true, false, false, false, q.DeadLetterArguments())
-			return err
-		}, passiveQueue(dlq))
-		var refused *amqp.Error
+		_, _, err = d.deadLetterQueue(q)
 		switch {
-		case errors.As(err, &refused) && refused.Code == amqp.PreconditionFailed &&
-			strings.Contains(refused.Reason, "inequivalent arg 'x-delivery-limit'"):
-			legacy.names = append(legacy.names, dlq)
+		case isLegacyDeadLetterQueue(err):
+			legacy.names = append(legacy.names, DeadLetterQueue(q.Queue))
 			legacy.errs = append(legacy.errs, err)
 		case err != nil:
 			return nil, err
@@ -262,6 +256,14 @@ func (t Topology) check() error {
 	return nil
 }
 
+// isLegacyDeadLetterQueue reports whether err is the broker's refusal of a dead-letter queue's
+// declaration because the queue exists without x-delivery-limit: an earlier version declared it.
+func isLegacyDeadLetterQueue(err error) bool {
+	var refused *amqp.Error
+	return errors.As(err, &refused) && refused.Code == amqp.PreconditionFailed &&
+		strings.Contains(refused.Reason, "inequivalent arg 'x-delivery-limit'")
+}
+
 // legacyQueues is Declare's error when dead-letter queues an earlier version declared are used
 // as they are: it is ErrLegacyDeadLetterQueue, and names them.
 type legacyQueues struct {
@@ -290,20 +292,31 @@ type declarer struct {
 	ch   *amqp.Channel
 }
 
-// declare runs do; if the broker refuses it for lack of permission, exists tells whether the
-// resource is there all the same. hidden says that it was taken on trust: refused, and whether
-// it exists hidden too.
-func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) (hidden bool, err error) {
-	refused, hidden, err := d.try(what, do, exists)
+// declare runs do; if the broker refuses it for lack of permission (refused), exists tells
+// whether the resource is there all the same. hidden says that it was taken on trust: refused,
+// and whether it exists hidden too.
+func (d *declarer) declare(what string, do, exists func(ch *amqp.Channel) error) (refused, hidden bool, err error) {
+	refused, hidden, err = d.try(what, do, exists)
 	if err != nil || !refused || d.log == nil {
-		return hidden, err
+		return refused, hidden, err
 	}
 	if hidden {
 		d.log.Debug("not allowed to declare " + what + ", nor to see whether it exists; the deployment must declare it")
 	} else {
 		d.log.Debug("not allowed to declare " + what + "; it exists, declared by the deployment")
 	}
-	return hidden, nil
+	return refused, hidden, nil
+}
+
+// deadLetterQueue declares q's dead-letter queue, with its DeadLetterArguments, as declare
+// does: the one declaration of it, for the topology's and for a consumer's after the queue
+// was deleted (see deadLetterPublisher.declareAgain).
+func (d *declarer) deadLetterQueue(q ConsumerTopology) (refused, hidden bool, err error) {
+	dlq := DeadLetterQueue(q.Queue)
+	return d.declare("dead-letter queue "+dlq, func(ch *amqp.Channel) error {
+		_, err := ch.QueueDeclare(dlq, true, false, false, false, q.DeadLetterArguments())
+		return err
+	}, passiveQueue(dlq))
 }
 
 // bind binds queue to b. Refused for lack of permission, the binding is taken on trust once

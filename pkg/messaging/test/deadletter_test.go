@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -101,15 +102,88 @@ func TestConsumerDeadLetterCarriesTheMessageAndItsReason(t *testing.T) {
 	}
 }
 
-// While the dead-letter queue cannot take a message (here it is gone: the publish comes back
-// unroutable), the message is not acknowledged: a consumer that stops hands it back to the
-// queue, and once the dead-letter queue is back the message lands there, once.
+// A dead-letter queue deleted while the consumer runs (an operator purging it) is declared
+// again, as the topology declares it, once a copy comes back unroutable, and takes the next
+// try's copy: the consumer is not restarted. Left gone until the next connection, it refused
+// every copy, and the worker retrying one held the messages behind it (here the one worker's
+// good message, after the poison) for the whole session. Only the dead-letter queue is declared:
+// a binding the operator removed meanwhile stays removed, as it does until the next connection.
+func TestConsumerDeclaresADeletedDeadLetterQueueAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, func(c *messaging.SubscriptionConfig) { c.Concurrency = 1 })
+	must(t, b.ch.QueueUnbind(b.queue, eventType, b.exchange, nil))
+	dlq := messaging.DeadLetterQueue(b.queue)
+	if _, err := b.ch.QueueDelete(dlq, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	poison := amqp.Publishing{MessageId: uuid.NewString(), ContentType: "application/json", Body: []byte("<xml/>")}
+	for _, p := range []amqp.Publishing{poison, publishing(newMessage(t, 1))} {
+		// Straight to the queue, through the default exchange: the binding is gone.
+		must(t, b.ch.PublishWithContext(context.Background(), "", b.queue, false, false, p))
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return len(b.logs.Lines("message dead-lettered", poison.MessageId)) == 1 && b.workDone(t) == 1
+	}, "the poison message did not reach a dead-letter queue declared again, nor the good one its handler, while the consumer ran")
+	if n := len(b.logs.Lines("could not dead-letter message", poison.MessageId, "unroutable", "declared it again")); n == 0 {
+		t.Errorf("no line of the copy that came back unroutable, and of the queue declared again: %q", b.logs.Lines("could not dead-letter message"))
+	}
+	if bindings := bindingsOf(t, b.queue); len(bindings) != 0 {
+		t.Errorf("the binding the operator removed was declared again with the dead-letter queue: %q", bindings)
+	}
+	// With the library's arguments: a declaration with them is the same queue's, or refused.
+	own, _ := b.topology.Queue(b.queue)
+	if _, err := testenv.Channel(t).QueueDeclare(dlq, true, false, false, false, own.DeadLetterArguments()); err != nil {
+		t.Fatalf("the dead-letter queue declared again is not as the topology declares it: %v", err)
+	}
+	wantPoisonDeadLetteredOnce(t, b, poison)
+}
+
+// bindingsOf lists queue's bindings in the virtual host /, as "exchange routing-key", but the
+// default exchange's, which every queue has.
+func bindingsOf(t *testing.T, queue string) []string {
+	t.Helper()
+	out, err := testenv.RabbitMQCtlCommand("-q", "list_bindings", "-p", "/", "source_name", "destination_name", "routing_key", "--formatter", "json").Output()
+	if err != nil {
+		t.Fatalf("rabbitmqctl list_bindings: %v", err)
+	}
+	var rows []struct {
+		Source      string `json:"source_name"`
+		Destination string `json:"destination_name"`
+		RoutingKey  string `json:"routing_key"`
+	}
+	if err := json.Unmarshal(out, &rows); err != nil {
+		t.Fatalf("rabbitmqctl list_bindings: %v\n%s", err, out)
+	}
+	var bindings []string
+	for _, r := range rows {
+		if r.Destination == queue && r.Source != "" {
+			bindings = append(bindings, r.Source+" "+r.RoutingKey)
+		}
+	}
+	return bindings
+}
+
+// While the dead-letter queue cannot take a message (here it is gone, and the consumer's user
+// may not declare it again, which the consumer says: the publish comes back unroutable), the
+// message is not acknowledged: a consumer that stops hands it back to the queue, and once the
+// dead-letter queue is back the message lands there, once.
 func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.createWorkTable(t)
+	user := testenv.UniqueName("consumer")
+	t.Cleanup(func() { testenv.RabbitMQCtlQuietly("delete_user", user) })
+	testenv.RabbitMQCtl(t, "add_user", user, "secret")
+	// No right at all on the dead-letter queue: RabbitMQ from 4.2.6 on hides from this user
+	// whether it exists (publishing to it through the default exchange needs none).
+	own := "^(" + regexp.QuoteMeta(b.queue) + "|" + regexp.QuoteMeta(b.exchange) + ")$"
+	testenv.RabbitMQCtl(t, "set_permissions", "-p", "/", user,
+		own, "^("+regexp.QuoteMeta(b.queue)+"|"+regexp.QuoteMeta(b.exchange)+"|amq\\.default)$", own)
 	c, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
-		Name: b.queue, URL: testenv.AMQPURL(), Topology: b.topology, Logger: b.log, Metrics: b.metrics,
+		Name: b.queue, URL: strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1),
+		Topology: b.topology, Logger: b.log, Metrics: b.metrics,
 		RetryBackoff: messaging.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
 	})
 	if err != nil {
@@ -118,7 +192,6 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 	must(t, messaging.Handle(c, b.orderPlaced(), workFunc))
 	stop := start(t, c.Run)
 	testenv.Eventually(t, 10*time.Second, c.Ready, "consumer not ready")
-	// Gone after the subscription declared it: it stays gone until the next connection.
 	dlq := messaging.DeadLetterQueue(b.queue)
 	if _, err := b.ch.QueueDelete(dlq, false, false, false); err != nil {
 		t.Fatal(err)
@@ -126,8 +199,13 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 	poison := amqp.Publishing{MessageId: uuid.NewString(), ContentType: "application/json", Body: []byte("<xml/>")}
 	b.publishRaw(t, poison)
 	testenv.Eventually(t, 10*time.Second, func() bool {
-		return len(b.logs.Lines("could not dead-letter message", poison.MessageId, "unroutable")) >= 3
-	}, "the consumer did not report the dead-letter queue refusing the message")
+		return len(b.logs.Lines("could not dead-letter message", poison.MessageId, "unroutable", "not allowed to declare it")) >= 3
+	}, "the consumer did not report the dead-letter queue refusing the message, and that it may not declare it")
+	// RabbitMQ from 4.2.6 on refuses this user the question whether the queue exists, too:
+	// that was taken for a declaration, and claimed at every try.
+	if lines := b.logs.Lines("could not dead-letter message", "declared it again"); len(lines) != 0 {
+		t.Errorf("claimed a declaration the broker refused: %q", lines)
+	}
 	if err := stop(); err != nil {
 		t.Fatalf("Run returned %v", err)
 	}
@@ -137,7 +215,7 @@ func TestConsumerKeepsAMessageTheDeadLetterQueueDoesNotTake(t *testing.T) {
 		t.Fatalf("counted %v times as dead-lettered while no dead-letter queue took it", n)
 	}
 
-	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil) // its connection declares the dead-letter queue again
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil) // guest's connection declares the dead-letter queue again
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not dead-lettered")
 	wantPoisonDeadLetteredOnce(t, b, poison)
 }

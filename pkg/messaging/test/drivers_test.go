@@ -62,17 +62,7 @@ func TestPgxDriver(t *testing.T) {
 	d := testenv.NewDatabase(t)
 	testenv.Draw(t, driverPool)
 	pool := newPgxPool(t, d.URL, driverPool)
-	testDriver(t, d, func() { pool.Close() }, driverCase[pgx.Tx]{
-		drv:      pgxdriver.New(pool),
-		begin:    func(ctx context.Context) (pgx.Tx, error) { return pool.Begin(ctx) },
-		commit:   func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
-		rollback: func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
-		work: func(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
-			_, err := tx.Exec(ctx, "INSERT INTO driver_work (message_id) VALUES ($1)", id)
-			return err
-		},
-		notifies: true,
-	})
+	testDriver(t, d, func() { pool.Close() }, pgxCase(pool))
 }
 
 // The database/sql adapter over pgx's stdlib ("pgx") and over lib/pq ("postgres"), database/sql's
@@ -237,20 +227,7 @@ func TestGormDriver(t *testing.T) {
 	t.Parallel()
 	d := testenv.NewDatabase(t)
 	drv := d.Driver(t)
-	testDriver(t, d, nil, driverCase[*gorm.DB]{
-		drv: drv,
-		begin: func(ctx context.Context) (*gorm.DB, error) {
-			tx := d.DB.WithContext(ctx).Begin()
-			return tx, tx.Error
-		},
-		commit:          func(_ context.Context, tx *gorm.DB) error { return tx.Commit().Error },
-		rollback:        func(_ context.Context, tx *gorm.DB) error { return tx.Rollback().Error },
-		notATransaction: d.DB, // a plain handle: Enqueue on it would commit the messages on their own
-		work: func(_ context.Context, tx *gorm.DB, id uuid.UUID) error {
-			return tx.Exec("INSERT INTO driver_work (message_id) VALUES (?)", id).Error
-		},
-		notifies: true,
-	})
+	testDriver(t, d, nil, gormCase(drv, d.DB))
 }
 
 // openSQL opens a database/sql pool on url through pgx's stdlib driver.
@@ -269,6 +246,40 @@ func openSQLWith(t *testing.T, driver, url string) *sql.DB {
 	return db
 }
 
+// pgxCase is the pgx adapter over pool, as a case of the driver tests.
+func pgxCase(pool *pgxpool.Pool) driverCase[pgx.Tx] {
+	return driverCase[pgx.Tx]{
+		drv:      pgxdriver.New(pool),
+		begin:    func(ctx context.Context) (pgx.Tx, error) { return pool.Begin(ctx) },
+		commit:   func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
+		rollback: func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+		work: func(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
+			_, err := tx.Exec(ctx, "INSERT INTO driver_work (message_id) VALUES ($1)", id)
+			return err
+		},
+		notifies: true,
+	}
+}
+
+// gormCase is the GORM adapter drv over db, as a case of the driver tests.
+func gormCase(drv *gormdriver.Driver, db *gorm.DB) driverCase[*gorm.DB] {
+	return driverCase[*gorm.DB]{
+		drv: drv,
+		begin: func(ctx context.Context) (*gorm.DB, error) {
+			tx := db.WithContext(ctx).Begin()
+			return tx, tx.Error
+		},
+		commit:          func(_ context.Context, tx *gorm.DB) error { return tx.Commit().Error },
+		rollback:        func(_ context.Context, tx *gorm.DB) error { return tx.Rollback().Error },
+		notATransaction: db, // a plain handle: Enqueue on it would commit the messages on their own
+		work: func(_ context.Context, tx *gorm.DB, id uuid.UUID) error {
+			return tx.Exec("INSERT INTO driver_work (message_id) VALUES (?)", id).Error
+		},
+		notifies: true,
+	}
+}
+
+// sqlCase is the database/sql adapter drv over db, as a case of the driver tests.
 func sqlCase(drv *sqldriver.Driver, db *sql.DB, notifies bool) driverCase[*sql.Tx] {
 	return driverCase[*sql.Tx]{
 		drv:      drv,
@@ -758,17 +769,21 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INI
 	t.Cleanup(pool.Close)
 	drv := pgxdriver.New(pool)
 	// cancelledWhile returns a context cancelled once the server runs query (its text as
-	// pg_stat_activity shows it), or after 10 s: not after a fixed delay, which a slow first
-	// connection or the statements before query could outlast under load.
+	// pg_stat_activity shows it) begun after this call, or after 10 s: not after a fixed delay,
+	// which a slow first connection or the statements before query could outlast under load;
+	// nor on an earlier case's statement of the same text that a backend still shows active.
 	cancelledWhile := func(query string) context.Context {
 		ctx, cancel := context.WithCancel(context.Background())
 		t.Cleanup(cancel)
+		var since time.Time
+		must(t, d.DB.Raw(`SELECT clock_timestamp()`).Scan(&since).Error)
 		go func() {
 			defer cancel()
 			for deadline := time.Now().Add(10 * time.Second); ctx.Err() == nil && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 				var running int64
 				err := d.DB.Raw(`SELECT count(*) FROM pg_stat_activity
-					WHERE datname = current_database() AND state = 'active' AND query = ?`, query).Scan(&running).Error
+					WHERE datname = current_database() AND state = 'active' AND query = ?
+					AND query_start >= ?`, query, since).Scan(&running).Error
 				if err == nil && running > 0 {
 					return
 				}

@@ -2,8 +2,10 @@ package test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"io/fs"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +18,8 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/statements"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/internal/testhook"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/sqldriver"
 )
 
 func TestEnqueueCommitsAndRollsBackWithBusinessData(t *testing.T) {
@@ -103,6 +107,122 @@ func TestEnqueueTakesMoreMessagesThanOneStatementCarries(t *testing.T) {
 	}
 	if got := testenv.Count(t, db, "SELECT count(DISTINCT (payload->>'n')::int) FROM outbox_messages"); got != n {
 		t.Fatalf("%d distinct payloads, want %d", got, n)
+	}
+}
+
+// One Enqueue of more rows than one insert takes (8 MiB of JSON; here a bound of 64 KiB, lowered
+// through testhook, and 300 messages of 1 KiB) inserts them in several statements, behind a
+// savepoint, in the caller's transaction, through each driver: every row is committed, and the
+// transaction goes on. An id stored already, in the second insert, fails the Enqueue with the
+// server's error, and rolls the transaction back to before the messages: it goes on, none of
+// them written. The relays are notified once at the commit, or, through WithoutNotify, not at
+// all, as by one insert.
+func TestEnqueueOfSeveralInsertsIsAllOrNothing(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+4) // a pool of one per other driver, and a LISTEN
+	d := testenv.NewDatabase(t)
+	d.MigrateLibrary(t)
+	must(t, d.DB.Exec("CREATE TABLE driver_work (message_id uuid PRIMARY KEY)").Error)
+	ctx := testhook.WithEnqueueBatchBytes(context.Background(), 64<<10)
+	messages := func() []messaging.Message {
+		msgs := make([]messaging.Message, 300)
+		for i := range msgs {
+			m, err := messaging.NewMessage(eventType, map[string]any{"n": i, "filler": strings.Repeat("x", 1<<10)})
+			must(t, err)
+			msgs[i] = m
+		}
+		return msgs
+	}
+
+	testenv.Draw(t, 1)
+	listener, err := pgx.Connect(ctx, d.URL)
+	must(t, err)
+	_, err = listener.Exec(ctx, "LISTEN "+statements.NotifyChannel)
+	must(t, err)
+	gormDrv := d.Driver(t)
+	for _, c := range []struct {
+		drv  messaging.Driver[*gorm.DB]
+		mark string
+	}{{gormDrv, "after the plain commit"}, {messaging.WithoutNotify[*gorm.DB](gormDrv), "after the quiet commit"}} {
+		must(t, d.DB.Transaction(func(tx *gorm.DB) error { return messaging.Enqueue(ctx, c.drv, tx, messages()...) }))
+		must(t, d.DB.Exec("SELECT pg_notify(?, ?)", statements.NotifyChannel, c.mark).Error)
+	}
+	var got []string
+	for !slices.Contains(got, "after the quiet commit") {
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		n, err := listener.WaitForNotification(wctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("notifications so far %q, then: %v", got, err)
+		}
+		got = append(got, n.Payload)
+	}
+	must(t, listener.Close(ctx))
+	if want := []string{"", "after the plain commit", "after the quiet commit"}; !slices.Equal(got, want) {
+		t.Errorf("notifications %q, want %q: one from the plain commit of several inserts, none from the quiet one", got, want)
+	}
+
+	testenv.Draw(t, 1)
+	pool := newPgxPool(t, d.URL, 1)
+	defer pool.Close()
+	testSeveralInserts(ctx, t, d, "pgx", pgxCase(pool), messages)
+	for _, driver := range []string{"pgx", "postgres"} {
+		testenv.Draw(t, 1)
+		db, err := sql.Open(driver, d.URL)
+		must(t, err)
+		db.SetMaxOpenConns(1)
+		testSeveralInserts(ctx, t, d, "database/sql "+driver, sqlCase(sqldriver.New(db), db, false), messages)
+		must(t, db.Close())
+	}
+	testSeveralInserts(ctx, t, d, "GORM", gormCase(gormDrv, d.DB), messages)
+}
+
+// testSeveralInserts enqueues messages() of several inserts under ctx through c's driver, in a
+// transaction that then writes a row of driver_work and commits: once all new, once with a
+// message of the first enqueue's again, in the second insert.
+func testSeveralInserts[Tx any](ctx context.Context, t *testing.T, d *testenv.Database, name string, c driverCase[Tx], messages func() []messaging.Message) {
+	t.Helper()
+	count := func(msgs []messaging.Message) int64 {
+		ids := make([]uuid.UUID, len(msgs))
+		for i, m := range msgs {
+			ids[i] = m.ID
+		}
+		return testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id IN ?", ids)
+	}
+	enqueue := func(msgs []messaging.Message) (enqueued error) {
+		tx, err := c.begin(ctx)
+		must(t, err)
+		enqueued = messaging.Enqueue(ctx, c.drv, tx, msgs...)
+		if err := c.work(ctx, tx, msgs[0].ID); err != nil {
+			_ = c.rollback(ctx, tx)
+			t.Fatalf("%s: the transaction's statement after an Enqueue that returned %v: %v", name, enqueued, err)
+		}
+		if err := c.commit(ctx, tx); err != nil {
+			t.Fatalf("%s: commit after an Enqueue that returned %v: %v", name, enqueued, err)
+		}
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM driver_work WHERE message_id = ?", msgs[0].ID); n != 1 {
+			t.Fatalf("%s: the transaction's own row committed %d times, want once", name, n)
+		}
+		return enqueued
+	}
+
+	first := messages()
+	if err := enqueue(first); err != nil {
+		t.Fatalf("%s: enqueue %d messages in several inserts: %v", name, len(first), err)
+	}
+	if n := count(first); n != int64(len(first)) {
+		t.Fatalf("%s: %d of the %d messages committed", name, n, len(first))
+	}
+
+	again := messages()
+	again[80] = first[80] // in the second insert: each takes some 50 messages
+	err := enqueue(again)
+	var coded interface{ SQLState() string }
+	if !errors.As(err, &coded) || coded.SQLState() != "23505" || !strings.Contains(err.Error(), "insert messages ") || strings.Contains(err.Error(), "messages 0 to") {
+		t.Fatalf("%s: enqueue of an id stored already, past the first insert: %v; want the unique violation of an insert after the first", name, err)
+	}
+	if n := count(again); n != 1 {
+		t.Errorf("%s: %d of the messages of a failed Enqueue committed, want only the one stored before", name, n-1)
 	}
 }
 

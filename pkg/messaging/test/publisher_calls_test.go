@@ -3,7 +3,6 @@ package test
 import (
 	"context"
 	"errors"
-	"io"
 	"net"
 	"slices"
 	"strings"
@@ -195,11 +194,10 @@ func newCountingForwarder(t *testing.T, upstream string) *countingForwarder {
 		f.mu.Unlock()
 		go downstream(client, server, stalled)
 		go func() {
-			_, _ = io.Copy(server, client) // until the client closes
+			copyThenClose(server, client)
 			f.mu.Lock()
 			f.conns[i] = true
 			f.mu.Unlock()
-			_ = server.Close()
 		}()
 	}).Addr().String()
 	return f

@@ -118,10 +118,12 @@ func TestAMigrationWaitingForALockDoesNotHoldUpTheWriters(t *testing.T) {
 	}
 }
 
-// A replica whose pool sets a lock_timeout (as docs/library.md suggests for a consumer's) waits
-// for another replica's migration to end, rather than failing its start at the lock.
-func TestAMigrationWaitsForAnotherUnderThePoolsLockTimeout(t *testing.T) {
+// A replica whose pool sets a lock_timeout (as docs/library.md suggests for a consumer's) or a
+// statement_timeout waits for another replica's migration to end, rather than failing its
+// start at the lock.
+func TestAMigrationWaitsForAnotherUnderThePoolsTimeouts(t *testing.T) {
 	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the migrating replica's pool
 	db := testenv.NewDatabase(t)
 	ctx := context.Background()
 	sqlDB, err := db.DB.DB()
@@ -135,6 +137,8 @@ func TestAMigrationWaitsForAnotherUnderThePoolsLockTimeout(t *testing.T) {
 	must(t, err)
 	q := u.Query()
 	q.Set("lock_timeout", "200") // milliseconds
+	q.Set("statement_timeout", "200")
+	q.Set("pool_max_conns", "1")
 	u.RawQuery = q.Encode()
 	pool, err := pgxpool.New(ctx, u.String())
 	must(t, err)
@@ -151,8 +155,8 @@ func TestAMigrationWaitsForAnotherUnderThePoolsLockTimeout(t *testing.T) {
 	}, "the migration never waited for the other's lock")
 	select {
 	case err := <-migrated:
-		t.Fatalf("the migration ended while another held the lock, past its pool's 200 ms lock_timeout: %v", err)
-	case <-time.After(time.Second): // five lock timeouts; a wrong end comes within one
+		t.Fatalf("the migration ended while another held the lock, past its pool's 200 ms lock_timeout and statement_timeout: %v", err)
+	case <-time.After(time.Second): // five timeouts; a wrong end comes within one
 	}
 	_, err = other.ExecContext(ctx, `SELECT pg_advisory_unlock(4097083626)`)
 	must(t, err)
@@ -164,6 +168,41 @@ func TestAMigrationWaitsForAnotherUnderThePoolsLockTimeout(t *testing.T) {
 	}
 	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM messaging_outbox_schema WHERE version_id > 0 AND is_applied`); n == 0 {
 		t.Error("no migration recorded")
+	}
+}
+
+// A migration that reads or writes the whole table (00006 makes due the rows a version before
+// 00002 left never due, then validates 00005's check) outlasts the statement_timeout of the
+// pool it runs through: with the pool's, such an upgrade would fail at every start.
+func TestAMigrationOutlastsThePoolsStatementTimeout(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the migrating pool
+	db, sqlDB := outboxDatabaseAt(t, 4)
+	ctx := context.Background()
+	// 100,000 rows: 00006 updates them all (over a second here, on two cores), then reads them
+	// to validate; the pool allows a statement 50 ms.
+	_, err := sqlDB.ExecContext(ctx, `INSERT INTO outbox_messages (id, type, payload, occurred_at, next_attempt_at)
+		SELECT gen_random_uuid(), 'OrderPlaced', '{}', now(), 'infinity' FROM generate_series(1, 100000)`)
+	must(t, err)
+	u, err := url.Parse(db.URL)
+	must(t, err)
+	q := u.Query()
+	q.Set("statement_timeout", "50") // milliseconds
+	q.Set("pool_max_conns", "1")
+	u.RawQuery = q.Encode()
+	pool, err := pgxpool.New(ctx, u.String())
+	must(t, err)
+	defer pool.Close()
+	mctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if err := messaging.MigrateOutbox(mctx, pgxdriver.New(pool).DB()); err != nil {
+		t.Fatalf("MigrateOutbox through a pool whose statement_timeout is 50 ms: %v", err)
+	}
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM messaging_outbox_schema WHERE version_id = 6 AND is_applied`); n != 1 {
+		t.Errorf("version 6 recorded %d times, want once", n)
+	}
+	if n := testenv.Count(t, db.DB, `SELECT count(*) FROM outbox_messages WHERE next_attempt_at = 'infinity'`); n != 0 {
+		t.Errorf("%d rows left never due, want 0", n)
 	}
 }
 

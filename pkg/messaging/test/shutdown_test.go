@@ -235,8 +235,9 @@ func TestConsumerStartsNoWorkOnceTheShutdownBegins(t *testing.T) {
 
 // A message whose attempt the end of the grace cuts off while the database does not answer
 // (its traffic swallowed) is handed back at once, uncharged: the attempt was called off, and
-// asking the silent database whether it is there (up to 2 s) would take the hand-back past the
-// connection's close, a second after the grace, which RabbitMQ 4.3 counts as a failure.
+// asking the silent database whether it is there (up to 2 s, after a rollback that waits as
+// long) would hold the hand-back until the attempt is abandoned, 2.5 s after the grace, half a
+// second before the connection's close, which RabbitMQ 4.3 counts as a failure.
 func TestConsumerHandsBackAMessageTheGraceCutOffWhileTheDatabaseIsSilent(t *testing.T) {
 	t.Parallel()
 	testenv.Connections(t, testenv.DefaultConnections+2)
@@ -271,6 +272,80 @@ func TestConsumerHandsBackAMessageTheGraceCutOffWhileTheDatabaseIsSilent(t *test
 	}
 	b.stopWantHandedBack(t, stop, msg)
 	b.wantBackUncharged(t, []string{msg.ID.String()}, false)
+}
+
+// A handler that ignores its context at shutdown is abandoned 2.5 s after the grace, and its
+// message handed back, uncharged, before the connection closes. Closed a second after the grace,
+// as it was, the connection took the message back itself, the nack failed ("could not nack"),
+// and RabbitMQ 4.x counted that return as a failed delivery: a handler that hangs at every
+// deploy spent one of its message's deliveries each time, with no reason recorded.
+func TestConsumerHandsBackTheMessageOfAHandlerThatIgnoresTheShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	stuck, begun := ignoringTheShutdown(t)
+	const grace = 300 * time.Millisecond
+	stop := b.startConsumer(t, stuck, func(c *messaging.SubscriptionConfig) {
+		c.HandlerTimeout, c.ShutdownGrace = time.Minute, grace
+	})
+	msg := newMessage(t, 0)
+	b.publishRaw(t, publishing(msg))
+	<-begun
+	began := time.Now()
+	b.stopWantHandedBack(t, stop, msg)
+	wantReturnedWithinTheBound(t, time.Since(began), grace)
+	if n := len(b.logs.Lines("handler did not return at the shutdown", msg.ID.String())); n != 1 {
+		t.Fatalf("%d lines of the handler abandoned at the shutdown, want 1", n)
+	}
+	b.wantBackUncharged(t, []string{msg.ID.String()}, false)
+}
+
+// A broker that stops answering as the shutdown begins does not take Run past its bound either:
+// the attempt of a handler that ignores its context is given up 2.5 s after the grace, and the
+// connection's close, which waited its own second for an answer that never came, ends by the
+// time the shutdown closes the connection regardless, 3 s after the grace. Run took 3.5 s past
+// the grace: with the default grace, past a service's 8 s to stop.
+func TestConsumerStaysWithinItsShutdownBoundWhenTheBrokerStopsAnswering(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	fwd := newCountingForwarder(t, testenv.AMQPHost(t))
+	stuck, begun := ignoringTheShutdown(t)
+	const grace = 300 * time.Millisecond
+	stop := b.startConsumer(t, stuck, func(c *messaging.SubscriptionConfig) {
+		c.URL = testenv.AMQPURLVia(t, fwd.addr)
+		c.HandlerTimeout, c.ShutdownGrace = time.Minute, grace
+	})
+	msg := newMessage(t, 0)
+	b.publishRaw(t, publishing(msg))
+	<-begun
+	fwd.stall() // what the client sends still reaches the broker: the nack among it
+	began := time.Now()
+	b.stopWantHandedBack(t, stop, msg)
+	wantReturnedWithinTheBound(t, time.Since(began), grace)
+	b.wantBackUncharged(t, []string{msg.ID.String()}, false)
+}
+
+// ignoringTheShutdown is a handler that ignores its context, returning only once the test is
+// over; begun closes when it is first called.
+func ignoringTheShutdown(t *testing.T) (stuck messaging.Handler[*gorm.DB, payload], begun <-chan struct{}) {
+	started, release := make(chan struct{}), make(chan struct{})
+	t.Cleanup(func() { close(release) })
+	var once sync.Once
+	return func(context.Context, *gorm.DB, payload, messaging.Message) error {
+		once.Do(func() { close(started) })
+		<-release // its ctx ignored
+		return nil
+	}, started
+}
+
+// wantReturnedWithinTheBound fails t unless a subscription with a handler that ignores the
+// shutdown returned (took after the shutdown began) within its grace and 3 s: the attempt is
+// given up 2.5 s after the grace, and the connection closed 3 s after it at the latest.
+func wantReturnedWithinTheBound(t *testing.T, took, grace time.Duration) {
+	t.Helper()
+	if bound := grace + 3*time.Second + 100*time.Millisecond; took > bound {
+		t.Errorf("Run returned %s after the shutdown began, want within %s: the grace (%s) and 3 s",
+			took.Round(10*time.Millisecond), bound, grace)
+	}
 }
 
 // A shutdown in the middle of a session's setup hands back, uncharged, what the consumers that

@@ -67,9 +67,9 @@ func stallingBroker(t *testing.T, stall func(channel uint16) bool) (url string, 
 	return testenv.AMQPURLVia(t, ln.Addr().String()), signal, release
 }
 
-// stalledAt passes the protocol header, then whole frames (type, channel, size, payload, end)
-// from client to server, and reports true at the first frame on a channel stall names, which
-// it keeps; false if the conversation ended first.
+// stalledAt passes the protocol header, then whole frames from client to server, and reports
+// true at the first frame on a channel stall names, which it keeps; false if the conversation
+// ended first.
 func stalledAt(client io.Reader, server io.Writer, stall func(channel uint16) bool) bool {
 	header := make([]byte, 8)
 	if _, err := io.ReadFull(client, header); err != nil {
@@ -78,19 +78,15 @@ func stalledAt(client io.Reader, server io.Writer, stall func(channel uint16) bo
 	if _, err := server.Write(header); err != nil {
 		return false
 	}
-	frame := make([]byte, 7)
 	for {
-		if _, err := io.ReadFull(client, frame[:7]); err != nil {
+		frame, err := readFrame(client)
+		if err != nil {
 			return false
 		}
 		if stall(binary.BigEndian.Uint16(frame[1:3])) {
 			return true
 		}
-		rest := make([]byte, binary.BigEndian.Uint32(frame[3:7])+1) // the payload and the frame end
-		if _, err := io.ReadFull(client, rest); err != nil {
-			return false
-		}
-		if _, err := server.Write(append(frame[:7:7], rest...)); err != nil {
+		if _, err := server.Write(frame); err != nil {
 			return false
 		}
 	}

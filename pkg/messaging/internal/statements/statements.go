@@ -76,7 +76,16 @@ FROM jsonb_to_recordset($1::jsonb) AS r(
 	ClaimBounded = claimDue + `
   AND (SELECT set_config('idle_in_transaction_session_timeout', $2, true)) IS NOT NULL` + claimOldest
 
-	claimDue = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key, headers
+	// AnyDue says whether some row is due, locked or not: the claim's condition without its
+	// lock, so it counts the rows another transaction's claim holds, which the claim's SKIP
+	// LOCKED passed over (a plain read waits for no row lock, and sees the row as committed).
+	// It walks the claim's partial index of the unsent rows, under ClaimPlan's settings, in the
+	// transaction of a claim that found nothing, and stops at the first due row; with none due,
+	// it walks past every parked or backed-off unsent row, as that empty claim did.
+	AnyDue = `SELECT EXISTS (SELECT 1` + dueRows + `)`
+
+	claimDue = `SELECT id, type, payload, correlation_id, occurred_at, attempts, trace_parent, trace_state, exchange, routing_key, headers` + dueRows
+	dueRows  = `
 FROM outbox_messages
 WHERE processed_at IS NULL AND next_attempt_at <= now()`
 	claimOldest = `
