@@ -39,7 +39,7 @@ var codeLabels = map[string]map[string]func(t *testing.T) []string{
 		"outcome": constants("pkg/messaging", "handlerOK", "handlerError", "handlerPermanent"),
 	},
 	"notification_deliveries_total": {
-		"outcome": constants("services/notification", "deliverySent", "deliveryFailed"),
+		"outcome": constants("services/notification", "deliverySent", "deliveryFailed", "deliveryUndeliverable"),
 	},
 	"http_requests_total":           {"route": routerLabel("route"), "code": routerLabel("code")},
 	"http_request_duration_seconds": {"route": routerLabel("route")},

@@ -131,13 +131,9 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 	}
 	if len(learned) == 1 {
 		return messaging.AfterCommit(ctx, func() {
-			attrs := []any{"order_id", ev.OrderID, "invoice_id", learned[0].ID, "amount_cents", ev.TotalCents, "message_id", msgID}
-			if ev.CustomerID != learned[0].CustomerID {
-				// The amount is recorded all the same: the row stays void, and no invoice goes out.
-				h.log.ErrorContext(ctx, "order was cancelled before it arrived, for another customer; its invoice stays void", attrs...)
-				return
-			}
-			h.log.InfoContext(ctx, "order was cancelled before it arrived; its invoice stays void", attrs...)
+			// The amount is recorded all the same: the row stays void, and no invoice goes out.
+			h.logVoid(ctx, "order was cancelled before it arrived", "; its invoice stays void", ev.CustomerID == learned[0].CustomerID, slog.LevelInfo,
+				"order_id", ev.OrderID, "invoice_id", learned[0].ID, "amount_cents", ev.TotalCents, "message_id", msgID)
 		})
 	}
 	var existing Invoice
@@ -148,6 +144,19 @@ func (h invoicer) alreadyKnown(ctx context.Context, tx *gorm.DB, ev events.Order
 		h.alreadyDone()
 		h.logAlreadyKnown(ctx, ev, existing, msgID)
 	})
+}
+
+// logVoid logs what a later message of an order (its OrderPlaced, or an OrderCancelled) made of
+// its void invoice, head then tail: at level; or, if that message names another customer than
+// the row, at ERROR, with ", for another customer" after head: upstream disagrees with itself,
+// whichever came first. The row keeps the customer it was written with; neither id is logged (a
+// customer's id may be an address).
+func (h invoicer) logVoid(ctx context.Context, head, tail string, sameCustomer bool, level slog.Level, attrs ...any) {
+	if !sameCustomer {
+		h.log.ErrorContext(ctx, head+", for another customer"+tail, attrs...)
+		return
+	}
+	h.log.Log(ctx, level, head+tail, attrs...)
 }
 
 // logAlreadyKnown logs an OrderPlaced that found its order's row there, done by another
@@ -185,7 +194,10 @@ func (h invoicer) logAlreadyKnown(ctx context.Context, ev events.OrderPlaced, ex
 const awaitsItsOrderSQL = "status = ? AND placed_message_id IS NULL AND voided_at = created_at AND amount_cents = 0"
 
 // cancelled voids the order's invoice; if the order has none yet, a void row remembers the
-// cancellation, so that the order's OrderPlaced never issues one.
+// cancellation, so that the order's OrderPlaced never issues one. A cancellation for another
+// customer than the invoice's voids it all the same, and is logged at ERROR (logVoid), as an
+// OrderPlaced for another customer than its cancellation's is in the other order of arrival,
+// and as a second cancellation for another customer than the void invoice's is.
 func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCancelled, msg messaging.Message) error {
 	inv, err := newInvoice(ev.OrderID, ev.CustomerID, 0, StatusVoid, msg)
 	if err != nil {
@@ -202,7 +214,7 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		})
 	}
 	var voided Invoice
-	res := tx.Model(&voided).Clauses(clause.Returning{Columns: []clause.Column{{Name: "id"}}}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
+	res := tx.Model(&voided).Clauses(clause.Returning{Columns: []clause.Column{{Name: "id"}, {Name: "customer_id"}}}).Where("order_id = ? AND status = ?", ev.OrderID, StatusIssued).
 		// Later than created by construction, even if the database's clock steps back: a void row
 		// voided as it was created is the one a cancellation wrote before its order.
 		Updates(map[string]any{"status": StatusVoid, "voided_at": gorm.Expr("greatest(clock_timestamp(), created_at + interval '1 microsecond')")})
@@ -210,14 +222,20 @@ func (h invoicer) cancelled(ctx context.Context, tx *gorm.DB, ev events.OrderCan
 		return fmt.Errorf("void invoice of order %s: %w", ev.OrderID, res.Error)
 	}
 	if res.RowsAffected == 0 {
-		// Void already: another message cancelled the order.
+		// Void already: another message cancelled the order. One for another customer is the
+		// same disagreement as a first cancellation for another customer.
+		var void Invoice
+		if err := tx.Select("customer_id").Where("order_id = ?", ev.OrderID).Take(&void).Error; err != nil {
+			return fmt.Errorf("read the void invoice of order %s: %w", ev.OrderID, err)
+		}
 		return messaging.AfterCommit(ctx, func() {
 			h.alreadyDone()
-			h.log.WarnContext(ctx, "order already cancelled by another message; nothing to do", "order_id", ev.OrderID, "message_id", msg.ID)
+			h.logVoid(ctx, "order already cancelled by another message", "; nothing to do", ev.CustomerID == void.CustomerID, slog.LevelWarn,
+				"order_id", ev.OrderID, "message_id", msg.ID)
 		})
 	}
 	return messaging.AfterCommit(ctx, func() {
-		h.log.InfoContext(ctx, "invoice voided", "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
+		h.logVoid(ctx, "invoice voided", "", ev.CustomerID == voided.CustomerID, slog.LevelInfo, "invoice_id", voided.ID, "order_id", ev.OrderID, "message_id", msg.ID)
 	})
 }
 

@@ -33,7 +33,12 @@ type testBundle struct {
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
-	d := testenv.NewDatabase(t)
+	return setupOn(t, testenv.NewDatabase(t))
+}
+
+// setupOn is setup on d, migrated to the latest version from wherever it stands.
+func setupOn(t *testing.T, d *testenv.Database) *testBundle {
+	t.Helper()
 	d.Migrate(t, platform.Library(messaging.MigrateInbox), platform.Library(messaging.MigrateOutbox), platform.Migrations(migrations, "migrations", "invoicing_schema"))
 	log, logs := testenv.NewLogger(t)
 	// Deliver needs no broker: the URL is never dialled.
@@ -68,7 +73,13 @@ func orderPlacedFor(t *testing.T, orderID uuid.UUID, customer string, total int6
 
 func orderCancelled(t *testing.T, orderID uuid.UUID) messaging.Message {
 	t.Helper()
-	msg, err := events.OrderCancelledEvent.Message(events.OrderCancelled{OrderID: orderID, CustomerID: "c-42", Reason: "test", CancelledAt: time.Now().UTC()})
+	return orderCancelledFor(t, orderID, "c-42")
+}
+
+// orderCancelledFor is an OrderCancelled of customer's.
+func orderCancelledFor(t *testing.T, orderID uuid.UUID, customer string) messaging.Message {
+	t.Helper()
+	msg, err := events.OrderCancelledEvent.Message(events.OrderCancelled{OrderID: orderID, CustomerID: customer, Reason: "test", CancelledAt: time.Now().UTC()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -773,5 +784,134 @@ func TestAnOrderPlacedForAnotherCustomerIsADisagreement(t *testing.T) {
 	}
 	if n := b.alreadyDone.Load(); n != 2 {
 		t.Errorf("%d messages counted as done already, want 2: the issued order's and the void order's second OrderPlaced", n)
+	}
+}
+
+// An OrderCancelled for another customer than the invoice it voids is upstream disagreeing with
+// itself, as an OrderPlaced for another customer than its order's void row is: logged at ERROR,
+// naming neither customer, the row keeping its own. The same cancellation for the invoice's
+// customer is the usual "invoice voided", at INFO.
+func TestAnOrderCancelledForAnotherCustomerIsADisagreement(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	other, same := uuid.New(), uuid.New()
+	otherCancel, sameCancel := orderCancelledFor(t, other, "c-7"), orderCancelled(t, same)
+	for _, msg := range []messaging.Message{orderPlaced(t, other, 2500), otherCancel, orderPlaced(t, same, 700), sameCancel} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+	}
+	if inv, issued := b.invoiceOf(t, other); inv.Status != StatusVoid || inv.CustomerID != "c-42" || inv.AmountCents != 2500 || issued != 1 {
+		t.Fatalf("invoice %+v with %d InvoiceIssued, want void, for c-42 still, issued once before", inv, issued)
+	}
+	for _, want := range [][]string{
+		{"level=ERROR", "invoice voided, for another customer", "message_id=" + otherCancel.ID.String()},
+		{"level=INFO", `msg="invoice voided"`, "message_id=" + sameCancel.ID.String()},
+	} {
+		if n := len(b.logs.Lines(want...)); n != 1 {
+			t.Errorf("%d lines with %q, want 1:\n%s", n, want, b.logs)
+		}
+	}
+	if n := len(b.logs.Lines("invoice voided", "message_id="+otherCancel.ID.String())); n != 1 {
+		t.Errorf("%d lines of the voiding for another customer, want 1:\n%s", n, b.logs)
+	}
+	if n := len(b.logs.Lines("customer_id=")) + len(b.logs.Lines("=c-7")); n != 0 {
+		t.Errorf("%d lines name a customer, want none: a customer's id may be an address", n)
+	}
+}
+
+// Migration 00004 adds placed_message_id, NULL on every row written before it. Of the void rows
+// among those, only the one a cancellation wrote before its order, voided as it was created and
+// with no amount yet, awaits its order: an OrderPlaced after the migration gives it its amount.
+// The others keep theirs, and the OrderPlaced finds its work done: a row issued and voided later
+// (for an amount, or for 0: voided after it was created), and a row cancelled first whose order
+// came before the migration (its amount known).
+func TestMigrationToPlacedMessageKeepsTheAmountsKnown(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.MigrateTo(t, migrations, "migrations", "invoicing_schema", 3)
+	issued, issuedFree, learned, waiting := uuid.New(), uuid.New(), uuid.New(), uuid.New()
+	// As the invoicer wrote them then: a void row of a cancellation that came first is voided as
+	// it is created; an issued one is voided later.
+	for _, row := range []struct {
+		order       uuid.UUID
+		amount      int64
+		voidedLater bool
+	}{{issued, 2500, true}, {issuedFree, 0, true}, {learned, 900, false}, {waiting, 0, false}} {
+		if err := d.DB.Exec(`INSERT INTO invoices (id, order_id, customer_id, amount_cents, status, message_id, created_at, voided_at)
+VALUES (?, ?, 'c-42', ?, 'void', ?, now(), now() + CASE WHEN ? THEN interval '1 second' ELSE interval '0' END)`,
+			uuid.New(), row.order, row.amount, uuid.New(), row.voidedLater).Error; err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	b := setupOn(t, d)
+	late := orderPlaced(t, waiting, 700)
+	for _, msg := range []messaging.Message{orderPlaced(t, issued, 700), orderPlaced(t, issuedFree, 700), orderPlaced(t, learned, 700), late} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+	}
+	for _, want := range []struct {
+		order  uuid.UUID
+		what   string
+		amount int64
+		placed *uuid.UUID
+	}{
+		{issued, "issued, then voided", 2500, nil},
+		{issuedFree, "issued for 0, then voided", 0, nil},
+		{learned, "cancelled first, its amount known", 900, nil},
+		{waiting, "cancelled first, awaiting its order", 700, &late.ID},
+	} {
+		inv, announced := b.invoiceOf(t, want.order)
+		placedOK := (inv.PlacedMessageID == nil) == (want.placed == nil) && (want.placed == nil || *inv.PlacedMessageID == *want.placed)
+		if inv.Status != StatusVoid || inv.AmountCents != want.amount || !placedOK || announced != 0 {
+			t.Errorf("%s: invoice %+v with %d InvoiceIssued, want void of %d, placed by %v, never announced", want.what, inv, announced, want.amount, want.placed)
+		}
+	}
+	if n := b.alreadyDone.Load(); n != 3 {
+		t.Errorf("%d messages counted as done already, want the 3 whose rows knew their amount", n)
+	}
+	if n := len(b.logs.Lines("its invoice stays void")); n != 1 {
+		t.Errorf("%d 'cancelled before it arrived' lines, want 1 (the awaiting row's order)", n)
+	}
+}
+
+// A second OrderCancelled for another customer than the void invoice's is the same disagreement
+// as the first for another customer would be: one ERROR line, naming neither customer, the row
+// kept as it was and the message counted as done already. So whether the invoice was issued and
+// voided, or the first cancellation came before its order.
+func TestASecondOrderCancelledForAnotherCustomerIsADisagreement(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	issuedFirst, cancelledFirst := uuid.New(), uuid.New()
+	issuedOther, cancelledOther := orderCancelledFor(t, issuedFirst, "c-7"), orderCancelledFor(t, cancelledFirst, "c-7")
+	for _, msg := range []messaging.Message{
+		orderPlaced(t, issuedFirst, 2500), orderCancelled(t, issuedFirst), issuedOther,
+		orderCancelled(t, cancelledFirst), cancelledOther,
+	} {
+		if dup, err := b.deliver(t, msg); err != nil || dup {
+			t.Fatalf("%s: duplicate=%v err=%v", msg.Type, dup, err)
+		}
+	}
+	for _, order := range []uuid.UUID{issuedFirst, cancelledFirst} {
+		if inv, _ := b.invoiceOf(t, order); inv.Status != StatusVoid || inv.CustomerID != "c-42" {
+			t.Errorf("invoice %+v, want void, for c-42 still", inv)
+		}
+	}
+	for _, msg := range []messaging.Message{issuedOther, cancelledOther} {
+		want := []string{"level=ERROR", "order already cancelled by another message, for another customer; nothing to do", "message_id=" + msg.ID.String()}
+		if n := len(b.logs.Lines(want...)); n != 1 {
+			t.Errorf("%d lines with %q, want 1:\n%s", n, want, b.logs)
+		}
+		if n := len(b.logs.Lines("level=WARN", "message_id="+msg.ID.String())); n != 0 {
+			t.Errorf("%d WARN lines of message %s besides the ERROR, want none:\n%s", n, msg.ID, b.logs)
+		}
+	}
+	if n := len(b.logs.Lines("customer_id=")) + len(b.logs.Lines("=c-7")); n != 0 {
+		t.Errorf("%d lines name a customer, want none: a customer's id may be an address", n)
+	}
+	if n := b.alreadyDone.Load(); n != 2 {
+		t.Errorf("%d messages counted as done already, want the 2 second cancellations", n)
 	}
 }

@@ -20,8 +20,8 @@ const backlogCountCap = 100_000
 
 // backlogSQL reads the notifications not sent yet, up to a cap, and the age of the oldest.
 const backlogSQL = `SELECT
-    (SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = 'pending' LIMIT $1) AS capped),
-    coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM notifications WHERE status = 'pending'), 0)`
+    (SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = '` + StatusPending + `' LIMIT $1) AS capped),
+    coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM notifications WHERE status = '` + StatusPending + `'), 0)`
 
 // backlogTimeout bounds the backlog query, the wait for its connection included, well inside
 // Prometheus's scrape timeout (10 s by default).

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"net/smtp"
 	"net/textproto"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -696,6 +697,44 @@ func (c *smtpConn) send(ctx context.Context, from string, n Notification) error 
 	})
 }
 
+// errRecipientRefused marks a delivery whose recipient the mail server refuses for good: it
+// answered RCPT TO with a 5yz whose enhanced status code says the recipient's address is bad
+// (refusesRecipient). The same address would be refused at every retry: the sender makes the
+// notification undeliverable. Any other refusal is retried, a 5yz included: a relay's
+// configuration (relaying denied, authentication required, the sender's address refused)
+// refuses every recipient alike, until it is fixed.
+var errRecipientRefused = errors.New("the mail server refuses the recipient's address for good")
+
+// recipientAddressStatus are the details y of the enhanced status codes 5.1.y (RFC 3463 3.2,
+// RFC 7505 4) that say the recipient's address is bad: 1 no such mailbox, 3 bad syntax, 4
+// ambiguous, 6 moved with no forwarding address, 10 a domain that takes no mail (null MX). Not
+// the others of the class: 0 (other address status, which Postfix gives a sender's address it
+// does not know), 5 and 9 (no failure), 7 and 8 (the sender's address, which Postfix refuses in
+// its reply to RCPT TO): each may refuse every recipient alike; nor 2 (no such system), which
+// Postfix with unknown_address_reject_code = 550 also gives when the lookup of the domain fails
+// (NXDOMAIN, a malformed reply): a DNS glitch at the relay, retried.
+var recipientAddressStatus = map[string]bool{"1": true, "3": true, "4": true, "6": true, "10": true}
+
+// enhancedCode is an enhanced status code (RFC 3463 2) at the start of a reply's line: its
+// class, subject and detail.
+var enhancedCode = regexp.MustCompile(`^([245])\.([0-9]{1,3})\.([0-9]{1,3})(?: |$)`)
+
+// refusesRecipient says whether reply, the server's to RCPT TO, refuses the recipient's address
+// for good: a 5yz whose enhanced status code is 5.1.y, y one of recipientAddressStatus. The code
+// is the first that begins a line of the reply (RFC 2034 puts it on each; some servers on the
+// last alone). A reply without one says too little to give up on.
+func refusesRecipient(reply *textproto.Error) bool {
+	if reply.Code/100 != 5 {
+		return false
+	}
+	for line := range strings.SplitSeq(reply.Msg, "\n") {
+		if c := enhancedCode.FindStringSubmatch(line); c != nil {
+			return c[1] == "5" && c[2] == "1" && recipientAddressStatus[c[3]]
+		}
+	}
+	return false
+}
+
 // smtpCommand is one command of a message's conversation and the reply code it expects.
 type smtpCommand struct {
 	line   string
@@ -709,8 +748,9 @@ type smtpCommand struct {
 // server reset the idle connection) or at its reply (closed it), is errStale: nothing of the
 // message counts before the server's 250 to RSET. So is a 421 on a reused connection (a server
 // that takes so many messages a session, as Exim can): the server is closing that session, not
-// refusing the message. A server that refused MAIL or RCPT yet answered DATA with 354 waits
-// for a message; the connection is closed instead, which ends it unaccepted.
+// refusing the message. A refusal of RCPT that refusesRecipient reads as the recipient's bad
+// address is errRecipientRefused. A server that refused MAIL or RCPT yet answered DATA with
+// 354 waits for a message; the connection is closed instead, which ends it unaccepted.
 func (c *smtpConn) converse(cmds []smtpCommand, reused bool) error {
 	t := c.client.Text
 	for len(cmds) > 0 {
@@ -721,8 +761,12 @@ func (c *smtpConn) converse(cmds []smtpCommand, reused bool) error {
 		cmds = cmds[len(group):]
 		failed := func(cmd smtpCommand, err error) error {
 			var reply *textproto.Error
-			if cmd.name == "rset" || reused && errors.As(err, &reply) && reply.Code == 421 {
+			isReply := errors.As(err, &reply)
+			switch {
+			case cmd.name == "rset" || reused && isReply && reply.Code == 421:
 				return fmt.Errorf("smtp %s: %w: %w", cmd.name, errStale, err)
+			case cmd.name == "rcpt to" && isReply && refusesRecipient(reply):
+				return fmt.Errorf("smtp %s: %w: %w", cmd.name, errRecipientRefused, err)
 			}
 			return fmt.Errorf("smtp %s: %w", cmd.name, err)
 		}

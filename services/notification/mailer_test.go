@@ -1006,12 +1006,59 @@ func TestAddressesAreASCIIWhereTheServerTakesNoSMTPUTF8(t *testing.T) {
 }
 
 // recordingMailServer is a test mail server for what testenv's does not do: offer SMTPUTF8,
-// or refuse a greeting. It records each e-mail's envelope and each name it was greeted by.
+// refuse a greeting, or refuse MAIL or RCPT with any reply. It records each e-mail's envelope
+// and each name it was greeted by.
 type recordingMailServer struct {
 	addr  string
 	mu    sync.Mutex
 	mail  []string // "from to to", an e-mail's envelope
 	helos []string
+	// refuse, if set, answers MAIL ("mail", the sender) and RCPT ("rcpt", the recipient):
+	// an error is the server's reply, nil takes the address.
+	refuse func(cmd, address string) error
+	// refused counts the commands refuse refused.
+	refused int
+}
+
+// refuseWith makes s answer MAIL and RCPT with what refuse says.
+func (s *recordingMailServer) refuseWith(refuse func(cmd, address string) error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.refuse = refuse
+}
+
+// refusals is how many commands the server refused.
+func (s *recordingMailServer) refusals() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.refused
+}
+
+// answer is the server's reply to cmd for address: what refuse says, counted if a refusal.
+func (s *recordingMailServer) answer(cmd, address string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.refuse == nil {
+		return nil
+	}
+	err := s.refuse(cmd, address)
+	if err != nil {
+		s.refused++
+	}
+	return err
+}
+
+// refusing is a running recordingMailServer that answers cmd ("mail" or "rcpt") with reply.
+func refusing(t *testing.T, cmd string, reply *gosmtp.SMTPError) *recordingMailServer {
+	t.Helper()
+	s := runMailServer(t, "127.0.0.1:0", false, nil)
+	s.refuseWith(func(c, _ string) error {
+		if c == cmd {
+			return reply
+		}
+		return nil
+	})
+	return s
 }
 
 func (s *recordingMailServer) received() []string {
@@ -1069,11 +1116,17 @@ func (x *recordingSession) Reset()        { x.from, x.to = "", "" }
 func (x *recordingSession) Logout() error { return nil }
 
 func (x *recordingSession) Mail(from string, _ *gosmtp.MailOptions) error {
+	if err := x.server.answer("mail", from); err != nil {
+		return err
+	}
 	x.from = from
 	return nil
 }
 
 func (x *recordingSession) Rcpt(to string, _ *gosmtp.RcptOptions) error {
+	if err := x.server.answer("rcpt", to); err != nil {
+		return err
+	}
 	x.to = to
 	return nil
 }
@@ -1463,5 +1516,117 @@ func TestASessionOpenedTooLateIsKeptForTheNext(t *testing.T) {
 	}
 	if mail := srv.Mail(); len(mail) != 1 || mail[0].To != "c-2@customers.example" {
 		t.Errorf("the server took %+v, want the second e-mail alone", mail)
+	}
+}
+
+// smtpReply is a server's reply as go-smtp writes it: code, enhanced code (none if nil) and text.
+func smtpReply(code int, enhanced []int, text string) *gosmtp.SMTPError {
+	e := &gosmtp.SMTPError{Code: code, EnhancedCode: gosmtp.NoEnhancedCode, Message: text}
+	if enhanced != nil {
+		e.EnhancedCode = gosmtp.EnhancedCode{enhanced[0], enhanced[1], enhanced[2]}
+	}
+	return e
+}
+
+// Refusals the recipient could never get past, whoever sends it: the server's 5yz to RCPT TO
+// with an enhanced status code that says the recipient's address is bad.
+var addressRefusals = map[string]*gosmtp.SMTPError{
+	"bad mailbox": smtpReply(550, []int{5, 1, 1}, "<c-1@customers.example>: Recipient address rejected: User unknown"),
+	"bad syntax":  smtpReply(553, []int{5, 1, 3}, "Bad recipient address syntax"),
+	"moved":       smtpReply(551, []int{5, 1, 6}, "User has moved; no forwarding address"),
+	"null MX":     smtpReply(556, []int{5, 1, 10}, "Recipient address has null MX"),
+	"ambiguous":   smtpReply(550, []int{5, 1, 4}, "Ambiguous recipient"),
+	// go-smtp writes the enhanced code on the last line only.
+	"two lines": smtpReply(550, []int{5, 1, 1}, "No such user here\nCheck the address"),
+}
+
+// Refusals that may be the relay's or the sender's, which refuses every recipient alike until
+// its configuration is fixed, or that pass: tried again, as any failure.
+var otherRefusals = map[string]*gosmtp.SMTPError{
+	"relaying denied":          smtpReply(550, []int{5, 7, 1}, "<c-1@customers.example>: Relay access denied"),
+	"authentication required":  smtpReply(530, []int{5, 7, 0}, "Authentication required"),
+	"mailbox busy":             smtpReply(450, []int{4, 2, 1}, "Mailbox busy, try again later"),
+	"no such mailbox, for now": smtpReply(450, []int{4, 1, 1}, "Recipient address rejected: unverified address"),
+	"sender's domain unknown":  smtpReply(550, []int{5, 1, 8}, "<orders@shop.example>: Sender address rejected: Domain not found"),
+	"sender's syntax":          smtpReply(553, []int{5, 1, 7}, "<orders@shop.example>: Sender address rejected: bad syntax"),
+	"sender unlisted":          smtpReply(550, []int{5, 1, 0}, "<orders@shop.example>: Sender address rejected: User unknown"),
+	// Postfix's answer (unknown_address_reject_code 550) to a DNS lookup of the recipient's
+	// domain that failed, NXDOMAIN or a malformed reply: a glitch at the relay, not the address.
+	"no such system, or DNS":     smtpReply(550, []int{5, 1, 2}, "<c-1@customers.example>: Recipient address rejected: Domain not found"),
+	"no enhanced code":           smtpReply(550, nil, "User unknown"),
+	"class that is not the code": smtpReply(550, []int{4, 1, 1}, "User unknown"),
+}
+
+// A reply to RCPT TO that refuses the recipient's address for good fails the delivery with
+// errRecipientRefused, the reply kept whole; any other refusal, a 5yz included, and the same
+// address status in reply to MAIL FROM (the sender's), fails it as any failure does.
+func TestOnlyARecipientsBadAddressIsRefusedForGood(t *testing.T) {
+	t.Parallel()
+	try := func(t *testing.T, cmd string, reply *gosmtp.SMTPError, permanent bool) {
+		t.Helper()
+		srv := refusing(t, cmd, reply)
+		d := newSMTPDeliverer(srv.addr, "orders@shop.example", 1)
+		t.Cleanup(d.Close)
+		err := deliverNow(d, mailTo("c-1@customers.example"))
+		at := map[string]string{"mail": "smtp mail from: ", "rcpt": "smtp rcpt to: "}[cmd]
+		if err == nil || !strings.HasPrefix(err.Error(), at) || !strings.Contains(err.Error(), fmt.Sprint(reply.Code)) {
+			t.Fatalf("err = %v, want the server's %d to %q", err, reply.Code, at)
+		}
+		if errors.Is(err, errRecipientRefused) != permanent || errors.Is(err, errNotStarted) || errors.Is(err, errUnreachable) {
+			t.Fatalf("err = %v: refused for good %v, want %v (and started, the server reachable)", err, errors.Is(err, errRecipientRefused), permanent)
+		}
+		if srv.refusals() != 1 || len(srv.received()) != 0 {
+			t.Fatalf("%d refusals and %d e-mails, want the one refusal and none", srv.refusals(), len(srv.received()))
+		}
+	}
+	for name, reply := range addressRefusals {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			try(t, "rcpt", reply, true)
+		})
+	}
+	for name, reply := range otherRefusals {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			try(t, "rcpt", reply, false)
+		})
+	}
+	t.Run("bad mailbox to MAIL FROM", func(t *testing.T) {
+		t.Parallel()
+		try(t, "mail", addressRefusals["bad mailbox"], false)
+	})
+}
+
+// The enhanced status code that decides is the first at the start of a line of the reply,
+// 5.1.y with y an address status of the recipient's; none, or one that is not a code, decides
+// nothing.
+func TestRefusesRecipient(t *testing.T) {
+	for _, tc := range []struct {
+		code int
+		msg  string
+		want bool
+	}{
+		{550, "5.1.1 <ann@example.org>: Recipient address rejected: User unknown", true},
+		{550, "5.1.1", true},
+		{550, "5.1.10 Recipient address has null MX", true},
+		{550, "5.1.1 No such user\n5.1.1 Check the address", true},
+		{550, "No such user\n5.1.1 Check the address", true},
+		{550, "5.7.1 Relay access denied\n5.1.1 User unknown", false},
+		{550, "5.1.11 Not one RFC 3463 or 7505 gives", false},
+		{550, "5.1.01 User unknown", false},
+		{550, "5.1.1x User unknown", false},
+		{550, "5.1.100 User unknown", false},
+		{550, "User unknown 5.1.1", false},
+		{550, "5.1.2 <ann@example.org>: Recipient address rejected: Domain not found", false},
+		{550, "5.1.5 Destination address valid", false},
+		{550, "5.1.9 Relayed to a non-compliant mailer", false},
+		{450, "5.1.1 User unknown", false},
+		{450, "4.1.1 User unknown", false},
+		{550, "4.1.1 User unknown", false},
+		{554, "5.7.1 <ann@example.org>: Relay access denied", false},
+	} {
+		if got := refusesRecipient(&textproto.Error{Code: tc.code, Msg: tc.msg}); got != tc.want {
+			t.Errorf("%d %q: refused for good %v, want %v", tc.code, tc.msg, got, tc.want)
+		}
 	}
 }

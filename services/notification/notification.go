@@ -28,10 +28,13 @@ import (
 //go:embed migrations/*.sql
 var migrations embed.FS
 
-// Delivery states of a notification.
+// Delivery states of a notification: pending until sent, or undeliverable, its recipient
+// refused for good by the mail server (errRecipientRefused), which ends its retries. The
+// sender's and the backlog's statements are written with these, so that they match the rows.
 const (
-	StatusPending = "pending"
-	StatusSent    = "sent"
+	StatusPending       = "pending"
+	StatusSent          = "sent"
+	StatusUndeliverable = "undeliverable"
 )
 
 // The kinds of notification: at most one of each per order (the migrations' UNIQUE (order_id,

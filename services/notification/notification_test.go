@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net/mail"
 	"slices"
@@ -14,7 +13,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"testing/fstest"
 	"time"
 
 	"github.com/google/uuid"
@@ -23,7 +21,6 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/outboxkit/outbox-inbox/internal/events"
-	"github.com/outboxkit/outbox-inbox/internal/migrate"
 	"github.com/outboxkit/outbox-inbox/internal/platform"
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -486,17 +483,7 @@ func TestSubscriptionBindsEveryEvent(t *testing.T) {
 func TestMigrationToKindsKeepsExistingConfirmations(t *testing.T) {
 	t.Parallel()
 	d := testenv.NewDatabase(t)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	first, err := fs.ReadFile(migrations, "migrations/00001_create_notifications.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := migrate.Up(context.Background(), slog.New(slog.DiscardHandler), sqlDB, fstest.MapFS{"00001_create_notifications.sql": {Data: first}}, "notification_schema"); err != nil {
-		t.Fatal(err)
-	}
+	d.MigrateTo(t, migrations, "migrations", "notification_schema", 1)
 	orderID := uuid.New()
 	insert := func(kind string) error {
 		return d.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, message_id)
@@ -523,6 +510,42 @@ VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?)`, uuid.Ne
 	}
 }
 
+// Migrations 00006 and 00007 let a notification be undeliverable, and no other new status,
+// keeping the rows written before as they were; the replaced check ends validated.
+func TestMigrationToUndeliverableKeepsTheRows(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.MigrateTo(t, migrations, "migrations", "notification_schema", 5)
+	insert := func(status string) error {
+		return d.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, status, message_id)
+VALUES (?, ?, 'c-1', ?, 'c-1@customers.example', 'subject', 'body', ?, ?)`, uuid.New(), uuid.New(), KindOrderConfirmation, status, uuid.New()).Error
+	}
+	for _, status := range []string{StatusPending, StatusSent} {
+		if err := insert(status); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := insert(StatusUndeliverable); err == nil || !strings.Contains(err.Error(), "notifications_status_check") {
+		t.Fatalf("undeliverable before 00006: err = %v, want the status check violated", err)
+	}
+
+	d.Migrate(t, platform.Migrations(migrations, "migrations", "notification_schema"))
+	for _, status := range []string{StatusPending, StatusSent} {
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM notifications WHERE status = ?", status); n != 1 {
+			t.Fatalf("%d %s notifications after the migrations, want the 1 from before", n, status)
+		}
+	}
+	if err := insert(StatusUndeliverable); err != nil {
+		t.Fatalf("undeliverable after 00006: %v", err)
+	}
+	if err := insert("bounced"); err == nil || !strings.Contains(err.Error(), "notifications_status_check") {
+		t.Fatalf("unknown status: err = %v, want the status check violated", err)
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM pg_constraint WHERE conname = 'notifications_status_check' AND convalidated"); n != 1 {
+		t.Fatalf("%d validated status checks, want 1", n)
+	}
+}
+
 // While the mail server is away the notification waits in the backlog gauges, charged nothing:
 // no attempt, no error, no delivery counted in notification_deliveries_total, no backoff; the
 // outage is logged once at each end, and notification_mail_server_unreachable reads 1 until it
@@ -542,8 +565,8 @@ func TestConfirmationIsDeliveredOnceTheMailServerComesBack(t *testing.T) {
 	deliveries := func(outcome string) float64 {
 		return testutil.ToFloat64(b.send.outcomes.WithLabelValues(outcome))
 	}
-	if n, err := testutil.GatherAndCount(reg, "notification_deliveries_total"); err != nil || n != 2 {
-		t.Fatalf("notification_deliveries_total has %d series before any delivery (%v), want both outcomes at zero", n, err)
+	if n, err := testutil.GatherAndCount(reg, "notification_deliveries_total"); err != nil || n != 3 {
+		t.Fatalf("notification_deliveries_total has %d series before any delivery (%v), want each of the 3 outcomes at zero", n, err)
 	}
 	gauges := func() map[string]float64 {
 		t.Helper()

@@ -35,7 +35,7 @@ const (
 	// delivered again, with the same Message-ID. MATERIALIZED runs the locking SELECT once.
 	leasePendingSQL = `WITH due AS MATERIALIZED (
     SELECT id FROM notifications
-    WHERE status = 'pending' AND next_attempt_at <= now()
+    WHERE status = '` + StatusPending + `' AND next_attempt_at <= now()
     ORDER BY created_at, id
     LIMIT ?
     FOR UPDATE SKIP LOCKED)
@@ -45,28 +45,37 @@ FROM due
 WHERE n.id = due.id
 RETURNING n.id, n.order_id, n.recipient, n.subject, n.body, n.attempts, n.next_attempt_at AS leased_until, n.trace_parent, n.trace_state`
 
-	// Record what became of leased notifications (a JSON array of outcomeRow): sent; or not
-	// sent, due again after retry_ms, with an attempt and its error counted if it failed (one
-	// released unstarted at shutdown has none). Each update is fenced by the notification's
-	// lease: a sender whose lease ran out (it was too slow, and another took the notification
-	// over) changes nothing. The ids of the rows that hold their outcome come back. The rows
-	// are found by primary key, from the array of the outcomes' ids: a condition on the key
-	// itself, which a join alone is not (a plan that hashes the outcomes would read the whole
-	// key). "status <>
-	// 'sent'" is "status = 'pending'" (the only other status) written so that the planner cannot
-	// use the partial index of pending rows, which it would scan whole when it underestimates
-	// them (a backlog not yet analyzed). An outcome its row holds already counts as recorded:
-	// an earlier attempt committed it, and its answer was lost (a commit that timed out on the
-	// client after the server had done it). A sent one is its row sent under the same lease; a
-	// failure, its row no longer at this lease, with this attempt counted and its error kept (so
-	// also a failure just like it recorded by a sender that took over after this lease ran out,
-	// or leased it when it was due again: the row holds that outcome either way).
+	// Record what became of leased notifications (a JSON array of outcomeRow): sent;
+	// undeliverable, its recipient refused for good, with the attempt counted and the refusal
+	// kept; or not sent, due again after retry_ms, with an attempt and its error counted if it
+	// failed (one released unstarted at shutdown has none). Each update is fenced by the
+	// notification's lease: a sender whose lease ran out (it was too slow, and another took the
+	// notification over) changes nothing. The ids of the rows that hold their outcome come back.
+	// The rows are found by primary key, from the array of the outcomes' ids: a condition on the
+	// key itself, which a join alone is not (a plan that hashes the outcomes would read the whole
+	// key). "status NOT IN ('sent', 'undeliverable')" is "status = 'pending'" (the only other
+	// status) written so that the planner cannot use the partial index of pending rows, which it
+	// would scan whole when it underestimates them (a backlog not yet analyzed). An outcome its
+	// row holds already counts as recorded: an earlier attempt committed it, and its answer was
+	// lost (a commit that timed out on the client after the server had done it). A sent or an
+	// undeliverable one is its row in that status under the same lease (neither moves the
+	// lease); a failure, its row no longer at this lease, with this attempt counted and its
+	// error kept (so also a failure just like it recorded by a sender that took over after this
+	// lease ran out, or leased it when it was due again: the row holds that outcome either way).
 	recordOutcomesSQL = `WITH outcome AS (
-    SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, attempts int, sent boolean, failure text, retry_ms bigint)),
+    SELECT * FROM jsonb_to_recordset(?::jsonb) AS o(id uuid, leased_until timestamptz, attempts int, sent boolean, undeliverable boolean,
+        failure text, retry_ms bigint)),
 sent AS (
-    UPDATE notifications n SET status = 'sent', sent_at = clock_timestamp()
+    UPDATE notifications n SET status = '` + StatusSent + `', sent_at = clock_timestamp()
     FROM outcome o
-    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND o.sent AND n.id = o.id AND n.status <> 'sent' AND n.next_attempt_at = o.leased_until
+    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND o.sent AND n.id = o.id AND n.status NOT IN ('` + StatusSent + `', '` + StatusUndeliverable + `')
+      AND n.next_attempt_at = o.leased_until
+    RETURNING n.id),
+undeliverable AS (
+    UPDATE notifications n SET status = '` + StatusUndeliverable + `', attempts = n.attempts + 1, last_error = o.failure
+    FROM outcome o
+    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND o.undeliverable AND n.id = o.id AND n.status NOT IN ('` + StatusSent + `', '` + StatusUndeliverable + `')
+      AND n.next_attempt_at = o.leased_until
     RETURNING n.id),
 returned AS (
     UPDATE notifications n
@@ -74,15 +83,17 @@ returned AS (
         last_error = coalesce(o.failure, n.last_error),
         next_attempt_at = clock_timestamp() + o.retry_ms * interval '1 millisecond'
     FROM outcome o
-    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND NOT o.sent AND n.id = o.id AND n.status <> 'sent' AND n.next_attempt_at = o.leased_until
+    WHERE n.id = ANY (ARRAY(SELECT id FROM outcome)) AND NOT o.sent AND NOT o.undeliverable AND n.id = o.id
+      AND n.status NOT IN ('` + StatusSent + `', '` + StatusUndeliverable + `') AND n.next_attempt_at = o.leased_until
     RETURNING n.id),
 recorded AS (
     SELECT n.id FROM notifications n JOIN outcome o ON n.id = o.id
     WHERE n.id = ANY (ARRAY(SELECT id FROM outcome))
-      AND (o.sent AND n.status = 'sent' AND n.next_attempt_at = o.leased_until
-        OR o.failure IS NOT NULL AND n.status <> 'sent' AND n.next_attempt_at <> o.leased_until
-          AND n.attempts = o.attempts + 1 AND n.last_error = o.failure))
-SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM recorded`
+      AND (o.sent AND n.status = '` + StatusSent + `' AND n.next_attempt_at = o.leased_until
+        OR o.undeliverable AND n.status = '` + StatusUndeliverable + `' AND n.next_attempt_at = o.leased_until
+        OR o.failure IS NOT NULL AND NOT o.undeliverable AND n.status NOT IN ('` + StatusSent + `', '` + StatusUndeliverable + `')
+          AND n.next_attempt_at <> o.leased_until AND n.attempts = o.attempts + 1 AND n.last_error = o.failure))
+SELECT id FROM sent UNION ALL SELECT id FROM undeliverable UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM recorded`
 )
 
 // Deliverer hands a notification to the outside world. The notification id goes with it as
@@ -91,7 +102,8 @@ SELECT id FROM sent UNION ALL SELECT id FROM returned UNION ALL SELECT id FROM r
 // keeps other senders away lasts only so long. Deliver is called concurrently. An error that
 // wraps errNotStarted says nothing was tried: the notification is released, not charged. So
 // does one that wraps errUnreachable, from a mailServerProber: its server is away, and the
-// sender leases nothing until a probe finds it back.
+// sender leases nothing until a probe finds it back. One that wraps errRecipientRefused says
+// the recipient is refused for good: the notification is undeliverable, never tried again.
 type Deliverer interface {
 	Deliver(ctx context.Context, n Notification) error
 }
@@ -110,7 +122,8 @@ type mailServerProber interface {
 const DefaultConcurrency = 128
 
 // sender delivers pending notifications after their transaction committed, retrying failures
-// with backoff until they succeed. Up to concurrency deliveries run at once, each under a lease
+// with backoff until they succeed, or the mail server refuses their recipient for good (then
+// they are undeliverable). Up to concurrency deliveries run at once, each under a lease
 // of its own, and each is marked as soon as it is done: a crash between delivering and marking
 // repeats the e-mails in flight (concurrency of them at most), never one marked already, and a
 // database that is away when the mark is due is waited for, while the lease lasts, rather than
@@ -155,8 +168,9 @@ type sender struct {
 
 // Delivery outcomes, as notification_deliveries_total labels them.
 const (
-	deliverySent   = "sent"
-	deliveryFailed = "failed"
+	deliverySent          = "sent"
+	deliveryFailed        = "failed"
+	deliveryUndeliverable = "undeliverable"
 )
 
 // registerMetrics exports notification_deliveries_total on reg, each outcome at zero from the
@@ -168,9 +182,9 @@ const (
 func (s *sender) registerMetrics(reg prometheus.Registerer) error {
 	v := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "notification_deliveries_total",
-		Help: "E-mails the sender tried to deliver, by outcome: sent, or failed (to be tried again after a backoff).",
+		Help: "E-mails the sender tried to deliver, by outcome: sent, failed (to be tried again after a backoff), or undeliverable (the recipient refused for good; not tried again).",
 	}, []string{"outcome"})
-	for _, o := range []string{deliverySent, deliveryFailed} {
+	for _, o := range []string{deliverySent, deliveryFailed, deliveryUndeliverable} {
 		v.WithLabelValues(o)
 	}
 	if err := reg.Register(v); err != nil {
@@ -193,13 +207,16 @@ func (s *sender) registerMetrics(reg prometheus.Registerer) error {
 }
 
 // count counts one delivery tried, by its outcome.
-func (s *sender) count(sent bool) {
+func (s *sender) count(o *deliveryOutcome) {
 	if s.outcomes == nil {
 		return
 	}
 	outcome := deliveryFailed
-	if sent {
+	switch {
+	case o.sent:
 		outcome = deliverySent
+	case o.undeliverable:
+		outcome = deliveryUndeliverable
 	}
 	s.outcomes.WithLabelValues(outcome).Inc()
 }
@@ -458,8 +475,8 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 	}
 	// Counted as tried whether or not the outcome can be recorded: an e-mail that went out and
 	// will go again, its mark lost, is two e-mails sent.
-	o := &deliveryOutcome{row: row, sent: failure == nil}
-	s.count(o.sent)
+	o := &deliveryOutcome{row: row, sent: failure == nil, undeliverable: errors.Is(failure, errRecipientRefused)}
+	s.count(o)
 	shown := ""
 	if failure != nil {
 		// A mail server's refusal often quotes the address ("550 5.1.1 <ann@example.org>:
@@ -467,16 +484,25 @@ func (s *sender) deliverLeased(parent context.Context, row pendingRow) (delivere
 		// reply whole; the log and the trace, read by more people, get it without the address.
 		shown = withoutAddress(failure.Error(), row.Recipient)
 		span.SetStatus(codes.Error, shown)
-		o.failure, o.retryIn = storable(failure.Error()), s.backoff.Delay(row.Attempts+1)
+		o.failure = storable(failure.Error())
+		if !o.undeliverable {
+			o.retryIn = s.backoff.Delay(row.Attempts + 1)
+		}
 	}
 	changed, err := s.record(o)
 	switch {
 	case err != nil && failure != nil:
+		// An undeliverable one that is not recorded is tried again once its lease ends, and
+		// refused again.
 		return false, fmt.Errorf("record delivery failure of %s: %w", row.ID, err)
 	case err != nil:
 		return false, fmt.Errorf("mark notification %s sent (it will be delivered again when its lease ends): %w", row.ID, err)
 	case !changed:
 		s.log.WarnContext(ctx, "lease on the notification ran out before its outcome was recorded; another sender has it", "notification_id", row.ID)
+	case o.undeliverable:
+		// A dead letter: an operator fixes the address and sends it again (docs/operations.md).
+		s.log.ErrorContext(ctx, "notification undeliverable: the mail server refuses its recipient for good; it is not tried again",
+			"notification_id", row.ID, "order_id", row.OrderID, "attempts", row.Attempts+1, "error", shown)
 	case failure != nil:
 		s.log.WarnContext(ctx, "notification delivery failed", "notification_id", row.ID, "attempts", row.Attempts+1, "retry_in", o.retryIn, "error", shown)
 	default:
@@ -565,12 +591,13 @@ func (s *sender) recordBy(o *deliveryOutcome, now time.Time) time.Time {
 
 // deliveryOutcome is what became of a leased notification, waiting to be recorded.
 type deliveryOutcome struct {
-	row      pendingRow
-	sent     bool
-	failure  string        // why the delivery failed; "" if it was sent, or released unstarted
-	retryIn  time.Duration // when it is due again, if not sent
-	deadline time.Time     // when recording gives up, unless shutdown comes first (see until)
-	done     chan recordResult
+	row           pendingRow
+	sent          bool
+	undeliverable bool          // its recipient refused for good (errRecipientRefused); failure says how
+	failure       string        // why the delivery failed; "" if it was sent, or released unstarted
+	retryIn       time.Duration // when it is due again, if neither sent nor undeliverable
+	deadline      time.Time     // when recording gives up, unless shutdown comes first (see until)
+	done          chan recordResult
 }
 
 type recordResult struct {
@@ -580,12 +607,13 @@ type recordResult struct {
 
 // outcomeRow is a deliveryOutcome as recordOutcomesSQL reads it.
 type outcomeRow struct {
-	ID          uuid.UUID `json:"id"`
-	LeasedUntil time.Time `json:"leased_until"`
-	Attempts    int       `json:"attempts"` // as leased
-	Sent        bool      `json:"sent"`
-	Failure     *string   `json:"failure"`
-	RetryMS     int64     `json:"retry_ms"`
+	ID            uuid.UUID `json:"id"`
+	LeasedUntil   time.Time `json:"leased_until"`
+	Attempts      int       `json:"attempts"` // as leased
+	Sent          bool      `json:"sent"`
+	Undeliverable bool      `json:"undeliverable"`
+	Failure       *string   `json:"failure"`
+	RetryMS       int64     `json:"retry_ms"`
 }
 
 // leaseRequest asks the next transaction for up to limit leases.
@@ -778,7 +806,8 @@ func (s *sender) transact(outcomes []*deliveryOutcome, r *leaseRequest) (map[uui
 	}
 	rows := make([]outcomeRow, len(outcomes))
 	for i, o := range outcomes {
-		rows[i] = outcomeRow{ID: o.row.ID, LeasedUntil: o.row.LeasedUntil, Attempts: o.row.Attempts, Sent: o.sent, RetryMS: o.retryIn.Milliseconds()}
+		rows[i] = outcomeRow{ID: o.row.ID, LeasedUntil: o.row.LeasedUntil, Attempts: o.row.Attempts, Sent: o.sent, Undeliverable: o.undeliverable,
+			RetryMS: o.retryIn.Milliseconds()}
 		if o.failure != "" {
 			rows[i].Failure = &o.failure
 		}

@@ -7,6 +7,9 @@ import (
 	"log/slog"
 	"maps"
 	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -294,6 +297,8 @@ func TestExpiredLeaseChangesNothing(t *testing.T) {
 		// Here only the lease fence does: the row is still pending, under the second lease.
 		"mark while the second sender holds the lease":    {},
 		"failure while the second sender holds the lease": {fail: errors.New("smtp: 451 try again")},
+		"undeliverable while the second sender holds the lease": {
+			fail: fmt.Errorf("smtp rcpt to: %w: 550 5.1.1 User unknown", errRecipientRefused)},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -333,7 +338,10 @@ func TestExpiredLeaseChangesNothing(t *testing.T) {
 			sameRow(t, "after the first sender, whose lease ran out, recorded its outcome", e.row(t, id), before)
 			// Its e-mail went out, or was refused, all the same: the metric counts what was tried.
 			outcome := deliverySent
-			if tc.fail != nil {
+			switch {
+			case errors.Is(tc.fail, errRecipientRefused):
+				outcome = deliveryUndeliverable
+			case tc.fail != nil:
 				outcome = deliveryFailed
 			}
 			if n := testutil.ToFloat64(a.outcomes.WithLabelValues(outcome)); n != 1 {
@@ -1209,8 +1217,8 @@ func TestARefusalIsLoggedAndTracedWithoutTheAddress(t *testing.T) {
 	if r := e.row(t, id); r.LastError == nil || !strings.Contains(*r.LastError, "<"+address+">: Recipient address rejected") {
 		t.Fatalf("last error %v, want the server's reply whole", r.LastError)
 	}
-	if n := len(e.logs.Lines("notification delivery failed", id.String(), "550", "[recipient]")); n != 1 {
-		t.Fatalf("%d failure lines with the reply and a stand-in for the address, want 1:\n%s", n, e.logs.String())
+	if n := len(e.logs.Lines("notification undeliverable", id.String(), "550", "[recipient]")); n != 1 {
+		t.Fatalf("%d undeliverable lines with the reply and a stand-in for the address, want 1:\n%s", n, e.logs.String())
 	}
 	if lines := e.logs.Lines(address); len(lines) != 0 {
 		t.Fatalf("the customer's address is logged:\n%s", strings.Join(lines, "\n"))
@@ -1327,6 +1335,38 @@ func TestAFailureTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
 	other.failure = "421 4.7.0 closing"
 	if changed, err := s.record(other); changed || err != nil {
 		t.Fatalf("a different failure under the lease that ran out = %v, %v; want it not recorded", changed, err)
+	}
+}
+
+// So is an undeliverable outcome recorded again after its answer was lost: the row, already
+// undeliverable under the same lease, is left as it is.
+func TestAnUndeliverableTriedAgainAfterALostAnswerCountsAsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	s, row := e.leasedOne(t)
+	refused := func() *deliveryOutcome {
+		return &deliveryOutcome{row: row, undeliverable: true, failure: "smtp rcpt to: 550 5.1.1 User unknown"}
+	}
+	if changed, err := s.record(refused()); !changed || err != nil {
+		t.Fatalf("first record = %v, %v; want recorded", changed, err)
+	}
+	recorded := e.row(t, row.ID)
+	if recorded.Status != StatusUndeliverable || recorded.Attempts != 1 || !recorded.NextAttemptAt.Equal(row.LeasedUntil) {
+		t.Fatalf("row = %+v, want undeliverable, its attempt counted, at its lease", recorded)
+	}
+	if changed, err := s.record(refused()); !changed || err != nil {
+		t.Fatalf("the record again = %v, %v; want it recognised as recorded", changed, err)
+	}
+	sameRow(t, "after the undeliverable outcome was recorded again", e.row(t, row.ID), recorded)
+	for name, o := range map[string]*deliveryOutcome{
+		"a failure":  {row: row, failure: "smtp rcpt to: 451 try again", retryIn: time.Second},
+		"a release":  {row: row},
+		"a sent one": {row: row, sent: true},
+	} {
+		if changed, err := s.record(o); changed || err != nil {
+			t.Fatalf("%s under the same lease = %v, %v; want nothing recorded: the row is undeliverable", name, changed, err)
+		}
+		sameRow(t, "after "+name+" under the same lease", e.row(t, row.ID), recorded)
 	}
 }
 
@@ -2092,4 +2132,235 @@ func TestAStaleUnreachableDeliveryDoesNotPauseTheSenderAgain(t *testing.T) {
 	}
 	cancel()
 	returned()
+}
+
+// A recipient the mail server refuses for good (550 5.1.1 to RCPT TO: no such mailbox) ends the
+// notification's retries after one attempt, as a dead letter: undeliverable, the refusal kept
+// whole, logged once at ERROR without the address, counted in notification_deliveries_total as
+// tried, never leased again however due it looks, and out of the backlog gauges, whose oldest
+// age it would otherwise hold for ever.
+func TestARecipientRefusedForGoodMakesTheNotificationUndeliverable(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	const address = "c-1@customers.example"
+	e.smtp.Refuse(address)
+	id := e.pending(t)
+	if err := e.db.DB.Exec("UPDATE notifications SET created_at = now() - interval '1 day' WHERE id = ?", id).Error; err != nil {
+		t.Fatal(err)
+	}
+	s := e.sender(t, "sender-a", e.mailer(t))
+	if err := s.registerMetrics(prometheus.NewRegistry()); err != nil {
+		t.Fatal(err)
+	}
+	if o := await(t, start(s)); o.delivered || o.err != nil {
+		t.Fatalf("%+v, want the refusal recorded", o)
+	}
+	r := e.row(t, id)
+	if r.Status != StatusUndeliverable || r.Attempts != 1 || r.SentAt != nil || r.LastError == nil ||
+		!strings.Contains(*r.LastError, "550") || !strings.Contains(*r.LastError, "5.1.1 <"+address+">: Recipient address rejected") {
+		t.Fatalf("row = %+v (last error %s), want undeliverable after 1 attempt, the refusal kept whole", r, lastError(r))
+	}
+	if n := len(e.logs.Lines("level=ERROR", "notification undeliverable", "notification_id="+id.String(), "attempts=1",
+		"550", "5.1.1 <[recipient]>")); n != 1 {
+		t.Fatalf("%d ERROR lines of the notification undeliverable, want 1:\n%s", n, e.logs)
+	}
+	if n := len(e.logs.Lines(id.String())); n != 1 {
+		t.Fatalf("%d lines about the notification, want the one:\n%s", n, e.logs)
+	}
+	if lines := e.logs.Lines(address); len(lines) != 0 {
+		t.Fatalf("the customer's address is logged:\n%s", strings.Join(lines, "\n"))
+	}
+	for outcome, want := range map[string]float64{deliveryUndeliverable: 1, deliveryFailed: 0, deliverySent: 0} {
+		if n := testutil.ToFloat64(s.outcomes.WithLabelValues(outcome)); n != want {
+			t.Errorf("notification_deliveries_total{outcome=%q} = %v, want %v", outcome, n, want)
+		}
+	}
+
+	if err := e.db.DB.Exec("UPDATE notifications SET next_attempt_at = now() - interval '1 hour' WHERE id = ?", id).Error; err != nil {
+		t.Fatal(err)
+	}
+	if rows, err := s.lease(DefaultConcurrency); err != nil || len(rows) != 0 {
+		t.Fatalf("lease = %+v, %v; want nothing: the notification is undeliverable", rows, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	drv := e.db.Driver(t).DB()
+	if b, err := readBacklog(ctx, drv, backlogCountCap); err != nil || b.pending != 0 || b.age != 0 {
+		t.Fatalf("backlog = %+v, %v; want none: the undeliverable notification waits for no one", b, err)
+	}
+	// A notification recorded now is the oldest pending, not the day-old undeliverable one.
+	e.pending(t)
+	if b, err := readBacklog(ctx, drv, backlogCountCap); err != nil || b.pending != 1 || b.age > 60 {
+		t.Fatalf("backlog = %+v, %v; want the new notification alone, seconds old", b, err)
+	}
+	if n := e.smtp.Sessions(); n != 1 || len(e.smtp.Mail()) != 0 {
+		t.Fatalf("%d SMTP sessions and %d e-mails, want the one refused conversation", n, len(e.smtp.Mail()))
+	}
+}
+
+// A refusal that is not the recipient's bad address keeps the notification pending, retried
+// with backoff as any failure: a relay refusing to relay or asking for authentication (a 5yz,
+// but the relay's configuration, which refuses every recipient alike until it is fixed), or a
+// mailbox busy for now (4yz).
+func TestARefusalThatIsNotABadAddressIsRetried(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"relaying denied", "authentication required", "mailbox busy"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			reply := otherRefusals[name]
+			srv := refusing(t, "rcpt", reply)
+			mailer := newSMTPDeliverer(srv.addr, "orders@shop.example", 1)
+			t.Cleanup(mailer.Close)
+			id := e.pending(t)
+			s := e.sender(t, "sender-a", mailer)
+			if err := s.registerMetrics(prometheus.NewRegistry()); err != nil {
+				t.Fatal(err)
+			}
+			if o := await(t, start(s)); o.delivered || o.err != nil {
+				t.Fatalf("%+v, want the refusal recorded", o)
+			}
+			code := fmt.Sprint(reply.Code)
+			enhanced := fmt.Sprintf("%d.%d.%d ", reply.EnhancedCode[0], reply.EnhancedCode[1], reply.EnhancedCode[2])
+			if r := e.row(t, id); r.Status != StatusPending || r.Attempts != 1 || r.LastError == nil ||
+				!strings.Contains(*r.LastError, code) || !strings.Contains(*r.LastError, enhanced) {
+				t.Fatalf("row = %+v (last error %s), want pending after 1 attempt, with the %s %s", r, lastError(r), code, enhanced)
+			}
+			if n := len(e.logs.Lines("level=WARN", "notification delivery failed", id.String(), code, enhanced)); n != 1 {
+				t.Fatalf("%d failure lines, want 1:\n%s", n, e.logs)
+			}
+			if n := len(e.logs.Lines("c-1@customers.example")); n != 0 {
+				t.Fatalf("%d lines with the customer's address, want none:\n%s", n, e.logs)
+			}
+			// Due again after its backoff (100 ms, 1 s at most), it is tried again.
+			testenv.Eventually(t, 10*time.Second, func() bool {
+				if _, err := s.deliverOne(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+				return e.row(t, id).Attempts == 2
+			}, "the notification was not tried again")
+			if r := e.row(t, id); r.Status != StatusPending || srv.refusals() != 2 {
+				t.Fatalf("status %q after %d refusals, want pending after 2", r.Status, srv.refusals())
+			}
+			if n := testutil.ToFloat64(s.outcomes.WithLabelValues(deliveryFailed)); n != 2 {
+				t.Fatalf("%v failed deliveries counted, want 2", n)
+			}
+			if n := len(e.logs.Lines("notification undeliverable")); n != 0 {
+				t.Fatalf("%d undeliverable lines, want none", n)
+			}
+		})
+	}
+}
+
+// The runbook's statements (docs/operations.md, NotificationsUndeliverable) send undeliverable
+// notifications again: those of an order, each of its kinds, to the address it gives; those of
+// a customer, all its orders', to the address it gives; and the rest as they are. Each is
+// pending again, due at once, its last error cleared and its attempts kept, and leased and sent
+// (or refused again) as any other.
+func TestUndeliverableNotificationsAreSentAgainPerTheRunbook(t *testing.T) {
+	t.Parallel()
+	e := newSenderEnv(t)
+	order := uuid.New()
+	byOrder := []uuid.UUID{e.pendingFor(t, order, "c-1", KindOrderConfirmation), e.pendingFor(t, order, "c-1", KindInvoice)}
+	byCustomer := []uuid.UUID{e.pendingFor(t, uuid.New(), "c-2", KindOrderConfirmation), e.pendingFor(t, uuid.New(), "c-2", KindOrderCancelled)}
+	asIs := e.pendingFor(t, uuid.New(), "c-3", KindOrderConfirmation)
+	all := append(append(slices.Clone(byOrder), byCustomer...), asIs)
+	for _, c := range []string{"c-1", "c-2", "c-3"} {
+		e.smtp.Refuse(c + "@customers.example")
+	}
+	s := e.sender(t, "sender-a", e.mailer(t))
+	for range all {
+		if o := await(t, start(s)); o.delivered || o.err != nil {
+			t.Fatalf("%+v, want the refusal recorded", o)
+		}
+	}
+	for _, id := range all {
+		if r := e.row(t, id); r.Status != StatusUndeliverable || r.Attempts != 1 {
+			t.Fatalf("row = %+v, want undeliverable after 1 attempt", r)
+		}
+	}
+	stmts := runbookStatements(t)
+	sendAgain := func(what, stmt string, ids []uuid.UUID, address string, sent bool) {
+		t.Helper()
+		if err := e.db.DB.Exec(stmt).Error; err != nil {
+			t.Fatalf("the runbook's statement for %s: %v", what, err)
+		}
+		for _, id := range ids {
+			if r := e.row(t, id); r.Status != StatusPending || r.LastError != nil || r.Attempts != 1 || r.NextAttemptAt.After(e.clock(t)) {
+				t.Fatalf("%s: row = %+v (last error %s), want pending, due now, its last error cleared, its attempt kept", what, r, lastError(r))
+			}
+		}
+		for range ids {
+			if o := await(t, start(s)); o.delivered != sent || o.err != nil {
+				t.Fatalf("%s: %+v, want sent %v", what, o, sent)
+			}
+		}
+		for _, id := range ids {
+			r := e.row(t, id)
+			if sent && (r.Status != StatusSent || r.Recipient != address) || !sent && (r.Status != StatusUndeliverable || r.Attempts != 2) {
+				t.Fatalf("%s: row = %+v, want sent (%v) to %s after its second attempt", what, r, sent, address)
+			}
+		}
+	}
+	sendAgain("an order", runbookValue("recipient", runbookValue("order_id", stmts[0], order.String()), "ann@example.org"), byOrder, "ann@example.org", true)
+	sendAgain("a customer", runbookValue("recipient", runbookValue("customer_id", stmts[1], "c-2"), "bob@example.org"), byCustomer, "bob@example.org", true)
+	sendAgain("the rest", stmts[2], []uuid.UUID{asIs}, "c-3@customers.example", false)
+	var to []string
+	for _, m := range e.smtp.Mail() {
+		to = append(to, m.To)
+	}
+	slices.Sort(to)
+	if want := []string{"ann@example.org", "ann@example.org", "bob@example.org", "bob@example.org"}; !slices.Equal(to, want) {
+		t.Fatalf("e-mails to %q, want %q", to, want)
+	}
+	for _, id := range append(byOrder, byCustomer...) {
+		if r := e.row(t, id); r.Status != StatusSent {
+			t.Fatalf("status %q after the statement for the rest, want it left sent", r.Status)
+		}
+	}
+}
+
+// pendingFor inserts a pending notification of kind for customer's order, due now, to the
+// address its customer id gives.
+func (e *senderEnv) pendingFor(t *testing.T, order uuid.UUID, customer, kind string) uuid.UUID {
+	t.Helper()
+	id := uuid.Must(uuid.NewV7())
+	if err := e.db.DB.Exec(`INSERT INTO notifications (id, order_id, customer_id, kind, recipient, subject, body, message_id)
+VALUES (?, ?, ?, ?, ?, 'Your order', 'Thank you.', ?)`, id, order, customer, kind, customer+"@customers.example", uuid.New()).Error; err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// lastError is n's last error, for a message.
+func lastError(n Notification) string {
+	if n.LastError == nil {
+		return "none"
+	}
+	return fmt.Sprintf("%q", *n.LastError)
+}
+
+// runbookStatements are the three UPDATEs of docs/operations.md that send undeliverable
+// notifications again, as written there: an order's and a customer's, each with its example id
+// and address, and the rest.
+func runbookStatements(t *testing.T) []string {
+	t.Helper()
+	doc, err := os.ReadFile(filepath.Join("..", "..", "docs", "operations.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found []string
+	for _, m := range regexp.MustCompile(`(?s)"(UPDATE notifications SET [^"]*status = 'undeliverable'[^"]*)"`).FindAllStringSubmatch(string(doc), -1) {
+		found = append(found, strings.Join(strings.Fields(m[1]), " "))
+	}
+	if len(found) != 3 || !strings.Contains(found[0], "WHERE order_id = ") || !strings.Contains(found[1], "WHERE customer_id = ") ||
+		strings.Contains(found[2], "_id = ") {
+		t.Fatalf("docs/operations.md: UPDATEs of undeliverable notifications %q, want three: by order_id, by customer_id, then the rest", found)
+	}
+	return found
+}
+
+// runbookValue is stmt with the example value of its column name replaced by value.
+func runbookValue(name, stmt, value string) string {
+	return regexp.MustCompile(`\b`+name+` = '[^']*'`).ReplaceAllLiteralString(stmt, name+" = '"+value+"'")
 }
