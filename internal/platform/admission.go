@@ -49,6 +49,11 @@ const minWindowSamples = 20
 // nothing: so few do not crowd each other.
 const fewAtWork = 2
 
+// quietPeriod is how long after the last sign of pressure a cut limit gives every place back:
+// SetRetryAfter's longest Retry-After, so that the clients the cut turned away have come back
+// (and, crowding, shown the pressure again) before it does.
+const quietPeriod = 3 * time.Second
+
 // DefaultLatencyTarget is the admitted requests' p99 that the limit is lowered to hold, unless
 // HTTP_LATENCY_TARGET says: about six times an order's p99 on an idle machine (8 ms), so that
 // the limit moves only once requests queue for the cores or the database.
@@ -65,7 +70,11 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count; nor does the wait for the request's body, which is the client's pace: the body is
-// read before the request asks for a place (see readBody).
+// read before the request asks for a place (see readBody). A request that finds at most
+// fewAtWork at work after quietPeriod without pressure (no request found every place taken, no
+// more than fewAtWork were at work, none took longer than the target itself, not the target in
+// force below) gives every place back: windows judge only finished requests, and a service
+// gone idle after a spike kept one place, shedding most of the next burst.
 //
 // Fewer places only help latency that comes from the requests crowding each other. So a window
 // with at most fewAtWork requests at work at once cuts nothing and counts as within the target
@@ -114,6 +123,7 @@ type Admission struct {
 	window      []time.Duration
 	windowStart time.Time
 	peak        int           // the most places in use since windowStart
+	pressed     time.Time     // the last sign of pressure (see enter), the zero time until one
 	floor       time.Duration // what a request takes when nothing queues, 0 until seen
 	mean        time.Duration // a running mean of the latencies, 0 until one request is done
 
@@ -319,11 +329,20 @@ func (a *Admission) places() int { return max(1, int(a.limit)) }
 // so many wait already that the wait would be in vain.
 func (a *Admission) enter(ctx context.Context) bool {
 	a.mu.Lock()
+	now := time.Now()
+	if a.limit < float64(a.max) && a.inUse <= fewAtWork && now.Sub(a.pressed) >= quietPeriod {
+		// No pressure for quietPeriod: no request found every place taken (recorded below),
+		// more than fewAtWork at work (take) or a latency over the target (observe). The load
+		// that cut the places is gone; a fresh window judges the requests under all of them.
+		a.limit = float64(a.max)
+		a.window, a.windowStart, a.peak = a.window[:0], now, a.inUse
+	}
 	if len(a.waiting) == 0 && a.inUse < a.places() {
 		a.take()
 		a.mu.Unlock()
 		return true
 	}
+	a.pressed = now
 	if waitsInVain(len(a.waiting), a.inUse, a.places(), a.mean) {
 		a.mu.Unlock()
 		return false
@@ -373,6 +392,9 @@ func (a *Admission) placeWithinWait(ctx context.Context) bool {
 func (a *Admission) take() {
 	a.inUse++
 	a.peak = max(a.peak, a.inUse)
+	if a.inUse > fewAtWork {
+		a.pressed = time.Now()
+	}
 }
 
 // leave gives back the place of a request admitted when given, learns from its latency, and
@@ -405,13 +427,16 @@ func (a *Admission) handOn() {
 // before it: a slow one that outlasts a window must still count, or the limit would climb past
 // any tail longer than the window.
 func (a *Admission) observe(admitted time.Time, took time.Duration) {
+	now := time.Now()
+	if took > a.target {
+		a.pressed = now
+	}
 	if admitted.Before(a.lastCut) {
 		return
 	}
 	if len(a.window) < windowSamples {
 		a.window = append(a.window, took)
 	}
-	now := time.Now()
 	if now.Sub(a.windowStart) < admissionWindow || len(a.window) < minWindowSamples {
 		return
 	}

@@ -1204,3 +1204,170 @@ func TestSheddingDuringTheDrainIsLogged(t *testing.T) {
 		t.Fatalf("lines about shedding %q, want one of the request shed during the drain", lines)
 	}
 }
+
+// After a spike cut the places to one, and no request came for longer than the longest
+// Retry-After the shedder gives (the clients it turned away are back by then), a burst of ten
+// at the idle service is served, none shed. Given back only by windows of finished requests,
+// the places never came back to a service that went idle: the burst's first requests found
+// the one place taken before any had finished, and seven or eight of the ten were shed.
+func TestAnIdleServiceGetsItsPlacesBackForTheNextBurst(t *testing.T) {
+	t.Parallel()
+	const most = 14
+	a := newAdmission(t, most, DefaultLatencyTarget)
+	for range 4 { // the spike's windows, every place at work, 400 ms each: halved down to one
+		runWindow(a, most, 400*time.Millisecond)
+	}
+	if n := a.Places(); n != 1 {
+		t.Fatalf("after the spike's windows: %d places, want 1", n)
+	}
+	gate := make(chan struct{}) // the spike's admitted request holds its place until closed
+	h := a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-gate
+		time.Sleep(5 * time.Millisecond) // the work
+	}))
+	var shed atomic.Int32
+	burst := func() *sync.WaitGroup {
+		shed.Store(0)
+		var wg sync.WaitGroup
+		for range 10 {
+			wg.Go(func() {
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
+				if rec.Code == http.StatusServiceUnavailable {
+					shed.Add(1)
+				}
+			})
+		}
+		return &wg
+	}
+	spike := burst()
+	testenv.Eventually(t, 5*time.Second, func() bool { return shed.Load() == 9 }, "the spike: not 9 of 10 shed at one place")
+	close(gate)
+	spike.Wait()
+	time.Sleep(quietPeriod + 250*time.Millisecond) // idle
+	burst().Wait()
+	if n := shed.Load(); n > 0 {
+		t.Fatalf("a burst of 10 at the service idle since the spike: %d shed, want none (%d places of %d)", n, a.Places(), most)
+	}
+}
+
+// Under pressure that goes on past quietPeriod the places stay cut: requests over the target
+// one at a time (a database that slowed down), or every request finding the one place taken.
+// Only the windows give places back then, one a window of requests within the target in force.
+func TestPressureThatGoesOnKeepsTheLimitCut(t *testing.T) {
+	t.Parallel()
+	const most, target = 64, 10 * time.Millisecond
+	for _, c := range []struct {
+		situation string
+		work      time.Duration // each request's
+		holder    bool          // a request holds the one place throughout
+	}{
+		{"requests over the target, one at a time", 2 * target, false},
+		{"every place taken", 0, true},
+	} {
+		t.Run(c.situation, func(t *testing.T) {
+			t.Parallel()
+			a := newAdmission(t, most, target)
+			for range 6 { // halved down to one place
+				runWindow(a, most, 40*target)
+			}
+			release := make(chan struct{})
+			h := a.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/hold" {
+					<-release
+				}
+				time.Sleep(c.work)
+			}))
+			serve := func(path string) int {
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+				return rec.Code
+			}
+			held := make(chan int, 1)
+			defer func() { // the holder, if any, returns before the test
+				close(release)
+				if c.holder {
+					<-held
+				}
+			}()
+			if c.holder {
+				go func() { held <- serve("/hold") }()
+				testenv.Eventually(t, 5*time.Second, func() bool {
+					a.mu.Lock()
+					defer a.mu.Unlock()
+					return a.inUse == 1
+				}, "the holder was not admitted")
+			}
+			for start := time.Now(); time.Since(start) < quietPeriod+500*time.Millisecond; {
+				code := serve("/")
+				if n := a.Places(); n == most || c.holder && code != http.StatusServiceUnavailable {
+					t.Fatalf("%s after %s under pressure: %d, %d places of %d; want the cut kept",
+						c.situation, time.Since(start).Round(time.Millisecond), code, n, most)
+				}
+				time.Sleep(target)
+			}
+		})
+	}
+}
+
+// A request gives every place back only after quietPeriod without pressure, and with at most
+// fewAtWork at work: a shorter gap, or three at work, keeps the cut. A single sign of pressure
+// after a long quiet keeps it too: a latency over the configured target, though within the
+// target in force raised by the floor; a request that found every place taken; a third at work.
+func TestAQuietGapGivesThePlacesBackOnlyOnceLongEnough(t *testing.T) {
+	t.Parallel()
+	const most, target = 14, 25 * time.Millisecond
+	for _, c := range []struct {
+		situation string
+		gap       time.Duration // since the last pressure
+		atWork    int
+		then      func(a *Admission) // a sign of pressure after the gap
+		want      int
+	}{
+		{"a gap of quietPeriod", quietPeriod + 10*time.Millisecond, 2, nil, most},
+		{"a gap shorter than quietPeriod", quietPeriod - time.Second, 0, nil, 5},
+		{"three at work", time.Minute, 3, nil, 5},
+		{"a latency over the target, within the target in force", time.Minute, 0, func(a *Admission) {
+			a.floor = 2 * target // the target in force is 4 × target
+			a.observe(time.Now(), 3*target)
+		}, 5},
+		{"every place found taken", time.Minute, 0, func(a *Admission) {
+			a.inUse = 5
+			if a.enter(context.Background()) { // waits its 10 ms and is shed
+				t.Fatal("admitted with every place taken")
+			}
+			a.inUse = 0
+		}, 5},
+		{"a third at work", time.Minute, 0, func(a *Admission) {
+			a.inUse = 2
+			a.take()
+			a.inUse = 0
+		}, 5},
+	} {
+		a := newAdmission(t, most, target)
+		a.limit, a.pressed, a.inUse = 5, time.Now().Add(-c.gap), c.atWork
+		if c.then != nil {
+			c.then(a)
+		}
+		if !a.enter(context.Background()) {
+			t.Fatalf("%s: a request with %d at work of 5 places shed", c.situation, c.atWork)
+		}
+		if n := a.Places(); n != c.want {
+			t.Errorf("%s: %d places, want %d", c.situation, n, c.want)
+		}
+	}
+}
+
+// quietPeriod outlasts every Retry-After the shedder gives: the clients a cut turned away come
+// back to a service that has not yet given its places back, and count as pressure if they crowd.
+func TestTheQuietPeriodOutlastsTheRetryAfter(t *testing.T) {
+	t.Parallel()
+	for range 100 {
+		rec := httptest.NewRecorder()
+		SetRetryAfter(rec)
+		s, err := strconv.Atoi(rec.Header().Get("Retry-After"))
+		if err != nil || time.Duration(s)*time.Second > quietPeriod {
+			t.Fatalf("Retry-After %q, want at most the quiet period %s", rec.Header().Get("Retry-After"), quietPeriod)
+		}
+	}
+}

@@ -445,7 +445,7 @@ const DefaultDBMaxConns = 20
 // checks OTEL_RESOURCE_ATTRIBUTES.
 func ReadCommon(env *Env, defaultAddr string) Common {
 	checkResourceAttributes(env)
-	return Common{
+	c := Common{
 		DatabaseURL: env.URL("DATABASE_URL", "postgres", "postgresql"),
 		AMQPURL:     env.URLList("AMQP_URL", "amqp", "amqps"),
 		HTTPAddr:    env.Addr("HTTP_ADDR", defaultAddr),
@@ -459,6 +459,40 @@ func ReadCommon(env *Env, defaultAddr string) Common {
 		MaxInFlight:   env.Int("HTTP_MAX_IN_FLIGHT", 0, 1, 100_000),
 		LatencyTarget: env.DurationOrOff("HTTP_LATENCY_TARGET", DefaultLatencyTarget, MinLatencyTarget, time.Minute),
 	}
+	// The profiler could not listen beside the service: its start would fail, at every restart.
+	// Not against an HTTP_ADDR refused above (Addr then gives the default): one error is enough.
+	httpAddrTaken := env.String("HTTP_ADDR", defaultAddr) == c.HTTPAddr
+	env.Check(c.PprofAddr == "" || !httpAddrTaken || !samePort(c.HTTPAddr, c.PprofAddr), "PPROF_ADDR",
+		"must not be HTTP_ADDR's port on the same host, or with either on every interface: give the profiler a port of its own")
+	return c
+}
+
+// samePort reports whether listeners on the addresses a and b (host:port, as Addr takes them)
+// would want the same port: the same one but 0 (any free one), on the same host, or with either
+// host empty or unspecified (every interface). localhost is 127.0.0.1: Go listens there for it.
+func samePort(a, b string) bool {
+	hostA, portA, errA := net.SplitHostPort(a)
+	hostB, portB, errB := net.SplitHostPort(b)
+	if errA != nil || errB != nil {
+		return false
+	}
+	pa, errA := strconv.ParseUint(portA, 10, 16)
+	pb, errB := strconv.ParseUint(portB, 10, 16)
+	if errA != nil || errB != nil || pa != pb || pa == 0 {
+		return false
+	}
+	everywhere := func(host string) bool {
+		ip := net.ParseIP(host)
+		return host == "" || ip != nil && ip.IsUnspecified()
+	}
+	ip := func(host string) net.IP {
+		if strings.EqualFold(strings.TrimSuffix(host, "."), "localhost") {
+			return net.IPv4(127, 0, 0, 1)
+		}
+		return net.ParseIP(host)
+	}
+	ipA, ipB := ip(hostA), ip(hostB)
+	return everywhere(hostA) || everywhere(hostB) || strings.EqualFold(hostA, hostB) || ipA != nil && ipA.Equal(ipB)
 }
 
 // LogAttrs lists the effective configuration with secrets masked.

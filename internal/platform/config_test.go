@@ -443,3 +443,71 @@ func TestOTLPEndpointRefusesWhatTheExporterWouldDrop(t *testing.T) {
 		}
 	}
 }
+
+// OTEL_EXPORTER_OTLP_ENDPOINT is the receiver's base URL, to which the exporter adds /v1/traces
+// itself: http://jaeger:4318/v1/traces was taken, and every export went to
+// /v1/traces/v1/traces, refused 404. A path ending so is refused at start, naming the variable;
+// a receiver behind a path of its own is taken.
+func TestOTLPEndpointIsTheReceiversBaseURL(t *testing.T) {
+	t.Parallel()
+	const want = "OTEL_EXPORTER_OTLP_ENDPOINT: is the receiver's base URL"
+	wantReadCommon(t, []envCase{
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318/v1/traces", want},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318/v1/traces/", want},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://gateway.example/otlp/v1/traces", want},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318", ""},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318/", ""},
+		{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://gateway.example/otlp", ""},
+	})
+	if err := readCommonWith("OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318/v1/traces"); err == nil || !strings.Contains(err.Error(), "drop /v1/traces") {
+		t.Errorf("OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318/v1/traces: %v, want it to say to drop /v1/traces", err)
+	}
+}
+
+// PPROF_ADDR on HTTP_ADDR's port, on the same host or either on every interface, was taken,
+// and the service then stopped at start when the profiler could not listen, in a restart loop.
+// It is refused at start, naming PPROF_ADDR; another port, or the same port on another host, is
+// taken, and so is port 0 for both (each gets a free port of its own). localhost is 127.0.0.1,
+// where Go listens for it (not ::1, a socket of its own).
+func TestPprofAddrMustNotBeHTTPAddr(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		http, pprof string
+		refused     bool
+	}{
+		{":8080", ":8080", true},
+		{":8080", "127.0.0.1:8080", true},
+		{"127.0.0.1:8080", ":8080", true},
+		{"127.0.0.1:8080", "127.0.0.1:8080", true},
+		{"0.0.0.0:8080", "127.0.0.1:8080", true},
+		{"[::]:8080", "10.0.0.1:8080", true},
+		{"localhost:8080", "127.0.0.1:8080", true},
+		{"127.0.0.1:8080", "LocalHost:8080", true},
+		{"localhost:8080", "[::1]:8080", false},
+		{":8080", ":6060", false},
+		{"127.0.0.1:8080", "10.0.0.1:8080", false},
+		{"127.0.0.1:0", "127.0.0.1:0", false},
+		{":8080", "", false},
+	} {
+		env := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/", "HTTP_ADDR": c.http, "PPROF_ADDR": c.pprof})
+		ReadCommon(env, ":8080")
+		err := env.Err()
+		switch {
+		case c.refused && (err == nil || !strings.Contains(err.Error(), "PPROF_ADDR: ")):
+			t.Errorf("HTTP_ADDR=%s PPROF_ADDR=%s: %v, want it refused, naming PPROF_ADDR", c.http, c.pprof, err)
+		case !c.refused && err != nil:
+			t.Errorf("HTTP_ADDR=%s PPROF_ADDR=%s: %v, want it taken", c.http, c.pprof, err)
+		}
+	}
+}
+
+// An HTTP_ADDR refused at start is reported alone: PPROF_ADDR is not checked against the
+// default that stands in for it, which would add a clash the operator never configured.
+func TestABadHTTPAddrIsNotAlsoAPprofClash(t *testing.T) {
+	t.Parallel()
+	env := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/", "HTTP_ADDR": "8080", "PPROF_ADDR": ":8080"})
+	ReadCommon(env, ":8080")
+	if err := env.Err(); err == nil || !strings.Contains(err.Error(), "HTTP_ADDR: ") || strings.Contains(err.Error(), "PPROF_ADDR") {
+		t.Fatalf("HTTP_ADDR=8080 PPROF_ADDR=:8080: %v, want HTTP_ADDR refused, and nothing about PPROF_ADDR", err)
+	}
+}

@@ -21,10 +21,12 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// OpenDB opens the service's database, waiting up to a minute for it to answer (containers
-// start in any order). The connection carries application_name=service, so its sessions can
-// be told apart in pg_stat_activity. Its errors name DATABASE_URL, where rawURL comes from,
-// and never hold a password (see openError).
+// OpenDB opens the service's database, trying each second until it answers or ctx ends: the
+// services start in any order, and one that gave up would exit 1 and wait out the
+// orchestrator's restart back-off (up to 5 min on Kubernetes) after the database came. A
+// service waits live and not ready (see startingServer). The connection carries
+// application_name=service, so its sessions can be told apart in pg_stat_activity. Its errors
+// name DATABASE_URL, where rawURL comes from, and never hold a password (see openError).
 //
 // It waits also while the server refuses the connection (a wrong password, no such role or
 // database: SQLSTATE 28P01, 28000, 3D000): on Kubernetes, CloudNativePG creates the roles and
@@ -57,10 +59,11 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	sqlDB.SetConnMaxLifetime(30 * time.Minute)
 	sqlDB.SetConnMaxIdleTime(5 * time.Minute)
 
-	deadline := time.Now().Add(time.Minute)
 	// failure is the last ping's error that the context did not cause: why it was still
-	// waiting when it was stopped.
+	// waiting when it was stopped. The wait is logged at its first failure and every
+	// waitLogEvery after, with the latest: a database away for hours logs no line a second.
 	var failure error
+	var logged time.Time
 	for {
 		pingCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		err = sqlDB.PingContext(pingCtx)
@@ -75,18 +78,20 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 			}
 			return nil, fmt.Errorf("%w (%w)", openError("waiting for the database", failure, rawURL, dsn), ctx.Err())
 		}
-		failure = err
-		if time.Now().After(deadline) {
-			_ = sqlDB.Close()
-			return nil, openError("no connection to the database within a minute", err, rawURL, dsn)
+		if failure == nil || time.Since(logged) >= waitLogEvery {
+			log.Warn("waiting for the database", "error", err)
+			logged = time.Now()
 		}
-		log.Warn("waiting for the database", "error", err)
+		failure = err
 		select {
 		case <-ctx.Done():
 		case <-time.After(time.Second):
 		}
 	}
 }
+
+// waitLogEvery is how often OpenDB logs a wait whose failure stays the same.
+const waitLogEvery = 30 * time.Second
 
 func withApplicationName(rawURL, name string) (string, error) {
 	u, err := url.Parse(rawURL)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"net/url"
 	"strings"
 	"testing"
@@ -107,6 +108,38 @@ func TestOpenDBStoppedWhileRefusedSaysWhy(t *testing.T) {
 	}
 	if !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !strings.Contains(err.Error(), "3D000") || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("OpenDB(%s): %v; want an error that names DATABASE_URL and the refusal (3D000), and wraps the deadline", u, err)
+	}
+}
+
+// With nothing listening at the database's address, OpenDB waits, saying so every second, until
+// its context ends, however long that is: the services start in any order. One that gave up
+// after a minute exited 1 every minute, and Kubernetes' crash-loop back-off (up to 5 min) then
+// held its start back long after the database came; it waits live and not ready instead (see
+// startingServer). No server is needed: the port is closed.
+func TestOpenDBWaitsForTheDatabaseUntilItsContextEnds(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "postgres://postgres@" + ln.Addr().String() + "/none?sslmode=disable"
+	_ = ln.Close()
+	log, logs := testenv.NewLogger(t)
+	const wait = 2500 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	start := time.Now()
+	db, err := OpenDB(ctx, log, "svc", closed, 1)
+	took := time.Since(start)
+	if err == nil {
+		CloseDB(db)
+		t.Fatalf("OpenDB(%s) opened a pool", closed)
+	}
+	if took < wait || !errors.Is(err, context.DeadlineExceeded) || !strings.HasPrefix(err.Error(), "DATABASE_URL: waiting for the database") {
+		t.Fatalf("OpenDB returned after %s: %v; want it to wait until its context ended (%s), then an error that names DATABASE_URL and wraps the deadline", took, err, wait)
+	}
+	if n := len(logs.Lines("waiting for the database", "connect")); n != 1 {
+		t.Fatalf("%d lines of the wait in %s, want one, with the error (the same failure is logged every %s):\n%s", n, wait, waitLogEvery, logs)
 	}
 }
 

@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -286,6 +288,51 @@ func TestConsumerIsNotReadyUntilItConsumes(t *testing.T) {
 	var nr *NotReadyError
 	if err := b.ConsumerReady(sub)(context.Background()); !errors.As(err, &nr) || nr.Reason != "not consuming from RabbitMQ" {
 		t.Fatalf("readiness of a subscription that never ran = %v, want not consuming from RabbitMQ", err)
+	}
+}
+
+// A consumer service whose subscription consumes is not ready while its database does not
+// answer: its handlers could commit nothing, and a working broker connection must not make it
+// look ready. Once the database answers, it is.
+func TestAConsumingConsumerIsNotReadyWithoutItsDatabase(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.MigrateLibrary(t)
+	queue, exchange := testenv.UniqueName("consumer"), testenv.UniqueName("orders")
+	testenv.CleanupBroker(t, []string{queue, messaging.DeadLetterQueue(queue)}, []string{exchange})
+	log, _ := testenv.NewLogger(t)
+	sub, err := messaging.NewSubscription(d.Driver(t), messaging.SubscriptionConfig{Name: queue, URL: testenv.AMQPURL(), Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := messaging.Handle(sub, messaging.Event[json.RawMessage]{Exchange: exchange, Type: "Placed"},
+		func(context.Context, *gorm.DB, json.RawMessage, messaging.Message) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- sub.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-ran; err != nil {
+			t.Errorf("the subscription's run: %v", err)
+		}
+	})
+	testenv.Eventually(t, 10*time.Second, sub.Ready, "the subscription does not consume")
+	var answers atomic.Bool
+	b := &Base{DatabaseReady: func(context.Context) error {
+		if answers.Load() {
+			return nil
+		}
+		return &NotReadyError{Reason: "the database does not answer", Err: errors.New("connection refused")}
+	}}
+	var nr *NotReadyError
+	if err := b.ConsumerReady(sub)(ctx); !errors.As(err, &nr) || nr.Reason != "the database does not answer" {
+		t.Fatalf("readiness of a consuming subscription without its database = %v, want the database does not answer", err)
+	}
+	answers.Store(true)
+	if err := b.ConsumerReady(sub)(ctx); err != nil {
+		t.Fatalf("readiness of a consuming subscription with its database = %v, want ready", err)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/url"
 	"os"
+	"path"
 	"strconv"
 	"strings"
 	"time"
@@ -58,6 +59,10 @@ func readOTLPEndpoint(env *Env) string {
 		"must not hold a user or password, which the exporter does not send: give them as a header in OTEL_EXPORTER_OTLP_HEADERS (Authorization=Basic%20...)")
 	env.Check(err != nil || (u.RawQuery == "" && !u.ForceQuery), OTLPEndpointVariable,
 		"must not have a query, which the exporter does not send: give a token as a header in OTEL_EXPORTER_OTLP_HEADERS")
+	// The exporter adds /v1/traces to the path: one there already would have every span sent
+	// to /v1/traces/v1/traces, and refused.
+	env.Check(err != nil || !strings.HasSuffix(path.Clean("/"+u.Path), "/v1/traces"), OTLPEndpointVariable,
+		"is the receiver's base URL, to which the exporter adds /v1/traces itself: drop /v1/traces")
 	return v
 }
 
