@@ -70,11 +70,12 @@ const DefaultLatencyTarget = 50 * time.Millisecond
 // most, never below one place); otherwise the limit grows by one. A request's latency runs from
 // its admission to its response, so the wait for a place, which a lower limit lengthens, does
 // not count; nor does the wait for the request's body, which is the client's pace: the body is
-// read before the request asks for a place (see readBody). A request that finds at most
-// fewAtWork at work after quietPeriod without pressure (no request found every place taken, no
-// more than fewAtWork were at work, none took longer than the target itself, not the target in
-// force below) gives every place back: windows judge only finished requests, and a service
-// gone idle after a spike kept one place, shedding most of the next burst.
+// read before the request asks for a place (see readBody). A request that finds none at work
+// after quietPeriod without pressure (no request found every place taken, no more than
+// fewAtWork were at work, none took longer than the target itself, not the target in force
+// below) gives every place back: windows judge only finished requests, and a service gone idle
+// after a spike kept one place, shedding most of the next burst. None at work, not a few: a
+// request stuck in a stalled database shows no latency until it ends.
 //
 // Fewer places only help latency that comes from the requests crowding each other. So a window
 // with at most fewAtWork requests at work at once cuts nothing and counts as within the target
@@ -316,10 +317,13 @@ type failedReader struct{ err error }
 
 func (f failedReader) Read([]byte) (int, error) { return 0, f.err }
 
-// Places is how many requests are admitted at once now.
+// Places is how many requests are admitted at once now: with every place back if the service
+// has been quiet (see giveBackIfQuiet), so that the gauge of an idle replica does not show the
+// cut of its last spike for hours.
 func (a *Admission) Places() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.giveBackIfQuiet(time.Now())
 	return a.places()
 }
 
@@ -330,13 +334,7 @@ func (a *Admission) places() int { return max(1, int(a.limit)) }
 func (a *Admission) enter(ctx context.Context) bool {
 	a.mu.Lock()
 	now := time.Now()
-	if a.limit < float64(a.max) && a.inUse <= fewAtWork && now.Sub(a.pressed) >= quietPeriod {
-		// No pressure for quietPeriod: no request found every place taken (recorded below),
-		// more than fewAtWork at work (take) or a latency over the target (observe). The load
-		// that cut the places is gone; a fresh window judges the requests under all of them.
-		a.limit = float64(a.max)
-		a.window, a.windowStart, a.peak = a.window[:0], now, a.inUse
-	}
+	a.giveBackIfQuiet(now)
 	if len(a.waiting) == 0 && a.inUse < a.places() {
 		a.take()
 		a.mu.Unlock()
@@ -386,6 +384,17 @@ func (a *Admission) placeWithinWait(ctx context.Context) bool {
 	a.inUse--
 	a.handOn()
 	return true
+}
+
+// giveBackIfQuiet gives every place back when none is in use and no pressure was seen for
+// quietPeriod: no request found every place taken (enter), more than fewAtWork at work (take)
+// or a latency over the target (observe). The load that cut the places is gone; a fresh window
+// judges the requests under all of them. The caller holds a.mu.
+func (a *Admission) giveBackIfQuiet(now time.Time) {
+	if a.limit < float64(a.max) && a.inUse == 0 && now.Sub(a.pressed) >= quietPeriod {
+		a.limit = float64(a.max)
+		a.window, a.windowStart, a.peak = a.window[:0], now, 0
+	}
 }
 
 // take counts a place taken. The caller holds a.mu.

@@ -1310,8 +1310,9 @@ func TestPressureThatGoesOnKeepsTheLimitCut(t *testing.T) {
 	}
 }
 
-// A request gives every place back only after quietPeriod without pressure, and with at most
-// fewAtWork at work: a shorter gap, or three at work, keeps the cut. A single sign of pressure
+// A request gives every place back only after quietPeriod without pressure, and with none at
+// work: a shorter gap keeps the cut, and so do two at work (stuck in a stalled database, they
+// show no latency until they end) or three. A single sign of pressure
 // after a long quiet keeps it too: a latency over the configured target, though within the
 // target in force raised by the floor; a request that found every place taken; a third at work.
 func TestAQuietGapGivesThePlacesBackOnlyOnceLongEnough(t *testing.T) {
@@ -1324,8 +1325,9 @@ func TestAQuietGapGivesThePlacesBackOnlyOnceLongEnough(t *testing.T) {
 		then      func(a *Admission) // a sign of pressure after the gap
 		want      int
 	}{
-		{"a gap of quietPeriod", quietPeriod + 10*time.Millisecond, 2, nil, most},
+		{"a gap of quietPeriod", quietPeriod + 10*time.Millisecond, 0, nil, most},
 		{"a gap shorter than quietPeriod", quietPeriod - time.Second, 0, nil, 5},
+		{"two at work", time.Minute, 2, nil, 5},
 		{"three at work", time.Minute, 3, nil, 5},
 		{"a latency over the target, within the target in force", time.Minute, 0, func(a *Admission) {
 			a.floor = 2 * target // the target in force is 4 × target
@@ -1355,6 +1357,22 @@ func TestAQuietGapGivesThePlacesBackOnlyOnceLongEnough(t *testing.T) {
 		if n := a.Places(); n != c.want {
 			t.Errorf("%s: %d places, want %d", c.situation, n, c.want)
 		}
+	}
+}
+
+// The gauge of the places (Places, read at each scrape) gives them back as a request would: a
+// replica gone idle after a spike does not show its cut for hours. Not while one is at work.
+func TestAnIdleReplicasGaugeShowsEveryPlace(t *testing.T) {
+	t.Parallel()
+	const most = 14
+	a := newAdmission(t, most, 25*time.Millisecond)
+	a.limit, a.pressed, a.inUse = 1, time.Now().Add(-quietPeriod-time.Second), 1
+	if n := a.Places(); n != 1 {
+		t.Fatalf("%d places with a request at work, want the cut's 1", n)
+	}
+	a.inUse = 0
+	if n := a.Places(); n != most {
+		t.Fatalf("%d places after %s idle, want %d", n, quietPeriod+time.Second, most)
 	}
 }
 

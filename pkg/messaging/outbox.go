@@ -47,8 +47,10 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 //
 // Past 8 MiB of rows it inserts them in several statements, in tx (they travel as one jsonb
 // value, which holds at most 256 MiB), behind a savepoint: an error from any of them, an id
-// stored already included, rolls tx back to it, and tx goes on, none of msgs written. On an
-// error, roll tx back unless its data is to be saved without the messages.
+// stored already included, rolls tx back to it, and tx goes on, none of msgs written; unless
+// that rollback fails too (a connection lost, a transaction its driver ended with ctx: the
+// error says the transaction is unusable). On an error, roll tx back unless its data is to be
+// saved without the messages.
 //
 // The payload is stored as jsonb: consumers get the same JSON value, not the same bytes (jsonb
 // orders the keys, drops the whitespace and keeps the last of duplicate keys).
@@ -93,16 +95,19 @@ func insertBatches(ctx context.Context, ex Executor, insert string, batches []ou
 			break
 		}
 	}
+	if err == nil {
+		if _, err := ex.Exec(ctx, `RELEASE SAVEPOINT messaging_enqueue`); err != nil {
+			return fmt.Errorf("outbox: insert %d messages: release the savepoint: %w", total, err)
+		}
+		return nil
+	}
 	// Under a context of its own: ctx's end may be the error, and the savepoint still to undo.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleWait)
 	defer cancel()
-	if err != nil {
-		if _, rerr := ex.Exec(ctx, `ROLLBACK TO SAVEPOINT messaging_enqueue`); rerr != nil {
-			return errors.Join(err, fmt.Errorf("outbox: roll back to before the %d messages: %w", total, rerr))
+	for _, undo := range []string{`ROLLBACK TO SAVEPOINT messaging_enqueue`, `RELEASE SAVEPOINT messaging_enqueue`} {
+		if _, rerr := ex.Exec(ctx, undo); rerr != nil {
+			return errors.Join(err, fmt.Errorf("outbox: the transaction is unusable, roll it back: undo the %d messages (%s): %w", total, undo, rerr))
 		}
-	}
-	if _, rerr := ex.Exec(ctx, `RELEASE SAVEPOINT messaging_enqueue`); rerr != nil {
-		return errors.Join(err, fmt.Errorf("outbox: insert %d messages: release the savepoint: %w", total, rerr))
 	}
 	return err
 }

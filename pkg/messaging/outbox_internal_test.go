@@ -226,6 +226,26 @@ func TestAnEnqueueOfSeveralInsertsIsAllOrNothing(t *testing.T) {
 	}
 }
 
+// An insert whose failure ended the transaction (pgx closes the connection of a statement whose
+// context ends mid-flight; database/sql rolls back a transaction begun with that context) leaves
+// no savepoint to undo: the error is the insert's still, and says the transaction is unusable,
+// not that the messages were undone; nothing more is tried on it.
+func TestAnEnqueueWhoseFailureEndedTheTransactionSaysItIsUnusable(t *testing.T) {
+	t.Parallel()
+	msgs := make([]Message, 30)
+	for i := range msgs {
+		msgs[i] = Message{ID: uuid.Must(uuid.NewV7()), Type: "T", Payload: []byte(`"` + strings.Repeat("x", 100) + `"`)}
+	}
+	tx := &savepointTx{failAt: 2, dead: true}
+	err := Enqueue(testhook.WithEnqueueBatchBytes(context.Background(), 1000), savepointDriver{}, tx, msgs...)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "the transaction is unusable, roll it back") {
+		t.Fatalf("Enqueue = %v, want the insert's error, saying the transaction is unusable", err)
+	}
+	if tx.released != 0 || tx.inserts != 2 {
+		t.Fatalf("%d inserts and %d savepoints released after the failed rollback, want 2 and none", tx.inserts, tx.released)
+	}
+}
+
 // savepointDriver hands out the savepointTx it is given.
 type savepointDriver struct{ Driver[*savepointTx] }
 
@@ -239,6 +259,8 @@ type savepointTx struct {
 	failAt, inserts, rows int
 	savepoints            bool
 	open                  []int // the rows at each savepoint still open
+	dead                  bool  // its failed insert ended it: nothing runs after, the rollback included
+	released              int   // the savepoints released
 }
 
 func (tx *savepointTx) Exec(_ context.Context, query string, args ...any) (int64, error) {
@@ -246,10 +268,13 @@ func (tx *savepointTx) Exec(_ context.Context, query string, args ...any) (int64
 	case strings.HasPrefix(query, "SAVEPOINT "):
 		tx.savepoints = true
 		tx.open = append(tx.open, tx.rows)
+	case tx.dead && tx.inserts >= tx.failAt:
+		return 0, errors.New("conn closed")
 	case strings.HasPrefix(query, "ROLLBACK TO SAVEPOINT "):
 		tx.rows = tx.open[len(tx.open)-1]
 	case strings.HasPrefix(query, "RELEASE SAVEPOINT "):
 		tx.open = tx.open[:len(tx.open)-1]
+		tx.released++
 	case query == statements.InsertOutbox:
 		tx.inserts++
 		if tx.inserts == tx.failAt {

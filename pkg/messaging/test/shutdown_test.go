@@ -339,10 +339,11 @@ func ignoringTheShutdown(t *testing.T) (stuck messaging.Handler[*gorm.DB, payloa
 
 // wantReturnedWithinTheBound fails t unless a subscription with a handler that ignores the
 // shutdown returned (took after the shutdown began) within its grace and 3 s: the attempt is
-// given up 2.5 s after the grace, and the connection closed 3 s after it at the latest.
+// given up 2.5 s after the grace, and the connection closed 3 s after it at the latest. 300 ms
+// are left for a loaded machine's scheduling: the fault this guards took 3.5 s.
 func wantReturnedWithinTheBound(t *testing.T, took, grace time.Duration) {
 	t.Helper()
-	if bound := grace + 3*time.Second + 100*time.Millisecond; took > bound {
+	if bound := grace + 3*time.Second + 300*time.Millisecond; took > bound {
 		t.Errorf("Run returned %s after the shutdown began, want within %s: the grace (%s) and 3 s",
 			took.Round(10*time.Millisecond), bound, grace)
 	}
