@@ -154,7 +154,7 @@ func NewAdmission(log *slog.Logger, reg prometheus.Registerer, most int, target 
 		})}
 	limit := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "http_admission_limit",
-		Help: "API requests admitted at once now: HTTP_MAX_IN_FLIGHT, lowered while the admitted requests' p99 exceeds HTTP_LATENCY_TARGET.",
+		Help: "API requests admitted at once now: HTTP_MAX_IN_FLIGHT, lowered while the admitted requests' p99 exceeds HTTP_LATENCY_TARGET, all back after 3 s quiet with none at work.",
 	}, func() float64 { return float64(a.Places()) })
 	for _, c := range []prometheus.Collector{a.count, limit} {
 		if err := reg.Register(c); err != nil {

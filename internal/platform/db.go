@@ -90,7 +90,7 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	}
 }
 
-// waitLogEvery is how often OpenDB logs a wait whose failure stays the same.
+// waitLogEvery is how often OpenDB logs its wait after the first failure.
 const waitLogEvery = 30 * time.Second
 
 func withApplicationName(rawURL, name string) (string, error) {

@@ -18,7 +18,8 @@ import (
 // pending rows (created_at, id) at once.
 const backlogCountCap = 100_000
 
-// backlogSQL reads the notifications not sent yet, up to a cap, and the age of the oldest.
+// backlogSQL reads the pending notifications (not sent, not undeliverable), up to a cap, and the
+// age of the oldest.
 const backlogSQL = `SELECT
     (SELECT count(*) FROM (SELECT 1 FROM notifications WHERE status = '` + StatusPending + `' LIMIT $1) AS capped),
     coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM notifications WHERE status = '` + StatusPending + `'), 0)`
@@ -48,8 +49,8 @@ func newBacklogCollector(db messaging.DB, log *slog.Logger) *backlogCollector {
 	return &backlogCollector{
 		db: db, log: log,
 		pending: prometheus.NewDesc("notification_pending",
-			fmt.Sprintf("Notifications not sent yet, due or waiting for a retry (counted up to %d).", backlogCountCap), nil, nil),
-		oldest: prometheus.NewDesc("notification_oldest_pending_age_seconds", "Age of the oldest notification not sent yet; 0 when none waits.", nil, nil),
+			fmt.Sprintf("Notifications pending (not sent, not undeliverable), due or waiting for a retry (counted up to %d).", backlogCountCap), nil, nil),
+		oldest: prometheus.NewDesc("notification_oldest_pending_age_seconds", "Age of the oldest pending notification (not sent, not undeliverable); 0 when none waits.", nil, nil),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "notification_backlog_errors_total",
 			Help: "Backlog queries that failed or timed out; the scrapes they served have no notification_pending or notification_oldest_pending_age_seconds.",
