@@ -111,7 +111,8 @@ func TestOpenDBStoppedWhileRefusedSaysWhy(t *testing.T) {
 	}
 }
 
-// With nothing listening at the database's address, OpenDB waits, saying so every second, until
+// With nothing listening at the database's address, OpenDB waits, saying so at once (then every
+// waitLogEvery), until
 // its context ends, however long that is: the services start in any order. One that gave up
 // after a minute exited 1 every minute, and Kubernetes' crash-loop back-off (up to 5 min) then
 // held its start back long after the database came; it waits live and not ready instead (see
@@ -126,9 +127,9 @@ func TestOpenDBWaitsForTheDatabaseUntilItsContextEnds(t *testing.T) {
 	_ = ln.Close()
 	log, logs := testenv.NewLogger(t)
 	const wait = 2500 * time.Millisecond
+	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
-	start := time.Now()
 	db, err := OpenDB(ctx, log, "svc", closed, 1)
 	took := time.Since(start)
 	if err == nil {

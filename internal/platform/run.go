@@ -22,9 +22,11 @@ import (
 
 // ShutdownTimeout bounds how long in-flight HTTP requests may take to finish after a signal.
 // The workers' grace periods are shorter still (consumer 5 s, its Run up to 8 s with a handler
-// that ignores its end; the sender 4 s and 4 s to record). The relay stops only once the requests and the consumer are done, to send what they
-// committed, and gets 5 s more for its batch in progress to wait for its confirms, and 2 s to
-// record them: HardStop is what makes the 10 s of the contract hold whatever they do.
+// that ignores its end; the sender 4 s and 4 s to record). The relay stops only once the
+// requests and the consumer are done, to send what they committed, and gets 5 s more for its
+// batch in progress to wait for its confirms, and 2 s to record them, as far as HardStop
+// allows: HardStop is what makes the 10 s of the contract hold whatever they do (a batch it cuts
+// off is sent again at the next start, and its duplicates dropped by the inboxes).
 const ShutdownTimeout = 8 * time.Second
 
 // HardStop is how long after a signal the process exits, whatever is still running: a service

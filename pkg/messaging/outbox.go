@@ -96,10 +96,11 @@ func insertBatches(ctx context.Context, ex Executor, insert string, batches []ou
 		}
 	}
 	if err == nil {
-		if _, err := ex.Exec(ctx, `RELEASE SAVEPOINT messaging_enqueue`); err != nil {
-			return fmt.Errorf("outbox: insert %d messages: release the savepoint: %w", total, err)
+		if _, err = ex.Exec(ctx, `RELEASE SAVEPOINT messaging_enqueue`); err == nil {
+			return nil
 		}
-		return nil
+		// Its ctx ended before it reached the server, say: the rows are in, and are undone.
+		err = fmt.Errorf("outbox: insert %d messages: release the savepoint: %w", total, err)
 	}
 	// Under a context of its own: ctx's end may be the error, and the savepoint still to undo.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleWait)

@@ -246,6 +246,25 @@ func TestAnEnqueueWhoseFailureEndedTheTransactionSaysItIsUnusable(t *testing.T) 
 	}
 }
 
+// A release of the savepoint that fails once every insert is in (its context ended before it was
+// sent: the transaction goes on) undoes them: an error with the messages written would commit
+// them for a caller that logs it and commits.
+func TestAnEnqueueWhoseReleaseFailedWritesNothing(t *testing.T) {
+	t.Parallel()
+	msgs := make([]Message, 30)
+	for i := range msgs {
+		msgs[i] = Message{ID: uuid.Must(uuid.NewV7()), Type: "T", Payload: []byte(`"` + strings.Repeat("x", 100) + `"`)}
+	}
+	tx := &savepointTx{releaseFails: true}
+	err := Enqueue(testhook.WithEnqueueBatchBytes(context.Background(), 1000), savepointDriver{}, tx, msgs...)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Enqueue = %v, want the release's error", err)
+	}
+	if tx.rows != 0 || len(tx.open) != 0 {
+		t.Fatalf("%d of %d messages left written, %d savepoints open; want none", tx.rows, len(msgs), len(tx.open))
+	}
+}
+
 // savepointDriver hands out the savepointTx it is given.
 type savepointDriver struct{ Driver[*savepointTx] }
 
@@ -261,6 +280,7 @@ type savepointTx struct {
 	open                  []int // the rows at each savepoint still open
 	dead                  bool  // its failed insert ended it: nothing runs after, the rollback included
 	released              int   // the savepoints released
+	releaseFails          bool  // its first release fails as one whose context ended before it was sent
 }
 
 func (tx *savepointTx) Exec(_ context.Context, query string, args ...any) (int64, error) {
@@ -272,6 +292,9 @@ func (tx *savepointTx) Exec(_ context.Context, query string, args ...any) (int64
 		return 0, errors.New("conn closed")
 	case strings.HasPrefix(query, "ROLLBACK TO SAVEPOINT "):
 		tx.rows = tx.open[len(tx.open)-1]
+	case strings.HasPrefix(query, "RELEASE SAVEPOINT ") && tx.releaseFails:
+		tx.releaseFails = false
+		return 0, context.Canceled
 	case strings.HasPrefix(query, "RELEASE SAVEPOINT "):
 		tx.open = tx.open[:len(tx.open)-1]
 		tx.released++
