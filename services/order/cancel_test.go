@@ -139,6 +139,7 @@ func TestBadCancelsGetProblemsAndWriteNothing(t *testing.T) {
 		{"reason not a string", id, `{"reason": 42}`, "application/json", http.StatusUnprocessableEntity},
 		{"control character", id, `{"reason": "a\u0007b"}`, "application/json", http.StatusUnprocessableEntity},
 		{"reason too long", id, `{"reason": "` + strings.Repeat("x", MaxReasonLength+1) + `"}`, "application/json", http.StatusUnprocessableEntity},
+		{"2 MiB body", id, `{"reason": "` + strings.Repeat("x", 2<<20) + `"}`, "application/json", http.StatusRequestEntityTooLarge},
 	}
 	for _, c := range cases {
 		resp, raw := b.cancel(t, c.id, c.body, c.contentType)

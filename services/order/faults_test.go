@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -153,15 +154,7 @@ func TestTheAPIIsBehindAdmission(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	o := b.place(t)
-	log, _ := testenv.NewLogger(t)
-	reg := prometheus.NewRegistry()
-	adm, err := platform.NewAdmission(log, reg, 1, 0) // HTTP_MAX_IN_FLIGHT=1
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(handler(log, &platform.Base{DB: b.db, Registry: reg, Admission: adm,
-		DatabaseReady: platform.DatabaseReady(b.readiness)}, b.store))
-	t.Cleanup(srv.Close)
+	srv := httptest.NewServer(b.asServed(t, 1)) // HTTP_MAX_IN_FLIGHT=1
 
 	locker := b.db.Begin()
 	t.Cleanup(func() { locker.Rollback() })
@@ -194,6 +187,107 @@ func TestTheAPIIsBehindAdmission(t *testing.T) {
 	}
 	if status := <-held; status != http.StatusOK {
 		t.Fatalf("the request that held the place: %d, want 200 once the lock is gone", status)
+	}
+}
+
+// asServed is the service's handler on b's database, built as main builds it: the order API
+// behind admission control of inFlight places (HTTP_MAX_IN_FLIGHT), no latency target.
+func (b *testBundle) asServed(t *testing.T, inFlight int) http.Handler {
+	t.Helper()
+	log, _ := testenv.NewLogger(t)
+	reg := prometheus.NewRegistry()
+	adm, err := platform.NewAdmission(log, reg, inFlight, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return handler(log, &platform.Base{DB: b.db, Registry: reg, Admission: adm,
+		DatabaseReady: platform.DatabaseReady(b.readiness)}, b.store)
+}
+
+// chunked is a body of size bytes, sent without a Content-Length: head, then filler up to
+// tail, generated as it is read.
+func chunked(head string, filler byte, tail string, size int64) io.Reader {
+	fill := size - int64(len(head)+len(tail))
+	return io.MultiReader(strings.NewReader(head), io.LimitReader(repeated(filler), fill), strings.NewReader(tail))
+}
+
+// repeated reads as b, endlessly.
+type repeated byte
+
+func (r repeated) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = byte(r)
+	}
+	return len(p), nil
+}
+
+// countingReader counts the bytes read from r.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// A body over MaxBodyBytes sent without a Content-Length (chunked), which admission cannot
+// refuse up front, is a 413 problem for a placement and a cancellation alike, through the
+// whole stack as main serves it, and writes nothing. Admission reads a body up to its limit
+// and leaves the rest to the handler: the handler's own limit is what stops it, and the body
+// is not read much past the limit, however long it is (a body read whole was a 422 for its
+// field's length, after the server had taken in every byte of it).
+func TestChunkedBodiesOverTheLimitAre413(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	o := b.place(t)
+	h := b.asServed(t, 4)
+	ts := httptest.NewUnstartedServer(h)
+	ts.Config = platform.NewServer("", h)
+	ts.Start()
+	t.Cleanup(ts.Close)
+	before := b.counts(t)
+
+	type request struct{ name, path, head, tail string }
+	requests := []request{
+		{"a placement", "/orders", `{"customer_id": "`, `", "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}`},
+		{"a cancellation", "/orders/" + o.ID.String() + "/cancel", `{"reason": "`, `"}`},
+	}
+	for _, c := range requests {
+		req, err := http.NewRequest(http.MethodPost, ts.URL+c.path, chunked(c.head, 'x', c.tail, 2<<20))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.ContentLength = -1 // unknown: sent chunked
+		req.Header.Set("Content-Type", "application/json")
+		resp, raw := do(t, req)
+		var p platform.Problem
+		if resp.StatusCode != http.StatusRequestEntityTooLarge || resp.Header.Get("Content-Type") != "application/problem+json" ||
+			json.Unmarshal(raw, &p) != nil || p.Status != http.StatusRequestEntityTooLarge || !strings.Contains(p.Detail, "exceeds") {
+			t.Errorf("%s of 2 MiB, chunked: %d %s %s; want a 413 problem", c.name, resp.StatusCode, resp.Header.Get("Content-Type"), raw)
+		}
+	}
+	// In process, where what the handler reads is what it is given: a body of 64 MiB is read
+	// to the limit, not whole.
+	for _, c := range requests {
+		body := &countingReader{r: chunked(c.head, 'x', c.tail, 64<<20)}
+		req := httptest.NewRequest(http.MethodPost, c.path, body)
+		req.ContentLength = -1
+		req.Header.Set("Content-Type", "application/json")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code != http.StatusRequestEntityTooLarge || body.n > MaxBodyBytes+64<<10 {
+			t.Errorf("%s of 64 MiB, chunked: %d %s after %d bytes read; want a 413 after at most %d", c.name, rec.Code, rec.Body, body.n, MaxBodyBytes+64<<10)
+		}
+	}
+
+	if c := b.counts(t); c != before {
+		t.Errorf("orders, lines, outbox = %v after bodies over the limit, want %v as before", c, before)
+	}
+	if n := testenv.Count(t, b.db, "SELECT count(*) FROM orders WHERE status <> 'placed'"); n != 0 {
+		t.Error("a cancellation over the limit cancelled the order")
 	}
 }
 
