@@ -69,6 +69,9 @@ func senderThroughput(t *testing.T, r *report, binDir string) {
 
 	mails, repeats := notificationMails(sys.Mail)
 	ceiling := (before + after) / 2
+	// The e-mails after the first over the time from its mark to the last's: the sender's
+	// start, dials and greetings are outside this window, unlike the ceiling's (dial to QUIT,
+	// see sendCeiling). docs/benchmarks.md says so beside the phase.
 	perSec := rate(senderBacklog-1, span.Last.Sub(span.First))
 	r.add(fmt.Sprintf("SMTP ceiling: test SMTP server, a plain client in a process of its own, %d e-mails over %d reused connections (RSET, MAIL, RCPT, DATA pipelined), no DB",
 		senderBacklog, senderConns), fmt.Sprintf("%.0f mail/s", ceiling), fmt.Sprintf("before %.0f, after the drain %.0f", before, after), "1.00", "", true)

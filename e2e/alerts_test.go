@@ -111,7 +111,11 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	for time.Since(quiet) < 15*time.Second { // a window of observation, not a wait for anything
 		time.Sleep(100 * time.Millisecond)
 	}
-	if fired := r.watch.firedBetween(r.started, time.Now()); len(fired) != 0 {
+	fired, err := r.watch.firedWhileWatched(r.started, time.Now())
+	if err != nil {
+		t.Fatalf("the window of steady orders without a fault was not watched whole, so no alert firing in it proves nothing: %v", err)
+	}
+	if len(fired) != 0 {
 		t.Fatalf("alerts fired while orders flowed without a fault: %v", fired)
 	}
 	// The rules held for longer than this window (30 s and 3 min, scaled) cannot fire within
@@ -206,7 +210,7 @@ func (r *faultRun) poisonRow(t *testing.T) {
 	// The relay retries the row every 2 s by itself: it may have sent it before outboxctl runs,
 	// which then finds no unsent row with that id (exit 3). Either way, it went out.
 	args := []string{"retry", "--id", row.ID.String(), "--yes", "--db", r.s.Order.DB.URL}
-	out, err := exec.Command(r.outboxctl(), args...).CombinedOutput()
+	out, err := outboxctl(r.outboxctl(), args...)
 	var exit *exec.ExitError
 	sent := testenv.Count(t, r.s.Order.DB.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND processed_at IS NOT NULL", row.ID) == 1
 	sentFirst := errors.As(err, &exit) && exit.ExitCode() == 3 && sent
@@ -382,11 +386,37 @@ func buildOutboxctl(t *testing.T) func() string {
 	}
 }
 
-// runOutboxctl runs outboxctl with args, without a terminal, and requires it to succeed.
+// outboxctlTimeout bounds a run of outboxctl, which here handles a row or two messages: one
+// that hangs (on a broker or a database that never answers) must not take the package's
+// -timeout with it.
+const outboxctlTimeout = time.Minute
+
+// outboxctl runs the outboxctl at bin with args, without a terminal, and returns its output. A
+// run past outboxctlTimeout is killed, and is an error that says so.
+func outboxctl(bin string, args ...string) ([]byte, error) {
+	return runWithin(outboxctlTimeout, bin, args...)
+}
+
+// runWithin runs bin with args and returns its output. Past timeout, bin is SIGKILLed; what
+// it started and left holding its output has 5 s more before the output is no longer waited
+// for. Either way the run is an error that says it was killed.
+func runWithin(timeout time.Duration, bin string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.CombinedOutput()
+	if err != nil && ctx.Err() != nil {
+		err = fmt.Errorf("killed after %s: %w", timeout, err)
+	}
+	return out, err
+}
+
+// runOutboxctl runs outboxctl with args, without a terminal, and requires it to succeed within
+// outboxctlTimeout.
 func runOutboxctl(t *testing.T, bin func() string, args ...string) {
 	t.Helper()
-	cmd := exec.Command(bin(), args...)
-	out, err := cmd.CombinedOutput()
+	out, err := outboxctl(bin(), args...)
 	if err != nil {
 		t.Fatalf("outboxctl %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
@@ -431,5 +461,30 @@ func allowInvoices(t *testing.T, db *gorm.DB) {
 	t.Helper()
 	if err := db.Exec("DROP TRIGGER refuse_invoice ON invoices").Error; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A command that outlives its bound is killed, and its run is an error that says so, at once:
+// a hung outboxctl does not hold the test until the package's -timeout.
+func TestRunWithinKillsACommandPastItsBound(t *testing.T) {
+	t.Parallel()
+	hang := filepath.Join(t.TempDir(), "hang")
+	if err := os.WriteFile(hang, []byte("#!/bin/sh\necho started\nexec sleep 20\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	out, err := runWithin(300*time.Millisecond, hang)
+	took := time.Since(start)
+	if err == nil || !strings.Contains(err.Error(), "killed after 300ms") {
+		t.Errorf("a run past its bound: err = %v, want one that says it was killed after 300ms", err)
+	}
+	if took > 5*time.Second {
+		t.Errorf("a run bounded to 300ms returned after %s", took.Round(time.Millisecond))
+	}
+	if !strings.Contains(string(out), "started") {
+		t.Errorf("the output before the kill is lost: %q", out)
+	}
+	if out, err := runWithin(10*time.Second, "true"); err != nil {
+		t.Errorf("a run within its bound: %v %s", err, out)
 	}
 }

@@ -1,12 +1,14 @@
 package e2e
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
 	"maps"
 	"math"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"os/exec"
@@ -16,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -364,12 +367,14 @@ type episode struct {
 }
 
 // alertWatch polls /api/v1/alerts in the background, every 100 ms, and records each firing
-// alert's episodes, so that a test can wait for an alert while other faults go on.
+// alert's episodes, so that a test can wait for an alert while other faults go on. A failed
+// poll is recorded and the next one tried: it leaves the watch blind meanwhile.
 type alertWatch struct {
 	mu       sync.Mutex
 	episodes []*episode
 	pending  map[string]bool // alerts seen pending, by key
-	failure  string          // why polling stopped, if it did
+	polled   []time.Time     // when each successful poll was answered, in order
+	failure  string          // the last failed poll's error, if one failed
 }
 
 func alertKey(name string, labels map[string]string) string {
@@ -405,15 +410,20 @@ func (p *livePrometheus) watch(t *testing.T) *alertWatch {
 				continue
 			}
 			w.record(now, alerts)
+			w.polled = append(w.polled, now)
 			w.mu.Unlock()
 		}
 	}()
 	return w
 }
 
+// alertsClient bounds a poll of the alerts: one that hangs fails, and shows as a blind stretch
+// (alertWatch.firedWhileWatched), instead of holding the watch, and the test's end, forever.
+var alertsClient = &http.Client{Timeout: 5 * promInterval}
+
 // fetchAlerts is alerts for a goroutine that may not fail the test.
 func fetchAlerts(base string) ([]activeAlert, error) {
-	resp, err := http.Get(base + "/api/v1/alerts")
+	resp, err := alertsClient.Get(base + "/api/v1/alerts")
 	if err != nil {
 		return nil, err
 	}
@@ -529,6 +539,31 @@ func (w *alertWatch) firedBetween(from, to time.Time) []string {
 	return out
 }
 
+// firedWhileWatched is firedBetween for a window the watch must have seen whole: it fails if
+// the window had a stretch of promInterval or more without a successful poll (or none at all).
+// Prometheus evaluates the rules every promInterval, so an alert that fires stays so for one
+// evaluation at least, and a shorter blind stretch cannot miss it whole; a longer one can, and
+// a window that polls failed throughout would pass for one in which nothing fired.
+func (w *alertWatch) firedWhileWatched(from, to time.Time) ([]string, error) {
+	w.mu.Lock()
+	seen, blind, last := 0, time.Duration(0), from
+	for _, at := range w.polled {
+		if at.Before(from) || at.After(to) {
+			continue
+		}
+		seen++
+		blind, last = max(blind, at.Sub(last)), at
+	}
+	blind = max(blind, to.Sub(last))
+	failure := w.failure
+	w.mu.Unlock()
+	if blind >= promInterval {
+		return nil, fmt.Errorf("the alerts went unwatched for %s of the %s from %s (%d successful polls in it; the last failed poll: %s)",
+			blind.Round(time.Millisecond), to.Sub(from).Round(time.Millisecond), from.Format("15:04:05.000"), seen, cmp.Or(failure, "none"))
+	}
+	return w.firedBetween(from, to), nil
+}
+
 // pendingSeen lists the alerts seen pending so far, whether they fired then or not.
 func (w *alertWatch) pendingSeen() []string {
 	w.mu.Lock()
@@ -543,4 +578,62 @@ func (w *alertWatch) lastFailure() string {
 		return "ok"
 	}
 	return w.failure
+}
+
+// A window in which the watch could not read Prometheus's alerts is not one in which none
+// fired: firedWhileWatched fails it, whether the polls failed throughout or stopped succeeding
+// partway; a window polled throughout passes, with the alerts that fired in it.
+func TestFiredWhileWatchedFailsAWindowNotWatched(t *testing.T) {
+	t.Parallel()
+	const firing = `{"status":"success","data":{"alerts":[{"labels":{"alertname":"ServiceDown","job":"order"},"state":"firing"}]}}`
+	const none = `{"status":"success","data":{"alerts":[]}}`
+	for _, c := range []struct {
+		name string
+		// answer is what /api/v1/alerts answers at the nth poll (from 0), and its status
+		answer    func(n int64) (int, string)
+		wantErr   bool
+		wantFired int
+	}{
+		{"polled throughout, nothing fired", func(int64) (int, string) { return http.StatusOK, none }, false, 0},
+		{"polled throughout, an alert fired", func(n int64) (int, string) {
+			if n < 3 {
+				return http.StatusOK, none
+			}
+			return http.StatusOK, firing
+		}, false, 1},
+		{"every poll failed", func(int64) (int, string) { return http.StatusServiceUnavailable, "unavailable" }, true, 0},
+		{"answers that are no alerts", func(int64) (int, string) { return http.StatusOK, `{"status":"error"}` }, true, 0},
+		{"polls failed after a while", func(n int64) (int, string) {
+			if n < 3 {
+				return http.StatusOK, none
+			}
+			return http.StatusInternalServerError, "broken"
+		}, true, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			var polls atomic.Int64
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != "/api/v1/alerts" {
+					http.NotFound(w, r)
+					return
+				}
+				status, body := c.answer(polls.Add(1) - 1)
+				w.WriteHeader(status)
+				fmt.Fprint(w, body)
+			}))
+			t.Cleanup(srv.Close)
+			from := time.Now()
+			w := (&livePrometheus{URL: srv.URL}).watch(t)
+			time.Sleep(3 * promInterval)
+			fired, err := w.firedWhileWatched(from, time.Now())
+			if err != nil {
+				t.Logf("firedWhileWatched: %v", err)
+			}
+			if (err != nil) != c.wantErr || len(fired) != c.wantFired {
+				t.Errorf("after %d polls: firedWhileWatched = %v, %v; want %d fired and an error: %v",
+					polls.Load(), fired, err, c.wantFired, c.wantErr)
+			}
+		})
+	}
 }

@@ -91,14 +91,21 @@ func TestBuildDirectoriesOfKilledBinariesAreRemoved(t *testing.T) {
 	}
 }
 
-// smallPools are the e2e tests' database pools, unless a test says otherwise: each system
-// reserves every connection its services may open, and at the services' default of 20 two
-// systems would not fit the suite's share of PostgreSQL beside each other. 12 is what
-// invoicing's parts need at these settings: the readiness check 1, the relay 3, the cleanups
-// 2, the consumer 4 and requests 2. The tests' clients outnumber those request connections, and
-// are here to check exactly-once, not shedding (the admission tests and the overload benchmark
-// do that): HTTP_MAX_IN_FLIGHT lets their requests queue for a connection instead, and
-// HTTP_LATENCY_TARGET=0 keeps that limit where it is while -race makes them slow.
+// smallPools are the e2e tests' database pools, unless a test says otherwise. Each system
+// reserves every connection it may open (testenv.Connections): 3 for each of the test's own
+// handles on the three databases and each service's DB_MAX_CONNS, 9 + 3×12 = 45 here (69 at
+// the services' default of 20). Even so two such systems do not fit side by side in the 87 that a server at the
+// default max_connections of 100 leaves the suite (less its 3 superuser connections and
+// testenv's margin of 10): they take turns, and the small pools leave the rest of the budget to
+// the other packages' tests meanwhile. No queue orders the turns: a system waits until its 45
+// are free at once, retrying, while smaller reservations take the slots freed meanwhile
+// (TestReplicasUnderLoad waits for 79), so a system may wait long to start, which the
+// -timeout of scripts/test.sh allows for. 12 is what invoicing's parts need at these settings:
+// the readiness check 1, the relay 3, the cleanups 2, the consumer 4 and requests 2. The tests'
+// clients outnumber those request connections, and are here to check exactly-once, not
+// shedding (the admission tests and the overload benchmark do that): HTTP_MAX_IN_FLIGHT lets
+// their requests queue for a connection instead, and HTTP_LATENCY_TARGET=0 keeps that limit
+// where it is while -race makes them slow.
 var smallPools = []string{"DB_MAX_CONNS=12", "CONSUMER_CONCURRENCY=3", "OUTBOX_LANES=1", "HTTP_MAX_IN_FLIGHT=64", "HTTP_LATENCY_TARGET=0"}
 
 // startSystem starts the race-enabled binaries as opts describes.

@@ -1,7 +1,10 @@
 package systest
 
 import (
+	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 )
@@ -48,6 +51,54 @@ func TestCheckGracefulFailsAnAbandonedStop(t *testing.T) {
 		}
 		if strings.Contains(got, "\"line 0\"") {
 			t.Errorf("the failure shows more than the log's last %d lines:\n%s", logTail, got)
+		}
+	}
+}
+
+// The duplicates a consumer suppressed are read from its own labelled sample; a scrape that
+// lacks it (the metric gone, renamed, or exported without its consumer label) is an error, not
+// 0: read as 0, it would pass the check that a run without faults suppressed none.
+func TestDuplicatesInRequiresTheConsumersSample(t *testing.T) {
+	const other = "# HELP consumer_messages_total Deliveries settled.\n# TYPE consumer_messages_total counter\n" +
+		`consumer_messages_total{outcome="acked",queue="invoicing"} 12` + "\n"
+	for _, c := range []struct {
+		name, scrape string
+		want         float64
+	}{
+		{"zero", other + "# TYPE inbox_duplicates_total counter\n" + `inbox_duplicates_total{consumer="invoicing"} 0` + "\n", 0},
+		{"some", other + `inbox_duplicates_total{consumer="invoicing"} 3` + "\n", 3},
+	} {
+		got, err := duplicatesIn("invoicing", c.scrape)
+		if err != nil || got != c.want {
+			t.Errorf("%s: duplicatesIn = %v, %v; want %v", c.name, got, err, c.want)
+		}
+	}
+	for _, c := range []struct{ name, scrape string }{
+		{"absent", other},
+		{"empty", ""},
+		{"renamed", other + `messaging_inbox_duplicates_total{consumer="invoicing"} 0` + "\n"},
+		{"unlabelled", other + "inbox_duplicates_total 0\n"},
+		{"another consumer's", other + `inbox_duplicates_total{consumer="notification"} 0` + "\n"},
+		{"unparsable", other + `inbox_duplicates_total{consumer="invoicing"} many` + "\n"},
+	} {
+		if got, err := duplicatesIn("invoicing", c.scrape); err == nil {
+			t.Errorf("%s: duplicatesIn = %v without an error, for a scrape without the sample:\n%s", c.name, got, c.scrape)
+		}
+	}
+}
+
+// A /metrics that answers anything but 200 fails the read of the duplicates, whatever its body.
+func TestDuplicatesFailsOnAFailedScrape(t *testing.T) {
+	for _, status := range []int{http.StatusInternalServerError, http.StatusNotFound} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(status)
+			fmt.Fprintln(w, `inbox_duplicates_total{consumer="invoicing"} 0`)
+		}))
+		s := &Service{Name: "invoicing", URL: srv.URL}
+		n, err := s.duplicates(context.Background())
+		srv.Close()
+		if err == nil {
+			t.Errorf("status %d: duplicates = %v without an error", status, n)
 		}
 	}
 }

@@ -23,6 +23,13 @@ import (
 //     (DefaultConnections, or Connections(t, n) for more), and keeps them until it ends. A
 //     reservation is all or nothing, so no test holds part of the budget while waiting for
 //     the rest, and waiting can never deadlock.
+//   - Waiting is not fair: no queue spans the processes, and a waiter tries again every 20 to
+//     70 ms, all at once or nothing. A large reservation (an end-to-end system's 45, say, of
+//     the 87 of a server at the default max_connections) waits until that many are free at
+//     the same moment, while smaller ones take the slots freed meanwhile: it may wait long,
+//     up to Reserve's 10 minutes. Making it fair would take a gate that holds the small ones
+//     back while a large one waits, and that would deadlock a test that holds slots while a
+//     subtest of its own waits at the gate: the tests' -timeouts allow for the waits instead.
 //   - Each unit of the budget is a slot file locked with flock, which the kernel releases
 //     when the process dies: a crashed test process frees its slots.
 //   - A test that opens more than it reserved fails at once, saying so: the budget holds by

@@ -193,7 +193,7 @@ func (r *run) report(w io.Writer, allowed, collected reasons, want int) bool {
 			}
 		case "skip":
 			reason := r.reason(k)
-			line := fmt.Sprintf("  %s %s: %s", k.pkg, k.name, reason)
+			line := fmt.Sprintf("  %s %s: %s", k.pkg, k.name, strings.ReplaceAll(reason, "\n", "\n      "))
 			skips = append(skips, line)
 			switch {
 			case !topLevel && slices.Contains(collected, reason):
@@ -228,14 +228,24 @@ func (r *run) report(w io.Writer, allowed, collected reasons, want int) bool {
 	return ok
 }
 
-// reason is the message a skipped test gave: its last output line of the form "file.go:N: ...".
+// reason is the message a skipped test gave, whole: its last message in its output, a line
+// "file.go:N: text" and the lines after it that testing indents 4 spaces more, a message's
+// second and later lines (unindented, joined by newlines). The output is read as one text:
+// test2json makes each line an event of its own, and cuts a long one into several.
 func (r *run) reason(k test) string {
 	reason := "(no reason given)"
-	for _, l := range r.output[k] {
-		l = strings.TrimSpace(l)
-		if i := strings.Index(l, ".go:"); i > 0 && !strings.HasPrefix(l, "---") && !strings.HasPrefix(l, "===") {
-			if j := strings.Index(l[i+4:], ": "); j >= 0 {
-				reason = l[i+4+j+2:]
+	lines := strings.Split(strings.Join(r.output[k], ""), "\n")
+	for i := 0; i < len(lines); i++ {
+		l := strings.TrimSpace(lines[i])
+		if at := strings.Index(l, ".go:"); at > 0 && !strings.HasPrefix(l, "---") && !strings.HasPrefix(l, "===") {
+			if j := strings.Index(l[at+4:], ": "); j >= 0 {
+				message := []string{l[at+4+j+2:]}
+				more := lines[i][:len(lines[i])-len(strings.TrimLeft(lines[i], " "))] + "    "
+				for i+1 < len(lines) && strings.HasPrefix(lines[i+1], more) {
+					i++
+					message = append(message, strings.TrimPrefix(lines[i], more))
+				}
+				reason = strings.Join(message, "\n")
 			}
 		}
 	}

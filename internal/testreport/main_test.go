@@ -181,3 +181,50 @@ func TestASubtestSkippedForACollectedReasonFails(t *testing.T) {
 		t.Fatalf("the report does not name the subtest as one no phase would run:\n%s", out.String())
 	}
 }
+
+// A skip message of several lines is its reason whole: testing writes its first line after the
+// file and line, and indents the others 4 more, each an output event of its own (and test2json
+// cuts a long line into several). A skip whose first line alone is an allowed reason is one
+// nobody allowed, and -collect does not take it; the whole message, allowed, passes.
+func TestAMultiLineSkipIsMatchedWhole(t *testing.T) {
+	restart := "restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone"
+	events := func(name string, outputs ...string) []string {
+		lines := []string{`{"Action":"run","Package":"p","Test":"` + name + `"}`}
+		for _, o := range outputs {
+			lines = append(lines, `{"Action":"output","Package":"p","Test":"`+name+`","Output":"`+o+`"}`)
+		}
+		return append(lines,
+			`{"Action":"output","Package":"p","Test":"`+name+`","Output":"--- SKIP: `+name+` (0.00s)\n"}`,
+			`{"Action":"skip","Package":"p","Test":"`+name+`"}`)
+	}
+	var stream []string
+	// t.Skip(benchSkip + "\nbut this one is flaky too")
+	stream = append(stream, events("TestBench", `=== RUN   TestBench\n`, `    p_test.go:12: `+benchSkip+`\n`, `        but this one is flaky too\n`)...)
+	// t.Log("connecting"); t.Skip(restart + "\n\n(and it is slow)"), its first line cut in two
+	stream = append(stream, events("TestRestart", `    p_test.go:20: connecting\n`, `    p_test.go:21: restarts the shared servers; `,
+		`set TEST_SERVER_RESTARTS=1 and run alone\n`, `        \n`, `        (and it is slow)\n`)...)
+	stream = append(stream, `{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`, `{"Action":"pass","Package":"p","Elapsed":1}`)
+	r, err := read(strings.NewReader(strings.Join(stream, "\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{
+		"TestBench":   benchSkip + "\nbut this one is flaky too",
+		"TestRestart": restart + "\n\n(and it is slow)",
+	} {
+		if got := r.reason(test{"p", name}); got != want {
+			t.Errorf("%s's reason = %q, want %q", name, got, want)
+		}
+	}
+	var out strings.Builder
+	if r.report(&out, reasons{benchSkip, restart}, reasons{restart}, 0) {
+		t.Errorf("the report passed skips whose first line only is an allowed reason:\n%s", out.String())
+	}
+	if got := r.collect(reasons{restart}); got != "" {
+		t.Errorf("collect took a skip by its first line: %q", got)
+	}
+	out.Reset()
+	if !r.report(&out, reasons{benchSkip + "\nbut this one is flaky too", restart + "\n\n(and it is slow)"}, nil, 2) {
+		t.Errorf("the report failed skips whose whole reasons are allowed:\n%s", out.String())
+	}
+}
