@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -17,25 +18,113 @@ import (
 // unacknowledged at once, unless told otherwise.
 const defaultDLQLimit = 100
 
-// mostWithoutLimit is how many waiting messages dlq redrive and dlq drop take without --limit;
-// with more waiting they refuse. Each message taken is held in memory until the command ends:
-// 200,000 of 64 KiB would be over 12 GiB. A variable, for the tests.
+// mostWithoutLimit is how many waiting messages dlq redrive and dlq drop take without --limit,
+// and dlq list with --limit 0; with more waiting they refuse. Each message taken is held in
+// memory until the command ends: 200,000 of 64 KiB would be over 12 GiB. A variable, for the
+// tests.
 var mostWithoutLimit = 10000
 
-// noLimitBrake is the BeforeTake of a redrive or a drop: without --limit (0), it refuses a
-// queue of more than mostWithoutLimit messages with a usage error, before any is taken.
-func noLimitBrake(dlq string, limit int) func(waiting int) error {
-	if limit > 0 {
-		return nil
-	}
+// beforeTakeHook, unless nil, runs once a dead-letter queue was counted and before its
+// messages are taken: for the tests, which take some meanwhile, as another client would.
+var beforeTakeHook func(dlq string)
+
+// noLimitBrake is the BeforeTake of a dlq command: with limit 0 (all: without --limit, or
+// dlq list's --limit 0, as noLimit says), it refuses a queue of more than mostWithoutLimit
+// messages with a usage error, before any is taken.
+func noLimitBrake(dlq string, limit int, noLimit string) func(waiting int) error {
 	return func(waiting int) error {
-		if waiting <= mostWithoutLimit {
+		if limit > 0 || waiting <= mostWithoutLimit {
+			if beforeTakeHook != nil {
+				beforeTakeHook(dlq)
+			}
 			return nil
 		}
 		// The count, not "run it again for the rest": a filter or an --id looks at the first
 		// N only, each run the same N, so only a --limit of them all reaches every message.
-		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes without --limit (it holds each in memory until it is done): --limit %d takes them all, as before; a smaller one looks at the first N only (and may reorder those it looked at); nothing was changed",
-			waiting, dlq, mostWithoutLimit, waiting)}
+		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes %s (it holds each in memory until it is done): --limit %d takes them all, as before; a smaller one looks at the first N only (and may reorder those it looked at); nothing was changed",
+			waiting, dlq, mostWithoutLimit, noLimit, waiting)}
+	}
+}
+
+// dlqTake is what a dlq command learns of the messages it takes: how many were ready when the
+// dead-letter queue was counted, and how many it took, of those, at most limit. Its output
+// counts what it took: another client may take some between the count and the take.
+type dlqTake struct {
+	dlq     string
+	limit   int // 0: all
+	waiting int // ready when counted
+	taken   int
+}
+
+// selection takes the messages for t: no more than t.limit, with noLimitBrake (noLimit says
+// how the command is given no limit), and t's counts kept.
+func (t *dlqTake) selection(noLimit string) messaging.DeadLetterSelection {
+	brake := noLimitBrake(t.dlq, t.limit, noLimit)
+	return messaging.DeadLetterSelection{
+		Limit: t.limit,
+		BeforeTake: func(waiting int) error {
+			t.waiting = waiting
+			return brake(waiting)
+		},
+		Taken: func(n int) { t.taken = n },
+	}
+}
+
+// cut says whether --limit left messages behind: it took limit of more that were ready.
+func (t *dlqTake) cut() bool { return t.limit > 0 && t.taken >= t.limit && t.waiting > t.taken }
+
+// scope says which messages of the dead-letter queue it looked at: all that were ready, the
+// first --limit, or those still there when it took them.
+func (t *dlqTake) scope() string {
+	switch {
+	case t.cut():
+		return fmt.Sprintf("the first %d of the %d messages in %s (--limit)", t.taken, t.waiting, t.dlq)
+	case t.taken < t.waiting:
+		return fmt.Sprintf("the %d messages ready in %s (%d were counted at the start: the others were gone when it took them)", t.taken, t.dlq, t.waiting)
+	}
+	return fmt.Sprintf("the %d messages in %s", t.taken, t.dlq)
+}
+
+// What a command that looked at part of the queue says of the next run (see dlqTake.note).
+const (
+	noteList = iota
+	noteRedrive
+	noteDrop
+)
+
+// note is what a listing or a dry run says when --limit left messages behind (and nothing when
+// it looked at them all): those it looked at were handed back and may now stand behind the
+// others, so the next run may see different ones first. --id names one message a run.
+func (t *dlqTake) note(kind int) string {
+	if !t.cut() {
+		return ""
+	}
+	s := fmt.Sprintf("it looked at the first %d of the %d messages only (--limit) and handed them back, and a quorum queue may put those behind the others: ", t.taken, t.waiting)
+	switch kind {
+	case noteList:
+		return s + fmt.Sprintf("the next listing may show different messages first. To act on one listed here, name it with --id (one message a run; dlq redrive, dlq drop) and --limit %d, which looks at them all: a smaller --limit may no longer reach it", t.waiting)
+	case noteRedrive:
+		return s + fmt.Sprintf("the same command without --dry-run may see different messages first, and move those. To move one listed here, name it with --id (one message a run) and --limit %d, which looks at them all: a smaller --limit may no longer reach it", t.waiting)
+	}
+	return s + fmt.Sprintf("the same command without --dry-run may not find this message among the first %d (exit 3): --limit %d looks at them all", t.taken, t.waiting)
+}
+
+// notFound is the error of a search for f that found nothing: where it looked, and, if --limit
+// left messages behind, how to look at them all. A message a dry run found among the first
+// --limit may be beyond them by the next run, handed back behind the others.
+func (t *dlqTake) notFound(f dlqFilter) error {
+	where := t.dlq
+	if t.cut() {
+		where = fmt.Sprintf("%s (of the first %d messages, --limit): of the %d waiting it looked no further, and a message an earlier run looked at and handed back may have moved behind the others; --limit %d looks at them all",
+			t.dlq, t.taken, t.waiting, t.waiting)
+	}
+	return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, where)
+}
+
+// printNote prints a note, if there is one, after a table or a record.
+func printNote(w io.Writer, note string) {
+	if note != "" {
+		fmt.Fprintf(w, "\nnote: %s\n", note)
 	}
 }
 
@@ -129,6 +218,9 @@ type dlqResult struct {
 	// queues.
 	Interrupted bool    `json:"interrupted,omitempty"`
 	InDoubt     *string `json:"in_doubt,omitempty"`
+	// A listing or a dry run that looked at the first --limit of more messages: those it
+	// handed back may have moved behind the others, and what that means for the next run.
+	Note string `json:"note,omitempty"`
 }
 
 // dlqDropResult is what dlq drop prints in -o json.
@@ -137,7 +229,8 @@ type dlqDropResult struct {
 	InDoubt         bool       `json:"in_doubt,omitempty"` // acknowledged, but the broker's answer after it never came
 	Queue           string     `json:"queue"`
 	DeadLetterQueue string     `json:"dead_letter_queue"`
-	Message         deadLetter `json:"message"` // with its headers and body
+	Message         deadLetter `json:"message"`        // with its headers and body
+	Note            string     `json:"note,omitempty"` // a dry run that looked at the first --limit of more messages: see dlqResult
 }
 
 func (c *cli) dlqListCommand() *cobra.Command {
@@ -147,7 +240,7 @@ func (c *cli) dlqListCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:         "list QUEUE",
 		Short:       "what waits in QUEUE.dlq: message id, type, when and why",
-		Annotations: map[string]string{limitZeroIsAll: "it changes nothing"},
+		Annotations: map[string]string{limitZeroIsAll: "it moves and deletes nothing"},
 		Long: `list shows the first --limit messages of QUEUE's dead-letter queue, QUEUE.dlq, in queue order:
 each one's message id, type, when and why it was dead-lettered (the consumer's reason header,
 or, for a message the broker dead-lettered at the delivery limit, delivery_limit from x-death),
@@ -160,7 +253,11 @@ to spend (but one an earlier version declared, on RabbitMQ 4.0 to 4.2: see docs/
 When --limit took the whole queue, its order is unchanged; when more messages wait
 beyond, those shown may move back in the queue (a quorum queue may put messages handed back
 behind the others: seen on RabbitMQ 3.10 and 4.x alike), so the next listing may start
-further on. Messages another client holds at that moment are not shown.`,
+further on; a note after the table says so, and how to reach a message listed. Messages
+another client holds at that moment are not shown.
+
+With --limit 0, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit status 2), takes none, and names
+the --limit that takes them all: each message taken is held in memory until it is done.`,
 		Example: `  outboxctl dlq list invoicing
   outboxctl dlq list invoicing --type OrderPlaced --reason "price list" --show-body
   outboxctl dlq list invoicing --limit 1000 -o json`,
@@ -170,7 +267,7 @@ further on. Messages another client holds at that moment are not shown.`,
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
-	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, "look at the first N messages, no more (0: all of them)")
+	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, fmt.Sprintf("look at the first N messages, no more (0: all of them, if no more than %d wait)", mostWithoutLimit))
 	cmd.Flags().StringVar(&typeFlag, "type", "", "show the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "show the messages whose reason has this text only, in any case")
 	cmd.Flags().BoolVar(&showBody, "show-body", false, "show each message's body")
@@ -183,34 +280,42 @@ func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f 
 	if err != nil {
 		return err
 	}
-	listed, waiting, err := messaging.ListDeadLetters(ctx, cfg, limit)
+	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	tk := &dlqTake{dlq: dlq, limit: limit}
+	sel := tk.selection("with --limit 0")
+	if f.any() {
+		sel.Match = f.match
+	}
+	shown, waiting, err := messaging.ListDeadLettersWith(ctx, cfg, sel)
 	if err != nil {
 		return err
 	}
-	shown := f.pick(listed)
-	dlq := messaging.DeadLetterQueue(cfg.Queue)
+	note := tk.note(noteList)
 	if c.json() {
-		return writeJSON(c.out, dlqResult{Queue: queue, DeadLetterQueue: dlq, Waiting: waiting, Examined: len(listed),
-			Count: len(shown), Messages: toDeadLetters(shown, showHeaders, showBody)})
+		return writeJSON(c.out, dlqResult{Queue: queue, DeadLetterQueue: dlq, Waiting: waiting, Examined: tk.taken,
+			Count: len(shown), Messages: toDeadLetters(shown, showHeaders, showBody), Note: note})
 	}
 	if waiting == 0 {
 		fmt.Fprintln(c.out, noneReady(dlq))
 		return nil
 	}
-	fmt.Fprintln(c.out, listSummary(dlq, len(shown), len(listed), waiting, f))
-	if len(shown) == 0 {
-		return nil
+	fmt.Fprintln(c.out, listSummary(tk, len(shown), f))
+	switch {
+	case len(shown) == 0:
+	case !showHeaders && !showBody:
+		if err := printDeadLetters(c.out, shown); err != nil {
+			return err
+		}
+	default:
+		body := noBody
+		if showBody {
+			body = maxBodyShown
+		}
+		for _, d := range shown {
+			printDeadLetter(c.out, d, showHeaders, body)
+		}
 	}
-	if !showHeaders && !showBody {
-		return printDeadLetters(c.out, shown)
-	}
-	body := noBody
-	if showBody {
-		body = maxBodyShown
-	}
-	for _, d := range shown {
-		printDeadLetter(c.out, d, showHeaders, body)
-	}
+	printNote(c.out, note)
 	return nil
 }
 
@@ -220,24 +325,15 @@ func noneReady(dlq string) string {
 	return fmt.Sprintf("no message ready in %s (messages another client holds unacknowledged are not counted)", dlq)
 }
 
-// scope says which messages of the dead-letter queue a command looked at: all that waited, or
-// the first examined.
-func scope(dlq string, examined, waiting int) string {
-	if examined < waiting {
-		return fmt.Sprintf("the first %d of the %d messages in %s (--limit)", examined, waiting, dlq)
-	}
-	return fmt.Sprintf("the %d messages in %s", waiting, dlq)
-}
-
-// listSummary heads dlq list's table: which messages it shows.
-func listSummary(dlq string, shown, examined, waiting int, f dlqFilter) string {
+// listSummary heads dlq list's table: which messages it shows, of those it took.
+func listSummary(t *dlqTake, shown int, f dlqFilter) string {
 	switch {
 	case f.any():
-		return fmt.Sprintf("%d of %s match %s, in queue order:", shown, scope(dlq, examined, waiting), f.flags())
-	case examined < waiting:
-		return scope(dlq, examined, waiting) + ", in queue order:"
+		return fmt.Sprintf("%d of %s match %s, in queue order:", shown, t.scope(), f.flags())
+	case t.taken < t.waiting:
+		return t.scope() + ", in queue order:"
 	}
-	return fmt.Sprintf("%d messages in %s, in queue order:", waiting, dlq)
+	return fmt.Sprintf("%d messages in %s, in queue order:", t.taken, t.dlq)
 }
 
 func (c *cli) dlqRedriveCommand() *cobra.Command {
@@ -255,7 +351,10 @@ like a new delivery. Each is acknowledged in the dead-letter queue only after th
 confirmed its copy; the others are handed back in their order.
 
 It takes the messages it looks at unacknowledged (all that wait, or the first --limit), picks
-those it would move, and moves exactly those: with --dry-run it only lists them. When more
+those it would move, and moves exactly those. With --dry-run it only lists them and moves
+nothing; but with a --limit that leaves messages behind, those it looked at may change place in
+the queue, and the same command without --dry-run may then see different ones first: a note
+after the list says so, and how to move one listed (--id, one message a run). When more
 than one would move it asks on a terminal first, holding them meanwhile; without one (a
 script) it goes on: a message handled already is skipped by the inbox. A --limit that leaves
 messages behind may move those it looked at and kept back in the queue (see dlq list --help).
@@ -282,7 +381,7 @@ another client holds unacknowledged at that moment are not seen.`,
 	cmd.Flags().StringVar(&typeFlag, "type", "", "move the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "move the messages whose reason has this text only, in any case")
 	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
-	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and change nothing")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and move nothing (those it looked at may change place in the queue)")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before moving more than one message")
 	cmd.MarkFlagsMutuallyExclusive("id", "type")
 	cmd.MarkFlagsMutuallyExclusive("id", "reason")
@@ -300,8 +399,10 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
 	result := dlqResult{DryRun: &dryRun, Queue: queue, DeadLetterQueue: dlq}
 	var picked []messaging.DeadLetter
-	sel := messaging.DeadLetterSelection{Limit: limit, BeforeTake: noLimitBrake(dlq, limit), Confirm: func(p []messaging.DeadLetter, waiting int) error {
-		picked, result.Waiting, result.Examined = p, waiting, window(waiting, limit)
+	tk := &dlqTake{dlq: dlq, limit: limit}
+	sel := tk.selection("without --limit")
+	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
+		picked = p
 		if dryRun {
 			return errDryRun
 		}
@@ -311,7 +412,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		if !yes && c.interactive {
 			// The first, then a count, as retry does: a dead-letter queue after an outage is
 			// thousands of messages, which no one reads before answering.
-			fmt.Fprintf(c.err, "%d of %s, in queue order:\n", len(p), scope(dlq, result.Examined, waiting))
+			fmt.Fprintf(c.err, "%d of %s, in queue order:\n", len(p), tk.scope())
 			if err := printDeadLetters(c.err, p[:min(len(p), shownBeforeAsking)]); err != nil {
 				return err
 			}
@@ -320,23 +421,29 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 			}
 		}
 		return c.confirmBulk(ctx, yes, fmt.Sprintf("move these %d messages from %s back to %s", len(p), dlq, queue))
-	}}
+	}
 	if f.any() {
 		sel.Match = f.match
 	}
 	// The messages are held while the question waits for its answer: what is confirmed is
 	// what moves.
 	moved, err := messaging.RedriveDeadLetters(ctx, cfg, sel)
+	// What it took, not what the broker counted before: another client may take some between.
+	result.Waiting, result.Examined = tk.waiting, tk.taken
 	switch {
 	case errors.Is(err, errDryRun):
-		result.Count, result.Messages = len(picked), toDeadLetters(picked, false, false)
+		result.Count, result.Messages, result.Note = len(picked), toDeadLetters(picked, false, false), tk.note(noteRedrive)
 		if c.json() {
 			return writeJSON(c.out, result)
 		}
-		fmt.Fprintf(c.out, "would move %d of %s to %s (dry run: nothing moved), in queue order:\n", len(picked), scope(dlq, result.Examined, result.Waiting), queue)
-		return printDeadLetters(c.out, picked)
+		fmt.Fprintf(c.out, "would move %d of %s to %s (dry run: nothing moved), in queue order:\n", len(picked), tk.scope(), queue)
+		if err := printDeadLetters(c.out, picked); err != nil {
+			return err
+		}
+		printNote(c.out, result.Note)
+		return nil
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
-		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
+		return tk.notFound(f)
 	}
 	if errors.Is(err, errNotConfirmed) { // declined, or interrupted at the question: nothing moved
 		result.Messages = []deadLetter{} // a list, as every other answer's, for a script to read
@@ -353,8 +460,10 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	var inDoubt *messaging.DeadLetter
 	if errors.Is(err, messaging.ErrRedriveInDoubt) && len(moved) < len(picked) {
 		inDoubt = &picked[len(moved)]
-		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq list %s --limit 0 shows whether it is still in %s, and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
-			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, dlq, printable(inDoubt.MessageID, 64), queue)
+		// The check shows that one message, however long the queue: a listing would print it
+		// all, and refuses one of more than mostWithoutLimit.
+		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq redrive %s --id %s --dry-run shows whether it is still in %s (exit 3 if not; with more than %d waiting it names the --limit that looks at them all), and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
+			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, printable(inDoubt.MessageID, 64), dlq, mostWithoutLimit, printable(inDoubt.MessageID, 64), queue)
 	}
 	if interrupted {
 		err = fmt.Errorf("interrupted: %w", err)
@@ -391,8 +500,8 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 			fmt.Fprintf(&out, "redriven %s %s\n", printable(d.MessageID, 64), printable(d.Type, 64))
 		}
 		fmt.Fprintln(&out, summary)
-		if beyond := result.Waiting - result.Examined; beyond > 0 && err == nil {
-			fmt.Fprintf(&out, "%d more messages wait beyond the first %d (--limit)\n", beyond, result.Examined)
+		if tk.cut() && err == nil {
+			fmt.Fprintf(&out, "%d more messages waited beyond the first %d when it started (--limit)\n", tk.waiting-tk.taken, tk.taken)
 		}
 	}
 	if werr == nil {
@@ -407,22 +516,6 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		}
 	}
 	return err
-}
-
-// window is how many of waiting messages a limit looks at (0, --limit left out: all).
-func window(waiting, limit int) int {
-	if limit > 0 {
-		return min(waiting, limit)
-	}
-	return waiting
-}
-
-// dlqScope says where a search with limit looked, for a message that found nothing.
-func dlqScope(dlq string, limit int) string {
-	if limit > 0 {
-		return fmt.Sprintf("%s (of the first %d messages, --limit)", dlq, limit)
-	}
-	return dlq
 }
 
 func (c *cli) dlqDropCommand() *cobra.Command {
@@ -441,7 +534,8 @@ has none. The output shows the message with its headers and whole body,
 as the last record of it. If two copies share the id, the first goes. It takes the whole queue
 unacknowledged meanwhile, as a listing of it all does, so that the others keep their order; or
 the first --limit only, for a queue too long to hold, which may move those it looked at back
-in the queue (see dlq list --help): without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit
+in the queue (see dlq list --help): a dry run with such a --limit drops nothing, but says in a
+note that the same command without --dry-run may then not find the message. Without --limit, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit
 status 2), changes nothing, and names the --limit that takes them all. It asks on a terminal
 first, and without one refuses unless given --yes.
 
@@ -466,7 +560,7 @@ client holds unacknowledged at that moment are not seen).`,
 	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
 	cmd.MarkFlagsOneRequired("id", "without-id")
 	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
-	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and change nothing")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and drop nothing (those it looked at may change place in the queue)")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before dropping")
 	return cmd
 }
@@ -486,7 +580,9 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	var found messaging.DeadLetter
 	// The whole queue (or the first limit) is held, so that the others keep their order, and
 	// while the question waits for its answer: what is confirmed is what goes.
-	sel := messaging.DeadLetterSelection{Limit: limit, BeforeTake: noLimitBrake(dlq, limit), Match: f.match}
+	tk := &dlqTake{dlq: dlq, limit: limit}
+	sel := tk.selection("without --limit")
+	sel.Match = f.match
 	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
 		found = p[0]
 		if dryRun {
@@ -500,9 +596,9 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	dropped, err := messaging.DropDeadLetter(ctx, cfg, sel)
 	switch {
 	case errors.Is(err, errDryRun):
-		return c.printDropped(queue, dlq, found, dropDryRun)
+		return c.printDroppedWithNote(queue, dlq, found, dropDryRun, tk.note(noteDrop))
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
-		return fmt.Errorf("%w: no message %s in %s", errNoMatch, f, dlqScope(dlq, limit))
+		return tk.notFound(f)
 	case errors.Is(err, messaging.ErrDropInDoubt):
 		// It may be gone: its record is printed all the same, the last there may be.
 		return errors.Join(err, c.printDropped(queue, dlq, dropped, dropInDoubt))
@@ -523,22 +619,31 @@ const (
 
 // printDropped prints the message dlq drop dropped, would drop, or may have dropped, in full.
 func (c *cli) printDropped(queue, dlq string, d messaging.DeadLetter, outcome dropOutcome) error {
+	return c.printDroppedWithNote(queue, dlq, d, outcome, "")
+}
+
+// printDroppedWithNote is printDropped with a note after the record, if not "" (see
+// dlqTake.note).
+func (c *cli) printDroppedWithNote(queue, dlq string, d messaging.DeadLetter, outcome dropOutcome, note string) error {
 	var record bytes.Buffer
 	if c.json() {
 		if err := writeJSON(&record, dlqDropResult{DryRun: outcome == dropDryRun, InDoubt: outcome == dropInDoubt, Queue: queue, DeadLetterQueue: dlq,
-			Message: toDeadLetter(d, true, true)}); err != nil {
+			Message: toDeadLetter(d, true, true), Note: note}); err != nil {
 			return err
 		}
 	} else {
 		switch outcome {
 		case dropDryRun:
-			fmt.Fprintf(&record, "would drop from %s (dry run: nothing changed):\n", dlq)
+			// Nothing dropped: with a --limit that left messages behind, those it looked at
+			// may have changed place.
+			fmt.Fprintf(&record, "would drop from %s (dry run: nothing dropped):\n", dlq)
 		case dropInDoubt:
 			fmt.Fprintf(&record, "may have dropped from %s (the broker did not answer after the acknowledgement):\n", dlq)
 		default:
 			fmt.Fprintf(&record, "dropped from %s, for good:\n", dlq)
 		}
 		printDeadLetter(&record, d, true, wholeBody)
+		printNote(&record, note)
 	}
 	if outcome == dropDryRun {
 		_, err := c.out.Write(record.Bytes())

@@ -79,7 +79,9 @@ func listed(t *testing.T, out string) []string {
 		switch {
 		case strings.HasPrefix(line, "MESSAGE ID"):
 			rows = true
-		case rows && line != "":
+		case rows && line == "": // the table ends; a note may follow
+			return ids
+		case rows:
 			ids = append(ids, strings.Fields(line)[0])
 		}
 	}
@@ -989,8 +991,15 @@ func TestDlqRedriveCutOffWhileAConfirmWaitsSaysWhatMayBeInBoth(t *testing.T) {
 		!strings.Contains(stdout.String(), want) {
 		t.Errorf("cut-off redrive: exit %d, stdout %q; want 1, and %q", code, stdout.String(), want)
 	}
-	if want := "message " + ids[1] + " may be in both " + queue + " and " + dlq; !strings.Contains(stderr.String(), want) {
-		t.Errorf("cut-off redrive: stderr %q lacks %q", stderr.String(), want)
+	// How to check works on a queue of any length: one message shown, not the whole queue.
+	for _, want := range []string{"message " + ids[1] + " may be in both " + queue + " and " + dlq,
+		"outboxctl dlq redrive " + queue + " --id " + ids[1] + " --dry-run shows whether it is still in " + dlq} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("cut-off redrive: stderr %q lacks %q", stderr.String(), want)
+		}
+	}
+	if strings.Contains(stderr.String(), "--limit 0") {
+		t.Errorf("cut-off redrive: stderr %q sends the operator to a listing of the whole queue", stderr.String())
 	}
 	// As it says: the second is in both.
 	testenv.Eventually(t, 20*time.Second, func() bool { return testenv.QueueDepth(t, ch, dlq) == 2 }, "the messages held were not handed back to %s", dlq)
@@ -1076,4 +1085,233 @@ func headersOf(d deadLetter) map[string]any {
 		return nil
 	}
 	return *d.Headers
+}
+
+// A listing, or a dry run, of the first --limit messages of more that wait hands those it
+// looked at back, where a quorum queue may put them behind the others: it says so, in the table
+// and in -o json ("note"), and that the next run may see different messages first, and how to
+// act on one of those it listed. One that looked at the whole queue says nothing of the kind.
+func TestDlqPartOfTheQueueLookedAtSaysTheNextRunMaySeeOthers(t *testing.T) {
+	t.Parallel()
+	var msgs []amqp.Publishing
+	for range 6 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
+	}
+	queue, _ := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	part := "note: it looked at the first 2 of the 6 messages only (--limit) and handed them back, and a quorum queue may put those behind the others"
+
+	out := ok(t, "dlq", "list", queue, "--limit", "2", "--amqp", amqpURL)
+	for _, want := range []string{part, "the next listing may show different messages first", "--id (one message a run", "--limit 6, which looks at them all"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dlq list --limit 2 of 6 lacks %q:\n%s", want, out)
+		}
+	}
+	if got := listed(t, out); len(got) != 2 {
+		t.Errorf("dlq list --limit 2 listed %q:\n%s", got, out)
+	}
+	if res := okJSON[dlqResult](t, "dlq", "list", queue, "--limit", "2", "--amqp", amqpURL); !strings.Contains("note: "+res.Note, part) {
+		t.Errorf("dlq list --limit 2 -o json: note %q; want %q", res.Note, part)
+	}
+	for _, args := range [][]string{{"dlq", "list", queue}, {"dlq", "list", queue, "--limit", "6"}, {"dlq", "redrive", queue, "--dry-run"}} {
+		args = append(args, "--amqp", amqpURL)
+		if out := ok(t, args...); strings.Contains(out, "note:") {
+			t.Errorf("outboxctl %s looked at the whole queue, and said:\n%s", strings.Join(args, " "), out)
+		}
+		if res := okJSON[dlqResult](t, args...); res.Note != "" {
+			t.Errorf("outboxctl %s -o json looked at the whole queue, and has a note: %+v", strings.Join(args, " "), res)
+		}
+	}
+
+	part = strings.ReplaceAll(part, "first 2", "first 3")
+	out = ok(t, "dlq", "redrive", queue, "--limit", "3", "--dry-run", "--amqp", amqpURL)
+	for _, want := range []string{"would move 3 of the first 3 of the 6 messages in " + dlq + " (--limit) to " + queue + " (dry run: nothing moved)",
+		part, "the same command without --dry-run may see different messages first, and move those", "--id (one message a run)", "--limit 6, which looks at them all"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dlq redrive --limit 3 --dry-run of 6 lacks %q:\n%s", want, out)
+		}
+	}
+	if res := okJSON[dlqResult](t, "dlq", "redrive", queue, "--limit", "3", "--dry-run", "--amqp", amqpURL); res.Examined != 3 || !strings.Contains("note: "+res.Note, part) {
+		t.Errorf("dlq redrive --limit 3 --dry-run -o json: %+v; want a note %q", res, part)
+	}
+
+	first := inDLQ(t, queue)[0]
+	out = ok(t, "dlq", "drop", queue, "--id", first, "--limit", "3", "--dry-run", "--amqp", amqpURL)
+	for _, want := range []string{"would drop from " + dlq + " (dry run: nothing dropped):", part,
+		"the same command without --dry-run may not find this message among the first 3 (exit 3): --limit 6 looks at them all"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dlq drop --limit 3 --dry-run of 6 lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "nothing changed") {
+		t.Errorf("dlq drop --limit 3 --dry-run says nothing changed, which a quorum queue may make untrue:\n%s", out)
+	}
+	first = inDLQ(t, queue)[0]
+	if res := decode[dlqDropResult](t, ok(t, "dlq", "drop", queue, "--id", first, "--limit", "3", "--dry-run", "-o", "json", "--amqp", amqpURL)); !strings.Contains("note: "+res.Note, part) {
+		t.Errorf("dlq drop --limit 3 --dry-run -o json: %+v; want a note %q", res, part)
+	}
+	if res := decode[dlqDropResult](t, ok(t, "dlq", "drop", queue, "--id", first, "--dry-run", "-o", "json", "--amqp", amqpURL)); res.Note != "" {
+		t.Errorf("dlq drop --dry-run -o json of the whole queue has a note: %+v", res)
+	}
+	if got := inDLQ(t, queue); len(got) != 6 {
+		t.Errorf("after the listings and dry runs the dead-letter queue holds %q, want all 6", got)
+	}
+}
+
+// An --id beyond the first --limit messages is not found (exit 3), and the error says how many
+// wait and which --limit looks at them all: a dry run of the same command may have found it, and
+// handed it back behind the others. The dry run then the real run, as an operator runs them:
+// where the broker kept the order the message moves; where it did not, exit 3 says why.
+func TestDlqIdBeyondTheLimitNamesTheLimitThatReachesIt(t *testing.T) {
+	t.Parallel()
+	var msgs []amqp.Publishing
+	for range 4 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	hint := "--limit 4 looks at them all"
+	for _, args := range [][]string{
+		{"dlq", "redrive", queue, "--id", ids[3], "--limit", "2", "--yes"},
+		{"dlq", "redrive", queue, "--id", ids[3], "--limit", "2", "--dry-run"},
+		{"dlq", "drop", queue, "--id", ids[3], "--limit", "2", "--yes"},
+	} {
+		wantExit(t, exitNoMatch, append(args, "--amqp", amqpURL),
+			"no message with id "+ids[3]+" in "+dlq+" (of the first 2 messages, --limit)", "of the 4 waiting", "may have moved behind the others", hint)
+	}
+	if n := testenv.QueueDepth(t, testenv.Channel(t), queue); n != 0 {
+		t.Fatalf("%d messages moved to %s, want none", n, queue)
+	}
+
+	target := inDLQ(t, queue)[0]
+	if got := ids2(okJSON[dlqResult](t, "dlq", "redrive", queue, "--id", target, "--limit", "2", "--dry-run", "--amqp", amqpURL).Messages); !slices.Equal(got, []string{target}) {
+		t.Fatalf("dry run of --id %s --limit 2: %q", target, got)
+	}
+	code, stdout, stderr := ctl(t, "dlq", "redrive", queue, "--id", target, "--limit", "2", "--yes", "--amqp", amqpURL)
+	switch code {
+	case exitOK:
+		t.Logf("the broker kept the order: the real run moved it")
+		if !strings.Contains(stdout, "redriven "+target) {
+			t.Errorf("redrive --id %s --limit 2: %q", target, stdout)
+		}
+	case exitNoMatch:
+		t.Logf("the broker put the messages handed back behind the others: the real run did not reach it")
+		if !strings.Contains(stderr, hint) {
+			t.Errorf("redrive --id %s --limit 2 after its dry run: stderr %q lacks %q", target, stderr, hint)
+		}
+	default:
+		t.Errorf("redrive --id %s --limit 2 after its dry run: exit %d, %q %q", target, code, stdout, stderr)
+	}
+}
+
+// dlq list --limit 0 takes no more than mostWithoutLimit messages, as dlq redrive and dlq drop
+// without --limit: with more waiting it refuses before taking any, exit 2, naming the --limit
+// that takes them all. Not parallel: it lowers mostWithoutLimit to 3.
+func TestDlqListWithLimitZeroRefusesAQueueTooLongToHold(t *testing.T) {
+	most := mostWithoutLimit
+	mostWithoutLimit = 3
+	t.Cleanup(func() { mostWithoutLimit = most })
+	var msgs []amqp.Publishing
+	for range 4 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
+	}
+	queue, ids := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	for _, args := range [][]string{
+		{"dlq", "list", queue, "--limit", "0"},
+		{"dlq", "list", queue, "--limit", "0", "-o", "json"},
+		{"dlq", "list", queue, "--limit", "0", "--type", "OrderPlaced"},
+	} {
+		stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL),
+			"4 messages wait in "+dlq+", more than the 3 it takes with --limit 0", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
+			"nothing was changed", "Usage:")
+		if stdout != "" {
+			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
+		}
+	}
+	// Nothing was taken: none comes redelivered.
+	ch := testenv.Channel(t)
+	for _, want := range ids {
+		d, ok, err := ch.Get(dlq, false)
+		if err != nil || !ok || d.MessageId != want || d.Redelivered {
+			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
+		}
+	}
+	if err := ch.Close(); err != nil { // the broker takes them back
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, testenv.Channel(t), dlq) == 4 }, "the messages did not come back")
+	if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "4", "--amqp", amqpURL)); len(got) != 4 {
+		t.Errorf("dlq list --limit 4: listed %q, want all 4", got)
+	}
+}
+
+// The counts a dlq command prints are those of the messages it took, not of those the broker
+// counted before: another client may take some in between. Here, between the count and the
+// take (beforeTakeHook), another client takes 2 of 6: with --limit 5 the command looks at the 4
+// left, says so, and says no more wait beyond. Not parallel: it sets beforeTakeHook.
+func TestDlqCountsWhatItTookNotWhatWasCounted(t *testing.T) {
+	var msgs []amqp.Publishing
+	for range 6 {
+		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
+	}
+	queue, _ := fillDLQ(t, msgs...)
+	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
+	inspect := testenv.Channel(t)
+	// withTwoTaken runs outboxctl with args while another client takes 2 messages between the
+	// count and the take, then gives them back.
+	withTwoTaken := func(args ...string) (code int, stdout, stderr string) {
+		t.Helper()
+		holder, took := testenv.Channel(t), 0
+		beforeTakeHook = func(q string) {
+			if q != dlq {
+				return
+			}
+			for range 2 {
+				if _, ok, err := holder.Get(dlq, false); err != nil || !ok {
+					t.Errorf("get from %s: %v, %v", dlq, ok, err)
+				} else {
+					took++
+				}
+			}
+		}
+		defer func() { beforeTakeHook = nil }()
+		code, stdout, stderr = ctl(t, append(args, "--amqp", amqpURL)...)
+		if took != 2 {
+			t.Errorf("outboxctl %s: the other client took %d messages between the count and the take, want 2", strings.Join(args, " "), took)
+		}
+		want := testenv.QueueDepth(t, inspect, dlq) + took
+		if err := holder.Close(); err != nil {
+			t.Fatal(err)
+		}
+		testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, inspect, dlq) == want }, "the 2 taken did not come back")
+		return code, stdout, stderr
+	}
+	wantCounts := func(what string, res dlqResult, count int) {
+		t.Helper()
+		if res.Waiting != 6 || res.Examined != 4 || res.Count != count || res.Note != "" {
+			t.Errorf("%s: %+v; want 6 waiting, 4 examined, %d counted, no note", what, res, count)
+		}
+	}
+	taken := "the 4 messages ready in " + dlq + " (6 were counted at the start: the others were gone when it took them)"
+
+	_, stdout, stderr := withTwoTaken("dlq", "list", queue, "--limit", "5", "-o", "json")
+	wantCounts("dlq list --limit 5 -o json", decode[dlqResult](t, stdout), 4)
+	_, stdout, _ = withTwoTaken("dlq", "list", queue, "--limit", "5")
+	if !strings.Contains(stdout, taken+", in queue order:") || strings.Contains(stdout, "the first") || strings.Contains(stdout, "note:") {
+		t.Errorf("dlq list --limit 5 with 2 taken meanwhile: %q, stderr %q; want %q", stdout, stderr, taken)
+	}
+	_, stdout, _ = withTwoTaken("dlq", "redrive", queue, "--limit", "5", "--dry-run", "-o", "json")
+	wantCounts("dlq redrive --limit 5 --dry-run -o json", decode[dlqResult](t, stdout), 4)
+	_, stdout, _ = withTwoTaken("dlq", "redrive", queue, "--limit", "5", "--dry-run")
+	if !strings.Contains(stdout, "would move 4 of "+taken+" to "+queue) || strings.Contains(stdout, "the first") || strings.Contains(stdout, "note:") {
+		t.Errorf("dlq redrive --limit 5 --dry-run with 2 taken meanwhile: %q; want %q", stdout, taken)
+	}
+	code, stdout, stderr := withTwoTaken("dlq", "redrive", queue, "--limit", "5", "--yes")
+	if code != 0 || !strings.Contains(stdout, "moved 4 messages from "+dlq+" to "+queue) || strings.Contains(stdout, "beyond") {
+		t.Errorf("dlq redrive --limit 5 with 2 taken meanwhile: exit %d, %q, %q; want 4 moved, and none said to wait beyond", code, stdout, stderr)
+	}
+	if n := testenv.QueueDepth(t, inspect, dlq); n != 2 {
+		t.Errorf("%d messages left in %s, want the 2 the other client held", n, dlq)
+	}
 }

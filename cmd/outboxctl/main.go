@@ -17,15 +17,17 @@
 // Every command takes -o json for output a script reads, and --help. --db defaults to
 // DATABASE_URL and --amqp to AMQP_URL, so in a service's container it needs neither; flags may
 // come before or after QUEUE. A command that changes anything shows what it would do with
-// --dry-run, and changes nothing then. One that would act on more than one item, or delete a
-// message, asks first on a terminal. Without one, as in a script, a retry or a redrive goes on
+// --dry-run: retry and the outbox commands then change nothing; dlq redrive and dlq drop move
+// and delete nothing, but the messages they look at and hand back (as dlq list does) may change
+// place in the queue. One that would act on more than one item, or delete a message, asks first
+// on a terminal. Without one, as in a script, a retry or a redrive goes on
 // (it loses nothing: the inbox skips what was handled already), and a drop refuses unless
 // given --yes. No URL it prints shows a password.
 //
 // Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line, or a
-// dead-letter queue too long to take without --limit; 3 nothing matched (no such row or
-// message, or not in a state the command acts on; inbox show: no record); 4 not confirmed, so
-// nothing was changed. A failure is one line on stderr; a mistake
+// dead-letter queue too long to take without --limit (dlq list: with --limit 0); 3 nothing
+// matched (no such row or message, or not in a state the command acts on; inbox show: no
+// record); 4 not confirmed, so nothing was done (dead letters looked at may have changed place). A failure is one line on stderr; a mistake
 // in the command line is followed by the command's usage.
 //
 // The command line is cobra's: the subcommand tree, the help of each command, flags wherever
@@ -83,11 +85,11 @@ const exitStatusHelp = `Exit status:
   0  done
   1  failed: the database or the broker did not answer, or refused
   2  a mistake in the command line; or a dead-letter queue too long to take without --limit
-     (dlq redrive, dlq drop: more than 10,000 waiting; nothing changed)
+     (dlq redrive, dlq drop; dlq list with --limit 0: more than 10,000 waiting; nothing taken)
   3  nothing matched: no such row or message, or not in a state the command acts on
      (inbox show: no record of the message)
   4  not confirmed: declined or interrupted at the prompt, or a drop with no terminal to ask
-     on and no --yes; nothing changed`
+     on and no --yes; nothing done (dead letters looked at may have changed place in the queue)`
 
 // usageTemplate is cobra's, but for the root it lists every command with its flags, and ends
 // with the exit statuses; a command that holds others shows no line of its own.
@@ -240,8 +242,10 @@ func newRoot(s streams) *cobra.Command {
 		Long: `outboxctl is the operator's tool for a service's outbox and inbox (in its database, --db or
 DATABASE_URL) and for the dead-letter queues of its consumers (on the broker, --amqp or
 AMQP_URL). Every command takes -o json. A command that changes anything shows what it would do
-with --dry-run and changes nothing then; one that would act on more than one item, or delete a
-message, asks first on a terminal. Without one (a script), retry and dlq redrive go on, since
+with --dry-run: retry and the outbox commands then change nothing; a dlq command moves and
+deletes nothing, but the messages it looks at and hands back may change place in the queue (see
+dlq list --help). One that would act on more than one item, or delete a message, asks first on
+a terminal. Without one (a script), retry and dlq redrive go on, since
 they lose nothing (the inbox skips what was handled already), and a drop refuses unless given
 --yes. Flags may come before or after QUEUE. No URL it prints shows a password.`,
 		Version:       readVersion().String(),
@@ -303,8 +307,10 @@ const limitZeroIsAll = "limit-zero-is-all"
 
 // noZeroLimit refuses a --limit given as 0 or less on a command that changes something. Left
 // out, --limit is its default (all); given 0, as a script's computed --limit "$N" gives it, it
-// must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which
-// changes nothing, takes 0 for all of them, and refuses only less. Above 2^31-1 is refused too.
+// must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which moves
+// and deletes nothing, takes 0 for all of them (and then, as dlq redrive and dlq drop without
+// --limit, refuses a queue of more than mostWithoutLimit), and refuses only less. Above 2^31-1
+// is refused too.
 func noZeroLimit(cmd *cobra.Command) error {
 	f := cmd.Flags().Lookup("limit")
 	if f == nil || !f.Changed {

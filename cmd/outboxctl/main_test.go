@@ -712,3 +712,36 @@ func TestAFailurePrintsNoControlCharacters(t *testing.T) {
 		t.Errorf("the failure's line holds control characters: %q", stderr)
 	}
 }
+
+// A dry run or a listing of a dead-letter queue moves and deletes nothing, but the messages it
+// looks at and hands back may change place in the queue: the help says so, and no longer that it
+// changes nothing.
+func TestADlqDryRunIsNotSaidToChangeNothing(t *testing.T) {
+	t.Parallel()
+	src, err := os.ReadFile("main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	comment, _, _ := strings.Cut(string(src), "\npackage main")
+	for _, tc := range []struct {
+		what, text string
+		want       []string
+	}{
+		{"outboxctl --help", ok(t, "--help"), []string{"may change place in the queue"}},
+		{"the package comment", strings.ReplaceAll(comment, "\n// ", " "), []string{"may change place in the queue"}},
+		{"outboxctl dlq redrive --help", ok(t, "dlq", "redrive", "--help"), []string{"list the messages it would move, and move nothing", "may change place in the queue"}},
+		{"outboxctl dlq drop --help", ok(t, "dlq", "drop", "--help"), []string{"show the message it would drop, and drop nothing", "may change place in the queue"}},
+		{"outboxctl dlq list --help", ok(t, "dlq", "list", "--help"), []string{"may move back in the queue"}},
+	} {
+		for _, want := range tc.want {
+			if !strings.Contains(tc.text, want) {
+				t.Errorf("%s lacks %q:\n%s", tc.what, want, tc.text)
+			}
+		}
+		for _, untrue := range []string{"--dry-run and changes nothing then", "--dry-run, and changes nothing then", "and change nothing", "which changes nothing"} {
+			if strings.Contains(tc.text, untrue) {
+				t.Errorf("%s still says %q:\n%s", tc.what, untrue, tc.text)
+			}
+		}
+	}
+}

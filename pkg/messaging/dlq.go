@@ -69,12 +69,22 @@ var deadLetterHeaders = []string{
 // move them back in the queue: a quorum queue may put the messages handed back behind the
 // others (seen on RabbitMQ 3.10 and 4.x alike).
 func ListDeadLetters(ctx context.Context, cfg DeadLetterConfig, limit int) (listed []DeadLetter, waiting int, err error) {
+	return ListDeadLettersWith(ctx, cfg, DeadLetterSelection{Limit: limit})
+}
+
+// ListDeadLettersWith is [ListDeadLetters] for a selection: it looks at the first sel.Limit
+// messages (all, if 0), calls sel.BeforeTake and sel.Taken as [RedriveDeadLetters] does (a
+// caller's brake on a queue too long to hold, and how many it took), and returns those of them
+// sel.Match picks (all, if nil), in queue order, and how many were waiting when it started;
+// sel.Confirm, unless nil, sees them first, and an error from it is returned. It leaves them all
+// there, as ListDeadLetters does.
+func ListDeadLettersWith(ctx context.Context, cfg DeadLetterConfig, sel DeadLetterSelection) (listed []DeadLetter, waiting int, err error) {
 	err = withDeadLetterQueue(ctx, cfg, 0, func(ch *amqp.Channel, dlq string, ready int) error {
 		waiting = ready
-		held, err := take(ctx, ch, dlq, window(ready, limit))
+		held, picked, err := sel.pick(ctx, ch, dlq, ready)
 		defer handBack(ch, dlq, held)
-		for _, d := range held {
-			listed = append(listed, readDeadLetter(d))
+		for _, i := range picked {
+			listed = append(listed, readDeadLetter(held[i]))
 		}
 		return err
 	})
@@ -100,6 +110,10 @@ type DeadLetterSelection struct {
 	// error from it takes none, and is returned. It is a caller's brake on a queue too long to
 	// hold: each message taken is held in memory until the operation ends.
 	BeforeTake func(waiting int) error
+	// Taken, unless nil, is called with how many messages were taken, once they are held and
+	// before Match sees them: no more than Limit, nor than waited; fewer when the queue ran
+	// short, as when another client took some since they were counted.
+	Taken func(n int)
 	// Match picks, of those, the messages to act on; nil picks them all.
 	Match func(DeadLetter) bool
 	// Confirm, unless nil, is called with the messages picked, in queue order, and how many
@@ -120,6 +134,9 @@ func (sel DeadLetterSelection) pick(ctx context.Context, ch *amqp.Channel, dlq s
 	held, err = take(ctx, ch, dlq, window(waiting, sel.Limit))
 	if err != nil {
 		return held, nil, err
+	}
+	if sel.Taken != nil {
+		sel.Taken(len(held))
 	}
 	var shown []DeadLetter
 	for i, d := range held {

@@ -203,3 +203,67 @@ func drainInOrder(t *testing.T, ch *amqp.Channel, queue string, want []string) (
 	}
 	return len(got), first
 }
+
+// ListDeadLettersWith brakes as a redrive does: an error from BeforeTake, told how many wait,
+// takes none (none comes back redelivered). Given no error, it calls Taken with how many it
+// took, which is fewer than were counted when another client took some in between (here,
+// BeforeTake itself), and returns those Match picks, of the first Limit.
+func TestAListingWithASelectionBrakesAndCountsWhatItTook(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dlq := messaging.DeadLetterQueue(b.queue)
+	ids := fillDeadLetterQueue(t, b.ch, dlq, 6)
+	cfg := messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue}
+	brake := errors.New("too many")
+	var told int
+	_, _, err := messaging.ListDeadLettersWith(context.Background(), cfg, messaging.DeadLetterSelection{
+		BeforeTake: func(waiting int) error { told = waiting; return brake },
+		Taken:      func(int) { t.Error("Taken called after BeforeTake refused") },
+	})
+	if !errors.Is(err, brake) || told != 6 {
+		t.Fatalf("a listing braked: %v, told %d waiting; want the brake's error, told 6", err, told)
+	}
+	for _, want := range ids {
+		d, ok, err := b.ch.Get(dlq, false)
+		if err != nil || !ok || d.MessageId != want || d.Redelivered {
+			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
+		}
+	}
+	other := testenv.Channel(t)
+	must(t, b.ch.Close()) // the broker takes them back, in an order of its own
+	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, other, dlq) == 6 }, "the messages did not come back")
+
+	taken := -1
+	var elsewhere []string
+	listed, waiting, err := messaging.ListDeadLettersWith(context.Background(), cfg, messaging.DeadLetterSelection{
+		Limit: 5,
+		BeforeTake: func(int) error {
+			for range 2 { // another client takes 2 between the count and the take
+				d, ok, err := other.Get(dlq, false)
+				if err != nil || !ok {
+					return fmt.Errorf("get from %s: %v, %w", dlq, ok, err)
+				}
+				elsewhere = append(elsewhere, d.MessageId)
+			}
+			return nil
+		},
+		Taken: func(n int) { taken = n },
+		Match: func(d messaging.DeadLetter) bool { return d.MessageID != ids[5] },
+	})
+	if err != nil || waiting != 6 || taken != 4 {
+		t.Fatalf("a listing of 5 with 2 of 6 taken meanwhile: %v, %d waiting, Taken(%d); want 6 waiting and Taken(4)", err, waiting, taken)
+	}
+	var want []string
+	for _, id := range ids {
+		if !slices.Contains(elsewhere, id) && id != ids[5] {
+			want = append(want, id)
+		}
+	}
+	got := make([]string, len(listed))
+	for i, d := range listed {
+		got[i] = d.MessageID
+	}
+	if !slices.Equal(slices.Sorted(slices.Values(got)), slices.Sorted(slices.Values(want))) {
+		t.Errorf("listed %q, want those of the 4 taken that match, %q", got, want)
+	}
+}
