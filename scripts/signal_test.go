@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -167,11 +168,17 @@ func pinned(t *testing.T, name string) string {
 // stand-in scripts/sidroot.sh), past its checks and builds into its phases, where the step hang
 // names hangs (hangs, its pids written to the file returned): "start", the start of the
 // RabbitMQ 4.3 node (scripts/sidroot.sh start); "brokercheck", the check of that node's version;
-// "suite", the go test -json of the first phase. Its go writes stand-ins for what it builds (a
-// testreport that reads its input, a brokercheck that finds the RabbitMQ the phase wants), and
-// its GOPATH holds the golangci-lint and promtool test.sh pins. Its scripts/sidroot.sh stop, while
-// DIR/hold-stop exists, makes DIR/stopping and waits for hold-stop to go.
-func (h *host) toThePhases(hang string) (dir, pids string) {
+// "suite", the go test -json of the first phase; "restart", the first go test of the server
+// restarts, run alone (phase 3), after every other phase. Its go writes stand-ins for what it
+// builds (a testreport that reads its input, and names a server-restart test skipped in the
+// phases against the machine's broker; a brokercheck that finds the RabbitMQ the phase wants),
+// and its GOPATH holds the golangci-lint and promtool test.sh pins. Its scripts/sidroot.sh stop,
+// while DIR/hold-stop exists, makes DIR/stopping and waits for hold-stop to go.
+func (h *host) toThePhases(hang string) (dir, pids string) { return h.toThePhasesDoing(hang, "") }
+
+// toThePhasesDoing is toThePhases, with the step that hangs running first (shell commands)
+// before it hangs.
+func (h *host) toThePhasesDoing(hang, first string) (dir, pids string) {
 	t := h.t
 	t.Helper()
 	h.answering().with("pg_isready", "exit 0").with("rabbitmq-diagnostics", "exit 0").
@@ -181,11 +188,12 @@ func (h *host) toThePhases(hang string) (dir, pids string) {
 		"start":       "exit 0",
 		"brokercheck": `echo "    broker_test.go:29: the broker at 127.0.0.1:5672 is RabbitMQ ${TEST_WANT_RABBITMQ}0"`,
 		"suite":       "exit 0",
+		"restart":     "exit 0",
 	}
 	if _, ok := step[hang]; !ok {
 		t.Fatalf("no step %q", hang)
 	}
-	step[hang] = hangs(pids)
+	step[hang] = first + "\n" + hangs(pids)
 	dir, gopath, builds := inCopy(t, "test.sh", "servers.sh", "alone.sh"), t.TempDir(), t.TempDir()
 	if err := os.Mkdir(filepath.Join(gopath, "bin"), 0o755); err != nil {
 		t.Fatal(err)
@@ -193,11 +201,17 @@ func (h *host) toThePhases(hang string) (dir, pids string) {
 	for path, body := range map[string]string{
 		filepath.Join(gopath, "bin", "golangci-lint"): `[ "$1" != version ] || echo "golangci-lint has version ` + pinned(t, "GOLANGCI_LINT_VERSION") + ` built with go1.26.0"`,
 		filepath.Join(gopath, "bin", "promtool"):      "exit 0",
-		filepath.Join(builds, "testreport"):           "cat >/dev/null",
-		filepath.Join(builds, "brokercheck"):          step["brokercheck"],
+		filepath.Join(builds, "testreport"): `while [ $# -gt 0 ]; do
+  case "$1 $2" in
+    "-skipped "*/restarts-machine) echo "./pkg/messaging/test ^(TestServerRestartBrokerStopAppThenStartApp)\$" >"$2" ;;
+  esac
+  shift
+done
+cat >/dev/null`,
+		filepath.Join(builds, "brokercheck"): step["brokercheck"],
 		filepath.Join(dir, "scripts", "sidroot.sh"): `case "$1" in
   start) ` + step["start"] + ` ;;
-  version) echo "rabbitmq-server 4.3.0-1" ;;
+  version) if [ "${SIDROOT_SUITE:-}" = trixie ]; then echo "rabbitmq-server 4.0.9-1"; else echo "rabbitmq-server 4.3.0-1"; fi ;;
   compose) echo "RabbitMQ 4.3.0-1 (sid), as compose ships 4.3.6" ;;
   stop) [ ! -e hold-stop ] || { : >stopping; while [ -e hold-stop ]; do sleep 0.05; done; } ;;
 esac`,
@@ -213,7 +227,11 @@ esac`,
 		pinned(t, "PROMTOOL_VERSION")+" "+pinned(t, "PROMTOOL_TAGS")+` ;;
   "build -o") cp `+builds+`/testreport "$3" ;;
   "test -c") cp `+builds+`/brokercheck "$4" ;;
-  "test -json") `+step["suite"]+` ;;
+  "test -json") if [ "${TEST_SERVER_RESTARTS:-}" = 1 ]; then
+    `+step["restart"]+`
+  else
+    `+step["suite"]+`
+  fi ;;
 esac`)
 	return dir, pids
 }
@@ -510,5 +528,124 @@ func TestTheWalkthroughWaitsForARunInLocalMode(t *testing.T) {
 				t.Errorf("the walkthrough in %s mode, beside another run: want it to wait only in local mode, then ask the services:\n%s", mode, out)
 			}
 		})
+	}
+}
+
+// A broker for the test's stand-ins: its app runs (the port answers) unless DIR/app says
+// "stopped", and its memory watermark is DIR/watermark. Its rabbitmqctl logs each call to
+// DIR/calls; its rabbitmq-diagnostics check_alarms reports a memory alarm at a watermark of 0.
+type standInBroker struct{ dir, amqp string }
+
+// standInBroker puts h's rabbitmqctl and rabbitmq-diagnostics on PATH, and has the broker's port
+// follow DIR/app until t ends.
+func (h *host) standInBroker() *standInBroker {
+	t := h.t
+	t.Helper()
+	b := &standInBroker{dir: t.TempDir()}
+	if err := os.WriteFile(filepath.Join(b.dir, "watermark"), []byte("0.4\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.with("rabbitmqctl", `echo "$*" >>`+b.dir+`/calls
+case "$*" in
+  *stop_app) echo stopped >`+b.dir+`/app ;;
+  *start_app) echo started >`+b.dir+`/app ;;
+  *"set_vm_memory_high_watermark 0") echo 0 >`+b.dir+`/watermark ;;
+  *"get_vm_memory_high_watermark()."*) cat `+b.dir+`/watermark ;;
+  *"application:get_env(rabbit, vm_memory_high_watermark)"*) echo 0.4 >`+b.dir+`/watermark; echo 0.4 ;;
+esac
+exit 0`)
+	h.with("rabbitmq-diagnostics", `if [ "$(cat `+b.dir+`/watermark)" = 0 ]; then echo "Memory alarm on node rabbit@here"; exit 1; fi`)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	b.amqp = "amqp://guest:guest@" + addr + "/"
+	serve := func(l net.Listener) {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}
+	go serve(l)
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-done:
+				if l != nil {
+					_ = l.Close()
+				}
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			app, _ := os.ReadFile(filepath.Join(b.dir, "app"))
+			switch up := strings.TrimSpace(string(app)) != "stopped"; {
+			case !up && l != nil:
+				_ = l.Close()
+				l = nil
+			case up && l == nil:
+				if l, err = net.Listen("tcp", addr); err == nil {
+					go serve(l)
+				} else {
+					l = nil // taken meanwhile: tried again
+				}
+			}
+		}
+	}()
+	t.Cleanup(func() { close(done); <-stopped })
+	return b
+}
+
+// file returns what the stand-in broker's file name holds, trimmed.
+func (b *standInBroker) file(name string) string {
+	s, _ := os.ReadFile(filepath.Join(b.dir, name))
+	return strings.TrimSpace(string(s))
+}
+
+// A signal (SIGINT or SIGTERM) during the server restarts, run alone (phase 3), ends the test
+// binary before its cleanups, which would start the broker's app again or set its memory
+// watermark back: the run's cleanup does it, as the run's end would (ensure_rabbitmq). (Its
+// PostgreSQL start, pg_ctlcluster, looks for /etc/postgresql on the real machine: not checked
+// here.)
+func TestASignalDuringTheServerRestartsLeavesTheServersUp(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct{ do, want string }{
+		"broker app stopped": {"rabbitmqctl stop_app", "start_app"},
+		"memory alarm":       {"rabbitmqctl set_vm_memory_high_watermark 0", "set_vm_memory_high_watermark(W)"},
+	} {
+		for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+			t.Run(name+"/"+sig.String(), func(t *testing.T) {
+				t.Parallel()
+				h := newHost(t)
+				dir, pids := h.toThePhasesDoing("restart", c.do)
+				broker := h.standInBroker()
+				h.amqp = broker.amqp
+				run := h.runScript(dir, "test.sh")
+				pid, childPid := hanging(t, run, pids)
+				if app, watermark := broker.file("app"), broker.file("watermark"); app != "stopped" && watermark != "0" {
+					t.Fatalf("the stand-in go test did not stop the broker's app or raise its memory alarm (app %q, watermark %q):\n%s", app, watermark, run)
+				}
+				if err := run.cmd.Process.Signal(sig); err != nil {
+					t.Fatal(err)
+				}
+				if status := ended(t, run); status == 0 || (sig == syscall.SIGINT && status != 130) {
+					t.Fatalf("the script ended with status %d on %v, want 130 on SIGINT, not 0 on SIGTERM:\n%s", status, sig, run)
+				}
+				if running(pid) || running(childPid) {
+					t.Fatalf("the go test (pid %d) or its child (pid %d) still runs after the script ended:\n%s", pid, childPid, run)
+				}
+				calls := broker.file("calls")
+				if _, after, _ := strings.Cut(calls, c.do[len("rabbitmqctl "):]); !strings.Contains(after, c.want) ||
+					broker.file("app") == "stopped" || broker.file("watermark") != "0.4" {
+					t.Fatalf("after %v during the server restarts, the broker's app is %q and its watermark %q (want it running at 0.4, a rabbitmqctl call with %q after the test's)\nrabbitmqctl calls:\n%s\nthe script:\n%s",
+						sig, broker.file("app"), broker.file("watermark"), c.want, calls, run)
+				}
+			})
+		}
 	}
 }

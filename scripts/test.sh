@@ -53,18 +53,21 @@ sidroot() {
 }
 
 # At exit, whatever ended the run (a failure, a signal): what it started that still runs (on a
-# signal bash leaves its commands running, a go test among them), then the nodes this run
+# signal bash leaves its commands running, a go test among them), then, if the server restarts
+# had begun and not ended (restarting), the servers (restore_servers), then the nodes this run
 # started or began to start (a start that failed half-way may leave its node running), and the
 # report. Each step runs even if another fails, and none changes the run's exit status; a second
 # SIGINT (an impatient Ctrl-C) does not cut it short, as it would leave them running (what the
 # cleanup runs inherits SIGINT ignored). Set up before the first command that may be left running.
 started=""
+restarting=""
 report="$(mktemp -d)"
 # shellcheck disable=SC2317 # run by the EXIT trap
 cleanup() {
   local root
   trap '' INT
   alone_end_processes
+  [ -z "$restarting" ] || restore_servers || true
   for root in $started; do
     (sidroot "$root" stop) || printf 'scripts/test.sh: could not stop the %s node (scripts/sidroot.sh stop)\n' "$root" >&2
   done
@@ -165,6 +168,38 @@ no_rabbit_alarm() {
     sleep 1
   done
   die "RabbitMQ keeps its memory alarm at its configured watermark ($configured): this machine is short of memory for it ($alarms)"
+}
+
+# restore_servers, in the cleanup of a run that ended (a signal, a failure) during the server
+# restarts: the checks that end a run, so that the servers are up as they would leave them. The
+# restart tests start the servers again in cleanups of their own, which a test binary ended by
+# the run's cleanup does not run: the machine's RabbitMQ app stopped, PostgreSQL stopped or a
+# memory watermark of 0 would stay until the next run's checks. Best effort, and bounded: each
+# server's check in a fork of its own (one that fails says why, and the other goes on), for
+# 60 s at most; what they still run then is ended as the run's processes are. (A fork has the
+# run's command line: a second `pkill -f scripts/test.sh` meanwhile ends it.)
+# shellcheck disable=SC2317 # run by the EXIT trap
+restore_servers() {
+  local -a checks=()
+  local pid until=$((SECONDS + 60))
+  say "the run ended during the server restarts, whose tests start the servers again in cleanups an ended test binary does not run: checking them (60 s at most)"
+  if [ "$mode" = compose ]; then
+    (compose_servers) &
+    checks+=("$!")
+  else
+    (ensure_postgres) &
+    checks+=("$!")
+    (ensure_rabbitmq) &
+    checks+=("$!")
+  fi
+  while alone_running "${checks[@]}" >/dev/null && [ "$SECONDS" -lt "$until" ]; do sleep 0.1; done
+  if alone_running "${checks[@]}" >/dev/null; then
+    printf 'scripts/test.sh: the checks of the servers did not end within 60 s; ending them\n' >&2
+    alone_end_processes
+  fi
+  for pid in "${checks[@]}"; do
+    wait "$pid" || printf 'scripts/test.sh: a server may be left down (stopped by a restart test the run ended); the next run checks it again\n' >&2
+  done
 }
 
 # The test servers of deploy/compose.test.yml, started unless they answer already.
@@ -445,8 +480,10 @@ interruptible go test -run '^$' -fuzz '^FuzzDecodePlaceOrder$' -fuzztime "${FUZZ
 # These stop RabbitMQ and restart PostgreSQL: nothing else may run meanwhile (one package at a
 # time, after the suites). They are exactly the tests the parallel phases skipped for
 # TEST_SERVER_RESTARTS, whatever their names, and each must run here. They start the servers
-# again in their cleanup; we check once more anyway.
+# again in their cleanup; we check once more anyway (and so does the run's cleanup, if a signal
+# or a failure ends the run before that: restarting).
 status=0
+restarting=1
 for broker in 4.3 4.0 machine; do
   [ -f "$report/restarts-$broker" ] || continue
   broker_version "$broker"
@@ -460,4 +497,5 @@ for broker in 4.3 4.0 machine; do
   done < "$report/restarts-$broker"
 done
 if [ "$mode" = compose ]; then compose_servers; else ensure_postgres; ensure_rabbitmq; fi
+restarting=""
 exit "$status"
