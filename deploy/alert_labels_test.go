@@ -139,11 +139,35 @@ func codeMetric(series string) string {
 func ruleAndPanelExprs(t *testing.T) map[string]string {
 	t.Helper()
 	exprs := map[string]string{}
+	for _, r := range alertRuleExprs(t) {
+		exprs[r.where] = r.expr
+	}
+	d := readDashboard(t)
+	for _, p := range allPanels(d.Panels) {
+		for _, q := range p.Targets {
+			exprs["dashboard panel "+strconv.Quote(p.Title)+" "+q.RefID] = q.Expr
+		}
+	}
+	return exprs
+}
+
+// ruleExpr is one alert rule of compose's alerts.yml or of the PrometheusRule.
+type ruleExpr struct {
+	where   string // "alerts.yml ServiceDown", "PrometheusRule outbox-inbox ServiceDown"
+	alert   string
+	expr    string
+	k8sOnly bool // in one of the PrometheusRule's k8sOnlyGroups, which compose's Prometheus does not load
+}
+
+// alertRuleExprs are the alert rules of alerts.yml, then those of the PrometheusRule.
+func alertRuleExprs(t *testing.T) []ruleExpr {
+	t.Helper()
+	var out []ruleExpr
 	var rules alertRules
 	readYAML(t, "deploy/prometheus/alerts.yml", &rules)
 	for _, g := range rules.Groups {
 		for _, r := range g.Rules {
-			exprs["alerts.yml "+r.Alert] = r.Expr
+			out = append(out, ruleExpr{where: "alerts.yml " + r.Alert, alert: r.Alert, expr: r.Expr})
 		}
 	}
 	for _, pr := range monitoring(t).rules {
@@ -152,6 +176,7 @@ func ruleAndPanelExprs(t *testing.T) map[string]string {
 			t.Fatal(err)
 		}
 		var groups []struct {
+			Name  string `json:"name"`
 			Rules []struct {
 				Alert string `json:"alert"`
 				Expr  string `json:"expr"`
@@ -162,17 +187,12 @@ func ruleAndPanelExprs(t *testing.T) map[string]string {
 		}
 		for _, g := range groups {
 			for _, r := range g.Rules {
-				exprs["PrometheusRule "+pr.Metadata.Name+" "+r.Alert] = r.Expr
+				out = append(out, ruleExpr{where: "PrometheusRule " + pr.Metadata.Name + " " + r.Alert, alert: r.Alert, expr: r.Expr,
+					k8sOnly: slices.Contains(k8sOnlyGroups, g.Name)})
 			}
 		}
 	}
-	d := readDashboard(t)
-	for _, p := range allPanels(d.Panels) {
-		for _, q := range p.Targets {
-			exprs["dashboard panel "+strconv.Quote(p.Title)+" "+q.RefID] = q.Expr
-		}
-	}
-	return exprs
+	return out
 }
 
 // constants reads the string constants names declares in dir's Go files (tests aside): the

@@ -189,23 +189,38 @@ var rabbitmqMetrics = []string{
 // (internal/platform) and RabbitMQ and Prometheus export too.
 var processMetrics = []string{"process_start_time_seconds"}
 
-// knownMetrics returns every series name the services can export, read from the collectors
-// their code declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec|Func] with Opts{Name:
-// "..."}, and prometheus.NewDesc("...")) in pkg/, internal/platform and services/, with a
-// histogram's _bucket, _sum and _count; the plugin's queue series; and Prometheus's up.
+// knownMetrics returns every series name the services can export (codeMetrics), the plugin's
+// queue series, the process collector's and Prometheus's up.
 func knownMetrics(t *testing.T) map[string]bool {
+	t.Helper()
+	known := map[string]bool{"up": true}
+	for name := range codeMetrics(t) {
+		known[name] = true
+	}
+	for _, name := range append(rabbitmqMetrics, processMetrics...) {
+		known[name] = true
+	}
+	return known
+}
+
+// codeMetrics maps every series name the services can export to the folder, relative to the
+// repository, of the file that declares it. They are read from the collectors their code
+// declares (prometheus.NewCounter/Gauge/Histogram/Summary[Vec|Func] with Opts{Name: "..."},
+// and prometheus.NewDesc("...")) in pkg/, internal/platform and services/, with a histogram's
+// _bucket, _sum and _count.
+func codeMetrics(t *testing.T) map[string]string {
 	t.Helper()
 	opts := regexp.MustCompile(`(?s)prometheus\.New(Counter|Gauge|Histogram|Summary)(?:Vec|Func)?\(\s*prometheus\.(?:Counter|Gauge|Histogram|Summary)Opts\{[^}]*?\bName:\s*"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
 	// A descriptor's name may be wrapped in a call that adds a namespace (name("...")).
 	desc := regexp.MustCompile(`prometheus\.NewDesc\(\s*(?:\w+\(\s*)?"([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
-	known := map[string]bool{"up": true}
-	add := func(kind, name string) {
-		known[name] = true
+	declaredIn := map[string]string{}
+	add := func(kind, name, dir string) {
+		declaredIn[name] = dir
 		switch kind {
 		case "Histogram":
-			known[name+"_bucket"], known[name+"_sum"], known[name+"_count"] = true, true, true
+			declaredIn[name+"_bucket"], declaredIn[name+"_sum"], declaredIn[name+"_count"] = dir, dir, dir
 		case "Summary":
-			known[name+"_sum"], known[name+"_count"] = true, true
+			declaredIn[name+"_sum"], declaredIn[name+"_count"] = dir, dir
 		}
 	}
 	declared := 0
@@ -218,12 +233,17 @@ func knownMetrics(t *testing.T) map[string]bool {
 			if err != nil {
 				return err
 			}
+			rel, err := filepath.Rel(root, filepath.Dir(p))
+			if err != nil {
+				return err
+			}
+			rel = filepath.ToSlash(rel)
 			for _, m := range opts.FindAllStringSubmatch(string(src), -1) {
-				add(m[1], m[2])
+				add(m[1], m[2], rel)
 				declared++
 			}
 			for _, m := range desc.FindAllStringSubmatch(string(src), -1) {
-				add("Gauge", m[1])
+				add("Gauge", m[1], rel)
 				declared++
 			}
 			return nil
@@ -233,13 +253,10 @@ func knownMetrics(t *testing.T) map[string]bool {
 		}
 	}
 	// The messaging package alone declares nine; fewer means the pattern no longer matches.
-	if declared < 9 || !known["outbox_oldest_pending_age_seconds"] || !known["consumer_messages_total"] {
-		t.Fatalf("found %d metric declarations (%v); has the way collectors are declared changed?", declared, known)
+	if _, ok := declaredIn["outbox_oldest_pending_age_seconds"]; declared < 9 || !ok || declaredIn["consumer_messages_total"] == "" {
+		t.Fatalf("found %d metric declarations (%v); has the way collectors are declared changed?", declared, declaredIn)
 	}
-	for _, name := range append(rabbitmqMetrics, processMetrics...) {
-		known[name] = true
-	}
-	return known
+	return declaredIn
 }
 
 // checkWithPromtool has promtool parse exprs, as recording rules, when it is installed

@@ -191,17 +191,59 @@ func TestComposeEveryContainerHasAHealthcheck(t *testing.T) {
 			t.Errorf("%s: healthcheck needs interval, timeout, retries and start_period", name)
 		}
 	}
-	if test := service(t, p, "postgres").HealthCheck.Test; !slices.Contains(test, "pg_isready") || !slices.Contains(test, "postgres") {
-		t.Errorf("postgres healthcheck = %q, want pg_isready -U postgres", test)
-	}
+	checkPostgresHealthcheck(t, "docker-compose.yml", service(t, p, "postgres"))
 	for _, node := range append([]string{"rabbitmq"}, clusterNodes...) {
-		if test := strings.Join(service(t, p, node).HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
-			t.Errorf("%s healthcheck = %q, want rabbitmq-diagnostics", node, test)
-		}
+		checkRabbitMQHealthcheck(t, "docker-compose.yml", service(t, p, node))
 	}
 	if test := service(t, p, "mailpit").HealthCheck.Test; !slices.Equal(test, types.HealthCheckTest{"CMD", "/mailpit", "readyz"}) {
 		t.Errorf("mailpit healthcheck = %q, want [CMD /mailpit readyz]", test)
 	}
+}
+
+// checkPostgresHealthcheck holds a PostgreSQL container's healthcheck to pg_isready -U postgres
+// over TCP (-h 127.0.0.1). While the image's entrypoint runs the init scripts (the databases and
+// roles of deploy/postgres), its temporary server listens on the Unix socket only: over the
+// socket pg_isready would answer ready then, and dependants would start while nothing listens
+// on TCP and their databases may not exist yet.
+func checkPostgresHealthcheck(t *testing.T, file string, s types.ServiceConfig) {
+	t.Helper()
+	test := healthcheckTest(s)
+	if len(test) < 2 || test[0] != "CMD" || test[1] != "pg_isready" ||
+		!hasOption(test[2:], "-U", "--username", "postgres") || !hasOption(test[2:], "-h", "--host", "127.0.0.1") {
+		t.Errorf("%s: %s healthcheck = %q, want [CMD pg_isready -U postgres -h 127.0.0.1]: over TCP, which the server listens on only once its init scripts have run", file, s.Name, test)
+	}
+}
+
+// checkRabbitMQHealthcheck holds a RabbitMQ node's healthcheck to rabbitmq-diagnostics
+// check_port_connectivity, which passes once every listener of the node (AMQP's among them)
+// accepts connections. rabbitmq-diagnostics ping passes as soon as the Erlang node answers its
+// CLI tools, while the broker is still booting: its dependants would start, and fail, against
+// a broker that refuses their connections.
+func checkRabbitMQHealthcheck(t *testing.T, file string, s types.ServiceConfig) {
+	t.Helper()
+	test := healthcheckTest(s)
+	if len(test) < 2 || test[0] != "CMD" || test[1] != "rabbitmq-diagnostics" || !slices.Contains(test[2:], "check_port_connectivity") {
+		t.Errorf("%s: %s healthcheck = %q, want [CMD rabbitmq-diagnostics -q check_port_connectivity]: it passes once the listeners accept connections, ping while the node still boots", file, s.Name, test)
+	}
+}
+
+func healthcheckTest(s types.ServiceConfig) types.HealthCheckTest {
+	if s.HealthCheck == nil {
+		return nil
+	}
+	return s.HealthCheck.Test
+}
+
+// hasOption reports whether args give value to the option written short (-h) or long
+// (--host), as -h value, -hvalue, --host value or --host=value.
+func hasOption(args []string, short, long, value string) bool {
+	for i, a := range args {
+		next := i+1 < len(args) && args[i+1] == value
+		if ((a == short || a == long) && next) || a == short+value || a == long+"="+value {
+			return true
+		}
+	}
+	return false
 }
 
 // The services are the folders of services/ (the Dockerfile, run-local.sh and the system
@@ -583,9 +625,7 @@ func TestComposeTestServers(t *testing.T) {
 	if v, _ := env(pg, "POSTGRES_HOST_AUTH_METHOD"); v != "trust" {
 		t.Errorf("postgres: POSTGRES_HOST_AUTH_METHOD = %q, want trust (%s has no password)", v, dbURL)
 	}
-	if test := pg.HealthCheck; test == nil || !slices.Contains(test.Test, "pg_isready") {
-		t.Errorf("postgres: healthcheck %+v, want pg_isready", test)
-	}
+	checkPostgresHealthcheck(t, "deploy/compose.test.yml", pg)
 
 	// RabbitMQ: guest/guest, as TEST_AMQP_URL's default logs in.
 	rabbit := service(t, p, "rabbitmq")
@@ -605,9 +645,7 @@ func TestComposeTestServers(t *testing.T) {
 	if user != "guest" || pass != "guest" {
 		t.Errorf("rabbitmq: RABBITMQ_DEFAULT_USER/RABBITMQ_DEFAULT_PASS = %q/%q, want guest/guest", user, pass)
 	}
-	if test := strings.Join(rabbit.HealthCheck.Test, " "); !strings.Contains(test, "rabbitmq-diagnostics") {
-		t.Errorf("rabbitmq: healthcheck %q, want rabbitmq-diagnostics", test)
-	}
+	checkRabbitMQHealthcheck(t, "deploy/compose.test.yml", rabbit)
 }
 
 // testURLDefault returns the default of a TEST_*_URL variable, checking that the tests

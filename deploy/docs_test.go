@@ -691,3 +691,34 @@ func envDefaults(t *testing.T, pkg *checkedPackage, platformPath string) map[str
 	}
 	return found
 }
+
+// The file table of docs/deployment.md's Kubernetes section names every file the base's
+// kustomization.yaml lists, and monitoring/: a reader of the table sees all that is applied.
+func TestDeploymentDocListsK8sFiles(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "deployment.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(doc), "\n## Kubernetes\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	var named []string
+	for line := range strings.SplitSeq(section, "\n") {
+		if !strings.HasPrefix(line, "| `") {
+			continue
+		}
+		first, _, _ := strings.Cut(strings.TrimPrefix(line, "| "), " | ")
+		for _, m := range regexp.MustCompile("`([^`]+)`").FindAllStringSubmatch(first, -1) {
+			named = append(named, m[1])
+		}
+	}
+	if len(named) < 5 {
+		t.Fatalf("docs/deployment.md's Kubernetes section: found the files %v in its table; has it moved?", named)
+	}
+	kust := k8s(t).kust
+	for _, file := range slices.Concat(kust.Resources, kust.Generators, []string{"monitoring/"}) {
+		if !slices.Contains(named, file) {
+			t.Errorf("docs/deployment.md: the Kubernetes section's file table does not name %s, which deploy/k8s applies", file)
+		}
+	}
+}

@@ -61,13 +61,15 @@ type monitorEndpoint struct {
 	Relabelings []relabeling        `json:"relabelings"`
 }
 
+// relabeling is one relabeling of a ServiceMonitor's endpoint (JSON, camelCase) or one of
+// prometheus.yml's relabel_configs (YAML, snake_case): the same fields.
 type relabeling struct {
-	Action       string   `json:"action"`
-	SourceLabels []string `json:"sourceLabels"`
-	Separator    *string  `json:"separator"`
-	Regex        string   `json:"regex"`
-	TargetLabel  string   `json:"targetLabel"`
-	Replacement  *string  `json:"replacement"`
+	Action       string   `json:"action" yaml:"action"`
+	SourceLabels []string `json:"sourceLabels" yaml:"source_labels"`
+	Separator    *string  `json:"separator" yaml:"separator"`
+	Regex        string   `json:"regex" yaml:"regex"`
+	TargetLabel  string   `json:"targetLabel" yaml:"target_label"`
+	Replacement  *string  `json:"replacement" yaml:"replacement"`
 }
 
 type prometheusRule struct {
@@ -437,18 +439,9 @@ func TestK8sMonitoringRabbitMQ(t *testing.T) {
 // rule of alerts.yml has its series.
 func TestK8sMonitoringCoversEveryJob(t *testing.T) {
 	t.Parallel()
-	m, base := monitoring(t), k8s(t)
-	svc, _ := operatorRabbitServices(t, base)
-	services := []k8sService{svc}
-	for _, s := range base.services {
-		var ports []string
-		for _, p := range s.Spec.Ports {
-			ports = append(ports, p.Name)
-		}
-		services = append(services, k8sService{name: s.Name, labels: s.Labels, ports: ports})
-	}
+	m := monitoring(t)
 	jobs := map[string]bool{}
-	for _, s := range services {
+	for _, s := range monitoredServices(t) {
 		got, _ := scrapesOf(t, m.monitors, s)
 		for _, sc := range got {
 			jobs[sc.Job] = true
@@ -464,6 +457,23 @@ func TestK8sMonitoringCoversEveryJob(t *testing.T) {
 	for job := range jobs {
 		t.Errorf("deploy/k8s/monitoring scrapes job %q, which prometheus.yml does not have", job)
 	}
+}
+
+// monitoredServices are the Services a ServiceMonitor may scrape: the one the RabbitMQ Cluster
+// Operator makes for the base's RabbitmqCluster, first, then the base's own.
+func monitoredServices(t *testing.T) []k8sService {
+	t.Helper()
+	base := k8s(t)
+	svc, _ := operatorRabbitServices(t, base)
+	services := []k8sService{svc}
+	for _, s := range base.services {
+		var ports []string
+		for _, p := range s.Spec.Ports {
+			ports = append(ports, p.Name)
+		}
+		services = append(services, k8sService{name: s.Name, labels: s.Labels, ports: ports})
+	}
+	return services
 }
 
 // operatorRabbitServices are the Services the RabbitMQ Cluster Operator (v2.22.3,

@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/url"
 	"os"
 	"path"
@@ -251,7 +252,68 @@ type prometheusConfig struct {
 			Type  string   `yaml:"type"`
 			Port  int      `yaml:"port"`
 		} `yaml:"dns_sd_configs"`
+		RelabelConfigs []relabeling `yaml:"relabel_configs"`
 	} `yaml:"scrape_configs"`
+}
+
+// promTarget is one target of prometheus.yml as Prometheus makes it.
+type promTarget struct {
+	jobName string            // its scrape config's job_name
+	host    string            // the static target's host, or the DNS name queried
+	path    string            // its metrics_path
+	labels  map[string]string // after relabel_configs
+}
+
+// prometheusTargets makes prometheus.yml's targets as Prometheus does: each starts with job
+// (the job_name), __address__, __metrics_path__ and a __param_<name> per param; a DNS one with
+// __meta_dns_name, the name queried, and as __address__ the address its A record answers,
+// made up here (10.0.<config>.<name>:port). Then its relabel_configs apply in order (with
+// relabel, as the ServiceMonitors' relabelings do), and an instance left unset is __address__.
+func prometheusTargets(t *testing.T, cfg prometheusConfig) []promTarget {
+	t.Helper()
+	var out []promTarget
+	for i, sc := range cfg.ScrapeConfigs {
+		mp := sc.MetricsPath
+		if mp == "" {
+			mp = "/metrics"
+		}
+		base := map[string]string{"job": sc.JobName, "__metrics_path__": mp, "__scheme__": "http"}
+		for k, v := range sc.Params {
+			if len(v) > 0 {
+				base["__param_"+k] = v[0]
+			}
+		}
+		var targets []promTarget
+		for _, st := range sc.StaticConfigs {
+			for _, addr := range st.Targets {
+				host, _, _ := strings.Cut(addr, ":")
+				labels := maps.Clone(base)
+				labels["__address__"] = addr
+				targets = append(targets, promTarget{host: host, labels: labels})
+			}
+		}
+		for _, sd := range sc.DNSSDConfigs {
+			for j, name := range sd.Names {
+				labels := maps.Clone(base)
+				labels["__address__"] = fmt.Sprintf("10.0.%d.%d:%d", i, j+1, sd.Port)
+				labels["__meta_dns_name"] = name
+				targets = append(targets, promTarget{host: name, labels: labels})
+			}
+		}
+		for _, tg := range targets {
+			for _, rc := range sc.RelabelConfigs {
+				if err := relabel(tg.labels, rc); err != nil {
+					t.Errorf("prometheus.yml job %s: %v", sc.JobName, err)
+				}
+			}
+			if tg.labels["instance"] == "" {
+				tg.labels["instance"] = tg.labels["__address__"]
+			}
+			tg.jobName, tg.path = sc.JobName, mp
+			out = append(out, tg)
+		}
+	}
+	return out
 }
 
 // Prometheus loads deploy/prometheus/prometheus.yml and the rules beside it, and scrapes each
@@ -319,6 +381,24 @@ func TestPrometheusConfig(t *testing.T) {
 	for job, w := range want {
 		if jobs[job] != w {
 			t.Errorf("prometheus.yml job %q scrapes %q, want %q", job, jobs[job], w)
+		}
+	}
+	// After relabel_configs, each target has the labels job and instance alone: job is its
+	// job_name (the alerts and the dashboard tell the jobs apart by it), and instance the address
+	// it scrapes, but for the cluster's RabbitMQ nodes: their name (rabbitmq-1:15692), which
+	// their alarms and the queues they lead are reported under, where Docker's address would
+	// change with every new container.
+	nodeNamed := map[string]bool{"rabbitmq-cluster": true, "rabbitmq-cluster-queues": true}
+	for _, tg := range prometheusTargets(t, cfg) {
+		instance := tg.labels["__address__"]
+		if nodeNamed[tg.jobName] {
+			instance = tg.host + ":15692"
+		}
+		want := map[string]string{"job": tg.jobName, "instance": instance}
+		got := maps.Clone(tg.labels)
+		maps.DeleteFunc(got, func(k, _ string) bool { return strings.HasPrefix(k, "__") })
+		if !maps.Equal(got, want) {
+			t.Errorf("prometheus.yml job %s, target %s: labels %v after relabel_configs, want %v", tg.jobName, tg.labels["__address__"], got, want)
 		}
 	}
 	// Each target is a compose service, of either profile, on the port it listens on.

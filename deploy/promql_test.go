@@ -63,75 +63,189 @@ type labelMatcher struct {
 func vectorSelectors(expr string) []vectorSelector {
 	var sels []vectorSelector
 	rs := []rune(expr)
-	// skipTo returns the index just past the bracket that closes the one at i, stepping over
-	// strings.
-	skipTo := func(i int, opening, closing rune) int {
-		depth := 0
-		for ; i < len(rs); i++ {
-			switch rs[i] {
-			case '"', '\'', '`':
-				i = skipString(rs, i) - 1
-			case opening:
-				depth++
-			case closing:
-				depth--
-				if depth == 0 {
-					return i + 1
-				}
-			}
-		}
-		return i
-	}
-	nextNonSpace := func(i int) int {
-		for i < len(rs) && unicode.IsSpace(rs[i]) {
-			i++
-		}
-		return i
-	}
 	for i := 0; i < len(rs); {
-		c := rs[i]
+		if next, skipped := skipLiteral(rs, i); skipped {
+			i = next
+			continue
+		}
+		if !isIdentRune(rs[i], true) {
+			i++
+			continue
+		}
+		word, end := wordAt(rs, i)
+		i = end
+		after := skipSpace(rs, i)
 		switch {
-		case c == '"' || c == '\'' || c == '`':
-			i = skipString(rs, i)
-		case c == '{':
-			i = skipTo(i, '{', '}')
-		case c == '[':
-			i = skipTo(i, '[', ']')
-		case c == '$': // a Grafana variable such as $__rate_interval
-			i++
-			for i < len(rs) && isIdentRune(rs[i], false) {
-				i++
+		case promqlGroupings[word]:
+			if after < len(rs) && rs[after] == '(' {
+				i = skipBracket(rs, after, '(', ')')
 			}
-		case unicode.IsDigit(c) || (c == '.' && i+1 < len(rs) && unicode.IsDigit(rs[i+1])):
-			for i < len(rs) && (isIdentRune(rs[i], false) || rs[i] == '.' || ((rs[i] == '+' || rs[i] == '-') && (rs[i-1] == 'e' || rs[i-1] == 'E'))) {
-				i++
-			}
-		case isIdentRune(c, true):
-			start := i
-			for i < len(rs) && isIdentRune(rs[i], false) {
-				i++
-			}
-			word := string(rs[start:i])
-			after := nextNonSpace(i)
-			switch {
-			case promqlGroupings[word]:
-				if after < len(rs) && rs[after] == '(' {
-					i = skipTo(after, '(', ')')
-				}
-			case promqlKeywords[word] || promqlAggregations[word]:
-			case after < len(rs) && rs[after] == '(':
-				// a function call
-			case after < len(rs) && rs[after] == '{':
-				i = skipTo(after, '{', '}')
-				sels = append(sels, vectorSelector{metric: word, matchers: labelMatchers(rs[after+1 : max(i-1, after+1)])})
-			default:
-				sels = append(sels, vectorSelector{metric: word})
-			}
+		case promqlKeywords[word] || promqlAggregations[word]:
+		case after < len(rs) && rs[after] == '(':
+			// a function call
+		case after < len(rs) && rs[after] == '{':
+			i = skipBracket(rs, after, '{', '}')
+			sels = append(sels, vectorSelector{metric: word, matchers: labelMatchers(rs[after+1 : max(i-1, after+1)])})
 		default:
-			i++
+			sels = append(sels, vectorSelector{metric: word})
 		}
 	}
 	return sels
+}
+
+// skipLiteral returns the index just past what starts at i if it is no word of PromQL's: a
+// string, a selector's matchers ({...}), a range ([...]), a Grafana variable
+// ($__rate_interval), a number or a duration; skipped is false, and i returned, otherwise.
+func skipLiteral(rs []rune, i int) (next int, skipped bool) {
+	c := rs[i]
+	switch {
+	case c == '"' || c == '\'' || c == '`':
+		return skipString(rs, i), true
+	case c == '{':
+		return skipBracket(rs, i, '{', '}'), true
+	case c == '[':
+		return skipBracket(rs, i, '[', ']'), true
+	case c == '$':
+		i++
+		for i < len(rs) && isIdentRune(rs[i], false) {
+			i++
+		}
+		return i, true
+	case unicode.IsDigit(c) || (c == '.' && i+1 < len(rs) && unicode.IsDigit(rs[i+1])):
+		for i < len(rs) && (isIdentRune(rs[i], false) || rs[i] == '.' || ((rs[i] == '+' || rs[i] == '-') && (rs[i-1] == 'e' || rs[i-1] == 'E'))) {
+			i++
+		}
+		return i, true
+	}
+	return i, false
+}
+
+// skipBracket returns the index just past the bracket that closes the one at i, stepping over
+// strings.
+func skipBracket(rs []rune, i int, opening, closing rune) int {
+	depth := 0
+	for ; i < len(rs); i++ {
+		switch rs[i] {
+		case '"', '\'', '`':
+			i = skipString(rs, i) - 1
+		case opening:
+			depth++
+		case closing:
+			depth--
+			if depth == 0 {
+				return i + 1
+			}
+		}
+	}
+	return i
+}
+
+// skipSpace returns the index of the first rune from i that is not white space.
+func skipSpace(rs []rune, i int) int {
+	for i < len(rs) && unicode.IsSpace(rs[i]) {
+		i++
+	}
+	return i
+}
+
+// wordAt returns the identifier that starts at i ("" if none does) and the index just past it.
+func wordAt(rs []rune, i int) (string, int) {
+	if i >= len(rs) || !isIdentRune(rs[i], true) {
+		return "", i
+	}
+	start := i
+	for i < len(rs) && isIdentRune(rs[i], false) {
+		i++
+	}
+	return string(rs[start:i]), i
+}
+
+// grouping is a label list that decides which labels a result keeps: an aggregation's by or
+// without, or a binary operation's on or ignoring.
+type grouping struct {
+	op     string   // the aggregation (sum, max …), or on or ignoring
+	clause string   // by, without, on or ignoring; "" for an aggregation with neither
+	labels []string // as listed
+}
+
+func (g grouping) String() string {
+	if g.op == g.clause {
+		return fmt.Sprintf("%s (%s)", g.op, strings.Join(g.labels, ", "))
+	}
+	if g.clause == "" {
+		return g.op + "(…)"
+	}
+	return fmt.Sprintf("%s %s (%s)", g.op, g.clause, strings.Join(g.labels, ", "))
+}
+
+// groupings returns the groupings of a PromQL expression, in order: each aggregation's, with
+// its by or without written before its argument (sum by (job) (x)) or after it
+// (sum(x) by (job)), and each on or ignoring of a binary operation. The label lists of
+// group_left and group_right, which add labels to those on or ignoring keeps, are not
+// groupings. Like vectorSelectors, a lexer: strings, selectors' matchers and ranges are
+// stepped over.
+func groupings(expr string) []grouping {
+	var out []grouping
+	rs := []rune(expr)
+	// labelList reads the parenthesised list at i, if there is one, and returns the index
+	// past it.
+	labelList := func(i int) ([]string, int) {
+		if i >= len(rs) || rs[i] != '(' {
+			return nil, i
+		}
+		end := skipBracket(rs, i, '(', ')')
+		var labels []string
+		for l := range strings.SplitSeq(string(rs[i+1:max(end-1, i+1)]), ",") {
+			if l = strings.Trim(strings.TrimSpace(l), "\"'`"); l != "" {
+				labels = append(labels, l)
+			}
+		}
+		return labels, end
+	}
+	// clauseAt reads a by or without and its list at i, if there is one.
+	clauseAt := func(i int) (clause string, labels []string, end int) {
+		word, after := wordAt(rs, skipSpace(rs, i))
+		if word != "by" && word != "without" {
+			return "", nil, i
+		}
+		labels, end = labelList(skipSpace(rs, after))
+		return word, labels, end
+	}
+	for i := 0; i < len(rs); {
+		if next, skipped := skipLiteral(rs, i); skipped {
+			i = next
+			continue
+		}
+		if !isIdentRune(rs[i], true) {
+			i++
+			continue
+		}
+		word, end := wordAt(rs, i)
+		i = end
+		switch {
+		case promqlAggregations[word]:
+			g := grouping{op: word}
+			var argument int
+			g.clause, g.labels, argument = clauseAt(i)
+			argument = skipSpace(rs, argument)
+			if argument >= len(rs) || rs[argument] != '(' {
+				continue // no aggregation: a label or metric of that name
+			}
+			if g.clause == "" {
+				g.clause, g.labels, _ = clauseAt(skipBracket(rs, argument, '(', ')'))
+			}
+			out = append(out, g)
+			// On into the argument; a by or without after it is stepped over below.
+			i = argument
+		case word == "on" || word == "ignoring":
+			var labels []string
+			labels, i = labelList(skipSpace(rs, i))
+			out = append(out, grouping{op: word, clause: word, labels: labels})
+		case promqlGroupings[word]: // by, without, group_left, group_right
+			_, i = labelList(skipSpace(rs, i))
+		}
+	}
+	return out
 }
 
 // labelMatcherRE is one matcher, up to its value's opening quote.
@@ -224,6 +338,27 @@ func TestVectorSelectors(t *testing.T) {
 	for _, bad := range []string{`a{b}`, `a{b="c}`, `a{b=c}`} {
 		if ms := vectorSelectors(bad)[0].matchers; len(ms) == 0 || ms[len(ms)-1].err == nil {
 			t.Errorf("vectorSelectors(%s) = %v, want an error", bad, ms)
+		}
+	}
+}
+
+func TestGroupings(t *testing.T) {
+	t.Parallel()
+	for expr, want := range map[string]string{
+		`up == 0`:                           `[]`,
+		`max by (namespace, job) (x) > 300`: `[max by (namespace, job)]`,
+		`sum(rate(x[5m])) by (namespace,job) / sum without (instance) (y)`: `[sum by (namespace, job) sum without (instance)]`,
+		`histogram_quantile(0.95, sum by (job, le) (rate(h_bucket[5m])))`:  `[sum by (job, le)]`,
+		`sum(x{q="by (a)"})`: `[sum(…)]`,
+		`a > 0 and on (namespace, job) sum by (namespace, job) (b) == 0`:              `[on (namespace, job) sum by (namespace, job)]`,
+		`a * ignoring (instance) group_left (version) b_info`:                         `[ignoring (instance)]`,
+		`topk by (queue) (3, count by ("namespace", queue) (x))`:                      `[topk by (queue) count by (namespace, queue)]`,
+		`max by(namespace,job)(x) unless on(namespace) max(y) by (namespace)`:         `[max by (namespace, job) on (namespace) max by (namespace)]`,
+		`label_replace(k{deployment=~"a|b"}, "job", "$1", "deployment", "(.+)") == 0`: `[]`,
+		`count(x) without (job)`: `[count without (job)]`,
+	} {
+		if got := fmt.Sprint(groupings(expr)); got != want {
+			t.Errorf("groupings(%s) = %s, want %s", expr, got, want)
 		}
 	}
 }
