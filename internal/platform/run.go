@@ -297,12 +297,21 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	}
 }
 
+// relayer is what relayUntil runs: a [messaging.Relay].
+type relayer interface {
+	Run(ctx context.Context) error
+	ProcessBatch(ctx context.Context) (messaging.BatchResult, error)
+}
+
 // relayUntil runs r until intakeStopped closes, then makes a last pass over the outbox for the
 // rows committed since the relay last looked: a lane asleep at the stop would leave them. The
 // last pass begins no batch later than ShutdownTimeout after the signal (when the intake must
-// be done), nor after a batch the broker gave no verdict on: a relay that cannot publish does
-// not hold the exit, and the rows wait for the next start, or another replica.
-func relayUntil(signal context.Context, log *slog.Logger, r *messaging.Relay, intakeStopped <-chan struct{}) error {
+// be done), nor after a batch that left rows unsent: the broker gave no verdict on them (an
+// error), or they got none for a reason of no outage (no error: an earlier publish of the row
+// still pending on the connection, say, which the next batch would claim again at once, for
+// the same answer). A relay that cannot publish neither holds the exit nor spins: the rows
+// wait for the next start, or another replica.
+func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopped <-chan struct{}) error {
 	stopBy := make(chan time.Time, 1)
 	context.AfterFunc(signal, func() { stopBy <- time.Now().Add(ShutdownTimeout) })
 	// WithoutCancel: the relay outlives the signal, though not the intake.
@@ -327,6 +336,10 @@ func relayUntil(signal context.Context, log *slog.Logger, r *messaging.Relay, in
 		sent += res.Sent
 		if err != nil {
 			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "error", err, "sent", sent)
+			return nil
+		}
+		if res.Unsent > 0 {
+			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "unsent", res.Unsent, "sent", sent)
 			return nil
 		}
 		if res.Claimed == 0 {

@@ -221,7 +221,10 @@ func UnparkOutboxMessage(ctx context.Context, db DB, id uuid.UUID) (OutboxMessag
 	}, true, statements.UnparkOne, id)
 }
 
-// DropOutboxMessage deletes the unsent row id, parked or not: its event is never published.
+// DropOutboxMessage deletes the unsent row id, parked or not: no relay publishes its event
+// again. Unsent says only that no relay recorded it sent: an earlier attempt that ended without
+// the broker's confirm (none within the timeout, the connection lost first) may have been
+// delivered all the same, as may one whose relay stopped before it marked the row sent.
 // It returns the row as it was, with its payload, so that the caller can keep a record of what
 // it dropped; [ErrNoUnsentMessage] if there is no such row or it was sent.
 func DropOutboxMessage(ctx context.Context, db DB, id uuid.UUID) (OutboxMessage, error) {

@@ -845,6 +845,7 @@ func (r *Relay) report(ctx context.Context, s settlement) {
 type outage struct {
 	mu       sync.Mutex
 	since    time.Time // zero while the broker is up
+	latest   time.Time // the outage's latest failure (since, at its first); zero while the broker is up
 	failures int       // the batches and probes it failed so far, which pace the retries
 	// silent: the outage began with, or met, a failure on a connection that stayed up
 	// (errUnconfirmed: no confirm in time, a channel closed for no known message's fault). A
@@ -861,12 +862,14 @@ type outage struct {
 }
 
 // brokerDown starts an outage, unless one is on: logged once, however many lanes and batches
-// run into it. It returns the failures so far.
+// run into it; one on is dated by its latest failure too (see endOutage). It returns the
+// failures so far.
 func (r *Relay) brokerDown(err error) (failures int) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, false)
 	r.outage.failures++
+	r.outage.latest = time.Now()
 	if errors.Is(err, errUnconfirmed) {
 		r.outage.silent = true
 	}
@@ -876,16 +879,17 @@ func (r *Relay) brokerDown(err error) (failures int) {
 	if !r.outage.since.IsZero() {
 		return r.outage.failures
 	}
-	r.outage.since = time.Now()
+	r.outage.since = r.outage.latest
 	r.log.Warn("broker unavailable; relay paused, rows wait in the outbox", "error", err)
 	return r.outage.failures
 }
 
 // brokerUp ends the outage, if one is on, with one line: how long it lasted and how many rows
-// waited (they go out now); the broker answered something begun at since, with a verdict on a
-// message if verdict (only that, or a trial that found no row due, ends a silent outage). The
-// count reads every unsent row, so it runs after the lock is let go: the other lanes, which ask
-// whether the broker is down at each turn, go on meanwhile.
+// waited (they go out now); the broker answered something begun at since (after the outage's
+// latest failure, or it ends nothing: see endOutage), with a verdict on a message if verdict
+// (only that, or a trial that found no row due, ends a silent outage). The count reads every
+// unsent row, so it runs after the lock is let go: the other lanes, which ask whether the
+// broker is down at each turn, go on meanwhile.
 func (r *Relay) brokerUp(ctx context.Context, since time.Time, verdict bool) {
 	lasted, ended := r.endOutage(since, verdict)
 	if !ended {
@@ -917,15 +921,17 @@ func (r *Relay) countWaiting(ctx context.Context) (int64, error) {
 	return stats.Pending, err
 }
 
-// endOutage ends the outage, if one is on, and says how long it lasted; unless it began after
-// since: a batch whose confirms came in as another lane's connection failed says nothing about
-// the broker after that failure, and ending the outage on it would let the lanes claim rows
-// again and log it twice; nor a silent one without a verdict: a new connection, which a probe
-// or a batch of no verdict found, is what it had all along.
+// endOutage ends the outage, if one is on, and says how long it lasted; unless its latest
+// failure came after since (its first, or a later one): a batch or probe begun before a lane's
+// batch failed, whose answer came in after, says nothing about the broker after that failure,
+// and ending the outage on it would let the lanes claim whole batches again, into a broker that
+// just failed one (and, for the first, log the outage twice); a probe or batch begun after it
+// ends it. Nor a silent one without a verdict: a new connection, which a probe or a batch of no
+// verdict found, is what it had all along.
 func (r *Relay) endOutage(since time.Time, verdict bool) (lasted time.Duration, ended bool) {
 	r.outage.mu.Lock()
 	defer r.outage.mu.Unlock()
-	if r.outage.since.After(since) || r.outage.silent && !verdict {
+	if r.outage.latest.After(since) || r.outage.silent && !verdict {
 		return 0, false
 	}
 	r.cfg.Metrics.setBrokerUp(r.cfg.Exchange, true)
@@ -933,7 +939,7 @@ func (r *Relay) endOutage(since time.Time, verdict bool) (lasted time.Duration, 
 		return 0, false
 	}
 	lasted = time.Since(r.outage.since)
-	r.outage.since, r.outage.failures, r.outage.silent, r.outage.rowLogged = time.Time{}, 0, false, false
+	r.outage.since, r.outage.latest, r.outage.failures, r.outage.silent, r.outage.rowLogged = time.Time{}, time.Time{}, 0, false, false
 	return lasted, true
 }
 

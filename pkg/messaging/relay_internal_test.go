@@ -75,6 +75,32 @@ func TestABatchBegunBeforeAnOutageDoesNotEndIt(t *testing.T) {
 	}
 }
 
+// Nor does what began before the outage's latest failure: a probe begun during the outage
+// that found the broker, its answer in only after another lane's batch failed (begun before
+// the outage, or when the lane last looked), says nothing of the broker since that failure.
+// Ended on it, the outage would let the lanes claim whole batches again, into a broker that
+// just failed one.
+func TestWhatBeganBeforeAnOutagesLatestFailureDoesNotEndIt(t *testing.T) {
+	t.Parallel()
+	r, err := NewRelay(RelayConfig{DB: failingDB{}, Sender: nopSender{}, Exchange: "x", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.brokerDown(errors.New("test outage"))
+	time.Sleep(time.Millisecond) // distinct times on any clock
+	probed := time.Now()
+	time.Sleep(time.Millisecond)
+	r.brokerDown(errors.New("another lane's batch failed"))
+	r.brokerUp(context.Background(), probed, false)
+	if !r.isBrokerDown() {
+		t.Fatal("a probe begun before the outage's latest failure ended it")
+	}
+	r.brokerUp(context.Background(), time.Now(), false)
+	if r.isBrokerDown() {
+		t.Fatal("a probe begun after the outage's latest failure did not end it")
+	}
+}
+
 func (r *Relay) isBrokerDown() bool {
 	down, _ := r.outageState()
 	return down
@@ -658,4 +684,79 @@ func TestAddDueKeepsFewTimesNeverEarly(t *testing.T) {
 		t.Fatalf("%d times kept for 100,000 rows (sorted: %v): want a few dozen, in order", len(due), slices.IsSortedFunc(due, time.Time.Compare))
 	}
 	t.Logf("%d times kept for 100,000 rows", len(due))
+}
+
+// A batch whose commit fails recorded nothing: its rows are due again, as they were, and go out
+// at a later batch. Its confirms and refusals are neither counted nor logged, or
+// outbox_messages_published_total would count each such row once more at its next publish, and
+// an "outbox publish failed" line would report a backoff the database does not hold.
+func TestABatchWhoseCommitFailsReportsNothing(t *testing.T) {
+	t.Parallel()
+	var logs lockedLog
+	registry := prometheus.NewRegistry()
+	metrics, err := NewMetrics(registry, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := &commitFailingDB{backlogDB: backlogDB{rows: 2}}
+	r, err := NewRelay(RelayConfig{DB: db, Sender: halfRefusing{}, Exchange: "x", Metrics: metrics, Types: []string{"T"},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.ProcessBatch(context.Background()); err == nil || !strings.Contains(err.Error(), "commit") {
+		t.Fatalf("batch error %v, want the commit's", err)
+	}
+	if db.failures.Load() != 1 {
+		t.Fatalf("%d refusals recorded before the commit, want 1: the test no longer reaches it", db.failures.Load())
+	}
+	for _, name := range []string{"outbox_messages_published_total", "outbox_publish_failures_total"} {
+		if got := counterOf(t, registry, name, "T"); got != 0 {
+			t.Errorf(`%s{type="T"} = %v after a batch whose commit failed, want 0`, name, got)
+		}
+	}
+	if n := logs.count("outbox publish failed"); n != 0 {
+		t.Errorf("%d 'outbox publish failed' lines for a batch whose commit failed, want none:\n%s", n, logs.String())
+	}
+}
+
+// commitFailingDB is a backlogDB whose commits fail.
+type commitFailingDB struct{ backlogDB }
+
+func (d *commitFailingDB) Begin(context.Context) (TxExecutor, error) { return d, nil }
+func (d *commitFailingDB) Commit(context.Context) error {
+	return errors.New("commitFailingDB: the connection was lost at the commit")
+}
+
+// halfRefusing confirms the messages at even places and refuses, unroutable, the others.
+type halfRefusing struct{}
+
+func (halfRefusing) Publish(_ context.Context, msgs []Message) []error {
+	errs := make([]error, len(msgs))
+	for i := 1; i < len(errs); i += 2 {
+		errs[i] = ErrUnroutable
+	}
+	return errs
+}
+
+// counterOf reads the counter name of the type typ; 0 if it has none.
+func counterOf(t *testing.T, registry *prometheus.Registry, name, typ string) float64 {
+	t.Helper()
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "type" && l.GetValue() == typ {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
 }
