@@ -14,9 +14,10 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// An example started without DATABASE_URL or AMQP_URL, or with one blank, exits 1 naming it,
-// having written nothing: pgx takes an empty DATABASE_URL for a local default, and an example
-// needs the broker only after it has saved its event.
+// An example started without DATABASE_URL or AMQP_URL, or with one blank, or with an AMQP_URL
+// of which a URL does not parse, exits 1 naming it, having written nothing: pgx takes an empty
+// DATABASE_URL for a local default, and an example needs the broker only after it has saved
+// its event.
 func TestExamplesRefuseAMissingURLBeforeWritingAnything(t *testing.T) {
 	t.Parallel()
 	for _, name := range []string{"minimal", "databasesql", "gorm"} {
@@ -39,6 +40,8 @@ func TestExamplesRefuseAMissingURLBeforeWritingAnything(t *testing.T) {
 			}{
 				{"AMQP_URL", []string{"DATABASE_URL=" + db.URL}},
 				{"AMQP_URL", []string{"DATABASE_URL=" + db.URL, "AMQP_URL= "}},
+				{"AMQP_URL", []string{"DATABASE_URL=" + db.URL, "AMQP_URL=http://guest:guest@" + systest.FreeAddr(t) + "/"}},
+				{"AMQP_URL", []string{"DATABASE_URL=" + db.URL, "AMQP_URL=" + strings.TrimPrefix(noBroker, "AMQP_URL=") + ",amqp://guest:p%zz@broker/"}},
 				{"DATABASE_URL", append([]string{noBroker}, noDatabase...)},
 				{"DATABASE_URL", append([]string{noBroker, "DATABASE_URL= "}, noDatabase...)},
 			} {

@@ -39,7 +39,8 @@ func main() {
 
 func run(ctx context.Context) error {
 	// Both, before anything is written: pgx takes an empty DATABASE_URL for a local default,
-	// and without AMQP_URL the start would fail only after the event was saved.
+	// and without AMQP_URL, or with one that does not parse, the start would fail only after
+	// the event was saved.
 	databaseURL, err := required("DATABASE_URL")
 	if err != nil {
 		return err
@@ -47,6 +48,9 @@ func run(ctx context.Context) error {
 	amqpURL, err := required("AMQP_URL")
 	if err != nil {
 		return err
+	}
+	if err := messaging.CheckBrokerURL(amqpURL); err != nil {
+		return fmt.Errorf("AMQP_URL %w", err)
 	}
 	cfg, err := pgxpool.ParseConfig(databaseURL)
 	if err != nil {

@@ -69,11 +69,67 @@ func dialSocket(ctx context.Context, urls, name string, heartbeat time.Duration)
 	return nil, nil, fmt.Errorf("dial rabbitmq: %w", errors.Join(errs...))
 }
 
+// unparseableHelp says what is wrong with a broker URL that does not parse, without it.
+const unparseableHelp = "(its text is left out, as it may hold a password; its scheme must be amqp or amqps, " +
+	"and a reserved character such as / ? # @ : in its user name or password must be percent-encoded)"
+
 // errUnparseableURL stands for a broker URL that does not parse. net/url's error quotes the
 // URL, password included, and a dial error ends up in logs, so nothing of the URL is kept.
-var errUnparseableURL = errors.New("a broker URL does not parse (its text is left out, as it may hold a " +
-	"password; its scheme must be amqp or amqps, and a reserved character such as / ? # @ : in its user " +
-	"name or password must be percent-encoded)")
+var errUnparseableURL = errors.New("a broker URL does not parse " + unparseableHelp)
+
+// unparseableURLs counts the URLs of list (see splitURLs) that do not parse, and all of them.
+func unparseableURLs(list string) (bad, all int) {
+	urls := splitURLs(list)
+	for _, u := range urls {
+		if _, err := amqp.ParseURI(u); err != nil {
+			bad++
+		}
+	}
+	return bad, len(urls)
+}
+
+// checkURLs refuses a broker URL list that names no broker a dial could reach: none at all, or
+// none that parses, a configuration's fault that no broker can mend (a dial would fail for
+// ever). Its error goes after the setting's name, and leaves the URLs' text out, as
+// errUnparseableURL does. A list of which some URL parses passes: a dial passes the others
+// over (see warnUnparseableURLs).
+func checkURLs(list string) error {
+	switch bad, all := unparseableURLs(list); {
+	case all == 0:
+		return errors.New("names no broker")
+	case bad == 1 && all == 1:
+		return errors.New("does not parse " + unparseableHelp)
+	case bad == all:
+		return fmt.Errorf("does not parse: none of its %d broker URLs does %s", all, unparseableHelp)
+	}
+	return nil
+}
+
+// CheckBrokerURL refuses a broker URL, or a cluster's comma-separated list of them, as
+// [PublisherConfig] and [SubscriptionConfig] take it, that names no broker or has a URL that
+// does not parse, without quoting it (it may hold a password). The library passes over a node
+// whose URL does not parse while another's does: a start that must not leave a typo to be
+// found later checks its setting with this first, before anything is written.
+func CheckBrokerURL(list string) error {
+	bad, all := unparseableURLs(list)
+	switch {
+	case all == 0:
+		return errors.New("names no broker")
+	case bad > 0:
+		return fmt.Errorf("does not parse: %d of its %d broker URLs do not %s", bad, all, unparseableHelp)
+	}
+	return nil
+}
+
+// warnUnparseableURLs logs, once for the setting named setting, the URLs of list that do not
+// parse when others do: every dial passes them over, which would otherwise go unsaid while a
+// node that parses answers.
+func warnUnparseableURLs(log *slog.Logger, setting, list string) {
+	if bad, all := unparseableURLs(list); bad > 0 && bad < all {
+		log.Warn("broker URLs that do not parse are passed over; the others are used", "setting", setting,
+			"unparseable", bad, "urls", all, "reason", unparseableHelp)
+	}
+}
 
 // checkHeartbeat refuses a heartbeat AMQP cannot carry: the client sends whole seconds, so
 // less than one would be 0, and the broker's interval (60 s by default) would be used. 0 takes

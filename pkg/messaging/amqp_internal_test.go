@@ -74,3 +74,27 @@ func TestCutUTF8CutsAtACharacter(t *testing.T) {
 		t.Errorf("truncate of %d ASCII bytes then é = %q, want them and an ellipsis", maxEchoed-1, got)
 	}
 }
+
+// CheckBrokerURL refuses a list that names no broker or has any URL that does not parse, and
+// never quotes it.
+func TestCheckBrokerURLRefusesAnyURLThatDoesNotParse(t *testing.T) {
+	const password = "s3cret"
+	good, bad := "amqp://guest:guest@127.0.0.1:5672/", "amqp://user:"+password+"@host/%zz"
+	for list, want := range map[string]string{
+		good:               "",
+		good + ", " + good: "",
+		"":                 "names no broker",
+		" , ":              "names no broker",
+		bad:                "1 of its 1 broker URLs do not",
+		good + "," + bad:   "1 of its 2 broker URLs do not",
+		"http://host/":     "1 of its 1 broker URLs do not",
+	} {
+		err := CheckBrokerURL(list)
+		switch {
+		case want == "" && err != nil, want != "" && (err == nil || !strings.Contains(err.Error(), want)):
+			t.Errorf("CheckBrokerURL(%q) = %v, want %q", list, err, want)
+		case err != nil && strings.Contains(err.Error(), password):
+			t.Errorf("CheckBrokerURL quotes the password: %v", err)
+		}
+	}
+}

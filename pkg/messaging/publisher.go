@@ -48,8 +48,8 @@ var (
 // ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
 // connection, the channel closed, the broker blocked the connection (a resource alarm), no
 // confirm came within the timeout, or the publisher cannot connect at all (its configuration
-// names no broker, or an app id AMQP cannot carry: [Publisher.Connect] reports those as they
-// are, not as this error). It says nothing about the message itself, which may still
+// names no broker, or none whose URL parses, or an app id AMQP cannot carry: [Publisher.Connect]
+// reports those as they are, not as this error). It says nothing about the message itself, which may still
 // have been delivered (at-least-once); the relay does not count it against the row.
 var ErrBrokerUnavailable = errors.New("broker unavailable")
 
@@ -81,7 +81,7 @@ const DefaultMaxMessageBytes = 1 << 20
 
 // PublisherConfig configures a [Publisher]. URL is required.
 type PublisherConfig struct {
-	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list of the nodes' URLs, all with the same vhost, tried in a random order
+	URL            string // RabbitMQ URL, vhost included; for a cluster, a comma-separated list of the nodes' URLs, all with the same vhost, tried in a random order (one that does not parse is passed over, with a warning when the Publisher is made; if none parses, Connect fails)
 	ConnectionName string // shown by the broker; helps find the connection in rabbitmqctl
 	AppID          string // the AMQP app_id of every message
 	// Topology is declared on every new connection, before the first publish on it (see
@@ -120,7 +120,7 @@ type PublisherConfig struct {
 // given back when their confirms come, or, if they have not all come by the window's
 // ConfirmTimeout, the connection is closed then, as for a window that timed out. One whose
 // context ends while its messages are still being written, a window whose ConfirmTimeout runs
-// out, or one whose channel the broker closed, closes the connection (a write the broker does
+// out with a confirm still to come, or one whose channel the broker closed, closes the connection (a write the broker does
 // not read would hold every call), and every other window still waiting on it gets
 // [ErrBrokerUnavailable] for its unconfirmed messages.
 //
@@ -156,14 +156,16 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher"), inFlight: semaphore.NewWeighted(int64(cfg.MaxInFlight)), lock: semaphore.NewWeighted(1)}
+	p := &Publisher{cfg: cfg, log: cfg.Logger.With("component", "publisher"), inFlight: semaphore.NewWeighted(int64(cfg.MaxInFlight)), lock: semaphore.NewWeighted(1)}
+	warnUnparseableURLs(p.log, "PublisherConfig.URL", cfg.URL)
+	return p
 }
 
 // Connect opens the connection and declares the topology now, instead of at the first Publish,
 // so a misconfiguration shows at start. It also tells whether the broker takes messages: it
 // fails while the broker blocks the connection. A failure is not final, Publish keeps trying,
-// but for a configuration no broker can mend (no broker URL, an AppID over 255 bytes), which
-// Connect returns as it is.
+// but for a configuration no broker can mend (no broker URL, or none that parses, an AppID over
+// 255 bytes), which Connect returns as it is.
 func (p *Publisher) Connect(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -225,7 +227,15 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		p.inFlight.Release(int64(len(msgs)))
 		return
 	}
-	if s.verdicts(ctx, msgs, confirms, errs, p.cfg.ConfirmTimeout) {
+	p.settle(ctx, expires, s, msgs, confirms, errs)
+}
+
+// settle fills in the verdicts of a window written on s, whose context ctx ends at expires (its
+// ConfirmTimeout) at the latest, and gives its places among the MaxInFlight back: at once, or
+// once the confirms still awaited come, or once s is retired.
+func (p *Publisher) settle(ctx context.Context, expires time.Time, s *pubSession, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error) {
+	blocked, awaited := s.verdicts(ctx, msgs, confirms, errs, p.cfg.ConfirmTimeout)
+	if blocked {
 		// Blocked by the broker: return now, so no caller holds anything open through a
 		// resource alarm, and let the confirms come in later on a connection kept open.
 		go func() {
@@ -235,7 +245,12 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		return
 	}
 	switch {
-	case errors.Is(context.Cause(ctx), errWindowTimedOut) || s.ch.IsClosed():
+	case s.ch.IsClosed() || awaited && errors.Is(context.Cause(ctx), errWindowTimedOut):
+		// A confirm still awaited at the window's timeout: the connection is retired, and the
+		// other windows on it get no verdict for what they still await. Not when every confirm
+		// came, the last just as the time ran out: a healthy connection closed would cost the
+		// other windows their confirms, their messages published again.
+		//
 		// Retired before its places are given back: its messages' returns may still come, and
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
@@ -244,7 +259,7 @@ func (p *Publisher) publishWindow(ctx context.Context, msgs []Message, errs []er
 		s.release(msgs, confirms)
 		s.close()
 		p.inFlight.Release(int64(len(msgs)))
-	case ctx.Err() != nil:
+	case awaited:
 		// The caller stopped waiting, which says nothing of the broker: the connection, and the
 		// other calls' windows on it, go on. The places are given back once the confirms come,
 		// the returns with them, for the same reason; or once the connection closes, by the
@@ -331,6 +346,16 @@ func (p *Publisher) write(ctx context.Context, msgs []Message, errs []error) (*p
 			fill(errs[i:], err)
 			break
 		}
+		if dc == nil {
+			// No confirm, and no error: the client's answer on a channel not in confirm mode
+			// (setup puts it in). Nothing this channel takes would ever be confirmed: the message
+			// is not sent, nor is the rest of the window, and the connection is retired, so that
+			// the next call dials one that confirms.
+			s.unreserve(m.ID)
+			fill(errs[i:], unavailable("publish: the channel is not in confirm mode, no confirm will come"))
+			s.close()
+			break
+		}
 		confirms[i] = dc
 	}
 	return s, confirms
@@ -369,8 +394,8 @@ func (p *Publisher) sessionLocked(ctx context.Context) (*pubSession, error) {
 
 // check finds what no broker can mend: Connect returns it as it is.
 func (c PublisherConfig) check() error {
-	if len(splitURLs(c.URL)) == 0 {
-		return errors.New("PublisherConfig.URL names no broker")
+	if err := checkURLs(c.URL); err != nil {
+		return fmt.Errorf("PublisherConfig.URL %w", err)
 	}
 	if len(c.AppID) > maxShortString {
 		return fmt.Errorf("PublisherConfig.AppID is %d bytes; AMQP allows %d", len(c.AppID), maxShortString)
@@ -549,16 +574,18 @@ func (s *pubSession) checkExchange(exchange string) error {
 // verdicts fills in errs from the confirms and the returns. It reports whether it stopped
 // early because the broker blocked the connection; even then, a message confirmed before the
 // block that came back unroutable is not counted as sent: its return came before its confirm.
-func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
-	blocked = s.await(ctx, msgs, confirms, errs, timeout)
+// It reports too whether some published message was left without its confirm (see await).
+func (s *pubSession) verdicts(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked, awaited bool) {
+	blocked, awaited = s.await(ctx, msgs, confirms, errs, timeout)
 	s.matchReturns(msgs, confirms, errs)
-	return blocked
+	return blocked, awaited
 }
 
-// await collects the confirms into errs. It returns true as soon as the broker blocks the
-// connection, and false when ctx ends, either way with the confirms not come yet as
-// ErrBrokerUnavailable.
-func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked bool) {
+// await collects the confirms into errs. It returns blocked as soon as the broker blocks the
+// connection, and stops when ctx ends, either way with the confirms not come yet as
+// ErrBrokerUnavailable; awaited says whether there were any such (a wait stopped early with
+// every confirm in hand leaves none).
+func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, timeout time.Duration) (blocked, awaited bool) {
 	for i, dc := range confirms {
 		if dc == nil {
 			continue
@@ -566,17 +593,15 @@ func (s *pubSession) await(ctx context.Context, msgs []Message, confirms []*amqp
 		select {
 		case <-dc.Done():
 		case <-ctx.Done():
-			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], s.unconfirmed(ctx, timeout))
-			return false
+			return false, s.settledOrNot(msgs[i:], confirms[i:], errs[i:], s.unconfirmed(ctx, timeout))
 		case <-s.watch.blockedC():
 			// Not blockedErr: the broker may have unblocked the connection since, and its nil
 			// would count every message still awaited as sent.
-			s.settledOrNot(msgs[i:], confirms[i:], errs[i:], unavailable("the broker blocked the connection before the confirms came"))
-			return true
+			return true, s.settledOrNot(msgs[i:], confirms[i:], errs[i:], unavailable("the broker blocked the connection before the confirms came"))
 		}
 		errs[i] = s.confirmed(msgs[i], dc)
 	}
-	return false
+	return false, false
 }
 
 // unconfirmed is the error of a message whose confirm had not come when ctx ended: the
@@ -594,8 +619,9 @@ func (s *pubSession) unconfirmed(ctx context.Context, timeout time.Duration) err
 
 // settledOrNot gives each message still awaited when the wait stopped early the verdict its
 // confirm has if it came (the select that stopped the wait picks at random among what is
-// ready, and a confirm in hand must count), and err, no verdict, if not.
-func (s *pubSession) settledOrNot(msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, err error) {
+// ready, and a confirm in hand must count), and err, no verdict, if not. It reports whether any
+// got err.
+func (s *pubSession) settledOrNot(msgs []Message, confirms []*amqp.DeferredConfirmation, errs []error, err error) (awaited bool) {
 	for i, dc := range confirms {
 		if dc == nil {
 			continue
@@ -604,9 +630,10 @@ func (s *pubSession) settledOrNot(msgs []Message, confirms []*amqp.DeferredConfi
 		case <-dc.Done():
 			errs[i] = s.confirmed(msgs[i], dc)
 		default:
-			errs[i] = err
+			errs[i], awaited = err, true
 		}
 	}
+	return awaited
 }
 
 // confirmed is the verdict of m's confirm dc, which came.

@@ -77,7 +77,7 @@ func TestUnroutableIsNotSentWhenBlockedMidWindow(t *testing.T) {
 		// The second message's confirm never comes.
 		msgs := []Message{unroutable, {ID: uuid.New()}}
 		errs := make([]error, len(msgs))
-		if !s.verdicts(ctx, msgs, []*amqp.DeferredConfirmation{dc, {}}, errs, time.Second) {
+		if blocked, _ := s.verdicts(ctx, msgs, []*amqp.DeferredConfirmation{dc, {}}, errs, time.Second); !blocked {
 			t.Fatal("verdicts did not stop at the block")
 		}
 		if errs[0] == nil {
@@ -248,7 +248,7 @@ func TestAMessageIsNotPublishedTwiceAtOnceOnAConnection(t *testing.T) {
 		t.Fatalf("publish after the first settled: %v", err)
 	}
 	errs := make([]error, 1)
-	if s.verdicts(ctx, []Message{x}, confirms, errs, time.Second) {
+	if blocked, _ := s.verdicts(ctx, []Message{x}, confirms, errs, time.Second); blocked {
 		t.Fatal("blocked")
 	}
 	s.release([]Message{x}, confirms)
@@ -459,6 +459,152 @@ func TestAVerdictReadFromAClosedChannelIsTheBrokersAnswer(t *testing.T) {
 		err := s.closedVerdict(Message{Exchange: "x", Payload: make([]byte, 20)})
 		if !errors.Is(err, c.want) || !brokerAnswered(err) {
 			t.Errorf("closed for %q: %v, the broker's answer %t; want %v, the broker's answer", c.reason.Reason, err, brokerAnswered(err), c.want)
+		}
+	}
+}
+
+// testPublisher is a publisher of the broker at TEST_AMQP_URL, closed when t ends.
+func testPublisher(t *testing.T) *Publisher {
+	t.Helper()
+	url := os.Getenv("TEST_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	p := NewPublisher(PublisherConfig{URL: url, ConnectionName: t.Name(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	t.Cleanup(p.Close)
+	return p
+}
+
+// routedMessages are n messages to a queue of their own, which takes them: each is confirmed,
+// and none comes back.
+func routedMessages(t *testing.T, n int) []Message {
+	t.Helper()
+	ch, err := testConnection(t).Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := ch.QueueDeclare("", false, true, true, false, nil) // exclusive to the test's connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := make([]Message, n)
+	for i := range msgs {
+		msgs[i] = Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: q.Name}
+	}
+	return msgs
+}
+
+// A window whose confirms are all in when its ConfirmTimeout runs out (the last one came just
+// then, and the wait took it in hand) keeps its connection: the windows of the other calls
+// (relay lanes) on it still await theirs, and retiring it would lose them, their rows committed
+// unsent to go out again, and an outage logged. Only a published message still without its
+// confirm at the window's end retires the connection.
+func TestAWindowConfirmedAtItsTimeoutKeepsTheConnection(t *testing.T) {
+	t.Parallel()
+	for _, awaited := range []bool{false, true} {
+		p := testPublisher(t)
+		ctx := context.Background()
+		msgs := routedMessages(t, 3)
+		own, other := msgs[:2], msgs[2:]
+		ownErrs, otherErrs := make([]error, len(own)), make([]error, len(other))
+		if err := p.inFlight.Acquire(ctx, int64(len(own))); err != nil {
+			t.Fatal(err)
+		}
+		s, confirms := p.write(ctx, own, ownErrs)
+		if s == nil {
+			t.Fatalf("nothing published: %v", ownErrs)
+		}
+		for _, dc := range confirms {
+			<-dc.Done()
+		}
+		if awaited {
+			confirms[1] = &amqp.DeferredConfirmation{} // its confirm never comes
+		}
+		// Another call's window, written on the connection, its confirm not yet taken in.
+		if err := p.inFlight.Acquire(ctx, int64(len(other))); err != nil {
+			t.Fatal(err)
+		}
+		otherSession, otherConfirms := p.write(ctx, other, otherErrs)
+		if otherSession != s {
+			t.Fatalf("the other window went to another connection: %v", otherErrs)
+		}
+		timedOut, cancel := context.WithDeadlineCause(ctx, time.Now(), errWindowTimedOut)
+		<-timedOut.Done()
+		p.settle(timedOut, time.Now(), s, own, confirms, ownErrs)
+		cancel()
+		if retired := s.conn.IsClosed(); retired != awaited {
+			t.Errorf("a confirm still awaited %t: the connection retired %t, want %t", awaited, retired, awaited)
+		}
+		if !awaited && (ownErrs[0] != nil || ownErrs[1] != nil) {
+			t.Errorf("the window's confirmed messages: %v, want sent", ownErrs)
+		}
+		if awaited && (ownErrs[0] != nil || !errors.Is(ownErrs[1], ErrBrokerUnavailable)) {
+			t.Errorf("a window with a confirm still awaited: %v, want the confirmed one sent, the other no verdict", ownErrs)
+		}
+		p.settle(ctx, time.Now().Add(time.Minute), s, other, otherConfirms, otherErrs)
+		if !awaited && otherErrs[0] != nil {
+			t.Errorf("the other window's message, on a connection kept: %v, want sent", otherErrs[0])
+		}
+	}
+}
+
+// A publish the client hands back no confirm for (a nil DeferredConfirmation and no error: what
+// it does on a channel not in confirm mode) is not sent: nothing would ever confirm it. Nor is
+// any message after it in its window, written on a channel that confirms nothing.
+func TestAPublishWithoutAConfirmIsNotSent(t *testing.T) {
+	t.Parallel()
+	p := testPublisher(t)
+	ctx := context.Background()
+	if err := p.Connect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The session's channel swapped for one not in confirm mode.
+	s := p.sess
+	ch, err := s.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.ch, s.closes, s.returns = ch, ch.NotifyClose(make(chan *amqp.Error, 1)), ch.NotifyReturn(make(chan amqp.Return, 10))
+	for i, err := range p.Publish(ctx, routedMessages(t, 2)) {
+		if !errors.Is(err, ErrBrokerUnavailable) {
+			t.Errorf("message %d, published with no confirm to come: %v, want no verdict (ErrBrokerUnavailable)", i, err)
+		}
+	}
+	// The connection retired, the next call dials one whose channel confirms.
+	for i, err := range p.Publish(ctx, routedMessages(t, 2)) {
+		if err != nil {
+			t.Errorf("message %d, published after: %v, want sent", i, err)
+		}
+	}
+}
+
+// A broker URL list of which no URL parses names no broker: Connect returns that as the
+// configuration's fault, naming PublisherConfig.URL, not as ErrBrokerUnavailable (a relay would
+// pause for good, waiting for a broker), and without the URL's text, which may hold a password.
+// One of which some URL parses is not refused: the others are passed over.
+func TestABrokerURLListOfWhichNoneParsesIsTheConfigurationsFault(t *testing.T) {
+	t.Parallel()
+	const password = "hunter"
+	for url, refused := range map[string]bool{
+		"http://x":                                  true,
+		"amqp://u:" + password + "%zz@h/":           true,
+		"amqp://u:" + password + "@[::1/":           true,
+		"http://x, amqp://u:" + password + "%zz@h/": true,
+		"http://x, amqp://127.0.0.1:1/":             false,
+		"amqp://127.0.0.1:1/":                       false,
+	} {
+		err := PublisherConfig{URL: url}.check()
+		if (err != nil) != refused {
+			t.Errorf("check with URL %q: %v, want refused %t", url, err, refused)
+		}
+		if !refused {
+			continue
+		}
+		p := NewPublisher(PublisherConfig{URL: url, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		err = p.Connect(context.Background())
+		p.Close()
+		if err == nil || errors.Is(err, ErrBrokerUnavailable) || !strings.Contains(err.Error(), "PublisherConfig.URL") || strings.Contains(err.Error(), password) {
+			t.Errorf("Connect with URL %q: %v; want an error naming PublisherConfig.URL, not ErrBrokerUnavailable, without the password", url, err)
 		}
 	}
 }

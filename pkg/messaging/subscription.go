@@ -262,6 +262,10 @@ func (cfg SubscriptionConfig) check() error {
 	if err := checkHeartbeat(cfg.Heartbeat); err != nil {
 		return fmt.Errorf("subscription: Heartbeat %w", err)
 	}
+	// Its consumer would dial, and fail, for ever: Run reconnecting, never ready.
+	if err := checkURLs(cfg.URL); err != nil {
+		return fmt.Errorf("subscription: URL %w", err)
+	}
 	return nil
 }
 
@@ -340,8 +344,10 @@ func NewSubscription[Tx any](d Driver[Tx], cfg SubscriptionConfig) (*Subscriptio
 	if err := cfg.check(); err != nil {
 		return nil, err
 	}
+	log := cfg.Logger.With("component", "inbox", "consumer", cfg.Name)
+	warnUnparseableURLs(log, "SubscriptionConfig.URL", cfg.URL)
 	return &Subscription[Tx]{
-		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: cfg.Logger.With("component", "inbox", "consumer", cfg.Name),
+		cfg: cfg, deliveryLimitSet: limitSet, driver: d, routes: map[string]route[Tx]{}, log: log,
 		tracer: newTracer(cfg.TracerProvider), spanName: "process " + cfg.Name,
 		spanOptions: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
 			semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"),

@@ -2,6 +2,7 @@ package test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -15,11 +16,15 @@ import (
 func TestAnUnparseableBrokerURLStaysOutOfTheError(t *testing.T) {
 	t.Parallel()
 	const password = "s3cret"
-	for _, url := range []string{
-		"amqp://user:" + password + "@host:5672/%zz", // a bad escape in the vhost
-		"amqp://user:" + password + "@[::1",          // an unclosed IPv6 literal
-		"amqp://user:" + password + "@host:5672/%zz," + testenv.AMQPURLVia(t, "127.0.0.1:1"),
+	for _, c := range []struct {
+		url  string
+		none bool // no URL of the list parses: the configuration's fault, refused before any dial
+	}{
+		{"amqp://user:" + password + "@host:5672/%zz", true}, // a bad escape in the vhost
+		{"amqp://user:" + password + "@[::1", true},          // an unclosed IPv6 literal
+		{"amqp://user:" + password + "@host:5672/%zz," + testenv.AMQPURLVia(t, "127.0.0.1:1"), false},
 	} {
+		url := c.url
 		log, logs := testenv.NewLogger(t)
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 		p := messaging.NewPublisher(messaging.PublisherConfig{URL: url, ConnectionName: t.Name(), Logger: log})
@@ -32,7 +37,10 @@ func TestAnUnparseableBrokerURLStaysOutOfTheError(t *testing.T) {
 				t.Errorf("%s with an unparseable URL: %v, want it said without the password", api, err)
 			}
 		}
-		if lines := logs.Lines("rabbitmq connection failed"); len(lines) == 0 {
+		switch lines := logs.Lines("rabbitmq connection failed"); {
+		case c.none && (errors.Is(err, messaging.ErrBrokerUnavailable) || !strings.Contains(err.Error(), "PublisherConfig.URL")):
+			t.Errorf("Publisher.Connect with no URL that parses: %v, want the configuration's error naming PublisherConfig.URL, not an outage", err)
+		case !c.none && len(lines) == 0:
 			t.Errorf("the publisher logged no failed connection; logs:\n%s", logs)
 		}
 		if strings.Contains(logs.String(), password) {
