@@ -8,6 +8,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
 	"github.com/outboxkit/outbox-inbox/internal/platform"
@@ -70,7 +71,9 @@ func (t *dlqTake) selection(noLimit string) messaging.DeadLetterSelection {
 	}
 }
 
-// cut says whether --limit left messages behind: it took limit of more that were ready.
+// cut says whether --limit may have left messages behind: it took limit of more that were
+// counted. Another client may have taken those beyond since they were counted: what it says of
+// them is that they may wait, not that they do.
 func (t *dlqTake) cut() bool { return t.limit > 0 && t.taken >= t.limit && t.waiting > t.taken }
 
 // scope says which messages of the dead-letter queue it looked at: all that were ready, the
@@ -89,12 +92,13 @@ func (t *dlqTake) scope() string {
 const (
 	noteList = iota
 	noteRedrive
-	noteDrop
+	noteOne // a run for one message: dlq drop, dlq redrive --id
 )
 
 // note is what a listing or a dry run says when --limit left messages behind (and nothing when
 // it looked at them all): those it looked at were handed back and may now stand behind the
-// others, so the next run may see different ones first. --id names one message a run.
+// others, so the next run may see different ones first. --id names one message a run: the
+// next run acts on that one, or finds it no more among the first --limit.
 func (t *dlqTake) note(kind int) string {
 	if !t.cut() {
 		return ""
@@ -163,16 +167,6 @@ func sameID(given, id string) bool {
 		return want == got
 	}
 	return given == id
-}
-
-func (f dlqFilter) pick(ds []messaging.DeadLetter) []messaging.DeadLetter {
-	var out []messaging.DeadLetter
-	for _, d := range ds {
-		if f.match(d) {
-			out = append(out, d)
-		}
-	}
-	return out
 }
 
 // String says what f picks, for messages.
@@ -432,7 +426,11 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	result.Waiting, result.Examined = tk.waiting, tk.taken
 	switch {
 	case errors.Is(err, errDryRun):
-		result.Count, result.Messages, result.Note = len(picked), toDeadLetters(picked, false, false), tk.note(noteRedrive)
+		kind := noteRedrive
+		if f.id != "" { // it moves that message or none: exit 3
+			kind = noteOne
+		}
+		result.Count, result.Messages, result.Note = len(picked), toDeadLetters(picked, false, false), tk.note(kind)
 		if c.json() {
 			return writeJSON(c.out, result)
 		}
@@ -460,10 +458,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	var inDoubt *messaging.DeadLetter
 	if errors.Is(err, messaging.ErrRedriveInDoubt) && len(moved) < len(picked) {
 		inDoubt = &picked[len(moved)]
-		// The check shows that one message, however long the queue: a listing would print it
-		// all, and refuses one of more than mostWithoutLimit.
-		err = fmt.Errorf("%w; message %s may be in both %s and %s (its consumer handles it once): outboxctl dlq redrive %s --id %s --dry-run shows whether it is still in %s (exit 3 if not; with more than %d waiting it names the --limit that looks at them all), and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled",
-			err, printable(inDoubt.MessageID, 64), queue, dlq, queue, printable(inDoubt.MessageID, 64), dlq, mostWithoutLimit, printable(inDoubt.MessageID, 64), queue)
+		err = fmt.Errorf("%w; %s", err, inDoubtAdvice(queue, dlq, inDoubt.MessageID, tk.waiting))
 	}
 	if interrupted {
 		err = fmt.Errorf("interrupted: %w", err)
@@ -501,7 +496,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		}
 		fmt.Fprintln(&out, summary)
 		if tk.cut() && err == nil {
-			fmt.Fprintf(&out, "%d more messages waited beyond the first %d when it started (--limit)\n", tk.waiting-tk.taken, tk.taken)
+			fmt.Fprintf(&out, "up to %d more may wait beyond the %d it looked at (%d were counted when it started; --limit)\n", tk.waiting-tk.taken, tk.taken, tk.waiting)
 		}
 	}
 	if werr == nil {
@@ -516,6 +511,48 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 		}
 	}
 	return err
+}
+
+// inDoubtAdvice names the message a redrive may have left in both queue and dlq, and how to
+// check, with a command that answers for that message (waiting: how many were counted in dlq
+// at the start). --id takes the id as it is: with one the output shortens or cleans, --id
+// would find nothing (exit 3) and seem to say it is gone, so a listing of them all is named
+// instead; one without an id has dlq drop --without-id. The check shows that one message,
+// however long the queue. The inbox holds only an id its consumer reads as a UUID: the
+// consumer dead-letters any other again.
+func inDoubtAdvice(queue, dlq, id string, waiting int) string {
+	q := shellWord(queue)
+	u, uerr := uuid.Parse(id) // as the consumer reads it
+	once := ""
+	if uerr == nil {
+		once = " (its consumer handles it once)"
+	}
+	var s string
+	switch {
+	case id == "":
+		return fmt.Sprintf("a message without a message id may be in both %s and %s: outboxctl dlq drop %s --without-id --dry-run shows whether one without an id is still in %s (exit 3 if none is; it shows the first, which may be another without one; with more than %d waiting it names the --limit that looks at them all)",
+			queue, dlq, q, dlq, mostWithoutLimit)
+	case printable(id, 64) == id:
+		s = fmt.Sprintf("message %s may be in both %s and %s%s: outboxctl dlq redrive %s --id %s --dry-run shows whether it is still in %s (exit 3 if not; with more than %d waiting it names the --limit that looks at them all)",
+			id, queue, dlq, once, q, shellWord(id), dlq, mostWithoutLimit)
+	default:
+		n := max(waiting, 1)
+		s = fmt.Sprintf("message %s (its id shortened or cleaned here; in_doubt in -o json has it whole) may be in both %s and %s%s: outboxctl dlq list %s --limit %d -o json lists the first %d messages in %s, as many as waited when this run began, with their ids whole: look for its message_id there",
+			printable(id, 64), queue, dlq, once, q, n, n, dlq)
+	}
+	if uerr == nil {
+		s += fmt.Sprintf(", and outboxctl inbox show --id %s --consumer %s, against the consumer's database, whether it was handled", u, q)
+	}
+	return s
+}
+
+// shellWord is s as a POSIX shell reads it as one word: as it is if it holds only characters
+// no shell treats specially, otherwise in single quotes. A message id is any text.
+func shellWord(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@%+=,") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 func (c *cli) dlqDropCommand() *cobra.Command {
@@ -596,7 +633,7 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	dropped, err := messaging.DropDeadLetter(ctx, cfg, sel)
 	switch {
 	case errors.Is(err, errDryRun):
-		return c.printDroppedWithNote(queue, dlq, found, dropDryRun, tk.note(noteDrop))
+		return c.printDroppedWithNote(queue, dlq, found, dropDryRun, tk.note(noteOne))
 	case errors.Is(err, messaging.ErrDeadLetterNotFound):
 		return tk.notFound(f)
 	case errors.Is(err, messaging.ErrDropInDoubt):

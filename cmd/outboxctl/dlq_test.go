@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -1153,6 +1154,23 @@ func TestDlqPartOfTheQueueLookedAtSaysTheNextRunMaySeeOthers(t *testing.T) {
 	if res := decode[dlqDropResult](t, ok(t, "dlq", "drop", queue, "--id", first, "--dry-run", "-o", "json", "--amqp", amqpURL)); res.Note != "" {
 		t.Errorf("dlq drop --dry-run -o json of the whole queue has a note: %+v", res)
 	}
+	// A redrive dry run of one --id: the real run moves that message or exits 3, as a drop does;
+	// it cannot move others, and --id was given already.
+	first = inDLQ(t, queue)[0]
+	one := "the same command without --dry-run may not find this message among the first 3 (exit 3): --limit 6 looks at them all"
+	out = ok(t, "dlq", "redrive", queue, "--id", first, "--limit", "3", "--dry-run", "--amqp", amqpURL)
+	for _, want := range []string{"would move 1 of the first 3 of the 6 messages in " + dlq + " (--limit)", part, one} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dlq redrive --id --limit 3 --dry-run of 6 lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "different messages") || strings.Contains(out, "name it with --id") {
+		t.Errorf("dlq redrive --id --limit 3 --dry-run of 6 says other messages may move, or to give --id:\n%s", out)
+	}
+	first = inDLQ(t, queue)[0]
+	if res := okJSON[dlqResult](t, "dlq", "redrive", queue, "--id", first, "--limit", "3", "--dry-run", "--amqp", amqpURL); !strings.Contains(res.Note, one) {
+		t.Errorf("dlq redrive --id --limit 3 --dry-run -o json: note %q; want %q", res.Note, one)
+	}
 	if got := inDLQ(t, queue); len(got) != 6 {
 		t.Errorf("after the listings and dry runs the dead-letter queue holds %q, want all 6", got)
 	}
@@ -1244,12 +1262,15 @@ func TestDlqListWithLimitZeroRefusesAQueueTooLongToHold(t *testing.T) {
 	if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "4", "--amqp", amqpURL)); len(got) != 4 {
 		t.Errorf("dlq list --limit 4: listed %q, want all 4", got)
 	}
+	// Below 0 the refusal says what 0 does.
+	wantExit(t, exitUsage, []string{"dlq", "list", queue, "--limit", "-1", "--amqp", amqpURL}, "--limit -1: want 0 (all of them, if no more than 3 wait) or more")
 }
 
 // The counts a dlq command prints are those of the messages it took, not of those the broker
 // counted before: another client may take some in between. Here, between the count and the
 // take (beforeTakeHook), another client takes 2 of 6: with --limit 5 the command looks at the 4
-// left, says so, and says no more wait beyond. Not parallel: it sets beforeTakeHook.
+// left, says so, and says no more wait beyond; with --limit 4, which it reaches, it cannot
+// tell, and says that up to 2 may wait beyond. Not parallel: it sets beforeTakeHook.
 func TestDlqCountsWhatItTookNotWhatWasCounted(t *testing.T) {
 	var msgs []amqp.Publishing
 	for range 6 {
@@ -1313,5 +1334,77 @@ func TestDlqCountsWhatItTookNotWhatWasCounted(t *testing.T) {
 	}
 	if n := testenv.QueueDepth(t, inspect, dlq); n != 2 {
 		t.Errorf("%d messages left in %s, want the 2 the other client held", n, dlq)
+	}
+
+	// With --limit 4 the take reaches the limit, and may have left messages behind, or (here)
+	// not: the other client took the 2 beyond. The output says how many may wait beyond, not
+	// that they did.
+	queue, _ = fillDLQ(t, msgs...)
+	dlq = messaging.DeadLetterQueue(queue)
+	code, stdout, stderr = withTwoTaken("dlq", "redrive", queue, "--limit", "4", "--yes")
+	if code != 0 || !strings.Contains(stdout, "moved 4 messages from "+dlq+" to "+queue) || strings.Contains(stdout, "more messages waited beyond") ||
+		!strings.Contains(stdout, "up to 2 more may wait beyond the 4 it looked at (6 were counted when it started; --limit)") {
+		t.Errorf("dlq redrive --limit 4 with 2 taken meanwhile: exit %d, %q, %q; want 4 moved, and up to 2 said to wait beyond", code, stdout, stderr)
+	}
+}
+
+// The message a redrive may have left in both queues is named with a command that answers for
+// that message: --id with the id as it is, quoted for a shell where it needs it (a message id
+// is any text); for one without an id, dlq drop --without-id; for an id the output shortens or
+// cleans (which --id would not match: exit 3, "not in the dead-letter queue", untrue), a
+// listing of them all. The inbox is named only for an id its consumer reads as a UUID.
+func TestDlqInDoubtAdviceNamesACommandThatFindsTheMessage(t *testing.T) {
+	t.Parallel()
+	const queue, dlq, waiting = "invoicing", "invoicing.dlq", 7
+	id := "01a22da8-7b60-74ff-a842-0e78a2a15d84"
+	listing := "outboxctl dlq list invoicing --limit 7 -o json"
+	for _, c := range []struct {
+		name, id string
+		want     []string // what the advice says
+		args     []string // the words of its dlq command, as a shell reads them; nil: no --id command
+		inbox    bool
+	}{
+		{name: "a UUID", id: id, args: []string{"dlq", "redrive", queue, "--id", id, "--dry-run"}, inbox: true,
+			want: []string{"message " + id + " may be in both invoicing and invoicing.dlq", "outboxctl inbox show --id " + id + " --consumer invoicing"}},
+		{name: "a UUID the consumer reads in another form", id: "urn:uuid:" + strings.ToUpper(id), args: []string{"dlq", "redrive", queue, "--id", "urn:uuid:" + strings.ToUpper(id), "--dry-run"},
+			inbox: true, want: []string{"outboxctl inbox show --id " + id + " --consumer invoicing"}},
+		{name: "an id a shell would read otherwise", id: `it's $HOME; "x" & y*`, args: []string{"dlq", "redrive", queue, "--id", `it's $HOME; "x" & y*`, "--dry-run"}},
+		{name: "a dash", id: "-", args: []string{"dlq", "redrive", queue, "--id", "-", "--dry-run"}},
+		{name: "an id cut", id: strings.Repeat("a", 100), want: []string{listing, "whole"}},
+		{name: "an id with a tab", id: "a\tb", want: []string{listing}},
+		{name: "an id with two spaces", id: "a  b", want: []string{listing}},
+		{name: "no id", id: "", want: []string{"a message without a message id may be in both invoicing and invoicing.dlq",
+			"outboxctl dlq drop invoicing --without-id --dry-run shows whether one without an id is still in invoicing.dlq"}},
+	} {
+		advice := inDoubtAdvice(queue, dlq, c.id, waiting)
+		for _, want := range c.want {
+			if !strings.Contains(advice, want) {
+				t.Errorf("%s: %q lacks %q", c.name, advice, want)
+			}
+		}
+		if got := strings.Contains(advice, "outboxctl inbox show"); got != c.inbox {
+			t.Errorf("%s: %q names inbox show: %v, want %v", c.name, advice, got, c.inbox)
+		}
+		if c.args == nil {
+			if strings.Contains(advice, "--id") {
+				t.Errorf("%s: %q names an --id", c.name, advice)
+			}
+			continue
+		}
+		// The command as a shell reads it, from "outboxctl dlq redrive" to " shows".
+		_, cmd, ok := strings.Cut(advice, "outboxctl dlq redrive")
+		cmd, _, ok2 := strings.Cut(cmd, " shows whether")
+		if !ok || !ok2 {
+			t.Errorf("%s: %q names no dlq redrive", c.name, advice)
+			continue
+		}
+		out, err := exec.Command("sh", "-c", `set -f; set -- dlq redrive`+cmd+`; printf '%s\0' "$@"`).Output()
+		if err != nil {
+			t.Errorf("%s: %q: sh reads no command: %v", c.name, advice, err)
+			continue
+		}
+		if got := strings.Split(strings.TrimSuffix(string(out), "\x00"), "\x00"); !slices.Equal(got, c.args) {
+			t.Errorf("%s: %q: a shell reads outboxctl %q, want %q", c.name, advice, got, c.args)
+		}
 	}
 }

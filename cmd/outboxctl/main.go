@@ -331,7 +331,7 @@ func noZeroLimit(cmd *cobra.Command) error {
 		if n == 0 {
 			return nil
 		}
-		return usageError{fmt.Sprintf("--limit %d: want 0 (all of them) or more", n)}
+		return usageError{fmt.Sprintf("--limit %d: want 0 (all of them, if no more than %d wait) or more", n, mostWithoutLimit)}
 	}
 	return usageError{fmt.Sprintf("--limit %d: want 1 or more, or leave it out for all", n)}
 }
