@@ -461,8 +461,9 @@ func (c *cli) dropRowCommand() *cobra.Command {
 		Use:   "drop --id UUID",
 		Short: "delete one unsent outbox row: no relay publishes its event",
 		Long: `drop deletes an unsent outbox row, parked or not: no relay publishes its event, and no consumer
-learns of it (unless a relay that died after the broker's confirm, before it marked the row
-sent, had published it already: unsent says only that no relay recorded it sent). Only for a message no one must receive (a producer's bug); the output shows
+learns of it (unless an earlier attempt had published it already: one that ended without the
+broker's confirm, none in time or the connection lost first, or whose relay died after the
+confirm, before it marked the row sent; unsent says only that no relay recorded it sent). Only for a message no one must receive (a producer's bug); the output shows
 the row with its payload, as the last record of it. It asks on a terminal first, and without
 one refuses unless given --yes. A row a relay is publishing at that moment is dropped once the
 broker's verdict is in, or found sent.
