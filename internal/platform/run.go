@@ -307,10 +307,11 @@ type relayer interface {
 // rows committed since the relay last looked: a lane asleep at the stop would leave them. The
 // last pass begins no batch later than ShutdownTimeout after the signal (when the intake must
 // be done), nor after a batch that left rows unsent: the broker gave no verdict on them (an
-// error), or they got none for a reason of no outage (no error: an earlier publish of the row
-// still pending on the connection, say, which the next batch would claim again at once, for
-// the same answer). A relay that cannot publish neither holds the exit nor spins: the rows
-// wait for the next start, or another replica.
+// error), or it settled none of the batch (no error: an earlier publish of each row still
+// pending on the connection, say, which the next batch would claim again at once, for the
+// same answer). A batch that settled some goes on: rows a neighbour's refusal left unsent on
+// its closed channel go out in the next. A relay that cannot publish neither holds the exit
+// nor spins: the rows wait for the next start, or another replica.
 func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopped <-chan struct{}) error {
 	stopBy := make(chan time.Time, 1)
 	context.AfterFunc(signal, func() { stopBy <- time.Now().Add(ShutdownTimeout) })
@@ -338,7 +339,7 @@ func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopp
 			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "error", err, "sent", sent)
 			return nil
 		}
-		if res.Unsent > 0 {
+		if res.Unsent > 0 && res.Sent+res.Failed == 0 {
 			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "unsent", res.Unsent, "sent", sent)
 			return nil
 		}

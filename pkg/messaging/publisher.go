@@ -47,7 +47,8 @@ var (
 
 // ErrBrokerUnavailable means the broker gave no verdict on the message: there is no
 // connection, the channel closed, the broker blocked the connection (a resource alarm), no
-// confirm came within the timeout, or the publisher cannot connect at all (its configuration
+// confirm came within the timeout, the client gave no confirm to wait for (a channel not in
+// confirm mode), or the publisher cannot connect at all (its configuration
 // names no broker, or none whose URL parses, or an app id AMQP cannot carry: [Publisher.Connect]
 // reports those as they are, not as this error). It says nothing about the message itself, which may still
 // have been delivered (at-least-once); the relay does not count it against the row.
