@@ -111,9 +111,12 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	for time.Since(quiet) < 15*time.Second { // a window of observation, not a wait for anything
 		time.Sleep(100 * time.Millisecond)
 	}
-	fired, err := r.watch.firedWhileWatched(r.started, time.Now())
+	// Asked of Prometheus, not of the watch: its polls may be slow, or fail, on a busy machine,
+	// and an alert could fire and resolve unseen between two of them.
+	end := time.Now()
+	fired, wasPending, err := r.prom.alertsIn(r.started, end, 30*promInterval)
 	if err != nil {
-		t.Fatalf("the window of steady orders without a fault was not watched whole, so no alert firing in it proves nothing: %v", err)
+		t.Fatalf("no alert firing in the window of steady orders without a fault proves nothing unless Prometheus says so: %v", err)
 	}
 	if len(fired) != 0 {
 		t.Fatalf("alerts fired while orders flowed without a fault: %v", fired)
@@ -137,7 +140,7 @@ func (r *faultRun) quiet(t *testing.T) *systest.Traffic {
 	}
 	r.prom.checkRulesHealthy(t)
 	r.note("quiet: no alert fired in %s of steady orders (%d placed); pending meanwhile: %v",
-		time.Since(r.started).Round(time.Second), traffic.Placed(), r.watch.pendingSeen())
+		end.Sub(r.started).Round(time.Second), traffic.Placed(), wasPending)
 	return traffic
 }
 

@@ -1,8 +1,9 @@
 package e2e
 
 import (
-	"cmp"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -242,9 +243,20 @@ func (l lazy) String() string { return l() }
 // api GETs Prometheus's HTTP API at path with query and decodes its data into v.
 func (p *livePrometheus) api(t *testing.T, path string, query url.Values, v any) {
 	t.Helper()
-	resp, err := http.Get(p.URL + path + "?" + query.Encode())
+	if err := p.get(context.Background(), path, query, v); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// get is api for a caller that handles the error itself, within ctx.
+func (p *livePrometheus) get(ctx context.Context, path string, query url.Values, v any) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.URL+path+"?"+query.Encode(), nil)
 	if err != nil {
-		t.Fatalf("GET %s: %v", path, err)
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("GET %s: %w", path, err)
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
@@ -254,11 +266,12 @@ func (p *livePrometheus) api(t *testing.T, path string, query url.Values, v any)
 		Error  string          `json:"error"`
 	}
 	if err := json.Unmarshal(body, &envelope); err != nil || envelope.Status != "success" {
-		t.Fatalf("GET %s?%s = %d %s", path, query.Encode(), resp.StatusCode, body)
+		return fmt.Errorf("GET %s?%s = %d %s", path, query.Encode(), resp.StatusCode, body)
 	}
 	if err := json.Unmarshal(envelope.Data, v); err != nil {
-		t.Fatalf("GET %s: %v: %s", path, err, envelope.Data)
+		return fmt.Errorf("GET %s: %w: %s", path, err, envelope.Data)
 	}
+	return nil
 }
 
 // sample is one series of an instant vector.
@@ -368,13 +381,12 @@ type episode struct {
 
 // alertWatch polls /api/v1/alerts in the background, every 100 ms, and records each firing
 // alert's episodes, so that a test can wait for an alert while other faults go on. A failed
-// poll is recorded and the next one tried: it leaves the watch blind meanwhile.
+// poll is recorded and the next one tried: it leaves the watch blind meanwhile, so what did
+// not fire is asked of Prometheus instead (livePrometheus.alertsIn).
 type alertWatch struct {
 	mu       sync.Mutex
 	episodes []*episode
-	pending  map[string]bool // alerts seen pending, by key
-	polled   []time.Time     // when each successful poll was answered, in order
-	failure  string          // the last failed poll's error, if one failed
+	failure  string // the last failed poll's error, if one failed
 }
 
 func alertKey(name string, labels map[string]string) string {
@@ -389,7 +401,7 @@ func alertKey(name string, labels map[string]string) string {
 
 // watch starts an alertWatch on p until the test ends.
 func (p *livePrometheus) watch(t *testing.T) *alertWatch {
-	w := &alertWatch{pending: map[string]bool{}}
+	w := &alertWatch{}
 	stop := make(chan struct{})
 	stopped := make(chan struct{})
 	t.Cleanup(func() { close(stop); <-stopped })
@@ -410,15 +422,14 @@ func (p *livePrometheus) watch(t *testing.T) *alertWatch {
 				continue
 			}
 			w.record(now, alerts)
-			w.polled = append(w.polled, now)
 			w.mu.Unlock()
 		}
 	}()
 	return w
 }
 
-// alertsClient bounds a poll of the alerts: one that hangs fails, and shows as a blind stretch
-// (alertWatch.firedWhileWatched), instead of holding the watch, and the test's end, forever.
+// alertsClient bounds a poll of the alerts: one that hangs fails, and the next is tried,
+// instead of holding the watch, and the test's end, forever.
 var alertsClient = &http.Client{Timeout: 5 * promInterval}
 
 // fetchAlerts is alerts for a goroutine that may not fail the test.
@@ -450,11 +461,8 @@ func (w *alertWatch) record(now time.Time, alerts []activeAlert) {
 		e := &episode{Name: a.Labels["alertname"], Labels: maps.Clone(a.Labels), Fired: now}
 		delete(e.Labels, "alertname")
 		key := alertKey(e.Name, e.Labels)
-		switch a.State {
-		case "firing":
+		if a.State == "firing" {
 			firing[key] = e
-		case "pending":
-			w.pending[key] = true
 		}
 	}
 	open := map[string]bool{}
@@ -526,51 +534,6 @@ func (w *alertWatch) resolved(t *testing.T, timeout time.Duration, e *episode) t
 	return at
 }
 
-// firedBetween lists the alerts that started firing between from and to.
-func (w *alertWatch) firedBetween(from, to time.Time) []string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	var out []string
-	for _, e := range w.episodes {
-		if !e.Fired.Before(from) && !e.Fired.After(to) {
-			out = append(out, alertKey(e.Name, e.Labels))
-		}
-	}
-	return out
-}
-
-// firedWhileWatched is firedBetween for a window the watch must have seen whole: it fails if
-// the window had a stretch of promInterval or more without a successful poll (or none at all).
-// Prometheus evaluates the rules every promInterval, so an alert that fires stays so for one
-// evaluation at least, and a shorter blind stretch cannot miss it whole; a longer one can, and
-// a window that polls failed throughout would pass for one in which nothing fired.
-func (w *alertWatch) firedWhileWatched(from, to time.Time) ([]string, error) {
-	w.mu.Lock()
-	seen, blind, last := 0, time.Duration(0), from
-	for _, at := range w.polled {
-		if at.Before(from) || at.After(to) {
-			continue
-		}
-		seen++
-		blind, last = max(blind, at.Sub(last)), at
-	}
-	blind = max(blind, to.Sub(last))
-	failure := w.failure
-	w.mu.Unlock()
-	if blind >= promInterval {
-		return nil, fmt.Errorf("the alerts went unwatched for %s of the %s from %s (%d successful polls in it; the last failed poll: %s)",
-			blind.Round(time.Millisecond), to.Sub(from).Round(time.Millisecond), from.Format("15:04:05.000"), seen, cmp.Or(failure, "none"))
-	}
-	return w.firedBetween(from, to), nil
-}
-
-// pendingSeen lists the alerts seen pending so far, whether they fired then or not.
-func (w *alertWatch) pendingSeen() []string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return slices.Sorted(maps.Keys(w.pending))
-}
-
 func (w *alertWatch) lastFailure() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -580,59 +543,208 @@ func (w *alertWatch) lastFailure() string {
 	return w.failure
 }
 
-// A window in which the watch could not read Prometheus's alerts is not one in which none
-// fired: firedWhileWatched fails it, whether the polls failed throughout or stopped succeeding
-// partway; a window polled throughout passes, with the alerts that fired in it.
-func TestFiredWhileWatchedFailsAWindowNotWatched(t *testing.T) {
+// alertsIn is what Prometheus itself recorded of the window (from, to], to the millisecond:
+// the alerts firing at any evaluation of the rules in it (fired, as the alertWatch counts an
+// alert: firing, not pending) and those pending at one, each as alertKey names it, sorted.
+// Each evaluation writes a sample of ALERTS for every alert pending or firing at it, so
+// max_over_time of ALERTS over the window, at to, misses none, however briefly it fired and
+// however slowly anything answered meanwhile: unlike polls of /api/v1/alerts, it has no blind
+// stretch. A group's lastEvaluation is set once its evaluation's samples are written, so it
+// first waits until every rule group was evaluated after to: the window's last evaluation is
+// then in. Past within, or on an answer that is not the vector asked for, it is an error,
+// never "none fired".
+func (p *livePrometheus) alertsIn(from, to time.Time, within time.Duration) (fired, pending []string, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	window := time.Duration(to.UnixMilli()-from.UnixMilli()) * time.Millisecond
+	if window <= 0 {
+		return nil, nil, fmt.Errorf("an empty window: from %s to %s", from.Format(time.RFC3339Nano), to.Format(time.RFC3339Nano))
+	}
+	var behind []string // the groups not evaluated after to, when last asked
+	for {
+		var rules struct {
+			Groups []struct {
+				Name           string    `json:"name"`
+				LastEvaluation time.Time `json:"lastEvaluation"`
+			} `json:"groups"`
+		}
+		err := p.get(ctx, "/api/v1/rules", url.Values{"type": {"alert"}}, &rules)
+		if err == nil && len(rules.Groups) == 0 {
+			err = errors.New("no alert rule group listed")
+		}
+		if err == nil {
+			behind = nil
+			for _, g := range rules.Groups {
+				if !g.LastEvaluation.After(to) {
+					behind = append(behind, fmt.Sprintf("group %s last at %s", g.Name, g.LastEvaluation.Format("15:04:05.000")))
+				}
+			}
+			if len(behind) == 0 {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+			why := strings.Join(behind, ", ")
+			if err != nil {
+				why = strings.TrimPrefix(why+"; the last ask: ", "; ") + err.Error()
+			}
+			return nil, nil, fmt.Errorf("the rules were not evaluated past the window's end, %s, within %s: %s",
+				to.Format("15:04:05.000"), within, why)
+		case <-time.After(promInterval / 4):
+		}
+	}
+	expr := fmt.Sprintf("max_over_time(ALERTS[%dms])", window.Milliseconds())
+	var data struct {
+		ResultType string `json:"resultType"`
+		Result     []struct {
+			Metric map[string]string `json:"metric"`
+		} `json:"result"`
+	}
+	at := strconv.FormatFloat(float64(to.UnixMilli())/1000, 'f', 3, 64)
+	if err := p.get(ctx, "/api/v1/query", url.Values{"query": {expr}, "time": {at}}, &data); err != nil {
+		return nil, nil, err
+	}
+	if data.ResultType != "vector" {
+		return nil, nil, fmt.Errorf("query %s at %s: result type %q, want vector", expr, at, data.ResultType)
+	}
+	for _, r := range data.Result {
+		labels := maps.Clone(r.Metric)
+		name, state := labels["alertname"], labels["alertstate"]
+		delete(labels, "alertname")
+		delete(labels, "alertstate")
+		switch state {
+		case "firing":
+			fired = append(fired, alertKey(name, labels))
+		case "pending":
+			pending = append(pending, alertKey(name, labels))
+		default:
+			return nil, nil, fmt.Errorf("query %s at %s: a series of alertstate %q: %v", expr, at, state, r.Metric)
+		}
+	}
+	slices.Sort(fired)
+	slices.Sort(pending)
+	return fired, pending, nil
+}
+
+// alertsIn asks Prometheus what its rules recorded of the whole window, whatever answered
+// when meanwhile: an alert firing at one evaluation only, between any two moments a poll of
+// /api/v1/alerts could have been answered, is in; so is one firing at the window's last
+// millisecond, and one only pending is pending, not fired; what fired before the window or
+// after it is not. It waits for the rules to be evaluated past the window, and a query or an
+// evaluation that fails is an error, never "none fired". The Prometheus here is a stand-in
+// that evaluates max_over_time(ALERTS[d]) at the query's time over the samples of ALERTS its
+// rule evaluations wrote.
+func TestAlertsInAsksPrometheusForTheWindowWhole(t *testing.T) {
 	t.Parallel()
-	const firing = `{"status":"success","data":{"alerts":[{"labels":{"alertname":"ServiceDown","job":"order"},"state":"firing"}]}}`
-	const none = `{"status":"success","data":{"alerts":[]}}`
+	from := time.Now().Add(-time.Minute).Truncate(time.Second).Add(250 * time.Millisecond)
+	to := from.Add(10*time.Second + 500*time.Millisecond)
+	type alertSample struct {
+		at     time.Time
+		labels map[string]string
+	}
+	down := func(at time.Time) alertSample {
+		return alertSample{at, map[string]string{"alertname": "ServiceDown", "alertstate": "firing", "job": "order"}}
+	}
+	noConsumers := func(at time.Time) alertSample {
+		return alertSample{at, map[string]string{"alertname": "QueueWithoutConsumers", "alertstate": "pending", "queue": "invoicing"}}
+	}
+	type prometheus struct {
+		samples   []alertSample
+		evaluated func(n int64) time.Time // the rule group's lastEvaluation at the nth ask (from 0)
+		broken    string                  // what /api/v1/query answers instead, if anything
+	}
+	past := func(int64) time.Time { return to.Add(300 * time.Millisecond) }
 	for _, c := range []struct {
-		name string
-		// answer is what /api/v1/alerts answers at the nth poll (from 0), and its status
-		answer    func(n int64) (int, string)
-		wantErr   bool
-		wantFired int
+		name           string
+		prom           prometheus
+		fired, pending []string
+		wantErr        string
 	}{
-		{"polled throughout, nothing fired", func(int64) (int, string) { return http.StatusOK, none }, false, 0},
-		{"polled throughout, an alert fired", func(n int64) (int, string) {
+		{"nothing in the window", prometheus{samples: []alertSample{down(from.Add(-time.Second)), down(from), noConsumers(to.Add(time.Millisecond))}, evaluated: past}, nil, nil, ""},
+		{"an alert fired at one evaluation", prometheus{samples: []alertSample{
+			noConsumers(from.Add(2 * time.Second)), noConsumers(from.Add(3 * time.Second)), down(from.Add(4*time.Second + 300*time.Millisecond)),
+		}, evaluated: past}, []string{`ServiceDown,job="order"`}, []string{`QueueWithoutConsumers,queue="invoicing"`}, ""},
+		{"at the window's edges", prometheus{samples: []alertSample{down(from.Add(time.Millisecond)), noConsumers(to)}, evaluated: past},
+			[]string{`ServiceDown,job="order"`}, []string{`QueueWithoutConsumers,queue="invoicing"`}, ""},
+		{"rules evaluated past the window after a while", prometheus{samples: []alertSample{down(to)}, evaluated: func(n int64) time.Time {
 			if n < 3 {
-				return http.StatusOK, none
+				return to.Add(-700 * time.Millisecond)
 			}
-			return http.StatusOK, firing
-		}, false, 1},
-		{"every poll failed", func(int64) (int, string) { return http.StatusServiceUnavailable, "unavailable" }, true, 0},
-		{"answers that are no alerts", func(int64) (int, string) { return http.StatusOK, `{"status":"error"}` }, true, 0},
-		{"polls failed after a while", func(n int64) (int, string) {
-			if n < 3 {
-				return http.StatusOK, none
-			}
-			return http.StatusInternalServerError, "broken"
-		}, true, 0},
+			return to.Add(300 * time.Millisecond)
+		}}, []string{`ServiceDown,job="order"`}, nil, ""},
+		{"rules not evaluated past the window", prometheus{samples: []alertSample{down(to)}, evaluated: func(int64) time.Time { return to.Add(-700 * time.Millisecond) }},
+			nil, nil, "not evaluated past"},
+		{"the query fails", prometheus{evaluated: past, broken: `503 {"status":"error","errorType":"unavailable","error":"overloaded"}`}, nil, nil, "503"},
+		{"an answer that is no vector", prometheus{evaluated: past, broken: `200 {"status":"success","data":{"resultType":"matrix","result":[]}}`}, nil, nil, "matrix"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			var polls atomic.Int64
+			var asked atomic.Int64
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.URL.Path != "/api/v1/alerts" {
-					http.NotFound(w, r)
-					return
+				answer := func(status int, body any) {
+					w.WriteHeader(status)
+					_ = json.NewEncoder(w).Encode(body)
 				}
-				status, body := c.answer(polls.Add(1) - 1)
-				w.WriteHeader(status)
-				fmt.Fprint(w, body)
+				switch r.URL.Path {
+				case "/api/v1/rules":
+					answer(http.StatusOK, map[string]any{"status": "success", "data": map[string]any{"groups": []any{map[string]any{
+						"name": "outbox-inbox", "lastEvaluation": c.prom.evaluated(asked.Add(1) - 1), "rules": []any{},
+					}}}})
+				case "/api/v1/query":
+					if c.prom.broken != "" {
+						status, body, _ := strings.Cut(c.prom.broken, " ")
+						code, _ := strconv.Atoi(status)
+						w.WriteHeader(code)
+						fmt.Fprint(w, body)
+						return
+					}
+					m := regexp.MustCompile(`^max_over_time\(ALERTS\[(\w+)\]\)$`).FindStringSubmatch(r.FormValue("query"))
+					var d time.Duration
+					if m != nil {
+						d, _ = time.ParseDuration(m[1])
+					}
+					at := time.Now()
+					if ts := r.FormValue("time"); ts != "" {
+						f, err := strconv.ParseFloat(ts, 64)
+						if err != nil {
+							answer(http.StatusBadRequest, map[string]any{"status": "error", "errorType": "bad_data", "error": err.Error()})
+							return
+						}
+						at = time.UnixMilli(int64(math.Round(f * 1000)))
+					}
+					if d <= 0 {
+						answer(http.StatusBadRequest, map[string]any{"status": "error", "errorType": "bad_data", "error": "this stand-in answers max_over_time(ALERTS[d]) only, not " + r.FormValue("query")})
+						return
+					}
+					series := map[string]map[string]string{}
+					for _, s := range c.prom.samples {
+						if s.at.After(at.Add(-d)) && !s.at.After(at) {
+							series[alertKey("", s.labels)] = s.labels
+						}
+					}
+					var result []any
+					for _, labels := range series {
+						result = append(result, map[string]any{"metric": labels, "value": []any{float64(at.UnixMilli()) / 1000, "1"}})
+					}
+					answer(http.StatusOK, map[string]any{"status": "success", "data": map[string]any{"resultType": "vector", "result": result}})
+				default:
+					http.NotFound(w, r)
+				}
 			}))
 			t.Cleanup(srv.Close)
-			from := time.Now()
-			w := (&livePrometheus{URL: srv.URL}).watch(t)
-			time.Sleep(3 * promInterval)
-			fired, err := w.firedWhileWatched(from, time.Now())
+			fired, pending, err := (&livePrometheus{URL: srv.URL}).alertsIn(from, to, 2*time.Second)
 			if err != nil {
-				t.Logf("firedWhileWatched: %v", err)
+				t.Logf("alertsIn: %v", err)
 			}
-			if (err != nil) != c.wantErr || len(fired) != c.wantFired {
-				t.Errorf("after %d polls: firedWhileWatched = %v, %v; want %d fired and an error: %v",
-					polls.Load(), fired, err, c.wantFired, c.wantErr)
+			if c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)) {
+				t.Errorf("alertsIn: err = %v, want one that says %q", err, c.wantErr)
+			}
+			if c.wantErr == "" && err != nil {
+				t.Errorf("alertsIn: %v", err)
+			}
+			if !slices.Equal(fired, c.fired) || !slices.Equal(pending, c.pending) {
+				t.Errorf("alertsIn = fired %q, pending %q; want fired %q, pending %q", fired, pending, c.fired, c.pending)
 			}
 		})
 	}

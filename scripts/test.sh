@@ -454,8 +454,9 @@ if [ "$mode" = local ]; then
   suite machine $library_packages
   say "go test -race, the services' suite and the end-to-end exactly-once and fault tests, against the machine's RabbitMQ"
   suite machine ./services/...
-  # Each of these tests must run: none may skip.
-  with_broker machine go test -json -race -count=1 -timeout 15m -run "^($machine_e2e_tests)\$" ./e2e/ |
+  # Each of these tests must run: none may skip. The -timeout is suite's: these systems take
+  # turns in the same connection budget (TestReplicasUnderLoad's 79 among them).
+  with_broker machine go test -json -race -count=1 -timeout 25m -run "^($machine_e2e_tests)\$" ./e2e/ |
     "$report/testreport" -want "$(printf '%s' "$machine_e2e_tests" | awk -F'|' '{ print NF }')" &
   wait $!
   say "RabbitMQ 4.0 beside them (SIDROOT_SUITE=trixie scripts/sidroot.sh; the first run provisions it)"

@@ -1031,9 +1031,11 @@ func (s *System) Channel(t *testing.T) *amqp.Channel {
 	return s.ch
 }
 
-// DuplicatesSuppressed sums inbox_duplicates_total over the running consumer replicas. A
-// replica whose /metrics fails, or lacks its sample, fails t: read as 0, a metric renamed or
-// unlabelled would pass for a run that suppressed no duplicate (see AlreadyDone).
+// DuplicatesSuppressed sums inbox_duplicates_total over all the system's consumer replicas
+// (Invoicers and Notifiers; each counts from its last start), which must all be up: it scrapes
+// each, and one whose /metrics fails (a replica stopped, say), or lacks its sample, fails t:
+// read as 0, a metric renamed or unlabelled would pass for a run that suppressed no duplicate
+// (see AlreadyDone).
 func (s *System) DuplicatesSuppressed(t *testing.T) int {
 	t.Helper()
 	total := 0.0

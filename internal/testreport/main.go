@@ -199,6 +199,15 @@ func (r *run) report(w io.Writer, allowed, collected reasons, want int) bool {
 			case !topLevel && slices.Contains(collected, reason):
 				nested = append(nested, line)
 			case !slices.Contains(allowed, reason):
+				if n := allowedHead(reason, allowed); n > 0 {
+					head := "line alone is"
+					if n > 1 {
+						head = fmt.Sprintf("%d lines alone are", n)
+					}
+					line += fmt.Sprintf("\n      (its first %s an allowed reason: the lines after are its message's own, or"+
+						" output printed right after it (by a Cleanup, say) at the indentation testing gives a message's"+
+						" further lines, which the stream does not tell apart; the whole must be allowed)", head)
+				}
 				bad = append(bad, line)
 			case topLevel:
 				ran++ // accounted for: it skipped for a reason the run allows
@@ -229,9 +238,15 @@ func (r *run) report(w io.Writer, allowed, collected reasons, want int) bool {
 }
 
 // reason is the message a skipped test gave, whole: its last message in its output, a line
-// "file.go:N: text" and the lines after it that testing indents 4 spaces more, a message's
-// second and later lines (unindented, joined by newlines). The output is read as one text:
-// test2json makes each line an event of its own, and cuts a long one into several.
+// "file.go:N: text" and the lines directly after it that testing indents 4 spaces more, a
+// message's second and later lines (unindented, joined by newlines), less the blank ones it
+// ends with (t.Skip("reason\n") prints "reason" and an indented blank line). The output is
+// read as one text: test2json makes each line an event of its own, and cuts a long one into
+// several. Output printed after the message (by a Cleanup, say) is not part of it once another
+// line comes between; printed directly after it at that indentation, it is a line of the
+// message as far as the stream tells, so it is taken as one (report says so where the lines
+// before it are an allowed reason): a message whose first line alone is allowed is not passed
+// for one. A Cleanup's t.Log after the skip is the last message, and so the reason.
 func (r *run) reason(k test) string {
 	reason := "(no reason given)"
 	lines := strings.Split(strings.Join(r.output[k], ""), "\n")
@@ -245,11 +260,26 @@ func (r *run) reason(k test) string {
 					i++
 					message = append(message, strings.TrimPrefix(lines[i], more))
 				}
+				for len(message) > 1 && strings.TrimSpace(message[len(message)-1]) == "" {
+					message = message[:len(message)-1]
+				}
 				reason = strings.Join(message, "\n")
 			}
 		}
 	}
 	return reason
+}
+
+// allowedHead is how many of reason's first lines, fewer than all, are an allowed reason by
+// themselves; 0 if none are.
+func allowedHead(reason string, allowed reasons) int {
+	lines := strings.Split(reason, "\n")
+	for n := len(lines) - 1; n > 0; n-- {
+		if slices.Contains(allowed, strings.Join(lines[:n], "\n")) {
+			return n
+		}
+	}
+	return 0
 }
 
 // collect lists, per package, the top-level tests whose skip reason is one of these, as a -run

@@ -228,3 +228,98 @@ func TestAMultiLineSkipIsMatchedWhole(t *testing.T) {
 		t.Errorf("the report failed skips whose whole reasons are allowed:\n%s", out.String())
 	}
 }
+
+// skipEvents is the go test -json events of test name of package p that printed outputs (each
+// a line, as test2json makes it an event) and skipped.
+func skipEvents(name string, outputs ...string) []string {
+	lines := []string{`{"Action":"run","Package":"p","Test":"` + name + `"}`}
+	for _, o := range outputs {
+		lines = append(lines, `{"Action":"output","Package":"p","Test":"`+name+`","Output":"`+o+`"}`)
+	}
+	return append(lines,
+		`{"Action":"output","Package":"p","Test":"`+name+`","Output":"--- SKIP: `+name+` (0.00s)\n"}`,
+		`{"Action":"skip","Package":"p","Test":"`+name+`"}`)
+}
+
+// t.Skip("reason\n") is skipped for "reason": testing ends the message it prints with an
+// indented blank line for the newline (t.Skip adds one of its own), a line of nothing, not of
+// the reason. The events are those go test -json (Go 1.26) writes for these calls.
+func TestASkipReasonEndingInANewlineIsItsText(t *testing.T) {
+	restart := "restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone"
+	var stream []string
+	// t.Skip(benchSkip + "\n")
+	stream = append(stream, skipEvents("TestBench", `=== RUN   TestBench\n`, `    p_test.go:5: `+benchSkip+`\n`, `        \n`)...)
+	// t.Skip(restart + "\n\n")
+	stream = append(stream, skipEvents("TestRestart", `    p_test.go:9: `+restart+`\n`, `        \n`, `        \n`)...)
+	// t.Skip(restart + "\nand slow\n")
+	stream = append(stream, skipEvents("TestSlow", `    p_test.go:13: `+restart+`\n`, `        and slow\n`, `        \n`)...)
+	stream = append(stream, `{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`, `{"Action":"pass","Package":"p","Elapsed":1}`)
+	r, err := read(strings.NewReader(strings.Join(stream, "\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{"TestBench": benchSkip, "TestRestart": restart, "TestSlow": restart + "\nand slow"} {
+		if got := r.reason(test{"p", name}); got != want {
+			t.Errorf("%s's reason = %q, want %q", name, got, want)
+		}
+	}
+	var out strings.Builder
+	if !r.report(&out, reasons{benchSkip, restart, restart + "\nand slow"}, reasons{restart}, 3) {
+		t.Errorf("the report failed skips whose reasons, ending in a newline, are allowed:\n%s", out.String())
+	}
+	if got, want := r.collect(reasons{restart}), "p ^(TestRestart)$\n"; got != want {
+		t.Errorf("collect = %q, want %q", got, want)
+	}
+}
+
+// Output printed after a skip's message (by a Cleanup, say) is not its reason when a line of
+// another indentation comes between them. A line directly after the message, indented as
+// testing indents a message's further lines, is one of them as far as the stream tells: go
+// test -json writes the same events for t.Skip("a\nb") as for t.Skip("a") followed by a
+// Cleanup's fmt.Println("        b"). It is taken as part of the reason, so that a message
+// whose first line alone is allowed is not passed for it; the report says that its first line
+// alone is an allowed reason, and what the lines after it may be.
+func TestOutputAfterASkipMessage(t *testing.T) {
+	var stream []string
+	stream = append(stream, skipEvents("TestLogged", `    p_test.go:5: `+benchSkip+`\n`,
+		`    p_test.go:3: a Cleanup's t.Log\n`, `        and its second line\n`)...)
+	stream = append(stream, skipEvents("TestPrinted", `    p_test.go:5: `+benchSkip+`\n`,
+		`cleanup: dropped the database\n`, `        with its 3 tables\n`)...)
+	stream = append(stream, skipEvents("TestRightAfter", `    p_test.go:5: `+benchSkip+`\n`, `        printed by a Cleanup\n`)...)
+	stream = append(stream, `{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`, `{"Action":"pass","Package":"p","Elapsed":1}`)
+	r, err := read(strings.NewReader(strings.Join(stream, "\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{
+		// The last message is the reason: a Cleanup's t.Log after the skip is (see reason).
+		"TestLogged":     "a Cleanup's t.Log\nand its second line",
+		"TestPrinted":    benchSkip,
+		"TestRightAfter": benchSkip + "\nprinted by a Cleanup",
+	} {
+		if got := r.reason(test{"p", name}); got != want {
+			t.Errorf("%s's reason = %q, want %q", name, got, want)
+		}
+	}
+	var out strings.Builder
+	if r.report(&out, reasons{benchSkip}, nil, 0) {
+		t.Fatalf("the report passed a skip whose reason has lines after its allowed first one:\n%s", out.String())
+	}
+	_, notAllowed, _ := strings.Cut(out.String(), "not on the allowed list")
+	if strings.Contains(notAllowed, "TestPrinted") {
+		t.Errorf("TestPrinted, its reason allowed and a Cleanup's output after another line, is not allowed:\n%s", out.String())
+	}
+	_, right, found := strings.Cut(notAllowed, "TestRightAfter")
+	if !found {
+		t.Fatalf("TestRightAfter is not among the skips not allowed:\n%s", out.String())
+	}
+	right, _, _ = strings.Cut(right, "\n  p ")
+	for _, want := range []string{"its first line alone is an allowed reason", "Cleanup"} {
+		if !strings.Contains(right, want) {
+			t.Errorf("the report says not %q of TestRightAfter:\n%s", want, out.String())
+		}
+	}
+	if _, logged, _ := strings.Cut(notAllowed, "TestLogged"); strings.Contains(strings.SplitN(logged, "\n  p ", 2)[0], "allowed reason") {
+		t.Errorf("the report says of TestLogged, no line of whose reason is allowed, that one is:\n%s", out.String())
+	}
+}
