@@ -63,17 +63,7 @@ type labelMatcher struct {
 func vectorSelectors(expr string) []vectorSelector {
 	var sels []vectorSelector
 	rs := []rune(expr)
-	for i := 0; i < len(rs); {
-		if next, skipped := skipLiteral(rs, i); skipped {
-			i = next
-			continue
-		}
-		if !isIdentRune(rs[i], true) {
-			i++
-			continue
-		}
-		word, end := wordAt(rs, i)
-		i = end
+	for word, i := nextWord(rs, 0); word != ""; word, i = nextWord(rs, i) {
 		after := skipSpace(rs, i)
 		switch {
 		case promqlGroupings[word]:
@@ -91,6 +81,23 @@ func vectorSelectors(expr string) []vectorSelector {
 		}
 	}
 	return sels
+}
+
+// nextWord returns the first word of PromQL's from i on, literals (skipLiteral) stepped over,
+// and the index just past it; "" and the end of rs if none is left.
+func nextWord(rs []rune, i int) (word string, end int) {
+	for i < len(rs) {
+		if next, skipped := skipLiteral(rs, i); skipped {
+			i = next
+			continue
+		}
+		if !isIdentRune(rs[i], true) {
+			i++
+			continue
+		}
+		return wordAt(rs, i)
+	}
+	return "", len(rs)
 }
 
 // skipLiteral returns the index just past what starts at i if it is no word of PromQL's: a
@@ -211,17 +218,7 @@ func groupings(expr string) []grouping {
 		labels, end = labelList(skipSpace(rs, after))
 		return word, labels, end
 	}
-	for i := 0; i < len(rs); {
-		if next, skipped := skipLiteral(rs, i); skipped {
-			i = next
-			continue
-		}
-		if !isIdentRune(rs[i], true) {
-			i++
-			continue
-		}
-		word, end := wordAt(rs, i)
-		i = end
+	for word, i := nextWord(rs, 0); word != ""; word, i = nextWord(rs, i) {
 		switch {
 		case promqlAggregations[word]:
 			g := grouping{op: word}

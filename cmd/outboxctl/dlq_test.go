@@ -172,6 +172,50 @@ func fillDLQ(t *testing.T, msgs ...amqp.Publishing) (queue string, ids []string)
 	return queue, ids
 }
 
+// fillDLQOf fills a fresh dead-letter queue, as fillDLQ, with n messages of type OrderPlaced
+// dead-lettered for "no price".
+func fillDLQOf(t *testing.T, n int) (queue string, ids []string) {
+	t.Helper()
+	msgs := make([]amqp.Publishing, n)
+	for i := range msgs {
+		msgs[i] = deadMessage("OrderPlaced", "no price")
+	}
+	return fillDLQ(t, msgs...)
+}
+
+// lowerMostWithoutLimit sets mostWithoutLimit to most until t ends. A test that calls it
+// cannot run in parallel.
+func lowerMostWithoutLimit(t *testing.T, most int) {
+	before := mostWithoutLimit
+	mostWithoutLimit = most
+	t.Cleanup(func() { mostWithoutLimit = before })
+}
+
+// wantRefusal runs outboxctl with args on the broker at amqpURL and wants it to exit 2 with
+// want in its stderr, and nothing on stdout.
+func wantRefusal(t *testing.T, args []string, amqpURL string, want ...string) {
+	t.Helper()
+	if stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL), want...); stdout != "" {
+		t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
+	}
+}
+
+// wantNeverTaken gets the messages of ids from dlq, in that order, and wants each of them never
+// delivered before, then hands them back.
+func wantNeverTaken(t *testing.T, dlq string, ids []string) {
+	t.Helper()
+	ch := testenv.Channel(t)
+	for _, want := range ids {
+		d, ok, err := ch.Get(dlq, false)
+		if err != nil || !ok || d.MessageId != want || d.Redelivered {
+			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
+		}
+	}
+	if err := ch.Close(); err != nil { // the broker takes them back
+		t.Fatal(err)
+	}
+}
+
 // inDLQ lists the whole dead-letter queue of queue through outboxctl: the ids, in order.
 func inDLQ(t *testing.T, queue string) []string {
 	t.Helper()
@@ -452,14 +496,8 @@ func TestDlqRedriveRefusesALimitOfZero(t *testing.T) {
 // not. With --limit, or with no more than that many waiting, they go on. Not parallel: it
 // lowers mostWithoutLimit to 3, so that 4 messages stand for the tens of thousands.
 func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
-	most := mostWithoutLimit
-	mostWithoutLimit = 3
-	t.Cleanup(func() { mostWithoutLimit = most })
-	var msgs []amqp.Publishing
-	for range 4 {
-		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
-	}
-	queue, ids := fillDLQ(t, msgs...)
+	lowerMostWithoutLimit(t, 3)
+	queue, ids := fillDLQOf(t, 4)
 	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
 	for _, args := range [][]string{
 		{"dlq", "redrive", queue, "--yes"},
@@ -469,12 +507,9 @@ func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
 		{"dlq", "drop", queue, "--id", ids[0], "--yes"},
 		{"dlq", "drop", queue, "--id", ids[0], "--dry-run"},
 	} {
-		stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL),
+		wantRefusal(t, args, amqpURL,
 			"4 messages wait in "+dlq+", more than the 3 it takes without --limit", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
 			"nothing was changed", "Usage:")
-		if stdout != "" {
-			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
-		}
 	}
 	if n := testenv.QueueDepth(t, testenv.Channel(t), queue); n != 0 {
 		t.Errorf("after the refusals, %d messages are in %s, want none", n, queue)
@@ -485,16 +520,7 @@ func TestDlqRedriveAndDropWithoutALimitRefuseAQueueTooLongToHold(t *testing.T) {
 	if moved.Count != 1 || moved.Messages[0].MessageID != ids[0] || moved.Waiting != 4 || moved.Examined != 1 {
 		t.Fatalf("redrive --limit 1: %+v; want the first message moved", moved)
 	}
-	ch := testenv.Channel(t)
-	for _, want := range ids[1:] {
-		d, ok, err := ch.Get(dlq, false)
-		if err != nil || !ok || d.MessageId != want || d.Redelivered {
-			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
-		}
-	}
-	if err := ch.Close(); err != nil { // the broker takes them back
-		t.Fatal(err)
-	}
+	wantNeverTaken(t, dlq, ids[1:])
 	// No more than mostWithoutLimit waiting: a drop without --limit goes on.
 	inspect := testenv.Channel(t)
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, inspect, dlq) == 3 }, "the messages did not come back")
@@ -1094,11 +1120,7 @@ func headersOf(d deadLetter) map[string]any {
 // act on one of those it listed. One that looked at the whole queue says nothing of the kind.
 func TestDlqPartOfTheQueueLookedAtSaysTheNextRunMaySeeOthers(t *testing.T) {
 	t.Parallel()
-	var msgs []amqp.Publishing
-	for range 6 {
-		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
-	}
-	queue, _ := fillDLQ(t, msgs...)
+	queue, _ := fillDLQOf(t, 6)
 	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
 	part := "note: it looked at the first 2 of the 6 messages only (--limit) and handed them back, and a quorum queue may put those behind the others"
 
@@ -1182,11 +1204,7 @@ func TestDlqPartOfTheQueueLookedAtSaysTheNextRunMaySeeOthers(t *testing.T) {
 // where the broker kept the order the message moves; where it did not, exit 3 says why.
 func TestDlqIdBeyondTheLimitNamesTheLimitThatReachesIt(t *testing.T) {
 	t.Parallel()
-	var msgs []amqp.Publishing
-	for range 4 {
-		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
-	}
-	queue, ids := fillDLQ(t, msgs...)
+	queue, ids := fillDLQOf(t, 4)
 	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
 	hint := "--limit 4 looks at them all"
 	for _, args := range [][]string{
@@ -1226,38 +1244,20 @@ func TestDlqIdBeyondTheLimitNamesTheLimitThatReachesIt(t *testing.T) {
 // without --limit: with more waiting it refuses before taking any, exit 2, naming the --limit
 // that takes them all. Not parallel: it lowers mostWithoutLimit to 3.
 func TestDlqListWithLimitZeroRefusesAQueueTooLongToHold(t *testing.T) {
-	most := mostWithoutLimit
-	mostWithoutLimit = 3
-	t.Cleanup(func() { mostWithoutLimit = most })
-	var msgs []amqp.Publishing
-	for range 4 {
-		msgs = append(msgs, deadMessage("OrderPlaced", "no price"))
-	}
-	queue, ids := fillDLQ(t, msgs...)
+	lowerMostWithoutLimit(t, 3)
+	queue, ids := fillDLQOf(t, 4)
 	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
 	for _, args := range [][]string{
 		{"dlq", "list", queue, "--limit", "0"},
 		{"dlq", "list", queue, "--limit", "0", "-o", "json"},
 		{"dlq", "list", queue, "--limit", "0", "--type", "OrderPlaced"},
 	} {
-		stdout := wantExit(t, exitUsage, append(args, "--amqp", amqpURL),
+		wantRefusal(t, args, amqpURL,
 			"4 messages wait in "+dlq+", more than the 3 it takes with --limit 0", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
 			"nothing was changed", "Usage:")
-		if stdout != "" {
-			t.Errorf("outboxctl %s: stdout %q; want nothing", strings.Join(args, " "), stdout)
-		}
 	}
 	// Nothing was taken: none comes redelivered.
-	ch := testenv.Channel(t)
-	for _, want := range ids {
-		d, ok, err := ch.Get(dlq, false)
-		if err != nil || !ok || d.MessageId != want || d.Redelivered {
-			t.Fatalf("get from %s: %v, %v, message %q redelivered %v; want %s, never taken", dlq, ok, err, d.MessageId, d.Redelivered, want)
-		}
-	}
-	if err := ch.Close(); err != nil { // the broker takes them back
-		t.Fatal(err)
-	}
+	wantNeverTaken(t, dlq, ids)
 	testenv.Eventually(t, 10*time.Second, func() bool { return testenv.QueueDepth(t, testenv.Channel(t), dlq) == 4 }, "the messages did not come back")
 	if got := listed(t, ok(t, "dlq", "list", queue, "--limit", "4", "--amqp", amqpURL)); len(got) != 4 {
 		t.Errorf("dlq list --limit 4: listed %q, want all 4", got)

@@ -188,20 +188,11 @@ func TestASubtestSkippedForACollectedReasonFails(t *testing.T) {
 // nobody allowed, and -collect does not take it; the whole message, allowed, passes.
 func TestAMultiLineSkipIsMatchedWhole(t *testing.T) {
 	restart := "restarts the shared servers; set TEST_SERVER_RESTARTS=1 and run alone"
-	events := func(name string, outputs ...string) []string {
-		lines := []string{`{"Action":"run","Package":"p","Test":"` + name + `"}`}
-		for _, o := range outputs {
-			lines = append(lines, `{"Action":"output","Package":"p","Test":"`+name+`","Output":"`+o+`"}`)
-		}
-		return append(lines,
-			`{"Action":"output","Package":"p","Test":"`+name+`","Output":"--- SKIP: `+name+` (0.00s)\n"}`,
-			`{"Action":"skip","Package":"p","Test":"`+name+`"}`)
-	}
 	var stream []string
 	// t.Skip(benchSkip + "\nbut this one is flaky too")
-	stream = append(stream, events("TestBench", `=== RUN   TestBench\n`, `    p_test.go:12: `+benchSkip+`\n`, `        but this one is flaky too\n`)...)
+	stream = append(stream, skipEvents("TestBench", `=== RUN   TestBench\n`, `    p_test.go:12: `+benchSkip+`\n`, `        but this one is flaky too\n`)...)
 	// t.Log("connecting"); t.Skip(restart + "\n\n(and it is slow)"), its first line cut in two
-	stream = append(stream, events("TestRestart", `    p_test.go:20: connecting\n`, `    p_test.go:21: restarts the shared servers; `,
+	stream = append(stream, skipEvents("TestRestart", `    p_test.go:20: connecting\n`, `    p_test.go:21: restarts the shared servers; `,
 		`set TEST_SERVER_RESTARTS=1 and run alone\n`, `        \n`, `        (and it is slow)\n`)...)
 	stream = append(stream, `{"Action":"output","Package":"p","Output":"ok  \tp\t1.0s\n"}`, `{"Action":"pass","Package":"p","Elapsed":1}`)
 	r, err := read(strings.NewReader(strings.Join(stream, "\n")))

@@ -213,12 +213,7 @@ func TestABlockThatEndsAtOnceLeavesTheAwaitedUnsent(t *testing.T) {
 // message, which no queue took, would count as sent.
 func TestAMessageIsNotPublishedTwiceAtOnceOnAConnection(t *testing.T) {
 	t.Parallel()
-	url := os.Getenv("TEST_AMQP_URL")
-	if url == "" {
-		url = "amqp://guest:guest@127.0.0.1:5672/"
-	}
-	p := NewPublisher(PublisherConfig{URL: url, ConnectionName: t.Name(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	t.Cleanup(p.Close)
+	p := testPublisher(t)
 	ctx := context.Background()
 	// The default exchange routes by queue name: no queue has this one.
 	x := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}

@@ -194,14 +194,7 @@ func TestTheAPIIsBehindAdmission(t *testing.T) {
 // behind admission control of inFlight places (HTTP_MAX_IN_FLIGHT), no latency target.
 func (b *testBundle) asServed(t *testing.T, inFlight int) http.Handler {
 	t.Helper()
-	log, _ := testenv.NewLogger(t)
-	reg := prometheus.NewRegistry()
-	adm, err := platform.NewAdmission(log, reg, inFlight, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return handler(log, &platform.Base{DB: b.db, Registry: reg, Admission: adm,
-		DatabaseReady: platform.DatabaseReady(b.readiness)}, b.store)
+	return servedOn(t, inFlight, &platform.Base{DB: b.db, DatabaseReady: platform.DatabaseReady(b.readiness)}, b.store)
 }
 
 // chunked is a body of size bytes, sent without a Content-Length: head, then filler up to

@@ -1038,14 +1038,22 @@ func TestEncodedBodiesAreRefused(t *testing.T) {
 // requests never reach: what these tests send fails before.
 func withoutDatabase(t *testing.T, inFlight int) http.Handler {
 	t.Helper()
+	return servedOn(t, inFlight, &platform.Base{DatabaseReady: func(context.Context) error { return nil }}, &Store{})
+}
+
+// servedOn is the service's handler on base and store, built as main builds it: the order API
+// behind admission control of inFlight places (HTTP_MAX_IN_FLIGHT), no latency target. It
+// sets base's Registry, a fresh one, and Admission.
+func servedOn(t *testing.T, inFlight int, base *platform.Base, store *Store) http.Handler {
+	t.Helper()
 	log, _ := testenv.NewLogger(t)
-	reg := prometheus.NewRegistry()
-	adm, err := platform.NewAdmission(log, reg, inFlight, 0)
+	base.Registry = prometheus.NewRegistry()
+	adm, err := platform.NewAdmission(log, base.Registry, inFlight, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	base := &platform.Base{Registry: reg, Admission: adm, DatabaseReady: func(context.Context) error { return nil }}
-	return handler(log, base, &Store{})
+	base.Admission = adm
+	return handler(log, base, store)
 }
 
 // failingBody sends its prefix, then fails with err.
