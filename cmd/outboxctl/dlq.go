@@ -537,7 +537,7 @@ func inDoubtAdvice(queue, dlq, id string, waiting int) string {
 			id, queue, dlq, once, q, shellWord(id), dlq, mostWithoutLimit)
 	default:
 		n := max(waiting, 1)
-		s = fmt.Sprintf("message %s (its id shortened or cleaned here; in_doubt in -o json has it whole) may be in both %s and %s%s: outboxctl dlq list %s --limit %d -o json lists the first %d messages in %s, as many as waited when this run began, with their ids whole: look for its message_id there",
+		s = fmt.Sprintf("message %s (its id shortened or cleaned here; in_doubt in -o json has it whole, but for bytes that are not UTF-8) may be in both %s and %s%s: outboxctl dlq list %s --limit %d -o json lists the first %d messages in %s, as many as waited when this run began, with their ids whole (but for bytes that are not UTF-8): look for its message_id there",
 			printable(id, 64), queue, dlq, once, q, n, n, dlq)
 	}
 	if uerr == nil {
@@ -547,9 +547,10 @@ func inDoubtAdvice(queue, dlq, id string, waiting int) string {
 }
 
 // shellWord is s as a POSIX shell reads it as one word: as it is if it holds only characters
-// no shell treats specially, otherwise in single quotes. A message id is any text.
+// no shell treats specially, otherwise in single quotes. A message id is any text. A leading
+// = is quoted too: zsh, by default, reads =name as the path of the command name.
 func shellWord(s string) string {
-	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@%+=,") == "" {
+	if s != "" && !strings.HasPrefix(s, "=") && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@%+=,") == "" {
 		return s
 	}
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"

@@ -1370,6 +1370,8 @@ func TestDlqInDoubtAdviceNamesACommandThatFindsTheMessage(t *testing.T) {
 			inbox: true, want: []string{"outboxctl inbox show --id " + id + " --consumer invoicing"}},
 		{name: "an id a shell would read otherwise", id: `it's $HOME; "x" & y*`, args: []string{"dlq", "redrive", queue, "--id", `it's $HOME; "x" & y*`, "--dry-run"}},
 		{name: "a dash", id: "-", args: []string{"dlq", "redrive", queue, "--id", "-", "--dry-run"}},
+		{name: "a leading equals sign, which zsh expands", id: "=legacy-42", args: []string{"dlq", "redrive", queue, "--id", "=legacy-42", "--dry-run"},
+			want: []string{"--id '=legacy-42' --dry-run"}},
 		{name: "an id cut", id: strings.Repeat("a", 100), want: []string{listing, "whole"}},
 		{name: "an id with a tab", id: "a\tb", want: []string{listing}},
 		{name: "an id with two spaces", id: "a  b", want: []string{listing}},
