@@ -711,7 +711,7 @@ func TestABatchWhoseCommitFailsReportsNothing(t *testing.T) {
 		t.Fatalf("%d refusals recorded before the commit, want 1: the test no longer reaches it", db.failures.Load())
 	}
 	for _, name := range []string{"outbox_messages_published_total", "outbox_publish_failures_total"} {
-		if got := counterOf(t, registry, name, "T"); got != 0 {
+		if got, _ := sampleOf(t, registry, name, "type", "T"); got != 0 {
 			t.Errorf(`%s{type="T"} = %v after a batch whose commit failed, want 0`, name, got)
 		}
 	}
@@ -737,26 +737,4 @@ func (halfRefusing) Publish(_ context.Context, msgs []Message) []error {
 		errs[i] = ErrUnroutable
 	}
 	return errs
-}
-
-// counterOf reads the counter name of the type typ; 0 if it has none.
-func counterOf(t *testing.T, registry *prometheus.Registry, name, typ string) float64 {
-	t.Helper()
-	families, err := registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "type" && l.GetValue() == typ {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return 0
 }

@@ -710,21 +710,34 @@ func (s *holdingSender) Publish(ctx context.Context, msgs []Message) []error {
 // brokerUpGauge reads outbox_relay_broker_up of the exchange "x".
 func brokerUpGauge(t *testing.T, registry *prometheus.Registry) float64 {
 	t.Helper()
+	up, ok := sampleOf(t, registry, "outbox_relay_broker_up", "exchange", "x")
+	if !ok {
+		t.Fatal("no outbox_relay_broker_up for the exchange x")
+	}
+	return up
+}
+
+// sampleOf reads the counter or gauge name whose label is value; ok is false if it has none.
+func sampleOf(t *testing.T, registry *prometheus.Registry, name, label, value string) (v float64, ok bool) {
+	t.Helper()
 	families, err := registry.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range families {
-		if f.GetName() == "outbox_relay_broker_up" {
-			for _, m := range f.GetMetric() {
-				for _, l := range m.GetLabel() {
-					if l.GetValue() == "x" {
-						return m.GetGauge().GetValue()
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label && l.GetValue() == value {
+					if m.GetCounter() != nil {
+						return m.GetCounter().GetValue(), true
 					}
+					return m.GetGauge().GetValue(), true
 				}
 			}
 		}
 	}
-	t.Fatal("no outbox_relay_broker_up for the exchange x")
-	return 0
+	return 0, false
 }
