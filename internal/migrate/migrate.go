@@ -40,6 +40,10 @@ const (
 // table queued behind it, for as long as that transaction lasts. A migration that could not have
 // its locks in time was rolled back; Up logs it and tries again after a pause, until ctx ends:
 // a start that seems to hang says what it waits for.
+//
+// The migrations run with statement_timeout off, whatever the pool's, the role's or the
+// database's: a step that reads a whole table (a VALIDATE CONSTRAINT) would outlast it, and
+// fail (57014, not retried) at every start. ctx bounds them instead.
 func Up(ctx context.Context, log *slog.Logger, db *sql.DB, fsys fs.FS, versionTable string) error {
 	store, err := database.NewStore(database.DialectPostgres, versionTable)
 	if err != nil {
@@ -95,7 +99,7 @@ func (l migrationLock) SessionLock(ctx context.Context, conn *sql.Conn) error {
 			return fmt.Errorf("take the migration lock: %w", err)
 		}
 		if locked {
-			return nil
+			return withoutStatementTimeout(ctx, conn)
 		}
 		if time.Since(logged) >= lockLog {
 			l.log.WarnContext(ctx, "migration waits for another replica's migrations",
@@ -110,12 +114,31 @@ func (l migrationLock) SessionLock(ctx context.Context, conn *sql.Conn) error {
 	}
 }
 
-// SessionUnlock releases the lock on conn, once: pg_advisory_unlock fails only on a session
-// that does not hold the lock, or on a broken connection, whose session's end releases it; a
-// retry (goose's, for a minute) mends neither. goose's context here never ends, hence the bound.
+// withoutStatementTimeout switches statement_timeout off for the session on conn, which goose
+// runs the migrations on: as a session setting, since goose gives no way into the transaction
+// of a migration for a SET LOCAL. SessionUnlock restores it. When it fails, the connection is
+// closed, releasing the lock: the session may be left with the setting or without it.
+func withoutStatementTimeout(ctx context.Context, conn *sql.Conn) error {
+	if _, err := conn.ExecContext(ctx, "SET statement_timeout = 0"); err != nil {
+		_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+		return fmt.Errorf("switch statement_timeout off for the migrations: %w", err)
+	}
+	return nil
+}
+
+// SessionUnlock restores the session's statement_timeout, for the connection goes back to the
+// pool, then releases the lock on conn, once: pg_advisory_unlock fails only on a session that
+// does not hold the lock, or on a broken connection, whose session's end releases it; a retry
+// (goose's, for a minute) mends neither. goose's context here never ends, hence the bound.
 func (migrationLock) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
+	if _, err := conn.ExecContext(ctx, "RESET statement_timeout"); err != nil {
+		// Back in the pool without its timeout, the session would run the service's statements
+		// unbounded; closed, it releases the lock too.
+		_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+		return fmt.Errorf("restore the session's statement_timeout: %w", err)
+	}
 	var unlocked bool
 	if err := conn.QueryRowContext(ctx, "SELECT pg_advisory_unlock($1)", lock.DefaultLockID).Scan(&unlocked); err != nil {
 		return fmt.Errorf("release the migration lock: %w", err)

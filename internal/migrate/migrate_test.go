@@ -265,6 +265,37 @@ func TestMigrationsReportALostMigrationLockAtOnce(t *testing.T) {
 	}
 }
 
+// A migration outlasts a statement_timeout set for the database (or the role), as one that
+// validates a check over a large table does: with it, such an upgrade failed (57014) at every
+// start. The connection goes back to the pool with the database's timeout.
+func TestAMigrationOutlastsTheDatabasesStatementTimeout(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the migrating pool
+	d, _ := newDatabase(t)
+	if err := d.DB.Exec("ALTER DATABASE " + d.Name + " SET statement_timeout = '50ms'").Error; err != nil {
+		t.Fatal(err)
+	}
+	// A pool of one, opened after the ALTER: its session has the timeout, and Up and the check
+	// after it share that session.
+	sqlDB, err := testenv.OpenPool(t, d.URL, 1).DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	slow := fstest.MapFS{"00001_slow.sql": {Data: []byte("-- +goose Up\n" + lockTimeout + "\nSELECT pg_sleep(0.2);\n")}}
+	if err := migrate.Up(ctx, slog.New(slog.DiscardHandler), sqlDB, slow, "t_schema"); err != nil {
+		t.Fatalf("Up of a 200 ms migration under a statement_timeout of 50 ms: %v", err)
+	}
+	var timeout string
+	if err := sqlDB.QueryRowContext(ctx, "SHOW statement_timeout").Scan(&timeout); err != nil {
+		t.Fatal(err)
+	}
+	if timeout != "50ms" {
+		t.Errorf("statement_timeout after Up is %s, want the database's 50ms back", timeout)
+	}
+}
+
 // newDatabase is a database of the test's own, and its database/sql pool, which Up takes.
 func newDatabase(t *testing.T) (*testenv.Database, *sql.DB) {
 	t.Helper()
