@@ -3,6 +3,7 @@ package platform
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"os"
@@ -109,12 +110,21 @@ func (e *Env) URL(name string, schemes ...string) string {
 // names no variable, or, for the broker, at every reconnection. The files a PostgreSQL URL
 // or the environment names (sslrootcert, sslcert, sslkey) are left to the pool's own start,
 // which reads them (a deployment's test renders URLs whose files exist only in the container):
-// all three are emptied for the check, which PGSSLROOTCERT and the like do not override. The
-// reason never holds the URL's password.
+// all three are emptied for the check, which PGSSLROOTCERT and the like do not override. A
+// PostgreSQL URL's parameters named as pgxpool's are (pool_max_conns, …), in any case, are
+// refused too: only the background pool is pgxpool's, and it sets its own size; the others,
+// database/sql's, pass them to PostgreSQL as settings, as pgxpool does one whose case is not
+// its own (its names are case-sensitive, PostgreSQL's are not), which it refuses at every
+// login. The reason never holds the URL's password.
 func clientRefusal(u *url.URL, raw string) string {
 	var err error
 	switch u.Scheme {
 	case "postgres", "postgresql":
+		for _, key := range slices.Sorted(maps.Keys(u.Query())) {
+			if strings.HasPrefix(strings.ToLower(key), "pool_") {
+				return fmt.Sprintf("%q: the service's pools take no pool_ parameter, as pgxpool's are named (DB_MAX_CONNS sizes them), and pgx would pass it to PostgreSQL as a setting, which it refuses", key)
+			}
+		}
 		checked := *u
 		q := checked.Query()
 		for _, file := range []string{"sslrootcert", "sslcert", "sslkey"} {

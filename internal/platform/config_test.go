@@ -260,6 +260,20 @@ func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
 	})
 }
 
+// Parameters named as pgxpool's are in DATABASE_URL, in any case, are refused at start: only the
+// background pool is pgxpool's, and it sets its size itself; the other pools pass them to
+// PostgreSQL as settings, as pgxpool does one not in its own case, which it refuses at every
+// login. The reason says so, not that Pool_Health_Check_Period is pgxpool's: it is not.
+func TestPgxpoolParametersAreRefusedAtStart(t *testing.T) {
+	t.Parallel()
+	const why = `: the service's pools take no pool_ parameter, as pgxpool's are named (DB_MAX_CONNS sizes them), and pgx would pass it to PostgreSQL as a setting`
+	wantReadCommon(t, []envCase{
+		{"DATABASE_URL", "postgres://app:hunter2@db/x?pool_max_conns=10", `DATABASE_URL: "pool_max_conns"` + why},
+		{"DATABASE_URL", "postgres://app@db/x?sslmode=disable&Pool_Health_Check_Period=1m&Password=hunter2", `DATABASE_URL: "Pool_Health_Check_Period"` + why},
+		{"DATABASE_URL", "postgres://app@db/x?application_name=pool_a", ""},
+	})
+}
+
 // envCase is a variable's value, and what ReadCommon must say of it: "" to take it, else a
 // part of its error.
 type envCase struct{ name, value, want string }

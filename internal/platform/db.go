@@ -13,6 +13,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver of OpenReadinessDB
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
@@ -30,7 +31,11 @@ import (
 //
 // It waits also while the server refuses the connection (a wrong password, no such role or
 // database: SQLSTATE 28P01, 28000, 3D000): on Kubernetes, CloudNativePG creates the roles and
-// databases of deploy/k8s/postgres.yaml only once the server is up, so these refusals pass.
+// databases of deploy/k8s/postgres.yaml only once the server is up, so these refusals pass;
+// so does a setting's that names a role or a tablespace not created yet (role=,
+// default_tablespace=), which CloudNativePG's managed roles and declarative tablespaces are
+// for a while. Any other refusal of a setting the connection carries does not pass (see
+// refusedSetting): it fails at once.
 func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxConns int) (*gorm.DB, error) {
 	dsn, err := withApplicationName(rawURL, service)
 	if err != nil {
@@ -78,6 +83,10 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 			}
 			return nil, fmt.Errorf("%w (%w)", openError("waiting for the database", failure, rawURL, dsn), ctx.Err())
 		}
+		if refusedSetting(err) {
+			_ = sqlDB.Close()
+			return nil, openError("the server refuses a setting of its query (pgx sends PostgreSQL each query parameter it does not read itself, as a setting)", err, rawURL, dsn)
+		}
 		if failure == nil || time.Since(logged) >= waitLogEvery {
 			log.Warn("waiting for the database", "error", err)
 			logged = time.Now()
@@ -93,17 +102,81 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 // waitLogEvery is how often OpenDB logs its wait after the first failure.
 const waitLogEvery = 30 * time.Second
 
+// refusedSetting reports whether err is a server's refusal, at login, of a setting the
+// connection's startup packet carried, where pgx puts every query parameter of the URL it does
+// not read itself (a name misspelt, a Password= in capitals, pgxpool's pool_max_conns):
+// PostgreSQL's, for a name it does not know (42704; 42602 for a malformed custom one), a value
+// it does not take (22023, but for one that names a role or tablespace that does not exist
+// yet, see missingObject), one set only at the server's start or in its configuration (55P02),
+// one the role may not set (42501, from its set_config routine: the same code refuses a
+// database's CONNECT, which a provisioner may grant later); or a pooler's that passes no such
+// parameter (PgBouncer's "unsupported startup parameter", 08P01, a code it gives to passing
+// failures too). The same URL is refused the same way at every try, so
+// waiting would only hold the service live and never ready.
+func refusedSetting(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "42704", "42602", "55P02":
+		return true
+	case "22023":
+		return !missingObject(pgErr)
+	case "42501":
+		return strings.HasPrefix(pgErr.Routine, "set_config")
+	case "08P01":
+		return strings.HasPrefix(pgErr.Message, "unsupported startup parameter")
+	}
+	return false
+}
+
+// missingObject reports whether pgErr, a 22023, is a setting's check refusing a value for naming
+// an object that does not exist: PostgreSQL's check of role= (and session_authorization=) says
+// so in its message, default_tablespace='s in its detail, both from call_string_check_hook. The
+// object may be created later; a value of the wrong form, refused by the same routine
+// (DateStyle=x) or by parse_and_validate_value, never passes. The text is PostgreSQL's in
+// English: a server whose lc_messages translates it has its missing objects taken for refusals
+// that last.
+func missingObject(pgErr *pgconn.PgError) bool {
+	return pgErr.Routine == "call_string_check_hook" &&
+		(strings.Contains(pgErr.Message, "does not exist") || strings.Contains(pgErr.Detail, "does not exist"))
+}
+
 func withApplicationName(rawURL, name string) (string, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return "", err
 	}
-	q := u.Query()
-	if q.Get("application_name") == "" {
-		q.Set("application_name", name)
-	}
-	u.RawQuery = q.Encode()
+	setParam(u, "application_name", name, false)
 	return u.String(), nil
+}
+
+// setParam sets key=value in u's query: in place of the value it has, if replace, else only if
+// it has none, or an empty one. pgx reads a query as libpq does: percent-escapes only, a + as
+// a plus, and a key given more than once by its last occurrence; setParam reads and writes it
+// so. The rest of the query stays as written, where url.Values would read a + as a space and
+// write a space back as a +, turning options=-c%20search_path%3Dapp into the
+// -c+search_path=app PostgreSQL refuses.
+func setParam(u *url.URL, key, value string, replace bool) {
+	var kept []string
+	var last string
+	for pair := range strings.SplitSeq(u.RawQuery, "&") {
+		k, v, _ := strings.Cut(pair, "=")
+		if name, err := url.PathUnescape(k); err == nil && name == key {
+			last = v
+			continue
+		}
+		if pair != "" {
+			kept = append(kept, pair)
+		}
+	}
+	if !replace && strings.Trim(last, " ") != "" {
+		return
+	}
+	// QueryEscape escapes a + as %2B, so each + it leaves is a space, which pgx reads as %20.
+	escaped := strings.ReplaceAll(url.QueryEscape(value), "+", "%20")
+	u.RawQuery = strings.Join(append(kept, key+"="+escaped), "&")
 }
 
 // IndexPlansURL returns rawURL with the settings that make every statement of its sessions
@@ -121,11 +194,9 @@ func IndexPlansURL(rawURL string) (string, error) {
 	if err != nil {
 		return "", errNotAURL
 	}
-	q := u.Query()
-	q.Set("enable_sort", "off")
-	q.Set("enable_seqscan", "off")
-	q.Set("jit", "off")
-	u.RawQuery = q.Encode()
+	for _, setting := range []string{"enable_sort", "enable_seqscan", "jit"} {
+		setParam(u, setting, "off", true)
+	}
 	return u.String(), nil
 }
 

@@ -3,12 +3,16 @@ package platform
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/url"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
@@ -108,6 +112,182 @@ func TestOpenDBStoppedWhileRefusedSaysWhy(t *testing.T) {
 	}
 	if !strings.HasPrefix(err.Error(), "DATABASE_URL: ") || !strings.Contains(err.Error(), "3D000") || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("OpenDB(%s): %v; want an error that names DATABASE_URL and the refusal (3D000), and wraps the deadline", u, err)
+	}
+}
+
+// A setting the server refuses at login, which pgx sends for every query parameter it does not
+// read itself, fails OpenDB at once, naming DATABASE_URL and never the password: a URL that is
+// refused so at every try would otherwise keep the service waiting, live and never ready. The
+// refusals that may pass are still waited out: the database's CONNECT not granted yet (42501
+// too), a role or a tablespace a setting names not created yet (22023 too), as CloudNativePG
+// creates its managed roles and declarative tablespaces once the server is up.
+func TestOpenDBFailsAtOnceOnASettingTheServerRefuses(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // OpenDB's, one at a time
+	d := testenv.NewDatabase(t)
+	testenv.Draw(t, 1)
+	// A role that may log in, but neither set a superuser's settings nor connect to d's database.
+	role := testenv.UniqueName("plain")
+	if err := d.DB.Exec("CREATE ROLE " + role + " LOGIN").Error; err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.DB.Exec("DROP ROLE IF EXISTS " + role).Error })
+	// with is d's URL with query added, and role for its user if not "".
+	with := func(role, query string) string {
+		u, err := url.Parse(d.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if role != "" {
+			u.User = url.User(role)
+		}
+		if query != "" {
+			u.RawQuery = strings.TrimPrefix(u.RawQuery+"&"+query, "&")
+		}
+		return u.String()
+	}
+	open := func(rawURL string, wait time.Duration) (time.Duration, error) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		start := time.Now()
+		db, err := OpenDB(ctx, slog.New(slog.DiscardHandler), "svc", rawURL, 1)
+		if err == nil {
+			CloseDB(db)
+			t.Fatalf("OpenDB(%s) opened a pool", rawURL)
+		}
+		return time.Since(start), err
+	}
+	const wait = 20 * time.Second
+	for _, tc := range []struct{ role, query, code string }{
+		{"", "statement_timeout_ms=1000", "42704"}, // no such name
+		{"", "Password=hunter2", "42704"},          // pgx reads password= alone
+		{"", "pool_max_conns=10", "42704"},         // pgxpool's; refused at start too
+		{"", "statement_timeout=5x", "22023"},
+		{"", "application_name=x&lock_timeout=-1ms", "22023"},
+		{"", "shared_buffers=1GB", "55P02"},
+		{"", "options=-c%20statement_timeout_ms%3D1000", "42704"},
+		{"", "my-ext.x=1", "42602"},
+		{role, "log_statement=all", "42501"}, // a superuser's setting
+	} {
+		took, err := open(with(tc.role, tc.query), wait)
+		if took > wait/2 || errors.Is(err, context.DeadlineExceeded) || !strings.HasPrefix(err.Error(), "DATABASE_URL: the server refuses a setting") ||
+			!strings.Contains(err.Error(), tc.code) || strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("OpenDB with %s: %v after %s; want at once an error that names DATABASE_URL and the refusal (%s), and no password", tc.query, err, took.Round(time.Millisecond), tc.code)
+		}
+	}
+	if err := d.DB.Exec("REVOKE CONNECT ON DATABASE " + d.Name + " FROM PUBLIC").Error; err != nil {
+		t.Fatal(err)
+	}
+	const short = 2500 * time.Millisecond
+	for _, tc := range []struct{ role, query, code, why string }{
+		{role, "", "42501", "without CONNECT on the database"},
+		{"", "role=" + testenv.UniqueName("nosuchrole"), "22023", "with a role not created yet"},
+		{"", "default_tablespace=" + testenv.UniqueName("nosuchspace"), "22023", "with a tablespace not created yet"},
+	} {
+		took, err := open(with(tc.role, tc.query), short)
+		if took < short || !errors.Is(err, context.DeadlineExceeded) || !strings.HasPrefix(err.Error(), "DATABASE_URL: waiting for the database") ||
+			!strings.Contains(err.Error(), tc.code) {
+			t.Errorf("OpenDB %s (%s): %v after %s; want it to wait (%s) until its context ended", tc.why, tc.query, err, took.Round(time.Millisecond), tc.code)
+		}
+	}
+}
+
+// Of the refusals whose code may mean a passing failure too, only a setting's is taken for
+// one that lasts: PgBouncer's 08P01 that names a startup parameter, not its other 08P01s;
+// PostgreSQL's 42501 from its set_config routine, not a database's CONNECT withheld.
+func TestRefusedSettingTellsASettingsRefusalFromAPassingOne(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		err  pgconn.PgError
+		want bool
+	}{
+		{pgconn.PgError{Code: "08P01", Message: "unsupported startup parameter: enable_sort"}, true},
+		{pgconn.PgError{Code: "08P01", Message: "pgbouncer cannot connect to server"}, false},
+		{pgconn.PgError{Code: "42501", Message: "permission denied to set parameter \"log_statement\"", Routine: "set_config_option"}, true},
+		{pgconn.PgError{Code: "42501", Message: "permission denied to set parameter \"log_statement\"", Routine: "set_config_with_handle"}, true},
+		{pgconn.PgError{Code: "42501", Message: "permission denied for database \"orders\"", Routine: "CheckMyDatabase"}, false},
+		{pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}, false},
+		// PostgreSQL 15's, for role= (or options=-c role=) and default_tablespace= naming what
+		// a provisioner creates once the server is up, and for a value no later login takes.
+		{pgconn.PgError{Code: "22023", Message: "role \"app_owner\" does not exist", Routine: "call_string_check_hook"}, false},
+		{pgconn.PgError{Code: "22023", Message: "invalid value for parameter \"default_tablespace\": \"fast\"", Detail: "Tablespace \"fast\" does not exist.", Routine: "call_string_check_hook"}, false},
+		{pgconn.PgError{Code: "22023", Message: "invalid value for parameter \"DateStyle\": \"x\"", Detail: "Unrecognized key word: \"x\".", Routine: "call_string_check_hook"}, true},
+		{pgconn.PgError{Code: "22023", Message: "invalid value for parameter \"statement_timeout\": \"5x\"", Routine: "parse_and_validate_value"}, true},
+		{pgconn.PgError{Code: "3D000", Message: "database \"orders\" does not exist"}, false},
+	} {
+		err := fmt.Errorf("failed to connect: %w", errors.Join(errors.New("dial tcp: connection refused"), &tc.err))
+		if got := refusedSetting(err); got != tc.want {
+			t.Errorf("refusedSetting(%s %s, routine %q) = %v, want %v", tc.err.Code, tc.err.Message, tc.err.Routine, got, tc.want)
+		}
+	}
+}
+
+// The connection strings the pools are opened with keep each parameter's value as pgx reads it,
+// as libpq does, + for a plus: options=-c%20search_path%3Dapp must reach the server as
+// -c search_path=app, not -c+search_path=app, which it refuses, and a password p+q must stay
+// p+q. Their own settings are set in place of those the URL has.
+func TestPoolURLsKeepTheirParametersValues(t *testing.T) {
+	t.Parallel()
+	const rawURL = "postgres://app@db/x?options=-c%20search_path%3Dapp&search_path=a%2Bb&password=p+q&jit=on&application_name="
+	for name, tc := range map[string]struct {
+		rewrite  func(string) (string, error)
+		key, set string
+	}{
+		"withApplicationName": {func(raw string) (string, error) { return withApplicationName(raw, "svc") }, "application_name", "svc"},
+		"IndexPlansURL":       {IndexPlansURL, "jit", "off"},
+	} {
+		dsn, err := tc.rewrite(rawURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := pgx.ParseConfig(dsn)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if got := cfg.RuntimeParams["options"]; got != "-c search_path=app" {
+			t.Errorf("%s gives the server options %q, want %q", name, got, "-c search_path=app")
+		}
+		if got := cfg.RuntimeParams["search_path"]; got != "a+b" {
+			t.Errorf("%s gives the server search_path %q, want %q", name, got, "a+b")
+		}
+		if got := cfg.RuntimeParams[tc.key]; got != tc.set {
+			t.Errorf("%s gives the server %s %q, want %q", name, tc.key, got, tc.set)
+		}
+		if cfg.Password != "p+q" {
+			t.Errorf("%s gives the server the password %q, want %q", name, cfg.Password, "p+q")
+		}
+	}
+}
+
+// setParam writes its value as pgx decodes a query, percent-escapes only (a + is a plus, a
+// space is %20), and reads a repeated key as pgx does, by its last occurrence.
+func TestSetParamWritesWhatPgxReads(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		query, value string
+		replace      bool
+		want         string
+	}{
+		{"", "a b+c&d=e%", false, "a b+c&d=e%"},
+		{"application_name=x", "a b+c", true, "a b+c"},
+		{"application_name=mine&application_name=", "svc", false, "svc"},
+		{"application_name=&application_name=mine", "svc", false, "mine"},
+		{"application_name=mine&jit=on&application_name=yours", "svc", false, "yours"},
+		{"application_name=mine&application_name=yours", "svc", true, "svc"},
+	} {
+		u, err := url.Parse("postgres://app@db/x?" + tc.query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		setParam(u, "application_name", tc.value, tc.replace)
+		cfg, err := pgx.ParseConfig(u.String())
+		if err != nil {
+			t.Fatalf("setParam(%q, %q, replace %v) gives %s: %v", tc.query, tc.value, tc.replace, u, err)
+		}
+		if got := cfg.RuntimeParams["application_name"]; got != tc.want {
+			t.Errorf("setParam(%q, %q, replace %v) gives %s, whose application_name pgx reads as %q; want %q", tc.query, tc.value, tc.replace, u, got, tc.want)
+		}
 	}
 }
 
