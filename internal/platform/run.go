@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -41,7 +42,9 @@ const HardStop = 9 * time.Second
 const repeatSignalDelay = time.Second
 
 // newConnWait bounds how long after the signal Serve waits for the first request of each
-// connection accepted before it to arrive: those still silent then are closed.
+// connection accepted before it to begin arriving: those still silent then, that have sent no
+// byte, are closed. One whose request has begun has the rest of ReadHeaderTimeout for its
+// header, as it would without the signal.
 const newConnWait = time.Second
 
 // Main runs a service's run function with a context that ends on SIGINT or SIGTERM. If run
@@ -146,6 +149,7 @@ func Serve(ctx context.Context, log *slog.Logger, srv *http.Server, workers Work
 // requests of the start's server (see handOff).
 func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, held func(context.Context), workers Workers) error {
 	log.Info("listening", "addr", ln.Addr().String())
+	ln = heardListener{ln}
 	if srv.ErrorLog == nil {
 		srv.ErrorLog = serverErrorLog(log)
 	}
@@ -270,7 +274,9 @@ const connPoll = 5 * time.Millisecond
 // closed once answered, and no request is read after. A connection that leaves StateNew is
 // marked active before net/http looks whether the server is shutting down, and stays so until
 // it is closed, so Shutdown after settle finds none it would drop. Those still new after
-// newWait, silent since before the signal, are closed (Shutdown would wait 5 s for them).
+// newWait whose client has sent nothing, silent since before the signal, are closed (Shutdown
+// would wait 5 s for them); one still sending its request's header stays new until it has sent
+// it all, and is left to finish it (see heardConn).
 func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	silentBy := time.Now().Add(newWait)
 	tick := time.NewTicker(connPoll)
@@ -280,7 +286,7 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 		live := len(n.state)
 		if time.Now().After(silentBy) {
 			for c, state := range n.state {
-				if state == http.StateNew {
+				if state == http.StateNew && !heard(c) {
 					_ = c.Close()
 				}
 			}
@@ -295,6 +301,62 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 		case <-tick.C:
 		}
 	}
+}
+
+// heardListener accepts connections that record whether their client has sent a byte (see
+// heardConn).
+type heardListener struct{ net.Listener }
+
+func (l heardListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &heardConn{Conn: c}, nil
+}
+
+// heardConn is a connection that records whether its client has sent anything: net/http counts
+// a connection new until it has read a whole request header, so one whose client is still
+// sending it (a slow link, a large header) looks to settle as silent as one that sent nothing,
+// and closing it would answer a request begun before the signal with EOF.
+type heardConn struct {
+	net.Conn
+	heard atomic.Bool
+}
+
+func (c *heardConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		c.heard.Store(true)
+	}
+	return n, err
+}
+
+// CloseWrite half-closes the connection, as net/http does a TCP connection's after its last
+// answer, before closing it, so that a client still sending is not reset before it reads the
+// answer: net/http looks for the method on the connection the listener gave it.
+func (c *heardConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// ReadFrom copies r to the connection by its own ReadFrom, if it has one: net/http sends a
+// response's body so (sendfile from a file, on a TCP connection), which embedding net.Conn
+// would hide, leaving it a buffered copy.
+func (c *heardConn) ReadFrom(r io.Reader) (int64, error) {
+	if rf, ok := c.Conn.(io.ReaderFrom); ok {
+		return rf.ReadFrom(r)
+	}
+	return io.Copy(c.Conn, r)
+}
+
+// heard reports whether c, a connection of a server's, is a heardConn whose client has sent
+// something.
+func heard(c net.Conn) bool {
+	hc, ok := c.(*heardConn)
+	return ok && hc.heard.Load()
 }
 
 // relayer is what relayUntil runs: a [messaging.Relay].

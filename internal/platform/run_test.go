@@ -186,11 +186,13 @@ func TestMainExitsWithinTheHardStopAfterAFailure(t *testing.T) {
 }
 
 // gatedListener holds the reads of the connections it accepts until gate closes, as a busy
-// machine may hold a connection's goroutine; it tells of each accept, and of its Close.
+// machine may hold a connection's goroutine; it tells of each accept, of each connection's
+// first bytes read, and of its Close.
 type gatedListener struct {
 	net.Listener
 	gate     <-chan struct{}
 	accepted chan struct{}
+	read     chan struct{}
 	closed   chan struct{}
 	once     sync.Once
 }
@@ -201,7 +203,7 @@ func newGatedListener(t *testing.T, gate <-chan struct{}) *gatedListener {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &gatedListener{Listener: ln, gate: gate, accepted: make(chan struct{}, 8), closed: make(chan struct{})}
+	return &gatedListener{Listener: ln, gate: gate, accepted: make(chan struct{}, 8), read: make(chan struct{}, 8), closed: make(chan struct{})}
 }
 
 func (l *gatedListener) Accept() (net.Conn, error) {
@@ -210,7 +212,7 @@ func (l *gatedListener) Accept() (net.Conn, error) {
 		return nil, err
 	}
 	l.accepted <- struct{}{}
-	return &gatedConn{Conn: c, gate: l.gate}, nil
+	return &gatedConn{Conn: c, gate: l.gate, read: l.read}, nil
 }
 
 func (l *gatedListener) Close() error {
@@ -221,11 +223,17 @@ func (l *gatedListener) Close() error {
 type gatedConn struct {
 	net.Conn
 	gate <-chan struct{}
+	read chan<- struct{}
+	once sync.Once
 }
 
 func (c *gatedConn) Read(p []byte) (int, error) {
 	<-c.gate
-	return c.Conn.Read(p)
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		c.once.Do(func() { c.read <- struct{}{} })
+	}
+	return n, err
 }
 
 // within waits for ch, failing the test after timeout with what.
@@ -338,6 +346,89 @@ func TestASilentConnectionDoesNotHoldTheStop(t *testing.T) {
 	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if n, err := conn.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the silent connection read %d bytes, %v; want it closed", n, err)
+	}
+}
+
+// A connection whose client has begun its request before the signal, and is still sending
+// its header after newConnWait, is not closed with the silent ones: net/http counts it new
+// until the whole header is read, and closing it then would answer a POST already begun with
+// EOF. ReadHeaderTimeout still bounds how long it may take.
+func TestARequestBegunBeforeTheSignalIsAnswered(t *testing.T) {
+	t.Parallel()
+	open := make(chan struct{})
+	close(open)
+	ln := newGatedListener(t, open)
+	log, _ := testenv.NewLogger(t)
+	created := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.WriteHeader(http.StatusCreated)
+	})
+	signal, served := serveOn(t, log, NewServer("", created), ln, Workers{})
+	conn, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "POST /x HTTP/1.1\r\nHost: a\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	within(t, ln.accepted, 5*time.Second, "the connection was not accepted")
+	within(t, ln.read, 5*time.Second, "the server did not read the request's beginning")
+	// A connection that sends nothing: its close shows that settle has closed the silent ones.
+	silent, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	within(t, ln.accepted, 5*time.Second, "the silent connection was not accepted")
+	signal()
+	_ = silent.SetReadDeadline(time.Now().Add(newConnWait + 5*time.Second))
+	if n, err := silent.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("the silent connection read %d bytes (%v), want it closed", n, err)
+	}
+	// The rest of the request comes only now.
+	if _, err := io.WriteString(conn, "Content-Length: 2\r\n\r\n{}"); err != nil {
+		t.Fatalf("the request begun before the signal could not be finished: %v", err)
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("the request begun before the signal got no answer: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the request begun before the signal got %d, want 201", resp.StatusCode)
+	}
+	if err := within(t, served, 5*time.Second, "Serve did not return after the request was answered"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readFromConn is a connection whose ReadFrom tells it ran, as a TCP connection's would
+// sendfile.
+type readFromConn struct {
+	net.Conn
+	readFrom bool
+}
+
+func (c *readFromConn) ReadFrom(r io.Reader) (int64, error) {
+	c.readFrom = true
+	return io.Copy(io.Discard, r)
+}
+
+// A connection of the services' servers keeps its TCP connection's ReadFrom, which net/http
+// sends a response's body by (sendfile for a file): one that hid it would have each copied
+// through a buffer.
+func TestAHeardConnWritesByItsConnectionsReadFrom(t *testing.T) {
+	t.Parallel()
+	under := &readFromConn{}
+	var c net.Conn = &heardConn{Conn: under}
+	rf, ok := c.(io.ReaderFrom)
+	if !ok {
+		t.Fatal("a heardConn is no io.ReaderFrom: net/http copies every body through a buffer")
+	}
+	if n, err := rf.ReadFrom(strings.NewReader("body")); n != 4 || err != nil || !under.readFrom {
+		t.Fatalf("ReadFrom = %d, %v, by the connection's own %v; want 4 bytes by the connection's own", n, err, under.readFrom)
 	}
 }
 

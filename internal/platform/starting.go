@@ -204,7 +204,9 @@ func (s *startingServer) close() {
 }
 
 // handoffListener is the starting server's view of the listener: its Close ends the server's
-// Accept, by a deadline, and leaves the listener open for Serve's server.
+// Accept, by a deadline, and leaves the listener open for Serve's server. Its connections
+// record whether their client has sent anything, so that the drain leaves one whose request's
+// header is still arriving to finish it, as Serve's server's (see heardConn).
 type handoffListener struct {
 	*net.TCPListener
 	closed atomic.Bool
@@ -212,10 +214,13 @@ type handoffListener struct {
 
 func (l *handoffListener) Accept() (net.Conn, error) {
 	c, err := l.TCPListener.Accept()
-	if err != nil && l.closed.Load() {
-		return nil, net.ErrClosed
+	if err != nil {
+		if l.closed.Load() {
+			return nil, net.ErrClosed
+		}
+		return nil, err
 	}
-	return c, err
+	return &heardConn{Conn: c}, nil
 }
 
 func (l *handoffListener) Close() error {

@@ -1,6 +1,7 @@
 package platform
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"io"
@@ -424,5 +425,67 @@ func TestASilentConnectionOfTheStartHoldsTheShutdownNoLongerThanServesOwn(t *tes
 		if n, err := c.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 			t.Fatalf("a silent connection read %d bytes (%v), want it closed", n, err)
 		}
+	}
+}
+
+// A connection the start's server accepted whose client has begun its request, and is still
+// sending its header when the drain closes the silent ones, is left to finish it and is
+// answered by the service, as one of Serve's server's is (TestARequestBegunBeforeTheSignalIsAnswered).
+func TestARequestBegunWhileStartingIsAnsweredAfterTheSignal(t *testing.T) {
+	t.Parallel()
+	log, logs := testenv.NewLogger(t)
+	ctx, cancel, s := startingInSlot(t, log)
+	begun, err := net.Dial("tcp", s.ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer begun.Close()
+	if _, err := io.WriteString(begun, "POST /orders HTTP/1.1\r\nHost: a\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	// A connection that sends nothing: its close shows that the drain has closed the silent ones.
+	silent, err := net.Dial("tcp", s.ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		s.conns.mu.Lock()
+		defer s.conns.mu.Unlock()
+		heardOnes := 0
+		for c := range s.conns.state {
+			if heard(c) {
+				heardOnes++
+			}
+		}
+		return len(s.conns.state) == 2 && heardOnes == 1
+	}, "the start's server did not accept both connections and read the request's beginning")
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.WriteHeader(http.StatusCreated)
+	})
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, log, NewServer("127.0.0.1:0", h), Workers{}) }()
+	testenv.Eventually(t, 5*time.Second, func() bool { return len(logs.Lines("msg=listening")) == 1 }, "Serve did not take the listener over")
+	cancel()
+	_ = silent.SetReadDeadline(time.Now().Add(newConnWait + 5*time.Second))
+	if n, err := silent.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("the silent connection read %d bytes (%v), want it closed", n, err)
+	}
+	// The rest of the request comes only now.
+	if _, err := io.WriteString(begun, "Content-Length: 2\r\n\r\n{}"); err != nil {
+		t.Fatalf("the request begun while starting could not be finished: %v", err)
+	}
+	_ = begun.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(begun), nil)
+	if err != nil {
+		t.Fatalf("the request begun while starting got no answer: %v", err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the request begun while starting got %d, want the service's 201", resp.StatusCode)
+	}
+	if err := within(t, served, 10*time.Second, "Serve did not return after the request was answered"); err != nil {
+		t.Fatalf("Serve: %v", err)
 	}
 }
