@@ -1,6 +1,7 @@
 // Command healthcheck is the container healthcheck of the services' images. The runtime image
 // is distroless (no shell, no curl), so this GETs one URL and exits 0 when the answer is
-// HTTP 200, 1 otherwise, printing one line that says why.
+// HTTP 200, 1 otherwise, printing one line that says why: the status, and the detail of a
+// problem body (/readyz's reason).
 //
 // Usage:
 //
@@ -11,12 +12,17 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"os"
+	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
 const defaultURL = "http://127.0.0.1:8080/readyz"
@@ -67,9 +73,42 @@ func check(ctx context.Context, url string) error {
 		return err
 	}
 	defer resp.Body.Close()
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	if resp.StatusCode != http.StatusOK {
+		if detail := problemDetail(resp.Header.Get("Content-Type"), body); detail != "" {
+			return fmt.Errorf("GET %s: %s: %s", url, resp.Status, detail)
+		}
 		return fmt.Errorf("GET %s: %s", url, resp.Status)
 	}
 	return nil
+}
+
+// maxDetail bounds the reason the line gives, in bytes: docker inspect keeps the healthcheck's
+// output, and a reason is a few words.
+const maxDetail = 200
+
+// problemDetail is the detail of an RFC 9457 problem body (what /readyz answers 503 with: why
+// the service is not ready), on one line and at most maxDetail bytes, or "" if body is none.
+func problemDetail(contentType string, body []byte) string {
+	mediaType, _, err := mime.ParseMediaType(contentType)
+	if err != nil || mediaType != "application/problem+json" {
+		return ""
+	}
+	var problem struct {
+		Detail string `json:"detail"`
+	}
+	if json.Unmarshal(body, &problem) != nil {
+		return ""
+	}
+	detail := strings.Join(strings.FieldsFunc(problem.Detail, func(r rune) bool {
+		return unicode.IsSpace(r) || unicode.IsControl(r)
+	}), " ")
+	if len(detail) <= maxDetail {
+		return detail
+	}
+	cut := maxDetail
+	for cut > 0 && !utf8.RuneStart(detail[cut]) {
+		cut--
+	}
+	return detail[:cut] + "…"
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -28,6 +29,13 @@ func service(t *testing.T) *httptest.Server {
 		case <-time.After(2100 * time.Millisecond):
 			http.Error(w, "the database does not answer", http.StatusServiceUnavailable)
 		}
+	})
+	// As platform.WriteProblem answers /readyz: the reason in the problem's detail, here over
+	// two lines and long, as a reason never is, to show the line stays one and bounded.
+	mux.HandleFunc("/problem", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = io.WriteString(w, `{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the database\ndoes not answer`+strings.Repeat(" x", 500)+`"}`)
 	})
 	mux.HandleFunc("/created", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) })
 	mux.HandleFunc("/moved", func(w http.ResponseWriter, r *http.Request) {
@@ -59,6 +67,7 @@ func TestCheck(t *testing.T) {
 		{"200 is healthy", srv.URL + "/readyz", ""},
 		{"503 is unhealthy", srv.URL + "/unready", "503 Service Unavailable"},
 		{"a stalled database's 503 is read", srv.URL + "/stalled", "503 Service Unavailable"},
+		{"a problem's detail is the reason", srv.URL + "/problem", "503 Service Unavailable: the database does not answer x x"},
 		{"only 200 counts", srv.URL + "/created", "201 Created"},
 		{"redirects are not followed", srv.URL + "/moved", "302 Found"},
 		{"404 is unhealthy", srv.URL + "/nope", "404 Not Found"},
@@ -91,6 +100,8 @@ func TestCheck(t *testing.T) {
 				t.Fatalf("check(%q) = %q, want it to contain %q", tt.url, err, tt.wantErr)
 			case strings.Contains(err.Error(), "\n"):
 				t.Fatalf("check(%q) error spans several lines: %q", tt.url, err)
+			case len(err.Error()) > len(tt.url)+maxDetail+100:
+				t.Fatalf("check(%q) error is %d bytes long, want the detail cut to %d", tt.url, len(err.Error()), maxDetail)
 			}
 		})
 	}

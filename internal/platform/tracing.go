@@ -211,16 +211,22 @@ func checkClientCertificate(env *Env, certName, keyName string) {
 
 // checkResourceAttributes checks OTEL_RESOURCE_ATTRIBUTES, which the tracer provider's
 // resource reads itself: a pair without its "=" (a trailing comma, say) fails the resource,
-// and with it the start, with an error that names no variable.
+// and with it the start, with an error that names no variable; a value whose percent-escapes
+// url.PathUnescape refuses, as the resource decodes them (50%zz, a bare %), it keeps as
+// written, saying so only in a line on stderr.
 func checkResourceAttributes(env *Env) {
 	v := env.String("OTEL_RESOURCE_ATTRIBUTES", "")
 	if v == "" {
 		return
 	}
 	for pair := range strings.SplitSeq(v, ",") {
-		key, _, found := strings.Cut(pair, "=")
+		key, value, found := strings.Cut(pair, "=")
 		if !found || strings.TrimSpace(key) == "" {
 			env.fail("OTEL_RESOURCE_ATTRIBUTES", "must be key=value pairs separated by commas; %q is not one", pair)
+			return
+		}
+		if _, err := url.PathUnescape(strings.TrimSpace(value)); err != nil {
+			env.fail("OTEL_RESOURCE_ATTRIBUTES", "the value of %q must be percent-encoded (%%25 for a %%, %%2C for a comma)", strings.TrimSpace(key))
 			return
 		}
 	}

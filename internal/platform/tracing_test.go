@@ -213,8 +213,9 @@ func TestLogLinesOutsideATraceHaveNoTraceID(t *testing.T) {
 }
 
 // OTEL_RESOURCE_ATTRIBUTES is checked with the configuration: a value the tracer provider's
-// resource would fail on (a pair without its "=", a trailing comma) stops the service with an
-// error naming the variable, before its start line, and a value it takes starts tracing. Not
+// resource would fail on (a pair without its "=", a trailing comma), or would keep as written
+// with a line on stderr (a value's bad percent-escape), stops the service with an error naming
+// the variable, before its start line, and a value it takes starts tracing. Not
 // parallel: the SDK reads the variable from the process's environment.
 func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -226,6 +227,9 @@ func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
 		"deployment.environment":       false,
 		"a=b,,c=d":                     false,
 		"=prod":                        false,
+		"team=50%25":                   true,
+		"team=50%zz":                   false,
+		"team=50%":                     false,
 	} {
 		err := readCommonWith("OTEL_RESOURCE_ATTRIBUTES", value)
 		if valid != (err == nil) || (err != nil && !strings.Contains(err.Error(), "OTEL_RESOURCE_ATTRIBUTES: ")) {
