@@ -345,16 +345,21 @@ const conversationMargin = 2
 // conversationMargin times the longest recent conversation, but never more than half its whole
 // budget: a delivery asked for with its whole budget always begins (else, against a server
 // slower than that, every delivery would be released and leased again at once, in a loop).
-// One with less, as a notification that waited in line, is not started then, and is released
-// to be tried again with a budget of its own: half of what it has left would let it begin a
-// conversation it has no time to finish, and the e-mail, taken by the server, would go again.
+// Before the deliverer's first conversation nothing is known of the server, and it needs that
+// half: no conversation says one would be quick. One with less, as a notification that waited
+// in line, is not started then, and is released to be tried again with a budget of its own:
+// half of what it has left would let it begin a conversation it has no time to finish, and the
+// e-mail, taken by the server, would go again.
 func (d *smtpDeliverer) timeToConverse(job *smtpJob) error {
 	deadline, ok := job.ctx.Deadline()
 	if !ok {
 		return nil
 	}
+	need := job.budget / 2
 	d.mu.Lock()
-	need := min(conversationMargin*d.longest.at(time.Now()), job.budget/2)
+	if d.longest.known() {
+		need = min(conversationMargin*d.longest.at(), need)
+	}
 	d.mu.Unlock()
 	if left := time.Until(deadline); left < need {
 		return fmt.Errorf("smtp: %w: %s of its budget left, a conversation may take %s", errNotStarted,
@@ -363,24 +368,41 @@ func (d *smtpDeliverer) timeToConverse(job *smtpJob) error {
 	return nil
 }
 
-// longestHalfLife is how fast a long conversation is forgotten: a server slow for a while
-// holds back deliveries short of time for about as long, not for good (one that took longer
-// than any budget allows would otherwise stop every delivery from starting).
+// longestHalfLife is how fast a long conversation is forgotten, in time spent conversing since:
+// a server slow for a while holds back deliveries short of time until about as long has been
+// spent on quicker conversations, not for good (its deliveries with their whole budget begin).
 const longestHalfLife = 10 * time.Second
 
-// longestRecent is the longest recent conversation, halved every longestHalfLife since.
+// longestRecent is the longest recent conversation, halved every longestHalfLife of
+// conversation since: the time from one conversation's end to the next one's counts for no more
+// than the next one lasted. Time without a conversation forgets nothing: a server unheard from
+// is no quicker for it, and a delivery that waited while the connections idled (a notification
+// in line behind a worker whose mark waited out a database failover) would begin with too little
+// time left, to be cut off after the server took its message.
 type longestRecent struct {
-	took time.Duration
-	when time.Time
+	took  time.Duration
+	since time.Duration // conversation time since it ended
+	last  time.Time     // when the newest conversation ended; the zero time before any
 }
 
-func (l *longestRecent) at(now time.Time) time.Duration {
-	return time.Duration(float64(l.took) * math.Exp2(-float64(now.Sub(l.when))/float64(longestHalfLife)))
+func (l *longestRecent) at() time.Duration {
+	return time.Duration(float64(l.took) * math.Exp2(-float64(l.since)/float64(longestHalfLife)))
 }
 
+// known says whether any conversation was recorded.
+func (l *longestRecent) known() bool { return !l.last.IsZero() }
+
+// add records a conversation that took took and ended at now. Conversations on several
+// connections end out of order: one recorded after a later one adds no time.
 func (l *longestRecent) add(now time.Time, took time.Duration) {
-	if took >= l.at(now) {
-		l.took, l.when = took, now
+	if l.known() {
+		l.since += max(min(now.Sub(l.last), took), 0)
+	}
+	if now.After(l.last) {
+		l.last = now
+	}
+	if took >= l.at() {
+		l.took, l.since = took, 0
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"mime"
 	"mime/quotedprintable"
 	"net"
@@ -291,7 +292,7 @@ func TestDeliveryWithItsWholeBudgetBeginsOnASlowServer(t *testing.T) {
 		t.Fatalf("delivery with 300 ms to a server that answers in 2 s: %v, want it cut off", err)
 	}
 	d.mu.Lock()
-	longest := d.longest.at(time.Now())
+	longest := d.longest.at()
 	d.mu.Unlock()
 	if longest < 250*time.Millisecond {
 		t.Fatalf("longest recent conversation %s after one cut off at 300 ms, want about 300 ms", longest)
@@ -331,26 +332,78 @@ func TestDeliveryWithLittleOfItsBudgetLeftIsNotStarted(t *testing.T) {
 	}
 }
 
-// The longest recent conversation is forgotten by halves: a server that was slow once holds
-// back deliveries short of time for a while, never for good.
-func TestLongestRecentConversationFades(t *testing.T) {
+// A delivery with little of its budget left does not begin on a deliverer that has had no
+// conversation yet, nor on one whose last conversation ended long ago: nothing known of the
+// server, or nothing newer, is no sign that a conversation would be quick. Begun, on a relay that
+// answers each message 600 ms late, it would be cut off after the server took the message, and
+// the e-mail would go again.
+func TestDeliveryShortOfTimeIsNotStartedOnAnIdleDeliverer(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		budget time.Duration
+		idle   time.Duration // since the last conversation, of 300 ms; 0 for none
+	}{
+		{"no conversation yet, budget 10 s", 10 * time.Second, 0},
+		{"no conversation yet, budget 30 s", 30 * time.Second, 0},
+		{"last conversation 25 s ago, budget 10 s", 10 * time.Second, 25 * time.Second},
+		{"last conversation 25 s ago, budget 30 s", 30 * time.Second, 25 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			srv, d := mailServer(t, 1)
+			srv.AnswerLate(600 * time.Millisecond)
+			if tc.idle > 0 {
+				d.mu.Lock()
+				d.longest.add(time.Now().Add(-tc.idle), 300*time.Millisecond)
+				d.mu.Unlock()
+			}
+			ctx, cancel := context.WithTimeout(withBudget(context.Background(), tc.budget), 150*time.Millisecond)
+			defer cancel()
+			if err := d.Deliver(ctx, mailTo("c-1@customers.example")); !errors.Is(err, errNotStarted) {
+				t.Errorf("delivery with 150 ms of %s left: %v, want not started", tc.budget, err)
+			}
+			if mail := srv.Mail(); len(mail) != 0 {
+				t.Errorf("the server took %d messages, want none: the delivery was not started", len(mail))
+			}
+		})
+	}
+}
+
+// The longest recent conversation is forgotten by halves, as time is spent on conversations
+// since: a server that was slow once holds back deliveries short of time for a while, never for
+// good; and idle time, which says nothing of the server, forgets nothing.
+func TestLongestRecentConversationFadesOnlyWhileConversing(t *testing.T) {
 	t.Parallel()
 	var l longestRecent
 	now := time.Now()
-	l.add(now, 20*time.Second)
-	l.add(now, time.Second) // shorter: the longest stays
-	for _, c := range []struct {
-		after time.Duration
-		want  time.Duration
-	}{{0, 20 * time.Second}, {longestHalfLife, 10 * time.Second}, {10 * longestHalfLife, 20 * time.Second / 1024}} {
-		if got := l.at(now.Add(c.after)); got.Round(time.Millisecond) != c.want.Round(time.Millisecond) {
-			t.Errorf("%s after a 20 s conversation: longest %s, want %s", c.after, got, c.want)
+	want := func(what string, d time.Duration) {
+		t.Helper()
+		if got := l.at(); got.Round(time.Millisecond) != d.Round(time.Millisecond) {
+			t.Errorf("%s: longest %s, want %s", what, got, d)
 		}
 	}
-	l.add(now.Add(longestHalfLife), 12*time.Second) // longer than the 10 s left of the first
-	if got := l.at(now.Add(longestHalfLife)); got != 12*time.Second {
-		t.Errorf("a 12 s conversation after the 20 s one faded to 10 s: longest %s, want 12s", got)
+	l.add(now, 20*time.Second)
+	l.add(now, time.Second) // shorter: the longest stays
+	want("a 20 s conversation, then a 1 s one", 20*time.Second)
+	now = now.Add(time.Hour)
+	l.add(now, time.Second)
+	want("an hour idle, then a 1 s conversation", time.Duration(float64(20*time.Second)*math.Exp2(-0.1)))
+	for range 9 {
+		now = now.Add(time.Second)
+		l.add(now, time.Second)
 	}
+	want("ten 1 s conversations one after another", 10*time.Second)
+	// Eight connections at once: what counts is the time between the conversations' ends.
+	for range 80 {
+		now = now.Add(longestHalfLife / 80)
+		l.add(now, time.Second)
+	}
+	want("a half-life more of conversations side by side", 5*time.Second)
+	l.add(now.Add(-time.Millisecond), 2*time.Second) // recorded late: ended before the newest
+	want("a 2 s conversation recorded out of order", 5*time.Second)
+	l.add(now, 6*time.Second) // longer than the 5 s left of the first
+	want("a 6 s conversation after the 20 s one faded to 5 s", 6*time.Second)
 }
 
 // A connection on which a delivery failed is closed, never used again: the next delivery gets
@@ -1416,6 +1469,9 @@ func TestADeliveryOutOfTimeIsNoOutage(t *testing.T) {
 		t.Parallel()
 		d := newSMTPDeliverer(lateGreetingServer(t, 200*time.Millisecond), "orders@shop.example", 1)
 		t.Cleanup(d.Close)
+		// A quick conversation before: 20 ms needed, so that the delivery dials and its own
+		// deadline cuts the greeting off (a fresh deliverer would ask half the budget).
+		d.longest.add(time.Now(), 10*time.Millisecond)
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 		defer cancel()
 		err := d.Deliver(withBudget(ctx, 10*time.Second), mailTo("c-1@customers.example"))
@@ -1501,7 +1557,7 @@ func TestASessionOpenedTooLateIsKeptForTheNext(t *testing.T) {
 	d := newSMTPDeliverer(slowGreetingProxy(t, srv.Addr, 900*time.Millisecond), "orders@shop.example", 1)
 	t.Cleanup(d.Close)
 	d.mu.Lock()
-	d.longest = longestRecent{took: 400 * time.Millisecond, when: time.Now()} // 800 ms needed
+	d.longest.add(time.Now(), 400*time.Millisecond) // 800 ms needed
 	d.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
 	defer cancel()

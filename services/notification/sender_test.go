@@ -800,6 +800,71 @@ func TestNotificationThatWaitedInLineIsEmailedOnce(t *testing.T) {
 	}
 }
 
+// busyFirst keeps its worker busy with the first notification it is given, as a "sent" mark
+// that waits out a database failover would, until only short is left of that notification's
+// budget (nothing is e-mailed for it); every later notification goes to inner.
+type busyFirst struct {
+	inner Deliverer
+	short time.Duration
+	taken atomic.Bool
+}
+
+func (d *busyFirst) Deliver(ctx context.Context, n Notification) error {
+	if d.taken.Swap(true) {
+		return d.inner.Deliver(ctx, n)
+	}
+	deadline, _ := ctx.Deadline()
+	t := time.NewTimer(time.Until(deadline.Add(-d.short)))
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// The notification leased behind one that kept the only worker busy reaches the mailer with
+// about 450 ms of its budget left, on a relay that answers each message 600 ms late. The
+// mailer has had no conversation yet, or its last was 25 s ago (its connections idled while
+// the worker was busy): either way the delivery must not begin (it would be cut off after the
+// server took the e-mail, and the e-mail sent again), but be released and e-mailed once with a
+// budget of its own.
+func TestNotificationThatWaitedInLineIsEmailedOnceByAnIdleMailer(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		idle time.Duration // since the mailer's last conversation, of 600 ms; 0 for none
+	}{{"no conversation yet", 0}, {"last conversation 25 s ago", 25 * time.Second}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newSenderEnv(t)
+			ids := e.pendingMany(t, 2)
+			e.smtp.AnswerLate(600 * time.Millisecond)
+			m := e.mailer(t)
+			if tc.idle > 0 {
+				m.mu.Lock()
+				m.longest.add(time.Now().Add(-tc.idle), 600*time.Millisecond)
+				m.mu.Unlock()
+			}
+			s := e.sender(t, "sender-a", &busyFirst{inner: m, short: 450 * time.Millisecond})
+			s.concurrency, s.deliver = 1, 2*time.Second
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			returned := runSender(ctx, t, s)
+			testenv.Eventually(t, 20*time.Second, func() bool {
+				return testenv.Count(t, e.db.DB, "SELECT count(*) FROM notifications WHERE status = 'sent'") == int64(len(ids))
+			}, "not both notifications were sent")
+			cancel()
+			returned()
+			if n, r := e.mails(t, ids[1]), e.row(t, ids[1]); n != 1 || r.Attempts != 0 {
+				t.Errorf("the notification that waited in line: e-mailed %d times without a crash, %d attempts counted; want once, none (row: %+v)",
+					n, r.Attempts, r)
+			}
+		})
+	}
+}
+
 // overlapping counts how many deliveries are in progress at once, at most, each taking delay
 // before handing over to inner.
 type overlapping struct {
