@@ -37,19 +37,28 @@ type CleanupResult struct {
 	Skipped bool
 }
 
-// Keys of the session-level advisory locks that let one runner at a time clean a table, in
-// whichever replica. One per table, so the outbox's and the inbox's cleanups of one database
-// don't keep each other out. Arbitrary values ("outboxcl", "inboxcln" in ASCII), unlike
+// Classes of the session-level advisory locks that let one runner at a time clean a table, in
+// whichever replica: a lock's key is its class in the high 32 bits, the hash of the tables'
+// schema (current_schema(), where the migrations create them) in the low ones (see
+// cleanupLockKey). One per table and schema, so the outbox's and the inbox's cleanups don't
+// keep each other out, nor those of services that each have their schema in one database
+// (advisory locks are the database's). Arbitrary values ("outb", "inbo" in ASCII), unlike
 // goose's lock key; every copy of this package must use the same ones.
 const (
-	outboxCleanupLockKey int64 = 0x6f7574626f78636c
-	inboxCleanupLockKey  int64 = 0x696e626f78636c6e
+	outboxCleanupLockClass int32 = 0x6f757462
+	inboxCleanupLockClass  int32 = 0x696e626f
 )
+
+// cleanupLockKey is the SQL of a cleanup lock's key, from its class, $1. No schema (a
+// search_path naming none that exists) hashes as an empty name: that cleanup fails at its
+// DELETE, which finds no table, saying so. Two schemas whose hashes collide share a lock:
+// each skips a turn while the other runs.
+const cleanupLockKey = `(CAST($1 AS bigint) << 32) | (CAST(hashtext(coalesce(current_schema(), '')) AS bigint) & 4294967295)`
 
 // DeleteSentOutboxMessages deletes the rows sent more than olderThan ago, in batches of
 // [CleanupOptions.BatchSize] rows, each its own transaction, until none is left, and says how
 // many. Unsent rows are never deleted, however old. Only one runner at a time cleans a
-// database's outbox: a call that finds another one running returns at once, Skipped.
+// schema's outbox: a call that finds another one running returns at once, Skipped.
 //
 // A cancelled ctx stops it between batches, or interrupts the current batch's DELETE, which
 // then deletes nothing. A batch whose DELETE is done commits all the same, given up to 2 s
@@ -75,7 +84,7 @@ func DeleteSentOutboxMessages(ctx context.Context, db DB, olderThan time.Duratio
 		}
 		return deleteSentBatch(ctx, tx, &ahead, uuid.Max, cutoff, limit)
 	}
-	return cleanUp(ctx, db, "outbox_messages", outboxCleanupLockKey, olderThan, opts, upToCutoff, farAheadOfNow)
+	return cleanUp(ctx, db, "outbox_messages", outboxCleanupLockClass, olderThan, opts, upToCutoff, farAheadOfNow)
 }
 
 // farAhead is how far past the database's clock the time in an outbox id must be for the
@@ -114,18 +123,18 @@ func DeleteInboxMessages(ctx context.Context, db DB, olderThan time.Duration, op
 		}
 		return picked, deleted, err
 	}
-	return cleanUp(ctx, db, "inbox_messages", inboxCleanupLockKey, olderThan, opts, next)
+	return cleanUp(ctx, db, "inbox_messages", inboxCleanupLockClass, olderThan, opts, next)
 }
 
 // cleanupBatch deletes, in tx, the next batch of rows older than cutoff, at most limit, and
 // says how many rows it picked and how many of them it deleted.
 type cleanupBatch func(ctx context.Context, tx Executor, cutoff time.Time, limit int) (picked, deleted int64, err error)
 
-// cleanUp runs the batches of one table's cleanup under the table's lock: each walk's in
+// cleanUp runs the batches of one table's cleanup under the lock of lockClass: each walk's in
 // turn, until it finds no more.
-func cleanUp(ctx context.Context, db DB, table string, lockKey int64, olderThan time.Duration, opts CleanupOptions, walks ...cleanupBatch) (CleanupResult, error) {
+func cleanUp(ctx context.Context, db DB, table string, lockClass int32, olderThan time.Duration, opts CleanupOptions, walks ...cleanupBatch) (CleanupResult, error) {
 	var res CleanupResult
-	locked, err := withSessionLock(ctx, db, lockKey, func(conn Conn) error {
+	locked, err := withSessionLock(ctx, db, lockClass, func(conn Conn) error {
 		for _, next := range walks {
 			if err := deleteInBatches(ctx, conn, table, olderThan, opts, next, &res); err != nil {
 				return err
@@ -202,17 +211,20 @@ func runBatch(ctx context.Context, conn Conn, cutoff time.Time, limit int, next 
 	return picked, deleted, nil
 }
 
-// withSessionLock runs fn on a connection of its own holding the advisory lock key, and says
-// whether it got the lock; when another session holds it, fn does not run. The lock belongs
-// to the session, so it is taken, used and released on that one connection, never through the
-// pool, where each statement may run on another connection. A transaction-level lock would
-// last one batch only, and let two runners take turns.
-func withSessionLock(ctx context.Context, db DB, key int64, fn func(conn Conn) error) (locked bool, err error) {
+// withSessionLock runs fn on a connection of its own holding the advisory lock of class in
+// the session's schema (cleanupLockKey), and says whether it got the lock; when another
+// session holds it, fn does not run. The lock belongs to the session, so it is taken, used and
+// released on that one connection, never through the pool, where each statement may run on
+// another connection. A transaction-level lock would last one batch only, and let two runners
+// take turns.
+func withSessionLock(ctx context.Context, db DB, class int32, fn func(conn Conn) error) (locked bool, err error) {
 	conn, err := db.Conn(ctx)
 	if err != nil {
 		return false, fmt.Errorf("take a connection: %w", err)
 	}
-	if err := queryRow(ctx, conn, []any{&locked}, `SELECT pg_try_advisory_lock($1)`, key); err != nil {
+	// The key taken is the key released, whatever the session's schema by then.
+	var key int64
+	if err := queryRow(ctx, conn, []any{&locked, &key}, `SELECT pg_try_advisory_lock(k), k FROM (SELECT `+cleanupLockKey+`) AS cleanup_lock(k)`, class); err != nil {
 		// The lock may have been taken all the same (a cancellation between the server's
 		// answer and the scan): back in the pool, the session would keep every run out.
 		conn.Discard()

@@ -3,6 +3,7 @@ package test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -12,10 +13,12 @@ import (
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
 )
 
 // cleanupEnv is a database with both messaging tables, and the metrics its cleanups count in.
 type cleanupEnv struct {
+	url      string
 	db       *gorm.DB
 	pool     messaging.DB // db's, for the library
 	registry *prometheus.Registry
@@ -31,7 +34,7 @@ func newCleanupEnv(t *testing.T) *cleanupEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &cleanupEnv{db: d.DB, pool: d.Driver(t).DB(), registry: reg, opts: messaging.CleanupOptions{Metrics: metrics}}
+	e := &cleanupEnv{url: d.URL, db: d.DB, pool: d.Driver(t).DB(), registry: reg, opts: messaging.CleanupOptions{Metrics: metrics}}
 	// The "random" bits of the test's UUIDv7 ids: distinct across all the rows it inserts.
 	e.exec(t, "CREATE SEQUENCE test_ids")
 	return e
@@ -288,6 +291,67 @@ func TestCleanupRunsOnceAcrossRunners(t *testing.T) {
 	again, err := messaging.DeleteSentOutboxMessages(context.Background(), e.pool, week, e.opts)
 	if err != nil || again.Skipped || again.Deleted != 0 {
 		t.Fatalf("a run after both: %+v, %v; want it to take the lock and find nothing", again, err)
+	}
+}
+
+// The cleanup lock is a schema's: while a runner cleans one service's outbox (in public), a
+// second service's, in a schema of its own in the same database, is cleaned all the same, and
+// a second runner of the first service's still skips. Keyed by the table alone, the lock kept
+// every other service's cleanup out.
+func TestCleanupsOfTwoSchemasInOneDatabaseDoNotKeepEachOtherOut(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+1) // the second service's pool
+	e := newCleanupEnv(t)
+	e.addOutboxRows(t, 2_000, "10 days", "1 s", "50 ms")
+	e.exec(t, "CREATE SCHEMA billing")
+	u, err := url.Parse(e.url)
+	must(t, err)
+	q := u.Query()
+	q.Set("search_path", "billing,public")
+	u.RawQuery = q.Encode()
+	testenv.Draw(t, 1)
+	pool := newPgxPool(t, u.String(), 1)
+	defer pool.Close()
+	billing := pgxdriver.New(pool).DB()
+	ctx := context.Background()
+	must(t, messaging.MigrateOutbox(ctx, billing))
+	must(t, e.db.Transaction(func(tx *gorm.DB) error {
+		if err := tx.Exec("SET LOCAL search_path = billing, public").Error; err != nil {
+			return err
+		}
+		return tx.Exec(outboxRowsSQL, map[string]any{"n": 1_000, "from": "10 days", "every": "1 s", "sent_after": "50 ms", "attempts": 0}).Error
+	}))
+
+	// Hold public's oldest sent row: the first runner's first batch waits for it, lock in hand.
+	blocker := e.db.Begin()
+	defer blocker.Rollback()
+	must(t, blocker.Exec("SELECT 1 FROM public.outbox_messages ORDER BY id LIMIT 1 FOR UPDATE").Error)
+	first := make(chan error, 1)
+	go func() {
+		_, err := messaging.DeleteSentOutboxMessages(ctx, e.pool, week, e.opts)
+		first <- err
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, e.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'") == 1
+	}, "the first runner's batch is not waiting for the held row")
+
+	bctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	other, err := messaging.DeleteSentOutboxMessages(bctx, billing, week, messaging.CleanupOptions{})
+	if err != nil || other.Skipped || other.Deleted != 1_000 {
+		t.Errorf("billing's cleanup beside public's: %+v, %v; want its 1,000 rows deleted", other, err)
+	}
+	second, err := messaging.DeleteSentOutboxMessages(bctx, e.pool, week, e.opts)
+	if err != nil || !second.Skipped {
+		t.Errorf("a second runner of public's: %+v, %v; want it skipped", second, err)
+	}
+
+	must(t, blocker.Rollback().Error)
+	select {
+	case err := <-first:
+		must(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first runner did not finish within 30 s of the row's release")
 	}
 }
 
