@@ -17,29 +17,40 @@ const (
 // all: invalid UTF-8, a NUL character (\u0000), a surrogate without its pair (\ud800 alone),
 // or a number beyond numeric's range (1e131072, 1e-16384, 0e1073741823). encoding/json's Valid
 // lets each of them through.
-func jsonbRefusal(b []byte) string {
+//
+// And, when it takes b, printed bounds the length of the text jsonb gives it back as, without
+// the spaces it adds after each ',' and ':' (the relay's publisher drops them again): b
+// without its white space, each number written out in full as numeric prints it (1e131071 as
+// 131,072 digits, from 8 bytes), and each string as given, which jsonb prints as long or
+// shorter ("\u00e9" as "é"): exact for strings with no escapes but \" \\ \b \f \n \r \t.
+func jsonbRefusal(b []byte) (why string, printed int64) {
 	if !utf8.Valid(b) {
-		return "invalid UTF-8"
+		return "invalid UTF-8", 0
 	}
+	printed = int64(len(b))
 	for i := 0; i < len(b); {
 		switch c := b[i]; {
 		case c == '"':
 			n, why := scanJSONString(b[i:])
 			if why != "" {
-				return why
+				return why, 0
 			}
 			i += n
 		case c == '-' || '0' <= c && c <= '9':
-			n, ok := scanJSONNumber(b[i:])
+			n, text, ok := scanJSONNumber(b[i:])
 			if !ok {
-				return "the number " + truncate(string(b[i:i+n])) + ", beyond PostgreSQL's numeric range"
+				return "the number " + truncate(string(b[i:i+n])) + ", beyond PostgreSQL's numeric range", 0
 			}
+			printed += int64(text - n)
 			i += n
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			printed-- // jsonb keeps no white space of its own
+			i++
 		default:
 			i++
 		}
 	}
-	return ""
+	return "", printed
 }
 
 // scanJSONString reads the string b starts with and returns its length, and what jsonb refuses
@@ -90,13 +101,15 @@ func hex4(b []byte) int {
 	return int(v)
 }
 
-// scanJSONNumber reads the number b starts with and returns its length, and whether numeric can
+// scanJSONNumber reads the number b starts with and returns its length; whether numeric can
 // hold it: its highest digit at most 10^131071, its lowest at least 10^-16383 (trailing zeros
 // count, and a zero's too: jsonb keeps the scale as written), and an exponent below 2^30-1
-// either way, which PostgreSQL's parser requires even of a zero.
-func scanJSONNumber(b []byte) (int, bool) {
+// either way, which PostgreSQL's parser requires even of a zero; and, if it can, the length of
+// numeric's text of it, what jsonb gives back.
+func scanJSONNumber(b []byte) (n, text int, ok bool) {
 	i := 0
-	if b[i] == '-' {
+	negative := b[i] == '-'
+	if negative {
 		i++
 	}
 	intStart := i
@@ -130,24 +143,41 @@ func scanJSONNumber(b []byte) (int, bool) {
 			i++
 		}
 		if exp >= jsonbExponentOver {
-			return i, false
+			return i, 0, false
 		}
 		exp *= sign
 	}
-	if exp-len(fracDigits) < jsonbLowestDigit {
-		return i, false
+	// numeric keeps the scale as written: the digits after the point, less the exponent.
+	scale := len(fracDigits) - exp
+	if scale > -jsonbLowestDigit {
+		return i, 0, false
 	}
+	high, zero := 0, true // the power of ten of the highest digit not 0
 	for k, d := range intDigits {
 		if d != '0' {
-			return i, len(intDigits)-1-k+exp <= jsonbHighestDigit
+			high, zero = len(intDigits)-1-k+exp, false
+			break
 		}
 	}
-	for k, d := range fracDigits {
-		if d != '0' {
-			return i, -(k+1)+exp <= jsonbHighestDigit
+	for k := 0; zero && k < len(fracDigits); k++ {
+		if fracDigits[k] != '0' {
+			high, zero = -(k+1)+exp, false
 		}
 	}
-	return i, true // zero
+	if high > jsonbHighestDigit {
+		return i, 0, false
+	}
+	// numeric prints every digit from the highest down to the units, or a 0, and the scale's
+	// digits after a point: 1e5 as 100000, 1.5e-7 as 0.00000015, 0e-3 as 0.000. No sign on a
+	// zero, which numeric does not keep negative.
+	text = max(high+1, 1)
+	if scale > 0 {
+		text += 1 + scale
+	}
+	if negative && !zero {
+		text++
+	}
+	return i, text, true
 }
 
 func isDigit(c byte) bool { return '0' <= c && c <= '9' }

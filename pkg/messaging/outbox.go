@@ -41,9 +41,12 @@ var ErrNotInTransaction = errors.New("outbox: enqueue needs the caller's transac
 // an unpaired surrogate escape or a number beyond numeric's range, all of which
 // encoding/json's Valid lets through; an OccurredAt outside the years 1 to 9999; or if it
 // would be stored changed: invalid UTF-8 in its type, correlation id, trace context,
-// exchange, routing key, or a header's name or value; or if two of msgs share an id. Checked
-// before any statement, so that tx stays usable. An id stored already (a message enqueued
-// again) is found by the insert, whose failure aborts tx.
+// exchange, routing key, or a header's name or value; or if two of msgs share an id; or if
+// its payload is over 16 MiB as given, white space included, or as jsonb gives it back and the
+// relay sends it, each number written out in full, 1e1000 as 1,001 digits ([ErrTooLarge]):
+// RabbitMQ 4 takes no larger message by default, and PostgreSQL's jsonb fails on some not much
+// larger, aborting tx. Checked before any statement, so that tx stays usable. An id stored
+// already (a message enqueued again) is found by the insert, whose failure aborts tx.
 //
 // Past 8 MiB of rows it inserts them in several statements, in tx (they travel as one jsonb
 // value, which holds at most 256 MiB), behind a savepoint: an error from any of them, an id
@@ -129,6 +132,14 @@ type quietDriver[Tx any] struct{ Driver[Tx] }
 // connection's own.
 const enqueueFrameSize = 128<<10 - maxShortString
 
+// enqueuePayloadBytes is the largest payload [Enqueue] takes, measured as given, and as jsonb
+// gives it back (jsonbRefusal): RabbitMQ 4's default max_message_size, 16 MiB. A larger
+// message would never be delivered there, and one message goes whole into an insert: past
+// some 32 MiB (an array of 2^24 small numbers) jsonb's parser asks for 1 GiB at once, more
+// than PostgreSQL allocates, and the insert fails and aborts the caller's transaction. At 16
+// MiB it takes the backend under 1 GB.
+const enqueuePayloadBytes = 16 << 20
+
 // enqueueBatchBytes bounds the JSON array of one insert of [Enqueue]: its rows travel as one
 // jsonb value, which PostgreSQL caps at 256 MiB (less a byte), and jsonb can take up to six
 // times the bytes of its text (an array of one-digit numbers: a 4-byte entry and an 8-byte
@@ -187,6 +198,9 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time, bound int) (
 		if m.ID.Version() != 7 {
 			return nil, fmt.Errorf("outbox: enqueue message %d (%s): its id is a UUID version %d, not a UUIDv7 (use NewMessage, or uuid.NewV7)", i, m.ID, m.ID.Version())
 		}
+		if len(m.Payload) > enqueuePayloadBytes {
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): %w: its payload is %d bytes, more than the %d a default RabbitMQ 4 takes", i, m.ID, ErrTooLarge, len(m.Payload), enqueuePayloadBytes)
+		}
 		if first, ok := ids[m.ID]; ok {
 			return nil, fmt.Errorf("outbox: enqueue message %d (%s): message %d has its id already", i, m.ID, first)
 		} else if ids != nil {
@@ -203,6 +217,14 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time, bound int) (
 		}
 		if why := unstorable(m); why != "" {
 			return nil, fmt.Errorf("outbox: enqueue message %d (%s): %s", i, m.ID, why)
+		}
+		// The relay sends the payload as jsonb gives it back, each number written out in full: 8
+		// bytes of 1e131071 read back as 131,072, and a payload of a few KiB as hundreds of MiB,
+		// never sent, and as large in the relay's memory and the server's at every attempt.
+		if why, printed := jsonbRefusal(m.Payload); why != "" {
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): its payload holds %s, which PostgreSQL's jsonb cannot store", i, m.ID, why)
+		} else if printed > enqueuePayloadBytes {
+			return nil, fmt.Errorf("outbox: enqueue message %d (%s): %w: its payload is %d bytes as PostgreSQL's jsonb gives it back, its numbers written out in full, more than the %d a default RabbitMQ 4 takes", i, m.ID, ErrTooLarge, printed, enqueuePayloadBytes)
 		}
 		start := len(b)
 		if i > from {
@@ -241,9 +263,9 @@ func outboxRows(ctx context.Context, msgs []Message, now time.Time, bound int) (
 	return append(batches, outboxBatch{rows: string(append(b, ']')), first: from, n: len(msgs) - from}), nil
 }
 
-// unstorable says what in m PostgreSQL cannot store, or "" if it can all be stored. Its insert
-// would fail and abort the caller's transaction, with every statement in it: Enqueue refuses
-// the message first, and the transaction goes on.
+// unstorable says what in m, its payload aside (jsonbRefusal), PostgreSQL cannot store, or ""
+// if it can all be stored. Its insert would fail and abort the caller's transaction, with
+// every statement in it: Enqueue refuses the message first, and the transaction goes on.
 func unstorable(m Message) string {
 	// Text without a NUL can still be stored changed: JSON, in which the rows are written,
 	// carries no invalid UTF-8, and each bad byte would become U+FFFD, three bytes, after the
@@ -270,9 +292,6 @@ func unstorable(m Message) string {
 		if !utf8.ValidString(v) {
 			return "its header " + strconv.Quote(k) + " has a value that is not valid UTF-8, and would be stored changed"
 		}
-	}
-	if why := jsonbRefusal(m.Payload); why != "" {
-		return "its payload holds " + why + ", which PostgreSQL's jsonb cannot store"
 	}
 	if y := m.OccurredAt.UTC().Year(); y < 1 || y > 9999 {
 		// PostgreSQL stores none before the year 1; RFC 3339, in which JSON carries times (and

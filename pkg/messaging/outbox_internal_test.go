@@ -49,7 +49,7 @@ func TestJSONBRefusals(t *testing.T) {
 		{`[0e1073741823]`, true},
 		{`{"a":-0.0E+9999999999}`, true},
 	} {
-		if got := jsonbRefusal([]byte(tc.json)); (got != "") != tc.refuse {
+		if got, _ := jsonbRefusal([]byte(tc.json)); (got != "") != tc.refuse {
 			t.Errorf("jsonbRefusal(%s) = %q, want refused: %v", tc.json, got, tc.refuse)
 		}
 	}

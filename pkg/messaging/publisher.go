@@ -29,7 +29,8 @@ var (
 	// ErrNacked: the broker refused the message on a channel that stayed open.
 	ErrNacked = errors.New("message nacked by the broker")
 	// ErrTooLarge: the message is over PublisherConfig.MaxMessageBytes, or the broker closed
-	// the channel for a body over its own max_message_size; it was not sent.
+	// the channel for a body over its own max_message_size; it was not sent. From [Enqueue]:
+	// its payload is over 16 MiB; it was not stored.
 	ErrTooLarge = errors.New("message too large")
 	// ErrNoExchange: the message names an exchange that does not exist; it was not sent.
 	ErrNoExchange = errors.New("no such exchange")

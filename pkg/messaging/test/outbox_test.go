@@ -1,8 +1,10 @@
 package test
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"io/fs"
 	"slices"
@@ -382,6 +384,149 @@ func TestEnqueueRefusesWhatPostgreSQLCannotStoreAndTheTransactionGoesOn(t *testi
 	}
 	if n := testenv.Count(t, db, "SELECT count(*) FROM outbox_messages"); n != 1 {
 		t.Errorf("outbox rows = %d, want 1 (the message PostgreSQL can store)", n)
+	}
+}
+
+// A payload over 16 MiB, RabbitMQ 4's default max_message_size, is refused with ErrTooLarge
+// before any statement, whatever the driver: the caller's transaction goes on, and its next
+// statement and commit succeed. Stored whole, a larger one would never be delivered, and one
+// past some 32 MiB (an array of small numbers) takes the server more memory than it allocates
+// at once: the insert fails and aborts the transaction. A payload of 16 MiB is stored. The
+// payloads are one long string, which jsonb parses in little memory, and one mostly of white
+// space, which jsonb prints back small: the bound holds for the payload as given too.
+func TestEnqueueRefusesAPayloadOverTheBoundAndTheTransactionGoesOn(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2) // a pool of one per other driver
+	d := testenv.NewDatabase(t)
+	d.MigrateLibrary(t)
+	must(t, d.DB.Exec("CREATE TABLE driver_work (message_id uuid PRIMARY KEY)").Error)
+	const bound = 16 << 20
+	testenv.Draw(t, 1)
+	pool := newPgxPool(t, d.URL, 1)
+	defer pool.Close()
+	testPayloadBound(t, d, "pgx", pgxCase(pool), bound)
+	testenv.Draw(t, 1)
+	db, err := sql.Open("pgx", d.URL)
+	must(t, err)
+	defer func() { must(t, db.Close()) }()
+	db.SetMaxOpenConns(1)
+	testPayloadBound(t, d, "database/sql", sqlCase(sqldriver.New(db), db, false), bound)
+	testPayloadBound(t, d, "GORM", gormCase(d.Driver(t), d.DB), bound)
+}
+
+// testPayloadBound enqueues, through c's driver and in one transaction, a message whose payload
+// is a byte over bound, then one as long but mostly white space, then one of bound bytes, then
+// writes a row of driver_work and commits.
+func testPayloadBound[Tx any](t *testing.T, d *testenv.Database, name string, c driverCase[Tx], bound int) {
+	t.Helper()
+	ctx := context.Background()
+	payload := func(size int) []byte { // {"filler":"xx…x"}, size bytes
+		const head, tail = `{"filler":"`, `"}`
+		return []byte(head + strings.Repeat("x", size-len(head)-len(tail)) + tail)
+	}
+	over, spaced, atBound := newMessage(t, 0), newMessage(t, 2), newMessage(t, 1)
+	over.Payload, atBound.Payload = payload(bound+1), payload(bound)
+	// [1   …   ], bound+1 bytes: jsonb prints it back as [1], so only the bound on the payload
+	// as given refuses it.
+	spaced.Payload = []byte("[1" + strings.Repeat(" ", bound+1-len("[1]")) + "]")
+	tx, err := c.begin(ctx)
+	must(t, err)
+	refused := messaging.Enqueue(ctx, c.drv, tx, over)
+	spacedRefused := messaging.Enqueue(ctx, c.drv, tx, spaced)
+	stored := messaging.Enqueue(ctx, c.drv, tx, atBound)
+	if err := c.work(ctx, tx, atBound.ID); err != nil {
+		_ = c.rollback(ctx, tx)
+		t.Fatalf("%s: the transaction's statement after the Enqueue of a payload over the bound, which returned %v: %v", name, refused, err)
+	}
+	if err := c.commit(ctx, tx); err != nil {
+		t.Fatalf("%s: commit after the Enqueue of a payload over the bound, which returned %v: %v", name, refused, err)
+	}
+	if !errors.Is(refused, messaging.ErrTooLarge) || !strings.Contains(refused.Error(), over.ID.String()) {
+		t.Errorf("%s: Enqueue of a payload of %d bytes = %v, want ErrTooLarge naming the message", name, bound+1, refused)
+	}
+	if !errors.Is(spacedRefused, messaging.ErrTooLarge) || !strings.Contains(spacedRefused.Error(), spaced.ID.String()) {
+		t.Errorf("%s: Enqueue of a payload of %d bytes, mostly white space = %v, want ErrTooLarge naming the message", name, bound+1, spacedRefused)
+	}
+	if stored != nil {
+		t.Errorf("%s: Enqueue of a payload of %d bytes = %v, want it stored", name, bound, stored)
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM driver_work WHERE message_id = ?", atBound.ID); n != 1 {
+		t.Errorf("%s: the transaction's own row committed %d times, want once", name, n)
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ? AND octet_length(payload->>'filler') = ?", atBound.ID, bound-len(`{"filler":""}`)); n != 1 {
+		t.Errorf("%s: %d rows of the payload at the bound, whole, want 1", name, n)
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id IN (?, ?)", over.ID, spaced.ID); n != 0 {
+		t.Errorf("%s: %d rows of the payloads over the bound, want none", name, n)
+	}
+}
+
+// jsonb gives a number back as numeric prints it, written out in full, and the relay sends
+// that text: a payload of 130 numbers 1e131071, 1 KiB as given, reads back as 17 MB, which no
+// default RabbitMQ 4 takes, and as large in memory at every attempt. Enqueue measures a payload
+// as jsonb gives it back (less the spaces it adds, which the publisher drops) and refuses one
+// over 16 MiB with ErrTooLarge, before any statement: the transaction goes on and commits. The
+// measure is PostgreSQL's own: for each form of number, a payload of exactly 16 MiB by the
+// compacted text PostgreSQL gives back is stored, and one a byte longer refused.
+func TestEnqueueMeasuresAPayloadAsPostgreSQLGivesItBack(t *testing.T) {
+	t.Parallel()
+	d := testenv.NewDatabase(t)
+	d.MigrateLibrary(t)
+	must(t, d.DB.Exec("CREATE TABLE orders (id uuid PRIMARY KEY)").Error)
+	const bound = 16 << 20
+	// printed is the length of payload p as the relay sends it: jsonb's text, compacted.
+	printed := func(p string) int {
+		var text string
+		must(t, d.DB.Raw("SELECT ?::jsonb::text", p).Scan(&text).Error)
+		var b bytes.Buffer
+		must(t, json.Compact(&b, []byte(text)))
+		return b.Len()
+	}
+	type attempt struct {
+		m      messaging.Message
+		stored bool
+	}
+	attempts := []attempt{{newMessage(t, 0), false}}
+	attempts[0].m.Payload = []byte("[" + strings.Repeat("1e131071,", 129) + "1e131071]")
+	// 1e999 makes each payload longer as given back than as given: only the new measure can
+	// refuse the one a byte over, shorter than 16 MiB as given.
+	for _, number := range []string{`1e131071`, `-1e131071`, `0.0001e131075`, `1.5e-7`, `-123.45e-10`,
+		`12e-1`, `100e-2`, `-0.0`, `0e-16383`, `-1e-16383`} {
+		payload := func(pad int) []byte { return []byte(`[1e999,` + number + `,"` + strings.Repeat("x", pad) + `"]`) }
+		pad := bound - printed(string(payload(0)))
+		atBound, over := newMessage(t, 0), newMessage(t, 0)
+		atBound.Payload, over.Payload = payload(pad), payload(pad+1)
+		attempts = append(attempts, attempt{over, false}, attempt{atBound, true})
+	}
+	errs := make([]error, len(attempts))
+	ctx := context.Background()
+	drv := d.Driver(t)
+	err := d.DB.Transaction(func(tx *gorm.DB) error {
+		for i, a := range attempts {
+			errs[i] = messaging.Enqueue(ctx, drv, tx, a.m)
+		}
+		return tx.Exec("INSERT INTO orders (id) VALUES (?)", uuid.New()).Error
+	})
+	if err != nil {
+		t.Fatalf("the transaction after the refusals: %v, want it to commit", err)
+	}
+	for i, a := range attempts {
+		switch {
+		case a.stored && errs[i] != nil:
+			t.Errorf("Enqueue of %.30s… (%d bytes as given) = %v, want it stored", a.m.Payload, len(a.m.Payload), errs[i])
+		case !a.stored && (!errors.Is(errs[i], messaging.ErrTooLarge) || !strings.Contains(errs[i].Error(), "as PostgreSQL's jsonb gives it back")):
+			t.Errorf("Enqueue of %.30s… (%d bytes as given) = %v, want ErrTooLarge for its size as jsonb gives it back", a.m.Payload, len(a.m.Payload), errs[i])
+		}
+		want := int64(0)
+		if a.stored {
+			want = 1
+		}
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM outbox_messages WHERE id = ?", a.m.ID); n != want {
+			t.Errorf("%d rows of %.30s…, want %d", n, a.m.Payload, want)
+		}
+	}
+	if n := testenv.Count(t, d.DB, "SELECT count(*) FROM orders"); n != 1 {
+		t.Errorf("orders = %d, want the transaction's own row", n)
 	}
 }
 
