@@ -244,11 +244,30 @@ const maxShortString = 255
 // out, or it would go to every queue they name once more.
 var routingHeaders = []string{"CC", "BCC"}
 
+// brokerHeadroom is the part of a frame a message's properties leave free for the headers
+// RabbitMQ adds when it delivers the message. It takes a message whose properties fill the
+// frame, adds its headers at delivery without checking the frame size again, and the client
+// refuses the larger frame (501, "frame size exceeds negotiated frame_max"), closing the
+// connection: at every delivery of the message from a quorum queue (RabbitMQ 3.10 counts the
+// first one too) to its consumer, and at every basic.get of it from a dead-letter queue
+// (listing or redriving it), taking what is behind it along.
+//
+// What it adds, on RabbitMQ 3.10 to 4.3: a quorum queue's x-delivery-count and, from 4.3 on,
+// x-acquired-count (26 bytes each); and to a message it dead-letters itself (at the delivery
+// limit), x-death (121 bytes besides the queue's, exchange's and routing key's names),
+// x-first-death-exchange, -queue and -reason (93 bytes, and the exchange's and queue's names),
+// and from 3.13 on their x-last-death-* (90, and the same names). With names of 255 bytes,
+// AMQP's longest, that is 2,141 bytes; an operator's message interceptors add timestamp_in_ms
+// (25) and x-routed-by (at most 272). 3 KiB keeps some 600 bytes over that, of RabbitMQ's
+// default frame of 128 KiB.
+const brokerHeadroom = 3 << 10
+
 // checkEnvelope returns an error wrapping [ErrInvalidEnvelope] when p, published to exchange
 // with key, cannot travel over AMQP: a short string over 255 bytes, properties (headers
-// included) that do not fit in one frame of frameSize bytes, or a header named CC or BCC. The
-// client would fail mid-frame, or the broker close the connection (the channel, for CC or BCC),
-// either way taking every other message in flight with it.
+// included) that do not fit in one frame of frameSize bytes less brokerHeadroom, or a header
+// named CC or BCC. The client would fail mid-frame, or the broker close the connection (the
+// channel, for CC or BCC), either way taking every other message in flight with it; or, for
+// properties that fill a frame, the client close the consumer's connection at each delivery.
 func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error {
 	type field struct{ name, value string }
 	properties := []field{{"type", p.Type}, {"correlation id", p.CorrelationId}, {"app id", p.AppId},
@@ -276,8 +295,9 @@ func checkEnvelope(exchange, key string, p amqp.Publishing, frameSize int) error
 			return fmt.Errorf("%w: the %s %q is %d bytes, AMQP allows %d", ErrInvalidEnvelope, f.name, truncate(f.value), len(f.value), maxShortString)
 		}
 	}
-	if frameSize > 0 && size > frameSize { // 0: no limit was negotiated
-		return fmt.Errorf("%w: its properties and headers take %d bytes, more than the connection's frame size of %d", ErrInvalidEnvelope, size, frameSize)
+	if frameSize > 0 && size > frameSize-brokerHeadroom { // 0: no limit was negotiated
+		return fmt.Errorf("%w: its properties and headers take %d bytes, more than the %d the connection's frame size of %d leaves beside the %d the broker may add at delivery",
+			ErrInvalidEnvelope, size, frameSize-brokerHeadroom, frameSize, brokerHeadroom)
 	}
 	return nil
 }

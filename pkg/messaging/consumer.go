@@ -899,18 +899,25 @@ func (c *consumer) confirm(ctx context.Context, log *slog.Logger, op string, err
 // ack, or a session that ends while an alarm holds the copy unread, leaves a second copy in the
 // dead-letter queue, which a redrive hands to the inbox with the same message id.
 func (c *consumer) deadLetter(ctx, session, workCtx context.Context, log *slog.Logger, d amqp.Delivery, reason error) {
+	said := false // that the copy leaves d's headers out
 	for failures := 1; ; failures++ {
-		err := c.deadLetters.publish(workCtx, d, reason)
+		err := c.deadLetters.publish(workCtx, d, reason, &said)
 		if err == nil {
 			break
 		}
+		if !stopping(session, workCtx) {
+			delay := c.cfg.RetryBackoff.Delay(failures)
+			log.WarnContext(ctx, "could not dead-letter message; retrying", "error", err, "reason", reason, "retry_in", delay)
+			sleep(session, nil, delay)
+		}
+		// A session that ended, before the failure or during the wait (which its end cuts
+		// short), hands d back: a copy published after it could be confirmed while d, its
+		// channel gone, can no longer be acknowledged, and its redelivery would be dead-lettered
+		// a second time.
 		if stopping(session, workCtx) {
 			c.confirm(ctx, log, "nack", d.Nack(false, true), "")
 			return
 		}
-		delay := c.cfg.RetryBackoff.Delay(failures)
-		log.WarnContext(ctx, "could not dead-letter message; retrying", "error", err, "reason", reason, "retry_in", delay)
-		sleep(session, nil, delay)
 	}
 	log.ErrorContext(ctx, "message dead-lettered", "dead_letter_queue", DeadLetterQueue(c.cfg.Queue), "reason", reason)
 	c.confirm(ctx, log, "ack", d.Ack(false), settledDeadLettered)

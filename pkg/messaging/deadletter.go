@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -17,9 +18,14 @@ import (
 // no more than "rejected".
 const (
 	HeaderDeadLetterReason   = "x-outbox-dead-letter-reason"   // why no retry can help, truncated
-	HeaderDeadLetteredAt     = "x-outbox-dead-lettered-at"     // when, RFC 3339 in UTC
+	HeaderDeadLetteredAt     = "x-outbox-dead-lettered-at"     // when, RFC 3339 in UTC, to the nanosecond
 	HeaderOriginalExchange   = "x-outbox-original-exchange"    // where the message was published
 	HeaderOriginalRoutingKey = "x-outbox-original-routing-key" // and with which routing key
+	// HeaderOriginalHeadersDropped is true on a copy that leaves the message's own headers out:
+	// with the headers above they would not fit in a frame, less the room the dead-letter queue
+	// takes at delivery, and a connection would be closed on every try. Its body, properties and
+	// message id are kept.
+	HeaderOriginalHeadersDropped = "x-outbox-original-headers-dropped"
 )
 
 // deliveryCountHeader is where a quorum queue says how often it delivered a message before.
@@ -28,6 +34,25 @@ const deliveryCountHeader = "x-delivery-count"
 // acquiredCountHeader is where a quorum queue from RabbitMQ 4.3 on says how often it delivered a
 // message before, failed or not.
 const acquiredCountHeader = "x-acquired-count"
+
+// deadLetteredAtLayout is how a copy says when it was dead-lettered: RFC 3339 with all nine
+// digits of the nanoseconds, not RFC3339Nano, which drops trailing zeros. The copy's size would
+// change with the clock, and a copy near its limit kept or dropped its headers from one try of
+// the same delivery to the next.
+const deadLetteredAtLayout = "2006-01-02T15:04:05.000000000Z07:00"
+
+// deadLetterQueueHeadroom is the part of a frame a dead-letter copy's properties leave free for
+// what the dead-letter queue adds to it: x-delivery-count and, from RabbitMQ 4.3 on,
+// x-acquired-count at each delivery (26 bytes each), and an operator's message interceptors'
+// timestamp_in_ms and x-routed-by when the copy is published (at most 297); 512 keeps some 160
+// bytes over that. Less than brokerHeadroom, which also keeps room for the headers the broker
+// adds when it dead-letters a message itself: nothing dead-letters a message out of the
+// dead-letter queue (it has no dead-letter target, and no delivery limit in practice: see
+// [ConsumerTopology.DeadLetterArguments]), and a redrive takes the x-outbox-* headers off again,
+// so the message goes back no larger than it came. A message the library published, held to
+// brokerHeadroom, keeps its headers in its copy, with a reason of maxReasonBytes and an exchange
+// and routing key of 255 bytes (1,698 bytes at most, beside the 297 interceptors may have added).
+const deadLetterQueueHeadroom = 512
 
 // maxReasonBytes bounds the reason header: a reason quoting a large decoding error must not
 // grow the message's headers past the broker's frame size.
@@ -51,7 +76,15 @@ var errUnroutable = errors.New("unroutable")
 // dead-letters, so that the copy does not expire there; user_id, which the broker checks
 // against the user publishing it, here the consumer's and not the original publisher's; and
 // the routing headers (CC), which would send the copy to the queues they name as well.
-func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing {
+//
+// A copy whose properties would not fit in one frame of frameSize bytes (0 or less: no limit)
+// less deadLetterQueueHeadroom leaves all of d's headers out, and says so (dropped): d's
+// headers can fill that much by themselves (another publisher's, not held to brokerHeadroom),
+// and the reason and the rest added to them would take the copy past it. Past the frame the
+// broker closes the connection, on every try, for as long as the worker tries; past the
+// headroom the client closes it at every basic.get of the copy, which the dead-letter queue
+// counts, and a listing or redrive stops at it.
+func deadLetterCopy(d amqp.Delivery, reason error, at time.Time, frameSize int) (copied amqp.Publishing, dropped bool) {
 	headers := make(amqp.Table, len(d.Headers)+4)
 	for k, v := range d.Headers {
 		if k != deliveryCountHeader && k != acquiredCountHeader && !slices.Contains(routingHeaders, k) {
@@ -62,11 +95,14 @@ func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing
 	if len(why) > maxReasonBytes {
 		why = cutUTF8(why, maxReasonBytes) + "…"
 	}
-	headers[HeaderDeadLetterReason] = why
-	headers[HeaderDeadLetteredAt] = at.UTC().Format(time.RFC3339Nano)
-	headers[HeaderOriginalExchange] = d.Exchange
-	headers[HeaderOriginalRoutingKey] = d.RoutingKey
-	return amqp.Publishing{
+	added := amqp.Table{
+		HeaderDeadLetterReason:   why,
+		HeaderDeadLetteredAt:     at.UTC().Format(deadLetteredAtLayout),
+		HeaderOriginalExchange:   d.Exchange,
+		HeaderOriginalRoutingKey: d.RoutingKey,
+	}
+	maps.Copy(headers, added)
+	copied = amqp.Publishing{
 		Headers:         headers,
 		ContentType:     d.ContentType,
 		ContentEncoding: d.ContentEncoding,
@@ -80,6 +116,86 @@ func deadLetterCopy(d amqp.Delivery, reason error, at time.Time) amqp.Publishing
 		AppId:           d.AppId,
 		Body:            d.Body,
 	}
+	if frameSize <= 0 || contentHeaderSize(copied) <= frameSize-deadLetterQueueHeadroom {
+		return copied, false
+	}
+	// What is left takes under 3.6 KB (its properties are short strings, the reason is cut to a
+	// kilobyte): with the two delivery counts the dead-letter queue adds (nothing dead-letters
+	// a message from it), it fits in AMQP's smallest frame, 4,096 bytes.
+	added[HeaderOriginalHeadersDropped] = true
+	copied.Headers = added
+	return copied, true
+}
+
+// contentHeaderSize is the size of the content header frame that carries p's properties, as
+// the client writes it: its frame header and end (8 bytes); class, weight, body size and
+// property flags (14); each property that is set: a short string with its length byte, the
+// headers' table, delivery mode and priority (1 byte each), timestamp (8). Not checkEnvelope's
+// estimate, made for what toPublishing writes: a delivery may carry any property, and header
+// values of any type.
+func contentHeaderSize(p amqp.Publishing) int {
+	size := 8 + 14
+	for _, s := range []string{p.ContentType, p.ContentEncoding, p.CorrelationId, p.ReplyTo, p.Expiration,
+		p.MessageId, p.Type, p.UserId, p.AppId} {
+		if s != "" {
+			size += 1 + len(s)
+		}
+	}
+	if len(p.Headers) > 0 {
+		size += tableSize(p.Headers)
+	}
+	if p.DeliveryMode > 0 {
+		size++
+	}
+	if p.Priority > 0 {
+		size++
+	}
+	if !p.Timestamp.IsZero() {
+		size += 8
+	}
+	return size
+}
+
+// tableSize is the size of t as AMQP encodes it: a long string of its names and values.
+func tableSize(t amqp.Table) int {
+	size := 4
+	for k, v := range t {
+		size += 1 + len(k) + fieldSize(v)
+	}
+	return size
+}
+
+// fieldSize is the size of v as AMQP encodes it in a table, its type byte included, for each
+// type the client decodes a field to, and writes.
+func fieldSize(v any) int {
+	switch v := v.(type) {
+	case nil:
+		return 1
+	case bool, byte, int8:
+		return 2
+	case int16, uint16:
+		return 3
+	case int, int32, uint32, float32:
+		return 5
+	case amqp.Decimal:
+		return 6
+	case int64, float64, time.Time:
+		return 9
+	case string:
+		return 5 + len(v)
+	case []byte:
+		return 5 + len(v)
+	case []any:
+		size := 5
+		for _, e := range v {
+			size += fieldSize(e)
+		}
+		return size
+	case amqp.Table:
+		return 1 + tableSize(v)
+	}
+	// The client refuses to write any other type: the publish fails before anything is sent.
+	return 0
 }
 
 // deadLetterPublisher publishes dead-letter copies on a confirm-mode channel of a connection of
@@ -100,6 +216,8 @@ type deadLetterPublisher struct {
 	watch   *connWatch
 	ch      *amqp.Channel
 	returns chan amqp.Return
+	// frameSize is the one ch's connection negotiated, which a copy's properties must fit in.
+	frameSize int
 
 	// connMu guards conn and over, and is never held across a call to the broker: close must
 	// get through while a publish waits on a blocked one.
@@ -113,8 +231,10 @@ var errDeadLettersClosed = errors.New("dead-letter connection closed with its se
 
 // publish sends the copy of d through the default exchange to the dead-letter queue, mandatory,
 // and returns nil only once the broker confirmed it and routed it to that queue. A copy that
-// comes back unroutable has the dead-letter queue declared again, for the next try.
-func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reason error) error {
+// comes back unroutable has the dead-letter queue declared again, for the next try. A copy that
+// leaves d's headers out is logged once per delivery: said records it, for the worker's next
+// try of the same d.
+func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reason error, said *bool) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := ctx.Err(); err != nil {
@@ -123,7 +243,13 @@ func (p *deadLetterPublisher) publish(ctx context.Context, d amqp.Delivery, reas
 	if err := p.open(ctx); err != nil {
 		return err
 	}
-	err := p.confirm(ctx, deadLetterCopy(d, reason, time.Now()))
+	copied, dropped := deadLetterCopy(d, reason, time.Now(), p.frameSize)
+	if dropped && !*said {
+		*said = true
+		p.log.WarnContext(ctx, "dead-letter copy leaves the message's headers out: with the reason they would fill the frame",
+			"message_id", truncate(d.MessageId), "headers", len(d.Headers), "frame_size", p.frameSize)
+	}
+	err := p.confirm(ctx, copied)
 	if err != nil {
 		// A confirm or return still on its way must not be taken for the next copy's.
 		p.discard()
@@ -193,7 +319,7 @@ func (p *deadLetterPublisher) open(ctx context.Context) error {
 		_ = ch.Close()
 		return fmt.Errorf("enable confirms on the dead-letter channel: %w", err)
 	}
-	p.ch, p.returns = ch, ch.NotifyReturn(make(chan amqp.Return, 1))
+	p.ch, p.returns, p.frameSize = ch, ch.NotifyReturn(make(chan amqp.Return, 1)), conn.Config.FrameSize
 	return nil
 }
 

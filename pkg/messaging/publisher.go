@@ -41,7 +41,8 @@ var (
 	// must have the exchange in its Topology), or the exchange is internal; it was not sent.
 	ErrAccessRefused = errors.New("access refused")
 	// ErrInvalidEnvelope: the message cannot travel over AMQP (a type, routing key, exchange,
-	// correlation id or header name over 255 bytes, headers larger than a frame, or a header
+	// correlation id or header name over 255 bytes, headers that leave less than 3 KiB of a
+	// frame free for what the broker adds at delivery, or a header
 	// CC or BCC, which RabbitMQ takes as an array of routing keys only); it was not sent. [Enqueue] refuses such messages; this verdict catches rows written otherwise.
 	ErrInvalidEnvelope = errors.New("message envelope not valid for AMQP")
 )

@@ -17,30 +17,71 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// checkEnvelope's size is not below what goes on the wire: the largest headers it lets through
-// still travel, and one byte more is refused before anything is written.
-func TestEnvelopeAtTheFrameLimitIsCarried(t *testing.T) {
+// checkEnvelope leaves the broker room for what it adds at delivery: the largest headers it
+// lets through, published to an exchange by a routing key of 255 bytes each, to a quorum queue
+// of a name almost as long, are delivered again (basic.get, handed back, got again with
+// x-delivery-count, to a consumer) and, dead-lettered there by the broker at its delivery
+// limit, read back from the dead-letter queue, x-death and x-first-death-* added. One byte more
+// is refused before anything is written. (Headers filling the frame were taken, and the client
+// closed the connection at their second delivery, "frame size exceeds negotiated frame_max".)
+func TestEnvelopeAtItsLimitIsDeliveredAgain(t *testing.T) {
 	t.Parallel()
 	s := testSession(t)
 	frame := s.conn.Config.FrameSize
-	m := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), RoutingKey: "no-such-queue-" + uuid.NewString()}
+	name := func(prefix string, n int) string { return prefix + strings.Repeat("x", n-len(prefix)) }
+	id := uuid.NewString()
+	// A quorum queue's name, with its virtual host's, names an Erlang atom: at most 255 bytes.
+	exchange, key := name("limit-"+id, maxShortString), name("limit-key", maxShortString)
+	dlq := quorumQueue(t, "limit-dlq-"+id, nil)
+	queue := quorumQueue(t, name("limit-queue-"+id, maxShortString-len("%2F_")), amqp.Table{
+		"x-delivery-limit": 2, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq,
+	})
+	ch, err := testConnection(t).Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.ExchangeDeclare(exchange, amqp.ExchangeDirect, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.QueueBind(queue, key, exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+
+	m := Message{ID: uuid.New(), Type: "Test", Payload: []byte(`{}`), OccurredAt: time.Now(), CorrelationID: "corr",
+		Exchange: exchange, RoutingKey: key}
 	pad := func(n int) amqp.Publishing {
 		m.Headers = map[string]string{"pad": strings.Repeat("x", n)}
 		return toPublishing(m, "app")
 	}
 	n := frame
-	for checkEnvelope("", m.routingKey(), pad(n), frame) != nil {
+	for checkEnvelope(m.Exchange, m.routingKey(), pad(n), frame) != nil {
 		n--
 	}
-	if err := checkEnvelope("", m.routingKey(), pad(n+1), frame); !errors.Is(err, ErrInvalidEnvelope) {
+	if err := checkEnvelope(m.Exchange, m.routingKey(), pad(n+1), frame); !errors.Is(err, ErrInvalidEnvelope) {
 		t.Fatalf("one byte over the limit: %v, want ErrInvalidEnvelope", err)
 	}
-	dc, err := s.ch.PublishWithDeferredConfirmWithContext(context.Background(), "", m.routingKey(), true, false, pad(n))
+	if size := contentHeaderSize(pad(n)); size > frame-brokerHeadroom || size < frame-brokerHeadroom-8 {
+		t.Fatalf("the largest headers let through take %d bytes, want at most the %d the headroom leaves, and close to it",
+			size, frame-brokerHeadroom)
+	}
+	dc, err := s.ch.PublishWithDeferredConfirmWithContext(context.Background(), m.Exchange, m.routingKey(), true, false, pad(n))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !dc.Wait() || s.ch.IsClosed() {
 		t.Fatalf("the broker refused headers of %d bytes in a frame of %d", n, frame)
+	}
+
+	d := deliveredAgain(t, testConnection(t), queue)
+	if err := d.Reject(true); err != nil { // past the delivery limit: dead-lettered
+		t.Fatal(err)
+	}
+	d = deliveredAgain(t, testConnection(t), dlq)
+	if _, ok := d.Headers["x-death"]; !ok || d.MessageId != m.ID.String() {
+		t.Errorf("the message read back from the dead-letter queue, id %s, has no x-death: %.300v", d.MessageId, d.Headers)
+	}
+	if err := d.Ack(false); err != nil {
+		t.Fatal(err)
 	}
 }
 

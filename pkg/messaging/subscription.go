@@ -602,8 +602,10 @@ func (s *Subscription[Tx]) process(ctx context.Context, jobs []job, committed fu
 			// a database that may not answer, while the message waits to be handed back.
 		case IsUnavailable(err):
 		case databaseOutage(err):
-			// Even if the handler called it permanent, as a lookup that failed may: it could not
-			// tell a message it can never handle from a database that was away.
+			// Even if the handler called it permanent, as a lookup that failed may: the SQLSTATE
+			// says the database could not take writes, no fault of the message. Only an error
+			// that carries one: a connection that broke without one ("unexpected EOF", "driver:
+			// bad connection") is judged below, where a Permanent stays the handler's verdict.
 			err = Unavailable(err)
 		case IsPermanent(err) && ctx.Err() == nil:
 			// The handler's verdict, unless its attempt was cut off: then it is judged below, as

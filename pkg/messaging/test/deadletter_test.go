@@ -584,3 +584,136 @@ func TestConsumerDeadLettersAMessageWhoseDecodingPanics(t *testing.T) {
 		t.Errorf("%d lines with the panic's stack, want 1", len(lines))
 	}
 }
+
+// A message whose headers fill nearly all of a frame, as another publisher may send it (the
+// library's publisher leaves room for what the broker adds), is dead-lettered without them:
+// with the reason and the rest added, its copy took more than a frame, the broker closed the
+// dead-letter connection at every try, and the worker retried it for ever ("could not
+// dead-letter message; retrying"), holding the message behind it. The copy keeps the reason,
+// what tells the message apart and where it was published, and says that its headers were left
+// out; the worker goes on to the next message.
+func TestConsumerDeadLettersAMessageWhoseHeadersFillAFrame(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, func(c *messaging.SubscriptionConfig) { c.Concurrency = 1 })
+	frame := testenv.Connection(t).Config.FrameSize
+	id := uuid.NewString()
+	poison := amqp.Publishing{
+		MessageId: id, Type: eventType, ContentType: "application/json", AppId: "order",
+		Timestamp: time.Now().Add(-time.Hour).Truncate(time.Second), DeliveryMode: amqp.Persistent,
+		Body: []byte(`{"n":1}`), // no order_id: doWork says no retry can help
+	}
+	// Its content header frame: the frame's header and end (8 bytes); class, weight, body size
+	// and property flags (14); each short string with its length byte; delivery mode (1) and
+	// timestamp (8); the headers' table (4), each a name with its length byte, a type byte and a
+	// long string (4 and its bytes). 64 bytes short of the frame: room for the x-delivery-count
+	// and x-acquired-count (26 bytes each) its queue adds when it delivers it, none for the copy's
+	// reason, time, exchange and routing key.
+	size := 8 + 14 + 1 + len(id) + 1 + len(eventType) + 1 + len(poison.ContentType) + 1 + len(poison.AppId) + 1 + 8 + 4 +
+		1 + len("tenant") + 5 + len("acme") + 1 + len("pad") + 5
+	poison.Headers = amqp.Table{"tenant": "acme", "pad": strings.Repeat("x", frame-64-size)}
+	b.publishRaw(t, poison)
+	next := amqp.Publishing{MessageId: uuid.NewString(), Type: eventType, ContentType: "application/json", AppId: "order",
+		Timestamp: time.Now(), DeliveryMode: amqp.Persistent, Body: fmt.Appendf(nil, `{"order_id":%q,"n":2}`, uuid.NewString())}
+	b.publishRaw(t, next)
+
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return testenv.QueueDepth(t, b.ch, messaging.DeadLetterQueue(b.queue)) == 1 && b.workDone(t) == 1
+	}, "want the message whose headers fill a frame dead-lettered and the one behind it handled")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 || got[0].MessageId != id {
+		t.Fatalf("dead-letter queue held %d messages, want the one whose headers fill a frame", len(got))
+	}
+	d := got[0]
+	wantReason(t, d, "payload has no order_id")
+	if d.Type != eventType || d.AppId != "order" || !d.Timestamp.Equal(poison.Timestamp) || string(d.Body) != string(poison.Body) {
+		t.Errorf("dead letter %+v lost the message's properties or body", d)
+	}
+	if d.Headers[messaging.HeaderOriginalHeadersDropped] != true || d.Headers["pad"] != nil || d.Headers["tenant"] != nil ||
+		d.Headers[messaging.HeaderOriginalExchange] != b.exchange || d.Headers[messaging.HeaderOriginalRoutingKey] != eventType {
+		t.Errorf("headers %s: want the message's own left out, that said, and where it was published", brief(d.Headers))
+	}
+	if lines := b.logs.Lines("level=WARN", "leaves the message's headers out", "message_id="+id); len(lines) != 1 {
+		t.Errorf("%d lines saying the copy leaves the headers out, want 1", len(lines))
+	}
+	if n := len(b.logs.Lines("could not dead-letter message; retrying", "message_id="+id)); n != 0 {
+		t.Errorf("%d tries to dead-letter the message failed, want none", n)
+	}
+}
+
+// A message as large as the publisher lets it be keeps its headers (its traceparent, say) in its
+// dead-letter copy: nothing dead-letters the copy again, and the dead-letter queue adds no more
+// than its delivery counts. The copy is listed twice (the second basic.get adds its delivery
+// count), redriven, and dead-lettered again whole. (Held to the room the broker may take when it
+// dead-letters a message, the copy left all the message's headers out.)
+func TestConsumerDeadLetterCopyOfAMessageAtThePublishLimitKeepsItsHeaders(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.createWorkTable(t)
+	b.consumer(t, testenv.AMQPURL(), b.drv, workFunc, nil)
+	p := b.publisher(t, testenv.AMQPURL())
+	poison, err := messaging.NewMessage(eventType, map[string]any{"n": 1}) // no order_id: doWork says no retry can help
+	must(t, err)
+	poison.Exchange = b.exchange
+	poison.TraceParent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	// The largest headers the publisher takes: it refuses, unsent, any that do not leave room
+	// for what the broker may add.
+	for n := 128 << 10; ; n-- {
+		poison.Headers = map[string]string{"tenant": "acme", "pad": strings.Repeat("x", n)}
+		err := p.Publish(context.Background(), []messaging.Message{poison})[0]
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, messaging.ErrInvalidEnvelope) || n < 120<<10 {
+			t.Fatalf("publish with headers of %d bytes: %v", n, err)
+		}
+	}
+	id := poison.ID.String()
+	dlq := messaging.DeadLetterQueue(b.queue)
+	cfg := messaging.DeadLetterConfig{URL: testenv.AMQPURL(), Queue: b.queue}
+	wantWhole := func(when string, headers amqp.Table) {
+		t.Helper()
+		if headers["pad"] != poison.Headers["pad"] || headers["tenant"] != "acme" || headers["traceparent"] != poison.TraceParent ||
+			headers[messaging.HeaderOriginalHeadersDropped] != nil {
+			t.Errorf("%s: the copy's headers are %s, want the message's own kept", when, brief(headers))
+		}
+	}
+	testenv.Eventually(t, 15*time.Second, func() bool { return testenv.QueueDepth(t, b.ch, dlq) == 1 }, "message not dead-lettered")
+	for listing := 1; listing <= 2; listing++ {
+		listed, _, err := messaging.ListDeadLetters(context.Background(), cfg, 0)
+		if err != nil || len(listed) != 1 || listed[0].MessageID != id {
+			t.Fatalf("listing %d: %d dead letters, %v: want the message's copy", listing, len(listed), err)
+		}
+		wantWhole(fmt.Sprintf("listing %d", listing), listed[0].Headers)
+	}
+	moved, err := messaging.RedriveDeadLetters(context.Background(), cfg, messaging.DeadLetterSelection{})
+	if err != nil || len(moved) != 1 {
+		t.Fatalf("redrive moved %d messages: %v", len(moved), err)
+	}
+	testenv.Eventually(t, 15*time.Second, func() bool {
+		return len(b.logs.Lines("message dead-lettered", "message_id="+id)) == 2 && testenv.QueueDepth(t, b.ch, dlq) == 1
+	}, "redriven message not dead-lettered again")
+	got := deadLetters(t, b.ch, b.queue)
+	if len(got) != 1 || got[0].MessageId != id {
+		t.Fatalf("dead-letter queue held %d messages, want the message's copy", len(got))
+	}
+	wantReason(t, got[0], "payload has no order_id")
+	wantWhole("dead-lettered again", got[0].Headers)
+	if n := len(b.logs.Lines("could not dead-letter message; retrying", "message_id="+id)); n != 0 {
+		t.Errorf("%d tries to dead-letter the message failed, want none", n)
+	}
+}
+
+// brief is headers as %v prints them, a string over 100 bytes (a pad) as its length: it would
+// bury the rest.
+func brief(headers amqp.Table) string {
+	short := make(amqp.Table, len(headers))
+	for k, v := range headers {
+		if s, ok := v.(string); ok && len(s) > 100 {
+			v = fmt.Sprintf("(%d bytes)", len(s))
+		}
+		short[k] = v
+	}
+	return fmt.Sprint(short)
+}
