@@ -60,21 +60,7 @@ func TestStartRefusesAPoolerThatDropsThePlanSettings(t *testing.T) {
 // plain server does. It returns its address, and stops with t.
 func startupStrippingProxy(t *testing.T, upstream string, drop ...string) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			client, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go relayStripped(client, upstream, drop)
-		}
-	}()
-	return ln.Addr().String()
+	return testenv.ServeEach(t, func(client net.Conn) { go relayStripped(client, upstream, drop) })
 }
 
 // Codes of the messages a client may open with, instead of a protocol version.

@@ -1266,7 +1266,7 @@ func TestHeloName(t *testing.T) {
 func TestAServerThatOpensNoSessionIsUnreachable(t *testing.T) {
 	t.Parallel()
 	greeting := func(t *testing.T, reply string) string {
-		return serveEach(t, func(conn net.Conn) {
+		return testenv.ServeEach(t, func(conn net.Conn) {
 			_, _ = io.WriteString(conn, reply)
 			_ = conn.Close()
 		})
@@ -1432,31 +1432,9 @@ func TestAServerThatTakesNoMoreSessionsIsNoOutage(t *testing.T) {
 // holds it open.
 func lateGreetingServer(t *testing.T, delay time.Duration) string {
 	t.Helper()
-	return serveEach(t, func(conn net.Conn) {
+	return testenv.ServeEach(t, func(conn net.Conn) {
 		time.AfterFunc(delay, func() { _, _ = io.WriteString(conn, "220 localhost ESMTP\r\n") })
 	})
-}
-
-// serveEach is the address of a listener that hands each connection it accepts to serve, and
-// closes them all at the test's end.
-func serveEach(t *testing.T, serve func(conn net.Conn)) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			t.Cleanup(func() { _ = conn.Close() })
-			serve(conn)
-		}
-	}()
-	return ln.Addr().String()
 }
 
 // Opening a session has a bound of its own, within the delivery's deadline: a delivery that
@@ -1532,7 +1510,7 @@ func TestADeliveryOutOfTimeIsNoOutage(t *testing.T) {
 // first delay of the server's words: a server slow to greet.
 func slowGreetingProxy(t *testing.T, server string, delay time.Duration) string {
 	t.Helper()
-	return serveEach(t, func(client net.Conn) {
+	return testenv.ServeEach(t, func(client net.Conn) {
 		backend, err := net.Dial("tcp", server)
 		if err != nil {
 			_ = client.Close()

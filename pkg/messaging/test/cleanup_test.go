@@ -3,7 +3,6 @@ package test
 import (
 	"context"
 	"errors"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -304,15 +303,7 @@ func TestCleanupsOfTwoSchemasInOneDatabaseDoNotKeepEachOtherOut(t *testing.T) {
 	e := newCleanupEnv(t)
 	e.addOutboxRows(t, 2_000, "10 days", "1 s", "50 ms")
 	e.exec(t, "CREATE SCHEMA billing")
-	u, err := url.Parse(e.url)
-	must(t, err)
-	q := u.Query()
-	q.Set("search_path", "billing,public")
-	u.RawQuery = q.Encode()
-	testenv.Draw(t, 1)
-	pool := newPgxPool(t, u.String(), 1)
-	defer pool.Close()
-	billing := pgxdriver.New(pool).DB()
+	billing := pgxdriver.New(billingPool(t, e.url)).DB()
 	ctx := context.Background()
 	must(t, messaging.MigrateOutbox(ctx, billing))
 	must(t, e.db.Transaction(func(tx *gorm.DB) error {

@@ -5,6 +5,8 @@ import (
 	"net/url"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 	"github.com/outboxkit/outbox-inbox/pkg/messaging/pgxdriver"
@@ -19,14 +21,7 @@ func TestMigrationsCreateTheTablesInTheCurrentSchemaNotOneLaterOnThePath(t *test
 	d := testenv.NewDatabase(t)
 	d.MigrateLibrary(t) // the first service's, in public
 	must(t, d.DB.Exec("CREATE SCHEMA billing").Error)
-	u, err := url.Parse(d.URL)
-	must(t, err)
-	q := u.Query()
-	q.Set("search_path", "billing,public")
-	u.RawQuery = q.Encode()
-	testenv.Draw(t, 1)
-	pool := newPgxPool(t, u.String(), 1)
-	defer pool.Close()
+	pool := billingPool(t, d.URL)
 
 	ctx := context.Background()
 	must(t, messaging.MigrateOutbox(ctx, pgxdriver.New(pool).DB()))
@@ -36,4 +31,20 @@ func TestMigrationsCreateTheTablesInTheCurrentSchemaNotOneLaterOnThePath(t *test
 			t.Errorf("no billing.%s: the migrations took public's for the second service's", table)
 		}
 	}
+}
+
+// billingPool is a pool of one connection to the database at dbURL whose sessions have schema
+// billing first on their search_path, public after it: a second service's, beside one in
+// public. It draws its connection from the test's budget, and closes with t.
+func billingPool(t *testing.T, dbURL string) *pgxpool.Pool {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	must(t, err)
+	q := u.Query()
+	q.Set("search_path", "billing,public")
+	u.RawQuery = q.Encode()
+	testenv.Draw(t, 1)
+	pool := newPgxPool(t, u.String(), 1)
+	t.Cleanup(pool.Close)
+	return pool
 }
