@@ -90,6 +90,8 @@ func (ev OrderPlaced) validate() error {
 		return errors.New("OrderPlaced with a negative total_cents")
 	case len(ev.Lines) == 0:
 		return errors.New("OrderPlaced without lines")
+	case ev.PlacedAt.IsZero():
+		return errors.New("OrderPlaced without placed_at")
 	}
 	if err := checkID(ev.CustomerID); err != nil {
 		return fmt.Errorf("OrderPlaced with an invalid customer_id: %w", err)
@@ -124,11 +126,13 @@ func (ev OrderCancelled) validate() error {
 		return errors.New("OrderCancelled without order_id")
 	case ev.CustomerID == "":
 		return errors.New("OrderCancelled without customer_id")
+	case ev.CancelledAt.IsZero():
+		return errors.New("OrderCancelled without cancelled_at")
 	}
 	if err := checkID(ev.CustomerID); err != nil {
 		return fmt.Errorf("OrderCancelled with an invalid customer_id: %w", err)
 	}
-	if p := ReasonProblem(ev.Reason); p != "" {
+	if p := reasonUnsafe(ev.Reason); p != "" {
 		return fmt.Errorf("OrderCancelled with an invalid reason: %s", p)
 	}
 	return nil
@@ -138,11 +142,33 @@ func (ev OrderCancelled) validate() error {
 const MaxReasonLength = 500
 
 // ReasonProblem says what is wrong with a cancellation's reason, or "": the order service
-// refuses such a reason from a client, and a consumer an event with one, since a control
-// character could forge output where the reason is shown (an escape sequence, a NUL). The
-// order service has refused these since it took reasons, so no event it wrote has one. Line
+// refuses such a reason from a client. Beyond reasonUnsafe, a bidirectional embedding,
+// override or isolate (U+202A-U+202E, U+2066-U+2069), which would show the rest of the
+// reason, in the cancellation e-mail, in an order other than the one it was written in. Line
 // and paragraph separators are taken: white space, which a consumer folds with the rest.
-func ReasonProblem(s string) string { return unsafeText(s, MaxReasonLength) }
+func ReasonProblem(s string) string {
+	if p := reasonUnsafe(s); p != "" {
+		return p
+	}
+	if strings.IndexFunc(s, bidiFormatting) >= 0 {
+		return "must not contain bidirectional formatting characters"
+	}
+	return ""
+}
+
+// reasonUnsafe says what makes a reason unsafe to show as it is, or "": a control character
+// could forge output where the reason is shown (an escape sequence, a NUL). A consumer refuses
+// an event with such a reason, and only such: the order service has refused these since it
+// took reasons, so no event it wrote has one, but it took bidirectional formatting characters
+// before it refused them, and the events of those cancellations must still be handled.
+func reasonUnsafe(s string) string { return unsafeText(s, MaxReasonLength) }
+
+// bidiFormatting reports whether r is a bidirectional embedding, override or isolate, or the
+// pop of one. The marks (U+200E, U+200F, U+061C) are not: they only set the direction of the
+// neutral characters next to them, as mixed-direction text needs.
+func bidiFormatting(r rune) bool {
+	return '\u202a' <= r && r <= '\u202e' || '\u2066' <= r && r <= '\u2069'
+}
 
 // InvoiceIssued says the invoicing service issued an order's invoice.
 type InvoiceIssued struct {

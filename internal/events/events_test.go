@@ -83,6 +83,7 @@ func TestEventsAreValidated(t *testing.T) {
 		{"no customer_id", func(ev *OrderPlaced) { ev.CustomerID = "" }, "without customer_id"},
 		{"negative total", func(ev *OrderPlaced) { ev.TotalCents = -1 }, "negative total_cents"},
 		{"no lines", func(ev *OrderPlaced) { ev.Lines, ev.TotalCents = nil, 0 }, "without lines"},
+		{"no placed_at", func(ev *OrderPlaced) { ev.PlacedAt = time.Time{} }, "without placed_at"},
 		{"wrong total", func(ev *OrderPlaced) { ev.TotalCents++ }, "not the sum of its lines"},
 		{"no SKU", func(ev *OrderPlaced) { ev.Lines[0].SKU = "" }, "invalid line"},
 		// Shown as sent in the confirmation e-mail: a line break would forge a line of its own.
@@ -131,6 +132,9 @@ func TestEventsAreValidated(t *testing.T) {
 	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "" }); err == nil || !strings.Contains(err.Error(), "without customer_id") {
 		t.Errorf("OrderCancelled without customer_id: %v, want it refused", err)
 	}
+	if err := cancelled(func(ev *OrderCancelled) { ev.CancelledAt = time.Time{} }); err == nil || !strings.Contains(err.Error(), "without cancelled_at") {
+		t.Errorf("OrderCancelled without cancelled_at: %v, want it refused", err)
+	}
 	if err := cancelled(func(ev *OrderCancelled) { ev.CustomerID = "c-1\n" }); err == nil || !strings.Contains(err.Error(), "invalid customer_id: must not contain control characters") {
 		t.Errorf("OrderCancelled with a line break in customer_id: %v, want it refused", err)
 	}
@@ -144,6 +148,8 @@ func TestEventsAreValidated(t *testing.T) {
 		"reason of the most characters":      {strings.Repeat("ß", MaxReasonLength), ""},
 		"reason with a line separator":       {"changed\u2028my mind", ""},
 		"reason with an invisible character": {"changed\u200bmy mind", ""},
+		// Refused by the order service since (ReasonProblem), taken from the events before it.
+		"reason with a right-to-left override": {"changed \u202ednim ym", ""},
 	} {
 		switch err := cancelled(func(ev *OrderCancelled) { ev.Reason = tc.reason }); {
 		case tc.want == "" && err != nil:
@@ -185,5 +191,25 @@ func TestEventsAreValidated(t *testing.T) {
 	}
 	if _, err := DecodeOrderPlaced(msg); !messaging.IsPermanent(err) {
 		t.Errorf("an OrderCancelled decoded as OrderPlaced: %v, want a permanent error", err)
+	}
+}
+
+// The order service refuses a reason with a bidirectional embedding, override or isolate,
+// which would show the reason, in the cancellation e-mail, in an order other than its own;
+// the marks, which only set a neutral character's direction, and the rest are taken.
+func TestReasonProblemRefusesBidiFormatting(t *testing.T) {
+	t.Parallel()
+	for _, r := range []rune{'\u202a', '\u202b', '\u202c', '\u202d', '\u202e', '\u2066', '\u2067', '\u2068', '\u2069'} {
+		if got := ReasonProblem("changed " + string(r) + "my mind"); got != "must not contain bidirectional formatting characters" {
+			t.Errorf("a reason with %U: %q, want it refused", r, got)
+		}
+	}
+	for _, reason := range []string{"", "changed my mind", "\u05e9\u05d9\u05e0\u05d9\u05ea\u05d9 \u200fdecision", "changed\u2028my mind", strings.Repeat("ß", MaxReasonLength)} {
+		if got := ReasonProblem(reason); got != "" {
+			t.Errorf("reason %q: %q, want it taken", reason, got)
+		}
+	}
+	if got := ReasonProblem("x\x1b[2J"); got != "must not contain control characters" {
+		t.Errorf("a reason with an escape sequence: %q, want it refused", got)
 	}
 }

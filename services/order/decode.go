@@ -192,11 +192,16 @@ const maxArrayElements = 10 * MaxLines
 
 // checkBody checks the body dec reads, of Go type t, with checkFields: its first fault, or,
 // if it has none, its first required field left out or null. A malformed body (400) is told
-// as such before its missing values (422), wherever in the body each is.
+// as such before its missing values (422), wherever in the body each is. A body of null is
+// refused too: encoding/json would leave the command empty, not say it is missing.
 func checkBody(dec *json.Decoder, t reflect.Type) error {
 	var missing error
-	if _, err := checkFields(dec, t, "", &missing); err != nil {
+	null, err := checkFields(dec, t, "", &missing)
+	switch {
+	case err != nil:
 		return err
+	case null:
+		return wrongShape("", t, "null")
 	}
 	return missing
 }
