@@ -415,13 +415,15 @@ type connWatch struct {
 	mu          sync.Mutex
 	reason      string        // why the broker blocked the connection; "" while it does not
 	blocked     chan struct{} // closed while the connection is blocked
+	unblocked   chan struct{} // closed while it is not
+	closed      chan struct{} // closed once the connection is
 	blockedAt   time.Time     // when the broker last blocked it
 	unblockedAt time.Time     // when the broker last unblocked it
 }
 
 // watchConnection starts watching conn, logging its close at level closed.
 func watchConnection(conn *amqp.Connection, log *slog.Logger, closed slog.Level) *connWatch {
-	w := &connWatch{blocked: make(chan struct{})}
+	w := newConnWatch()
 	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
 	blocked := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
 	go func() {
@@ -435,10 +437,18 @@ func watchConnection(conn *amqp.Connection, log *slog.Logger, closed slog.Level)
 		}
 	}()
 	go func() {
+		defer close(w.closed)
 		if err, ok := <-closes; ok && err != nil {
 			log.Log(context.Background(), closed, "rabbitmq connection closed", "error", err)
 		}
 	}()
+	return w
+}
+
+// newConnWatch is the watch of a connection not blocked, not closed.
+func newConnWatch() *connWatch {
+	w := &connWatch{blocked: make(chan struct{}), unblocked: make(chan struct{}), closed: make(chan struct{})}
+	close(w.unblocked)
 	return w
 }
 
@@ -453,9 +463,11 @@ func (w *connWatch) set(b amqp.Blocking) {
 		}
 		w.blockedAt = time.Now()
 		close(w.blocked)
+		w.unblocked = make(chan struct{})
 	case !b.Active && w.reason != "":
 		w.reason = ""
 		w.blocked = make(chan struct{})
+		close(w.unblocked)
 		w.unblockedAt = time.Now()
 	}
 }
@@ -472,6 +484,46 @@ func (w *connWatch) blockedC() <-chan struct{} {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.blocked
+}
+
+// unblockedFor closes expired once the connection has been unblocked for d on end, or once it
+// closes; never while it is blocked: a resource alarm can last long, and confirms given up
+// while it does would have every message awaited on the connection sent again. It gives up
+// when done closes.
+func (w *connWatch) unblockedFor(d time.Duration, expired chan<- time.Time, done <-chan struct{}) {
+	for {
+		select {
+		case <-w.unblockedC():
+		case <-w.closed:
+			close(expired)
+			return
+		case <-done:
+			return
+		}
+		timer := time.NewTimer(d)
+		select {
+		case <-timer.C:
+			close(expired)
+			return
+		case <-w.blockedC():
+			// Blocked again before the time ran out: the time starts over at the next unblock.
+			timer.Stop()
+		case <-w.closed:
+			timer.Stop()
+			close(expired)
+			return
+		case <-done:
+			timer.Stop()
+			return
+		}
+	}
+}
+
+// unblockedC is closed once the connection is not blocked.
+func (w *connWatch) unblockedC() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.unblocked
 }
 
 // blockedErr is ErrBrokerUnavailable while the connection is blocked, else nil.

@@ -240,9 +240,15 @@ func (p *Publisher) settle(ctx context.Context, expires time.Time, s *pubSession
 	blocked, awaited := s.verdicts(ctx, msgs, confirms, errs, p.cfg.ConfirmTimeout)
 	if blocked {
 		// Blocked by the broker: return now, so no caller holds anything open through a
-		// resource alarm, and let the confirms come in later on a connection kept open.
+		// resource alarm, and let the confirms come in later on a connection kept open. Not
+		// for ever: once unblocked, the broker has ConfirmTimeout to confirm them, as any
+		// window (see unblockedFor), or the connection is retired. A broker that withholds
+		// them on a connection it keeps up would hold the window's places and ids for good.
 		go func() {
-			s.settleLate(confirms, msgs, nil)
+			expired, done := make(chan time.Time), make(chan struct{})
+			go s.watch.unblockedFor(p.cfg.ConfirmTimeout, expired, done)
+			s.settleLate(confirms, msgs, expired)
+			close(done)
 			p.inFlight.Release(int64(len(msgs)))
 		}()
 		return
@@ -258,9 +264,11 @@ func (p *Publisher) settle(ctx context.Context, expires time.Time, s *pubSession
 		// a window given those places must not publish where they would fill the returns'
 		// buffer (MaxInFlight), or the client would drop one of its returns after 5 s and its
 		// message count as routed. Closed, not taken out under the lock, which a Connect to a
-		// stalled broker may hold: the next call finds it closed and dials again.
-		s.release(msgs, confirms)
+		// stalled broker may hold: the next call finds it closed and dials again. Closed before
+		// its ids are released too: a window written on it in between could publish one of
+		// them again and take the late return of the earlier publish as its own.
 		s.close()
+		s.release(msgs, confirms)
 		p.inFlight.Release(int64(len(msgs)))
 	case awaited:
 		// The caller stopped waiting, which says nothing of the broker: the connection, and the
@@ -903,11 +911,12 @@ func (s *pubSession) collectReturnsLocked() {
 }
 
 // settleLate waits out the confirms of a window nobody waits for any more, and drops its
-// returns: a window abandoned to a blocked connection, until the broker unblocks it or the
-// connection closes (expired nil); a window whose caller stopped waiting, until expired fires
-// too, and then closes the connection. A broker that withholds the confirms on a connection it
-// keeps would otherwise hold the window's places among the MaxInFlight for good, and the later
-// windows, finding no room, would close nothing: the publisher would be wedged.
+// returns; if expired fires first, it closes the connection (no return comes any more). That
+// is ConfirmTimeout after the broker unblocks the connection, for a window abandoned to a
+// block; the window's own ConfirmTimeout, for one whose caller stopped waiting. A broker that
+// withholds the confirms on a connection it keeps would otherwise hold the window's places
+// among the MaxInFlight for good, and the later windows, finding no room, would close nothing:
+// the publisher would be wedged.
 func (s *pubSession) settleLate(confirms []*amqp.DeferredConfirmation, msgs []Message, expired <-chan time.Time) {
 	for _, dc := range confirms {
 		if dc == nil {
