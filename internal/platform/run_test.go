@@ -293,11 +293,7 @@ func answeredAfterTheSignal(t *testing.T, hook func(net.Conn, http.ConnState)) {
 	srv := NewServer("", created)
 	srv.ConnState = hook
 	signal, served := serveOn(t, log, srv, ln, Workers{})
-	conn, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialed(t, ln.Addr().String())
 	if _, err := io.WriteString(conn, "POST /orders HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}"); err != nil {
 		t.Fatal(err)
 	}
@@ -328,11 +324,7 @@ func TestASilentConnectionDoesNotHoldTheStop(t *testing.T) {
 	ln := newGatedListener(t, open)
 	log, _ := testenv.NewLogger(t)
 	signal, served := serveOn(t, log, NewServer("", http.NotFoundHandler()), ln, Workers{})
-	conn, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialed(t, ln.Addr().String())
 	within(t, ln.accepted, 5*time.Second, "the connection was not accepted")
 	signalled := time.Now()
 	signal()
@@ -364,22 +356,14 @@ func TestARequestBegunBeforeTheSignalIsAnswered(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	signal, served := serveOn(t, log, NewServer("", created), ln, Workers{})
-	conn, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialed(t, ln.Addr().String())
 	if _, err := io.WriteString(conn, "POST /x HTTP/1.1\r\nHost: a\r\n"); err != nil {
 		t.Fatal(err)
 	}
 	within(t, ln.accepted, 5*time.Second, "the connection was not accepted")
 	within(t, ln.read, 5*time.Second, "the server did not read the request's beginning")
 	// A connection that sends nothing: its close shows that settle has closed the silent ones.
-	silent, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
+	silent := dialed(t, ln.Addr().String())
 	within(t, ln.accepted, 5*time.Second, "the silent connection was not accepted")
 	signal()
 	_ = silent.SetReadDeadline(time.Now().Add(newConnWait + 5*time.Second))
@@ -541,4 +525,15 @@ func (c *signalChild) signal(t *testing.T, sig os.Signal) {
 func (c *signalChild) shuttingDown(t *testing.T) {
 	t.Helper()
 	testenv.Eventually(t, 5*time.Second, func() bool { return len(c.out.Lines(`msg="shutting down"`)) == 1 }, "the service is not stopping\n%s", c.out)
+}
+
+// dialed is a TCP connection to addr, closed at the test's end.
+func dialed(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
 }

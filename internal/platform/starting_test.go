@@ -381,11 +381,7 @@ func TestASilentConnectionOfTheStartHoldsTheShutdownNoLongerThanServesOwn(t *tes
 	t.Parallel()
 	log, logs := testenv.NewLogger(t)
 	ctx, cancel, s := startingInSlot(t, log)
-	silent, err := net.Dial("tcp", s.ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
+	silent := dialed(t, s.ln.Addr().String())
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		s.conns.mu.Lock()
 		defer s.conns.mu.Unlock()
@@ -402,11 +398,7 @@ func TestASilentConnectionOfTheStartHoldsTheShutdownNoLongerThanServesOwn(t *tes
 	served := make(chan error, 1)
 	go func() { served <- Serve(ctx, log, srv, Workers{}) }()
 	testenv.Eventually(t, 5*time.Second, func() bool { return len(logs.Lines("msg=listening")) == 1 }, "Serve did not take the listener over")
-	silentToo, err := net.Dial("tcp", s.ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silentToo.Close()
+	silentToo := dialed(t, s.ln.Addr().String())
 	select {
 	case <-accepted:
 	case <-time.After(5 * time.Second):
@@ -435,20 +427,12 @@ func TestARequestBegunWhileStartingIsAnsweredAfterTheSignal(t *testing.T) {
 	t.Parallel()
 	log, logs := testenv.NewLogger(t)
 	ctx, cancel, s := startingInSlot(t, log)
-	begun, err := net.Dial("tcp", s.ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer begun.Close()
+	begun := dialed(t, s.ln.Addr().String())
 	if _, err := io.WriteString(begun, "POST /orders HTTP/1.1\r\nHost: a\r\n"); err != nil {
 		t.Fatal(err)
 	}
 	// A connection that sends nothing: its close shows that the drain has closed the silent ones.
-	silent, err := net.Dial("tcp", s.ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
+	silent := dialed(t, s.ln.Addr().String())
 	testenv.Eventually(t, 5*time.Second, func() bool {
 		s.conns.mu.Lock()
 		defer s.conns.mu.Unlock()
