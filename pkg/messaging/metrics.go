@@ -122,8 +122,11 @@ const (
 // initSubscription exports at zero every series a subscription named name (its queue and its
 // consumer) will count, its handled types' included, before its first event. A labelled series
 // that appeared only at its first increment would start at 1, and rate() and increase() see no
-// increase in a series' first sample: an alert on them would miss the first dead-letter after
-// every start.
+// increase in a series' first sample: an alert on them would miss each process's first
+// dead-letter. The zero series help only with a dead-letter after the first scrape. One before it
+// (a message waiting at Start is dead-lettered within milliseconds, the first scrape comes 0-15 s
+// later) still lands in the first sample; ConsumerDeadLettering counts what the counter holds for
+// a process started within its window (docs/operations.md).
 func (m *Metrics) initSubscription(name string, types []string) {
 	if m == nil {
 		return
