@@ -64,7 +64,9 @@ func run(ctx context.Context) error {
 	defer db.Close()
 	// database/sql cannot receive notifications; pgx's connection under it can: the relay then
 	// wakes at each commit instead of polling. Another driver (lib/pq) has no *stdlib.Conn
-	// there: ErrNoNotifications makes the relay poll instead.
+	// there: ErrNoNotifications makes the relay poll instead. Such a driver should also enqueue
+	// through messaging.WithoutNotify(driver), with RelayConfig.DisableNotify set: a notify no
+	// relay hears still takes PostgreSQL's server-wide notify lock at every enqueuing commit.
 	driver := sqldriver.New(db).WithNotifications(func(ctx context.Context, c *sql.Conn) error {
 		return c.Raw(func(dc any) error {
 			conn, ok := dc.(*stdlib.Conn)
