@@ -1,12 +1,18 @@
 package systest
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxkit/outbox-inbox/internal/platform"
 )
 
 // errorRecorder is a testing.TB that records Errorf instead of failing the test.
@@ -99,6 +105,46 @@ func TestDuplicatesFailsOnAFailedScrape(t *testing.T) {
 		srv.Close()
 		if err == nil {
 			t.Errorf("status %d: duplicates = %v without an error", status, n)
+		}
+	}
+}
+
+// Every line a consumer logs for a message whose work another message had done already counts,
+// whatever its wording, in the text format and in JSON: the consumers mark each such line
+// (already_done=true), as they count it in consumer_already_done_total. What a process did
+// while it shut down survives only in these lines (its count is read before the signal), so a
+// wording left uncounted would hide the redundant work that the exactly-once check exists to
+// catch. Lines of work done for the first time, unmarked, do not count.
+func TestAlreadyDoneLoggedCountsEveryMarkedLine(t *testing.T) {
+	already := []struct {
+		level slog.Level
+		msg   string
+	}{
+		// services/invoicing
+		{slog.LevelWarn, "order already invoiced by another message; nothing to do"},
+		{slog.LevelError, "order already invoiced by another message, with another amount and another customer; nothing done"},
+		{slog.LevelWarn, "order already cancelled, its invoice void; nothing to do"},
+		{slog.LevelError, "order already cancelled, its invoice void, with another amount; nothing done"},
+		{slog.LevelWarn, "order already cancelled by another message; nothing to do"},
+		{slog.LevelError, "order already cancelled by another message, for another customer; nothing to do"},
+		// services/notification
+		{slog.LevelWarn, "order already has a order_confirmation notification from another message; nothing to do"},
+	}
+	firstTime := []string{
+		"order was cancelled before it arrived; its invoice stays void",
+		"invoice voided, for another customer",
+		"cancellation remembered before its order",
+		"notification recorded",
+	}
+	for _, format := range []string{"text", "json"} {
+		var buf bytes.Buffer
+		log := platform.NewLogger(&buf, "invoicing", format, "info")
+		for i, l := range already {
+			log.Log(context.Background(), l.level, firstTime[i%len(firstTime)]) // between them, unmarked
+			log.Log(context.Background(), l.level, l.msg, "order_id", uuid.New(), "message_id", uuid.New(), "already_done", true)
+		}
+		if got := alreadyDoneLogged(buf.String()); got != len(already) {
+			t.Errorf("%s: %d lines counted as work found done already, want %d:\n%s", format, got, len(already), buf.String())
 		}
 	}
 }

@@ -394,7 +394,7 @@ func (h notifier) recorded(ctx context.Context, n Notification, msg messaging.Me
 				h.alreadyDone()
 			}
 			h.log.WarnContext(ctx, "order already has a "+n.Kind+" notification from another message; nothing to do",
-				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID)
+				"order_id", n.OrderID, "kind", n.Kind, "message_id", msg.ID, "already_done", true)
 		})
 	}
 	return messaging.AfterCommit(ctx, func() {
