@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/url"
 	"os"
 	"os/exec"
@@ -356,7 +357,7 @@ func TestErrorsHideEveryPasswordParameter(t *testing.T) {
 	}
 }
 
-// pgx quotes the URL outboxctl rebuilt (its query encoded again: %2f as %2F, %20 as +), and
+// pgx quotes the URL outboxctl rebuilt (application_name added), not the one given, and
 // masks only password= in lower case: a password written otherwise is hidden all the same. The
 // unreadable CA file fails the command before any connection.
 func TestAPasswordInTheRebuiltURLIsHidden(t *testing.T) {
@@ -481,6 +482,44 @@ func TestADatabaseURLWithItsHostInTheQuery(t *testing.T) {
 	inQuery := testenv.HostInQuery(t, d.URL)
 	if s := okJSON[statusResult](t, "status", "--db", inQuery); s.Unsent != 0 {
 		t.Errorf("status of an empty outbox through %s: %+v", inQuery, s)
+	}
+}
+
+// A PostgreSQL URL whose parameters are percent-escaped reaches the server as written: a service
+// that keeps its tables in a schema of its own (options=-c%20search_path%3Dapp, or
+// search_path="my app") has outboxctl act on that schema's outbox, not public's. Rebuilt through
+// url.Values, the %20 became a +, which pgx reads as a plus: the server refused -c+search_path,
+// and search_path="my+app", naming no schema, left public's table in use.
+func TestADatabaseURLsSearchPathPicksTheOutbox(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, testenv.DefaultConnections+2) // and a pool of one in each schema
+	d := outboxDB(t)
+	enqueue(t, d.DB, 1) // public's
+	for i, tc := range []struct{ schema, param string }{
+		{"app", "options=-c%20search_path%3Dapp"},
+		{`"my app"`, "search_path=%22my%20app%22,public"},
+	} {
+		execSQL(t, d.DB, "CREATE SCHEMA "+tc.schema)
+		withParam := d.URL + "?" + tc.param
+		if strings.Contains(d.URL, "?") {
+			withParam = d.URL + "&" + tc.param
+		}
+		inSchema := testenv.OpenPool(t, withParam, 1)
+		if err := platform.Library(messaging.MigrateOutbox)(context.Background(), slog.New(slog.DiscardHandler), inSchema); err != nil {
+			t.Fatalf("migrate %s: %v", tc.schema, err)
+		}
+		enqueue(t, inSchema, i+2)
+		if n := testenv.Count(t, d.DB, "SELECT count(*) FROM "+tc.schema+".outbox_messages"); n != int64(i+2) {
+			t.Fatalf("%s.outbox_messages has %d rows, want %d", tc.schema, n, i+2)
+		}
+		code, out, stderr := ctl(t, "status", "-o", "json", "--db", withParam)
+		if code != 0 {
+			t.Errorf("status through ?%s: exit %d: %s", tc.param, code, stderr)
+			continue
+		}
+		if s := decode[statusResult](t, out); s.Unsent != int64(i+2) {
+			t.Errorf("status through ?%s counts %d unsent rows, want the %d of %s.outbox_messages", tc.param, s.Unsent, i+2, tc.schema)
+		}
 	}
 }
 

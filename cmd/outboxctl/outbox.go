@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net/url"
 	"slices"
 	"time"
 
@@ -610,20 +609,18 @@ func openDB(ctx context.Context, flagValue string) (string, messaging.DB, func()
 	if err != nil {
 		return "", nil, nil, err
 	}
-	dsn, err := url.Parse(rawURL)
+	// How its sessions show in pg_stat_activity. The rest of the query stays as written, as the
+	// services keep it: rebuilt through url.Values, options=-c%20search_path%3Dapp would reach
+	// the server as -c+search_path=app.
+	dsn, err := platform.WithApplicationName(rawURL, "outboxctl")
 	if err != nil {
 		return "", nil, nil, err
 	}
-	q := dsn.Query()
-	if q.Get("application_name") == "" {
-		q.Set("application_name", "outboxctl") // how its sessions show in pg_stat_activity
-	}
-	dsn.RawQuery = q.Encode()
-	cfg, err := pgxpool.ParseConfig(dsn.String())
+	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		// pgx quotes the URL rebuilt here, its query encoded again, which the arguments do not
+		// pgx quotes the URL rebuilt here, application_name added, which the arguments do not
 		// hold for hideSecrets to find.
-		return "", nil, nil, fmt.Errorf("open database: %s", platform.MaskPasswords(platform.WithoutQuotedURL(err.Error()), rawURL, dsn.String()))
+		return "", nil, nil, fmt.Errorf("open database: %s", platform.MaskPasswords(platform.WithoutQuotedURL(err.Error()), rawURL, dsn))
 	}
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)

@@ -197,24 +197,12 @@ func TestRetryMakesEveryFailedRowDueAndWakesTheRelay(t *testing.T) {
 	fail(t, d.DB, ids[0], 3, "message nacked by the broker")
 	fail(t, d.DB, ids[1], 9, "message unroutable")
 
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	listener, err := pgx.Connect(ctx, d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer listener.Close(context.Background())
-	if _, err := listener.Exec(ctx, "LISTEN outbox_messages"); err != nil { // the library's channel
-		t.Fatal(err)
-	}
-
+	woken := listenAsARelay(t, d)
 	code, out, stderr := ctl(t, "retry", "--db", d.URL)
 	if code != 0 || !strings.Contains(out, "2 failed outbox rows were waiting") || !strings.Contains(stderr, "make these 2 outbox rows due now: no terminal to ask on; going on") {
 		t.Errorf("retry without a terminal: exit %d, stdout %q, stderr %q; want 2 rows retried, saying it did not ask", code, out, stderr)
 	}
-	if _, err := listener.WaitForNotification(ctx); err != nil {
-		t.Fatalf("no NOTIFY reached the relay's channel: %v", err)
-	}
+	woken("retry")
 	for i, want := range []struct {
 		attempts  int
 		lastError string
@@ -458,8 +446,32 @@ func beforeFirstQueryWith(t *testing.T, d *testenv.Database, marker string, chan
 	return u.String()
 }
 
-// retry --id makes that row due and leaves the others; an id that names no unsent row, or a
-// parked one, is an error that names it.
+// listenAsARelay listens on the relays' channel, as a relay does, from now on; woken waits for
+// the next NOTIFY there, and fails t, saying after what, if none comes within 10 s.
+func listenAsARelay(t *testing.T, d *testenv.Database) (woken func(after string)) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	listener, err := pgx.Connect(ctx, d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = listener.Close(context.Background()) })
+	if _, err := listener.Exec(ctx, "LISTEN outbox_messages"); err != nil { // the library's channel
+		t.Fatal(err)
+	}
+	return func(after string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := listener.WaitForNotification(ctx); err != nil {
+			t.Fatalf("after %s, no NOTIFY reached the relays' channel: %v", after, err)
+		}
+	}
+}
+
+// retry --id makes that row due, waking the relays, and leaves the others; an id that names no
+// unsent row, or a parked one, is an error that names it.
 func TestRetryOneRowByID(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
@@ -478,9 +490,11 @@ func TestRetryOneRowByID(t *testing.T) {
 		t.Fatalf("a dry run changed the outbox:\n%s\n%s", before, after)
 	}
 
+	woken := listenAsARelay(t, d)
 	if out := ok(t, "retry", "--id", ids[0].String(), "--db", d.URL); !strings.Contains(out, ids[0].String()+" is due now") {
 		t.Errorf("retry --id said %q", out)
 	}
+	woken("retry --id")
 	if isDue, attempts, _ := due(t, d.DB, ids[0]); !isDue || attempts != 4 {
 		t.Errorf("the row named: due=%v attempts=%d, want due with its 4 attempts", isDue, attempts)
 	}
@@ -499,8 +513,9 @@ func TestRetryOneRowByID(t *testing.T) {
 }
 
 // park keeps a row from the relay: it stays unsent while the relay sends the rows around it,
-// then unpark sends it; --dry-run changes nothing; a parked row can be parked no more, nor a
-// sent one at all.
+// then unpark sends it, waking the relay; --dry-run changes nothing; a parked row can be parked
+// no more, nor a sent one at all. The relay's poll is an hour: only a NOTIFY (Enqueue's, or
+// unpark's) has it claim again within the test.
 func TestParkKeepsARowFromTheRelayUntilUnparked(t *testing.T) {
 	t.Parallel()
 	d := outboxDB(t)
@@ -538,7 +553,7 @@ func TestParkKeepsARowFromTheRelayUntilUnparked(t *testing.T) {
 	pub := messaging.NewPublisher(messaging.PublisherConfig{URL: testenv.AMQPURL(), Topology: messaging.Topology{Exchanges: []string{exchange}}})
 	t.Cleanup(pub.Close)
 	log, _ := testenv.NewLogger(t)
-	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.Driver(t).DB(), Sender: pub, Exchange: exchange, Logger: log, PollInterval: 100 * time.Millisecond})
+	relay, err := messaging.NewRelay(messaging.RelayConfig{DB: d.Driver(t).DB(), Sender: pub, Exchange: exchange, Logger: log, PollInterval: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}

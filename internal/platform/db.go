@@ -37,7 +37,7 @@ import (
 // for a while. Any other refusal of a setting the connection carries does not pass (see
 // refusedSetting): it fails at once.
 func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxConns int) (*gorm.DB, error) {
-	dsn, err := withApplicationName(rawURL, service)
+	dsn, err := WithApplicationName(rawURL, service)
 	if err != nil {
 		return nil, errNotAURL
 	}
@@ -143,13 +143,23 @@ func missingObject(pgErr *pgconn.PgError) bool {
 		(strings.Contains(pgErr.Message, "does not exist") || strings.Contains(pgErr.Detail, "does not exist"))
 }
 
-func withApplicationName(rawURL, name string) (string, error) {
+// WithApplicationName returns rawURL with application_name=name in its query, unless the URL
+// gives a name of its own, and the rest of its query as written (see setParam): how a
+// connection's sessions show in pg_stat_activity. Its error is url.Parse's, which quotes rawURL,
+// password and all.
+func WithApplicationName(rawURL, name string) (string, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return "", err
 	}
 	setParam(u, "application_name", name, false)
 	return u.String(), nil
+}
+
+// withApplicationName is WithApplicationName under its earlier name, which some of the
+// package's callers still use.
+func withApplicationName(rawURL, name string) (string, error) {
+	return WithApplicationName(rawURL, name)
 }
 
 // setParam sets key=value in u's query: in place of the value it has, if replace, else only if
@@ -236,7 +246,7 @@ const ReadinessConns = 1
 // pool cannot make every replica unready at once. It connects at the first check, and again
 // after its connection breaks. Its sessions carry application_name=service-readiness.
 func OpenReadinessDB(service, rawURL string) (*sql.DB, error) {
-	dsn, err := withApplicationName(rawURL, service+"-readiness")
+	dsn, err := WithApplicationName(rawURL, service+"-readiness")
 	if err != nil {
 		return nil, errNotAURL
 	}

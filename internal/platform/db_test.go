@@ -234,7 +234,7 @@ func TestPoolURLsKeepTheirParametersValues(t *testing.T) {
 		rewrite  func(string) (string, error)
 		key, set string
 	}{
-		"withApplicationName": {func(raw string) (string, error) { return withApplicationName(raw, "svc") }, "application_name", "svc"},
+		"WithApplicationName": {func(raw string) (string, error) { return WithApplicationName(raw, "svc") }, "application_name", "svc"},
 		"IndexPlansURL":       {IndexPlansURL, "jit", "off"},
 	} {
 		dsn, err := tc.rewrite(rawURL)

@@ -106,7 +106,7 @@ func OpenBackground(ctx context.Context, service, rawURL string, conns int) (*pg
 	if err != nil {
 		return nil, err
 	}
-	if dsn, err = withApplicationName(dsn, service+"-background"); err != nil {
+	if dsn, err = WithApplicationName(dsn, service+"-background"); err != nil {
 		return nil, errNotAURL
 	}
 	cfg, err := pgxpool.ParseConfig(dsn)
