@@ -28,6 +28,7 @@ const (
 	DefaultLanes          = 2
 	DefaultPollInterval   = time.Second
 	DefaultMaxBackoff     = 5 * time.Minute
+	DefaultMaxBatchBytes  = 16 << 20 // 16 MiB: the largest payload Enqueue takes
 )
 
 // Sender publishes a batch, each message to its exchange, and reports one verdict per message,
@@ -109,6 +110,17 @@ type RelayConfig struct {
 	// BatchSize is the most rows one transaction claims and publishes. Default
 	// [DefaultRelayBatchSize].
 	BatchSize int
+	// MaxBatchBytes bounds the payload bytes one batch holds: the claim keeps its rows, oldest
+	// first, while their payloads add up to no more, and always keeps the first, however large.
+	// The rows it locked past the bound are left as they were, due again at the batch's commit,
+	// and the lane claims them at once, as after a full batch, and fewer at a time (twice what
+	// fitted, back up to BatchSize as batches come back full): the server sends every row a claim
+	// locks. A relay holds about Lanes × MaxBatchBytes of payloads (and one row more per lane,
+	// read to find the bound passed): size a memory limit for it. Without the bound, two lanes of
+	// 500 rows of 1 MB took a gigabyte, and a relay killed for its memory claimed the same rows at
+	// each restart. Default [DefaultMaxBatchBytes], the largest payload [Enqueue] takes; negative
+	// is refused.
+	MaxBatchBytes int
 	// Lanes is how many batches may be in progress at once, each in its own transaction:
 	// while one waits for its confirms, the next is claimed and published. Default
 	// [DefaultLanes]. Give a [Publisher] a MaxInFlight of at least Lanes × BatchSize: a lane
@@ -208,6 +220,12 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.BatchSize <= 0 {
 		cfg.BatchSize = DefaultRelayBatchSize
 	}
+	switch {
+	case cfg.MaxBatchBytes < 0:
+		return nil, fmt.Errorf("relay: MaxBatchBytes is %d; it must be 0 (the default, %d) or more", cfg.MaxBatchBytes, DefaultMaxBatchBytes)
+	case cfg.MaxBatchBytes == 0:
+		cfg.MaxBatchBytes = DefaultMaxBatchBytes
+	}
 	if cfg.Lanes <= 0 {
 		cfg.Lanes = DefaultLanes
 	}
@@ -235,21 +253,21 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	}, nil
 }
 
-// Run relays until ctx ends, then returns nil once the batches in progress are settled. Each
-// lane drains without pause while its batches come back full and sent, and otherwise waits for
-// a NOTIFY from a committed [Enqueue] or the next poll, but no longer than until the next row
-// it saw the broker refuse is due again (each row's [RelayConfig.Backoff]). A batch with rows
-// left unsent is followed after BrokerRetry's first step, and a failed batch (the database
-// away) after BrokerRetry's next step, whatever the poll; neither wait hears a NOTIFY. While
-// the broker is unavailable the lanes claim nothing; they look for the broker again and resume
-// as soon as it is back. An outage that such a look cannot see end (no confirm in time, or a
-// channel the broker closed for a reason of no message, on a connection that stays up: see
-// [ErrBrokerUnavailable]) ends only with a batch the broker gives verdicts on, or when no row is
-// due: meanwhile one lane at a time claims and publishes one row, at BrokerRetry's pace (the
-// oldest due row: if that row is what the broker cannot confirm, nothing moves until it can, or
-// the row is parked; the relay logs the row once an outage). A Sender that cannot connect for a
-// reason no broker can mend (a [Publisher] whose configuration names no broker) makes Run
-// return that error at once.
+// Run relays until ctx ends, then returns nil once the batches in progress are settled. Each lane
+// drains without pause while its batches come back full (BatchSize rows, or cut by MaxBatchBytes)
+// and sent, and otherwise waits for a NOTIFY from a committed [Enqueue] or the next poll, but no
+// longer than until the next row it saw the broker refuse is due again (each row's
+// [RelayConfig.Backoff]). A batch with rows left unsent is followed after BrokerRetry's first
+// step, and a failed batch (the database away) after BrokerRetry's next step, whatever the poll;
+// neither wait hears a NOTIFY. While the broker is unavailable the lanes claim nothing; they look
+// for the broker again and resume as soon as it is back. An outage that such a look cannot see end
+// (no confirm in time, or a channel the broker closed for a reason of no message, on a connection
+// that stays up: see [ErrBrokerUnavailable]) ends only with a batch the broker gives verdicts on,
+// or when no row is due: meanwhile one lane at a time claims and publishes one row, at
+// BrokerRetry's pace (the oldest due row: if that row is what the broker cannot confirm, nothing
+// moves until it can, or the row is parked; the relay logs the row once an outage). A Sender that
+// cannot connect for a reason no broker can mend (a [Publisher] whose configuration names no
+// broker) makes Run return that error at once.
 //
 // A batch's statements get no deadline of the relay's until Run stops (then the shutdown's, see
 // [Relay.ProcessBatch]): a driver that honours a context's end by closing its socket (pgx)
@@ -294,8 +312,9 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	// only the rows due by then: each time is kept (see addDue), and the lane waits no longer
 	// than the earliest.
 	var due []time.Time
+	size := r.cfg.BatchSize // the rows the lane's next whole batch claims (see nextSize)
 	for ctx.Err() == nil {
-		limit, trial := r.cfg.BatchSize, false
+		limit, trial := size, false
 		switch down, silent := r.outageState(); {
 		case silent:
 			// No probe sees this outage end, only a batch the broker answers for (or a claim
@@ -367,7 +386,7 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			failed = 0
 			wait = func() {} // the next trial, paced by startTrial
 			if r.trialFoundNothing(ctx, started, s.dueHeld) {
-				wait = r.afterBatch(ctx, wake, res, limit, due)
+				wait = r.afterBatch(ctx, wake, res, false, due)
 			}
 		default:
 			failed = 0
@@ -377,7 +396,11 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			if s.published {
 				r.brokerUp(ctx, started, s.answered)
 			}
-			wait = r.afterBatch(ctx, wake, res, limit, due)
+			// A batch the bytes bound cut (s.cut) left due rows behind its last, as a full one.
+			wait = r.afterBatch(ctx, wake, res, res.Claimed == limit || s.cut, due)
+			if !trial {
+				size = r.nextSize(limit, res.Claimed, s.cut)
+			}
 		}
 		r.batchEnds(trial)
 		wait()
@@ -385,15 +408,16 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 }
 
 // afterBatch is how a lane waits after a batch that did not fail: the broker answered for its
-// rows, or it claimed none.
-func (r *Relay) afterBatch(ctx context.Context, wake wakeup, res BatchResult, limit int, due []time.Time) func() {
+// rows, or it claimed none. full says the claim may have left due rows: it took as many as it
+// asked for, or the bytes bound cut it.
+func (r *Relay) afterBatch(ctx context.Context, wake wakeup, res BatchResult, full bool, due []time.Time) func() {
 	switch {
 	case res.Unsent > 0:
 		// The broker answered but took some rows nowhere (a channel it closed for another row,
 		// a row whose earlier publish is still in flight): paced as a retry, not claimed again
 		// at once, which spins while those rows wait.
 		return func() { sleep(ctx, nil, r.cfg.BrokerRetry.Delay(1)) }
-	case res.Claimed == limit:
+	case full:
 		return wake.signal // more is waiting: another lane may join
 	}
 	return func() {
@@ -403,6 +427,29 @@ func (r *Relay) afterBatch(ctx context.Context, wake wakeup, res BatchResult, li
 		}
 		sleep(ctx, wake, wait)
 	}
+}
+
+// nextSize is how many rows a lane's next whole batch claims, after one that claimed up to
+// limit and kept claimed, cut by the bytes bound if cut. The server sends every row a claim
+// locks, and a cut claim reads those past the bound off the connection for nothing: at the
+// default BatchSize, 500 rows of 1 MB for the 16 a batch keeps, and the rest of a backlog of
+// large rows again at each batch. After a cut the lane claims twice what the batch kept, and
+// twice as many at each batch that comes back full, up to BatchSize; after one that found
+// fewer rows due than it asked for, BatchSize again.
+func (r *Relay) nextSize(limit, claimed int, cut bool) int {
+	double := func(n int) int {
+		if n >= r.cfg.BatchSize/2 {
+			return r.cfg.BatchSize
+		}
+		return max(2*n, 1)
+	}
+	switch {
+	case cut:
+		return double(claimed)
+	case claimed == limit:
+		return double(limit)
+	}
+	return r.cfg.BatchSize
 }
 
 // settleWait is how long a transaction outlives the context of the work it records, to record
@@ -417,7 +464,9 @@ const settleWait = 2 * time.Second
 // the broker gave no verdict on some rows (see [ErrBrokerUnavailable]), the rest is still
 // settled and committed, those rows stay due, and the error says why; but not when the broker
 // is there, and closed the channel for another row's refusal: those rows, counted in Unsent,
-// go at the next batch.
+// go at the next batch. A batch holds payloads of at most [RelayConfig.MaxBatchBytes] (its
+// first row aside): one that claims fewer than BatchSize rows does not say the outbox is
+// drained, one that claims none does.
 //
 // It outlives ctx: a batch under way when ctx ends waits up to [RelayConfig.ShutdownGrace] more
 // for the broker's confirms, then up to 2 s more to record them and commit, and, if that
@@ -464,7 +513,7 @@ func (r *Relay) batch(ctx, publishCtx context.Context, limit int, trial bool) (s
 		// (with a slow exporter) must not keep the transaction idle, past its bound.
 		pub.endSpans()
 	}()
-	msgs, attempts, unreadable, err := r.claim(ctx, tx, limit)
+	msgs, attempts, unreadable, cut, err := r.claim(ctx, tx, limit)
 	if err != nil {
 		return settlement{}, err
 	}
@@ -483,7 +532,7 @@ func (r *Relay) batch(ctx, publishCtx context.Context, limit int, trial bool) (s
 	if s, err = r.settle(ctx, tx, msgs, attempts, pub.verdicts); err != nil {
 		return s, err
 	}
-	s.published, s.answered = pub.published, pub.answered
+	s.published, s.answered, s.cut = pub.published, pub.answered, cut
 	if err := tx.Commit(ctx); err != nil {
 		return s, fmt.Errorf("commit outbox batch: %w", err)
 	}
@@ -565,10 +614,17 @@ func brokerAnswered(verdict error) bool {
 // attempts of each so far. unreadable, nil if every row could be read, holds why a row cannot
 // be sent as it is (headers written by hand that are not a JSON object of strings). With an
 // idleBound, the claim also has the database end the transaction once it sits idle longer.
-func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Message, attempts []int, unreadable []error, err error) {
+//
+// It keeps the rows, in their order, while their payloads add up to no more than MaxBatchBytes,
+// the first whatever its size, and says whether it cut the batch there: the rows it locked
+// after are left as they are, neither marked nor charged, and are due again once the batch's
+// transaction ends; they are the newest, so the order holds. The cursor is closed at the cut:
+// pgx and database/sql (lib/pq's and pgx's stdlib, GORM's) read the rest of its rows off the
+// connection one at a time, keeping none, and the transaction goes on.
+func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Message, attempts []int, unreadable []error, cut bool, err error) {
 	if !r.cfg.SessionsPlanByIndex {
 		if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {
-			return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+			return nil, nil, nil, false, fmt.Errorf("claim outbox batch: %w", err)
 		}
 	}
 	var cursor Rows
@@ -578,10 +634,16 @@ func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Messa
 		cursor, err = tx.Query(ctx, statements.Claim, limit)
 	}
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+		return nil, nil, nil, false, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	defer cursor.Close()
+	closed := false
+	defer func() {
+		if !closed {
+			cursor.Close()
+		}
+	}()
 	msgs, attempts = make([]Message, 0, limit), make([]int, 0, limit)
+	held := 0 // bytes of the kept rows' payloads
 	for cursor.Next() {
 		var m Message
 		var n int
@@ -589,8 +651,13 @@ func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Messa
 		var exchange, routingKey, headers *string
 		if err := cursor.Scan(&m.ID, &m.Type, &payload, &m.CorrelationID, &m.OccurredAt, &n, &m.TraceParent, &m.TraceState,
 			&exchange, &routingKey, &headers); err != nil {
-			return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+			return nil, nil, nil, false, fmt.Errorf("claim outbox batch: %w", err)
 		}
+		if len(msgs) > 0 && len(payload) > r.cfg.MaxBatchBytes-held {
+			cut = true
+			break
+		}
+		held += len(payload)
 		m.Payload, m.Exchange, m.RoutingKey = payload, r.cfg.Exchange, deref(routingKey)
 		if exchange != nil {
 			m.Exchange = *exchange
@@ -609,10 +676,16 @@ func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Messa
 		}
 		msgs, attempts = append(msgs, m), append(attempts, n)
 	}
-	if err := cursor.Err(); err != nil {
-		return nil, nil, nil, fmt.Errorf("claim outbox batch: %w", err)
+	if cut {
+		// Before the publish: pgx reports here a failure to read the rest (the connection
+		// lost), which would otherwise surface only after the rows had gone to the broker.
+		cursor.Close()
+		closed = true
 	}
-	return msgs, attempts, unreadable, nil
+	if err := cursor.Err(); err != nil {
+		return nil, nil, nil, false, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	return msgs, attempts, unreadable, cut, nil
 }
 
 func deref(s *string) string {
@@ -699,6 +772,9 @@ type settlement struct {
 	// dueHeld: the claim, a trial's, found no row, and a row is due all the same, locked by
 	// another transaction (another lane's whole batch, another replica's trial or batch).
 	dueHeld bool
+	// cut: the claim left rows it had locked for the bytes bound (RelayConfig.MaxBatchBytes),
+	// due again at the commit.
+	cut bool
 }
 
 type failure struct {

@@ -515,7 +515,8 @@ func TestRelayGivesUpOnABrokerThatStopsReading(t *testing.T) {
 	b := setup(t)
 	proxy := testenv.Proxy(t, testenv.AMQPHost(t))
 	pub := b.publisher(t, testenv.AMQPURLVia(t, proxy.Listen), func(c *messaging.PublisherConfig) { c.ConfirmTimeout = time.Second })
-	r := b.relay(t, pub, nil)
+	// 500 rows of 40 KB in one batch: 20 MB, past the default MaxBatchBytes.
+	r := b.relay(t, pub, func(c *messaging.RelayConfig) { c.MaxBatchBytes = 32 << 20 })
 	b.enqueue(t, 1)
 	if res, err := r.ProcessBatch(context.Background()); err != nil || res.Sent != 1 {
 		t.Fatalf("warm-up batch = %+v, %v", res, err)
@@ -1038,7 +1039,9 @@ func TestRelayBacksOffARowLargerThanTheBrokerTakes(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	relay := b.relay(t, b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.MaxMessageBytes = 32 << 20 }), nil)
+	// The three rows in one batch: the large one alone is past the default MaxBatchBytes.
+	relay := b.relay(t, b.publisher(t, testenv.AMQPURL(), func(c *messaging.PublisherConfig) { c.MaxMessageBytes = 32 << 20 }),
+		func(c *messaging.RelayConfig) { c.MaxBatchBytes = 32 << 20 })
 	if version, _ := testenv.Connection(t).Properties["version"].(string); strings.HasPrefix(version, "3.") {
 		if _, err := relay.ProcessBatch(context.Background()); err != nil || b.unprocessed(t) != 0 {
 			t.Fatalf("RabbitMQ %s: %d rows unsent, %v; want all three sent under its 128 MiB limit", version, b.unprocessed(t), err)
