@@ -1,6 +1,7 @@
 package platform
 
 import (
+	"context"
 	"log/slog"
 	"slices"
 	"strings"
@@ -74,7 +75,7 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topolog
 		MaxInFlight: s.inFlight(),
 	})
 	relay, err := messaging.NewRelay(messaging.RelayConfig{
-		DB: b.Background, Sender: pub, Exchange: exchange,
+		DB: b.Background, Sender: cutSender{pub}, Exchange: exchange,
 		BatchSize: s.BatchSize, Lanes: s.Lanes, PollInterval: s.PollInterval, DisableNotify: !s.Notify,
 		SessionsPlanByIndex: true, // OpenBackground's sessions do
 		Backoff:             messaging.Backoff{Base: 2 * time.Second, Max: s.MaxBackoff},
@@ -85,6 +86,27 @@ func (b *Base) Outbox(log *slog.Logger, amqpURL, exchange, appID string, topolog
 		return nil, err
 	}
 	return &Outbox{Publisher: pub, Relay: relay, Cleanup: b.outboxCleanup(log, s.Retention)}, nil
+}
+
+// cutSender is the relay's Sender: its Publisher, whose publishes also end when the cut their
+// context carries does (see relayCut), ShutdownTimeout after the signal, when Serve stops
+// waiting for the relay. A Relay's batch outlives its context by ShutdownGrace for its
+// confirms; a broker that accepts the connection and never answers would hold its dial that
+// long, and with it the publisher's lock and the batch's database connection, for which the
+// service's Close of the publisher and of the pools wait, past the hard stop. Cut off, the
+// publish gives the rows still unconfirmed no verdict, and the batch records the rest and
+// commits at once. Connect and PublishTimeout are the Publisher's (see messaging.Sender).
+type cutSender struct{ *messaging.Publisher }
+
+func (s cutSender) Publish(ctx context.Context, msgs []messaging.Message) []error {
+	if cut := relayCut(ctx); cut != nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithCancel(ctx)
+		defer cancel()
+		stop := context.AfterFunc(cut, cancel)
+		defer stop()
+	}
+	return s.Publisher.Publish(ctx, msgs)
 }
 
 // outboxCleanup is the hourly job deleting sent outbox rows older than the retention.

@@ -24,10 +24,11 @@ import (
 // ShutdownTimeout bounds how long in-flight HTTP requests may take to finish after a signal.
 // The workers' grace periods are shorter still (consumer 5 s, its Run up to 8 s with a handler
 // that ignores its end; the sender 4 s and 4 s to record). The relay stops only once the
-// requests and the consumer are done, to send what they committed, and gets 5 s more for its
-// batch in progress to wait for its confirms, and 2 s to record them, as far as HardStop
-// allows: HardStop is what makes the 10 s of the contract hold whatever they do (a batch it cuts
-// off is sent again at the next start, and its duplicates dropped by the inboxes).
+// requests and the consumer are done, to send what they committed; its batches' publishes are
+// cut off ShutdownTimeout after the signal too, whatever the broker does, and Serve waits for
+// the relay no longer (see relayUntil), leaving the second before HardStop to record them and
+// close. HardStop is what makes the 10 s of the contract hold whatever the parts do (a batch
+// it cuts off is sent again at the next start, and its duplicates dropped by the inboxes).
 const ShutdownTimeout = 8 * time.Second
 
 // HardStop is how long after a signal the process exits, whatever is still running: a service
@@ -207,7 +208,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 			intake.Wait()
 			close(intakeStopped)
 		}()
-		g.Go(func() error { return relayUntil(gctx, log, workers.Relay, intakeStopped) })
+		g.Go(func() error { return relayUntil(gctx, log, workers.Relay, intakeStopped, ShutdownTimeout) })
 	}
 	if err := g.Wait(); err != nil {
 		return err
@@ -367,18 +368,28 @@ type relayer interface {
 
 // relayUntil runs r until intakeStopped closes, then makes a last pass over the outbox for the
 // rows committed since the relay last looked: a lane asleep at the stop would leave them. The
-// last pass begins no batch later than ShutdownTimeout after the signal (when the intake must
-// be done), nor after a batch that left rows unsent: the broker gave no verdict on them (an
-// error), or it settled none of the batch (no error: an earlier publish of each row still
-// pending on the connection, say, which the next batch would claim again at once, for the
-// same answer). A batch that settled some goes on: rows a neighbour's refusal left unsent on
+// last pass begins no batch later than within after the signal (ShutdownTimeout in Serve, when
+// the intake must be done), nor after a batch that left rows unsent: the broker gave no verdict
+// on them (an error), or it settled none of the batch (no error: an earlier publish of each row
+// still pending on the connection, say, which the next batch would claim again at once, for
+// the same answer). A batch that settled some goes on: rows a neighbour's refusal left unsent on
 // its closed channel go out in the next. A relay that cannot publish neither holds the exit
 // nor spins: the rows wait for the next start, or another replica.
-func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopped <-chan struct{}) error {
-	stopBy := make(chan time.Time, 1)
-	context.AfterFunc(signal, func() { stopBy <- time.Now().Add(ShutdownTimeout) })
+//
+// Nor does a batch outlive the bound: a Relay's waits ShutdownGrace (5 s) past its context's
+// end for its confirms, and a broker that accepts the connection and never answers holds its
+// dial that long, past the hard stop. The contexts r gets carry a cut that ends within after the
+// signal (see relayCut): the relay's Sender (cutSender) ends its publishes then, so the batch
+// records what it has at once, and relayUntil returns, leaving the batch to do so. The service
+// closes the publisher and the pools after Serve: both wait for that batch (the publisher's
+// lock, the batch's connection), not long.
+func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopped <-chan struct{}, within time.Duration) error {
+	cut, cutOff := context.WithCancel(context.Background())
+	defer cutOff()
+	context.AfterFunc(signal, func() { time.AfterFunc(within, cutOff) })
 	// WithoutCancel: the relay outlives the signal, though not the intake.
-	runCtx, stop := context.WithCancel(context.WithoutCancel(signal))
+	relaying := context.WithValue(context.WithoutCancel(signal), relayCutKey{}, cut)
+	runCtx, stop := context.WithCancel(relaying)
 	defer stop()
 	go func() {
 		select {
@@ -391,11 +402,33 @@ func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopp
 		return fmt.Errorf("outbox relay: %w", err)
 	}
 
-	lastPass, cancel := context.WithDeadline(context.WithoutCancel(signal), <-stopBy)
+	lastPass, cancel := context.WithCancel(relaying)
 	defer cancel()
+	context.AfterFunc(cut, cancel)
+	type outcome struct {
+		res messaging.BatchResult
+		err error
+	}
 	sent := 0
-	for lastPass.Err() == nil {
-		res, err := r.ProcessBatch(lastPass)
+	for cut.Err() == nil {
+		done := make(chan outcome, 1)
+		go func() {
+			res, err := r.ProcessBatch(lastPass)
+			done <- outcome{res, err}
+		}()
+		var o outcome
+		select {
+		case o = <-done:
+		case <-cut.Done():
+			select {
+			case o = <-done: // ended as the cut came
+			default:
+				log.Warn("the outbox's last batch was still running at the shutdown deadline; left to record what the broker confirmed, the rest waits for the next start",
+					"after", within, "sent", sent)
+				return nil
+			}
+		}
+		res, err := o.res, o.err
 		sent += res.Sent
 		if err != nil {
 			log.Warn("could not send the outbox's last rows before stopping; they wait for the next start", "error", err, "sent", sent)
@@ -413,4 +446,14 @@ func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopp
 		log.Info("sent the outbox's last rows before stopping", "sent", sent)
 	}
 	return nil
+}
+
+// relayCutKey holds, in the contexts relayUntil gives the relay, the cut: a context that ends
+// when relayUntil stops waiting for the relay's batches.
+type relayCutKey struct{}
+
+// relayCut is the cut ctx carries (see relayCutKey), nil if none.
+func relayCut(ctx context.Context) context.Context {
+	cut, _ := ctx.Value(relayCutKey{}).(context.Context)
+	return cut
 }

@@ -41,7 +41,7 @@ func TestTheLastPassStopsAtABatchThatSettledNone(t *testing.T) {
 			intakeStopped := make(chan struct{})
 			close(intakeStopped)
 			start := time.Now()
-			if err := relayUntil(signal, slog.New(slog.NewTextHandler(logs, nil)), r, intakeStopped); err != nil {
+			if err := relayUntil(signal, slog.New(slog.NewTextHandler(logs, nil)), r, intakeStopped, ShutdownTimeout); err != nil {
 				t.Fatal(err)
 			}
 			if n := r.passes.Load(); n != c.want {
@@ -73,4 +73,66 @@ func (r *scriptedRelay) ProcessBatch(context.Context) (messaging.BatchResult, er
 		return messaging.BatchResult{}, errors.New("scriptedRelay: too many batches")
 	}
 	return r.batches[min(n, len(r.batches))-1], nil
+}
+
+// A last pass whose batch outlives its context by seconds (a Relay's waits ShutdownGrace, 5 s,
+// past it for its confirms, as for a dial to a broker that accepts the connection and never
+// answers) does not hold the stop past the pass's bound, ShutdownTimeout after the signal in
+// a service, nor, so, until the hard stop: relayUntil returns at the bound, saying the batch
+// was left, and the batch's context says it is cut off (see cutSender), so that a Relay's
+// publish ends then and the batch records what it has, before the pools close.
+func TestTheLastPassEndsAtItsBoundWhateverItsBatchDoes(t *testing.T) {
+	t.Parallel()
+	logs := &testenv.Logs{}
+	r := &stuckRelay{hold: 5 * time.Second, cut: make(chan time.Time, 1), release: make(chan struct{})}
+	t.Cleanup(func() { close(r.release) })
+	signal, cancel := context.WithCancel(context.Background())
+	intakeStopped := make(chan struct{})
+	close(intakeStopped)
+	const bound = 500 * time.Millisecond
+	signalled := time.Now()
+	cancel()
+	if err := relayUntil(signal, slog.New(slog.NewTextHandler(logs, nil)), r, intakeStopped, bound); err != nil {
+		t.Fatal(err)
+	}
+	// The margin is a busy machine's timer latency under -race.
+	if took := time.Since(signalled); took < bound || took > bound+400*time.Millisecond {
+		t.Fatalf("relayUntil returned %s after the signal, its last batch still running; want at its bound, %s", took.Round(time.Millisecond), bound)
+	}
+	select {
+	case at := <-r.cut:
+		if d := at.Sub(signalled); d < bound || d > bound+400*time.Millisecond {
+			t.Errorf("the batch's publish was cut off %s after the signal, want at the bound, %s", d.Round(time.Millisecond), bound)
+		}
+	case <-time.After(time.Second):
+		t.Error("the batch's context did not say it was cut off")
+	}
+	if len(logs.Lines("level=WARN", "the outbox's last batch was still running at the shutdown deadline")) != 1 || len(logs.Lines("level=ERROR")) != 0 {
+		t.Errorf("want one warning that the last batch was left, and no error:\n%s", logs)
+	}
+}
+
+// stuckRelay is a relay whose Run returns once its context ends and whose batch goes on for
+// hold whatever its context does (or until release closes), reporting on cut when the cut
+// its context carries (see relayCut) ends.
+type stuckRelay struct {
+	hold    time.Duration
+	cut     chan time.Time
+	release chan struct{}
+}
+
+func (r *stuckRelay) Run(ctx context.Context) error {
+	<-ctx.Done()
+	return nil
+}
+
+func (r *stuckRelay) ProcessBatch(ctx context.Context) (messaging.BatchResult, error) {
+	if cut, ok := ctx.Value(relayCutKey{}).(context.Context); ok {
+		context.AfterFunc(cut, func() { r.cut <- time.Now() })
+	}
+	select {
+	case <-time.After(r.hold):
+	case <-r.release:
+	}
+	return messaging.BatchResult{Claimed: 1, Sent: 1}, nil
 }

@@ -264,3 +264,33 @@ func TestServeSendsWhatTheIntakeCommitsAfterTheSignal(t *testing.T) {
 		t.Fatalf("%d of the %d outbox rows the intake committed after the signal left unsent after Serve returned", n, rows)
 	}
 }
+
+// A broker that accepts the connection and never answers (no handshake comes) holds the stop
+// no later than ShutdownTimeout after the signal: the relay's last pass, dialling it for the
+// row committed before, is cut off then, and its batch, which its dial held, records at once
+// that the broker gave no verdict. What the service does after Serve, the publisher's Close and
+// the pools' (which wait for that batch), is over well before the hard stop would cut it off
+// with its error line. The row waits for the next start.
+func TestServeDoesNotWaitForABrokerThatNeverAnswers(t *testing.T) {
+	t.Parallel()
+	silent := testenv.ServeEach(t, func(net.Conn) {}) // each connection held open, unread, until the test's end
+	s := startDrainService(t, "amqp://guest:guest@"+silent+"/")
+	s.insertRow(t)
+	stop := s.serve(t)
+	stop.signal()
+	signalled := time.Now()
+	took := stop.wait()
+	s.outbox.Publisher.Close()
+	s.b.Close()
+	closed := time.Since(signalled)
+	t.Logf("Serve returned %s after the signal, the publisher and the pools closed %s after it", took.Round(time.Millisecond), closed.Round(time.Millisecond))
+	if closed > HardStop-500*time.Millisecond {
+		t.Fatalf("the publisher and the pools closed %s after the signal, want well within the hard stop, %s", closed.Round(time.Millisecond), HardStop)
+	}
+	if n := s.unsent(t); n != 1 {
+		t.Fatalf("%d outbox rows unsent, want the 1 the broker gave no verdict on", n)
+	}
+	if len(s.logs.Lines("level=WARN", "the outbox's last batch was still running at the shutdown deadline")) != 1 {
+		t.Error("the last batch left at the deadline was not logged")
+	}
+}
