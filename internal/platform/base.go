@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"sync"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -39,14 +41,57 @@ func Migrations(fsys fs.FS, dir, versionTable string) Migration {
 }
 
 // Library is one of the messaging library's migrations (messaging.MigrateOutbox,
-// messaging.MigrateInbox).
+// messaging.MigrateInbox). They wait for the migration lock, as a service's do, without a
+// word: if they have not finished within libraryWaitLog, the log says the start waits for
+// them, and again every libraryWaitRelog (see logWhileRunning).
 func Library(m func(ctx context.Context, db messaging.DB) error) Migration {
-	return func(ctx context.Context, _ *slog.Logger, db *gorm.DB) error {
+	return func(ctx context.Context, log *slog.Logger, db *gorm.DB) error {
 		d, err := gormdriver.New(db)
 		if err != nil {
 			return err
 		}
+		stop := logWhileRunning(ctx, log)
+		defer stop()
 		return m(ctx, d.DB())
+	}
+}
+
+// libraryWaitLog is how long the library's migrations run before the log says the start
+// waits for them, and libraryWaitRelog how often it says so again, as a service's migrations
+// say they wait for the lock.
+const (
+	libraryWaitLog   = time.Second
+	libraryWaitRelog = time.Minute
+)
+
+// logWhileRunning logs, libraryWaitLog from now and every libraryWaitRelog after, until stop
+// is called or ctx ends, that the library's migrations have not finished. Why is not known
+// from here: most often another replica's migrations, which hold the lock; or a transaction
+// holding a lock a migration needs; or a migration's own work.
+func logWhileRunning(ctx context.Context, log *slog.Logger) (stop func()) {
+	start := time.Now()
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTimer(libraryWaitLog)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			log.WarnContext(ctx, "the messaging library's migrations have not finished; the start waits for them "+
+				"(for another replica's migrations, or a lock a transaction holds, most likely)",
+				"waited", time.Since(start).Round(time.Second))
+			t.Reset(libraryWaitRelog)
+		}
+	})
+	return func() {
+		close(done)
+		wg.Wait()
 	}
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/pressly/goose/v3/lock"
 
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
+	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
 // startingAddr is the address the server of ctx's start answers on, once Start put it in the
@@ -471,5 +472,49 @@ func TestARequestBegunWhileStartingIsAnsweredAfterTheSignal(t *testing.T) {
 	}
 	if err := within(t, served, 10*time.Second, "Serve did not return after the request was answered"); err != nil {
 		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// The messaging library's migrations take the same lock as a service's, silently: a start that
+// waits on them (here a session holding the migration lock, as another replica's migrations
+// do) says so within about a second, not only once they are done. One that does not wait
+// says nothing.
+func TestLibraryMigrationsSayTheStartWaitsForThem(t *testing.T) {
+	t.Parallel()
+	testenv.Connections(t, 3) // the database's creation, the lock's session, the migrations'
+	d := testenv.NewDatabaseWithPool(t, 2)
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := sqlDB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Close() }()
+	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+
+	log, logs := testenv.NewLogger(t)
+	const line = "the messaging library's migrations have not finished"
+	migrated := make(chan error, 1)
+	go func() { migrated <- Library(messaging.MigrateOutbox)(context.Background(), log, d.DB) }()
+	testenv.Eventually(t, 3*time.Second, func() bool { return len(logs.Lines("level=WARN", line, "waited=")) == 1 },
+		"no line says the start waits for the library's migrations")
+	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+	if err := within(t, migrated, 10*time.Second, "the library's migrations did not end within 10 s of the lock's release"); err != nil {
+		t.Fatalf("the library's migrations: %v", err)
+	}
+
+	quiet, quietLogs := testenv.NewLogger(t)
+	if err := Library(messaging.MigrateOutbox)(context.Background(), quiet, d.DB); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(libraryWaitLog + 500*time.Millisecond) // a line that must not come
+	if len(quietLogs.Lines(line)) != 0 {
+		t.Errorf("migrations that did not wait said they did:\n%s", quietLogs)
 	}
 }
