@@ -187,6 +187,8 @@ func (ev InvoiceIssued) validate() error {
 		return errors.New("InvoiceIssued without customer_id")
 	case ev.AmountCents < 0:
 		return errors.New("InvoiceIssued with a negative amount_cents")
+	case ev.IssuedAt.IsZero():
+		return errors.New("InvoiceIssued without issued_at")
 	}
 	if err := checkID(ev.CustomerID); err != nil {
 		return fmt.Errorf("InvoiceIssued with an invalid customer_id: %w", err)

@@ -173,6 +173,7 @@ func TestEventsAreValidated(t *testing.T) {
 		"no invoice_id":                        {func(ev *InvoiceIssued) { ev.InvoiceID = uuid.Nil }, "without invoice_id or order_id"},
 		"no order_id":                          {func(ev *InvoiceIssued) { ev.OrderID = uuid.Nil }, "without invoice_id or order_id"},
 		"no customer_id":                       {func(ev *InvoiceIssued) { ev.CustomerID = "" }, "without customer_id"},
+		"no issued_at":                         {func(ev *InvoiceIssued) { ev.IssuedAt = time.Time{} }, "without issued_at"},
 		"customer_id with a control character": {func(ev *InvoiceIssued) { ev.CustomerID = "c-1\u0085" }, "invalid customer_id: must not contain control characters"},
 		"negative":                             {func(ev *InvoiceIssued) { ev.AmountCents = -1 }, "negative amount_cents"},
 	} {

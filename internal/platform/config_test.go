@@ -124,7 +124,7 @@ func TestDatabaseURLMayGiveItsHostInTheQuery(t *testing.T) {
 
 	// What the services make of such a URL still names the socket.
 	socket := "postgres://app:hunter2@/orders?host=/var/run/postgresql"
-	dsn, err := withApplicationName(socket, "svc")
+	dsn, err := WithApplicationName(socket, "svc")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -523,5 +523,28 @@ func TestABadHTTPAddrIsNotAlsoAPprofClash(t *testing.T) {
 	ReadCommon(env, ":8080")
 	if err := env.Err(); err == nil || !strings.Contains(err.Error(), "HTTP_ADDR: ") || strings.Contains(err.Error(), "PPROF_ADDR") {
 		t.Fatalf("HTTP_ADDR=8080 PPROF_ADDR=:8080: %v, want HTTP_ADDR refused, and nothing about PPROF_ADDR", err)
+	}
+}
+
+// A CONSUMER_BATCH_SIZE that does not parse is reported as such, and CONSUMER_PREFETCH is not
+// judged against the default that stands in for it: a prefetch of 10 is no problem of its own.
+func TestAPrefetchIsNotJudgedAgainstABatchSizeThatDoesNotParse(t *testing.T) {
+	t.Parallel()
+	for _, batch := range []string{"abc", "0", "1001"} {
+		env := EnvFrom(map[string]string{"CONSUMER_BATCH_SIZE": batch, "CONSUMER_PREFETCH": "10"})
+		ReadConsumerSettings(env)
+		err := env.Err()
+		if err == nil || !strings.Contains(err.Error(), "CONSUMER_BATCH_SIZE: must be an integer from 1 to 1000") {
+			t.Errorf("CONSUMER_BATCH_SIZE=%s: %v, want it refused", batch, err)
+		}
+		if err != nil && strings.Contains(err.Error(), "CONSUMER_PREFETCH") {
+			t.Errorf("CONSUMER_BATCH_SIZE=%s CONSUMER_PREFETCH=10: %v, want no problem of CONSUMER_PREFETCH's", batch, err)
+		}
+	}
+	// One that parses is still checked against.
+	env := EnvFrom(map[string]string{"CONSUMER_BATCH_SIZE": "20", "CONSUMER_PREFETCH": "10"})
+	ReadConsumerSettings(env)
+	if err := env.Err(); err == nil || !strings.Contains(err.Error(), "CONSUMER_PREFETCH: must be at least CONSUMER_BATCH_SIZE") {
+		t.Errorf("CONSUMER_BATCH_SIZE=20 CONSUMER_PREFETCH=10: %v, want the prefetch refused", err)
 	}
 }

@@ -29,9 +29,12 @@ func ReadConsumerSettings(env *Env) ConsumerSettings {
 	// 8 handlers drained a backlog about 1.5× faster than 4 on two cores (scripts/bench.sh),
 	// and leave room in the default pool of 20 and in PostgreSQL's default 100 connections.
 	s.Concurrency = env.Int("CONSUMER_CONCURRENCY", messaging.DefaultConcurrency, 1, 256)
+	problems := len(env.errs)
 	s.BatchSize = env.Int("CONSUMER_BATCH_SIZE", messaging.DefaultBatchSize, 1, 1000)
+	batchParsed := len(env.errs) == problems
 	s.Prefetch = env.Int("CONSUMER_PREFETCH", 2*s.BatchSize, 1, 65535)
-	env.Check(s.Prefetch >= s.BatchSize, "CONSUMER_PREFETCH", "must be at least CONSUMER_BATCH_SIZE, or no batch fills")
+	// Against a batch size given, not the default that stands in for one that does not parse.
+	env.Check(!batchParsed || s.Prefetch >= s.BatchSize, "CONSUMER_PREFETCH", "must be at least CONSUMER_BATCH_SIZE, or no batch fills")
 	// Records must outlive any duplicate: the relay's retries and the broker's redeliveries
 	// arrive within minutes or hours, so a day is the floor.
 	s.InboxRetention = env.Duration("INBOX_RETENTION", 30*24*time.Hour, 24*time.Hour, 10*365*24*time.Hour)

@@ -156,12 +156,6 @@ func WithApplicationName(rawURL, name string) (string, error) {
 	return u.String(), nil
 }
 
-// withApplicationName is WithApplicationName under its earlier name, which some of the
-// package's callers still use.
-func withApplicationName(rawURL, name string) (string, error) {
-	return WithApplicationName(rawURL, name)
-}
-
 // setParam sets key=value in u's query: in place of the value it has, if replace, else only if
 // it has none, or an empty one. pgx reads a query as libpq does: percent-escapes only, a + as
 // a plus, and a key given more than once by its last occurrence; setParam reads and writes it
