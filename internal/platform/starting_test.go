@@ -96,18 +96,7 @@ func TestStartAnswersTheProbesWhileTheMigrationsWait(t *testing.T) {
 	const conns = MinRequestConns + ReadinessConns
 	testenv.Connections(t, 2+conns) // the database's creation, the test's handle (the lock's session), the service
 	d := testenv.NewDatabaseWithPool(t, 1)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := sqlDB.Conn(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Close() }()
-	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
-		t.Fatal(err)
-	}
+	release := holdMigrationLock(t, d)
 
 	log, logs := testenv.NewLogger(t)
 	ctx, cancel := context.WithCancel(withStarting(context.Background()))
@@ -131,9 +120,7 @@ func TestStartAnswersTheProbesWhileTheMigrationsWait(t *testing.T) {
 		t.Errorf("the start logged a not ready that nothing would pair with a ready again:\n%s", logs)
 	}
 
-	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	var b *Base
 	select {
 	case b = <-started:
@@ -483,18 +470,7 @@ func TestLibraryMigrationsSayTheStartWaitsForThem(t *testing.T) {
 	t.Parallel()
 	testenv.Connections(t, 3) // the database's creation, the lock's session, the migrations'
 	d := testenv.NewDatabaseWithPool(t, 2)
-	sqlDB, err := d.DB.DB()
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := sqlDB.Conn(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Close() }()
-	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
-		t.Fatal(err)
-	}
+	release := holdMigrationLock(t, d)
 
 	log, logs := testenv.NewLogger(t)
 	const line = "the messaging library's migrations have not finished"
@@ -502,9 +478,7 @@ func TestLibraryMigrationsSayTheStartWaitsForThem(t *testing.T) {
 	go func() { migrated <- Library(messaging.MigrateOutbox)(context.Background(), log, d.DB) }()
 	testenv.Eventually(t, 3*time.Second, func() bool { return len(logs.Lines("level=WARN", line, "waited=")) == 1 },
 		"no line says the start waits for the library's migrations")
-	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	if err := within(t, migrated, 10*time.Second, "the library's migrations did not end within 10 s of the lock's release"); err != nil {
 		t.Fatalf("the library's migrations: %v", err)
 	}
@@ -516,5 +490,29 @@ func TestLibraryMigrationsSayTheStartWaitsForThem(t *testing.T) {
 	time.Sleep(libraryWaitLog + 500*time.Millisecond) // a line that must not come
 	if len(quietLogs.Lines(line)) != 0 {
 		t.Errorf("migrations that did not wait said they did:\n%s", quietLogs)
+	}
+}
+
+// holdMigrationLock takes the migrations' advisory lock in a session of d's own, as another
+// replica's migrations would, until release (or the test's end).
+func holdMigrationLock(t *testing.T, d *testenv.Database) (release func()) {
+	t.Helper()
+	sqlDB, err := d.DB.DB()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := sqlDB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = other.Close() })
+	if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_lock($1)", lock.DefaultLockID); err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		t.Helper()
+		if _, err := other.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1)", lock.DefaultLockID); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
