@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -113,9 +114,10 @@ type RelayConfig struct {
 	// MaxBatchBytes bounds the payload bytes one batch holds: the claim keeps its rows, oldest
 	// first, while their payloads add up to no more, and always keeps the first, however large.
 	// The rows it locked past the bound are left as they were, due again at the batch's commit,
-	// and the lane claims them at once, as after a full batch, and fewer at a time (twice what
-	// fitted, back up to BatchSize as batches come back full): the server sends every row a claim
-	// locks. A relay holds about Lanes × MaxBatchBytes of payloads (and one row more per lane,
+	// and the lane claims them at once, as after a full batch; the next batches, the lanes' and
+	// ProcessBatch's, claim fewer rows (twice what fitted, back up to BatchSize as batches come
+	// back full, BatchSize again once one finds fewer than it asked for): the server sends every
+	// row a claim locks. A relay holds about Lanes × MaxBatchBytes of payloads (and one row more per lane,
 	// read to find the bound passed): size a memory limit for it. Without the bound, two lanes of
 	// 500 rows of 1 MB took a gigabyte, and a relay killed for its memory claimed the same rows at
 	// each restart. Default [DefaultMaxBatchBytes], the largest payload [Enqueue] takes; negative
@@ -207,6 +209,9 @@ type Relay struct {
 	// spanOptions are the same for every publish span, rootSpanOptions for one that starts a
 	// trace: made once.
 	spanOptions, rootSpanOptions []trace.SpanStartOption
+	// claimSize is how many rows the next whole batch claims, a lane's or ProcessBatch's: 0 for
+	// BatchSize, fewer after batches cut by MaxBatchBytes (see nextSize).
+	claimSize atomic.Int64
 }
 
 // NewRelay checks cfg and fills in its defaults.
@@ -254,8 +259,8 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 }
 
 // Run relays until ctx ends, then returns nil once the batches in progress are settled. Each lane
-// drains without pause while its batches come back full (BatchSize rows, or cut by MaxBatchBytes)
-// and sent, and otherwise waits for a NOTIFY from a committed [Enqueue] or the next poll, but no
+// drains without pause while its batches come back full (as many rows as they asked for, or cut
+// by MaxBatchBytes) and sent, and otherwise waits for a NOTIFY from a committed [Enqueue] or the next poll, but no
 // longer than until the next row it saw the broker refuse is due again (each row's
 // [RelayConfig.Backoff]). A batch with rows left unsent is followed after BrokerRetry's first
 // step, and a failed batch (the database away) after BrokerRetry's next step, whatever the poll;
@@ -312,9 +317,8 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 	// only the rows due by then: each time is kept (see addDue), and the lane waits no longer
 	// than the earliest.
 	var due []time.Time
-	size := r.cfg.BatchSize // the rows the lane's next whole batch claims (see nextSize)
 	for ctx.Err() == nil {
-		limit, trial := size, false
+		limit, trial := r.wholeBatch(), false
 		switch down, silent := r.outageState(); {
 		case silent:
 			// No probe sees this outage end, only a batch the broker answers for (or a claim
@@ -398,9 +402,6 @@ func (r *Relay) lane(ctx context.Context, wake wakeup) {
 			}
 			// A batch the bytes bound cut (s.cut) left due rows behind its last, as a full one.
 			wait = r.afterBatch(ctx, wake, res, res.Claimed == limit || s.cut, due)
-			if !trial {
-				size = r.nextSize(limit, res.Claimed, s.cut)
-			}
 		}
 		r.batchEnds(trial)
 		wait()
@@ -429,8 +430,17 @@ func (r *Relay) afterBatch(ctx context.Context, wake wakeup, res BatchResult, fu
 	}
 }
 
-// nextSize is how many rows a lane's next whole batch claims, after one that claimed up to
-// limit and kept claimed, cut by the bytes bound if cut. The server sends every row a claim
+// wholeBatch is how many rows the next batch that is not a trial claims.
+func (r *Relay) wholeBatch() int {
+	if n := r.claimSize.Load(); n > 0 {
+		return int(n)
+	}
+	return r.cfg.BatchSize
+}
+
+// nextSize is how many rows the next whole batch claims, a lane's or ProcessBatch's (a loop
+// of them, as the services' last pass at a stop), after one that claimed up to limit and kept
+// claimed, cut by the bytes bound if cut. The server sends every row a claim
 // locks, and a cut claim reads those past the bound off the connection for nothing: at the
 // default BatchSize, 500 rows of 1 MB for the 16 a batch keeps, and the rest of a backlog of
 // large rows again at each batch. After a cut the lane claims twice what the batch kept, and
@@ -473,7 +483,7 @@ const settleWait = 2 * time.Second
 // fails, up to 2 s more for the rollback. Cut off with ctx, a batch would leave rows the
 // broker took unmarked, sent again at the next start.
 func (r *Relay) ProcessBatch(parent context.Context) (BatchResult, error) {
-	s, err := r.processBatch(parent, r.cfg.BatchSize, false)
+	s, err := r.processBatch(parent, r.wholeBatch(), false)
 	return s.res, err
 }
 
@@ -489,6 +499,10 @@ func (r *Relay) processBatch(parent context.Context, limit int, trial bool) (set
 	s, err := r.batch(txCtx, ctx, limit, trial)
 	if err != nil {
 		return settlement{res: BatchResult{Claimed: s.res.Claimed}}, err
+	}
+	if !trial {
+		// Lanes share it: a cut in one says the rows at the head of the outbox are large.
+		r.claimSize.Store(int64(r.nextSize(limit, s.res.Claimed, s.cut)))
 	}
 	r.report(ctx, s)
 	return s, s.brokerErr
@@ -616,11 +630,13 @@ func brokerAnswered(verdict error) bool {
 // idleBound, the claim also has the database end the transaction once it sits idle longer.
 //
 // It keeps the rows, in their order, while their payloads add up to no more than MaxBatchBytes,
-// the first whatever its size, and says whether it cut the batch there: the rows it locked
-// after are left as they are, neither marked nor charged, and are due again once the batch's
-// transaction ends; they are the newest, so the order holds. The cursor is closed at the cut:
-// pgx and database/sql (lib/pq's and pgx's stdlib, GORM's) read the rest of its rows off the
-// connection one at a time, keeping none, and the transaction goes on.
+// the first whatever its size, and says whether it cut the batch there: the rows it locked after
+// are left as they are, neither marked nor charged, and are due again once the batch's transaction
+// ends. They are the batch's newest, but stay locked until then: another lane, or relay, may send
+// rows newer still before them, as it may the rows of any batch in progress (the relay promises no
+// order across its lanes). The cursor is closed at the cut: pgx and database/sql (lib/pq's and
+// pgx's stdlib, GORM's) read the rest of its rows off the connection one at a time, keeping none,
+// and the transaction goes on.
 func (r *Relay) claim(ctx context.Context, tx Executor, limit int) (msgs []Message, attempts []int, unreadable []error, cut bool, err error) {
 	if !r.cfg.SessionsPlanByIndex {
 		if _, err := tx.Exec(ctx, statements.ClaimPlan); err != nil {

@@ -143,6 +143,29 @@ func TestALaneClaimsFewerRowsWhileBatchesAreCutByBytes(t *testing.T) {
 	}
 }
 
+// ProcessBatch in a loop (the services' last pass at a stop) claims fewer rows after a cut, as
+// the lanes do, and BatchSize again once a claim finds fewer rows than it asked for: at the
+// defaults, each call would otherwise read 500 rows of 1 MB off the connection for the 16 it
+// keeps.
+func TestProcessBatchClaimsFewerRowsAfterACut(t *testing.T) {
+	t.Parallel()
+	db := newTableDB(mib, mib, mib, mib, mib)
+	r := newBytesRelay(t, db, &recordingSender{}, func(c *RelayConfig) { c.BatchSize, c.MaxBatchBytes = 8, 5*mib/2 })
+	for range 10 {
+		res, err := r.ProcessBatch(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Claimed == 0 {
+			break
+		}
+	}
+	// 8: keeps 2, cut; 4: keeps 2, cut; 4: finds the last 1; 8: finds none.
+	if got, want := db.claimLimits(), []int{8, 4, 4, 8}; !slices.Equal(got, want) {
+		t.Fatalf("the claims asked for %v rows, want %v", got, want)
+	}
+}
+
 // A lane's next claim: twice what a cut batch kept, twice a full one, BatchSize after one
 // that drained; never more than BatchSize, nor less than a row, however large BatchSize.
 func TestALanesNextClaimSize(t *testing.T) {
