@@ -103,6 +103,10 @@ func (s cutSender) Publish(ctx context.Context, msgs []messaging.Message) []erro
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithCancel(ctx)
 		defer cancel()
+		if cut.Err() != nil {
+			// AfterFunc would cancel on a goroutine of its own, after the publish began.
+			cancel()
+		}
 		stop := context.AfterFunc(cut, cancel)
 		defer stop()
 	}

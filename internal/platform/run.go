@@ -384,11 +384,14 @@ type relayer interface {
 // closes the publisher and the pools after Serve: both wait for that batch (the publisher's
 // lock, the batch's connection), not long.
 func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopped <-chan struct{}, within time.Duration) error {
-	cut, cutOff := context.WithCancel(context.Background())
+	// WithoutCancel: the relay outlives the signal, though not the intake, nor the cut. Its
+	// contexts are the cut's children, ended with it: an intake still running at the cut (a
+	// consumer's Run takes up to 8 s too) would otherwise have the lanes take their publishes,
+	// cut off, for a broker outage.
+	cut, cutOff := context.WithCancel(context.WithoutCancel(signal))
 	defer cutOff()
 	context.AfterFunc(signal, func() { time.AfterFunc(within, cutOff) })
-	// WithoutCancel: the relay outlives the signal, though not the intake.
-	relaying := context.WithValue(context.WithoutCancel(signal), relayCutKey{}, cut)
+	relaying := context.WithValue(cut, relayCutKey{}, cut)
 	runCtx, stop := context.WithCancel(relaying)
 	defer stop()
 	go func() {
@@ -404,7 +407,6 @@ func relayUntil(signal context.Context, log *slog.Logger, r relayer, intakeStopp
 
 	lastPass, cancel := context.WithCancel(relaying)
 	defer cancel()
-	context.AfterFunc(cut, cancel)
 	type outcome struct {
 		res messaging.BatchResult
 		err error

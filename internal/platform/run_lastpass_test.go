@@ -136,3 +136,24 @@ func (r *stuckRelay) ProcessBatch(ctx context.Context) (messaging.BatchResult, e
 	}
 	return messaging.BatchResult{Claimed: 1, Sent: 1}, nil
 }
+
+// A relay whose intake is still running at the cut (a consumer's Run may take up to 8 s after
+// the signal too) stops there: its publishes are cut off then, and a lane still running would
+// take that for a broker outage, logging it and setting outbox_relay_broker_up to 0.
+func TestTheRelayStopsAtTheCutThoughTheIntakeRuns(t *testing.T) {
+	t.Parallel()
+	r := &scriptedRelay{}
+	signal, cancel := context.WithCancel(context.Background())
+	cancel()
+	const within = 200 * time.Millisecond
+	returned := make(chan error, 1)
+	go func() { returned <- relayUntil(signal, slog.New(slog.DiscardHandler), r, make(chan struct{}), within) }()
+	select {
+	case err := <-returned:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * within):
+		t.Fatalf("the relay still ran %s after the signal, %s past its cut, its intake running", 10*within, 9*within)
+	}
+}
