@@ -32,17 +32,23 @@ import (
 
 // The live Prometheus's clock. Production scrapes and evaluates every 15 s; here every second,
 // and every duration of the rules (each alert's for: and each range window) is divided by
-// timeCompression: 1m becomes 3s, 5m 15s, 10m 30s. Nothing else of a rule changes: its metric
-// names, labels, comparisons and thresholds are the ones of deploy/prometheus/alerts.yml. The
-// thresholds on ages (OutboxBacklogAge's 300 s, ConsumerEventAgeHigh's 60 s) are real seconds,
+// timeCompression: 1m becomes 3s, 5m 15s, 10m 30s; so is a duration written as a number, which
+// a rule writes so where it means its window (ConsumerDeadLettering's process started within
+// it, < 10m). Nothing else of a rule changes: its metric names, labels, comparisons and
+// thresholds are the ones of deploy/prometheus/alerts.yml. The thresholds on ages
+// (OutboxBacklogAge's 300 s, ConsumerEventAgeHigh's 60 s) are written in seconds, real ones,
 // so the faults that trip them still take that long.
 const (
 	promInterval    = time.Second
 	timeCompression = 20
 )
 
-// rangeWindow is a range selector's duration in an expression: [10m].
-var rangeWindow = regexp.MustCompile(`\[(\d+(?:ms|[smhdwy]))\]`)
+// rangeWindow is a range selector's duration in an expression: [10m]. durationLiteral is a
+// duration outside one, used as a number of seconds: < 10m.
+var (
+	rangeWindow     = regexp.MustCompile(`\[(\d+(?:ms|[smhdwy]))\]`)
+	durationLiteral = regexp.MustCompile(`(^|[^\[\w.])(\d+(?:ms|[smhdwy]))\b`)
+)
 
 // compress divides a Prometheus duration by timeCompression, in seconds, or milliseconds where
 // that leaves a fraction.
@@ -59,8 +65,8 @@ func compress(t *testing.T, d string) string {
 	return fmt.Sprintf("%ds", c/time.Second)
 }
 
-// compressedRules writes into dir a copy of deploy/prometheus/alerts.yml with every for: and
-// range window divided by timeCompression, and returns its path and the alerts it defines.
+// compressedRules writes into dir a copy of deploy/prometheus/alerts.yml with every for:, range
+// window and duration literal divided by timeCompression, and returns its path and the alerts it defines.
 func compressedRules(t *testing.T, dir string) (path string, alerts []string) {
 	t.Helper()
 	raw, err := os.ReadFile(filepath.Join("..", "deploy", "prometheus", "alerts.yml"))
@@ -82,8 +88,12 @@ func compressedRules(t *testing.T, dir string) (path string, alerts []string) {
 				r["for"] = compress(t, f)
 			}
 			expr, _ := r["expr"].(string)
-			r["expr"] = rangeWindow.ReplaceAllStringFunc(expr, func(w string) string {
+			expr = rangeWindow.ReplaceAllStringFunc(expr, func(w string) string {
 				return "[" + compress(t, strings.Trim(w, "[]")) + "]"
+			})
+			r["expr"] = durationLiteral.ReplaceAllStringFunc(expr, func(d string) string {
+				m := durationLiteral.FindStringSubmatch(d)
+				return m[1] + compress(t, m[2])
 			})
 			if name, ok := r["alert"].(string); ok {
 				alerts = append(alerts, name)
