@@ -743,6 +743,10 @@ func TestTwoSendersOnASlowMailServerDeliverEachNotificationOnce(t *testing.T) {
 		// Few enough that neither sender leases every notification at once (the deliveries
 		// and as many leased in waiting).
 		s.concurrency = 3
+		// A budget the wrapper's delay leaves room in: before its first conversation a
+		// deliverer begins one only with half its budget left, and 500 ms less 200 ms left a
+		// sender a few milliseconds late on a busy machine nothing to begin, for good.
+		s.deliver = time.Second
 		wg.Go(func() { _ = s.Run(ctx) })
 	}
 	testenv.Eventually(t, 30*time.Second, func() bool {
