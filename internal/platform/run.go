@@ -155,6 +155,8 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		srv.ErrorLog = serverErrorLog(log)
 	}
 	conns := trackConns(srv)
+	closing := &closingHandler{next: srv.Handler}
+	srv.Handler = closing
 	g, gctx := errgroup.WithContext(ctx)
 	var intake sync.WaitGroup
 	goIntake := func(f func() error) {
@@ -192,7 +194,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		if held != nil {
 			drained.Go(func() { held(shutdownCtx) })
 		}
-		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
+		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns, closing)
 		drained.Wait()
 		return nil
 	})
@@ -220,14 +222,18 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 // shutdownHTTP stops srv, which serves on ln until served closes, within ctx. Shutdown alone
 // would drop, unanswered, a connection accepted before it whose first request net/http had not
 // read yet (conn.serve returns as it reads one once shutting down): its client, which sent the
-// request before the signal, would read EOF. So the listener closes first, keep-alives end,
-// and Shutdown comes only once every connection has been answered and closed (see settle).
-// HTTP/1 only, as NewServer serves: keep-alives off do not end an HTTP/2 connection.
-func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns) {
-	// The requests answered from now on close their connections; the idle ones close now (a
-	// request already on its way on one of them is lost, as with any HTTP/1.1 server: a client
-	// retries it only if it is idempotent, or carries an Idempotency-Key).
-	srv.SetKeepAlivesEnabled(false)
+// request before the signal, would read EOF. So the listener closes first, the answers from
+// then on close their connections, and Shutdown comes only once every connection has been
+// answered and closed or left idle (see settle), to close the idle ones.
+// HTTP/1 only, as NewServer serves: "Connection: close" does not end an HTTP/2 connection.
+func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns, closing *closingHandler) {
+	// Not srv.SetKeepAlivesEnabled(false): it closes the idle connections at once, before
+	// Shutdown has told net/http it is shutting down, and a request read from one of them in
+	// that instant would be handled on a closed connection, committed with nobody answered.
+	// An idle connection's next request is answered, and closes it; Shutdown closes the ones
+	// still idle, and a request racing that close is dropped by net/http, never handled (a
+	// client retries it only if it is idempotent, or carries an Idempotency-Key).
+	closing.draining.Store(true)
 	_ = ln.Close() // already closed if srv.Serve failed
 	<-served       // nothing is accepted any more: conns only shrink
 	conns.settle(ctx, newConnWait)
@@ -271,13 +277,14 @@ func trackConns(srv *http.Server) *liveConns {
 // connPoll is how often settle looks at the connections.
 const connPoll = 5 * time.Millisecond
 
-// settle waits, within ctx, until no connection is new or active: with keep-alives off, each is
-// closed once answered, and no request is read after. A connection that leaves StateNew is
-// marked active before net/http looks whether the server is shutting down, and stays so until
-// it is closed, so Shutdown after settle finds none it would drop. Those still new after
-// newWait whose client has sent nothing, silent since before the signal, are closed (Shutdown
-// would wait 5 s for them); one still sending its request's header stays new until it has sent
-// it all, and is left to finish it (see heardConn).
+// settle waits, within ctx, until no connection is new or active: each answer closes its
+// connection (see closingHandler), or, for one begun before the signal, leaves it idle. A
+// connection that leaves StateNew is marked active before net/http looks whether the server is
+// shutting down, and stays so until it is closed or idle, so Shutdown after settle finds none it
+// would drop. Those still new after newWait whose client has sent nothing, silent since before
+// the signal, have their reads ended (Shutdown would wait 5 s for them); one still sending its
+// request's header stays new until it has sent it all, and is left to finish it (see
+// heardConn).
 func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	silentBy := time.Now().Add(newWait)
 	tick := time.NewTicker(connPoll)
@@ -288,7 +295,11 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 		if time.Now().After(silentBy) {
 			for c, state := range n.state {
 				if state == http.StateNew && !heard(c) {
-					_ = c.Close()
+					// A deadline, not a close: a request whose bytes a read is returning
+					// just now is answered on an open connection, not handled on a closed
+					// one; with none, net/http's read fails and it closes the connection.
+					// Set at each look: net/http's own header deadline may replace it.
+					_ = c.SetReadDeadline(time.Now())
 				}
 			}
 		}
@@ -302,6 +313,21 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 		case <-tick.C:
 		}
 	}
+}
+
+// closingHandler answers with "Connection: close" once draining is set, so that net/http closes
+// each connection after its answer, as keep-alives off would, without closing the idle ones at
+// once (see shutdownHTTP).
+type closingHandler struct {
+	next     http.Handler
+	draining atomic.Bool
+}
+
+func (h *closingHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if h.draining.Load() {
+		w.Header().Set("Connection", "close")
+	}
+	h.next.ServeHTTP(w, r)
 }
 
 // heardListener accepts connections that record whether their client has sent a byte (see

@@ -1,0 +1,241 @@
+package platform
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outboxkit/outbox-inbox/internal/testenv"
+)
+
+// drainServer serves, through serve, a handler that answers 201 to every request but /slow,
+// which it holds until release closes; ln is the listener it serves on.
+type drainServer struct {
+	handled  sync.Map // request paths the handler ran
+	slowIn   chan struct{}
+	release  chan struct{}
+	signal   func()
+	served   <-chan error
+	shutting func() bool
+}
+
+func startDrainServer(t *testing.T, ln net.Listener) *drainServer {
+	t.Helper()
+	d := &drainServer{slowIn: make(chan struct{}, 1), release: make(chan struct{})}
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		d.handled.Store(r.URL.Path, true)
+		if r.URL.Path == "/slow" {
+			d.slowIn <- struct{}{}
+			<-d.release
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	log, logs := testenv.NewLogger(t)
+	d.signal, d.served = serveOn(t, log, NewServer("", h), ln, Workers{})
+	d.shutting = func() bool { return len(logs.Lines(`msg="shutting down"`)) == 1 }
+	return d
+}
+
+func (d *drainServer) ran(path string) bool {
+	_, ok := d.handled.Load(path)
+	return ok
+}
+
+// postOn writes a POST of path on conn.
+func postOn(t *testing.T, conn net.Conn, path string) {
+	t.Helper()
+	if _, err := io.WriteString(conn, "POST "+path+" HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}"); err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+}
+
+// answer reads the answer on conn, nil if the connection ended without one.
+func answer(t *testing.T, conn net.Conn, r *bufio.Reader) *http.Response {
+	t.Helper()
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(r, nil)
+	if err != nil {
+		return nil
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp
+}
+
+// A keep-alive connection idle at the signal is not closed at once: its next request, sent
+// while another is still being answered, is answered, and its answer closes the connection.
+func TestAnIdleConnectionsNextRequestDuringTheDrainIsAnswered(t *testing.T) {
+	t.Parallel()
+	ln := newGatedListener(t, closedChan())
+	d := startDrainServer(t, ln)
+	idle := dialed(t, ln.Addr().String())
+	r := bufio.NewReader(idle)
+	postOn(t, idle, "/first")
+	if resp := answer(t, idle, r); resp == nil || resp.StatusCode != http.StatusCreated || resp.Close {
+		t.Fatalf("the first request got %+v, want a 201 that keeps the connection", resp)
+	}
+	busy := dialed(t, ln.Addr().String())
+	postOn(t, busy, "/slow")
+	within(t, d.slowIn, 5*time.Second, "the slow request was not handled")
+	d.signal()
+	within(t, ln.closed, 5*time.Second, "the listener was not closed at the signal")
+
+	postOn(t, idle, "/second")
+	resp := answer(t, idle, r)
+	if resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the idle connection's request during the drain got %+v, want 201", resp)
+	}
+	if !resp.Close {
+		t.Fatal("the answer during the drain keeps its connection, want Connection: close")
+	}
+	if n, err := idle.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("the connection read %d bytes after its answer during the drain, want it closed", n)
+	}
+	close(d.release)
+	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A request whose bytes the server is reading from an idle keep-alive connection as the drain
+// begins is either answered or never handled: it is never handled on a connection the server
+// has closed, committed with its client reading EOF. The connection's read holds the request's
+// bytes until the connection is closed (or 3 s), as a busy machine may, in the instant between
+// the read and net/http's look at the request.
+func TestARequestReadAsTheDrainBeginsIsAnsweredOrNotHandled(t *testing.T) {
+	t.Parallel()
+	ln := newHoldingListener(t, 2)
+	d := startDrainServer(t, ln)
+	conn := dialed(t, ln.Addr().String())
+	r := bufio.NewReader(conn)
+	postOn(t, conn, "/first")
+	if resp := answer(t, conn, r); resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the first request got %+v, want 201", resp)
+	}
+	busy := dialed(t, ln.Addr().String())
+	postOn(t, busy, "/slow")
+	within(t, d.slowIn, 5*time.Second, "the slow request was not handled")
+	postOn(t, conn, "/second")
+	held := within(t, ln.holding, 5*time.Second, "the second request's bytes were not read")
+	d.signal()
+	testenv.Eventually(t, 5*time.Second, d.shutting, "the server is not stopping")
+	// Long enough for a close at the signal to have happened, and the request it let go to be
+	// handled; then the drain may end.
+	select {
+	case <-held.freed:
+	case <-time.After(300 * time.Millisecond):
+	}
+	close(d.release)
+	resp := answer(t, conn, r)
+	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+	if d.ran("/second") && (resp == nil || resp.StatusCode != http.StatusCreated) {
+		t.Fatalf("the request read as the drain began was handled, and its client got %+v, want its 201", resp)
+	}
+}
+
+// A request whose bytes the server is reading, on a connection accepted before the signal, as
+// the drain ends the silent ones is answered: the read holds them until the connection is
+// closed or its read deadline set (or 3 s).
+func TestARequestReadAsTheSilentConnectionsEndIsAnswered(t *testing.T) {
+	t.Parallel()
+	ln := newHoldingListener(t, 1)
+	d := startDrainServer(t, ln)
+	conn := dialed(t, ln.Addr().String())
+	postOn(t, conn, "/first")
+	within(t, ln.holding, 5*time.Second, "the request's bytes were not read")
+	d.signal()
+	resp := answer(t, conn, bufio.NewReader(conn))
+	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+	if d.ran("/first") && (resp == nil || resp.StatusCode != http.StatusCreated) {
+		t.Fatalf("the request read as the silent connections were ended was handled, and its client got %+v, want its 201", resp)
+	}
+}
+
+func closedChan() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}
+
+// holdingListener's connections hold the bytes of their nth read that returns any until the
+// connection is closed or given a past read deadline, or for 3 s; holding tells of each hold.
+type holdingListener struct {
+	net.Listener
+	nth     int32
+	holding chan *holdingConn
+}
+
+func newHoldingListener(t *testing.T, nth int32) *holdingListener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	return &holdingListener{Listener: ln, nth: nth, holding: make(chan *holdingConn, 8)}
+}
+
+func (l *holdingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &holdingConn{Conn: c, l: l, freed: make(chan struct{})}, nil
+}
+
+type holdingConn struct {
+	net.Conn
+	l     *holdingListener
+	reads atomic.Int32
+	mu    sync.Mutex
+	held  bool          // the read holds its bytes
+	freed chan struct{} // closed by Close or a past read deadline while the read holds
+}
+
+func (c *holdingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 && c.reads.Add(1) == c.l.nth {
+		c.mu.Lock()
+		c.held = true
+		c.mu.Unlock()
+		c.l.holding <- c
+		select {
+		case <-c.freed:
+		case <-time.After(3 * time.Second):
+		}
+	}
+	return n, err
+}
+
+// free lets a held read go; net/http's own past deadlines before the hold (ending a
+// background read) let none go.
+func (c *holdingConn) free() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.held {
+		c.held = false
+		close(c.freed)
+	}
+}
+
+func (c *holdingConn) Close() error {
+	c.free()
+	return c.Conn.Close()
+}
+
+func (c *holdingConn) SetReadDeadline(t time.Time) error {
+	if !t.IsZero() && !t.After(time.Now()) {
+		c.free()
+	}
+	return c.Conn.SetReadDeadline(t)
+}
