@@ -1,6 +1,8 @@
 package platform
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"maps"
@@ -110,7 +112,8 @@ func (e *Env) URL(name string, schemes ...string) string {
 // names no variable, or, for the broker, at every reconnection. The files a PostgreSQL URL
 // or the environment names (sslrootcert, sslcert, sslkey) are left to the pool's own start,
 // which reads them (a deployment's test renders URLs whose files exist only in the container):
-// all three are emptied for the check, which PGSSLROOTCERT and the like do not override. A
+// all three are emptied for the check, which PGSSLROOTCERT and the like do not override. An
+// amqps URL's files have no such start, and are read here (see amqpTLSRefusal). A
 // PostgreSQL URL's parameters named as pgxpool's are (pool_max_conns, …), in any case, are
 // refused too: only the background pool is pgxpool's, and it sets its own size; the others,
 // database/sql's, pass them to PostgreSQL as settings, as pgxpool does one whose case is not
@@ -118,6 +121,7 @@ func (e *Env) URL(name string, schemes ...string) string {
 // login. The reason never holds the URL's password.
 func clientRefusal(u *url.URL, raw string) string {
 	var err error
+	via := ""
 	switch u.Scheme {
 	case "postgres", "postgresql":
 		for _, key := range slices.Sorted(maps.Keys(u.Query())) {
@@ -131,14 +135,77 @@ func clientRefusal(u *url.URL, raw string) string {
 			q.Set(file, "")
 		}
 		checked.RawQuery = q.Encode()
-		_, err = pgx.ParseConfig(checked.String())
+		if _, err = pgx.ParseConfig(checked.String()); err != nil {
+			if names := pgEnvSet(); len(names) > 0 {
+				via = fmt.Sprintf(", with %s set in the environment, which it reads too", strings.Join(names, ", "))
+			}
+		}
 	case "amqp", "amqps":
-		_, err = amqp.ParseURI(raw)
+		var uri amqp.URI
+		if uri, err = amqp.ParseURI(raw); err == nil && uri.Scheme == "amqps" {
+			if why := amqpTLSRefusal(uri); why != "" {
+				return MaskPasswords(why, raw)
+			}
+		}
 	}
 	if err == nil {
 		return ""
 	}
-	return "the client refuses it: " + MaskPasswords(WithoutQuotedURL(err.Error()), raw)
+	return "the client refuses it" + via + ": " + MaskPasswords(WithoutQuotedURL(err.Error()), raw)
+}
+
+// pgEnvVariables are the variables pgx reads from the process's environment beside the URL
+// (pgconn's parseEnvSettings), the URL's own parameters overriding them, less PGSSLROOTCERT,
+// PGSSLCERT and PGSSLKEY, which clientRefusal's check overrides.
+var pgEnvVariables = []string{
+	"PGAPPNAME", "PGCHANNELBINDING", "PGCONNECT_TIMEOUT", "PGDATABASE", "PGHOST", "PGMAXPROTOCOLVERSION",
+	"PGMINPROTOCOLVERSION", "PGOPTIONS", "PGPASSFILE", "PGPASSWORD", "PGPORT", "PGREQUIREAUTH", "PGSERVICE",
+	"PGSERVICEFILE", "PGSSLCERTMODE", "PGSSLMODE", "PGSSLNEGOTIATION", "PGSSLPASSWORD", "PGSSLSNI",
+	"PGTARGETSESSIONATTRS", "PGTZ", "PGUSER",
+}
+
+// pgEnvSet lists the pgEnvVariables the process's environment sets, as pgx takes them: not
+// empty, but for PGSSLCERTMODE, which it refuses empty. A refusal of DATABASE_URL names them,
+// since one of them may be the cause (PGSSLMODE=verify-ful). The process's environment, not
+// Env's: pgx reads the process's.
+func pgEnvSet() []string {
+	var set []string
+	for _, name := range pgEnvVariables {
+		if v, ok := os.LookupEnv(name); v != "" || ok && name == "PGSSLCERTMODE" {
+			set = append(set, name)
+		}
+	}
+	return set
+}
+
+// amqpTLSRefusal says why the AMQP client could not set up TLS with the files an amqps URL
+// names, "" if it could: it reads them at each dial, so a file missing or wrong would fail
+// every (re)connection as if the broker were down, in errors that name no variable. As the
+// client reads them: a cacertfile it cannot read fails the dial, one with no PEM certificate
+// leaves it trusting nothing; a certfile without its keyfile, or a keyfile without its
+// certfile, it drops without a word, connecting without a client certificate; a pair that
+// does not load fails the dial.
+func amqpTLSRefusal(uri amqp.URI) string {
+	if uri.CACertFile != "" {
+		pem, err := os.ReadFile(uri.CACertFile)
+		if err != nil {
+			return fmt.Sprintf("cacertfile: %v", err)
+		}
+		if !x509.NewCertPool().AppendCertsFromPEM(pem) {
+			return fmt.Sprintf("cacertfile: %s holds no PEM certificate", uri.CACertFile)
+		}
+	}
+	switch {
+	case uri.CertFile == "" && uri.KeyFile == "":
+		return ""
+	case uri.CertFile == "" || uri.KeyFile == "":
+		return "certfile and keyfile must be given together: the client connects without a client certificate otherwise"
+	}
+	// Its error names no secret: a key's bytes are never quoted.
+	if _, err := tls.LoadX509KeyPair(uri.CertFile, uri.KeyFile); err != nil {
+		return fmt.Sprintf("certfile, keyfile: %v", err)
+	}
+	return ""
 }
 
 // NamesHost reports whether u names the server to connect to: a host after //, or, in a

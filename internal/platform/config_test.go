@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -237,9 +238,27 @@ func TestURLPortsAreInRange(t *testing.T) {
 // A URL that url.Parse takes but its client does not (a heartbeat in Go's duration syntax, an
 // sslmode misspelt) is refused at start, naming its variable and the client's reason without
 // the password: the broker's would otherwise fail at every reconnection, in a loop that names
-// no variable, and the database's at its first connection. Files a URL names are read later.
+// no variable, and the database's at its first connection. The files an amqps URL names, which
+// the AMQP client reads at every dial, are read too: a CA file missing or without a
+// certificate, a client certificate without its key or that does not load with it. The files
+// a PostgreSQL URL names are read later, by the pool. A refusal of DATABASE_URL names the PG*
+// variables set in the environment, which pgx reads beside the URL.
 func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
+	dir := t.TempDir()
+	cert, key := writeCertificate(t, dir)
+	missing := filepath.Join(dir, "missing.pem")
+	const mq = "amqps://app:hunter2@mq/shop?"
 	wantReadCommon(t, []envCase{
+		{"AMQP_URL", mq + "cacertfile=" + cert, ""},
+		{"AMQP_URL", mq + "cacertfile=" + cert + "&certfile=" + cert + "&keyfile=" + key + "&server_name_indication=mq.example", ""},
+		{"AMQP_URL", mq + "certfile=" + cert + "&keyfile=" + key, ""},
+		{"AMQP_URL", mq + "cacertfile=" + missing, "AMQP_URL: cacertfile: open " + missing + ": no such file or directory"},
+		{"AMQP_URL", mq + "cacertfile=" + key, "AMQP_URL: cacertfile: " + key + " holds no PEM certificate"},
+		{"AMQP_URL", mq + "certfile=" + cert, "AMQP_URL: certfile and keyfile must be given together"},
+		{"AMQP_URL", mq + "keyfile=" + key, "AMQP_URL: certfile and keyfile must be given together"},
+		{"AMQP_URL", mq + "certfile=" + cert + "&keyfile=" + missing, "AMQP_URL: certfile, keyfile: open " + missing},
+		{"AMQP_URL", mq + "certfile=" + key + "&keyfile=" + cert, "AMQP_URL: certfile, keyfile: tls: "},
+		{"AMQP_URL", "amqps://a/shop?cacertfile=" + cert + "," + mq + "cacertfile=" + missing, "AMQP_URL: entry 2 of 2: cacertfile: open " + missing},
 		{"AMQP_URL", "amqp://app:hunter2@mq:5672/?heartbeat=10s", "AMQP_URL: the client refuses it: heartbeat is not an uint16"},
 		{"AMQP_URL", "amqp://mq/?connection_timeout=5s", "AMQP_URL: the client refuses it: connection_timeout is not an integer"},
 		{"AMQP_URL", "amqp://a/shop,amqp://app:hunter2@b/shop?channel_max=70000", "AMQP_URL: entry 2 of 2: the client refuses it: channel_max is not an uint16"},
@@ -257,6 +276,14 @@ func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
 		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslrootcert=/nowhere/ca.crt", ""},
 		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full", ""},
 		{"DATABASE_URL", "postgres://db/x?sslmode=verify-full&sslcert=/nowhere/client.crt", ""},
+		{"DATABASE_URL", "postgres://db/x?sslmode=requir", "DATABASE_URL: the client refuses it: failed to configure TLS (sslmode is invalid)"},
+	})
+	// pgx reads PGSSLMODE and the like beside the URL: a refusal they may cause names them.
+	t.Setenv("PGSSLMODE", "verify-ful")
+	t.Setenv("PGPORT", "5433")
+	wantReadCommon(t, []envCase{
+		{"DATABASE_URL", "postgres://app:hunter2@db/x", "DATABASE_URL: the client refuses it, with PGPORT, PGSSLMODE set in the environment, which it reads too: failed to configure TLS (sslmode is invalid)"},
+		{"DATABASE_URL", "postgres://db/x?sslmode=disable", ""},
 	})
 }
 

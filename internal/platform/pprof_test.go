@@ -16,10 +16,14 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// Without PPROF_ADDR the profiler serves nothing: its worker returns at once, listening on
-// nothing.
+// PPROF_ADDR is unset unless given, and without it the profiler serves nothing: its worker
+// returns at once, listening on nothing.
 func TestTheProfilerServesNothingWithoutPPROF_ADDR(t *testing.T) {
 	t.Parallel()
+	env := EnvFrom(map[string]string{"DATABASE_URL": "postgres://db/x", "AMQP_URL": "amqp://mq/"})
+	if c := ReadCommon(env, ":8080"); c.PprofAddr != "" || env.Err() != nil {
+		t.Fatalf("PPROF_ADDR unset: %q, %v; want the profiler off", c.PprofAddr, env.Err())
+	}
 	log, logs := testenv.NewLogger(t)
 	done := make(chan error, 1)
 	go func() { done <- Profiler(log, "")(context.Background()) }()

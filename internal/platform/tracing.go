@@ -52,6 +52,9 @@ func readOTLPEndpoint(env *Env) string {
 	}
 	u, err := url.Parse(v)
 	env.Check(err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "", OTLPEndpointVariable, "must be an http or https URL")
+	if err == nil {
+		checkInsecure(env, u.Scheme)
+	}
 	env.Check(err != nil || PortsInRange(u), OTLPEndpointVariable, badURLPort)
 	// The exporter sends to the URL's host and path only: a user, a password or a query
 	// would be dropped without a word, and every export refused.
@@ -69,11 +72,11 @@ func readOTLPEndpoint(env *Env) string {
 // checkOTLPOptions checks the exporter's own variables that it ignores when they are bad,
 // starting without them, with at most a line on stderr in a format of its own: a timeout not
 // in whole milliseconds, as the specification has it (5s is not one), a compression other than
-// gzip or none (it takes any other, GZIP too, for none without a word), a TLS file it cannot
-// read or parse, a client certificate without its key (not a word either), a header entry its
-// parser drops; and the batch span processor's, which it reads with the exporter (see
-// checkBatchOptions). The exporter and the processor read them (deploy's libraryVars); this
-// only checks them.
+// gzip or none (it takes any other, GZIP too, for none without a word), a protocol other than
+// OTLP/HTTP's two (grpc too: see below), a TLS file it cannot read or parse, a client
+// certificate without its key (not a word either), a header entry its parser drops; and the
+// batch span processor's, which it reads with the exporter (see checkBatchOptions). The
+// exporter and the processor read them (deploy's libraryVars); this only checks them.
 func checkOTLPOptions(env *Env) {
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"} {
 		if v := env.String(name, ""); v != "" {
@@ -94,6 +97,15 @@ func checkOTLPOptions(env *Env) {
 			env.Check(v == "gzip" || v == "none", name, "must be gzip or none")
 		}
 	}
+	// The exporter speaks OTLP/HTTP alone, and sends any other value, grpc or HTTP/JSON as much
+	// as a typo, as http/protobuf: to a gRPC receiver's port every export fails, in lines that
+	// name no variable.
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"} {
+		if v := env.String(name, ""); v != "" {
+			env.Check(v == "http/protobuf" || v == "http/json", name,
+				"must be http/protobuf or http/json: spans are exported over OTLP/HTTP only (a receiver's port 4318, not gRPC's 4317)")
+		}
+	}
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"} {
 		if v := env.String(name, ""); v != "" {
 			pem, err := os.ReadFile(v)
@@ -109,6 +121,35 @@ func checkOTLPOptions(env *Env) {
 		{"OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY"},
 	} {
 		checkClientCertificate(env, pair[0], pair[1])
+	}
+}
+
+// checkInsecure checks OTEL_EXPORTER_OTLP_INSECURE and its _TRACES_ form, which the exporter
+// reads after the endpoint, overriding its scheme: true (in any case) posts in plain HTTP, any
+// other value is false and speaks TLS. So true with an https endpoint sends the spans, and
+// OTEL_EXPORTER_OTLP_HEADERS' credentials, in cleartext; false (or yes, or 1) with an http one
+// fails every export. Each is refused where it takes effect, the _TRACES_ form over the other,
+// as the exporter reads them; the endpoint's scheme alone says the same without them.
+func checkInsecure(env *Env, scheme string) {
+	name, insecure, valid := "", false, true
+	for _, n := range []string{"OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"} {
+		v := env.String(n, "")
+		if v == "" {
+			continue
+		}
+		if !strings.EqualFold(v, "true") && !strings.EqualFold(v, "false") {
+			env.fail(n, "must be true or false: the exporter takes any other value for false")
+			valid = false
+			continue
+		}
+		name, insecure = n, strings.EqualFold(v, "true")
+	}
+	switch {
+	case !valid || name == "":
+	case insecure && scheme == "https":
+		env.fail(name, "is true, with which the exporter posts to the https endpoint in plain HTTP, OTEL_EXPORTER_OTLP_HEADERS' credentials in cleartext: unset it, the endpoint's scheme says it")
+	case !insecure && scheme == "http":
+		env.fail(name, "is false, with which the exporter speaks TLS to the http endpoint, failing every export: unset it, the endpoint's scheme says it")
 	}
 }
 

@@ -251,10 +251,13 @@ func TestResourceAttributesAreCheckedWithTheConfiguration(t *testing.T) {
 // The exporter's own variables that it would ignore when bad, starting without them, stop the
 // service at start instead, with an error naming the variable: a timeout not in whole
 // milliseconds, a compression other than gzip or none, a TLS file it cannot read or parse, a
-// client certificate without its key, a header entry its parser drops; and so do the batch
-// span processor's, which would otherwise fall back to their defaults (5s), spin (a delay of
-// 0), or panic (a negative queue or batch). No error quotes a header's value. They are checked
-// only with an endpoint: without one, neither the exporter nor the processor reads them.
+// client certificate without its key, a header entry its parser drops, a protocol other than
+// OTLP/HTTP's (grpc was sent as http/protobuf), an _INSECURE that is no boolean or that the
+// endpoint's scheme contradicts (true with https posted the headers' credentials in cleartext;
+// false with http spoke TLS to a plain port); and so do the batch span processor's, which
+// would otherwise fall back to their defaults (5s), spin (a delay of 0), or panic (a negative
+// queue or batch). No error quotes a header's value. They are checked only with an endpoint:
+// without one, neither the exporter nor the processor reads them.
 func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -286,6 +289,18 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "X-Tenant=shop,Bearer hunter2=x"}, "OTEL_EXPORTER_OTLP_HEADERS: entry 2 of 2: its key is not a header name"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%zzhunter2"}, "OTEL_EXPORTER_OTLP_HEADERS: entry 1 of 1 (Authorization): its value is not percent-encoded"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "Authorization=hunter2%0Ax"}, "OTEL_EXPORTER_OTLP_TRACES_HEADERS: entry 1 of 1 (Authorization): its value holds a character"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL: must be http/protobuf or http/json: spans are exported over OTLP/HTTP only"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "HTTP/JSON"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: must be http/protobuf or http/json"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: must be http/protobuf or http/json"},
+		{map[string]string{OTLPEndpointVariable: "http://jaeger:4318", "OTEL_EXPORTER_OTLP_INSECURE": "TRUE"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "false", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "False"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, ""}, // the traces' form wins, as in the exporter
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20hunter2"}, "OTEL_EXPORTER_OTLP_INSECURE: is true, with which the exporter posts to the https endpoint in plain HTTP, OTEL_EXPORTER_OTLP_HEADERS' credentials in cleartext"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "false", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"}, "OTEL_EXPORTER_OTLP_TRACES_INSECURE: is true, with which the exporter posts to the https endpoint in plain HTTP"},
+		{map[string]string{OTLPEndpointVariable: "http://jaeger:4318", "OTEL_EXPORTER_OTLP_INSECURE": "false"}, "OTEL_EXPORTER_OTLP_INSECURE: is false, with which the exporter speaks TLS to the http endpoint"},
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "yes"}, "OTEL_EXPORTER_OTLP_INSECURE: must be true or false: the exporter takes any other value for false"},
+		{map[string]string{OTLPEndpointVariable: "http://jaeger:4318", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "1"}, "OTEL_EXPORTER_OTLP_TRACES_INSECURE: must be true or false"},
 		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": "1", "OTEL_BSP_EXPORT_TIMEOUT": "0", "OTEL_BSP_MAX_QUEUE_SIZE": "1", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1"}, ""},
 		{map[string]string{"OTEL_BSP_MAX_QUEUE_SIZE": "4096", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, ""},
 		{map[string]string{"OTEL_BSP_SCHEDULE_DELAY": "5s"}, "OTEL_BSP_SCHEDULE_DELAY: must be a whole number of milliseconds from 1 to 3600000"},
@@ -310,10 +325,12 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "hunter2")):
 			t.Errorf("%v: %v, want %q, and no header's value", tc.vars, err, tc.want)
 		}
-		env = EnvFrom(tc.vars)
+		vars = maps.Clone(tc.vars)
+		delete(vars, OTLPEndpointVariable)
+		env = EnvFrom(vars)
 		readOTLPEndpoint(env)
 		if err := env.Err(); err != nil {
-			t.Errorf("%v without %s: %v, want them unread", tc.vars, OTLPEndpointVariable, err)
+			t.Errorf("%v without %s: %v, want them unread", vars, OTLPEndpointVariable, err)
 		}
 	}
 }
