@@ -13,33 +13,51 @@ import (
 	"github.com/outboxkit/outbox-inbox/internal/testenv"
 )
 
-// drainServer serves, through serve, a handler that answers 201 to every request but /slow,
-// which it holds until release closes; ln is the listener it serves on.
+// drainServer serves, through serve, a handler that answers 201 to every request; it holds
+// /slow until release, and /slower until releaseSlower; ln is the listener it serves on.
 type drainServer struct {
 	handled  sync.Map // request paths the handler ran
 	slowIn   chan struct{}
-	release  chan struct{}
-	signal   func()
-	served   <-chan error
-	shutting func() bool
+	released chan struct{}
+	release  func()
+	// slower's
+	slowerIn, slowerReleased chan struct{}
+	releaseSlower            func()
+	signal                   func()
+	served                   <-chan error
+	logs                     *testenv.Logs
 }
 
 func startDrainServer(t *testing.T, ln net.Listener) *drainServer {
 	t.Helper()
-	d := &drainServer{slowIn: make(chan struct{}, 1), release: make(chan struct{})}
+	d := &drainServer{slowIn: make(chan struct{}, 1), released: make(chan struct{}),
+		slowerIn: make(chan struct{}, 1), slowerReleased: make(chan struct{})}
+	var once, slowerOnce sync.Once
+	d.release = func() { once.Do(func() { close(d.released) }) }
+	d.releaseSlower = func() { slowerOnce.Do(func() { close(d.slowerReleased) }) }
+	t.Cleanup(d.release)
+	t.Cleanup(d.releaseSlower)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		d.handled.Store(r.URL.Path, true)
 		if r.URL.Path == "/slow" {
 			d.slowIn <- struct{}{}
-			<-d.release
+			<-d.released
+		}
+		if r.URL.Path == "/slower" {
+			d.slowerIn <- struct{}{}
+			<-d.slowerReleased
 		}
 		w.WriteHeader(http.StatusCreated)
 	})
 	log, logs := testenv.NewLogger(t)
+	d.logs = logs
 	d.signal, d.served = serveOn(t, log, NewServer("", h), ln, Workers{})
-	d.shutting = func() bool { return len(logs.Lines(`msg="shutting down"`)) == 1 }
 	return d
+}
+
+func (d *drainServer) shutting() bool {
+	return len(d.logs.Lines(`msg="shutting down"`)) == 1
 }
 
 func (d *drainServer) ran(path string) bool {
@@ -68,9 +86,10 @@ func answer(t *testing.T, conn net.Conn, r *bufio.Reader) *http.Response {
 	return resp
 }
 
-// A keep-alive connection idle at the signal is not closed at once: its next request, sent
-// while another is still being answered, is answered, and its answer closes the connection.
-func TestAnIdleConnectionsNextRequestDuringTheDrainIsAnswered(t *testing.T) {
+// The drain takes no new work on a kept-alive connection: one idle at the signal is closed at
+// once, and one whose request, begun before the signal, is answered after it is closed after
+// that answer, while another request still holds the drain; neither's next request is handled.
+func TestTheDrainTakesNoRequestOnAKeptAliveConnection(t *testing.T) {
 	t.Parallel()
 	ln := newGatedListener(t, closedChan())
 	d := startDrainServer(t, ln)
@@ -81,25 +100,41 @@ func TestAnIdleConnectionsNextRequestDuringTheDrainIsAnswered(t *testing.T) {
 		t.Fatalf("the first request got %+v, want a 201 that keeps the connection", resp)
 	}
 	busy := dialed(t, ln.Addr().String())
+	busyR := bufio.NewReader(busy)
 	postOn(t, busy, "/slow")
 	within(t, d.slowIn, 5*time.Second, "the slow request was not handled")
+	postOn(t, dialed(t, ln.Addr().String()), "/slower")
+	within(t, d.slowerIn, 5*time.Second, "the slower request was not handled")
 	d.signal()
 	within(t, ln.closed, 5*time.Second, "the listener was not closed at the signal")
+	wantClosed(t, idle, r, "the idle connection, after the signal")
+	_, _ = io.WriteString(idle, "POST /second HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}")
 
-	postOn(t, idle, "/second")
-	resp := answer(t, idle, r)
-	if resp == nil || resp.StatusCode != http.StatusCreated {
-		t.Fatalf("the idle connection's request during the drain got %+v, want 201", resp)
+	d.release()
+	if resp := answer(t, busy, busyR); resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the request begun before the signal got %+v, want 201", resp)
 	}
-	if !resp.Close {
-		t.Fatal("the answer during the drain keeps its connection, want Connection: close")
-	}
-	if n, err := idle.Read(make([]byte, 1)); err == nil {
-		t.Fatalf("the connection read %d bytes after its answer during the drain, want it closed", n)
-	}
-	close(d.release)
+	wantClosed(t, busy, busyR, "the connection answered during the drain, after the answer")
+	_, _ = io.WriteString(busy, "POST /third HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}")
+	d.releaseSlower()
 	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
 		t.Fatal(err)
+	}
+	for _, path := range []string{"/second", "/third"} {
+		if d.ran(path) {
+			t.Errorf("%s, sent on a kept-alive connection during the drain, was handled", path)
+		}
+	}
+}
+
+// wantClosed checks that the server has closed conn, read through r.
+func wantClosed(t *testing.T, conn net.Conn, r *bufio.Reader, what string) {
+	t.Helper()
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if b, err := r.ReadByte(); err == nil {
+		t.Fatalf("%s: read byte %d, want the connection closed", what, b)
+	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("%s: still open after 5 s, want it closed", what)
 	}
 }
 
@@ -131,7 +166,7 @@ func TestARequestReadAsTheDrainBeginsIsAnsweredOrNotHandled(t *testing.T) {
 	case <-held.freed:
 	case <-time.After(300 * time.Millisecond):
 	}
-	close(d.release)
+	d.release()
 	resp := answer(t, conn, r)
 	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
 		t.Fatal(err)
@@ -158,6 +193,32 @@ func TestARequestReadAsTheSilentConnectionsEndIsAnswered(t *testing.T) {
 	}
 	if d.ran("/first") && (resp == nil || resp.StatusCode != http.StatusCreated) {
 		t.Fatalf("the request read as the silent connections were ended was handled, and its client got %+v, want its 201", resp)
+	}
+}
+
+// A request whose header's first bytes the server is reading, on a connection accepted before
+// the signal, as the drain ends the silent ones, has the rest of a header's time for the rest:
+// the read holds the first bytes until the connection's read deadline is set.
+func TestARequestBegunAsTheSilentConnectionsEndIsAnswered(t *testing.T) {
+	t.Parallel()
+	ln := newHoldingListener(t, 1)
+	d := startDrainServer(t, ln)
+	conn := dialed(t, ln.Addr().String())
+	if _, err := io.WriteString(conn, "POST /begun HTTP/1.1\r\nHost: order\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	held := within(t, ln.holding, 5*time.Second, "the request's beginning was not read")
+	d.signal()
+	within(t, held.freed, newConnWait+5*time.Second, "the drain did not end the silent connection's reads")
+	if _, err := io.WriteString(conn, "Content-Length: 2\r\n\r\n{}"); err != nil {
+		t.Fatalf("the request begun before the signal could not be finished: %v", err)
+	}
+	resp := answer(t, conn, bufio.NewReader(conn))
+	if resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the request begun as the silent connections were ended got %+v, want 201", resp)
+	}
+	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -238,4 +299,15 @@ func (c *holdingConn) SetReadDeadline(t time.Time) error {
 		c.free()
 	}
 	return c.Conn.SetReadDeadline(t)
+}
+
+// heardFrom reports whether c is a heardConn whose client has sent something.
+func heardFrom(c net.Conn) bool {
+	hc, ok := c.(*heardConn)
+	if !ok {
+		return false
+	}
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	return hc.heard
 }

@@ -155,8 +155,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		srv.ErrorLog = serverErrorLog(log)
 	}
 	conns := trackConns(srv)
-	closing := &closingHandler{next: srv.Handler}
-	srv.Handler = closing
+	closeAfterTheSignal(srv, conns)
 	g, gctx := errgroup.WithContext(ctx)
 	var intake sync.WaitGroup
 	goIntake := func(f func() error) {
@@ -194,7 +193,7 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 		if held != nil {
 			drained.Go(func() { held(shutdownCtx) })
 		}
-		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns, closing)
+		shutdownHTTP(shutdownCtx, log, srv, ln, served, conns)
 		drained.Wait()
 		return nil
 	})
@@ -222,18 +221,12 @@ func serve(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Liste
 // shutdownHTTP stops srv, which serves on ln until served closes, within ctx. Shutdown alone
 // would drop, unanswered, a connection accepted before it whose first request net/http had not
 // read yet (conn.serve returns as it reads one once shutting down): its client, which sent the
-// request before the signal, would read EOF. So the listener closes first, the answers from
-// then on close their connections, and Shutdown comes only once every connection has been
-// answered and closed or left idle (see settle), to close the idle ones.
+// request before the signal, would read EOF. So the listener closes first, the idle connections
+// close and the answers from then on close theirs (see drain), and Shutdown comes only once
+// every connection has been answered and closed (see settle).
 // HTTP/1 only, as NewServer serves: "Connection: close" does not end an HTTP/2 connection.
-func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns, closing *closingHandler) {
-	// Not srv.SetKeepAlivesEnabled(false): it closes the idle connections at once, before
-	// Shutdown has told net/http it is shutting down, and a request read from one of them in
-	// that instant would be handled on a closed connection, committed with nobody answered.
-	// An idle connection's next request is answered, and closes it; Shutdown closes the ones
-	// still idle, and a request racing that close is dropped by net/http, never handled (a
-	// client retries it only if it is idempotent, or carries an Idempotency-Key).
-	closing.draining.Store(true)
+func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln net.Listener, served <-chan struct{}, conns *liveConns) {
+	conns.drain()
 	_ = ln.Close() // already closed if srv.Serve failed
 	<-served       // nothing is accepted any more: conns only shrink
 	conns.settle(ctx, newConnWait)
@@ -245,25 +238,32 @@ func shutdownHTTP(ctx context.Context, log *slog.Logger, srv *http.Server, ln ne
 	}
 }
 
-// liveConns are a server's connections that are new (accepted, no request read yet) or active
-// (a request read and being answered).
+// liveConns are a server's open connections and their states: new (accepted, no request read
+// yet), active (a request read and being answered) or idle (kept alive between requests).
 type liveConns struct {
-	mu    sync.Mutex
-	state map[net.Conn]http.ConnState
+	mu       sync.Mutex
+	state    map[net.Conn]http.ConnState
+	draining atomic.Bool // set, under mu, by drain
 }
 
-// trackConns tracks srv's new and active connections, through its ConnState hook, which goes
-// on calling the hook srv had.
+// trackConns tracks srv's connections, through its ConnState hook, which goes on calling the
+// hook srv had; once draining, it closes each connection that turns idle.
 func trackConns(srv *http.Server) *liveConns {
 	n := &liveConns{state: map[net.Conn]http.ConnState{}}
 	next := srv.ConnState
 	srv.ConnState = func(c net.Conn, state http.ConnState) {
 		// Recorded before the server's own hook runs: a slow one must not keep a connection
-		// that turned active counted as new, for settle to close.
+		// that turned active counted as new, for settle to end, or as idle, for drain to close.
 		n.mu.Lock()
-		if state == http.StateNew || state == http.StateActive {
+		switch {
+		case state == http.StateIdle && n.draining.Load():
+			// A request begun before the signal, answered since, kept its connection:
+			// its client's next request would be new work.
+			closeDrained(c)
+			delete(n.state, c)
+		case state == http.StateNew || state == http.StateActive || state == http.StateIdle:
 			n.state[c] = state
-		} else {
+		default:
 			delete(n.state, c)
 		}
 		n.mu.Unlock()
@@ -274,33 +274,59 @@ func trackConns(srv *http.Server) *liveConns {
 	return n
 }
 
+// drain closes the idle connections, and from now on each as it turns idle, so that their
+// clients take their next requests elsewhere. Not srv.SetKeepAlivesEnabled(false), which closes
+// them too: it does so before Shutdown has told net/http it is shutting down, and a request read
+// from one in that instant would be handled on a closed connection, committed with nobody
+// answered (Go issue 65802). Here a connection is closed only while its state is idle, under
+// the lock its turn to active takes, and marked: its request, read as it closed, is never handled
+// (see closeAfterTheSignal); its client reads the connection's end, as with any HTTP/1.1 server
+// (a client retries it only if it is idempotent, or carries an Idempotency-Key).
+func (n *liveConns) drain() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.draining.Store(true)
+	for c, state := range n.state {
+		if state == http.StateIdle {
+			closeDrained(c)
+			delete(n.state, c)
+		}
+	}
+}
+
+// closeDrained marks c closed by the drain, then closes it.
+func closeDrained(c net.Conn) {
+	if hc, ok := c.(*heardConn); ok {
+		hc.drained.Store(true)
+	}
+	_ = c.Close()
+}
+
 // connPoll is how often settle looks at the connections.
 const connPoll = 5 * time.Millisecond
 
-// settle waits, within ctx, until no connection is new or active: each answer closes its
-// connection (see closingHandler), or, for one begun before the signal, leaves it idle. A
-// connection that leaves StateNew is marked active before net/http looks whether the server is
-// shutting down, and stays so until it is closed or idle, so Shutdown after settle finds none it
-// would drop. Those still new after newWait whose client has sent nothing, silent since before
-// the signal, have their reads ended (Shutdown would wait 5 s for them); one still sending its
-// request's header stays new until it has sent it all, and is left to finish it (see
-// heardConn).
+// settle waits, within ctx, until no connection is new or active: once draining, each is closed
+// once answered, and no request is read after. A connection that leaves StateNew is marked
+// active before net/http looks whether the server is shutting down, and stays so until it is
+// closed, so Shutdown after settle finds none it would drop. Those still new after newWait whose
+// client has sent nothing, silent since before the signal, have their reads ended (Shutdown
+// would wait 5 s for them); one still sending its request's header stays new until it has sent
+// it all, and is left to finish it (see heardConn).
 func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	silentBy := time.Now().Add(newWait)
 	tick := time.NewTicker(connPoll)
 	defer tick.Stop()
 	for {
 		n.mu.Lock()
-		live := len(n.state)
-		if time.Now().After(silentBy) {
-			for c, state := range n.state {
-				if state == http.StateNew && !heard(c) {
-					// A deadline, not a close: a request whose bytes a read is returning
-					// just now is answered on an open connection, not handled on a closed
-					// one; with none, net/http's read fails and it closes the connection.
-					// Set at each look: net/http's own header deadline may replace it.
-					_ = c.SetReadDeadline(time.Now())
-				}
+		live := 0
+		for c, state := range n.state {
+			if state == http.StateIdle {
+				continue
+			}
+			live++
+			if state == http.StateNew && time.Now().After(silentBy) {
+				// Set at each look: net/http's own header deadline may replace it.
+				endIfSilent(c)
 			}
 		}
 		n.mu.Unlock()
@@ -315,20 +341,34 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	}
 }
 
-// closingHandler answers with "Connection: close" once draining is set, so that net/http closes
-// each connection after its answer, as keep-alives off would, without closing the idle ones at
-// once (see shutdownHTTP).
-type closingHandler struct {
-	next     http.Handler
-	draining atomic.Bool
+// closeAfterTheSignal puts in front of srv's handler one that, once conns drain, answers with
+// "Connection: close", and never handles a request read from a connection the drain closed; and
+// has each of srv's requests carry its connection, to tell.
+func closeAfterTheSignal(srv *http.Server, conns *liveConns) {
+	h := srv.Handler
+	if h == nil {
+		h = http.DefaultServeMux
+	}
+	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if hc, _ := r.Context().Value(connKey{}).(*heardConn); hc != nil && hc.drained.Load() {
+			AbandonResponse()
+		}
+		if conns.draining.Load() {
+			w.Header().Set("Connection", "close")
+		}
+		h.ServeHTTP(w, r)
+	})
+	next := srv.ConnContext
+	srv.ConnContext = func(ctx context.Context, c net.Conn) context.Context {
+		if next != nil {
+			ctx = next(ctx, c)
+		}
+		return context.WithValue(ctx, connKey{}, c)
+	}
 }
 
-func (h *closingHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if h.draining.Load() {
-		w.Header().Set("Connection", "close")
-	}
-	h.next.ServeHTTP(w, r)
-}
+// connKey is the key of a request's connection in its context.
+type connKey struct{}
 
 // heardListener accepts connections that record whether their client has sent a byte (see
 // heardConn).
@@ -345,16 +385,28 @@ func (l heardListener) Accept() (net.Conn, error) {
 // heardConn is a connection that records whether its client has sent anything: net/http counts
 // a connection new until it has read a whole request header, so one whose client is still
 // sending it (a slow link, a large header) looks to settle as silent as one that sent nothing,
-// and closing it would answer a request begun before the signal with EOF.
+// and ending its reads would answer a request begun before the signal with EOF.
 type heardConn struct {
 	net.Conn
-	heard atomic.Bool
+	drained atomic.Bool // closed by the drain (see drain)
+	mu      sync.Mutex
+	heard   bool // its client has sent a byte
+	ended   bool // settle ended its reads while it was silent
 }
 
 func (c *heardConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
 	if n > 0 {
-		c.heard.Store(true)
+		c.mu.Lock()
+		if !c.heard {
+			c.heard = true
+			if c.ended {
+				// Its first bytes came as settle ended its reads: the request is its
+				// client's from before, and gets what is left of a header's time.
+				_ = c.Conn.SetReadDeadline(time.Now().Add(ReadHeaderTimeout))
+			}
+		}
+		c.mu.Unlock()
 	}
 	return n, err
 }
@@ -379,11 +431,23 @@ func (c *heardConn) ReadFrom(r io.Reader) (int64, error) {
 	return io.Copy(c.Conn, r)
 }
 
-// heard reports whether c, a connection of a server's, is a heardConn whose client has sent
-// something.
-func heard(c net.Conn) bool {
+// endIfSilent ends the reads of c, a connection of a server's, if it is a heardConn whose
+// client has sent nothing: a past deadline, not a close, so that a request whose bytes a read is
+// returning just now is answered on an open connection, not handled on a closed one; with none,
+// net/http's read fails and it closes the connection. The check and the deadline are one step
+// against the read's record of its bytes.
+func endIfSilent(c net.Conn) {
 	hc, ok := c.(*heardConn)
-	return ok && hc.heard.Load()
+	if !ok {
+		_ = c.SetReadDeadline(time.Now())
+		return
+	}
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	if !hc.heard {
+		hc.ended = true
+		_ = hc.Conn.SetReadDeadline(time.Now())
+	}
 }
 
 // relayer is what relayUntil runs: a [messaging.Relay].

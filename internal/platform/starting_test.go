@@ -426,7 +426,7 @@ func TestARequestBegunWhileStartingIsAnsweredAfterTheSignal(t *testing.T) {
 		defer s.conns.mu.Unlock()
 		heardOnes := 0
 		for c := range s.conns.state {
-			if heard(c) {
+			if heardFrom(c) {
 				heardOnes++
 			}
 		}
