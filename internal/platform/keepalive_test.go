@@ -2,6 +2,7 @@ package platform
 
 import (
 	"bufio"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -14,12 +15,14 @@ import (
 )
 
 // drainServer serves, through serve, a handler that answers 201 to every request; it holds
-// /slow until release, and /slower until releaseSlower; ln is the listener it serves on.
+// /slow until release, and /slower until releaseSlower; /flushed it answers at once, but
+// returns only on release; ln is the listener it serves on.
 type drainServer struct {
-	handled  sync.Map // request paths the handler ran
-	slowIn   chan struct{}
-	released chan struct{}
-	release  func()
+	handled   sync.Map // request paths the handler ran
+	slowIn    chan struct{}
+	released  chan struct{}
+	release   func()
+	flushedIn chan struct{}
 	// slower's
 	slowerIn, slowerReleased chan struct{}
 	releaseSlower            func()
@@ -31,7 +34,7 @@ type drainServer struct {
 func startDrainServer(t *testing.T, ln net.Listener) *drainServer {
 	t.Helper()
 	d := &drainServer{slowIn: make(chan struct{}, 1), released: make(chan struct{}),
-		slowerIn: make(chan struct{}, 1), slowerReleased: make(chan struct{})}
+		slowerIn: make(chan struct{}, 1), slowerReleased: make(chan struct{}), flushedIn: make(chan struct{}, 1)}
 	var once, slowerOnce sync.Once
 	d.release = func() { once.Do(func() { close(d.released) }) }
 	d.releaseSlower = func() { slowerOnce.Do(func() { close(d.slowerReleased) }) }
@@ -43,6 +46,13 @@ func startDrainServer(t *testing.T, ln net.Listener) *drainServer {
 		if r.URL.Path == "/slow" {
 			d.slowIn <- struct{}{}
 			<-d.released
+		}
+		if r.URL.Path == "/flushed" {
+			w.WriteHeader(http.StatusCreated)
+			_ = http.NewResponseController(w).Flush()
+			d.flushedIn <- struct{}{}
+			<-d.released
+			return
 		}
 		if r.URL.Path == "/slower" {
 			d.slowerIn <- struct{}{}
@@ -111,8 +121,8 @@ func TestTheDrainTakesNoRequestOnAKeptAliveConnection(t *testing.T) {
 	_, _ = io.WriteString(idle, "POST /second HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}")
 
 	d.release()
-	if resp := answer(t, busy, busyR); resp == nil || resp.StatusCode != http.StatusCreated {
-		t.Fatalf("the request begun before the signal got %+v, want 201", resp)
+	if resp := answer(t, busy, busyR); resp == nil || resp.StatusCode != http.StatusCreated || !resp.Close {
+		t.Fatalf("the request begun before the signal got %+v, want a 201 with Connection: close", resp)
 	}
 	wantClosed(t, busy, busyR, "the connection answered during the drain, after the answer")
 	_, _ = io.WriteString(busy, "POST /third HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}")
@@ -127,13 +137,43 @@ func TestTheDrainTakesNoRequestOnAKeptAliveConnection(t *testing.T) {
 	}
 }
 
+// A request pipelined behind one whose answer was written before the signal, and which returns
+// after it, is never handled: the connection turns idle during the drain, which closes it, and
+// the request, already read, is parsed from net/http's buffer.
+func TestARequestPipelinedBehindOneAnsweredBeforeTheSignalIsNotHandled(t *testing.T) {
+	t.Parallel()
+	ln := newGatedListener(t, closedChan())
+	d := startDrainServer(t, ln)
+	conn := dialed(t, ln.Addr().String())
+	r := bufio.NewReader(conn)
+	const pipelined = "POST /flushed HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}" +
+		"POST /next HTTP/1.1\r\nHost: order\r\nContent-Length: 2\r\n\r\n{}"
+	if _, err := io.WriteString(conn, pipelined); err != nil {
+		t.Fatal(err)
+	}
+	within(t, d.flushedIn, 5*time.Second, "the first request was not answered")
+	d.signal()
+	within(t, ln.closed, 5*time.Second, "the listener was not closed at the signal")
+	d.release()
+	if resp := answer(t, conn, r); resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the first request got %+v, want 201", resp)
+	}
+	resp := answer(t, conn, r)
+	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
+		t.Fatal(err)
+	}
+	if d.ran("/next") {
+		t.Fatalf("the request pipelined behind one answered before the signal was handled during the drain (its client got %+v)", resp)
+	}
+}
+
 // wantClosed checks that the server has closed conn, read through r.
 func wantClosed(t *testing.T, conn net.Conn, r *bufio.Reader, what string) {
 	t.Helper()
 	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if b, err := r.ReadByte(); err == nil {
 		t.Fatalf("%s: read byte %d, want the connection closed", what, b)
-	} else if ne, ok := err.(net.Error); ok && ne.Timeout() {
+	} else if ne := net.Error(nil); errors.As(err, &ne) && ne.Timeout() {
 		t.Fatalf("%s: still open after 5 s, want it closed", what)
 	}
 }

@@ -1,6 +1,7 @@
 package platform
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -341,9 +342,9 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 	}
 }
 
-// closeAfterTheSignal puts in front of srv's handler one that, once conns drain, answers with
-// "Connection: close", and never handles a request read from a connection the drain closed; and
-// has each of srv's requests carry its connection, to tell.
+// closeAfterTheSignal puts in front of srv's handler one that never handles a request read from
+// a connection the drain closed, and whose answers, once conns drain, say "Connection: close"
+// (see closingWriter); and has each of srv's requests carry its connection, to tell.
 func closeAfterTheSignal(srv *http.Server, conns *liveConns) {
 	h := srv.Handler
 	if h == nil {
@@ -353,10 +354,9 @@ func closeAfterTheSignal(srv *http.Server, conns *liveConns) {
 		if hc, _ := r.Context().Value(connKey{}).(*heardConn); hc != nil && hc.drained.Load() {
 			AbandonResponse()
 		}
-		if conns.draining.Load() {
-			w.Header().Set("Connection", "close")
-		}
-		h.ServeHTTP(w, r)
+		cw := &closingWriter{ResponseWriter: w, conns: conns}
+		h.ServeHTTP(cw, r)
+		cw.closeIfDraining() // nothing written: net/http answers 200 now
 	})
 	next := srv.ConnContext
 	srv.ConnContext = func(ctx context.Context, c net.Conn) context.Context {
@@ -370,6 +370,58 @@ func closeAfterTheSignal(srv *http.Server, conns *liveConns) {
 // connKey is the key of a request's connection in its context.
 type connKey struct{}
 
+// closingWriter says "Connection: close" in its answer's header if conns drain by the time the
+// header is written: a request in flight at the signal, answered after it, is answered so too,
+// and its client dials afresh (another replica) rather than reuse a connection the drain then
+// closes under its next request.
+type closingWriter struct {
+	http.ResponseWriter
+	conns *liveConns
+	wrote bool // the header is written
+}
+
+func (w *closingWriter) closeIfDraining() {
+	if w.wrote {
+		return
+	}
+	w.wrote = true
+	if w.conns.draining.Load() {
+		w.Header().Set("Connection", "close")
+	}
+}
+
+func (w *closingWriter) WriteHeader(code int) {
+	if code >= 200 { // not an informational answer, after which the header may still change
+		w.closeIfDraining()
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *closingWriter) Write(p []byte) (int, error) {
+	w.closeIfDraining()
+	return w.ResponseWriter.Write(p)
+}
+
+// ReadFrom keeps net/http's own (sendfile from a file), which embedding would hide.
+func (w *closingWriter) ReadFrom(r io.Reader) (int64, error) {
+	w.closeIfDraining()
+	return io.Copy(w.ResponseWriter, r)
+}
+
+// Flush keeps the writer a Flusher, for a handler that streams.
+func (w *closingWriter) Flush() {
+	w.closeIfDraining()
+	_ = http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Hijack keeps the writer a Hijacker: a hijacked connection is the handler's own.
+func (w *closingWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return http.NewResponseController(w.ResponseWriter).Hijack()
+}
+
+// Unwrap gives http.ResponseController the writer beneath.
+func (w *closingWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
 // heardListener accepts connections that record whether their client has sent a byte (see
 // heardConn).
 type heardListener struct{ net.Listener }
@@ -379,7 +431,7 @@ func (l heardListener) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &heardConn{Conn: c}, nil
+	return &heardConn{Conn: c, accepted: time.Now()}, nil
 }
 
 // heardConn is a connection that records whether its client has sent anything: net/http counts
@@ -388,10 +440,11 @@ func (l heardListener) Accept() (net.Conn, error) {
 // and ending its reads would answer a request begun before the signal with EOF.
 type heardConn struct {
 	net.Conn
-	drained atomic.Bool // closed by the drain (see drain)
-	mu      sync.Mutex
-	heard   bool // its client has sent a byte
-	ended   bool // settle ended its reads while it was silent
+	accepted time.Time
+	drained  atomic.Bool // closed by the drain (see drain)
+	mu       sync.Mutex
+	heard    bool // its client has sent a byte
+	ended    bool // settle ended its reads while it was silent
 }
 
 func (c *heardConn) Read(p []byte) (int, error) {
@@ -403,7 +456,7 @@ func (c *heardConn) Read(p []byte) (int, error) {
 			if c.ended {
 				// Its first bytes came as settle ended its reads: the request is its
 				// client's from before, and gets what is left of a header's time.
-				_ = c.Conn.SetReadDeadline(time.Now().Add(ReadHeaderTimeout))
+				_ = c.SetReadDeadline(c.accepted.Add(ReadHeaderTimeout))
 			}
 		}
 		c.mu.Unlock()
@@ -446,7 +499,7 @@ func endIfSilent(c net.Conn) {
 	defer hc.mu.Unlock()
 	if !hc.heard {
 		hc.ended = true
-		_ = hc.Conn.SetReadDeadline(time.Now())
+		_ = hc.SetReadDeadline(time.Now())
 	}
 }
 

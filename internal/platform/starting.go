@@ -220,7 +220,7 @@ func (l *handoffListener) Accept() (net.Conn, error) {
 		}
 		return nil, err
 	}
-	return &heardConn{Conn: c}, nil
+	return &heardConn{Conn: c, accepted: time.Now()}, nil
 }
 
 func (l *handoffListener) Close() error {
