@@ -12,6 +12,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"os"
 	"os/exec"
 	"path"
@@ -969,20 +970,37 @@ func (s *System) Unhandled(t *testing.T, ids, cancelled []uuid.UUID) (invoices, 
 // without one (a response lost while a service restarted: committed, never confirmed).
 func (s *System) CheckAccepted(t *testing.T, accepted []uuid.UUID) (unconfirmed int64) {
 	t.Helper()
-	var ids []string
-	if err := s.Order.DB.DB.Raw("SELECT id::text FROM orders").Scan(&ids).Error; err != nil {
+	var orders []struct {
+		ID         string
+		CustomerID string
+		CreatedAt  time.Time
+	}
+	if err := s.Order.DB.DB.Raw("SELECT id::text AS id, customer_id, created_at FROM orders").Scan(&orders).Error; err != nil {
 		t.Fatal(err)
 	}
-	exists := make(map[string]bool, len(ids))
-	for _, id := range ids {
-		exists[id] = true
+	exists := make(map[string]bool, len(orders))
+	for _, o := range orders {
+		exists[o.ID] = true
 	}
+	answered := make(map[string]bool, len(accepted))
 	for _, id := range accepted {
 		if !exists[id.String()] {
 			t.Fatalf("order %s was answered 201 but does not exist", id)
 		}
+		answered[id.String()] = true
 	}
-	return int64(len(ids) - len(accepted))
+	// Which request an unanswered order came from, for the client's errors (see StartTraffic).
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for _, o := range orders {
+			if !answered[o.ID] {
+				t.Logf("order %s (customer_id %s, created_at %s) was committed without its 201 reaching the client", o.ID, o.CustomerID, o.CreatedAt.UTC().Format(time.RFC3339Nano))
+			}
+		}
+	})
+	return int64(len(orders) - len(accepted))
 }
 
 // DumpOnFailure logs the tally when the test fails.
@@ -1164,6 +1182,7 @@ type Traffic struct {
 	placed, cancelled, serverErrors atomic.Int64
 	mu                              sync.Mutex
 	unexpected                      []string
+	clientErrors                    []string // the last maxClientErrors, logged if the test fails
 	stop                            chan struct{}
 	stopOnce                        sync.Once
 	wg                              sync.WaitGroup
@@ -1176,6 +1195,13 @@ func (s *System) StartTraffic(t *testing.T, workers int) *Traffic {
 	t.Helper()
 	tr := &Traffic{stop: make(chan struct{})}
 	t.Cleanup(tr.halt)
+	t.Cleanup(func() {
+		if t.Failed() {
+			tr.mu.Lock()
+			defer tr.mu.Unlock()
+			t.Logf("traffic's last client errors:\n%s", strings.Join(tr.clientErrors, "\n"))
+		}
+	})
 	for w := range workers {
 		tr.wg.Go(func() {
 			client := &http.Client{Timeout: 15 * time.Second}
@@ -1186,11 +1212,13 @@ func (s *System) StartTraffic(t *testing.T, workers int) *Traffic {
 					return
 				default:
 				}
-				body := fmt.Sprintf(`{"customer_id":"w%d-%d","lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, w, i)
-				resp, err := client.Post(s.Order.URL+"/orders", "application/json", strings.NewReader(body))
+				customer := fmt.Sprintf("w%d-%d", w, i)
+				body := fmt.Sprintf(`{"customer_id":%q,"lines":[{"sku":"S","quantity":1,"unit_price_cents":100}]}`, customer)
+				resp, conn, err := postTraced(client, s.Order.URL+"/orders", body)
 				if err != nil {
 					// Refused or reset: the service is restarting. Try again soon. Whether an
 					// error hid an answer to an order that was committed, CheckAccepted tells.
+					tr.clientError(customer, conn, err)
 					time.Sleep(20 * time.Millisecond)
 					continue
 				}
@@ -1237,6 +1265,40 @@ func (tr *Traffic) cancel(client *http.Client, orderURL string, id uuid.UUID) {
 		case <-time.After(20 * time.Millisecond): // the service is restarting: try again soon
 		}
 	}
+}
+
+// maxClientErrors is how many of the traffic's client errors it keeps, the last.
+const maxClientErrors = 100
+
+// clientError records a request's error, with its customer_id and what its connection was.
+func (tr *Traffic) clientError(customer string, conn httptrace.GotConnInfo, err error) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	local := ""
+	if conn.Conn != nil {
+		local = conn.Conn.LocalAddr().String()
+	}
+	line := fmt.Sprintf("%s customer_id=%s reused=%t was_idle=%t idle=%s local=%s error=%q",
+		time.Now().UTC().Format(time.RFC3339Nano), customer, conn.Reused, conn.WasIdle, conn.IdleTime, local, err)
+	if len(tr.clientErrors) == maxClientErrors {
+		tr.clientErrors = tr.clientErrors[1:]
+	}
+	tr.clientErrors = append(tr.clientErrors, line)
+}
+
+// postTraced posts body to url as JSON, and says what connection it went on.
+func postTraced(client *http.Client, url, body string) (*http.Response, httptrace.GotConnInfo, error) {
+	var got httptrace.GotConnInfo
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		return nil, got, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) { got = info },
+	}))
+	resp, err := client.Do(req)
+	return resp, got, err
 }
 
 func (tr *Traffic) fail(format string, args ...any) {
