@@ -209,7 +209,7 @@ func Start(ctx context.Context, log *slog.Logger, service string, c Common, pool
 		}
 	}
 	if pools.Background > 0 {
-		if b.background, err = OpenBackground(ctx, service, c.DatabaseURL, pools.Background); err != nil {
+		if b.background, err = OpenBackground(ctx, log, service, c.DatabaseURL, pools.Background); err != nil {
 			return nil, err
 		}
 		b.Background = pgxdriver.New(b.background).DB()

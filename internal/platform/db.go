@@ -64,28 +64,37 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	sqlDB.SetConnMaxLifetime(30 * time.Minute)
 	sqlDB.SetConnMaxIdleTime(5 * time.Minute)
 
+	if err := waitForDatabase(ctx, log, rawURL, dsn, sqlDB.PingContext); err != nil {
+		_ = sqlDB.Close()
+		return nil, err
+	}
+	return db, nil
+}
+
+// waitForDatabase pings the pool whose URL is dsn (rawURL as configured) until the server takes
+// the connection, or refuses a setting of it (which waiting would not change), or ctx ends.
+// The wait is logged at its first failure and every waitLogEvery after, with the latest: a
+// database away for hours logs no line a second.
+func waitForDatabase(ctx context.Context, log *slog.Logger, rawURL, dsn string, ping func(context.Context) error) error {
 	// failure is the last ping's error that the context did not cause: why it was still
-	// waiting when it was stopped. The wait is logged at its first failure and every
-	// waitLogEvery after, with the latest: a database away for hours logs no line a second.
+	// waiting when it was stopped.
 	var failure error
 	var logged time.Time
 	for {
 		pingCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
-		err = sqlDB.PingContext(pingCtx)
+		err := ping(pingCtx)
 		cancel()
 		if err == nil {
-			return db, nil
+			return nil
 		}
 		if ctx.Err() != nil {
-			_ = sqlDB.Close()
 			if failure == nil {
 				failure = err
 			}
-			return nil, fmt.Errorf("%w (%w)", openError("waiting for the database", failure, rawURL, dsn), ctx.Err())
+			return fmt.Errorf("%w (%w)", openError("waiting for the database", failure, rawURL, dsn), ctx.Err())
 		}
 		if refusedSetting(err) {
-			_ = sqlDB.Close()
-			return nil, openError("the server refuses a setting of its query (pgx sends PostgreSQL each query parameter it does not read itself, as a setting)", err, rawURL, dsn)
+			return openError("the server refuses a setting of its query (pgx sends PostgreSQL each query parameter it does not read itself, as a setting)", err, rawURL, dsn)
 		}
 		if failure == nil || time.Since(logged) >= waitLogEvery {
 			log.Warn("waiting for the database", "error", err)

@@ -69,7 +69,7 @@ func TestPoolOpenErrorsNameDATABASE_URLAndNoPassword(t *testing.T) {
 			return err
 		},
 		"OpenBackground": func(rawURL string) error {
-			_, err := OpenBackground(context.Background(), "svc", rawURL, 1)
+			_, err := OpenBackground(context.Background(), slog.New(slog.DiscardHandler), "svc", rawURL, 1)
 			return err
 		},
 	}

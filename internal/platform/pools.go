@@ -3,6 +3,7 @@ package platform
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -100,8 +101,12 @@ func (p Pools) Check(env *Env, c Common) {
 // OpenBackground opens the background pool of size conns, with the pgx driver: the relay's
 // LISTEN needs it, and its statements need no ORM. Its sessions plan by index
 // (IndexPlansURL; the relay is told so) and carry application_name=service-background. Its
-// errors name DATABASE_URL and never hold a password (see openError).
-func OpenBackground(ctx context.Context, service, rawURL string, conns int) (*pgxpool.Pool, error) {
+// errors name DATABASE_URL and never hold a password (see openError). It waits for its first
+// connection as OpenDB does: pgxpool would connect only at the first statement, which would
+// fail the start at once on a refusal that passes (57P03 while the server starts after a
+// failover, 53300 while its connections are taken, a dial refused during a restart), where the
+// other pools wait, live and not ready.
+func OpenBackground(ctx context.Context, log *slog.Logger, service, rawURL string, conns int) (*pgxpool.Pool, error) {
 	dsn, err := IndexPlansURL(rawURL)
 	if err != nil {
 		return nil, err
@@ -117,6 +122,10 @@ func OpenBackground(ctx context.Context, service, rawURL string, conns int) (*pg
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, openError("open background pool", err, rawURL, dsn)
+	}
+	if err := waitForDatabase(ctx, log, rawURL, dsn, pool.Ping); err != nil {
+		pool.Close()
+		return nil, err
 	}
 	return pool, nil
 }
