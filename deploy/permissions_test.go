@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -112,7 +113,7 @@ func TestBrokerPermissions(t *testing.T) {
 	invoicingQueue, notificationQueue := brokerRoles["invoicing"].consumes, brokerRoles["notification"].consumes
 	invoicingTopology, _ := events.Topology.Queue(invoicingQueue)
 	notificationTopology, _ := events.Topology.Queue(notificationQueue)
-	invoicingDLQ := messaging.DeadLetterQueue(invoicingQueue)
+	invoicingDLQ, notificationDLQ := messaging.DeadLetterQueue(invoicingQueue), messaging.DeadLetterQueue(notificationQueue)
 
 	// At start, every service declares the whole topology, with its own user's rights.
 	for _, a := range apps {
@@ -175,17 +176,17 @@ func TestBrokerPermissions(t *testing.T) {
 		}
 		return d.Ack(false)
 	})
-	invoicing.mustAllow("consume the moved message from "+invoicingQueue, func(ch *amqp.Channel) error {
-		d, err := next(ch, invoicingQueue)
-		if err != nil {
-			return err
-		}
-		return d.Ack(false)
-	})
+	invoicing.mustAllow("consume the moved message from "+invoicingQueue, takeOne(invoicingQueue, events.OrderPlacedType))
 	// The consumer dead-letters a message itself, with its reason, through the default
 	// exchange: that needs write on amq.default.
 	invoicing.mustAllow("publish to its dead-letter queue through the default exchange", publish("", invoicingDLQ))
 	users[noDLX.User].refused("publish to its dead-letter queue through the default exchange", publish("", invoicingDLQ))
+	// outboxctl in the service's container logs in with the service's AMQP_URL: its user
+	// lists and redrives its own dead letters, and may not read another consumer's.
+	invoicing.mustAllow("list and redrive "+invoicingDLQ+", as outboxctl dlq does in its container", redriveOwn(invoicing.url, invoicingQueue, invoicingDLQ))
+	invoicing.mustAllow("consume the redriven message from "+invoicingQueue, takeOne(invoicingQueue, invoicingDLQ))
+	invoicing.refused("get from "+notificationDLQ, get(notificationDLQ))
+	notification.refused("get from "+invoicingDLQ, get(invoicingDLQ))
 	notification.mustAllow("consume OrderPlaced and InvoiceIssued from "+notificationQueue, func(ch *amqp.Channel) error {
 		got := map[string]bool{}
 		deliveries, err := ch.Consume(notificationQueue, "", false, false, false, false, nil)
@@ -207,6 +208,10 @@ func TestBrokerPermissions(t *testing.T) {
 		return nil
 	})
 
+	notification.mustAllow("publish to its dead-letter queue through the default exchange", publish("", notificationDLQ))
+	notification.mustAllow("list and redrive "+notificationDLQ+", as outboxctl dlq does in its container", redriveOwn(notification.url, notificationQueue, notificationDLQ))
+	notification.mustAllow("consume the redriven message from "+notificationQueue, takeOne(notificationQueue, notificationDLQ))
+
 	// What the file allows beyond each service's needs, because RabbitMQ's permissions are
 	// regular expressions over names and cannot tell a queue from an exchange, and because
 	// the default exchange reaches every queue. These pass today; if one fails, the permissions
@@ -219,6 +224,35 @@ func TestBrokerPermissions(t *testing.T) {
 	// Last, as it removes the exchange: configure on orders, which lets invoicing declare the
 	// exchange it binds from, lets it delete it too.
 	invoicing.mustAllow("delete the exchange "+orders+" (configure on it lets it declare the exchange it binds from)", deleteExchange(orders))
+}
+
+// Each consumer's user may read its own dead-letter queue, so that outboxctl dlq, run in the
+// service's container with its AMQP_URL, lists and redrives it; and no other consumer's, nor
+// may a service that consumes nothing read any. TestBrokerPermissions shows it on a broker.
+func TestServiceUsersReadTheirOwnDeadLetterQueueOnly(t *testing.T) {
+	t.Parallel()
+	defs := readDefinitions(t)
+	for svc := range brokerRoles {
+		perm, ok := defs.permissions(svc, "/")
+		if !ok {
+			t.Errorf("%s gives %s no permissions on the virtual host /", definitionsFile, svc)
+			continue
+		}
+		read, err := regexp.Compile(perm.Read)
+		if err != nil {
+			t.Errorf("%s: %s's read permission %q: %v", definitionsFile, svc, perm.Read, err)
+			continue
+		}
+		for owner, r := range brokerRoles {
+			if r.consumes == "" {
+				continue
+			}
+			dlq := messaging.DeadLetterQueue(r.consumes)
+			if got, want := read.MatchString(dlq), owner == svc; got != want {
+				t.Errorf("%s: %s's read permission %q reads %s (of %s): %v, want %v", definitionsFile, svc, perm.Read, dlq, owner, got, want)
+			}
+		}
+	}
 }
 
 // brokerUser is one user of the test's virtual host, connected.
@@ -353,6 +387,62 @@ func publishOn(ch *amqp.Channel, exchange, key, msgType string) error {
 		return errors.New("the channel closed without a reason")
 	case <-ctx.Done():
 		return errors.New("nacked, and the channel stays open")
+	}
+}
+
+// takeOne consumes the next message of queue, wants it of type typ, and acknowledges it.
+func takeOne(queue, typ string) func(*amqp.Channel) error {
+	return func(ch *amqp.Channel) error {
+		d, err := next(ch, queue)
+		if err != nil {
+			return err
+		}
+		if d.Type != typ {
+			return fmt.Errorf("got a %q, want the %s", d.Type, typ)
+		}
+		return d.Ack(false)
+	}
+}
+
+func get(queue string) func(*amqp.Channel) error {
+	return func(ch *amqp.Channel) error {
+		_, _, err := ch.Get(queue, false)
+		return err
+	}
+}
+
+// redriveOwn lists the dead-letter queue dlq of queue and moves what waits there back to
+// queue, logged in at url, as outboxctl dlq list and dlq redrive do: on a connection of their
+// own, with a passive declaration of each queue, basic.get, basic.nack, a confirmed publish
+// through the default exchange and basic.ack. It wants the one message published to dlq under
+// its own name, trying for up to 15 s to see it listed.
+func redriveOwn(url, queue, dlq string) func(*amqp.Channel) error {
+	return func(*amqp.Channel) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		cfg := messaging.DeadLetterConfig{URL: url, Queue: queue}
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			listed, _, err := messaging.ListDeadLetters(ctx, cfg, 0)
+			if err != nil {
+				return fmt.Errorf("list: %w", err)
+			}
+			if len(listed) == 1 && listed[0].Type == dlq {
+				break
+			}
+			if len(listed) > 1 || time.Now().After(deadline) {
+				return fmt.Errorf("listed %d messages of %s, want the one of type %s", len(listed), dlq, dlq)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		moved, err := messaging.RedriveDeadLetters(ctx, cfg, messaging.DeadLetterSelection{})
+		if err != nil {
+			return fmt.Errorf("redrive: %w", err)
+		}
+		if len(moved) != 1 {
+			return fmt.Errorf("moved %d messages from %s, want 1", len(moved), dlq)
+		}
+		return nil
 	}
 }
 

@@ -15,24 +15,19 @@ import (
 	"github.com/outboxkit/outbox-inbox/pkg/messaging"
 )
 
-// defaultDLQLimit is how many messages of a dead-letter queue dlq list looks at, and holds
-// unacknowledged at once, unless told otherwise.
-const defaultDLQLimit = 100
-
-// mostWithoutLimit is how many waiting messages dlq redrive and dlq drop take without --limit,
-// and dlq list with --limit 0; with more waiting they refuse. Each message taken is held in
-// memory until the command ends: 200,000 of 64 KiB would be over 12 GiB. A variable, for the
-// tests.
+// mostWithoutLimit is how many waiting messages a dlq command takes without --limit (dlq list
+// with --limit 0 too); with more waiting it refuses. Each message taken is held in memory until
+// the command ends: 200,000 of 64 KiB would be over 12 GiB. A variable, for the tests.
 var mostWithoutLimit = 10000
 
 // beforeTakeHook, unless nil, runs once a dead-letter queue was counted and before its
 // messages are taken: for the tests, which take some meanwhile, as another client would.
 var beforeTakeHook func(dlq string)
 
-// noLimitBrake is the BeforeTake of a dlq command: with limit 0 (all: without --limit, or
-// dlq list's --limit 0, as noLimit says), it refuses a queue of more than mostWithoutLimit
-// messages with a usage error, before any is taken.
-func noLimitBrake(dlq string, limit int, noLimit string) func(waiting int) error {
+// noLimitBrake is the BeforeTake of a dlq command: with limit 0 (all: without --limit, or dlq
+// list's --limit 0), it refuses a queue of more than mostWithoutLimit messages with a usage
+// error, before any is taken.
+func noLimitBrake(dlq string, limit int) func(waiting int) error {
 	return func(waiting int) error {
 		if limit > 0 || waiting <= mostWithoutLimit {
 			if beforeTakeHook != nil {
@@ -42,8 +37,8 @@ func noLimitBrake(dlq string, limit int, noLimit string) func(waiting int) error
 		}
 		// The count, not "run it again for the rest": a filter or an --id looks at the first
 		// N only, each run the same N, so only a --limit of them all reaches every message.
-		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes %s (it holds each in memory until it is done): --limit %d takes them all, as before; a smaller one looks at the first N only (and may reorder those it looked at); nothing was changed",
-			waiting, dlq, mostWithoutLimit, noLimit, waiting)}
+		return usageError{fmt.Sprintf("%d messages wait in %s, more than the %d it takes without --limit (it holds each in memory until it is done): --limit %d takes them all, as before; a smaller one looks at the first N only (and may reorder those it looked at); nothing was changed",
+			waiting, dlq, mostWithoutLimit, waiting)}
 	}
 }
 
@@ -57,10 +52,10 @@ type dlqTake struct {
 	taken   int
 }
 
-// selection takes the messages for t: no more than t.limit, with noLimitBrake (noLimit says
-// how the command is given no limit), and t's counts kept.
-func (t *dlqTake) selection(noLimit string) messaging.DeadLetterSelection {
-	brake := noLimitBrake(t.dlq, t.limit, noLimit)
+// selection takes the messages for t: no more than t.limit, with noLimitBrake, and t's counts
+// kept.
+func (t *dlqTake) selection() messaging.DeadLetterSelection {
+	brake := noLimitBrake(t.dlq, t.limit)
 	return messaging.DeadLetterSelection{
 		Limit: t.limit,
 		BeforeTake: func(waiting int) error {
@@ -235,23 +230,24 @@ func (c *cli) dlqListCommand() *cobra.Command {
 		Use:         "list QUEUE",
 		Short:       "what waits in QUEUE.dlq: message id, type, when and why",
 		Annotations: map[string]string{limitZeroIsAll: "it moves and deletes nothing"},
-		Long: `list shows the first --limit messages of QUEUE's dead-letter queue, QUEUE.dlq, in queue order:
-each one's message id, type, when and why it was dead-lettered (the consumer's reason header,
-or, for a message the broker dead-lettered at the delivery limit, delivery_limit from x-death),
-and with --show-headers and --show-body its headers and body. --type and --reason show only
-those of the first --limit that match.
+		Long: `list shows what waits in QUEUE's dead-letter queue, QUEUE.dlq, in queue order: every message, or
+the first --limit only, if given. For each, its message id, type, when and why it was
+dead-lettered (the consumer's reason header, or, for a message the broker dead-lettered at the
+delivery limit, delivery_limit from x-death), and with --show-headers and --show-body its
+headers and body. --type and --reason show only those that match (of the first --limit).
 
-AMQP cannot peek: it takes those messages unacknowledged (never more than --limit at once) and
-hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery limit
-to spend (but one an earlier version declared, on RabbitMQ 4.0 to 4.2: see docs/outboxctl.md).
-When --limit took the whole queue, its order is unchanged; when more messages wait
-beyond, those shown may move back in the queue (a quorum queue may put messages handed back
-behind the others: seen on RabbitMQ 3.10 and 4.x alike), so the next listing may start
-further on; a note after the table says so, and how to reach a message listed. Messages
+AMQP cannot peek: it takes those messages unacknowledged (all that wait, or the first --limit)
+and hands them all back, in order: nothing is lost, and the dead-letter queue has no delivery
+limit to spend (but one an earlier version declared, on RabbitMQ 4.0 to 4.2: see
+docs/outboxctl.md). When it took the whole queue, its order is unchanged; when a --limit left
+more messages beyond, those shown may move back in the queue (a quorum queue may put messages
+handed back behind the others: seen on RabbitMQ 3.10 and 4.x alike), so the next listing may
+start further on; a note after the table says so, and how to reach a message listed. Messages
 another client holds at that moment are not shown.
 
-With --limit 0, when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit status 2), takes none, and names
-the --limit that takes them all: each message taken is held in memory until it is done.`,
+Each message taken is held in memory until it is done: without --limit (or with --limit 0,
+the same), when more than ` + fmt.Sprint(mostWithoutLimit) + ` wait, it refuses (exit status 2), takes none, and names the
+--limit that takes them all.`,
 		Example: `  outboxctl dlq list invoicing
   outboxctl dlq list invoicing --type OrderPlaced --reason "price list" --show-body
   outboxctl dlq list invoicing --limit 1000 -o json`,
@@ -261,7 +257,7 @@ the --limit that takes them all: each message taken is held in memory until it i
 		}),
 	}
 	amqpFlags(cmd, &amqpFlag)
-	cmd.Flags().IntVar(&limit, "limit", defaultDLQLimit, fmt.Sprintf("look at the first N messages, no more (0: all of them, if no more than %d wait)", mostWithoutLimit))
+	limitFlag(cmd, &limit)
 	cmd.Flags().StringVar(&typeFlag, "type", "", "show the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "show the messages whose reason has this text only, in any case")
 	cmd.Flags().BoolVar(&showBody, "show-body", false, "show each message's body")
@@ -276,7 +272,7 @@ func (c *cli) dlqList(ctx context.Context, amqpFlag, queue string, limit int, f 
 	}
 	dlq := messaging.DeadLetterQueue(cfg.Queue)
 	tk := &dlqTake{dlq: dlq, limit: limit}
-	sel := tk.selection("with --limit 0")
+	sel := tk.selection()
 	if f.any() {
 		sel.Match = f.match
 	}
@@ -374,7 +370,7 @@ another client holds unacknowledged at that moment are not seen.`,
 	cmd.Flags().StringVar(&idFlag, "id", "", "move the message with this id only")
 	cmd.Flags().StringVar(&typeFlag, "type", "", "move the messages of this type only")
 	cmd.Flags().StringVar(&reason, "reason", "", "move the messages whose reason has this text only, in any case")
-	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
+	limitFlag(cmd, &limit)
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "list the messages it would move, and move nothing (those it looked at may change place in the queue)")
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask before moving more than one message")
 	cmd.MarkFlagsMutuallyExclusive("id", "type")
@@ -394,7 +390,7 @@ func (c *cli) dlqRedrive(ctx context.Context, amqpFlag, queue string, limit int,
 	result := dlqResult{DryRun: &dryRun, Queue: queue, DeadLetterQueue: dlq}
 	var picked []messaging.DeadLetter
 	tk := &dlqTake{dlq: dlq, limit: limit}
-	sel := tk.selection("without --limit")
+	sel := tk.selection()
 	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
 		picked = p
 		if dryRun {
@@ -595,7 +591,7 @@ client holds unacknowledged at that moment are not seen).`,
 	amqpFlags(cmd, &amqpFlag)
 	cmd.Flags().StringVar(&idFlag, "id", "", "the message to drop")
 	cmd.Flags().BoolVar(&withoutID, "without-id", false, "drop the first message that has no message id")
-	cmd.Flags().IntVar(&limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
+	limitFlag(cmd, &limit)
 	cmd.MarkFlagsOneRequired("id", "without-id")
 	cmd.MarkFlagsMutuallyExclusive("id", "without-id")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "show the message it would drop, and drop nothing (those it looked at may change place in the queue)")
@@ -619,7 +615,7 @@ func (c *cli) dlqDrop(ctx context.Context, amqpFlag, queue string, limit int, f 
 	// The whole queue (or the first limit) is held, so that the others keep their order, and
 	// while the question waits for its answer: what is confirmed is what goes.
 	tk := &dlqTake{dlq: dlq, limit: limit}
-	sel := tk.selection("without --limit")
+	sel := tk.selection()
 	sel.Match = f.match
 	sel.Confirm = func(p []messaging.DeadLetter, _ int) error {
 		found = p[0]
@@ -703,6 +699,12 @@ func exactArgs(names ...string) cobra.PositionalArgs {
 // amqpFlags adds --amqp to cmd.
 func amqpFlags(cmd *cobra.Command, amqpFlag *string) {
 	cmd.Flags().StringVar(amqpFlag, "amqp", "", "RabbitMQ URL, or a comma-separated list of one per node, all naming the same vhost (default $AMQP_URL)")
+}
+
+// limitFlag adds --limit to a dlq command: left out, it takes every message that waits, up to
+// mostWithoutLimit (see noLimitBrake).
+func limitFlag(cmd *cobra.Command, limit *int) {
+	cmd.Flags().IntVar(limit, "limit", 0, fmt.Sprintf("look at the first N messages, no more (default: all of them, if no more than %d wait)", mostWithoutLimit))
 }
 
 // deadLetterConfig is the dead-letter queue of queue on the broker --amqp or AMQP_URL names.

@@ -1240,20 +1240,21 @@ func TestDlqIdBeyondTheLimitNamesTheLimitThatReachesIt(t *testing.T) {
 	}
 }
 
-// dlq list --limit 0 takes no more than mostWithoutLimit messages, as dlq redrive and dlq drop
-// without --limit: with more waiting it refuses before taking any, exit 2, naming the --limit
-// that takes them all. Not parallel: it lowers mostWithoutLimit to 3.
-func TestDlqListWithLimitZeroRefusesAQueueTooLongToHold(t *testing.T) {
+// dlq list without --limit (or with --limit 0, the same) takes no more than mostWithoutLimit
+// messages, as dlq redrive and dlq drop do: with more waiting it refuses before taking any,
+// exit 2, naming the --limit that takes them all. Not parallel: it lowers mostWithoutLimit to 3.
+func TestDlqListWithoutALimitRefusesAQueueTooLongToHold(t *testing.T) {
 	lowerMostWithoutLimit(t, 3)
 	queue, ids := fillDLQOf(t, 4)
 	amqpURL, dlq := testenv.AMQPURL(), messaging.DeadLetterQueue(queue)
 	for _, args := range [][]string{
+		{"dlq", "list", queue},
+		{"dlq", "list", queue, "-o", "json"},
+		{"dlq", "list", queue, "--type", "OrderPlaced"},
 		{"dlq", "list", queue, "--limit", "0"},
-		{"dlq", "list", queue, "--limit", "0", "-o", "json"},
-		{"dlq", "list", queue, "--limit", "0", "--type", "OrderPlaced"},
 	} {
 		wantRefusal(t, args, amqpURL,
-			"4 messages wait in "+dlq+", more than the 3 it takes with --limit 0", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
+			"4 messages wait in "+dlq+", more than the 3 it takes without --limit", "--limit 4 takes them all, as before; a smaller one looks at the first N only",
 			"nothing was changed", "Usage:")
 	}
 	// Nothing was taken: none comes redelivered.
@@ -1264,6 +1265,28 @@ func TestDlqListWithLimitZeroRefusesAQueueTooLongToHold(t *testing.T) {
 	}
 	// Below 0 the refusal says what 0 does.
 	wantExit(t, exitUsage, []string{"dlq", "list", queue, "--limit", "-1", "--amqp", amqpURL}, "--limit -1: want 0 (all of them, if no more than 3 wait) or more")
+}
+
+// Without --limit, dlq list shows what waits: all 150 messages, in queue order, with no note of
+// others beyond, and hands them back as they were: the queue keeps its order and its count.
+func TestDlqListWithoutALimitListsTheWholeQueue(t *testing.T) {
+	t.Parallel()
+	queue, ids := fillDLQOf(t, 150)
+	dlq := messaging.DeadLetterQueue(queue)
+	out := ok(t, "dlq", "list", queue, "--amqp", testenv.AMQPURL())
+	if got := listed(t, out); !slices.Equal(got, ids) {
+		t.Fatalf("dlq list listed %d messages, first out of order at %d; want all 150 in queue order:\n%s", len(got), firstDifference(got, ids), out)
+	}
+	if !strings.HasPrefix(out, "150 messages in "+dlq+", in queue order:") || strings.Contains(out, "note:") {
+		t.Errorf("dlq list of 150 messages:\n%s", out)
+	}
+	res := okJSON[dlqResult](t, "dlq", "list", queue, "--amqp", testenv.AMQPURL())
+	if res.Waiting != 150 || res.Examined != 150 || res.Count != 150 || res.Note != "" || !slices.Equal(ids2(res.Messages), ids) {
+		t.Errorf("dlq list -o json of 150 messages: waiting %d, examined %d, count %d, note %q", res.Waiting, res.Examined, res.Count, res.Note)
+	}
+	if got := deliveryIDs(testenv.Drain(t, testenv.Channel(t), dlq, 200*time.Millisecond)); !slices.Equal(got, ids) {
+		t.Fatalf("after the listings, %s holds %d messages, first out of order at %d; want the 150 in their order", dlq, len(got), firstDifference(got, ids))
+	}
 }
 
 // The counts a dlq command prints are those of the messages it took, not of those the broker

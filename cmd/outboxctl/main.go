@@ -25,7 +25,7 @@
 // given --yes. No URL it prints shows a password.
 //
 // Exit status: 0 done; 1 failed (database, broker); 2 a mistake in the command line, or a
-// dead-letter queue too long to take without --limit (dlq list: with --limit 0); 3 nothing
+// dead-letter queue too long to take without --limit; 3 nothing
 // matched (no such row or message, or not in a state the command acts on; inbox show: no
 // record); 4 not confirmed, so nothing was done (dead letters looked at may have changed place). A failure is one line on stderr; a mistake
 // in the command line is followed by the command's usage.
@@ -85,7 +85,7 @@ const exitStatusHelp = `Exit status:
   0  done
   1  failed: the database or the broker did not answer, or refused
   2  a mistake in the command line; or a dead-letter queue too long to take without --limit
-     (dlq redrive, dlq drop; dlq list with --limit 0: more than 10,000 waiting; nothing taken)
+     (dlq list, dlq redrive, dlq drop: more than 10,000 waiting; nothing taken)
   3  nothing matched: no such row or message, or not in a state the command acts on
      (inbox show: no record of the message)
   4  not confirmed: declined or interrupted at the prompt, or a drop with no terminal to ask
@@ -308,9 +308,8 @@ const limitZeroIsAll = "limit-zero-is-all"
 // noZeroLimit refuses a --limit given as 0 or less on a command that changes something. Left
 // out, --limit is its default (all); given 0, as a script's computed --limit "$N" gives it, it
 // must not mean all: it would move a whole dead-letter queue or backlog. dlq list, which moves
-// and deletes nothing, takes 0 for all of them (and then, as dlq redrive and dlq drop without
-// --limit, refuses a queue of more than mostWithoutLimit), and refuses only less. Above 2^31-1
-// is refused too.
+// and deletes nothing, takes 0 for all of them, as without --limit, and refuses only less.
+// Above 2^31-1 is refused too.
 func noZeroLimit(cmd *cobra.Command) error {
 	f := cmd.Flags().Lookup("limit")
 	if f == nil || !f.Changed {

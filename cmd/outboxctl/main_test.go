@@ -234,7 +234,7 @@ func TestHelpOfEachCommand(t *testing.T) {
 		{[]string{"outbox", "unpark", "--help"}, []string{"outboxctl outbox unpark --id UUID [flags]"}},
 		{[]string{"outbox", "drop", "--help"}, []string{"outboxctl outbox drop --id UUID [flags]", "--yes", "payload"}},
 		{[]string{"inbox", "show", "--help"}, []string{"outboxctl inbox show --id UUID [flags]", "--consumer string", "status 3"}},
-		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default 100)"}},
+		{[]string{"dlq", "list", "--help"}, []string{"outboxctl dlq list QUEUE [flags]", "--show-body", "--show-headers", "(default: all of them, if no more than 10000 wait)"}},
 		{[]string{"dlq", "redrive", "invoicing", "--help"}, []string{"outboxctl dlq redrive QUEUE [flags]", "--reason string", "--dry-run"}},
 		{[]string{"help", "dlq", "drop"}, []string{"outboxctl dlq drop QUEUE (--id ID | --without-id) [flags]", "purge_queue", "--limit int"}},
 		{[]string{"version", "--help"}, []string{"outboxctl version [flags]", "-buildvcs"}},
