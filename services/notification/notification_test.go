@@ -60,6 +60,14 @@ func setup(t *testing.T) *testBundle {
 		alreadyDone: func() { b.alreadyDone.Add(1) }}).subscribe(sub); err != nil {
 		t.Fatal(err)
 	}
+	// Each message counted as done already logs one line marked already_done=true, whatever its
+	// wording, and no other line is: what a process did while it shut down, after the test read
+	// its count, shows only in these lines (internal/systest counts them).
+	t.Cleanup(func() {
+		if n, marked := b.alreadyDone.Load(), len(logs.Lines("already_done=true")); int(n) != marked {
+			t.Errorf("%d messages counted as done already, and %d log lines marked already_done=true: want one each:\n%s", n, marked, logs)
+		}
+	})
 	return b
 }
 

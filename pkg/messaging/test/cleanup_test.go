@@ -162,6 +162,51 @@ func TestOldUnsentRowsDoNotStopTheOutboxCleanup(t *testing.T) {
 	}
 }
 
+// A sent row that an operator re-queues while a batch is deleting it stays, unsent: the
+// DELETE waits for the re-queue's row lock, then looks at the row's new version, which it no
+// longer takes. The rest of the batch goes. (PostgreSQL's current releases pass over that
+// version for its changed ctid too; older ones by the DELETE's own test of processed_at.)
+func TestARowRequeuedUnderTheOutboxCleanupStays(t *testing.T) {
+	t.Parallel()
+	e := newCleanupEnv(t)
+	e.addOutboxRows(t, 20, "10 days", "1 s", "50 ms")
+	var requeued string
+	must(t, e.db.Raw("SELECT id::text FROM outbox_messages ORDER BY id LIMIT 1").Scan(&requeued).Error)
+
+	requeue := e.db.Begin()
+	defer requeue.Rollback()
+	must(t, requeue.Exec("UPDATE outbox_messages SET processed_at = NULL, next_attempt_at = now() WHERE id = ?", requeued).Error)
+	type outcome struct {
+		res messaging.CleanupResult
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := messaging.DeleteSentOutboxMessages(context.Background(), e.pool, week, e.opts)
+		done <- outcome{res, err}
+	}()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		return testenv.Count(t, e.db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'") == 1
+	}, "the cleanup's batch is not waiting for the re-queued row")
+	must(t, requeue.Commit().Error)
+
+	var got outcome
+	select {
+	case got = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the cleanup did not finish within 30 s of the re-queue's commit")
+	}
+	if got.err != nil || got.res.Deleted != 19 {
+		t.Fatalf("cleanup = %+v, %v; want the 19 rows still sent deleted", got.res, got.err)
+	}
+	if left := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages WHERE id = ? AND processed_at IS NULL", requeued); left != 1 {
+		t.Fatalf("the re-queued row %s is gone or sent: %d unsent rows of that id, want 1", requeued, left)
+	}
+	if left := testenv.Count(t, e.db, "SELECT count(*) FROM outbox_messages"); left != 1 {
+		t.Errorf("%d rows left, want the re-queued one alone", left)
+	}
+}
+
 // A sent row whose id's time is far ahead of the database's clock (a business time made into
 // an id, a host whose clock was years out) goes with the rows sent before the cutoff, by its
 // processed_at, in batches: the walk by the time in the ids would wait for that time, in 2100.

@@ -590,22 +590,45 @@ func TestEnqueueNotifiesTheRelayOnCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// A rolled-back enqueue notifies nobody; the committed one right after it does, so the
-	// first notification to arrive must come from a transaction that wrote a row.
+	// Every enqueue notifies alike, so which transaction a notification came from shows only
+	// in where it arrives among marks the listener sends itself, each after the step it names:
+	// none after a rolled-back enqueue, none while an enqueuing transaction is open, one at its
+	// commit. A notification sent outside the caller's transaction would come before a mark.
+	mark := func(step string) {
+		t.Helper()
+		if _, err := conn.Exec(ctx, "SELECT pg_notify($1, $2)", statements.NotifyChannel, step); err != nil {
+			t.Fatal(err)
+		}
+	}
 	_ = b.db.DB.Transaction(func(tx *gorm.DB) error {
 		if err := messaging.Enqueue(context.Background(), b.drv, tx, newMessage(t, 0)); err != nil {
 			t.Fatal(err)
 		}
 		return errors.New("roll back")
 	})
-	b.enqueue(t, 1)
+	mark("after the rollback")
+	must(t, b.db.DB.Transaction(func(tx *gorm.DB) error {
+		if err := messaging.Enqueue(context.Background(), b.drv, tx, newMessage(t, 1)); err != nil {
+			return err
+		}
+		mark("while the transaction is open")
+		return nil
+	}))
+	mark("after the commit")
 
-	n, err := conn.WaitForNotification(ctx)
-	if err != nil {
-		t.Fatalf("no notification after commit: %v", err)
+	var got []string
+	for !slices.Contains(got, "after the commit") {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			t.Fatalf("notifications so far %q, then: %v", got, err)
+		}
+		if n.Channel != statements.NotifyChannel {
+			t.Fatalf("notification on %q, want %q", n.Channel, statements.NotifyChannel)
+		}
+		got = append(got, n.Payload)
 	}
-	if n.Channel != statements.NotifyChannel {
-		t.Fatalf("notification on %q, want %q", n.Channel, statements.NotifyChannel)
+	if want := []string{"after the rollback", "while the transaction is open", "", "after the commit"}; !slices.Equal(got, want) {
+		t.Errorf("notifications %q, want %q: the enqueue's one, at its commit", got, want)
 	}
 	if rows := testenv.Count(t, b.db.DB, "SELECT count(*) FROM outbox_messages"); rows != 1 {
 		t.Fatalf("outbox rows = %d, want 1", rows)

@@ -270,6 +270,10 @@ const (
 	// to the last UUID. Unsent rows are passed over once per run, not once
 	// per batch. An index on processed_at would find the rows as cheaply, but costs an insert
 	// at every mark (12 % more WAL for the relay's marks) and its size beside every row kept.
+	// The DELETE tests processed_at again: a row updated while the DELETE waits for its lock
+	// (an operator re-queues it) is judged in its new version, and PostgreSQL's minor releases
+	// before a 2025 fix do not check the ctid match against that version: there, this test
+	// alone keeps the re-queued row from being deleted unsent.
 	DeleteSentOutboxBatch = `WITH batch AS (
     SELECT ctid, id FROM outbox_messages
     WHERE id > $1 AND id < $2 AND processed_at IS NOT NULL AND processed_at < $3
