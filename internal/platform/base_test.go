@@ -199,7 +199,7 @@ func TestStartWaitsForTheBackgroundPoolsFirstConnection(t *testing.T) {
 			if n := refused.Load(); n != refusals {
 				t.Fatalf("Start went through %d refused logins, want %d", n, refusals)
 			}
-			if len(logs.Lines("waiting for the database", tc.logged)) == 0 {
+			if len(logs.Lines("waiting for the database", "pool=svc-background", tc.logged)) == 0 {
 				t.Fatalf("no line of the wait with %q in the log:\n%s", tc.logged, logs)
 			}
 		})

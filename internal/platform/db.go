@@ -64,18 +64,18 @@ func OpenDB(ctx context.Context, log *slog.Logger, service, rawURL string, maxCo
 	sqlDB.SetConnMaxLifetime(30 * time.Minute)
 	sqlDB.SetConnMaxIdleTime(5 * time.Minute)
 
-	if err := waitForDatabase(ctx, log, rawURL, dsn, sqlDB.PingContext); err != nil {
+	if err := waitForDatabase(ctx, log, service, rawURL, dsn, sqlDB.PingContext); err != nil {
 		_ = sqlDB.Close()
 		return nil, err
 	}
 	return db, nil
 }
 
-// waitForDatabase pings the pool whose URL is dsn (rawURL as configured) until the server takes
+// waitForDatabase pings pool, whose URL is dsn (rawURL as configured), until the server takes
 // the connection, or refuses a setting of it (which waiting would not change), or ctx ends.
 // The wait is logged at its first failure and every waitLogEvery after, with the latest: a
 // database away for hours logs no line a second.
-func waitForDatabase(ctx context.Context, log *slog.Logger, rawURL, dsn string, ping func(context.Context) error) error {
+func waitForDatabase(ctx context.Context, log *slog.Logger, pool, rawURL, dsn string, ping func(context.Context) error) error {
 	// failure is the last ping's error that the context did not cause: why it was still
 	// waiting when it was stopped.
 	var failure error
@@ -97,7 +97,7 @@ func waitForDatabase(ctx context.Context, log *slog.Logger, rawURL, dsn string, 
 			return openError("the server refuses a setting of its query (pgx sends PostgreSQL each query parameter it does not read itself, as a setting)", err, rawURL, dsn)
 		}
 		if failure == nil || time.Since(logged) >= waitLogEvery {
-			log.Warn("waiting for the database", "error", err)
+			log.Warn("waiting for the database", "pool", pool, "error", err)
 			logged = time.Now()
 		}
 		failure = err

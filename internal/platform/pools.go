@@ -123,7 +123,7 @@ func OpenBackground(ctx context.Context, log *slog.Logger, service, rawURL strin
 	if err != nil {
 		return nil, openError("open background pool", err, rawURL, dsn)
 	}
-	if err := waitForDatabase(ctx, log, rawURL, dsn, pool.Ping); err != nil {
+	if err := waitForDatabase(ctx, log, service+"-background", rawURL, dsn, pool.Ping); err != nil {
 		pool.Close()
 		return nil, err
 	}

@@ -100,11 +100,9 @@ func checkOTLPOptions(env *Env) {
 	// The exporter speaks OTLP/HTTP alone, and sends any other value, grpc or HTTP/JSON as much
 	// as a typo, as http/protobuf: to a gRPC receiver's port every export fails, in lines that
 	// name no variable.
-	for _, name := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"} {
-		if v := env.String(name, ""); v != "" {
-			env.Check(v == "http/protobuf" || v == "http/json", name,
-				"must be http/protobuf or http/json: spans are exported over OTLP/HTTP only (a receiver's port 4318, not gRPC's 4317)")
-		}
+	if name, v := otlpInEffect(env, "PROTOCOL"); name != "" {
+		env.Check(v == "http/protobuf" || v == "http/json", name,
+			"must be http/protobuf or http/json: spans are exported over OTLP/HTTP only (a receiver's port 4318, not gRPC's 4317)")
 	}
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"} {
 		if v := env.String(name, ""); v != "" {
@@ -128,29 +126,31 @@ func checkOTLPOptions(env *Env) {
 // reads after the endpoint, overriding its scheme: true (in any case) posts in plain HTTP, any
 // other value is false and speaks TLS. So true with an https endpoint sends the spans, and
 // OTEL_EXPORTER_OTLP_HEADERS' credentials, in cleartext; false (or yes, or 1) with an http one
-// fails every export. Each is refused where it takes effect, the _TRACES_ form over the other,
-// as the exporter reads them; the endpoint's scheme alone says the same without them.
+// fails every export. Only the one in effect is checked (see otlpInEffect); the endpoint's
+// scheme alone says the same without them.
 func checkInsecure(env *Env, scheme string) {
-	name, insecure, valid := "", false, true
-	for _, n := range []string{"OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"} {
-		v := env.String(n, "")
-		if v == "" {
-			continue
-		}
-		if !strings.EqualFold(v, "true") && !strings.EqualFold(v, "false") {
-			env.fail(n, "must be true or false: the exporter takes any other value for false")
-			valid = false
-			continue
-		}
-		name, insecure = n, strings.EqualFold(v, "true")
-	}
+	name, v := otlpInEffect(env, "INSECURE")
 	switch {
-	case !valid || name == "":
-	case insecure && scheme == "https":
+	case name == "":
+	case !strings.EqualFold(v, "true") && !strings.EqualFold(v, "false"):
+		env.fail(name, "must be true or false: the exporter takes any other value for false")
+	case strings.EqualFold(v, "true") && scheme == "https":
 		env.fail(name, "is true, with which the exporter posts to the https endpoint in plain HTTP, OTEL_EXPORTER_OTLP_HEADERS' credentials in cleartext: unset it, the endpoint's scheme says it")
-	case !insecure && scheme == "http":
+	case strings.EqualFold(v, "false") && scheme == "http":
 		env.fail(name, "is false, with which the exporter speaks TLS to the http endpoint, failing every export: unset it, the endpoint's scheme says it")
 	}
+}
+
+// otlpInEffect is the variable of the exporter's setting key (PROTOCOL, INSECURE) that it
+// takes, and its value: the _TRACES_ form over the other, as it reads them; "" if neither is
+// set. The one it overrides is never read, so never refused.
+func otlpInEffect(env *Env, key string) (name, value string) {
+	for _, n := range []string{"OTEL_EXPORTER_OTLP_TRACES_" + key, "OTEL_EXPORTER_OTLP_" + key} {
+		if v := env.String(n, ""); v != "" {
+			return n, v
+		}
+	}
+	return "", ""
 }
 
 // checkHeaders checks the headers list v of the variable name by the exporter's parser's rules,

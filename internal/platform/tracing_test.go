@@ -293,6 +293,9 @@ func TestOTLPExporterVariablesItWouldIgnoreAreRefused(t *testing.T) {
 		{map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL: must be http/protobuf or http/json: spans are exported over OTLP/HTTP only"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "HTTP/JSON"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: must be http/protobuf or http/json"},
 		{map[string]string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: must be http/protobuf or http/json"},
+		// The exporter reads the traces' form over the other, which it never reads then.
+		{map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, ""},
+		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "yes", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, ""},
 		{map[string]string{OTLPEndpointVariable: "http://jaeger:4318", "OTEL_EXPORTER_OTLP_INSECURE": "TRUE"}, ""},
 		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "false", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "False"}, ""},
 		{map[string]string{"OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, ""}, // the traces' form wins, as in the exporter
