@@ -33,8 +33,8 @@ RUN --mount=type=cache,target=/root/.cache/go-build \
 # No shell, no package manager, runs as uid 65532. The compose healthchecks call
 # /healthcheck, since there is no curl either. /outboxctl is the operator's tool, at hand in
 # every service's container with its DATABASE_URL and AMQP_URL (its dlq commands log in as the
-# outboxctl user, which may read the dead-letter queues):
-#   docker compose exec -e AMQP_URL=amqp://outboxctl:outboxctl@rabbitmq:5672/ invoicing /outboxctl dlq list invoicing
+# service's own user, which may read that service's own dead-letter queue):
+#   docker compose exec invoicing /outboxctl dlq list invoicing
 FROM gcr.io/distroless/static-debian13:nonroot
 COPY --from=build /out/service /service
 COPY --from=build /out/healthcheck /healthcheck

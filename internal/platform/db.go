@@ -108,7 +108,8 @@ func waitForDatabase(ctx context.Context, log *slog.Logger, pool, rawURL, dsn st
 	}
 }
 
-// waitLogEvery is how often OpenDB logs its wait after the first failure.
+// waitLogEvery is how often waitForDatabase (OpenDB's and OpenBackground's wait) logs after the
+// first failure.
 const waitLogEvery = 30 * time.Second
 
 // refusedSetting reports whether err is a server's refusal, at login, of a setting the
