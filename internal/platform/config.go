@@ -142,7 +142,7 @@ func clientRefusal(u *url.URL, raw string) string {
 		}
 	case "amqp", "amqps":
 		var uri amqp.URI
-		if uri, err = amqp.ParseURI(raw); err == nil && uri.Scheme == "amqps" {
+		if uri, err = amqp.ParseURI(raw); err == nil {
 			if why := amqpTLSRefusal(uri); why != "" {
 				return MaskPasswords(why, raw)
 			}
@@ -179,13 +179,20 @@ func pgEnvSet() []string {
 }
 
 // amqpTLSRefusal says why the AMQP client could not set up TLS with the files an amqps URL
-// names, "" if it could: it reads them at each dial, so a file missing or wrong would fail
-// every (re)connection as if the broker were down, in errors that name no variable. As the
-// client reads them: a cacertfile it cannot read fails the dial, one with no PEM certificate
-// leaves it trusting nothing; a certfile without its keyfile, or a keyfile without its
-// certfile, it drops without a word, connecting without a client certificate; a pair that
-// does not load fails the dial.
+// names, or would not set it up at all for an amqp URL that names them, "" if neither: it reads
+// them at each dial, so a file missing or wrong would fail every (re)connection as if the
+// broker were down, in errors that name no variable. As the client reads them: a cacertfile it
+// cannot read fails the dial, one with no PEM certificate leaves it trusting nothing; a
+// certfile without its keyfile, or a keyfile without its certfile, it drops without a word,
+// connecting without a client certificate; a pair that does not load fails the dial.
 func amqpTLSRefusal(uri amqp.URI) string {
+	if uri.Scheme != "amqps" {
+		// The client reads them for amqps only: with amqp it connects in clear, without a word.
+		if uri.CACertFile != "" || uri.CertFile != "" || uri.KeyFile != "" || uri.ServerName != "" {
+			return "cacertfile, certfile, keyfile and server_name_indication are for amqps only: with amqp the client connects without TLS"
+		}
+		return ""
+	}
 	if uri.CACertFile != "" {
 		pem, err := os.ReadFile(uri.CACertFile)
 		if err != nil {

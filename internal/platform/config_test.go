@@ -240,7 +240,8 @@ func TestURLPortsAreInRange(t *testing.T) {
 // the password: the broker's would otherwise fail at every reconnection, in a loop that names
 // no variable, and the database's at its first connection. The files an amqps URL names, which
 // the AMQP client reads at every dial, are read too: a CA file missing or without a
-// certificate, a client certificate without its key or that does not load with it. The files
+// certificate, a client certificate without its key or that does not load with it; an amqp
+// URL that names them, which the client ignores, connecting in clear. The files
 // a PostgreSQL URL names are read later, by the pool. A refusal of DATABASE_URL names the PG*
 // variables set in the environment, which pgx reads beside the URL.
 func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
@@ -259,6 +260,8 @@ func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
 		{"AMQP_URL", mq + "certfile=" + cert + "&keyfile=" + missing, "AMQP_URL: certfile, keyfile: open " + missing},
 		{"AMQP_URL", mq + "certfile=" + key + "&keyfile=" + cert, "AMQP_URL: certfile, keyfile: tls: "},
 		{"AMQP_URL", "amqps://a/shop?cacertfile=" + cert + "," + mq + "cacertfile=" + missing, "AMQP_URL: entry 2 of 2: cacertfile: open " + missing},
+		{"AMQP_URL", "amqp://app:hunter2@mq/shop?cacertfile=" + cert, "AMQP_URL: cacertfile, certfile, keyfile and server_name_indication are for amqps only: with amqp the client connects without TLS"},
+		{"AMQP_URL", "amqp://mq/shop?server_name_indication=mq.example", "AMQP_URL: cacertfile, certfile, keyfile and server_name_indication are for amqps only"},
 		{"AMQP_URL", "amqp://app:hunter2@mq:5672/?heartbeat=10s", "AMQP_URL: the client refuses it: heartbeat is not an uint16"},
 		{"AMQP_URL", "amqp://mq/?connection_timeout=5s", "AMQP_URL: the client refuses it: connection_timeout is not an integer"},
 		{"AMQP_URL", "amqp://a/shop,amqp://app:hunter2@b/shop?channel_max=70000", "AMQP_URL: entry 2 of 2: the client refuses it: channel_max is not an uint16"},
