@@ -426,6 +426,65 @@ func TestCancellationBeforeTheOrderStillNotifiesBoth(t *testing.T) {
 	}
 }
 
+// An invoice ahead of its OrderPlaced still leaves the order one confirmation and one invoice,
+// the same rows as when the order comes first: neither handler waits for the other's row. The
+// redeliveries of both are skipped by the inbox and record nothing more.
+func TestInvoiceBeforeTheOrderStillNotifiesBoth(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	invoiceFirst, placedFirst := uuid.New(), uuid.New()
+	sent := map[uuid.UUID]map[string]messaging.Message{}
+	for _, order := range []uuid.UUID{invoiceFirst, placedFirst} {
+		sent[order] = map[string]messaging.Message{KindInvoice: invoiceIssued(t, order, "c-42"), KindOrderConfirmation: orderPlaced(t, order, "c-42")}
+	}
+	arrivals := []messaging.Message{
+		sent[invoiceFirst][KindInvoice], sent[invoiceFirst][KindOrderConfirmation],
+		sent[placedFirst][KindOrderConfirmation], sent[placedFirst][KindInvoice],
+	}
+	for _, msg := range arrivals {
+		if b.deliver(t, msg) {
+			t.Fatalf("first delivery of %s %s reported a duplicate", msg.Type, msg.ID)
+		}
+	}
+	for _, msg := range arrivals {
+		if !b.deliver(t, msg) {
+			t.Fatalf("redelivery of %s %s not reported a duplicate", msg.Type, msg.ID)
+		}
+	}
+	// Four notifications, each recorded once; no redelivery reached a handler to be skipped there.
+	b.wantRecorded(t, 4, 0)
+
+	// shape is an order's notification of kind with its ids blanked, in its text too: what must
+	// not depend on which event came first.
+	shape := func(order uuid.UUID, kind string) Notification {
+		t.Helper()
+		n, ok := b.kinds(t, order)[kind]
+		if msg := sent[order][kind]; !ok || n.OrderID != order || n.MessageID != msg.ID || n.CustomerID != "c-42" ||
+			n.Recipient != "c-42@customers.example" || n.Status != StatusPending || n.Attempts != 0 {
+			t.Fatalf("order %s's %s notification = %+v, want message %s's, pending, to c-42@customers.example", order, kind, n, msg.ID)
+		}
+		invoice, err := events.InvoiceIssuedEvent.Decode(sent[order][KindInvoice])
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := strings.NewReplacer(order.String(), "<order>", invoice.InvoiceID.String(), "<invoice>")
+		n.Subject, n.Body = ids.Replace(n.Subject), ids.Replace(n.Body)
+		n.ID, n.OrderID, n.MessageID, n.TraceParent, n.TraceState = uuid.Nil, uuid.Nil, uuid.Nil, "", ""
+		n.CreatedAt, n.NextAttemptAt = time.Time{}, time.Time{}
+		return n
+	}
+	for _, order := range []uuid.UUID{invoiceFirst, placedFirst} {
+		if got := b.kinds(t, order); len(got) != 2 {
+			t.Fatalf("order %s has notifications %+v, want a confirmation and an invoice", order, got)
+		}
+	}
+	for _, kind := range []string{KindOrderConfirmation, KindInvoice} {
+		if got, want := shape(invoiceFirst, kind), shape(placedFirst, kind); got != want {
+			t.Errorf("%s notification with the invoice first = %+v, with the order first = %+v; want the same", kind, got, want)
+		}
+	}
+}
+
 // A message that can never become a notification is a permanent error (the consumer
 // dead-letters it), and the rolled-back transaction leaves neither a notification nor an inbox
 // record.
