@@ -2,6 +2,7 @@ package platform
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -245,6 +246,12 @@ func TestURLPortsAreInRange(t *testing.T) {
 // a PostgreSQL URL names are read later, by the pool. A refusal of DATABASE_URL names the PG*
 // variables set in the environment, which pgx reads beside the URL.
 func TestURLsTheirClientsRefuseAreRefusedAtStart(t *testing.T) {
+	// The PG* variables of the shell that runs the test (PGHOST, PGUSER for psql) would be
+	// named in the refusals: none here, but for those the test sets.
+	for _, name := range pgEnvVariables {
+		t.Setenv(name, "")
+		_ = os.Unsetenv(name)
+	}
 	dir := t.TempDir()
 	cert, key := writeCertificate(t, dir)
 	missing := filepath.Join(dir, "missing.pem")

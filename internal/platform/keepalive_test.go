@@ -231,8 +231,8 @@ func TestARequestReadAsTheSilentConnectionsEndIsAnswered(t *testing.T) {
 	if err := within(t, d.served, 10*time.Second, "Serve did not return"); err != nil {
 		t.Fatal(err)
 	}
-	if d.ran("/first") && (resp == nil || resp.StatusCode != http.StatusCreated) {
-		t.Fatalf("the request read as the silent connections were ended was handled, and its client got %+v, want its 201", resp)
+	if !d.ran("/first") || resp == nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("the request read as the silent connections were ended: handled %t, its client got %+v; want it handled and its 201", d.ran("/first"), resp)
 	}
 }
 

@@ -321,7 +321,7 @@ func (n *liveConns) settle(ctx context.Context, newWait time.Duration) {
 		n.mu.Lock()
 		live := 0
 		for c, state := range n.state {
-			if state == http.StateIdle {
+			if state == http.StateIdle { // none once drain has run; never counted as live
 				continue
 			}
 			live++
@@ -491,7 +491,7 @@ func (c *heardConn) ReadFrom(r io.Reader) (int64, error) {
 // against the read's record of its bytes.
 func endIfSilent(c net.Conn) {
 	hc, ok := c.(*heardConn)
-	if !ok {
+	if !ok { // no record of its bytes (a listener not serve's or the start's): ended as silent
 		_ = c.SetReadDeadline(time.Now())
 		return
 	}
