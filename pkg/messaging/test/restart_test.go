@@ -331,12 +331,14 @@ func TestAChannelRefusedAtSetupChargesNoMessage(t *testing.T) {
 	testenv.RabbitMQCtl(t, "add_user", user, "secret")
 	testenv.RabbitMQCtl(t, "set_permissions", "-p", "/", user, ".*", ".*", ".*")
 	testenv.RabbitMQCtl(t, "set_user_limits", user, `{"max-channels": 2}`)
+	url := strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1)
+	untilChannelLimit(t, url, 2)
 	must(t, b.topology.Declare(testenv.Connection(t), b.log))
 	for i := range 10 {
 		b.publishRaw(t, publishing(newMessage(t, i)))
 	}
 	s, err := messaging.NewSubscription(b.drv, messaging.SubscriptionConfig{
-		Name: b.queue, URL: strings.Replace(testenv.AMQPURL(), "guest:guest@", user+":secret@", 1), Topology: b.topology,
+		Name: b.queue, URL: url, Topology: b.topology,
 		Concurrency: 3, Prefetch: 10, Logger: b.log, Reconnect: messaging.Backoff{Base: 100 * time.Millisecond, Max: 500 * time.Millisecond},
 	})
 	if err != nil {
@@ -358,6 +360,26 @@ func TestAChannelRefusedAtSetupChargesNoMessage(t *testing.T) {
 			t.Fatalf("message %s was charged %d deliveries by setups that never consumed", d.MessageId, n)
 		}
 	}
+}
+
+// untilChannelLimit waits until the broker refuses url's user a channel past n: set_user_limits
+// may return before the broker enforces the limit (a consumer set up at once on RabbitMQ 4.0.5
+// got all three of its channels).
+func untilChannelLimit(t *testing.T, url string, n int) {
+	t.Helper()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			return false
+		}
+		defer conn.Close()
+		for range n + 1 {
+			if _, err := conn.Channel(); err != nil {
+				return true
+			}
+		}
+		return false
+	}, "the broker does not refuse a channel past the user's limit of %d", n)
 }
 
 // A redrive during a memory alarm: its first copy gets the connection blocked, after which the
